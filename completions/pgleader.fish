@@ -1,0 +1,67 @@
+# Print an optspec for argparse to handle cmd's options that are independent of any subcommand.
+function __fish_pgleader_global_optspecs
+    string join \n log-format= v/verbose q/quiet h/help V/version
+end
+
+function __fish_pgleader_needs_command
+    # Figure out if the current invocation already has a command.
+    set -l cmd (commandline -opc)
+    set -e cmd[1]
+    argparse -s (__fish_pgleader_global_optspecs) -- $cmd 2>/dev/null
+    or return
+    if set -q argv[1]
+        # Also print the command, so this can be used to figure out what it is.
+        echo $argv[1]
+        return 1
+    end
+    return 0
+end
+
+function __fish_pgleader_using_subcommand
+    set -l cmd (__fish_pgleader_needs_command)
+    test -z "$cmd"
+    and return 1
+    contains -- $cmd[1] $argv
+end
+
+complete -c pgleader -n "__fish_pgleader_needs_command" -l log-format -d 'Log format: one line of text per event, or one JSON object per line' -r -f -a "text\t''
+json\t''"
+complete -c pgleader -n "__fish_pgleader_needs_command" -s v -l verbose -d 'Log more: -v adds debug details (every check, every reaped process), -vv everything'
+complete -c pgleader -n "__fish_pgleader_needs_command" -s q -l quiet -d 'Log less: -q only warnings and errors, -qq only errors'
+complete -c pgleader -n "__fish_pgleader_needs_command" -s h -l help -d 'Print help (see more with \'--help\')'
+complete -c pgleader -n "__fish_pgleader_needs_command" -s V -l version -d 'Print version'
+complete -c pgleader -n "__fish_pgleader_needs_command" -f -a "run" -d 'Run a command while, and only while, this instance holds the lock'
+complete -c pgleader -n "__fish_pgleader_needs_command" -f -a "status" -d 'Show who holds the lock and who waits for it'
+complete -c pgleader -n "__fish_pgleader_needs_command" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
+complete -c pgleader -n "__fish_pgleader_using_subcommand run" -l lock-id -d 'The lock\'s key: a signed 64-bit integer, as pg_advisory_lock(bigint) takes it [env: PGLEADER_LOCK_ID]' -r
+complete -c pgleader -n "__fish_pgleader_using_subcommand run" -l lock -d 'The lock\'s name, hashed to a key with PostgreSQL\'s hashtextextended(NAME, 0) [env: PGLEADER_LOCK]' -r
+complete -c pgleader -n "__fish_pgleader_using_subcommand run" -s d -l database-url -d 'PostgreSQL connection: a postgres:// URL or key=value pairs. Default: $DATABASE_URL, else the PG* variables and psql\'s defaults. Passwords are best kept in ~/.pgpass' -r
+complete -c pgleader -n "__fish_pgleader_using_subcommand run" -l busy-exit-code -d 'Exit code of --no-wait when the lock is busy (0 so that cron mails no failure from every non-leader)' -r
+complete -c pgleader -n "__fish_pgleader_using_subcommand run" -l check-interval -d 'How often the leader confirms on its session that it still holds the lock' -r
+complete -c pgleader -n "__fish_pgleader_using_subcommand run" -l check-timeout -d 'How long a confirmation may take before leadership counts as lost' -r
+complete -c pgleader -n "__fish_pgleader_using_subcommand run" -l kill-signal -d 'Signal sent to the command\'s process group to stop it when leadership is lost or the command is restarted (TERM, SIGTERM or 15). On shutdown, the signal pgleader received is passed on instead' -r
+complete -c pgleader -n "__fish_pgleader_using_subcommand run" -l kill-timeout -d 'How long the command may take to exit after the stop signal before its process group is sent SIGKILL. 0 sends SIGKILL at once' -r
+complete -c pgleader -n "__fish_pgleader_using_subcommand run" -l restart-delay -d 'Without --once: after the command exits on its own, release the lock and wait this long before entering the election again, so another replica can take its turn. 0 re-enters at once' -r
+complete -c pgleader -n "__fish_pgleader_using_subcommand run" -l lease -d 'How long the server keeps the lock of a leader it no longer hears from (silent network partition, frozen host). Must exceed --check-interval + --check-timeout + --kill-timeout by at least 1s, so that the old command is gone before anyone else can win' -r
+complete -c pgleader -n "__fish_pgleader_using_subcommand run" -l takeover-delay -d 'After winning the lock, wait this long before starting the command: a fence for the case where an administrator or a server restart ends the old leader\'s session while its command still runs. 0 starts at once' -r
+complete -c pgleader -n "__fish_pgleader_using_subcommand run" -l log-format -d 'Log format: one line of text per event, or one JSON object per line' -r -f -a "text\t''
+json\t''"
+complete -c pgleader -n "__fish_pgleader_using_subcommand run" -l once -d 'Wait for leadership, run the command once, and exit with its status'
+complete -c pgleader -n "__fish_pgleader_using_subcommand run" -l no-wait -d 'Try the lock once: if another instance holds it, exit at once with --busy-exit-code. Implies --once'
+complete -c pgleader -n "__fish_pgleader_using_subcommand run" -s v -l verbose -d 'Log more: -v adds debug details (every check, every reaped process), -vv everything'
+complete -c pgleader -n "__fish_pgleader_using_subcommand run" -s q -l quiet -d 'Log less: -q only warnings and errors, -qq only errors'
+complete -c pgleader -n "__fish_pgleader_using_subcommand run" -s h -l help -d 'Print help'
+complete -c pgleader -n "__fish_pgleader_using_subcommand run" -s V -l version -d 'Print version'
+complete -c pgleader -n "__fish_pgleader_using_subcommand status" -l lock-id -d 'The lock\'s key: a signed 64-bit integer, as pg_advisory_lock(bigint) takes it [env: PGLEADER_LOCK_ID]' -r
+complete -c pgleader -n "__fish_pgleader_using_subcommand status" -l lock -d 'The lock\'s name, hashed to a key with PostgreSQL\'s hashtextextended(NAME, 0) [env: PGLEADER_LOCK]' -r
+complete -c pgleader -n "__fish_pgleader_using_subcommand status" -s d -l database-url -d 'PostgreSQL connection: a postgres:// URL or key=value pairs. Default: $DATABASE_URL, else the PG* variables and psql\'s defaults. Passwords are best kept in ~/.pgpass' -r
+complete -c pgleader -n "__fish_pgleader_using_subcommand status" -l log-format -d 'Log format: one line of text per event, or one JSON object per line' -r -f -a "text\t''
+json\t''"
+complete -c pgleader -n "__fish_pgleader_using_subcommand status" -l json -d 'Print JSON instead of text'
+complete -c pgleader -n "__fish_pgleader_using_subcommand status" -s v -l verbose -d 'Log more: -v adds debug details (every check, every reaped process), -vv everything'
+complete -c pgleader -n "__fish_pgleader_using_subcommand status" -s q -l quiet -d 'Log less: -q only warnings and errors, -qq only errors'
+complete -c pgleader -n "__fish_pgleader_using_subcommand status" -s h -l help -d 'Print help'
+complete -c pgleader -n "__fish_pgleader_using_subcommand status" -s V -l version -d 'Print version'
+complete -c pgleader -n "__fish_pgleader_using_subcommand help; and not __fish_seen_subcommand_from run status help" -f -a "run" -d 'Run a command while, and only while, this instance holds the lock'
+complete -c pgleader -n "__fish_pgleader_using_subcommand help; and not __fish_seen_subcommand_from run status help" -f -a "status" -d 'Show who holds the lock and who waits for it'
+complete -c pgleader -n "__fish_pgleader_using_subcommand help; and not __fish_seen_subcommand_from run status help" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'

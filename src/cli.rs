@@ -1,0 +1,265 @@
+//! The command line: the whole user contract, with its help texts. The manual page is generated
+//! from these definitions (see `docs.rs`), so what is written here is what users read.
+
+use std::ffi::OsString;
+use std::time::Duration;
+
+use clap::builder::BoolishValueParser;
+use clap::{ArgAction, ArgGroup, Args, Parser, Subcommand, ValueEnum};
+use nix::sys::signal::Signal;
+
+const AFTER_HELP: &str = "\
+Exit status (run):
+  the command's status   under --once, or after a shutdown that stopped it (128+N if killed by signal N)
+  0                      shut down while no command was running; --no-wait found the lock busy (see --busy-exit-code)
+  1                      fatal error (bad password, unknown database, unreachable database under --no-wait)
+  2                      usage error
+  75                     --once: leadership was lost while the command ran
+  126, 127               the command cannot be executed / was not found
+
+Exit status (status):
+  0 the lock is held, 3 the lock is free, 1 error, 2 usage error";
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "pgleader",
+    version,
+    about = "Run a command on exactly one replica: the one holding a PostgreSQL advisory lock",
+    long_about = "Run a command on exactly one replica of a service: the one whose PostgreSQL session \
+holds an advisory lock. Every replica runs `pgleader run`; one wins the lock and runs the command, \
+the others wait in line. When the leader loses the lock (its session ends, the server restarts, a \
+check fails or times out) its command's whole process group is stopped at once, and a waiting \
+replica takes over within milliseconds of the lock being freed.",
+    after_help = AFTER_HELP,
+    propagate_version = true
+)]
+pub struct Cli {
+    #[command(flatten)]
+    pub logging: LogArgs,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run a command while, and only while, this instance holds the lock
+    #[command(after_help = AFTER_HELP)]
+    Run(RunArgs),
+    /// Show who holds the lock and who waits for it
+    #[command(after_help = AFTER_HELP)]
+    Status(StatusArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct LogArgs {
+    /// Log format: one line of text per event, or one JSON object per line
+    #[arg(
+        long,
+        value_enum,
+        default_value_t = LogFormat::Text,
+        env = "PGLEADER_LOG_FORMAT",
+        global = true
+    )]
+    pub log_format: LogFormat,
+
+    /// Log more: -v adds debug details (every check, every reaped process), -vv everything
+    #[arg(short, long, action = ArgAction::Count, global = true, conflicts_with = "quiet")]
+    pub verbose: u8,
+
+    /// Log less: -q only warnings and errors, -qq only errors
+    #[arg(short, long, action = ArgAction::Count, global = true)]
+    pub quiet: u8,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// The lock, by number or by name; exactly one. Read from the environment only when neither is
+/// on the command line (a command run by pgleader inherits PGLEADER_LOCK_ID, and must still be
+/// able to run another pgleader with --lock).
+#[derive(Debug, Args)]
+#[command(group(ArgGroup::new("lock").args(["lock_id", "lock_name"]).multiple(false)))]
+pub struct LockArgs {
+    /// The lock's key: a signed 64-bit integer, as pg_advisory_lock(bigint) takes it
+    /// [env: PGLEADER_LOCK_ID]
+    #[arg(long = "lock-id", value_name = "ID", allow_negative_numbers = true)]
+    pub lock_id: Option<i64>,
+
+    /// The lock's name, hashed to a key with PostgreSQL's hashtextextended(NAME, 0)
+    /// [env: PGLEADER_LOCK]
+    #[arg(long = "lock", value_name = "NAME", value_parser = non_empty_name)]
+    pub lock_name: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct ConnectionArgs {
+    /// PostgreSQL connection: a postgres:// URL or key=value pairs. Default: $DATABASE_URL, else
+    /// the PG* variables and psql's defaults. Passwords are best kept in ~/.pgpass
+    #[arg(
+        short = 'd',
+        long,
+        value_name = "URL",
+        env = "PGLEADER_DATABASE_URL",
+        hide_env_values = true
+    )]
+    pub database_url: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub lock: LockArgs,
+
+    #[command(flatten)]
+    pub connection: ConnectionArgs,
+
+    /// Wait for leadership, run the command once, and exit with its status
+    #[arg(long, env = "PGLEADER_ONCE", value_parser = BoolishValueParser::new())]
+    pub once: bool,
+
+    /// Try the lock once: if another instance holds it, exit at once with --busy-exit-code.
+    /// Implies --once
+    #[arg(long, env = "PGLEADER_NO_WAIT", value_parser = BoolishValueParser::new())]
+    pub no_wait: bool,
+
+    /// Exit code of --no-wait when the lock is busy (0 so that cron mails no failure from
+    /// every non-leader)
+    #[arg(
+        long,
+        value_name = "CODE",
+        default_value_t = 0,
+        env = "PGLEADER_BUSY_EXIT_CODE"
+    )]
+    pub busy_exit_code: u8,
+
+    /// How often the leader confirms on its session that it still holds the lock
+    #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = positive_duration, env = "PGLEADER_CHECK_INTERVAL")]
+    pub check_interval: Duration,
+
+    /// How long a confirmation may take before leadership counts as lost
+    #[arg(long, value_name = "DURATION", default_value = "2s", value_parser = positive_duration, env = "PGLEADER_CHECK_TIMEOUT")]
+    pub check_timeout: Duration,
+
+    /// Signal sent to the command's process group to stop it when leadership is lost or the
+    /// command is restarted (TERM, SIGTERM or 15). On shutdown, the signal pgleader received is
+    /// passed on instead
+    #[arg(long, value_name = "SIGNAL", default_value = "TERM", value_parser = parse_signal, env = "PGLEADER_KILL_SIGNAL")]
+    pub kill_signal: Signal,
+
+    /// How long the command may take to exit after the stop signal before its process group is
+    /// sent SIGKILL. 0 sends SIGKILL at once
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = duration, env = "PGLEADER_KILL_TIMEOUT")]
+    pub kill_timeout: Duration,
+
+    /// Without --once: after the command exits on its own, release the lock and wait this long
+    /// before entering the election again, so another replica can take its turn. 0 re-enters
+    /// at once
+    #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = duration, env = "PGLEADER_RESTART_DELAY")]
+    pub restart_delay: Duration,
+
+    /// How long the server keeps the lock of a leader it no longer hears from (silent network
+    /// partition, frozen host). Must exceed --check-interval + --check-timeout + --kill-timeout
+    /// by at least 1s, so that the old command is gone before anyone else can win
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = positive_duration, env = "PGLEADER_LEASE")]
+    pub lease: Duration,
+
+    /// After winning the lock, wait this long before starting the command: a fence for the
+    /// case where an administrator or a server restart ends the old leader's session while its
+    /// command still runs. 0 starts at once
+    #[arg(long, value_name = "DURATION", default_value = "0s", value_parser = duration, env = "PGLEADER_TAKEOVER_DELAY")]
+    pub takeover_delay: Duration,
+
+    /// The command to run, with its arguments
+    #[arg(
+        value_name = "COMMAND",
+        required = true,
+        num_args = 1..,
+        trailing_var_arg = true,
+        allow_hyphen_values = true
+    )]
+    pub command: Vec<OsString>,
+}
+
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    #[command(flatten)]
+    pub lock: LockArgs,
+
+    #[command(flatten)]
+    pub connection: ConnectionArgs,
+
+    /// Print JSON instead of text
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn non_empty_name(value: &str) -> Result<String, String> {
+    if value.is_empty() {
+        Err("the lock name must not be empty".into())
+    } else {
+        Ok(value.to_owned())
+    }
+}
+
+/// A humantime duration such as `500ms`, `10s`, `1m 30s`.
+pub fn duration(value: &str) -> Result<Duration, String> {
+    humantime::parse_duration(value.trim())
+        .map_err(|err| format!("{err} (expected a duration such as 500ms, 10s or 1m)"))
+}
+
+fn positive_duration(value: &str) -> Result<Duration, String> {
+    match duration(value)? {
+        Duration::ZERO => Err("must be greater than 0".into()),
+        positive => Ok(positive),
+    }
+}
+
+/// `TERM`, `SIGTERM`, `sigterm` or `15`.
+pub fn parse_signal(value: &str) -> Result<Signal, String> {
+    let value = value.trim();
+    if let Ok(number) = value.parse::<i32>() {
+        return Signal::try_from(number).map_err(|_| format!("{number} is not a signal number"));
+    }
+    let upper = value.to_ascii_uppercase();
+    let name = if upper.starts_with("SIG") {
+        upper
+    } else {
+        format!("SIG{upper}")
+    };
+    name.parse::<Signal>().map_err(|_| {
+        format!("unknown signal {value:?} (expected a name such as TERM or INT, or a number)")
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_definitions_are_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn signals_are_accepted_by_name_and_number() {
+        for text in ["TERM", "SIGTERM", "sigterm", "15", " term "] {
+            assert_eq!(parse_signal(text), Ok(Signal::SIGTERM), "{text}");
+        }
+        assert_eq!(parse_signal("int"), Ok(Signal::SIGINT));
+        assert!(parse_signal("NOPE").is_err());
+        assert!(parse_signal("99").is_err());
+    }
+
+    #[test]
+    fn durations_use_humantime() {
+        assert_eq!(duration("500ms"), Ok(Duration::from_millis(500)));
+        assert_eq!(duration("0"), Ok(Duration::ZERO));
+        assert!(positive_duration("0s").is_err());
+        assert!(duration("ten seconds").is_err());
+    }
+}

@@ -1,0 +1,268 @@
+//! The manual page and the shell completions, generated from the clap definitions so they
+//! cannot drift from what the program accepts. Both are committed (`man/pgleader.1`,
+//! `completions/`); a test fails when the committed copies are stale, and
+//! `PGLEADER_UPDATE_DOCS=1 cargo test --test integration docs` rewrites them.
+//!
+//! The options come from clap; the sections clap knows nothing about (exit status,
+//! environment, signals, the failure model) are written here.
+
+use clap::CommandFactory;
+use clap_complete::Shell;
+
+use crate::cli::Cli;
+
+/// A man-page section: a heading and its paragraphs or tagged entries.
+struct Section {
+    heading: &'static str,
+    body: &'static [Block],
+}
+
+enum Block {
+    Para(&'static str),
+    Entry(&'static str, &'static str),
+}
+
+use Block::{Entry, Para};
+
+const SECTIONS: &[Section] = &[
+    Section {
+        heading: "EXIT STATUS",
+        body: &[
+            Para("pgleader run:"),
+            Entry(
+                "the command's status",
+                "Under --once, or after a shutdown (TERM, INT) that stopped the command: its exit code, or 128+N if it was killed by signal N.",
+            ),
+            Entry(
+                "0",
+                "Shut down while no command was running. Also --no-wait when another instance holds the lock, unless --busy-exit-code says otherwise.",
+            ),
+            Entry(
+                "1",
+                "A fatal error: authentication failed, the database does not exist, the connection goes through a transaction-mode pooler, the database is unreachable under --no-wait.",
+            ),
+            Entry(
+                "2",
+                "A usage error: an invalid option value, a missing command, timings that do not fit inside the lease.",
+            ),
+            Entry(
+                "75",
+                "Under --once: leadership was lost while the command ran; the command was stopped.",
+            ),
+            Entry("126", "The command exists but cannot be executed."),
+            Entry("127", "The command was not found."),
+            Para("pgleader status:"),
+            Entry("0", "The lock is held."),
+            Entry("3", "The lock is free."),
+            Entry("1, 2", "An error, a usage error."),
+        ],
+    },
+    Section {
+        heading: "THE COMMAND'S ENVIRONMENT",
+        body: &[
+            Para(
+                "The command inherits pgleader's standard input, output, error and environment, plus:",
+            ),
+            Entry("PGLEADER_LOCK_ID", "The lock's 64-bit key."),
+            Entry("PGLEADER_LOCK_NAME", "The lock's name, with --lock."),
+            Entry(
+                "PGLEADER_BACKEND_PID",
+                "The pid of the PostgreSQL session that holds the lock.",
+            ),
+            Entry(
+                "PGLEADER_EPOCH",
+                "A fencing token: a number that strictly increases from one leadership of the lock to the next (a transaction id taken right after winning). A resource the command writes to can refuse writes that carry an older epoch than one it has already seen.",
+            ),
+        ],
+    },
+    Section {
+        heading: "ENVIRONMENT",
+        body: &[
+            Para(
+                "Every option of run can be set from the environment variable shown in --help (PGLEADER_LOCK_ID, PGLEADER_KILL_TIMEOUT, ...); a value on the command line wins. The lock is read from PGLEADER_LOCK_ID or PGLEADER_LOCK only when neither --lock-id nor --lock is given.",
+            ),
+            Entry(
+                "PGLEADER_DATABASE_URL, DATABASE_URL",
+                "The connection, when --database-url is not given: a postgres:// URL or key=value pairs, as libpq accepts them.",
+            ),
+            Entry(
+                "PGHOST, PGPORT, PGUSER, PGPASSWORD, PGDATABASE, PGAPPNAME, PGCONNECT_TIMEOUT, PGSSLMODE, PGSSLROOTCERT, PGPASSFILE, ...",
+                "As for psql: they fill in what the connection string leaves out. Without any of them pgleader connects like psql: to the Unix socket in /var/run/postgresql if a server listens there, else to localhost, as the operating-system user, to the database of the same name.",
+            ),
+            Entry(
+                "~/.pgpass",
+                "Passwords, with libpq's format and rules; a file that group or others can read is ignored with a warning.",
+            ),
+        ],
+    },
+    Section {
+        heading: "SIGNALS",
+        body: &[
+            Para(
+                "The command runs in a process group of its own, led by a small keeper process of pgleader's. pgleader passes HUP, QUIT, USR1, USR2 and WINCH on to that process group, and TERM and INT too. TERM and INT also shut pgleader down: it waits for the command to exit (up to --kill-timeout, then SIGKILL), releases the lock and exits. A second TERM or INT sends SIGKILL at once.",
+            ),
+            Para(
+                "If pgleader itself dies, even by SIGKILL, the keeper notices and SIGKILLs the whole process group, so no part of the command outlives pgleader. Processes the command leaves behind when it exits are stopped too, before the lock is released.",
+            ),
+        ],
+    },
+    Section {
+        heading: "FAILURE MODEL",
+        body: &[
+            Entry(
+                "pgleader killed (kill -9, OOM)",
+                "The kernel closes its connection, the server frees the lock at once, the keeper kills the command's process group. A waiting replica starts its command within milliseconds.",
+            ),
+            Entry(
+                "graceful stop (SIGTERM)",
+                "The command is stopped, then the lock is released; the next replica starts as soon as the command has exited.",
+            ),
+            Entry(
+                "the leader's session terminated by the server",
+                "Noticed the moment the connection ends, not at the next check; the command is signalled within milliseconds. The lock is free at once, so the next replica may start while the old command is still stopping: --takeover-delay closes that window.",
+            ),
+            Entry(
+                "database restart or crash",
+                "Every session ends; the leader stops its command; everyone reconnects with backoff and jitter (100 ms doubling to 2 s), and a new leader appears within about 2 s of the server accepting connections again.",
+            ),
+            Entry(
+                "silent network partition of the leader",
+                "Checks stop succeeding; the command is being stopped at most --check-interval + --check-timeout after the last successful check. The server frees the lock about one --lease after it last heard from the leader, and never before the old command is gone: start-up refuses a lease shorter than check-interval + check-timeout + kill-timeout + 1 s.",
+            ),
+            Entry(
+                "leader process paused (SIGSTOP, VM pause) longer than the lease",
+                "The server ends the paused leader's idle session and another replica leads; when the paused pgleader runs again it notices at once and stops its command. The two commands may overlap meanwhile: only a fencing token (PGLEADER_EPOCH) checked by the protected resource prevents harm.",
+            ),
+            Entry(
+                "standby server",
+                "pgleader never leads through a server in recovery; it logs why and retries. List several hosts with target_session_attrs=read-write to follow a failover.",
+            ),
+            Entry(
+                "transaction-mode pooler",
+                "pgleader stops with an error when its statements run on different server processes: connect directly or through a session-mode pool.",
+            ),
+        ],
+    },
+    Section {
+        heading: "EXAMPLES",
+        body: &[
+            Entry(
+                "pgleader run --lock-id 10 -- ./nightly-job.sh",
+                "Run the job on one replica at a time; another replica takes over if this one goes away.",
+            ),
+            Entry(
+                "pgleader run --once --no-wait --lock nightly -- ./nightly-job.sh",
+                "From cron on every host: whichever host wins runs the job; the others exit 0 at once.",
+            ),
+            Entry("pgleader status --lock nightly", "Who leads, who waits."),
+        ],
+    },
+];
+
+/// The manual page, in roff.
+pub fn man_page() -> String {
+    let mut out = Vec::new();
+    let top = Cli::command();
+    let man = clap_mangen::Man::new(top.clone()).date("");
+    man.render_title(&mut out).expect("in memory");
+    man.render_name_section(&mut out).expect("in memory");
+    man.render_synopsis_section(&mut out).expect("in memory");
+    man.render_description_section(&mut out).expect("in memory");
+    let mut options = Vec::new();
+    man.render_options_section(&mut options).expect("in memory");
+    let mut text = String::from_utf8(out).expect("roff is UTF-8");
+    text.push_str(&String::from_utf8_lossy(&options).replacen(
+        ".SH OPTIONS",
+        ".SH \"GLOBAL OPTIONS\"",
+        1,
+    ));
+
+    for sub in top.get_subcommands() {
+        let name = sub.get_name().to_owned();
+        let sub = sub.clone().bin_name(format!("pgleader {name}"));
+        let man = clap_mangen::Man::new(sub.clone());
+        let mut synopsis = Vec::new();
+        man.render_synopsis_section(&mut synopsis)
+            .expect("in memory");
+        let mut options = Vec::new();
+        man.render_options_section(&mut options).expect("in memory");
+        let about = sub
+            .get_about()
+            .map(|about| about.to_string())
+            .unwrap_or_default();
+        text.push_str(&format!(".SH \"pgleader {name}\"\n{}\n", escape(&about)));
+        text.push_str(&String::from_utf8_lossy(&synopsis).replacen(
+            ".SH SYNOPSIS",
+            ".SS Synopsis",
+            1,
+        ));
+        text.push_str(&String::from_utf8_lossy(&options).replacen(".SH OPTIONS", ".SS Options", 1));
+    }
+
+    text.push_str(".SH \"OPTIONS FROM THE ENVIRONMENT\"\n.PP\nEach option of run can also be set from an environment variable; a value on the command line wins.\n");
+    if let Some(run) = top.find_subcommand("run") {
+        for arg in run.get_arguments() {
+            let (Some(env), Some(long)) = (arg.get_env(), arg.get_long()) else {
+                continue;
+            };
+            text.push_str(&format!(
+                ".TP\n\\fB{}\\fR\n\\-\\-{}\n",
+                escape(&env.to_string_lossy()),
+                escape(long)
+            ));
+        }
+    }
+    for (env, long) in [("PGLEADER_LOCK_ID", "lock-id"), ("PGLEADER_LOCK", "lock")] {
+        text.push_str(&format!(
+            ".TP\n\\fB{}\\fR\n\\-\\-{} (read only when neither \\-\\-lock\\-id nor \\-\\-lock is given)\n",
+            escape(env),
+            escape(long)
+        ));
+    }
+
+    for section in SECTIONS {
+        text.push_str(&format!(".SH \"{}\"\n", section.heading));
+        for block in section.body {
+            match block {
+                Para(body) => text.push_str(&format!(".PP\n{}\n", escape(body))),
+                Entry(term, body) => text.push_str(&format!(
+                    ".TP\n\\fB{}\\fR\n{}\n",
+                    escape(term),
+                    escape(body)
+                )),
+            }
+        }
+    }
+    let mut version = Vec::new();
+    man.render_version_section(&mut version).expect("in memory");
+    text.push_str(&String::from_utf8_lossy(&version));
+    text
+}
+
+/// Escapes text for roff: backslashes, hyphens, and a leading dot or quote.
+fn escape(text: &str) -> String {
+    let escaped = text.replace('\\', "\\\\").replace('-', "\\-");
+    if escaped.starts_with('.') || escaped.starts_with('\'') {
+        format!("\\&{escaped}")
+    } else {
+        escaped
+    }
+}
+
+/// Completion scripts: (file name, contents) for bash, zsh and fish.
+pub fn completions() -> Vec<(String, String)> {
+    [Shell::Bash, Shell::Zsh, Shell::Fish]
+        .into_iter()
+        .map(|shell| {
+            let mut command = Cli::command();
+            let mut out = Vec::new();
+            clap_complete::generate(shell, &mut command, "pgleader", &mut out);
+            let name = match shell {
+                Shell::Bash => "pgleader.bash".to_owned(),
+                Shell::Zsh => "_pgleader".to_owned(),
+                _ => "pgleader.fish".to_owned(),
+            };
+            (name, String::from_utf8(out).expect("completions are UTF-8"))
+        })
+        .collect()
+}

@@ -1,0 +1,375 @@
+//! The command pgleader runs, seen from pgleader: checking it before the election, starting it
+//! under a keeper in its own process group, signalling that group, and learning how it ended.
+//!
+//! pgleader never waits for a specific child with a blocking call. Every SIGCHLD leads to
+//! [`reap_all`], which collects every exited child: the job's keeper, and, when pgleader is
+//! PID 1 in a container, any orphan the kernel reparented to it. The keeper's reports arrive on
+//! a socket read without blocking the runtime.
+
+use std::ffi::{OsStr, OsString};
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+
+use nix::errno::Errno;
+use nix::fcntl::{FcntlArg, FdFlag, fcntl};
+use nix::sys::signal::{SigSet, SigmaskHow, Signal, killpg, sigprocmask};
+use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+use nix::unistd::{AccessFlags, Pid, access};
+use thiserror::Error;
+
+use crate::exit::{self, ChildStatus};
+use crate::keeper::{self, Report};
+
+/// The command could not be run; pgleader stops before taking part in the election.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum CommandError {
+    #[error("command not found: {0}")]
+    NotFound(String),
+    #[error("cannot execute {0}: {1}")]
+    NotExecutable(String, &'static str),
+}
+
+impl CommandError {
+    /// 127 or 126, as shells report these failures.
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            CommandError::NotFound(_) => exit::NOT_FOUND,
+            CommandError::NotExecutable(..) => exit::CANNOT_EXECUTE,
+        }
+    }
+
+    /// The error an `execve` failure in the keeper stands for.
+    pub fn from_errno(program: &OsStr, errno: i32) -> Self {
+        let name = program.to_string_lossy().into_owned();
+        match Errno::from_raw(errno) {
+            Errno::ENOENT | Errno::ENOTDIR => CommandError::NotFound(name),
+            errno => CommandError::NotExecutable(name, errno.desc()),
+        }
+    }
+}
+
+/// A command ready to run: the file to execute and the arguments as the user gave them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CommandLine {
+    program: PathBuf,
+    argv: Vec<OsString>,
+}
+
+impl CommandLine {
+    /// Finds the program the way `execvp` would (in `PATH` unless the name has a slash) and
+    /// checks that it can be executed, so that a typo fails at once with 127 or 126 instead of
+    /// after winning the election.
+    pub fn resolve(argv: Vec<OsString>, path_var: Option<&OsStr>) -> Result<Self, CommandError> {
+        let name = argv
+            .first()
+            .ok_or_else(|| CommandError::NotFound(String::new()))?;
+        let display = name.to_string_lossy().into_owned();
+        if name.is_empty() {
+            return Err(CommandError::NotFound(display));
+        }
+        if name.as_bytes().contains(&b'/') {
+            let program = PathBuf::from(name);
+            check_executable(&program).map_err(|reason| match reason {
+                None => CommandError::NotFound(display),
+                Some(reason) => CommandError::NotExecutable(program.display().to_string(), reason),
+            })?;
+            return Ok(CommandLine { program, argv });
+        }
+        let search = path_var.unwrap_or(OsStr::new("/usr/local/bin:/usr/bin:/bin"));
+        let mut not_executable = None;
+        for dir in search.as_bytes().split(|b| *b == b':') {
+            let dir = if dir.is_empty() {
+                Path::new(".")
+            } else {
+                Path::new(OsStr::from_bytes(dir))
+            };
+            let candidate = dir.join(name);
+            match check_executable(&candidate) {
+                Ok(()) => {
+                    return Ok(CommandLine {
+                        program: candidate,
+                        argv,
+                    });
+                }
+                Err(None) => {}
+                Err(Some(reason)) => {
+                    not_executable.get_or_insert((candidate, reason));
+                }
+            }
+        }
+        Err(match not_executable {
+            Some((candidate, reason)) => {
+                CommandError::NotExecutable(candidate.display().to_string(), reason)
+            }
+            None => CommandError::NotFound(display),
+        })
+    }
+
+    pub fn program(&self) -> &Path {
+        &self.program
+    }
+
+    /// The command as the user typed it, for logs.
+    pub fn display(&self) -> String {
+        self.argv
+            .iter()
+            .map(|arg| arg.to_string_lossy())
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+}
+
+/// `Ok` if the file can be executed, `Err(None)` if it does not exist, `Err(Some(reason))` if
+/// it exists but cannot be executed.
+fn check_executable(path: &Path) -> Result<(), Option<&'static str>> {
+    let meta = match std::fs::metadata(path) {
+        Ok(meta) => meta,
+        Err(err) if err.kind() == io::ErrorKind::NotFound => return Err(None),
+        Err(_) => return Err(Some("cannot read its metadata")),
+    };
+    if meta.is_dir() {
+        return Err(Some("it is a directory"));
+    }
+    if !meta.is_file() {
+        return Err(Some("it is not a regular file"));
+    }
+    // access(2) also answers for root, who may execute a file only if some execute bit is set.
+    if meta.permissions().mode() & 0o111 == 0 || access(path, AccessFlags::X_OK).is_err() {
+        return Err(Some("permission denied"));
+    }
+    Ok(())
+}
+
+/// A running job: the keeper (leader of the process group) and what it has reported.
+#[derive(Debug)]
+pub struct Job {
+    keeper: Pid,
+    channel: tokio::net::UnixStream,
+    pending: Vec<u8>,
+    channel_closed: bool,
+    keeper_status: Option<WaitStatus>,
+}
+
+impl Job {
+    /// Starts the keeper, which starts the command. `env` is added to the inherited environment.
+    ///
+    /// Call this from the thread that lives as long as pgleader (the runtime's thread): the
+    /// keeper does not rely on a parent-death signal, but the rule costs nothing to keep.
+    pub fn spawn(command: &CommandLine, env: &[(&str, String)]) -> io::Result<Job> {
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
+        let theirs_fd = theirs.as_raw_fd();
+        let mut keeper_command = std::process::Command::new(keeper_executable());
+        keeper_command
+            .arg0(keeper::ARGV0)
+            .args(keeper::keeper_args(
+                theirs_fd,
+                &command.program.clone().into_os_string(),
+                &command.argv,
+            ))
+            .envs(env.iter().map(|(key, value)| (key, value)))
+            .process_group(0);
+        // SAFETY: runs between fork and exec; fcntl and sigprocmask are async-signal-safe and
+        // nothing is allocated. The descriptor is open: `theirs` outlives the spawn call.
+        unsafe {
+            keeper_command.pre_exec(move || {
+                let fd = BorrowedFd::borrow_raw(theirs_fd);
+                fcntl(fd, FcntlArg::F_SETFD(FdFlag::empty()))?;
+                // The keeper must not die of a signal meant for the command, even before it has
+                // run a single instruction: it starts with every signal blocked.
+                sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::all()), None)?;
+                Ok(())
+            });
+        }
+        let child = keeper_command.spawn()?;
+        drop(theirs);
+        ours.set_nonblocking(true)?;
+        Ok(Job {
+            keeper: Pid::from_raw(child.id() as i32),
+            channel: tokio::net::UnixStream::from_std(ours)?,
+            pending: Vec::new(),
+            channel_closed: false,
+            keeper_status: None,
+        })
+    }
+
+    /// The process group of the job (the keeper's pid).
+    pub fn pgid(&self) -> Pid {
+        self.keeper
+    }
+
+    /// Sends a signal to the whole process group. A group that is already gone is not an error.
+    pub fn signal(&self, signal: Signal) -> io::Result<()> {
+        match killpg(self.keeper, signal) {
+            Ok(()) | Err(Errno::ESRCH) => Ok(()),
+            Err(err) => Err(err.into()),
+        }
+    }
+
+    /// The next report from the keeper. Cancel-safe; never completes once the keeper has closed
+    /// its end and every report has been read.
+    pub async fn next_report(&mut self) -> Report {
+        loop {
+            if let Some(report) = self.take_buffered() {
+                return report;
+            }
+            if self.channel_closed {
+                return std::future::pending().await;
+            }
+            if self.channel.readable().await.is_err() {
+                self.channel_closed = true;
+                continue;
+            }
+            self.read_available();
+        }
+    }
+
+    /// Records a reaped child if it is this job's keeper; true if it was.
+    pub fn note_reaped(&mut self, pid: Pid, status: WaitStatus) -> bool {
+        if pid == self.keeper {
+            self.keeper_status = Some(status);
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Whether the keeper has exited and been reaped: the whole job is gone.
+    pub fn is_finished(&self) -> bool {
+        self.keeper_status.is_some()
+    }
+
+    /// Once the keeper is reaped, the reports it sent but pgleader has not read yet.
+    pub fn remaining_reports(&mut self) -> Vec<Report> {
+        let mut reports = Vec::new();
+        loop {
+            if let Some(report) = self.take_buffered() {
+                reports.push(report);
+                continue;
+            }
+            if self.channel_closed || !self.read_available() {
+                return reports;
+            }
+        }
+    }
+
+    /// How the keeper itself ended, for the case where it never reported the command's end
+    /// (it was SIGKILLed with the rest of the group).
+    pub fn keeper_status(&self) -> Option<ChildStatus> {
+        match self.keeper_status? {
+            WaitStatus::Exited(_, code) => Some(ChildStatus::Exited(code)),
+            WaitStatus::Signaled(_, signal, _) => Some(ChildStatus::Signaled(signal)),
+            _ => None,
+        }
+    }
+
+    fn take_buffered(&mut self) -> Option<Report> {
+        while self.pending.len() >= Report::LEN {
+            let mut bytes = [0u8; Report::LEN];
+            bytes.copy_from_slice(&self.pending[..Report::LEN]);
+            self.pending.drain(..Report::LEN);
+            if let Some(report) = Report::decode(bytes) {
+                return Some(report);
+            }
+        }
+        None
+    }
+
+    /// Reads what the socket holds without blocking; false when nothing more can come now.
+    fn read_available(&mut self) -> bool {
+        let mut buf = [0u8; 256];
+        match self.channel.try_read(&mut buf) {
+            Ok(0) => {
+                self.channel_closed = true;
+                false
+            }
+            Ok(n) => {
+                self.pending.extend_from_slice(&buf[..n]);
+                true
+            }
+            Err(err) if err.kind() == io::ErrorKind::WouldBlock => false,
+            Err(err) if err.kind() == io::ErrorKind::Interrupted => true,
+            Err(_) => {
+                self.channel_closed = true;
+                false
+            }
+        }
+    }
+}
+
+/// The keeper is pgleader's own binary. `/proc/self/exe` names the very file this process runs
+/// from even if a package upgrade has replaced or removed it since.
+fn keeper_executable() -> PathBuf {
+    let proc_exe = PathBuf::from("/proc/self/exe");
+    if proc_exe.exists() {
+        proc_exe
+    } else {
+        std::env::current_exe().unwrap_or(proc_exe)
+    }
+}
+
+/// Reaps every child that has exited, without blocking.
+pub fn reap_all() -> Vec<(Pid, WaitStatus)> {
+    let mut reaped = Vec::new();
+    loop {
+        match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
+            Ok(WaitStatus::StillAlive) | Err(Errno::ECHILD) => return reaped,
+            Ok(status) => {
+                if let Some(pid) = status.pid() {
+                    reaped.push((pid, status));
+                }
+            }
+            Err(Errno::EINTR) => {}
+            Err(_) => return reaped,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn argv(words: &[&str]) -> Vec<OsString> {
+        words.iter().map(OsString::from).collect()
+    }
+
+    #[test]
+    fn finds_programs_in_path() {
+        let resolved = CommandLine::resolve(
+            argv(&["sh", "-c", "true"]),
+            Some(OsStr::new("/nonexistent:/bin:/usr/bin")),
+        )
+        .expect("sh is in /bin");
+        assert!(resolved.program().ends_with("sh"));
+        assert_eq!(resolved.display(), "sh -c true");
+    }
+
+    #[test]
+    fn a_missing_command_is_127_and_a_directory_is_126() {
+        let missing = CommandLine::resolve(
+            argv(&["no-such-command-pgleader"]),
+            Some(OsStr::new("/bin")),
+        )
+        .expect_err("missing");
+        assert_eq!(missing.exit_code(), 127);
+        let missing_path =
+            CommandLine::resolve(argv(&["/no/such/file"]), None).expect_err("missing");
+        assert_eq!(missing_path.exit_code(), 127);
+        let directory = CommandLine::resolve(argv(&["/tmp"]), None).expect_err("directory");
+        assert_eq!(directory.exit_code(), 126);
+    }
+
+    #[test]
+    fn a_file_without_execute_permission_is_126() {
+        let path = std::env::temp_dir().join(format!("pgleader-noexec-{}", std::process::id()));
+        std::fs::write(&path, "#!/bin/sh\n").expect("write");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+        let err =
+            CommandLine::resolve(vec![path.clone().into_os_string()], None).expect_err("noexec");
+        assert_eq!(err.exit_code(), 126);
+        std::fs::remove_file(&path).ok();
+    }
+}

@@ -1,0 +1,243 @@
+//! The keeper: a small process of pgleader's own that leads the command's process group, so
+//! that nothing in that group outlives pgleader.
+//!
+//! A parent-death signal reaches only a direct child. When the command is a shell script, the
+//! `pg_dump` it started would live on after a `kill -9` of pgleader and overlap with the next
+//! leader's run. So pgleader does not start the command itself: it starts this keeper (its own
+//! binary, re-executed under the name `pgleader-keeper`) as the leader of a new process group,
+//! and the keeper starts the command inside that group. The keeper:
+//!
+//! - holds one end of a socket pair whose other end only pgleader holds. When pgleader dies, by
+//!   any means, the kernel closes its end, the keeper reads end-of-file and SIGKILLs the whole
+//!   group, itself included. Unlike a parent-death signal this does not depend on which thread
+//!   of pgleader did the spawning;
+//! - gives the command a parent-death signal (SIGKILL) of its own, in case the keeper itself is
+//!   killed;
+//! - keeps every signal blocked, so the signals pgleader sends to the group reach the command
+//!   and its descendants but not the keeper (SIGKILL, which cannot be blocked, takes it too);
+//! - is a child subreaper: descendants orphaned inside the job are reparented to it, so it can
+//!   tell when the whole tree is gone, and reaps them meanwhile;
+//! - reports over the socket: the command's pid once started, or why it could not start, and
+//!   the command's exit status once it ends. It exits when it has no children left.
+//!
+//! Everything here runs in a single-threaded process that does nothing but wait, so plain
+//! blocking system calls are the simplest correct tool.
+
+use std::ffi::OsString;
+use std::io::{self, Read, Write};
+use std::os::fd::{AsFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
+use std::process::Command;
+
+use nix::errno::Errno;
+use nix::fcntl::{FcntlArg, FdFlag, fcntl};
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
+use nix::sys::prctl;
+use nix::sys::signal::{SigSet, SigmaskHow, Signal, killpg, raise, sigprocmask};
+use nix::sys::signalfd::{SfdFlags, SignalFd};
+use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+use nix::unistd::{Pid, getpgrp, getpid, getppid};
+
+/// The name the keeper runs under; `main` checks `argv[0]` for it.
+pub const ARGV0: &str = "pgleader-keeper";
+
+/// A report from the keeper to pgleader: a tag byte and a little-endian 32-bit value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Report {
+    /// The command runs with this pid.
+    Started(i32),
+    /// The command could not be executed; the value is the errno of `execve`.
+    SpawnFailed(i32),
+    /// The command called `exit` with this code.
+    Exited(i32),
+    /// The command was killed by this signal number.
+    Killed(i32),
+}
+
+impl Report {
+    pub const LEN: usize = 5;
+
+    pub fn encode(self) -> [u8; Self::LEN] {
+        let (tag, value) = match self {
+            Report::Started(pid) => (b'S', pid),
+            Report::SpawnFailed(errno) => (b'E', errno),
+            Report::Exited(code) => (b'X', code),
+            Report::Killed(signal) => (b'K', signal),
+        };
+        let [a, b, c, d] = value.to_le_bytes();
+        [tag, a, b, c, d]
+    }
+
+    pub fn decode(bytes: [u8; Self::LEN]) -> Option<Self> {
+        let value = i32::from_le_bytes([bytes[1], bytes[2], bytes[3], bytes[4]]);
+        Some(match bytes[0] {
+            b'S' => Report::Started(value),
+            b'E' => Report::SpawnFailed(value),
+            b'X' => Report::Exited(value),
+            b'K' => Report::Killed(value),
+            _ => return None,
+        })
+    }
+}
+
+/// Whether this process was started as a keeper.
+pub fn is_keeper_invocation() -> bool {
+    std::env::args_os().next().is_some_and(|arg0| arg0 == ARGV0)
+}
+
+/// The arguments pgleader passes: the socket's descriptor, the program to execute, the
+/// command's `argv[0]` and its arguments.
+pub fn keeper_args(fd: RawFd, program: &OsString, argv: &[OsString]) -> Vec<OsString> {
+    let mut args = vec![OsString::from(fd.to_string()), program.clone()];
+    args.extend(argv.iter().cloned());
+    args
+}
+
+/// Runs the keeper; never returns.
+pub fn main() -> ! {
+    let code = match run() {
+        Ok(code) => code,
+        Err(err) => {
+            eprintln!("{ARGV0}: {err}");
+            1
+        }
+    };
+    std::process::exit(code)
+}
+
+fn run() -> io::Result<i32> {
+    let mut args = std::env::args_os().skip(1);
+    let fd: RawFd = args
+        .next()
+        .and_then(|fd| fd.to_str()?.parse().ok())
+        .ok_or_else(|| io::Error::other("this program is started by pgleader, not by hand"))?;
+    let program = args
+        .next()
+        .ok_or_else(|| io::Error::other("missing program"))?;
+    let argv: Vec<OsString> = args.collect();
+    let (argv0, rest) = argv
+        .split_first()
+        .ok_or_else(|| io::Error::other("missing argv[0]"))?;
+
+    // SAFETY: pgleader passes the number of a descriptor it left open for us (and that nothing
+    // else in this process owns); a wrong number fails the checks below rather than aliasing.
+    let channel = unsafe { OwnedFd::from_raw_fd(fd) };
+    fcntl(&channel, FcntlArg::F_SETFD(FdFlag::FD_CLOEXEC))?;
+    let mut channel = UnixStream::from(channel);
+
+    // pgleader started us with every signal blocked already (see `job::spawn`), so a signal
+    // sent to the group before this point cannot kill the keeper; block again in case we
+    // were started some other way.
+    sigprocmask(SigmaskHow::SIG_BLOCK, Some(&SigSet::all()), None)?;
+    prctl::set_child_subreaper(true)?;
+    let mut children = SigSet::empty();
+    children.add(Signal::SIGCHLD);
+    let signalfd = SignalFd::with_flags(&children, SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK)?;
+
+    let keeper = getpid();
+    let mut command = Command::new(&program);
+    command.arg0(argv0).args(rest);
+    // SAFETY: the closure runs between fork and exec and calls only async-signal-safe system
+    // calls (sigprocmask, prctl, getppid, kill); it allocates nothing.
+    unsafe {
+        command.pre_exec(move || {
+            sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None)?;
+            prctl::set_pdeathsig(Signal::SIGKILL)?;
+            // The keeper may have died between fork and prctl: then nobody would deliver the
+            // death signal, so deliver it now.
+            if getppid() != keeper {
+                raise(Signal::SIGKILL)?;
+            }
+            Ok(())
+        });
+    }
+    let main_pid = match command.spawn() {
+        Ok(child) => Pid::from_raw(child.id() as i32),
+        Err(err) => {
+            let errno = err.raw_os_error().unwrap_or(Errno::ENOEXEC as i32);
+            let _ = channel.write_all(&Report::SpawnFailed(errno).encode());
+            return Ok(if errno == Errno::ENOENT as i32 {
+                127
+            } else {
+                126
+            });
+        }
+    };
+    // A failed write means pgleader is gone; the poll loop below notices and cleans up.
+    let _ = channel.write_all(&Report::Started(main_pid.as_raw()).encode());
+
+    let mut main_done = false;
+    loop {
+        let mut fds = [
+            PollFd::new(channel.as_fd(), PollFlags::POLLIN),
+            PollFd::new(signalfd.as_fd(), PollFlags::POLLIN),
+        ];
+        match poll(&mut fds, PollTimeout::NONE) {
+            Err(Errno::EINTR) => continue,
+            Err(err) => return Err(err.into()),
+            Ok(_) => {}
+        }
+        let channel_ready = fds[0].any().unwrap_or(true);
+        let children_ready = fds[1].any().unwrap_or(false);
+
+        if channel_ready && pgleader_is_gone(&mut channel) {
+            // pgleader died without stopping us: take the whole group down, ourselves included.
+            let _ = killpg(getpgrp(), Signal::SIGKILL);
+            return Ok(1);
+        }
+        if children_ready {
+            while let Ok(Some(_)) = signalfd.read_signal() {}
+            loop {
+                match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
+                    Ok(WaitStatus::StillAlive) => break,
+                    Ok(WaitStatus::Exited(pid, code)) if pid == main_pid => {
+                        main_done = true;
+                        let _ = channel.write_all(&Report::Exited(code).encode());
+                    }
+                    Ok(WaitStatus::Signaled(pid, signal, _)) if pid == main_pid => {
+                        main_done = true;
+                        let _ = channel.write_all(&Report::Killed(signal as i32).encode());
+                    }
+                    Ok(_) => {}
+                    Err(Errno::EINTR) => {}
+                    Err(Errno::ECHILD) => {
+                        if main_done {
+                            return Ok(0);
+                        }
+                        break;
+                    }
+                    Err(err) => return Err(err.into()),
+                }
+            }
+        }
+    }
+}
+
+/// Reads what is waiting on the channel; true at end-of-file or on an error.
+fn pgleader_is_gone(channel: &mut UnixStream) -> bool {
+    let mut buf = [0u8; 64];
+    match channel.read(&mut buf) {
+        Ok(0) => true,
+        Ok(_) => false,
+        Err(err) => err.kind() != io::ErrorKind::Interrupted,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reports_survive_a_round_trip() {
+        for report in [
+            Report::Started(4242),
+            Report::SpawnFailed(2),
+            Report::Exited(-1),
+            Report::Killed(9),
+        ] {
+            assert_eq!(Report::decode(report.encode()), Some(report));
+        }
+        assert_eq!(Report::decode(*b"?\0\0\0\0"), None);
+    }
+}

@@ -1,0 +1,133 @@
+//! The lease: how long the server keeps the lock of a leader it no longer hears from.
+//!
+//! A leader that stops hearing from the server (a silent partition: no RST, no FIN) stops its
+//! child once `check-interval + check-timeout` have passed since its last successful check,
+//! and the child is gone at most `kill-timeout` later. The server, on its side, frees the lock
+//! only when it gives up on the session. With PostgreSQL's defaults that takes about two hours
+//! (TCP keepalives), so pgleader sets, on its own session:
+//!
+//! - `idle_session_timeout` = lease (PostgreSQL 14+): a leader sends a check every
+//!   check-interval, so a session idle for a whole lease belongs to a leader that is gone;
+//! - `tcp_user_timeout` = lease: data the server sent must be acknowledged within the lease;
+//! - `tcp_keepalives_idle/interval/count` adding up to at least the lease.
+//!
+//! Each of these starts counting at the earliest at the leader's last successful check, so the
+//! server never frees the lock before `last check + lease`. Requiring
+//! `lease >= check-interval + check-timeout + kill-timeout + margin` therefore means the old
+//! child is gone before anyone else can win. [`Lease::validate`] refuses anything else.
+//!
+//! The same values, on pgleader's side of the socket, let a waiting follower notice a dead
+//! server.
+
+use std::time::Duration;
+
+/// Room left for scheduling delays between the leader's deadline and the server's release.
+pub const MARGIN: Duration = Duration::from_secs(1);
+
+/// Probes a dead peer gets before the connection is declared dead.
+const KEEPALIVE_COUNT: u32 = 3;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lease {
+    duration: Duration,
+}
+
+impl Lease {
+    pub fn new(duration: Duration) -> Self {
+        Lease { duration }
+    }
+
+    pub fn duration(&self) -> Duration {
+        self.duration
+    }
+
+    /// The lease in whole seconds, rounded up: keepalive settings take seconds.
+    fn whole_seconds(&self) -> u64 {
+        self.duration.as_secs() + u64::from(self.duration.subsec_nanos() > 0)
+    }
+
+    pub fn keepalive_interval(&self) -> Duration {
+        Duration::from_secs((self.whole_seconds() / 6).max(1))
+    }
+
+    pub fn keepalive_count(&self) -> u32 {
+        KEEPALIVE_COUNT
+    }
+
+    /// Idle time before the first probe, chosen so that idle + interval × count is at least
+    /// the lease.
+    pub fn keepalive_idle(&self) -> Duration {
+        let probing = self.keepalive_interval().as_secs() * u64::from(KEEPALIVE_COUNT);
+        Duration::from_secs(self.whole_seconds().saturating_sub(probing).max(1))
+    }
+
+    /// How often the server checks that a waiting follower's client is still connected
+    /// (`client_connection_check_interval`), so dead waiters leave the queue.
+    pub fn client_check_interval(&self) -> Duration {
+        Duration::from_secs(1)
+    }
+
+    /// Refuses timings where an old leader's child could still run when the server frees the
+    /// lock.
+    pub fn validate(
+        &self,
+        check_interval: Duration,
+        check_timeout: Duration,
+        kill_timeout: Duration,
+    ) -> Result<(), String> {
+        let needed = check_interval + check_timeout + kill_timeout + MARGIN;
+        if self.duration < needed {
+            return Err(format!(
+                "--lease {} is too short: a leader cut off from the server stops its command up to \
+                 --check-interval + --check-timeout + --kill-timeout = {} after its last successful \
+                 check, and the server must not free the lock before that (plus {} of margin). \
+                 Use --lease {} or more, or shorten the other timings",
+                fmt(self.duration),
+                fmt(check_interval + check_timeout + kill_timeout),
+                fmt(MARGIN),
+                fmt(needed),
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn fmt(duration: Duration) -> humantime::FormattedDuration {
+    humantime::format_duration(duration)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: fn(u64) -> Duration = Duration::from_secs;
+
+    #[test]
+    fn keepalives_add_up_to_at_least_the_lease() {
+        for millis in [1_500, 2_000, 2_500, 10_000, 15_000, 61_000, 3_600_000] {
+            let lease = Lease::new(Duration::from_millis(millis));
+            let total =
+                lease.keepalive_idle() + lease.keepalive_interval() * lease.keepalive_count();
+            assert!(total >= lease.duration(), "{millis} ms: {total:?}");
+            assert!(lease.keepalive_idle() >= S(1) && lease.keepalive_interval() >= S(1));
+        }
+        let lease = Lease::new(S(10));
+        assert_eq!(
+            (
+                lease.keepalive_idle(),
+                lease.keepalive_interval(),
+                lease.keepalive_count()
+            ),
+            (S(7), S(1), 3)
+        );
+    }
+
+    #[test]
+    fn refuses_a_lease_shorter_than_the_leaders_own_deadline() {
+        let lease = Lease::new(S(10));
+        assert!(lease.validate(S(1), S(2), S(5)).is_ok());
+        assert!(lease.validate(S(1), S(2), S(6)).is_ok());
+        let err = lease.validate(S(1), S(2), S(7)).expect_err("too short");
+        assert!(err.contains("--lease 11s or more"), "{err}");
+    }
+}

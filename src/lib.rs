@@ -1,0 +1,82 @@
+//! pgleader runs a command on exactly one replica of a service: the one whose PostgreSQL
+//! session holds an advisory lock. It stops the command the moment that replica is no longer
+//! the leader, and goes back into the election.
+//!
+//! The binary (`main.rs`) parses the command line and calls [`execute`]; the modules below
+//! each own one concern. DESIGN.md in the repository's shared notes lists the invariants the
+//! code keeps and the tests that prove them.
+
+pub mod backoff;
+pub mod cli;
+pub mod config;
+pub mod conninfo;
+pub mod docs;
+pub mod exit;
+pub mod job;
+pub mod keeper;
+pub mod lease;
+pub mod lock;
+pub mod logging;
+pub mod session;
+pub mod signals;
+pub mod status;
+pub mod supervisor;
+
+use anyhow::Context;
+use tracing::warn;
+
+use crate::cli::{Command, RunArgs, StatusArgs};
+use crate::config::{RunConfig, UsageError};
+use crate::conninfo::ProcessEnvironment;
+use crate::job::CommandError;
+
+/// Runs a subcommand to its end and returns the exit code. Must run inside a tokio runtime
+/// whose thread lives as long as the process.
+pub async fn execute(command: Command) -> anyhow::Result<u8> {
+    match command {
+        Command::Run(args) => run(args).await,
+        Command::Status(args) => status(args).await,
+    }
+}
+
+async fn run(args: RunArgs) -> anyhow::Result<u8> {
+    // Listen first: from here on TERM and INT are pgleader's to handle.
+    let signals = signals::listen().context("cannot listen for signals")?;
+    let (config, warnings) = RunConfig::from_args(args, &ProcessEnvironment)?;
+    for warning in warnings {
+        warn!(event = "config", "{warning}");
+    }
+    let outcome = supervisor::run(config, signals).await?;
+    Ok(outcome.exit_code())
+}
+
+async fn status(args: StatusArgs) -> anyhow::Result<u8> {
+    let lock = config::lock_key(&args.lock, &ProcessEnvironment)?;
+    let connection = config::connection(&args.connection, &ProcessEnvironment)?;
+    for warning in connection.warnings {
+        warn!(event = "config", "{warning}");
+    }
+    let status = status::read(&lock, &connection.settings).await?;
+    if args.json {
+        println!("{}", status.to_json());
+    } else {
+        print!("{}", status.to_text());
+    }
+    Ok(if status.is_held() {
+        exit::SUCCESS
+    } else {
+        exit::LOCK_FREE
+    })
+}
+
+/// The exit code for an error: 2 for usage errors, 126/127 for a command that cannot run,
+/// 1 for everything else.
+pub fn exit_code_of(err: &anyhow::Error) -> u8 {
+    if err.downcast_ref::<UsageError>().is_some() {
+        exit::USAGE
+    } else if let Some(err) = err.downcast_ref::<CommandError>() {
+        err.exit_code()
+    } else {
+        exit::FAILURE
+    }
+}

@@ -1,0 +1,470 @@
+//! One PostgreSQL session: connect, prepare it for holding a lock, wait for the lock, confirm
+//! it is still held, release it, and notice at once when the connection ends.
+//!
+//! A session is used for one election round and then thrown away; it is never reused after
+//! anything went wrong with it. In particular an acquisition that was abandoned (shutdown while
+//! waiting, an error) may still have been granted on the server (GreptimeDB issue 7670), so
+//! such a session is closed, which frees whatever it might hold.
+//!
+//! Every query goes through `query_typed`: one round trip, no named prepared statements.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use thiserror::Error;
+use tokio::task::JoinHandle;
+use tokio_postgres::error::SqlState;
+use tokio_postgres::types::Type;
+use tokio_postgres::{Client, NoTls};
+
+use crate::conninfo::{ConnSettings, Host, SslMode, TargetSessionAttrs};
+use crate::lease::Lease;
+use crate::lock::LockKey;
+
+/// Why a connection attempt failed, sorted by whether trying again can help.
+#[derive(Debug, Error)]
+pub enum ConnectError {
+    /// Authentication failed, the database or role does not exist, the settings are wrong:
+    /// retrying would only hammer the server.
+    #[error("{0}")]
+    Permanent(String),
+    /// The server is down, unreachable, restarting, overloaded: try again later.
+    #[error("{0}")]
+    Transient(String),
+    /// The server is a standby (in recovery): never lead through it.
+    #[error(
+        "the server is a standby (in recovery); pgleader leads only through a writable primary"
+    )]
+    Standby,
+}
+
+/// A failure on an established session.
+#[derive(Debug, Error)]
+pub enum SessionError {
+    #[error("{0}")]
+    Query(String),
+    /// The statements of this session ran on different backends: a transaction-mode pooler.
+    #[error(
+        "the session's statements ran on different server processes (pid {expected}, then {seen}): \
+         the connection goes through a transaction-pooling proxy such as PgBouncer in transaction \
+         mode, where advisory locks leak or vanish. Connect directly to PostgreSQL or through a \
+         session-mode pool"
+    )]
+    Pooler { expected: i32, seen: i32 },
+}
+
+/// What a leader's check found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Confirmation {
+    Held,
+    NotHeld,
+}
+
+/// An open session, with the task that drives its connection.
+#[derive(Debug)]
+pub struct Session {
+    client: Arc<Client>,
+    connection: ConnectionTask,
+    backend_pid: i32,
+    server_major: u32,
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        // Closing the socket is what frees the session's locks on the server; do not wait for
+        // in-flight queries (a blocked pg_advisory_lock would never finish).
+        self.connection.abort();
+    }
+}
+
+const SETUP_IDENTITY: &str = "SELECT pg_catalog.pg_backend_pid(), pg_catalog.pg_is_in_recovery()";
+const WAIT_SQL: &str = "SELECT pg_catalog.pg_advisory_lock($1), pg_catalog.pg_backend_pid()";
+const TRY_SQL: &str = "SELECT pg_catalog.pg_try_advisory_lock($1), pg_catalog.pg_backend_pid()";
+const UNLOCK_SQL: &str = "SELECT pg_catalog.pg_advisory_unlock($1)";
+const CONFIRM_SQL: &str = "SELECT pg_catalog.pg_backend_pid(), EXISTS (\
+       SELECT FROM pg_catalog.pg_locks \
+       WHERE locktype = 'advisory' AND granted AND pid = pg_catalog.pg_backend_pid() \
+         AND database = (SELECT oid FROM pg_catalog.pg_database \
+                         WHERE datname = pg_catalog.current_database()) \
+         AND classid = $1 AND objid = $2 AND objsubid = 1)";
+
+impl Session {
+    /// Connects, applies the session settings, and checks the server is a primary.
+    pub async fn connect(
+        settings: &ConnSettings,
+        application_name: &str,
+        lease: &Lease,
+    ) -> Result<Session, ConnectError> {
+        let config = driver_config(settings, application_name, Some(lease))?;
+        let budget = connect_budget(settings);
+        let (client, connection, server_major) = open(&config, budget).await?;
+        let mut session = Session {
+            client: Arc::new(client),
+            connection,
+            backend_pid: 0,
+            server_major,
+        };
+        let setup = setup_sql(lease, server_major);
+        tokio::time::timeout(budget, session.client.batch_execute(&setup))
+            .await
+            .map_err(|_| ConnectError::Transient("the session set-up timed out".into()))?
+            .map_err(classify)?;
+        let row = tokio::time::timeout(budget, session.client.query_one(SETUP_IDENTITY, &[]))
+            .await
+            .map_err(|_| ConnectError::Transient("the session set-up timed out".into()))?
+            .map_err(classify)?;
+        let in_recovery: bool = row.get(1);
+        if in_recovery {
+            return Err(ConnectError::Standby);
+        }
+        session.backend_pid = row.get(0);
+        Ok(session)
+    }
+
+    /// The pid of the server process behind this session.
+    pub fn backend_pid(&self) -> i32 {
+        self.backend_pid
+    }
+
+    /// The server's major version (15 for 15.4), 0 if unknown.
+    pub fn server_major(&self) -> u32 {
+        self.server_major
+    }
+
+    /// A future that completes when the connection has ended, with the reason.
+    pub async fn ended(&mut self) -> String {
+        match (&mut self.connection).await {
+            Ok(Ok(())) => "the server closed the connection".to_owned(),
+            Ok(Err(err)) => describe(&err),
+            Err(_) => "the connection was closed".to_owned(),
+        }
+    }
+
+    /// Blocks until the lock is granted (no polling: the server queues waiters in order).
+    pub fn wait_for_lock(
+        &self,
+        key: &LockKey,
+    ) -> impl Future<Output = Result<(), SessionError>> + 'static {
+        let client = self.client.clone();
+        let (expected, key) = (self.backend_pid, key.key());
+        async move {
+            let row = client
+                .query_typed(WAIT_SQL, &[(&key, Type::INT8)])
+                .await
+                .map_err(query_error)?
+                .into_iter()
+                .next()
+                .ok_or_else(|| SessionError::Query("pg_advisory_lock returned no row".into()))?;
+            same_backend(expected, row.get(1))
+        }
+    }
+
+    /// Takes the lock if it is free; false if someone else holds it.
+    pub async fn try_lock(&self, key: &LockKey) -> Result<bool, SessionError> {
+        let rows = self
+            .client
+            .query_typed(TRY_SQL, &[(&key.key(), Type::INT8)])
+            .await
+            .map_err(query_error)?;
+        let row = rows
+            .first()
+            .ok_or_else(|| SessionError::Query("pg_try_advisory_lock returned no row".into()))?;
+        same_backend(self.backend_pid, row.get(1))?;
+        Ok(row.get(0))
+    }
+
+    /// Checks, on this session, that it still holds the lock: the right `pg_locks` row, held by
+    /// this very backend.
+    pub fn confirm(
+        &self,
+        key: &LockKey,
+    ) -> impl Future<Output = Result<Confirmation, SessionError>> + 'static {
+        let client = self.client.clone();
+        let (expected, classid, objid) = (self.backend_pid, key.classid(), key.objid());
+        async move {
+            let rows = client
+                .query_typed(CONFIRM_SQL, &[(&classid, Type::OID), (&objid, Type::OID)])
+                .await
+                .map_err(query_error)?;
+            let row = rows
+                .first()
+                .ok_or_else(|| SessionError::Query("the ownership check returned no row".into()))?;
+            same_backend(expected, row.get(0))?;
+            Ok(if row.get(1) {
+                Confirmation::Held
+            } else {
+                Confirmation::NotHeld
+            })
+        }
+    }
+
+    /// A fencing token: a transaction id assigned now. Transaction ids only grow, and each
+    /// leader takes its own after the previous leader lost the lock, so tokens strictly
+    /// increase from one leadership to the next. Assigning one fails on a read-only server,
+    /// which also proves the session is on a writable primary.
+    pub async fn epoch(&self) -> Result<i64, SessionError> {
+        let sql = if self.server_major >= 13 || self.server_major == 0 {
+            "SELECT pg_catalog.pg_current_xact_id()::text::int8"
+        } else {
+            "SELECT pg_catalog.txid_current()"
+        };
+        let row = self.client.query_one(sql, &[]).await.map_err(query_error)?;
+        Ok(row.get(0))
+    }
+
+    /// Releases the lock explicitly (so the next waiter is granted it now), then closes.
+    pub async fn release(self, key: &LockKey, timeout: Duration) -> Result<(), SessionError> {
+        let key = key.key();
+        let params: [(&(dyn tokio_postgres::types::ToSql + Sync), Type); 1] = [(&key, Type::INT8)];
+        let unlock = self.client.query_typed(UNLOCK_SQL, &params);
+        match tokio::time::timeout(timeout, unlock).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(err)) => Err(query_error(err)),
+            Err(_) => Err(SessionError::Query(format!(
+                "no answer within {}",
+                humantime::format_duration(timeout)
+            ))),
+        }
+    }
+}
+
+/// A plain connection, for `pgleader status`: no lock, no session settings.
+#[derive(Debug)]
+pub struct PlainClient {
+    pub client: Client,
+    pub server_major: u32,
+    connection: JoinHandle<Result<(), tokio_postgres::Error>>,
+}
+
+impl Drop for PlainClient {
+    fn drop(&mut self) {
+        self.connection.abort();
+    }
+}
+
+/// Connects without preparing the session for a lock.
+pub async fn connect_plain(
+    settings: &ConnSettings,
+    application_name: &str,
+) -> Result<PlainClient, ConnectError> {
+    let config = driver_config(settings, application_name, None)?;
+    let (client, connection, server_major) = open(&config, connect_budget(settings)).await?;
+    Ok(PlainClient {
+        client,
+        server_major,
+        connection,
+    })
+}
+
+/// The driver's connect_timeout bounds the TCP connect only; a server (or proxy) that accepts
+/// and then says nothing must not stall the retry loop either. This budget bounds each
+/// whole step of connecting.
+fn connect_budget(settings: &ConnSettings) -> Duration {
+    settings.connect_timeout * settings.endpoints.len().max(1) as u32
+}
+
+type ConnectionTask = JoinHandle<Result<(), tokio_postgres::Error>>;
+
+async fn open(
+    config: &tokio_postgres::Config,
+    budget: Duration,
+) -> Result<(Client, ConnectionTask, u32), ConnectError> {
+    let attempt = async {
+        let (client, connection) = config.connect(NoTls).await.map_err(classify)?;
+        let server_major = connection
+            .parameter("server_version")
+            .and_then(parse_major_version)
+            .unwrap_or(0);
+        Ok::<_, ConnectError>((client, tokio::spawn(connection), server_major))
+    };
+    tokio::time::timeout(budget, attempt).await.map_err(|_| {
+        ConnectError::Transient(format!(
+            "no answer from the server within {}",
+            humantime::format_duration(budget)
+        ))
+    })?
+}
+
+/// The driver configuration: the user's settings plus pgleader's own (application name,
+/// client-side keepalives so that a waiting follower notices a dead server).
+fn driver_config(
+    settings: &ConnSettings,
+    application_name: &str,
+    lease: Option<&Lease>,
+) -> Result<tokio_postgres::Config, ConnectError> {
+    let mut config = tokio_postgres::Config::new();
+    for endpoint in &settings.endpoints {
+        match &endpoint.host {
+            Host::Tcp(name) => config.host(name),
+            Host::Socket(dir) => config.host_path(dir),
+        };
+        config.port(endpoint.port);
+    }
+    if settings.endpoints.iter().any(|e| e.hostaddr.is_some()) {
+        for endpoint in &settings.endpoints {
+            match endpoint.hostaddr {
+                Some(addr) => config.hostaddr(addr),
+                None => {
+                    return Err(ConnectError::Permanent(
+                        "hostaddr must be given for every host or for none".into(),
+                    ));
+                }
+            };
+        }
+    }
+    config
+        .user(&settings.user)
+        .dbname(&settings.dbname)
+        .application_name(application_name)
+        .connect_timeout(settings.connect_timeout)
+        .target_session_attrs(match settings.target_session_attrs {
+            TargetSessionAttrs::Any => tokio_postgres::config::TargetSessionAttrs::Any,
+            TargetSessionAttrs::ReadWrite => tokio_postgres::config::TargetSessionAttrs::ReadWrite,
+        })
+        .load_balance_hosts(if settings.load_balance_hosts {
+            tokio_postgres::config::LoadBalanceHosts::Random
+        } else {
+            tokio_postgres::config::LoadBalanceHosts::Disable
+        });
+    if let Some(lease) = lease {
+        config
+            .keepalives(true)
+            .keepalives_idle(lease.keepalive_idle())
+            .keepalives_interval(lease.keepalive_interval())
+            .keepalives_retries(lease.keepalive_count())
+            .tcp_user_timeout(lease.duration());
+    }
+    if let Some(password) = &settings.password {
+        config.password(password.expose());
+    }
+    if let Some(options) = &settings.options {
+        config.options(options);
+    }
+    config.ssl_mode(match settings.tls.mode {
+        SslMode::Disable => tokio_postgres::config::SslMode::Disable,
+        SslMode::Allow | SslMode::Prefer => tokio_postgres::config::SslMode::Prefer,
+        SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull => {
+            return Err(ConnectError::Permanent(format!(
+                "sslmode={} needs TLS, which this build of pgleader does not support yet",
+                settings.tls.mode.as_str()
+            )));
+        }
+    });
+    Ok(config)
+}
+
+/// The statements that prepare a session, sent in one round trip. Waiting for the lock must
+/// never time out on the server's side; the lease settings bound how long the server keeps
+/// the lock of a leader that vanished (see `lease.rs`).
+fn setup_sql(lease: &Lease, server_major: u32) -> String {
+    let mut sql = String::from(
+        "SET statement_timeout = 0; SET lock_timeout = 0; SET idle_in_transaction_session_timeout = 0;",
+    );
+    sql.push_str(&format!(
+        " SET tcp_keepalives_idle = {}; SET tcp_keepalives_interval = {}; SET tcp_keepalives_count = {};",
+        lease.keepalive_idle().as_secs(),
+        lease.keepalive_interval().as_secs(),
+        lease.keepalive_count(),
+    ));
+    if server_major >= 12 || server_major == 0 {
+        sql.push_str(&format!(
+            " SET tcp_user_timeout = {};",
+            lease.duration().as_millis()
+        ));
+    }
+    if server_major >= 14 {
+        sql.push_str(&format!(
+            " SET idle_session_timeout = {}; SET client_connection_check_interval = {};",
+            lease.duration().as_millis(),
+            lease.client_check_interval().as_millis(),
+        ));
+    }
+    sql
+}
+
+/// "15.4 (Debian 15.4-1)" → 15; "9.6.3" → 9.
+fn parse_major_version(version: &str) -> Option<u32> {
+    let digits: String = version.chars().take_while(char::is_ascii_digit).collect();
+    digits.parse().ok()
+}
+
+fn same_backend(expected: i32, seen: i32) -> Result<(), SessionError> {
+    if expected == seen {
+        Ok(())
+    } else {
+        Err(SessionError::Pooler { expected, seen })
+    }
+}
+
+fn query_error(err: tokio_postgres::Error) -> SessionError {
+    SessionError::Query(describe(&err))
+}
+
+/// Sorts a connection error into permanent and transient.
+fn classify(err: tokio_postgres::Error) -> ConnectError {
+    let message = describe(&err);
+    let permanent_code = err.code().is_some_and(|code| {
+        code.code().starts_with("28")
+            || *code == SqlState::INVALID_CATALOG_NAME
+            || *code == SqlState::INSUFFICIENT_PRIVILEGE
+    });
+    let permanent_kind = {
+        let top = err.to_string();
+        top.starts_with("invalid configuration") || top.starts_with("authentication error")
+    };
+    if permanent_code || permanent_kind {
+        ConnectError::Permanent(message)
+    } else {
+        ConnectError::Transient(message)
+    }
+}
+
+/// One line describing a driver error: the server's own message and SQLSTATE when there is
+/// one, else the chain of causes.
+pub fn describe(err: &tokio_postgres::Error) -> String {
+    if let Some(db) = err.as_db_error() {
+        let mut line = format!(
+            "{}: {} (SQLSTATE {})",
+            db.severity(),
+            db.message(),
+            db.code().code()
+        );
+        if let Some(detail) = db.detail() {
+            line.push_str(&format!("; {}", detail.replace('\n', " ")));
+        }
+        return line;
+    }
+    let mut line = err.to_string();
+    let mut source = std::error::Error::source(err);
+    while let Some(cause) = source {
+        line.push_str(": ");
+        line.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    line.replace('\n', " ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_the_major_version() {
+        assert_eq!(
+            parse_major_version("15.4 (Debian 15.4-1.pgdg120+1)"),
+            Some(15)
+        );
+        assert_eq!(parse_major_version("9.6.24"), Some(9));
+        assert_eq!(parse_major_version("devel"), None);
+    }
+
+    #[test]
+    fn the_idle_session_timeout_is_set_only_where_it_exists() {
+        let lease = Lease::new(Duration::from_secs(15));
+        assert!(!setup_sql(&lease, 13).contains("idle_session_timeout"));
+        let sql = setup_sql(&lease, 15);
+        assert!(sql.contains("idle_session_timeout = 15000"), "{sql}");
+        assert!(sql.contains("statement_timeout = 0"), "{sql}");
+        assert!(sql.contains("lock_timeout = 0"), "{sql}");
+    }
+}

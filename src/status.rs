@@ -1,0 +1,215 @@
+//! `pgleader status`: who holds the lock and who waits for it, read from `pg_locks` and
+//! `pg_stat_activity` on the server.
+//!
+//! pgleader names its sessions `<name>:<pid>@<host>` (see `config.rs`), so the holder's host
+//! and pid show up here without any table of pgleader's own. Waiters are listed in the order
+//! the server will grant them the lock (by `pg_locks.waitstart`, PostgreSQL 14+; by the start
+//! of their query before that).
+
+use std::fmt::Write as _;
+
+use anyhow::Context;
+use serde_json::{Value, json};
+use tokio_postgres::types::Type;
+
+use crate::config;
+use crate::conninfo::ConnSettings;
+use crate::lock::LockKey;
+use crate::session::{self, describe};
+
+/// One session holding or waiting for the lock.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Participant {
+    pub backend_pid: i32,
+    pub granted: bool,
+    pub application_name: Option<String>,
+    pub client_address: Option<String>,
+    pub client_port: Option<i32>,
+    pub backend_start: Option<String>,
+    pub waiting_since: Option<String>,
+}
+
+/// What the server knows about the lock.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LockStatus {
+    pub lock: LockKey,
+    pub holder: Option<Participant>,
+    pub waiting: Vec<Participant>,
+}
+
+const STATUS_SQL: &str = "\
+SELECT l.pid, l.granted, a.application_name, host(a.client_addr), a.client_port,
+       to_char(a.backend_start AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"'),
+       to_char(COALESCE(%WAITSTART%, a.query_start) AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"')
+  FROM pg_catalog.pg_locks l
+  LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid
+ WHERE l.locktype = 'advisory'
+   AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database())
+   AND l.classid = $1 AND l.objid = $2 AND l.objsubid = 1
+ ORDER BY l.granted DESC, COALESCE(%WAITSTART%, a.query_start), l.pid";
+
+/// Reads the lock's status.
+pub async fn read(lock: &LockKey, connection: &ConnSettings) -> anyhow::Result<LockStatus> {
+    let client = session::connect_plain(
+        connection,
+        &config::application_name(Some("pgleader-status")),
+    )
+    .await
+    .with_context(|| format!("cannot connect to {connection}"))?;
+    let major = client.server_major;
+    let waitstart = if major >= 14 {
+        "l.waitstart"
+    } else {
+        "NULL::timestamptz"
+    };
+    let sql = STATUS_SQL.replace("%WAITSTART%", waitstart);
+    let rows = client
+        .client
+        .query_typed(
+            &sql,
+            &[(&lock.classid(), Type::OID), (&lock.objid(), Type::OID)],
+        )
+        .await
+        .map_err(|err| anyhow::anyhow!(describe(&err)))
+        .context("cannot read pg_locks")?;
+    let mut holder = None;
+    let mut waiting = Vec::new();
+    for row in rows {
+        let participant = Participant {
+            backend_pid: row.get(0),
+            granted: row.get(1),
+            application_name: row.get(2),
+            client_address: row.get(3),
+            client_port: row.get(4),
+            backend_start: row.get(5),
+            waiting_since: row.get(6),
+        };
+        if participant.granted {
+            holder = Some(Participant {
+                waiting_since: None,
+                ..participant
+            });
+        } else {
+            waiting.push(participant);
+        }
+    }
+    Ok(LockStatus {
+        lock: lock.clone(),
+        holder,
+        waiting,
+    })
+}
+
+impl Participant {
+    /// The pid and host of the pgleader that owns this session, from its application name
+    /// `<name>:<pid>@<host>`.
+    pub fn pgleader_process(&self) -> Option<(u32, &str)> {
+        let name = self.application_name.as_deref()?;
+        let (_, rest) = name.rsplit_once(':')?;
+        let (pid, host) = rest.split_once('@')?;
+        Some((pid.parse().ok()?, host))
+    }
+
+    fn to_json(&self) -> Value {
+        let process = self.pgleader_process();
+        json!({
+            "backend_pid": self.backend_pid,
+            "application_name": self.application_name,
+            "pgleader_pid": process.map(|(pid, _)| pid),
+            "pgleader_host": process.map(|(_, host)| host),
+            "client_address": self.client_address,
+            "client_port": self.client_port,
+            "backend_start": self.backend_start,
+            "waiting_since": self.waiting_since,
+        })
+    }
+
+    fn describe(&self) -> String {
+        let mut line = format!("backend pid {}", self.backend_pid);
+        if let Some((pid, host)) = self.pgleader_process() {
+            let _ = write!(line, ", pgleader pid {pid} on {host}");
+        } else if let Some(name) = &self.application_name
+            && !name.is_empty()
+        {
+            let _ = write!(line, ", application {name:?}");
+        }
+        match (&self.client_address, self.client_port) {
+            (Some(addr), Some(port)) if port > 0 => {
+                let _ = write!(line, ", client {addr}:{port}");
+            }
+            (Some(addr), _) => {
+                let _ = write!(line, ", client {addr}");
+            }
+            (None, Some(-1)) | (None, None) => line.push_str(", local socket"),
+            _ => {}
+        }
+        if let Some(since) = &self.waiting_since {
+            let _ = write!(line, ", waiting since {since}");
+        } else if let Some(start) = &self.backend_start {
+            let _ = write!(line, ", session started {start}");
+        }
+        line
+    }
+}
+
+impl LockStatus {
+    pub fn is_held(&self) -> bool {
+        self.holder.is_some()
+    }
+
+    pub fn to_json(&self) -> Value {
+        json!({
+            "lock": {
+                "key": self.lock.key(),
+                "name": self.lock.name(),
+                "classid": self.lock.classid(),
+                "objid": self.lock.objid(),
+            },
+            "held": self.is_held(),
+            "holder": self.holder.as_ref().map(Participant::to_json),
+            "waiting": self.waiting.iter().map(Participant::to_json).collect::<Vec<_>>(),
+        })
+    }
+
+    pub fn to_text(&self) -> String {
+        let mut text = String::new();
+        let _ = writeln!(
+            text,
+            "lock {}: {}",
+            self.lock,
+            if self.is_held() { "held" } else { "free" }
+        );
+        if let Some(holder) = &self.holder {
+            let _ = writeln!(text, "  leader:  {}", holder.describe());
+        }
+        for (i, waiter) in self.waiting.iter().enumerate() {
+            let _ = writeln!(text, "  waiting #{}: {}", i + 1, waiter.describe());
+        }
+        if self.waiting.is_empty() {
+            let _ = writeln!(text, "  nobody is waiting");
+        }
+        text
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_the_pgleader_pid_and_host_from_the_application_name() {
+        let participant = Participant {
+            backend_pid: 1,
+            granted: true,
+            application_name: Some("billing:job:4242@web-1.example".into()),
+            client_address: None,
+            client_port: None,
+            backend_start: None,
+            waiting_since: None,
+        };
+        assert_eq!(
+            participant.pgleader_process(),
+            Some((4242, "web-1.example"))
+        );
+    }
+}

@@ -1,0 +1,713 @@
+//! The state machine of `pgleader run`:
+//!
+//! ```text
+//!   connecting ──► waiting for the lock ──► leading (command running) ──► stopping ──┐
+//!       ▲                 │                        │                                 │
+//!       └─────────────────┴────────────────────────┴─────────────────────────────────┘
+//! ```
+//!
+//! One task owns the session, the job and the signal events; nothing is shared behind locks.
+//! Each phase is one loop around one `select!` whose arms turn into events, handled by one
+//! `match`. The rules that matter most:
+//!
+//! - the command starts only after this session won the lock and proved it is on a writable
+//!   primary (a transaction id was assigned);
+//! - a leader whose last successful check is `check-interval + check-timeout` old, or whose
+//!   connection ended, is already stopping its command;
+//! - stopping is: signal to the process group, `kill-timeout`, SIGKILL to the group, wait for
+//!   the keeper to be reaped; the session is closed or the lock released only after that;
+//! - a session whose acquisition was abandoned is closed, never reused.
+
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use nix::sys::signal::Signal;
+use tokio::sync::mpsc::UnboundedReceiver;
+use tokio::time::{Instant, sleep, sleep_until};
+use tracing::{debug, info, warn};
+
+use crate::backoff::Backoff;
+use crate::config::RunConfig;
+use crate::exit::{ChildStatus, Outcome};
+use crate::job::{self, CommandError, Job};
+use crate::keeper::Report;
+use crate::session::{Confirmation, ConnectError, Session, SessionError};
+use crate::signals::SignalEvent;
+
+/// A session that lived this long was healthy: the next reconnection happens at once.
+const STABLE_SESSION: Duration = Duration::from_secs(2);
+
+/// A second TERM or INT sends SIGKILL at once, unless it follows the first this closely.
+pub const REPEAT_WINDOW: Duration = Duration::from_secs(1);
+
+/// Runs the election loop until the outcome is known or a fatal error occurs.
+pub async fn run(
+    config: RunConfig,
+    signals: UnboundedReceiver<SignalEvent>,
+) -> anyhow::Result<Outcome> {
+    Supervisor {
+        config,
+        signals,
+        backoff: Backoff::default(),
+        shutdown_requested: None,
+    }
+    .run()
+    .await
+}
+
+struct Supervisor {
+    config: RunConfig,
+    signals: UnboundedReceiver<SignalEvent>,
+    backoff: Backoff,
+    /// When the first TERM or INT arrived: finish what is under way, then exit.
+    shutdown_requested: Option<Instant>,
+}
+
+/// How waiting for the lock ended.
+enum Acquired {
+    Won(Session),
+    Busy,
+    /// The session broke while waiting; `stable` if it had been fine for a while.
+    Lost {
+        stable: bool,
+    },
+    Shutdown,
+}
+
+/// How a leadership ended.
+enum Led {
+    /// The command exited on its own (its leftovers were stopped, the lock released).
+    Exited(ChildStatus),
+    /// Leadership was lost; `status` is how the command ended if it had started.
+    Lost { status: Option<ChildStatus> },
+    /// pgleader was asked to shut down.
+    Shutdown(Option<ChildStatus>),
+}
+
+enum WaitEvent {
+    Done(Result<(), SessionError>),
+    Ended(String),
+    Signal(Option<SignalEvent>),
+}
+
+enum LeadEvent {
+    Start,
+    CheckDue,
+    CheckDone(Result<Confirmation, SessionError>),
+    Deadline,
+    Ended(String),
+    Signal(Option<SignalEvent>),
+    Report(Report),
+}
+
+enum StopEvent {
+    GraceOver,
+    Signal(Option<SignalEvent>),
+    Report(Report),
+}
+
+type CheckFuture = std::pin::Pin<Box<dyn Future<Output = Result<Confirmation, SessionError>>>>;
+
+impl Supervisor {
+    async fn run(&mut self) -> anyhow::Result<Outcome> {
+        let mut pause = Duration::ZERO;
+        loop {
+            if !pause.is_zero() {
+                debug!(event = "backoff", "reconnecting in {}", fmt(pause));
+                if !self.pause(pause).await {
+                    return Ok(Outcome::Shutdown);
+                }
+            }
+            let Some(session) = self.connect().await? else {
+                return Ok(Outcome::Shutdown);
+            };
+            let session = match self.acquire(session).await? {
+                Acquired::Won(session) => session,
+                Acquired::Busy => return Ok(Outcome::Busy(self.config.busy_exit_code)),
+                Acquired::Shutdown => return Ok(Outcome::Shutdown),
+                Acquired::Lost { stable } => {
+                    pause = self.pause_after_loss(stable);
+                    continue;
+                }
+            };
+            match self.lead(session).await? {
+                Led::Shutdown(status) => {
+                    return Ok(status.map_or(Outcome::Shutdown, Outcome::ChildExited));
+                }
+                _ if self.shutdown_requested.is_some() => return Ok(Outcome::Shutdown),
+                Led::Exited(status) => {
+                    if self.config.once {
+                        return Ok(Outcome::ChildExited(status));
+                    }
+                    self.backoff.reset();
+                    pause = Duration::ZERO;
+                    if !self.config.restart_delay.is_zero() {
+                        info!(
+                            event = "restart_delay",
+                            "entering the election again in {} (--restart-delay)",
+                            fmt(self.config.restart_delay)
+                        );
+                        if !self.pause(self.config.restart_delay).await {
+                            return Ok(Outcome::Shutdown);
+                        }
+                    }
+                }
+                Led::Lost { status: Some(_) } if self.config.once => {
+                    return Ok(Outcome::LostLeadership);
+                }
+                Led::Lost { status } => {
+                    pause = self.pause_after_loss(status.is_some());
+                }
+            }
+        }
+    }
+
+    fn pause_after_loss(&mut self, stable: bool) -> Duration {
+        if stable {
+            self.backoff.reset();
+        }
+        self.backoff.next_delay()
+    }
+
+    /// Connects, retrying transient failures with backoff. `None` means shut down.
+    async fn connect(&mut self) -> anyhow::Result<Option<Session>> {
+        loop {
+            debug!(event = "connecting", server = %self.config.connection, "connecting");
+            let (settings, application_name, lease) = (
+                self.config.connection.clone(),
+                self.config.application_name.clone(),
+                self.config.lease,
+            );
+            let attempt =
+                async move { Session::connect(&settings, &application_name, &lease).await };
+            tokio::pin!(attempt);
+            let result = loop {
+                let event = tokio::select! {
+                    result = &mut attempt => Ok(result),
+                    event = self.signals.recv() => Err(event),
+                };
+                match event {
+                    Ok(result) => break result,
+                    Err(event) => {
+                        if self.idle_signal(event) {
+                            return Ok(None);
+                        }
+                    }
+                }
+            };
+            let err = match result {
+                Ok(session) => {
+                    info!(
+                        event = "connected",
+                        server = %self.config.connection,
+                        backend_pid = session.backend_pid(),
+                        server_version = session.server_major(),
+                        "connected"
+                    );
+                    return Ok(Some(session));
+                }
+                Err(err) => err,
+            };
+            let server = &self.config.connection;
+            match err {
+                ConnectError::Permanent(reason) => {
+                    bail!(
+                        "cannot connect to {server}: {reason}{}",
+                        password_hint(&self.config, &reason)
+                    );
+                }
+                err if self.config.no_wait => {
+                    bail!("cannot connect to {server}: {err} (--no-wait tries once)");
+                }
+                err => {
+                    let delay = self.backoff.next_delay();
+                    warn!(
+                        event = "connect_failed",
+                        server = %server,
+                        reason = %err,
+                        "cannot connect; retrying in {}",
+                        fmt(delay)
+                    );
+                    if !self.pause(delay).await {
+                        return Ok(None);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Waits for the lock on this session (or tries once under `--no-wait`).
+    async fn acquire(&mut self, mut session: Session) -> anyhow::Result<Acquired> {
+        let lock = self.config.lock.clone();
+        if self.config.no_wait {
+            let attempt = tokio::time::timeout(
+                self.config.connection.connect_timeout,
+                session.try_lock(&lock),
+            )
+            .await
+            .map_err(|_| anyhow::anyhow!("no answer from the server to pg_try_advisory_lock"))?;
+            return match attempt {
+                Ok(true) => Ok(Acquired::Won(session)),
+                Ok(false) => {
+                    info!(
+                        event = "busy",
+                        lock = %lock,
+                        exit_code = self.config.busy_exit_code,
+                        "another instance holds the lock; exiting (--no-wait)"
+                    );
+                    Ok(Acquired::Busy)
+                }
+                Err(err) => Err(err).context("cannot try the lock"),
+            };
+        }
+
+        info!(
+            event = "waiting",
+            lock = %lock,
+            backend_pid = session.backend_pid(),
+            "waiting for the lock"
+        );
+        let started = Instant::now();
+        let wait = session.wait_for_lock(&lock);
+        tokio::pin!(wait);
+        loop {
+            let event = tokio::select! {
+                result = &mut wait => WaitEvent::Done(result),
+                reason = session.ended() => WaitEvent::Ended(reason),
+                event = self.signals.recv() => WaitEvent::Signal(event),
+            };
+            let stable = started.elapsed() >= STABLE_SESSION;
+            match event {
+                WaitEvent::Done(Ok(())) => return Ok(Acquired::Won(session)),
+                WaitEvent::Done(Err(err @ SessionError::Pooler { .. })) => return Err(err.into()),
+                WaitEvent::Done(Err(SessionError::Query(reason))) | WaitEvent::Ended(reason) => {
+                    warn!(event = "session_lost", reason = %reason, "lost the session while waiting for the lock");
+                    return Ok(Acquired::Lost { stable });
+                }
+                WaitEvent::Signal(event) => {
+                    if self.idle_signal(event) {
+                        // The lock may have been granted a moment ago; dropping the session
+                        // closes it, which frees anything it holds.
+                        drop(session);
+                        return Ok(Acquired::Shutdown);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Leads: fences, starts the command, checks the lock until something ends the leadership.
+    async fn lead(&mut self, mut session: Session) -> anyhow::Result<Led> {
+        let lock = self.config.lock.clone();
+        let (interval, timeout) = (self.config.check_interval, self.config.check_timeout);
+
+        // The fencing token. The server processes this statement after it was sent, so the
+        // server keeps the session (and the lock) at least a lease past `sent`: a safe base
+        // for the leader's own deadline.
+        let sent = Instant::now();
+        let epoch = match tokio::time::timeout(timeout, session.epoch()).await {
+            Ok(Ok(epoch)) => epoch,
+            Ok(Err(err)) => {
+                warn!(event = "leadership_lost", lock = %lock, reason = %err, "won the lock but cannot take a fencing token; giving it up");
+                return Ok(Led::Lost { status: None });
+            }
+            Err(_) => {
+                warn!(event = "leadership_lost", lock = %lock, reason = "the fencing token query timed out", "won the lock but the server stopped answering; giving it up");
+                return Ok(Led::Lost { status: None });
+            }
+        };
+        info!(
+            event = "leader",
+            lock = %lock,
+            backend_pid = session.backend_pid(),
+            epoch,
+            "became leader"
+        );
+
+        let mut deadline = sent + interval + timeout;
+        let mut next_check = sent + interval;
+        let mut check: Option<(Instant, CheckFuture)> = None;
+        let mut start_at = Some(Instant::now() + self.config.takeover_delay);
+        if !self.config.takeover_delay.is_zero() {
+            info!(
+                event = "takeover_delay",
+                "starting the command in {} (--takeover-delay)",
+                fmt(self.config.takeover_delay)
+            );
+        }
+        let mut job: Option<Job> = None;
+
+        loop {
+            let event = tokio::select! {
+                _ = sleep_until(start_at.unwrap_or(deadline)), if start_at.is_some() => LeadEvent::Start,
+                _ = sleep_until(next_check), if check.is_none() => LeadEvent::CheckDue,
+                result = async { match &mut check { Some((_, future)) => future.await, None => std::future::pending().await } } => LeadEvent::CheckDone(result),
+                _ = sleep_until(deadline) => LeadEvent::Deadline,
+                reason = session.ended() => LeadEvent::Ended(reason),
+                event = self.signals.recv() => LeadEvent::Signal(event),
+                report = async { match &mut job { Some(job) => job.next_report().await, None => std::future::pending().await } } => LeadEvent::Report(report),
+            };
+            let lost_reason = match event {
+                LeadEvent::Start => {
+                    start_at = None;
+                    let env = self.child_env(session.backend_pid(), epoch);
+                    let spawned = Job::spawn(&self.config.command, &env)
+                        .context("cannot start the keeper process")?;
+                    self.backoff.reset();
+                    debug!(
+                        event = "spawned",
+                        pgid = spawned.pgid().as_raw(),
+                        "started the keeper"
+                    );
+                    job = Some(spawned);
+                    continue;
+                }
+                LeadEvent::CheckDue => {
+                    check = Some((Instant::now(), Box::pin(session.confirm(&lock))));
+                    continue;
+                }
+                LeadEvent::CheckDone(result) => {
+                    let sent = check.take().map_or_else(Instant::now, |(sent, _)| sent);
+                    match result {
+                        Ok(Confirmation::Held) => {
+                            debug!(event = "confirmed", lock = %lock, "the session still holds the lock");
+                            deadline = sent + interval + timeout;
+                            next_check = sent + interval;
+                            continue;
+                        }
+                        Ok(Confirmation::NotHeld) => {
+                            "the check found that this session no longer holds the lock".to_owned()
+                        }
+                        Err(err @ SessionError::Pooler { .. }) => {
+                            let status = self
+                                .stop_if_running(job.take(), self.config.kill_signal)
+                                .await;
+                            drop(session);
+                            log_final(status);
+                            return Err(err.into());
+                        }
+                        Err(SessionError::Query(reason)) => format!("the check failed: {reason}"),
+                    }
+                }
+                LeadEvent::Deadline => format!(
+                    "no successful check for {} (--check-interval + --check-timeout)",
+                    fmt(interval + timeout)
+                ),
+                LeadEvent::Ended(reason) => format!("the connection ended: {reason}"),
+                LeadEvent::Signal(Some(SignalEvent::Shutdown(signal))) => {
+                    self.shutdown_requested = Some(Instant::now());
+                    info!(
+                        event = "shutdown",
+                        signal = signal.as_str(),
+                        "shutting down"
+                    );
+                    let status = self.stop_if_running(job.take(), signal).await;
+                    self.release(session).await;
+                    return Ok(Led::Shutdown(status));
+                }
+                LeadEvent::Signal(event) => {
+                    if self.handle_signal(event, job.as_mut()) {
+                        if let Some(status) = self.finish_vanished(job.as_mut()) {
+                            self.release(session).await;
+                            return Ok(Led::Exited(status));
+                        }
+                    }
+                    continue;
+                }
+                LeadEvent::Report(report) => match report {
+                    Report::Started(pid) => {
+                        info!(event = "child_started", pid, command = %self.config.command.display(), "started the command");
+                        continue;
+                    }
+                    Report::SpawnFailed(errno) => {
+                        let err = CommandError::from_errno(
+                            self.config.command.program().as_os_str(),
+                            errno,
+                        );
+                        let _ = self.stop_if_running(job.take(), Signal::SIGKILL).await;
+                        self.release(session).await;
+                        return Err(err.into());
+                    }
+                    Report::Exited(_) | Report::Killed(_) => {
+                        let status = status_of(report);
+                        info!(event = "child_exited", status = %status, exit_code = status.exit_code(), "the command exited");
+                        // Whatever the command left behind in its process group goes too, before
+                        // the lock is released.
+                        if let Some(job) = job.take() {
+                            self.stop(job, self.config.kill_signal, Some(status), true)
+                                .await;
+                        }
+                        self.release(session).await;
+                        return Ok(Led::Exited(status));
+                    }
+                },
+            };
+            warn!(event = "leadership_lost", lock = %lock, reason = %lost_reason, "leadership lost");
+            let status = self
+                .stop_if_running(job.take(), self.config.kill_signal)
+                .await;
+            log_final(status);
+            // Closed only now: until the command is gone, the session keeps the lock (or the
+            // server has already freed it, in which case closing changes nothing).
+            drop(session);
+            return Ok(Led::Lost { status });
+        }
+    }
+
+    fn child_env(&self, backend_pid: i32, epoch: i64) -> Vec<(&'static str, String)> {
+        let mut env = vec![
+            ("PGLEADER_LOCK_ID", self.config.lock.key().to_string()),
+            ("PGLEADER_BACKEND_PID", backend_pid.to_string()),
+            ("PGLEADER_EPOCH", epoch.to_string()),
+        ];
+        if let Some(name) = self.config.lock.name() {
+            env.push(("PGLEADER_LOCK_NAME", name.to_owned()));
+        }
+        env
+    }
+
+    async fn stop_if_running(&mut self, job: Option<Job>, signal: Signal) -> Option<ChildStatus> {
+        match job {
+            Some(job) => Some(self.stop(job, signal, None, false).await),
+            None => None,
+        }
+    }
+
+    /// Stops a job: `signal` to its process group, then SIGKILL after the kill timeout (or at
+    /// once on a second TERM/INT), and waits until its keeper is reaped. `leftovers_only` when
+    /// the command itself has exited already and only what it left behind is being stopped.
+    async fn stop(
+        &mut self,
+        mut job: Job,
+        signal: Signal,
+        mut status: Option<ChildStatus>,
+        leftovers_only: bool,
+    ) -> ChildStatus {
+        let pgid = job.pgid().as_raw();
+        if !leftovers_only {
+            info!(
+                event = "stopping",
+                pgid,
+                signal = signal.as_str(),
+                "stopping the command: {} to its process group",
+                signal.as_str()
+            );
+        }
+        if let Err(err) = job.signal(signal) {
+            warn!(event = "signal_failed", pgid, reason = %err, "cannot signal the process group");
+        }
+        let grace = sleep(self.config.kill_timeout);
+        tokio::pin!(grace);
+        let mut killed = false;
+        while !job.is_finished() {
+            let event = tokio::select! {
+                _ = &mut grace, if !killed => StopEvent::GraceOver,
+                event = self.signals.recv() => StopEvent::Signal(event),
+                report = job.next_report() => StopEvent::Report(report),
+            };
+            match event {
+                StopEvent::GraceOver => {
+                    warn!(
+                        event = "kill",
+                        pgid,
+                        "the process group did not exit within {} (--kill-timeout); sending SIGKILL",
+                        fmt(self.config.kill_timeout)
+                    );
+                    let _ = job.signal(Signal::SIGKILL);
+                    killed = true;
+                }
+                StopEvent::Signal(Some(SignalEvent::Shutdown(received))) => {
+                    match self.shutdown_requested {
+                        // `timeout(1)` and some process managers send the same TERM twice in a
+                        // row (to the process and to its group); only a later one insists.
+                        Some(first) if first.elapsed() < REPEAT_WINDOW => {
+                            debug!(
+                                event = "repeated_signal",
+                                signal = received.as_str(),
+                                "ignoring a repeated shutdown signal"
+                            );
+                        }
+                        Some(_) => {
+                            warn!(
+                                event = "kill",
+                                pgid,
+                                signal = received.as_str(),
+                                "second shutdown signal: sending SIGKILL"
+                            );
+                            let _ = job.signal(Signal::SIGKILL);
+                            killed = true;
+                        }
+                        None => {
+                            self.shutdown_requested = Some(Instant::now());
+                            info!(
+                                event = "shutdown",
+                                signal = received.as_str(),
+                                "shutting down once the command has stopped"
+                            );
+                            let _ = job.signal(received);
+                        }
+                    }
+                }
+                StopEvent::Signal(event) => {
+                    self.handle_signal(event, Some(&mut job));
+                }
+                StopEvent::Report(report) => match report {
+                    Report::Exited(_) | Report::Killed(_) => {
+                        let ended = status_of(report);
+                        if !leftovers_only {
+                            info!(event = "child_exited", status = %ended, exit_code = ended.exit_code(), "the command exited");
+                        }
+                        status.get_or_insert(ended);
+                    }
+                    // The keeper exits with 126/127 right after; its status stands for the
+                    // command's.
+                    Report::SpawnFailed(_) => {}
+                    Report::Started(pid) => debug!(
+                        event = "child_started",
+                        pid, "the command started while being stopped"
+                    ),
+                },
+            }
+        }
+        for report in job.remaining_reports() {
+            if matches!(report, Report::Exited(_) | Report::Killed(_)) {
+                status.get_or_insert(status_of(report));
+            }
+        }
+        debug!(event = "group_stopped", pgid, "the process group is gone");
+        status
+            .or_else(|| job.keeper_status())
+            .unwrap_or(ChildStatus::Signaled(Signal::SIGKILL))
+    }
+
+    /// Handles a signal event while a job may run. Returns true if a child was reaped.
+    fn handle_signal(&mut self, event: Option<SignalEvent>, job: Option<&mut Job>) -> bool {
+        match event {
+            Some(SignalEvent::Forward(signal)) => {
+                if let Some(job) = job {
+                    debug!(
+                        event = "forward",
+                        signal = signal.as_str(),
+                        "passing the signal on to the command"
+                    );
+                    if let Err(err) = job.signal(signal) {
+                        warn!(event = "signal_failed", reason = %err, "cannot pass the signal on");
+                    }
+                }
+                false
+            }
+            Some(SignalEvent::ChildStateChanged) => {
+                let mut job = job;
+                for (pid, status) in job::reap_all() {
+                    let ours = job.as_mut().is_some_and(|job| job.note_reaped(pid, status));
+                    if !ours {
+                        debug!(
+                            event = "reaped",
+                            pid = pid.as_raw(),
+                            "reaped an orphaned process"
+                        );
+                    }
+                }
+                true
+            }
+            Some(SignalEvent::Shutdown(_)) | None => false,
+        }
+    }
+
+    /// The keeper vanished without the supervisor stopping it (killed from outside): returns
+    /// the command's status once the job is fully gone.
+    fn finish_vanished(&mut self, job: Option<&mut Job>) -> Option<ChildStatus> {
+        let job = job?;
+        if !job.is_finished() {
+            return None;
+        }
+        let status = job
+            .remaining_reports()
+            .into_iter()
+            .find(|report| matches!(report, Report::Exited(_) | Report::Killed(_)))
+            .map(status_of)
+            .or_else(|| job.keeper_status())
+            .unwrap_or(ChildStatus::Signaled(Signal::SIGKILL));
+        info!(event = "child_exited", status = %status, exit_code = status.exit_code(), "the command exited");
+        Some(status)
+    }
+
+    /// Handles a signal while no command runs. Returns true if pgleader should shut down.
+    fn idle_signal(&mut self, event: Option<SignalEvent>) -> bool {
+        match event {
+            Some(SignalEvent::Shutdown(signal)) => {
+                self.shutdown_requested = Some(Instant::now());
+                info!(
+                    event = "shutdown",
+                    signal = signal.as_str(),
+                    "shutting down"
+                );
+                true
+            }
+            None => true,
+            other => {
+                self.handle_signal(other, None);
+                false
+            }
+        }
+    }
+
+    /// Sleeps, still answering signals. False if pgleader should shut down.
+    async fn pause(&mut self, duration: Duration) -> bool {
+        let until = sleep(duration);
+        tokio::pin!(until);
+        loop {
+            let event = tokio::select! {
+                _ = &mut until => return true,
+                event = self.signals.recv() => event,
+            };
+            if self.idle_signal(event) {
+                return false;
+            }
+        }
+    }
+
+    /// Releases the lock explicitly so the next waiter is granted it at once, then closes.
+    async fn release(&mut self, session: Session) {
+        let lock = self.config.lock.clone();
+        match session.release(&lock, self.config.check_timeout).await {
+            Ok(()) => info!(event = "released", lock = %lock, "released the lock"),
+            Err(err) => {
+                warn!(event = "release_failed", lock = %lock, reason = %err, "cannot release the lock explicitly; closing the session frees it")
+            }
+        }
+    }
+}
+
+fn status_of(report: Report) -> ChildStatus {
+    match report {
+        Report::Killed(signal) => Signal::try_from(signal)
+            .map(ChildStatus::Signaled)
+            .unwrap_or(ChildStatus::Exited(128 + signal)),
+        Report::Exited(code) => ChildStatus::Exited(code),
+        Report::Started(_) | Report::SpawnFailed(_) => ChildStatus::Exited(0),
+    }
+}
+
+fn log_final(status: Option<ChildStatus>) {
+    if let Some(status) = status {
+        debug!(event = "stopped", status = %status, "the command was stopped");
+    }
+}
+
+fn password_hint(config: &RunConfig, reason: &str) -> String {
+    if reason.contains("password") {
+        match &config.connection.password_source {
+            Some(source) => format!(" (the password came from {source})"),
+            None => {
+                " (no password was given: set one in ~/.pgpass, PGPASSWORD or the URL)".to_owned()
+            }
+        }
+    } else {
+        String::new()
+    }
+}
+
+fn fmt(duration: Duration) -> humantime::FormattedDuration {
+    humantime::format_duration(duration)
+}
