@@ -1,0 +1,338 @@
+//! The election itself: one leader runs the command, the others wait; keys; --once;
+//! --no-wait; the child's environment; the election resuming after the command exits.
+
+use nix::sys::signal::Signal;
+
+use crate::harness::{Cluster, Proc, Stream, field, patient_child, pgleader, run, unique_lock};
+
+/// The server's view of a lock: (backend pid, granted) for each session holding or waiting.
+fn lock_rows(cluster: &Cluster, key: i64) -> Vec<(i32, bool)> {
+    let classid = ((key as u64) >> 32) as u32;
+    let objid = key as u64 as u32;
+    cluster
+        .client()
+        .query(
+            "SELECT pid, granted FROM pg_locks WHERE locktype = 'advisory' \
+             AND classid = $1 AND objid = $2 AND objsubid = 1 ORDER BY granted DESC",
+            &[&classid, &objid],
+        )
+        .expect("read pg_locks")
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect()
+}
+
+#[test]
+fn the_leader_runs_the_command_and_a_follower_waits() {
+    let cluster = Cluster::shared();
+    let lock = unique_lock();
+    let a = run("A", cluster, lock, &[], &patient_child("A"));
+    let started = a.wait_stdout("A started");
+    let b = run("B", cluster, lock, &[], &patient_child("B"));
+    let waiting = b.wait_log("waiting for the lock");
+
+    // The server agrees: A's session holds the lock, B's waits for it.
+    let a_backend: i32 = field(&started, "backend").parse().expect("backend pid");
+    let b_backend: i32 = field(&waiting, "backend_pid").parse().expect("backend pid");
+    assert_eq!(
+        lock_rows(cluster, lock),
+        vec![(a_backend, true), (b_backend, false)]
+    );
+    assert!(
+        b.lines(Stream::Stdout).is_empty(),
+        "B ran its command while A leads"
+    );
+
+    a.signal(Signal::SIGTERM);
+    a.wait_stdout("A got TERM");
+    assert_eq!(a.wait_code(), 0, "{}", a.dump());
+    b.wait_stdout("B started");
+}
+
+#[test]
+fn the_command_learns_the_lock_its_session_and_a_fencing_epoch() {
+    let cluster = Cluster::shared();
+    let name = format!("nightly-{}", unique_lock());
+    let mut command = pgleader();
+    command
+        .env("PGLEADER_DATABASE_URL", cluster.url())
+        .args(["run", "--once", "--lock", &name, "--", "sh", "-c"])
+        .arg("echo child lock=$PGLEADER_LOCK_ID name=$PGLEADER_LOCK_NAME backend=$PGLEADER_BACKEND_PID epoch=$PGLEADER_EPOCH");
+    let first = Proc::spawn("first", command);
+    let line = first.wait_stdout("child");
+    assert_eq!(first.wait_code(), 0);
+
+    let mut client = cluster.client();
+    let expected: i64 = client
+        .query_one("SELECT hashtextextended($1, 0)", &[&name])
+        .expect("hash")
+        .get(0);
+    assert_eq!(
+        field(&line, "lock"),
+        expected.to_string(),
+        "the key of --lock is hashtextextended(name, 0)"
+    );
+    assert_eq!(field(&line, "name"), name);
+    let connected = first.wait_log("connected");
+    assert_eq!(field(&line, "backend"), field(&connected, "backend_pid"));
+    assert!(
+        first
+            .wait_log("became leader")
+            .contains(&format!("backend_pid={}", field(&line, "backend")))
+    );
+
+    // A second leadership gets a larger epoch.
+    let mut again = pgleader();
+    again.env("PGLEADER_DATABASE_URL", cluster.url()).args([
+        "run",
+        "--once",
+        "--lock",
+        &name,
+        "--",
+        "sh",
+        "-c",
+        "echo child epoch=$PGLEADER_EPOCH",
+    ]);
+    let second = Proc::spawn("second", again);
+    let second_line = second.wait_stdout("child");
+    assert_eq!(second.wait_code(), 0);
+    let epoch = |line: &str| field(line, "epoch").parse::<i64>().expect("epoch");
+    assert!(
+        epoch(&second_line) > epoch(&line),
+        "{second_line} after {line}"
+    );
+}
+
+#[test]
+fn sessions_show_host_and_pid_in_pg_stat_activity() {
+    let cluster = Cluster::shared();
+    let lock = unique_lock();
+    let a = run("A", cluster, lock, &[], &patient_child("A"));
+    let line = a.wait_stdout("A started");
+    let backend: i32 = field(&line, "backend").parse().expect("backend");
+    let name: String = cluster
+        .client()
+        .query_one(
+            "SELECT application_name FROM pg_stat_activity WHERE pid = $1",
+            &[&backend],
+        )
+        .expect("pg_stat_activity")
+        .get(0);
+    let host = nix::unistd::gethostname()
+        .expect("hostname")
+        .into_string()
+        .expect("utf-8");
+    assert_eq!(name, format!("pgleader:{}@{host}", a.pid));
+}
+
+#[test]
+fn keys_beyond_32_bits_and_negative_keys_are_confirmed_on_the_right_pg_locks_row() {
+    let cluster = Cluster::shared();
+    let base = unique_lock();
+    for key in [
+        (1_i64 << 32) + base,
+        -base,
+        i64::MIN + base,
+        i64::MAX - base,
+    ] {
+        let a = run(
+            "A",
+            cluster,
+            key,
+            &["-v", "--check-interval=50ms"],
+            &patient_child("A"),
+        );
+        a.wait_stdout("A started");
+        // Several checks pass: the check reads classid, objid and objsubid = 1 correctly.
+        a.wait_for_nth(Stream::Stderr, "the session still holds the lock", 3);
+        let rows = lock_rows(cluster, key);
+        assert_eq!(rows.len(), 1, "key {key}: {rows:?}");
+        assert!(rows[0].1, "key {key}: {rows:?}");
+
+        // A key differing only in its high half is a different lock.
+        let other = run(
+            "other",
+            cluster,
+            key ^ (1 << 40),
+            &["--once"],
+            "echo other ran",
+        );
+        other.wait_stdout("other ran");
+        assert_eq!(other.wait_code(), 0);
+
+        // The same key is the same lock.
+        let b = run(
+            "B",
+            cluster,
+            key,
+            &["--no-wait", "--busy-exit-code=9"],
+            "echo B ran",
+        );
+        assert_eq!(b.wait_code(), 9, "key {key}");
+        assert!(b.lines(Stream::Stdout).is_empty());
+        a.signal(Signal::SIGTERM);
+        assert_eq!(a.wait_code(), 0);
+    }
+}
+
+#[test]
+fn once_exits_with_the_commands_status() {
+    let cluster = Cluster::shared();
+    let exits = run("exits", cluster, unique_lock(), &["--once"], "exit 7");
+    assert_eq!(exits.wait_code(), 7);
+    exits.wait_log("released the lock");
+
+    let killed = run(
+        "killed",
+        cluster,
+        unique_lock(),
+        &["--once"],
+        "kill -KILL $$",
+    );
+    assert_eq!(killed.wait_code(), 128 + 9);
+}
+
+#[test]
+fn no_wait_exits_with_the_busy_code_when_another_instance_leads() {
+    let cluster = Cluster::shared();
+    let lock = unique_lock();
+    let a = run("A", cluster, lock, &[], &patient_child("A"));
+    a.wait_stdout("A started");
+
+    let busy = run("busy", cluster, lock, &["--no-wait"], "echo busy ran");
+    assert_eq!(busy.wait_code(), 0, "the default busy code is 0");
+    busy.wait_log("another instance holds the lock");
+    let busy_custom = run(
+        "busy9",
+        cluster,
+        lock,
+        &["--no-wait", "--busy-exit-code", "9"],
+        "echo busy ran",
+    );
+    assert_eq!(busy_custom.wait_code(), 9);
+    for process in [&busy, &busy_custom] {
+        assert!(
+            process.lines(Stream::Stdout).is_empty(),
+            "{}",
+            process.dump()
+        );
+    }
+
+    a.signal(Signal::SIGTERM);
+    assert_eq!(a.wait_code(), 0);
+    let free = run(
+        "free",
+        cluster,
+        lock,
+        &["--no-wait"],
+        "echo free ran; exit 4",
+    );
+    free.wait_stdout("free ran");
+    assert_eq!(free.wait_code(), 4);
+}
+
+#[test]
+fn after_the_command_exits_the_lock_goes_to_the_next_waiting_replica() {
+    let cluster = Cluster::shared();
+    let lock = unique_lock();
+    let a = run(
+        "A",
+        cluster,
+        lock,
+        &["--restart-delay=1h"],
+        "echo A ran; exec sleep 1000",
+    );
+    a.wait_stdout("A ran");
+    let b = run("B", cluster, lock, &[], &patient_child("B"));
+    b.wait_log("waiting for the lock");
+
+    // A's command ends on its own: A releases, B (already waiting) takes over, A waits out
+    // its restart delay.
+    let sleep_pid: i32 = a
+        .wait_log("started the command")
+        .split("pid=")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|pid| pid.parse().ok())
+        .expect("pid");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(sleep_pid), Signal::SIGKILL)
+        .expect("kill the command");
+    a.wait_log("the command exited");
+    a.wait_log("released the lock");
+    a.wait_log("entering the election again in 1h");
+    b.wait_stdout("B started");
+}
+
+#[test]
+fn a_lone_replica_runs_the_command_again_after_the_restart_delay() {
+    let cluster = Cluster::shared();
+    let a = run(
+        "A",
+        cluster,
+        unique_lock(),
+        &["--restart-delay=0s"],
+        "echo A ran",
+    );
+    a.wait_for_nth(Stream::Stdout, "A ran", 3);
+}
+
+#[test]
+fn status_reports_the_leader_and_the_waiters_in_order() {
+    let cluster = Cluster::shared();
+    let lock = unique_lock();
+    let status = |json: bool| {
+        let mut command = pgleader();
+        command.env("PGLEADER_DATABASE_URL", cluster.url()).args([
+            "status",
+            "--lock-id",
+            &lock.to_string(),
+        ]);
+        if json {
+            command.arg("--json");
+        }
+        Proc::spawn("status", command)
+    };
+    let free = status(false);
+    assert_eq!(free.wait_code(), 3, "a free lock exits 3");
+    let (_, out, _) = free.finish();
+    assert!(out[0].ends_with(": free"), "{out:?}");
+
+    let a = run("A", cluster, lock, &[], &patient_child("A"));
+    a.wait_stdout("A started");
+    let b = run("B", cluster, lock, &[], &patient_child("B"));
+    b.wait_log("waiting for the lock");
+    let c = run("C", cluster, lock, &[], &patient_child("C"));
+    c.wait_log("waiting for the lock");
+
+    let held = status(true);
+    assert_eq!(held.wait_code(), 0, "a held lock exits 0");
+    let (_, out, _) = held.finish();
+    let report: serde_json::Value = serde_json::from_str(&out.join("\n")).expect("json");
+    assert_eq!(report["held"], true);
+    assert_eq!(report["holder"]["pgleader_pid"], a.pid.as_raw());
+    let waiting: Vec<_> = report["waiting"]
+        .as_array()
+        .expect("waiting")
+        .iter()
+        .map(|w| w["pgleader_pid"].clone())
+        .collect();
+    assert_eq!(
+        waiting,
+        vec![
+            serde_json::json!(b.pid.as_raw()),
+            serde_json::json!(c.pid.as_raw())
+        ]
+    );
+
+    let text = status(false);
+    assert_eq!(text.wait_code(), 0);
+    let (_, out, _) = text.finish();
+    assert!(
+        out[1].contains(&format!("pgleader pid {}", a.pid)),
+        "{out:?}"
+    );
+    assert!(
+        out[2].contains("waiting #1: ") && out[2].contains(&format!("pgleader pid {}", b.pid)),
+        "{out:?}"
+    );
+}

@@ -1,0 +1,165 @@
+//! Losing the leader: kill -9 of pgleader, a graceful SIGTERM, the server terminating the
+//! leader's session, a command that will not stop.
+
+use std::fs;
+
+use nix::sys::signal::Signal;
+
+use crate::harness::{
+    Cluster, Stream, WAIT, field, is_running, patient_child, run, started_pid, unique_lock,
+    wait_gone,
+};
+
+#[test]
+fn kill_9_of_the_leader_takes_its_command_and_grandchild_down_and_a_follower_takes_over() {
+    let cluster = Cluster::shared();
+    let lock = unique_lock();
+    let a = run(
+        "A",
+        cluster,
+        lock,
+        &[],
+        "sh -c 'sleep 1000' & echo A grandchild $!; echo A started $$ keeper=$PPID; wait",
+    );
+    let started = a.wait_stdout("A started");
+    let child = started_pid(&started);
+    let keeper: i32 = field(&started, "keeper").parse().expect("keeper pid");
+    let grandchild: i32 = a
+        .wait_stdout("A grandchild")
+        .split_whitespace()
+        .nth(2)
+        .and_then(|p| p.parse().ok())
+        .expect("pid");
+    let b = run("B", cluster, lock, &[], &patient_child("B"));
+    b.wait_log("waiting for the lock");
+
+    a.signal(Signal::SIGKILL);
+    for (what, pid) in [
+        ("command", child),
+        ("grandchild", grandchild),
+        ("keeper", keeper),
+    ] {
+        assert!(
+            wait_gone(pid, WAIT),
+            "the {what} (pid {pid}) outlived pgleader"
+        );
+    }
+    b.wait_stdout("B started");
+}
+
+#[test]
+fn sigterm_to_the_leader_hands_over_only_after_its_command_has_exited() {
+    let cluster = Cluster::shared();
+    let lock = unique_lock();
+    let journal = std::env::temp_dir().join(format!("pgleader-journal-{lock}"));
+    let _ = fs::remove_file(&journal);
+    let path = journal.display().to_string();
+    // A takes half a second to clean up after TERM; B must not start before A is done.
+    let a = run(
+        "A",
+        cluster,
+        lock,
+        &[],
+        &format!(
+            "trap 'sleep 0.5; echo A stopped >> {path}; exit 0' TERM; echo A started; while :; do sleep 1000 & wait $!; done"
+        ),
+    );
+    a.wait_stdout("A started");
+    let b = run(
+        "B",
+        cluster,
+        lock,
+        &[],
+        &format!("echo B started >> {path}; echo B started; exec sleep 1000"),
+    );
+    b.wait_log("waiting for the lock");
+
+    a.signal(Signal::SIGTERM);
+    b.wait_stdout("B started");
+    assert_eq!(a.wait_code(), 0, "{}", a.dump());
+    a.wait_log("released the lock");
+    let order = fs::read_to_string(&journal).expect("journal");
+    assert_eq!(order, "A stopped\nB started\n");
+    let _ = fs::remove_file(&journal);
+}
+
+#[test]
+fn terminating_the_leaders_session_stops_its_command_at_once_not_at_the_next_check() {
+    let cluster = Cluster::shared();
+    let lock = unique_lock();
+    // Checks are a minute apart: only noticing the connection's end can stop the command
+    // within the test's wait.
+    let a = run(
+        "A",
+        cluster,
+        lock,
+        &["--check-interval=60s", "--lease=90s"],
+        &patient_child("A"),
+    );
+    let started = a.wait_stdout("A started");
+    cluster.terminate_backend(field(&started, "backend").parse().expect("backend"));
+    a.wait_stdout("A got TERM");
+    let lost = a.wait_log("leadership lost");
+    assert!(
+        lost.contains("terminating connection due to administrator command"),
+        "{lost}"
+    );
+    // Back in the election, and the lock is free: A leads again.
+    a.wait_for_nth(Stream::Stdout, "A started", 2);
+}
+
+#[test]
+fn once_exits_75_when_leadership_is_lost_mid_run() {
+    let cluster = Cluster::shared();
+    let a = run(
+        "A",
+        cluster,
+        unique_lock(),
+        &["--once"],
+        &patient_child("A"),
+    );
+    let started = a.wait_stdout("A started");
+    cluster.terminate_backend(field(&started, "backend").parse().expect("backend"));
+    a.wait_stdout("A got TERM");
+    assert_eq!(a.wait_code(), 75, "{}", a.dump());
+}
+
+#[test]
+fn a_command_that_ignores_sigterm_is_killed_after_the_kill_timeout() {
+    let cluster = Cluster::shared();
+    let a = run(
+        "A",
+        cluster,
+        unique_lock(),
+        &["--kill-timeout=300ms"],
+        "trap '' TERM; echo A started $$; while :; do sleep 1000 & wait $!; done",
+    );
+    let child = started_pid(&a.wait_stdout("A started"));
+    a.signal(Signal::SIGTERM);
+    a.wait_log("did not exit within 300ms (--kill-timeout); sending SIGKILL");
+    assert_eq!(a.wait_code(), 128 + 9, "{}", a.dump());
+    assert!(!is_running(child), "the command survived SIGKILL");
+}
+
+#[test]
+fn leftovers_of_a_command_that_exited_are_stopped_before_the_lock_is_released() {
+    let cluster = Cluster::shared();
+    let a = run(
+        "A",
+        cluster,
+        unique_lock(),
+        &["--once", "--kill-timeout=5s"],
+        "sleep 1000 & echo A left $!; exit 3",
+    );
+    let leftover: i32 = a
+        .wait_stdout("A left")
+        .split_whitespace()
+        .nth(2)
+        .and_then(|p| p.parse().ok())
+        .expect("pid");
+    assert_eq!(a.wait_code(), 3);
+    assert!(
+        !is_running(leftover),
+        "the command's background process outlived the leadership"
+    );
+}

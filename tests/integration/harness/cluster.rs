@@ -1,0 +1,310 @@
+//! A throwaway PostgreSQL cluster for the tests: `initdb` from the installed server binaries, a
+//! free port on 127.0.0.1, a socket directory of its own, run as a non-root user when the tests
+//! run as root (initdb refuses root). Missing binaries fail the test with what to install.
+
+use std::fs;
+use std::net::TcpListener;
+use std::os::unix::fs::{PermissionsExt, chown};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::{Pid, User, geteuid};
+
+use super::spawner;
+
+/// A role with a password, for the tests of authentication failures.
+pub const SECRET_USER: &str = "secret_user";
+pub const SECRET_PASSWORD: &str = "correct-horse-battery";
+
+const INSTALL_HINT: &str = "PostgreSQL server binaries (initdb, postgres) are needed by the tests \
+    and were not found. Install them (Debian/Ubuntu: `apt-get install postgresql`), or point \
+    PGLEADER_TEST_PG_BINDIR at the directory that holds them";
+
+#[derive(Debug)]
+pub struct Cluster {
+    pub name: String,
+    pub base: PathBuf,
+    pub data: PathBuf,
+    pub socket_dir: PathBuf,
+    pub port: u16,
+    bindir: PathBuf,
+    owner: Option<User>,
+    server: Mutex<Option<Child>>,
+}
+
+static COUNTER: AtomicUsize = AtomicUsize::new(0);
+
+impl Cluster {
+    /// The cluster most tests share; each test uses its own lock keys.
+    pub fn shared() -> &'static Cluster {
+        static SHARED: OnceLock<Cluster> = OnceLock::new();
+        SHARED.get_or_init(|| Cluster::new("shared"))
+    }
+
+    /// A cluster of the test's own, for tests that stop or restart the server.
+    pub fn new(name: &str) -> Cluster {
+        let bindir = find_bindir();
+        let owner = if geteuid().is_root() {
+            Some(
+                User::from_name("postgres")
+                    .ok()
+                    .flatten()
+                    .or_else(|| User::from_name("nobody").ok().flatten())
+                    .expect("the tests run as root and need a 'postgres' or 'nobody' user to run initdb as"),
+            )
+        } else {
+            None
+        };
+        let base = std::env::temp_dir().join(format!(
+            "pgleader-test-{}-{}-{name}",
+            std::process::id(),
+            COUNTER.fetch_add(1, Ordering::SeqCst)
+        ));
+        let _ = fs::remove_dir_all(&base);
+        fs::create_dir_all(&base).expect("create the cluster directory");
+        fs::set_permissions(&base, fs::Permissions::from_mode(0o700)).expect("chmod");
+        let data = base.join("data");
+        let socket_dir = base.join("socket");
+        fs::create_dir_all(&socket_dir).expect("create the socket directory");
+        if let Some(owner) = &owner {
+            for dir in [&base, &socket_dir] {
+                chown(dir, Some(owner.uid.as_raw()), Some(owner.gid.as_raw())).expect("chown");
+            }
+        }
+        let cluster = Cluster {
+            name: name.to_owned(),
+            base,
+            data,
+            socket_dir,
+            port: free_port(),
+            bindir,
+            owner,
+            server: Mutex::new(None),
+        };
+        cluster.initdb();
+        cluster.start();
+        cluster.execute(&format!(
+            "CREATE ROLE {SECRET_USER} LOGIN PASSWORD '{SECRET_PASSWORD}'"
+        ));
+        cluster
+    }
+
+    fn command(&self, program: &str) -> Command {
+        let mut command = Command::new(self.bindir.join(program));
+        if let Some(owner) = &self.owner {
+            command.uid(owner.uid.as_raw()).gid(owner.gid.as_raw());
+        }
+        command
+            .env_clear()
+            .env("PATH", "/usr/bin:/bin")
+            .env("LC_ALL", "C");
+        command
+    }
+
+    fn initdb(&self) {
+        let output = self
+            .command("initdb")
+            .args(["-D"])
+            .arg(&self.data)
+            .args([
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "-N",
+                "-E",
+                "UTF8",
+                "--locale=C",
+            ])
+            .output()
+            .unwrap_or_else(|err| panic!("cannot run initdb ({err}). {INSTALL_HINT}"));
+        assert!(
+            output.status.success(),
+            "initdb failed: {}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        // Password authentication for one role over TCP, trust for everyone else.
+        fs::write(
+            self.data.join("pg_hba.conf"),
+            format!(
+                "host all {SECRET_USER} 127.0.0.1/32 scram-sha-256\n\
+                 local all all trust\n\
+                 host all all 127.0.0.1/32 trust\n\
+                 local replication all trust\n\
+                 host replication all 127.0.0.1/32 trust\n"
+            ),
+        )
+        .expect("write pg_hba.conf");
+    }
+
+    /// Starts the server and waits until it accepts connections.
+    pub fn start(&self) {
+        let mut server = self.server.lock().expect("server lock");
+        assert!(server.is_none(), "the server of {} already runs", self.name);
+        let log = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.base.join("server.log"))
+            .expect("open the server log");
+        let mut command = self.command("postgres");
+        command
+            .arg("-D")
+            .arg(&self.data)
+            .args(["-p", &self.port.to_string()])
+            .arg("-k")
+            .arg(&self.socket_dir)
+            .args([
+                "-c",
+                "listen_addresses=127.0.0.1",
+                "-c",
+                "fsync=off",
+                "-c",
+                "synchronous_commit=off",
+                "-c",
+                "full_page_writes=off",
+                "-c",
+                "max_connections=300",
+                "-c",
+                "shared_buffers=32MB",
+                "-c",
+                "wal_level=replica",
+                "-c",
+                "max_wal_senders=4",
+                "-c",
+                "log_min_messages=warning",
+            ])
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log);
+        // SIGQUIT: an immediate shutdown when the test binary exits.
+        let mut child = spawner::spawn(command, Signal::SIGQUIT)
+            .unwrap_or_else(|err| panic!("cannot start postgres ({err}). {INSTALL_HINT}"));
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(status) = child.try_wait().expect("try_wait") {
+                panic!(
+                    "postgres exited at start-up ({status}); log:\n{}",
+                    self.log()
+                );
+            }
+            if postgres::Client::connect(&self.url(), postgres::NoTls).is_ok() {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "postgres did not start within 60 s; log:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        *server = Some(child);
+    }
+
+    /// Stops the server the hard way: an immediate shutdown, as after a crash.
+    pub fn crash(&self) {
+        self.stop_with(Signal::SIGQUIT);
+    }
+
+    fn stop_with(&self, signal: Signal) {
+        let mut server = self.server.lock().expect("server lock");
+        if let Some(mut child) = server.take() {
+            let _ = kill(Pid::from_raw(child.id() as i32), signal);
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while child.try_wait().expect("try_wait").is_none() {
+                if Instant::now() > deadline {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+
+    /// A URL for pgleader and the tests: TCP on 127.0.0.1, superuser `postgres`.
+    pub fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    pub fn client(&self) -> postgres::Client {
+        postgres::Client::connect(&self.url(), postgres::NoTls)
+            .unwrap_or_else(|err| panic!("cannot connect to the test cluster: {err}"))
+    }
+
+    pub fn execute(&self, sql: &str) {
+        self.client()
+            .batch_execute(sql)
+            .unwrap_or_else(|err| panic!("{sql}: {err}"));
+    }
+
+    /// `pg_terminate_backend`: the server ends that session, as an administrator would.
+    pub fn terminate_backend(&self, backend_pid: i32) {
+        let terminated: bool = self
+            .client()
+            .query_one("SELECT pg_terminate_backend($1)", &[&backend_pid])
+            .expect("pg_terminate_backend")
+            .get(0);
+        assert!(terminated, "no session with backend pid {backend_pid}");
+    }
+
+    pub fn log(&self) -> String {
+        fs::read_to_string(self.base.join("server.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        self.crash();
+        let _ = fs::remove_dir_all(&self.base);
+    }
+}
+
+/// The server binaries: PGLEADER_TEST_PG_BINDIR, else `pg_config --bindir`, else the newest
+/// /usr/lib/postgresql/*/bin.
+fn find_bindir() -> PathBuf {
+    let has_server = |dir: &Path| dir.join("initdb").is_file() && dir.join("postgres").is_file();
+    if let Some(dir) = std::env::var_os("PGLEADER_TEST_PG_BINDIR") {
+        let dir = PathBuf::from(dir);
+        assert!(
+            has_server(&dir),
+            "PGLEADER_TEST_PG_BINDIR={} has no initdb and postgres",
+            dir.display()
+        );
+        return dir;
+    }
+    if let Ok(output) = Command::new("pg_config").arg("--bindir").output()
+        && output.status.success()
+    {
+        let dir = PathBuf::from(String::from_utf8_lossy(&output.stdout).trim());
+        if has_server(&dir) {
+            return dir;
+        }
+    }
+    let mut candidates: Vec<(u32, PathBuf)> = fs::read_dir("/usr/lib/postgresql")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|entry| {
+            let version = entry.file_name().to_str()?.parse().ok()?;
+            let dir = entry.path().join("bin");
+            has_server(&dir).then_some((version, dir))
+        })
+        .collect();
+    candidates.sort();
+    candidates
+        .pop()
+        .map(|(_, dir)| dir)
+        .unwrap_or_else(|| panic!("{INSTALL_HINT}"))
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .map(|addr| addr.port())
+        .expect("find a free port")
+}

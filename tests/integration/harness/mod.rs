@@ -1,0 +1,89 @@
+//! What the integration tests share: a real PostgreSQL cluster, pgleader processes with their
+//! output captured, and small helpers to build child commands.
+
+pub mod cluster;
+pub mod process;
+pub mod spawner;
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicI64, Ordering};
+
+pub use cluster::Cluster;
+pub use process::{Proc, Stream, WAIT, is_running, wait_gone};
+
+/// A lock key no other test uses.
+pub fn unique_lock() -> i64 {
+    static NEXT: AtomicI64 = AtomicI64::new(1_000);
+    NEXT.fetch_add(1, Ordering::SeqCst)
+}
+
+/// An empty HOME, so no test reads the developer's ~/.pgpass.
+pub fn empty_home() -> &'static PathBuf {
+    static HOME: OnceLock<PathBuf> = OnceLock::new();
+    HOME.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("pgleader-test-home-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("create the test HOME");
+        dir
+    })
+}
+
+/// `pgleader` with a clean environment (no PG* variables from the developer's shell).
+pub fn pgleader() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_pgleader"));
+    command
+        .env_clear()
+        .env(
+            "PATH",
+            std::env::var_os("PATH").unwrap_or_else(|| "/usr/bin:/bin".into()),
+        )
+        .env("HOME", empty_home());
+    command
+}
+
+/// `pgleader run --lock-id <lock> <args...> -- sh -c <script>` against `cluster`.
+pub fn run(name: &str, cluster: &Cluster, lock: i64, args: &[&str], script: &str) -> Proc {
+    let mut command = pgleader();
+    command
+        .env("PGLEADER_DATABASE_URL", cluster.url())
+        .arg("run")
+        .arg(format!("--lock-id={lock}"))
+        .args(args)
+        .args(["--", "sh", "-c", script]);
+    Proc::spawn(name, command)
+}
+
+/// A child that reports its start and the signals it gets, and otherwise waits forever.
+/// It prints `<tag> started <pid>`, `<tag> got <SIG>` for each signal, and exits 0 on TERM
+/// and INT.
+pub fn patient_child(tag: &str) -> String {
+    format!(
+        "trap 'echo {tag} got TERM; exit 0' TERM; \
+         trap 'echo {tag} got INT; exit 0' INT; \
+         trap 'echo {tag} got HUP' HUP; \
+         trap 'echo {tag} got QUIT' QUIT; \
+         trap 'echo {tag} got USR1' USR1; \
+         trap 'echo {tag} got USR2' USR2; \
+         trap 'echo {tag} got WINCH' WINCH; \
+         echo {tag} started $$ lock=$PGLEADER_LOCK_ID name=$PGLEADER_LOCK_NAME backend=$PGLEADER_BACKEND_PID epoch=$PGLEADER_EPOCH; \
+         while :; do sleep 1000 & wait $!; done"
+    )
+}
+
+/// The value after `key=` in a line such as `A started 42 backend=17`.
+pub fn field(line: &str, key: &str) -> String {
+    line.split_whitespace()
+        .find_map(|word| word.strip_prefix(&format!("{key}=")))
+        .unwrap_or_else(|| panic!("no {key}= in {line:?}"))
+        .trim_matches('"')
+        .to_owned()
+}
+
+/// The pid a child printed as `<tag> started <pid>`.
+pub fn started_pid(line: &str) -> i32 {
+    line.split_whitespace()
+        .nth(2)
+        .and_then(|pid| pid.parse().ok())
+        .unwrap_or_else(|| panic!("no pid in {line:?}"))
+}

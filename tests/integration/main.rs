@@ -1,0 +1,10 @@
+//! Integration tests: the real `pgleader` binary against a real PostgreSQL that the harness
+//! starts itself. Faults are real: kill -9, pg_terminate_backend, signals.
+
+mod harness;
+
+mod docs;
+mod election;
+mod failover;
+mod signals;
+mod usage;

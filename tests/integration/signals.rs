@@ -1,0 +1,66 @@
+//! Signals pgleader receives: passed on to the command's process group; TERM and INT also
+//! shut pgleader down; a second one does not wait for the kill timeout.
+
+use nix::sys::signal::Signal;
+
+use crate::harness::{Cluster, patient_child, run, unique_lock};
+
+#[test]
+fn signals_are_passed_on_to_the_commands_process_group() {
+    let cluster = Cluster::shared();
+    let a = run("A", cluster, unique_lock(), &[], &patient_child("A"));
+    a.wait_stdout("A started");
+    for signal in [
+        Signal::SIGHUP,
+        Signal::SIGUSR1,
+        Signal::SIGUSR2,
+        Signal::SIGWINCH,
+        Signal::SIGQUIT,
+    ] {
+        a.signal(signal);
+        let name = &signal.as_str()[3..];
+        a.wait_stdout(&format!("A got {name}"));
+    }
+    // INT is passed on too, and shuts pgleader down once the command has exited.
+    a.signal(Signal::SIGINT);
+    a.wait_stdout("A got INT");
+    assert_eq!(a.wait_code(), 0, "{}", a.dump());
+    a.wait_log("released the lock");
+}
+
+#[test]
+fn a_second_sigterm_kills_the_command_without_waiting_for_the_kill_timeout() {
+    let cluster = Cluster::shared();
+    let a = run(
+        "A",
+        cluster,
+        unique_lock(),
+        &["-v", "--kill-timeout=1h", "--lease=2h"],
+        "trap 'echo A ignores TERM' TERM; echo A started; while :; do sleep 1000 & wait $!; done",
+    );
+    a.wait_stdout("A started");
+    a.signal(Signal::SIGTERM);
+    a.wait_stdout("A ignores TERM");
+    // A TERM right behind the first (as timeout(1) sends them) is not an insistence.
+    a.signal(Signal::SIGTERM);
+    a.wait_log("ignoring a repeated shutdown signal");
+    // One that comes later is. The wait is the rule under test, not a synchronisation.
+    std::thread::sleep(pgleader::supervisor::REPEAT_WINDOW);
+    a.signal(Signal::SIGTERM);
+    a.wait_log("second shutdown signal: sending SIGKILL");
+    assert_eq!(a.wait_code(), 128 + 9);
+}
+
+#[test]
+fn sigterm_while_waiting_for_the_lock_exits_at_once_with_0() {
+    let cluster = Cluster::shared();
+    let lock = unique_lock();
+    let a = run("A", cluster, lock, &[], &patient_child("A"));
+    a.wait_stdout("A started");
+    let b = run("B", cluster, lock, &[], &patient_child("B"));
+    b.wait_log("waiting for the lock");
+    b.signal(Signal::SIGTERM);
+    assert_eq!(b.wait_code(), 0);
+    b.wait_log("shutting down");
+    assert!(b.lines(crate::harness::Stream::Stdout).is_empty());
+}

@@ -1,0 +1,294 @@
+//! Bad input and connection problems: a clear message, a documented exit code, no secret
+//! printed, no lock ever taken.
+
+use std::os::unix::fs::PermissionsExt;
+
+use crate::harness::cluster::{SECRET_PASSWORD, SECRET_USER};
+use crate::harness::{Cluster, Proc, pgleader, unique_lock};
+
+fn pgleader_with(name: &str, url: Option<&str>, args: &[&str]) -> Proc {
+    let mut command = pgleader();
+    if let Some(url) = url {
+        command.env("PGLEADER_DATABASE_URL", url);
+    }
+    command.args(args);
+    Proc::spawn(name, command)
+}
+
+/// Runs pgleader to its end; returns the exit code and everything it printed on stderr.
+fn outcome(url: Option<&str>, args: &[&str]) -> (i32, String) {
+    let process = pgleader_with("pgleader", url, args);
+    let (status, _, stderr) = process.finish();
+    (status.code().expect("an exit code"), stderr.join("\n"))
+}
+
+#[test]
+fn bad_arguments_are_usage_errors_that_say_what_is_wrong() {
+    let url = Some("postgres://postgres@127.0.0.1:1/postgres");
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["run", "--lock-id", "abc", "--", "true"],
+            "invalid value 'abc' for '--lock-id <ID>'",
+        ),
+        (
+            &["run", "--lock-id", "99999999999999999999", "--", "true"],
+            "--lock-id",
+        ),
+        (
+            &["run", "--lock-id", "1", "--lock", "x", "--", "true"],
+            "cannot be used with",
+        ),
+        (
+            &["run", "--", "true"],
+            "give --lock-id <ID> or --lock <NAME>",
+        ),
+        (
+            &["run", "--lock", "", "--", "true"],
+            "the lock name must not be empty",
+        ),
+        (&["run", "--lock-id", "1"], "<COMMAND>"),
+        (
+            &[
+                "run",
+                "--lock-id",
+                "1",
+                "--check-interval",
+                "soon",
+                "--",
+                "true",
+            ],
+            "expected a duration",
+        ),
+        (
+            &[
+                "run",
+                "--lock-id",
+                "1",
+                "--check-timeout",
+                "0s",
+                "--",
+                "true",
+            ],
+            "must be greater than 0",
+        ),
+        (
+            &[
+                "run",
+                "--lock-id",
+                "1",
+                "--kill-signal",
+                "NOPE",
+                "--",
+                "true",
+            ],
+            "unknown signal",
+        ),
+        (
+            &["run", "--lock-id", "1", "--lease", "2s", "--", "true"],
+            "--lease 2s is too short",
+        ),
+        (
+            &[
+                "run",
+                "--lock-id",
+                "1",
+                "--busy-exit-code",
+                "300",
+                "--",
+                "true",
+            ],
+            "--busy-exit-code",
+        ),
+        (&["frobnicate"], "unrecognized subcommand"),
+    ];
+    for (args, expected) in cases {
+        let (code, stderr) = outcome(url, args);
+        assert_eq!(code, 2, "{args:?}: {stderr}");
+        assert!(
+            stderr.contains(expected),
+            "{args:?}: expected {expected:?} in:\n{stderr}"
+        );
+    }
+}
+
+#[test]
+fn negative_lock_ids_are_accepted_with_or_without_an_equals_sign() {
+    let cluster = Cluster::shared();
+    let key = -(unique_lock());
+    for args in [
+        vec![
+            "run".to_owned(),
+            "--once".into(),
+            "--lock-id".into(),
+            key.to_string(),
+            "--".into(),
+            "true".into(),
+        ],
+        vec![
+            "run".to_owned(),
+            "--once".into(),
+            format!("--lock-id={key}"),
+            "--".into(),
+            "true".into(),
+        ],
+    ] {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (code, stderr) = outcome(Some(&cluster.url()), &args);
+        assert_eq!(code, 0, "{stderr}");
+        assert!(stderr.contains(&format!("lock={key}")), "{stderr}");
+    }
+}
+
+#[test]
+fn a_bad_connection_string_is_a_usage_error_that_never_prints_the_password() {
+    for url in [
+        "postgres://user:hunter2@host:99999/db",
+        "postgres://user:hunter2%zz@host/db",
+        "host=h password='hunter2",
+        "host=h password=hunter2 sslcrl=/x",
+    ] {
+        let (code, stderr) = outcome(Some(url), &["run", "--lock-id", "1", "--", "true"]);
+        assert_eq!(code, 2, "{url}: {stderr}");
+        assert!(
+            !stderr.contains("hunter2"),
+            "the password leaked:\n{stderr}"
+        );
+    }
+}
+
+#[test]
+fn a_missing_command_fails_with_127_before_connecting() {
+    let cluster = Cluster::shared();
+    let (code, stderr) = outcome(
+        Some(&cluster.url()),
+        &[
+            "run",
+            "--lock-id",
+            "1",
+            "--",
+            "no-such-command-for-pgleader",
+        ],
+    );
+    assert_eq!(code, 127, "{stderr}");
+    assert!(
+        stderr.contains("command not found: no-such-command-for-pgleader"),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains("connected"),
+        "it connected before checking the command:\n{stderr}"
+    );
+}
+
+#[test]
+fn a_command_that_cannot_be_executed_fails_with_126() {
+    let path = std::env::temp_dir().join(format!("pgleader-not-executable-{}", std::process::id()));
+    std::fs::write(&path, "#!/bin/sh\necho hi\n").expect("write");
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+    let cluster = Cluster::shared();
+    let (code, stderr) = outcome(
+        Some(&cluster.url()),
+        &["run", "--lock-id", "1", "--", path.to_str().expect("utf-8")],
+    );
+    assert_eq!(code, 126, "{stderr}");
+    assert!(stderr.contains("permission denied"), "{stderr}");
+    let _ = std::fs::remove_file(&path);
+}
+
+#[test]
+fn a_wrong_password_stops_at_once_and_is_never_printed() {
+    let cluster = Cluster::shared();
+    let url = format!(
+        "postgres://{SECRET_USER}:not-{SECRET_PASSWORD}@127.0.0.1:{}/postgres",
+        cluster.port
+    );
+    let (code, stderr) = outcome(Some(&url), &["run", "--lock-id", "1", "--", "true"]);
+    assert_eq!(code, 1, "{stderr}");
+    assert!(
+        stderr.contains("password authentication failed"),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains(SECRET_PASSWORD),
+        "the password leaked:\n{stderr}"
+    );
+    assert!(
+        !stderr.contains("retrying"),
+        "a permanent error was retried:\n{stderr}"
+    );
+
+    let right = format!(
+        "postgres://{SECRET_USER}:{SECRET_PASSWORD}@127.0.0.1:{}/postgres",
+        cluster.port
+    );
+    let (code, stderr) = outcome(
+        Some(&right),
+        &["run", "--once", "--lock-id", "1", "--", "true"],
+    );
+    assert_eq!(code, 0, "{stderr}");
+    assert!(
+        !stderr.contains(SECRET_PASSWORD),
+        "the password leaked:\n{stderr}"
+    );
+}
+
+#[test]
+fn a_missing_database_stops_at_once() {
+    let cluster = Cluster::shared();
+    let url = format!(
+        "postgres://postgres@127.0.0.1:{}/no_such_database",
+        cluster.port
+    );
+    let (code, stderr) = outcome(Some(&url), &["run", "--lock-id", "1", "--", "true"]);
+    assert_eq!(code, 1, "{stderr}");
+    assert!(
+        stderr.contains("database \"no_such_database\" does not exist"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn an_unreachable_database_is_retried_with_backoff_until_shutdown() {
+    // Nothing listens on port 1.
+    let url = "postgres://postgres@127.0.0.1:1/postgres";
+    let (code, stderr) = outcome(
+        Some(url),
+        &["run", "--no-wait", "--lock-id", "1", "--", "true"],
+    );
+    assert_eq!(code, 1, "--no-wait tries once:\n{stderr}");
+    assert!(stderr.contains("cannot connect"), "{stderr}");
+
+    let waiting = pgleader_with(
+        "retrying",
+        Some(url),
+        &["run", "--lock-id", "1", "--", "true"],
+    );
+    waiting.wait_for_nth(
+        crate::harness::Stream::Stderr,
+        "cannot connect; retrying",
+        4,
+    );
+    waiting.signal(nix::sys::signal::Signal::SIGTERM);
+    assert_eq!(waiting.wait_code(), 0);
+}
+
+#[test]
+fn psql_style_environment_variables_are_honoured() {
+    let cluster = Cluster::shared();
+    let mut command = pgleader();
+    command
+        .env("PGHOST", &cluster.socket_dir)
+        .env("PGPORT", cluster.port.to_string())
+        .env("PGUSER", "postgres")
+        .env("PGDATABASE", "postgres")
+        .env("PGLEADER_LOCK_ID", unique_lock().to_string())
+        .args(["run", "--once", "--", "sh", "-c", "echo ran"]);
+    let process = Proc::spawn("env", command);
+    process.wait_stdout("ran");
+    assert_eq!(process.wait_code(), 0);
+    let connected = process.wait_log("connected");
+    assert!(
+        connected.contains(".s.PGSQL."),
+        "it did not use the Unix socket: {connected}"
+    );
+}
