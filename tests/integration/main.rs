@@ -6,5 +6,6 @@ mod harness;
 mod docs;
 mod election;
 mod failover;
+mod faults;
 mod signals;
 mod usage;

@@ -3,6 +3,7 @@
 
 pub mod cluster;
 pub mod process;
+pub mod proxy;
 pub mod spawner;
 
 use std::path::PathBuf;
@@ -12,6 +13,7 @@ use std::sync::atomic::{AtomicI64, Ordering};
 
 pub use cluster::Cluster;
 pub use process::{Proc, Stream, WAIT, is_running, wait_gone};
+pub use proxy::Proxy;
 
 /// A lock key no other test uses.
 pub fn unique_lock() -> i64 {
@@ -86,4 +88,52 @@ pub fn started_pid(line: &str) -> i32 {
         .nth(2)
         .and_then(|pid| pid.parse().ok())
         .unwrap_or_else(|| panic!("no pid in {line:?}"))
+}
+
+/// `pgleader run` through another connection string (a proxy, a pooler, a standby).
+pub fn run_with_url(name: &str, url: &str, lock: i64, args: &[&str], script: &str) -> Proc {
+    let mut command = pgleader();
+    command
+        .env("PGLEADER_DATABASE_URL", url)
+        .arg("run")
+        .arg(format!("--lock-id={lock}"))
+        .args(args)
+        .args(["--", "sh", "-c", script]);
+    Proc::spawn(name, command)
+}
+
+/// A file the children of one test append to, to prove the order of their runs.
+pub struct Journal {
+    pub path: PathBuf,
+}
+
+impl Journal {
+    pub fn new(tag: &str) -> Journal {
+        let path = std::env::temp_dir().join(format!(
+            "pgleader-journal-{}-{tag}-{}",
+            std::process::id(),
+            unique_lock()
+        ));
+        let _ = std::fs::remove_file(&path);
+        Journal { path }
+    }
+
+    /// Shell text that appends `line` to the journal.
+    pub fn append(&self, line: &str) -> String {
+        format!("echo {line} >> {}", self.path.display())
+    }
+
+    pub fn lines(&self) -> Vec<String> {
+        std::fs::read_to_string(&self.path)
+            .unwrap_or_default()
+            .lines()
+            .map(str::to_owned)
+            .collect()
+    }
+}
+
+impl Drop for Journal {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
 }
