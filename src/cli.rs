@@ -173,6 +173,14 @@ pub struct RunArgs {
     #[arg(long, value_name = "DURATION", default_value = "0s", value_parser = duration, env = "PGLEADER_TAKEOVER_DELAY")]
     pub takeover_delay: Duration,
 
+    /// After winning on a server that started less than this long ago, wait until it has been
+    /// up this long before starting the command: a restart frees every lock at once, possibly
+    /// while the previous leader is still stopping its command. auto = --check-interval +
+    /// --check-timeout + --kill-timeout + 1s, the longest a previous leader with the same
+    /// settings can take. 0 disables
+    #[arg(long, value_name = "DURATION", default_value = "auto", value_parser = auto_or_duration, env = "PGLEADER_RESTART_FENCE")]
+    pub restart_fence: RestartFence,
+
     /// The command to run, with its arguments
     #[arg(
         value_name = "COMMAND",
@@ -209,6 +217,21 @@ fn non_empty_name(value: &str) -> Result<String, String> {
 pub fn duration(value: &str) -> Result<Duration, String> {
     humantime::parse_duration(value.trim())
         .map_err(|err| format!("{err} (expected a duration such as 500ms, 10s or 1m)"))
+}
+
+/// `--restart-fence`: computed from the other timings, or given.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RestartFence {
+    Auto,
+    Fixed(Duration),
+}
+
+fn auto_or_duration(value: &str) -> Result<RestartFence, String> {
+    if value.trim().eq_ignore_ascii_case("auto") {
+        Ok(RestartFence::Auto)
+    } else {
+        duration(value).map(RestartFence::Fixed)
+    }
 }
 
 fn positive_duration(value: &str) -> Result<Duration, String> {

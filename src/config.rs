@@ -7,7 +7,7 @@ use std::time::Duration;
 use nix::sys::signal::Signal;
 use thiserror::Error;
 
-use crate::cli::{ConnectionArgs, LockArgs, RunArgs};
+use crate::cli::{ConnectionArgs, LockArgs, RestartFence, RunArgs};
 use crate::conninfo::{self, ConnSettings, Environment};
 use crate::job::CommandLine;
 use crate::lease::Lease;
@@ -36,6 +36,8 @@ pub struct RunConfig {
     pub restart_delay: Duration,
     pub lease: Lease,
     pub takeover_delay: Duration,
+    /// See `--restart-fence`; already resolved from `auto`.
+    pub restart_fence: Duration,
 }
 
 /// A resolved connection and the warnings its resolution produced.
@@ -74,6 +76,15 @@ impl RunConfig {
             restart_delay: args.restart_delay,
             lease,
             takeover_delay: args.takeover_delay,
+            restart_fence: match args.restart_fence {
+                RestartFence::Fixed(duration) => duration,
+                RestartFence::Auto => {
+                    args.check_interval
+                        + args.check_timeout
+                        + args.kill_timeout
+                        + crate::lease::MARGIN
+                }
+            },
         };
         Ok((config, connection.warnings))
     }

@@ -435,6 +435,8 @@ fn build(
     };
 
     let target_session_attrs = match params.remove("target_session_attrs").as_deref() {
+        // pgleader never leads through a standby: with several hosts, look for the primary.
+        None if endpoints.len() > 1 => TargetSessionAttrs::ReadWrite,
         None | Some("any") => TargetSessionAttrs::Any,
         Some("read-write") | Some("primary") => TargetSessionAttrs::ReadWrite,
         Some(_) => {
@@ -864,6 +866,9 @@ mod tests {
         );
         assert_eq!(settings.tls.mode, SslMode::Require);
         assert_eq!(settings.application_name.as_deref(), Some("x"));
+        assert_eq!(settings.target_session_attrs, TargetSessionAttrs::ReadWrite);
+        let single = resolve_with(Some("postgres://h/d"), &FakeEnv::default());
+        assert_eq!(single.target_session_attrs, TargetSessionAttrs::Any);
     }
 
     #[test]

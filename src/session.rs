@@ -6,7 +6,8 @@
 //! waiting, an error) may still have been granted on the server (GreptimeDB issue 7670), so
 //! such a session is closed, which frees whatever it might hold.
 //!
-//! Every query goes through `query_typed`: one round trip, no named prepared statements.
+//! Every query goes through `query_typed` (or the simple protocol): one round trip and no named
+//! prepared statements, which a pooler could leave behind on a server connection.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -43,14 +44,22 @@ pub enum ConnectError {
 pub enum SessionError {
     #[error("{0}")]
     Query(String),
-    /// The statements of this session ran on different backends: a transaction-mode pooler.
+    /// The session does not keep its server process: a transaction-mode pooler.
     #[error(
-        "the session's statements ran on different server processes (pid {expected}, then {seen}): \
-         the connection goes through a transaction-pooling proxy such as PgBouncer in transaction \
-         mode, where advisory locks leak or vanish. Connect directly to PostgreSQL or through a \
-         session-mode pool"
+        "{evidence}: the connection goes through a transaction-pooling proxy (such as PgBouncer \
+         in transaction mode), where advisory locks leak or vanish. Connect directly to \
+         PostgreSQL or through a session-mode pool"
     )]
-    Pooler { expected: i32, seen: i32 },
+    Pooler { evidence: String },
+}
+
+/// See [`Session::fence`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fence {
+    /// The fencing token handed to the command as PGLEADER_EPOCH.
+    pub epoch: i64,
+    /// How long ago the server started.
+    pub server_uptime: Duration,
 }
 
 /// What a leader's check found.
@@ -109,7 +118,7 @@ impl Session {
             .await
             .map_err(|_| ConnectError::Transient("the session set-up timed out".into()))?
             .map_err(classify)?;
-        let row = tokio::time::timeout(budget, session.client.query_one(SETUP_IDENTITY, &[]))
+        let row = tokio::time::timeout(budget, session.client.query_typed_one(SETUP_IDENTITY, &[]))
             .await
             .map_err(|_| ConnectError::Transient("the session set-up timed out".into()))?
             .map_err(classify)?;
@@ -118,7 +127,60 @@ impl Session {
             return Err(ConnectError::Standby);
         }
         session.backend_pid = row.get(0);
+        session
+            .check_not_transaction_pooled(settings, application_name, budget)
+            .await?;
         Ok(session)
+    }
+
+    /// Refuses a session behind a transaction-mode pooler, where the server process that holds
+    /// a session lock goes back to the pool after every statement: the lock would outlive
+    /// pgleader, or be "held" by whichever client the pool hands that process to next.
+    ///
+    /// The probe: a second connection opens a transaction and asks for its backend pid. Behind
+    /// a transaction pooler that reuses server connections last-in-first-out (PgBouncer's
+    /// default), it is handed the very backend this session used a moment ago; and while it
+    /// holds that backend, this session's next statement must run on another one. Directly, or
+    /// behind a session-mode pool, neither can happen. The leader's checks keep comparing
+    /// backend pids afterwards, for poolers that hand out connections in another order.
+    async fn check_not_transaction_pooled(
+        &self,
+        settings: &ConnSettings,
+        application_name: &str,
+        budget: Duration,
+    ) -> Result<(), ConnectError> {
+        let probe = tokio::time::timeout(budget, async {
+            let probe = connect_plain(settings, application_name).await?;
+            let messages = probe
+                .client
+                .simple_query("BEGIN; SELECT pg_catalog.pg_backend_pid()")
+                .await
+                .map_err(classify)?;
+            let probe_pid = messages.iter().find_map(|message| match message {
+                tokio_postgres::SimpleQueryMessage::Row(row) => row.get(0)?.parse::<i32>().ok(),
+                _ => None,
+            });
+            let again: i32 = self
+                .client
+                .query_typed_one("SELECT pg_catalog.pg_backend_pid()", &[])
+                .await
+                .map_err(classify)?
+                .get(0);
+            Ok::<_, ConnectError>((probe_pid, again))
+        })
+        .await
+        .map_err(|_| ConnectError::Transient("the connection-pooler probe timed out".into()))?;
+        let (probe_pid, again) = probe?;
+        let evidence = match probe_pid {
+            Some(pid) if pid == self.backend_pid => {
+                format!("another connection was handed this session's server process (pid {pid})")
+            }
+            _ if again != self.backend_pid => moved(self.backend_pid, again),
+            _ => return Ok(()),
+        };
+        Err(ConnectError::Permanent(
+            SessionError::Pooler { evidence }.to_string(),
+        ))
     }
 
     /// The pid of the server process behind this session.
@@ -198,18 +260,33 @@ impl Session {
         }
     }
 
-    /// A fencing token: a transaction id assigned now. Transaction ids only grow, and each
-    /// leader takes its own after the previous leader lost the lock, so tokens strictly
-    /// increase from one leadership to the next. Assigning one fails on a read-only server,
-    /// which also proves the session is on a writable primary.
-    pub async fn epoch(&self) -> Result<i64, SessionError> {
-        let sql = if self.server_major >= 13 || self.server_major == 0 {
-            "SELECT pg_catalog.pg_current_xact_id()::text::int8"
+    /// What a new leader learns before starting its command: a fencing token, and how long
+    /// the server has been up.
+    ///
+    /// The token is a transaction id assigned now. Transaction ids only grow, and each leader
+    /// takes its own after the previous leader lost the lock, so tokens strictly increase from
+    /// one leadership to the next. Assigning one fails on a read-only server, which also proves
+    /// the session is on a writable primary.
+    pub async fn fence(&self) -> Result<Fence, SessionError> {
+        let xid = if self.server_major >= 13 || self.server_major == 0 {
+            "pg_catalog.pg_current_xact_id()::text::int8"
         } else {
-            "SELECT pg_catalog.txid_current()"
+            "pg_catalog.txid_current()"
         };
-        let row = self.client.query_one(sql, &[]).await.map_err(query_error)?;
-        Ok(row.get(0))
+        let sql = format!(
+            "SELECT {xid}, extract(epoch FROM pg_catalog.clock_timestamp() \
+             - pg_catalog.pg_postmaster_start_time())::float8"
+        );
+        let row = self
+            .client
+            .query_typed_one(&sql, &[])
+            .await
+            .map_err(query_error)?;
+        let uptime: f64 = row.get(1);
+        Ok(Fence {
+            epoch: row.get(0),
+            server_uptime: Duration::try_from_secs_f64(uptime).unwrap_or(Duration::ZERO),
+        })
     }
 
     /// Releases the lock explicitly (so the next waiter is granted it now), then closes.
@@ -392,8 +469,16 @@ fn same_backend(expected: i32, seen: i32) -> Result<(), SessionError> {
     if expected == seen {
         Ok(())
     } else {
-        Err(SessionError::Pooler { expected, seen })
+        Err(SessionError::Pooler {
+            evidence: moved(expected, seen),
+        })
     }
+}
+
+fn moved(expected: i32, seen: i32) -> String {
+    format!(
+        "the session's statements ran on different server processes (pid {expected}, then {seen})"
+    )
 }
 
 fn query_error(err: tokio_postgres::Error) -> SessionError {

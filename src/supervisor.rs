@@ -305,8 +305,8 @@ impl Supervisor {
         // server keeps the session (and the lock) at least a lease past `sent`: a safe base
         // for the leader's own deadline.
         let sent = Instant::now();
-        let epoch = match tokio::time::timeout(timeout, session.epoch()).await {
-            Ok(Ok(epoch)) => epoch,
+        let fence = match tokio::time::timeout(timeout, session.fence()).await {
+            Ok(Ok(fence)) => fence,
             Ok(Err(err)) => {
                 warn!(event = "leadership_lost", lock = %lock, reason = %err, "won the lock but cannot take a fencing token; giving it up");
                 return Ok(Led::Lost { status: None });
@@ -316,6 +316,7 @@ impl Supervisor {
                 return Ok(Led::Lost { status: None });
             }
         };
+        let epoch = fence.epoch;
         info!(
             event = "leader",
             lock = %lock,
@@ -323,6 +324,31 @@ impl Supervisor {
             epoch,
             "became leader"
         );
+
+        // A server that has just started freed every lock when it went down, possibly before
+        // the previous leader noticed and stopped its command. That leader stops within
+        // check-interval + check-timeout + kill-timeout of losing the server; wait until the
+        // server has been up that long (plus a margin: --restart-fence) before starting ours.
+        let restart_fence = self
+            .config
+            .restart_fence
+            .saturating_sub(fence.server_uptime);
+        let delay = self.config.takeover_delay.max(restart_fence);
+        if !restart_fence.is_zero() && restart_fence >= self.config.takeover_delay {
+            info!(
+                event = "restart_fence",
+                server_uptime = %fmt(fence.server_uptime),
+                "the server started {} ago: starting the command in {}, once a previous leader's command must be gone",
+                fmt(fence.server_uptime),
+                fmt(restart_fence)
+            );
+        } else if !delay.is_zero() {
+            info!(
+                event = "takeover_delay",
+                "starting the command in {} (--takeover-delay)",
+                fmt(delay)
+            );
+        }
 
         let mut deadline = sent + interval + timeout;
         let mut next_check = sent + interval;
@@ -708,6 +734,7 @@ fn password_hint(config: &RunConfig, reason: &str) -> String {
     }
 }
 
+/// A duration for people: to the millisecond.
 fn fmt(duration: Duration) -> humantime::FormattedDuration {
-    humantime::format_duration(duration)
+    humantime::format_duration(Duration::from_millis(duration.as_millis() as u64))
 }
