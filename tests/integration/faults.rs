@@ -1,8 +1,11 @@
 //! Faults beyond a clean loss: silent partitions, server restarts, standbys, poolers, a paused
 //! leader. Each test injects a real fault and checks that two commands never run at once.
 
+use std::time::{Duration, Instant};
+
+use crate::harness::pgbouncer::PgBouncer;
 use crate::harness::{
-    Cluster, Journal, Proxy, Stream, patient_child, run, run_with_url, unique_lock,
+    Cluster, Journal, Proc, Proxy, Stream, WAIT, patient_child, run, run_with_url, unique_lock,
 };
 
 /// When a log line was written.
@@ -68,7 +71,7 @@ fn a_partitioned_leader_stops_its_command_before_the_server_frees_the_lock() {
         .duration_since(log_time(last_check))
         .expect("stopping after the last check");
     assert!(
-        late <= std::time::Duration::from_millis(500 + 1500),
+        late <= Duration::from_millis(500 + 1500),
         "stopping came {late:?} after the last good check"
     );
     // And the server freed the lock because of the lease, not because the connection broke.
@@ -95,4 +98,268 @@ fn a_cut_connection_stops_the_command_at_once() {
     a.wait_stdout("A got TERM");
     let lost = a.wait_log("leadership lost");
     assert!(lost.contains("the connection ended"), "{lost}");
+}
+
+#[test]
+fn a_transaction_mode_pooler_is_refused_with_a_clear_message() {
+    let cluster = Cluster::shared();
+    let pooler = PgBouncer::start(cluster, "transaction");
+    let a = run_with_url("A", &pooler.url(), unique_lock(), &[], "echo A ran");
+    assert_eq!(a.wait_code(), 1, "{}", a.dump());
+    let error = a.wait_log("ERROR");
+    assert!(error.contains("transaction-pooling proxy"), "{error}");
+    assert!(error.contains("session-mode pool"), "{error}");
+    assert!(
+        a.lines(Stream::Stdout).is_empty(),
+        "the command ran behind a transaction pooler"
+    );
+}
+
+#[test]
+fn a_session_mode_pool_works_and_frees_the_lock_of_a_killed_leader() {
+    let cluster = Cluster::shared();
+    let pooler = PgBouncer::start(cluster, "session");
+    let lock = unique_lock();
+    let a = run_with_url("A", &pooler.url(), lock, &[], &patient_child("A"));
+    a.wait_stdout("A started");
+    let b = run_with_url("B", &pooler.url(), lock, &[], &patient_child("B"));
+    b.wait_log("waiting for the lock");
+    // PgBouncer resets the server connection (DISCARD ALL) when its client goes away, which
+    // releases the session's advisory locks.
+    a.signal(nix::sys::signal::Signal::SIGKILL);
+    b.wait_stdout("B started");
+}
+
+#[test]
+fn a_standby_is_never_led_through_and_a_host_list_finds_the_primary() {
+    let primary = Cluster::new("primary");
+    let standby = Cluster::standby_of(&primary, "standby");
+    let lock = unique_lock();
+
+    let on_standby = run_with_url(
+        "on-standby",
+        &standby.url(),
+        lock,
+        &[],
+        "echo ran on the standby",
+    );
+    on_standby.wait_for_nth(Stream::Stderr, "the server is a standby (in recovery)", 2);
+    on_standby.signal(nix::sys::signal::Signal::SIGTERM);
+    assert_eq!(on_standby.wait_code(), 0);
+    assert!(on_standby.lines(Stream::Stdout).is_empty());
+
+    // The standby first, the primary second: pgleader skips the standby.
+    let hosts = format!(
+        "postgres://postgres@127.0.0.1:{},127.0.0.1:{}/postgres",
+        standby.port, primary.port
+    );
+    let a = run_with_url("A", &hosts, lock, &[], &patient_child("A"));
+    let started = a.wait_stdout("A started");
+    let backend: i32 = crate::harness::field(&started, "backend")
+        .parse()
+        .expect("backend");
+    let on_primary: i64 = primary
+        .client()
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE pid = $1",
+            &[&backend],
+        )
+        .expect("pg_stat_activity")
+        .get(0);
+    assert_eq!(on_primary, 1, "the leader's session is not on the primary");
+}
+
+#[test]
+fn after_a_failover_the_leader_follows_the_promoted_standby() {
+    let primary = Cluster::new("primary");
+    let standby = Cluster::standby_of(&primary, "standby");
+    let hosts = format!(
+        "postgres://postgres@127.0.0.1:{},127.0.0.1:{}/postgres?target_session_attrs=read-write",
+        primary.port, standby.port
+    );
+    let a = run_with_url("A", &hosts, unique_lock(), &[], &patient_child("A"));
+    a.wait_stdout("A started");
+
+    primary.stop();
+    a.wait_stdout("A got TERM");
+    a.wait_log("cannot connect; retrying");
+    standby.promote();
+    a.wait_for_nth(Stream::Stdout, "A started", 2);
+}
+
+/// Waits until one of several processes prints a new stdout line containing `needle` (beyond
+/// the ones each had printed when `before` was taken); returns that process.
+fn next_to_print<'a>(processes: &[&'a Proc], needle: &str, before: &[usize]) -> &'a Proc {
+    let count = |process: &Proc| {
+        process
+            .lines(Stream::Stdout)
+            .iter()
+            .filter(|line| line.contains(needle))
+            .count()
+    };
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if let Some(index) = (0..processes.len()).find(|&i| count(processes[i]) > before[i]) {
+            return processes[index];
+        }
+        assert!(
+            Instant::now() < deadline,
+            "nobody printed {needle:?}:\n{}",
+            processes.iter().map(|p| p.dump()).collect::<String>()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn after_a_server_restart_a_new_leader_starts_only_once_the_old_command_must_be_gone() {
+    let cluster = Cluster::new("restart");
+    let lock = unique_lock();
+    let journal = Journal::new("restart");
+    let timings = [
+        "--check-interval=200ms",
+        "--check-timeout=300ms",
+        "--kill-timeout=1s",
+        "--lease=3s",
+        "--restart-fence=auto",
+    ];
+    let child = |tag: &str| {
+        format!(
+            "trap '{}; exit 0' TERM; {}; echo {tag} started; while :; do sleep 1000 & wait $!; done",
+            journal.append(&format!("{tag}-stopped")),
+            journal.append(&format!("{tag}-started"))
+        )
+    };
+    let a = run("A", &cluster, lock, &timings, &child("A"));
+    // The cluster is seconds old: even the first leader waits out the fence.
+    a.wait_log("the server started");
+    a.wait_stdout("A started");
+    let b = run("B", &cluster, lock, &timings, &child("B"));
+    b.wait_log("waiting for the lock");
+
+    cluster.stop();
+    a.wait_log("leadership lost");
+    for process in [&a, &b] {
+        process.wait_log("cannot connect; retrying");
+    }
+    assert_eq!(journal.lines(), ["A-started", "A-stopped"]);
+    let before = [1, 0];
+    cluster.start();
+
+    let winner = next_to_print(&[&a, &b], "started", &before);
+    let tag = &winner.name;
+    let fence = winner.wait_for_nth(
+        Stream::Stderr,
+        "the server started",
+        if tag == "A" { 2 } else { 1 },
+    );
+    assert!(fence.contains("starting the command in"), "{fence}");
+    let lines = journal.lines();
+    assert_eq!(lines[..2], ["A-started", "A-stopped"]);
+    assert_eq!(lines[2], format!("{tag}-started"));
+}
+
+#[test]
+fn takeover_delay_keeps_the_next_command_clear_of_a_terminated_leaders_shutdown() {
+    let cluster = Cluster::shared();
+    let journal = Journal::new("takeover");
+    // The old command takes a second to shut down.
+    let slow_child = |tag: &str| {
+        format!(
+            "trap 'sleep 1; {}; exit 0' TERM; {}; echo {tag} started backend=$PGLEADER_BACKEND_PID; while :; do sleep 1000 & wait $!; done",
+            journal.append(&format!("{tag}-stopped")),
+            journal.append(&format!("{tag}-started"))
+        )
+    };
+    let quick_child = |tag: &str| {
+        format!(
+            "{}; echo {tag} started; exec sleep 1000",
+            journal.append(&format!("{tag}-started"))
+        )
+    };
+
+    // Without a takeover delay, the lock is free the moment the server ends the leader's
+    // session, and the next command starts while the old one is still shutting down: the
+    // documented limit that --takeover-delay addresses.
+    let lock = unique_lock();
+    let a = run("A", cluster, lock, &[], &slow_child("A"));
+    let started = a.wait_stdout("A started");
+    let b = run("B", cluster, lock, &[], &quick_child("B"));
+    b.wait_log("waiting for the lock");
+    cluster.terminate_backend(
+        crate::harness::field(&started, "backend")
+            .parse()
+            .expect("backend"),
+    );
+    b.wait_stdout("B started");
+    a.wait_log("the command exited");
+    assert_eq!(journal.lines(), ["A-started", "B-started", "A-stopped"]);
+    drop((a, b));
+    let _ = std::fs::remove_file(&journal.path);
+
+    // With a takeover delay longer than the old command's shutdown, they never overlap.
+    let lock = unique_lock();
+    let c = run("C", cluster, lock, &[], &slow_child("C"));
+    let started = c.wait_stdout("C started");
+    let d = run(
+        "D",
+        cluster,
+        lock,
+        &["--takeover-delay=2s"],
+        &quick_child("D"),
+    );
+    d.wait_log("waiting for the lock");
+    cluster.terminate_backend(
+        crate::harness::field(&started, "backend")
+            .parse()
+            .expect("backend"),
+    );
+    d.wait_log("starting the command in 2s (--takeover-delay)");
+    d.wait_stdout("D started");
+    assert_eq!(journal.lines(), ["C-started", "C-stopped", "D-started"]);
+}
+
+#[test]
+fn a_leader_paused_longer_than_the_lease_loses_the_lock_and_stops_at_once_when_resumed() {
+    let cluster = Cluster::shared();
+    let lock = unique_lock();
+    let timings = [
+        "--check-interval=200ms",
+        "--check-timeout=300ms",
+        "--kill-timeout=1s",
+        "--lease=3s",
+    ];
+    let a = run("A", cluster, lock, &timings, &patient_child("A"));
+    let a_started = a.wait_stdout("A started");
+    let b = run("B", cluster, lock, &timings, &patient_child("B"));
+    b.wait_log("waiting for the lock");
+
+    // pgleader (not its command) is frozen: it can neither check nor stop anything. The
+    // server ends its idle session after the lease and the next replica leads, while A's
+    // command still runs: the overlap no lease can prevent, which the fencing token exposes.
+    a.signal(nix::sys::signal::Signal::SIGSTOP);
+    let b_started = b.wait_stdout("B started");
+    assert!(
+        !a.lines(Stream::Stdout)
+            .iter()
+            .any(|line| line.contains("A got TERM"))
+    );
+    let epoch = |line: &str| {
+        crate::harness::field(line, "epoch")
+            .parse::<i64>()
+            .expect("epoch")
+    };
+    assert!(
+        epoch(&b_started) > epoch(&a_started),
+        "the new leader's epoch is not newer"
+    );
+
+    // Resumed, A sees at once that its leadership is over and stops its command.
+    a.signal(nix::sys::signal::Signal::SIGCONT);
+    a.wait_stdout("A got TERM");
+    let lost = a.wait_log("leadership lost");
+    assert!(
+        lost.contains("no successful check") || lost.contains("the connection ended"),
+        "{lost}"
+    );
 }

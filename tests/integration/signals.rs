@@ -3,7 +3,9 @@
 
 use nix::sys::signal::Signal;
 
-use crate::harness::{Cluster, patient_child, run, unique_lock};
+use std::time::{Duration, Instant};
+
+use crate::harness::{Cluster, WAIT, field, patient_child, run, unique_lock};
 
 #[test]
 fn signals_are_passed_on_to_the_commands_process_group() {
@@ -58,9 +60,30 @@ fn sigterm_while_waiting_for_the_lock_exits_at_once_with_0() {
     let a = run("A", cluster, lock, &[], &patient_child("A"));
     a.wait_stdout("A started");
     let b = run("B", cluster, lock, &[], &patient_child("B"));
-    b.wait_log("waiting for the lock");
+    let waiting = b.wait_log("waiting for the lock");
     b.signal(Signal::SIGTERM);
     assert_eq!(b.wait_code(), 0);
     b.wait_log("shutting down");
     assert!(b.lines(crate::harness::Stream::Stdout).is_empty());
+
+    // The abandoned acquisition's session is closed, not left in the lock's queue: the server
+    // drops it (it checks waiting clients' sockets every second).
+    let backend: i32 = field(&waiting, "backend_pid").parse().expect("backend pid");
+    let deadline = Instant::now() + WAIT;
+    let mut client = cluster.client();
+    while client
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE pid = $1",
+            &[&backend],
+        )
+        .expect("pg_stat_activity")
+        .get::<_, i64>(0)
+        > 0
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the abandoned session {backend} lives on"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }

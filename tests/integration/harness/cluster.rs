@@ -48,6 +48,44 @@ impl Cluster {
 
     /// A cluster of the test's own, for tests that stop or restart the server.
     pub fn new(name: &str) -> Cluster {
+        let cluster = Cluster::prepare(name);
+        cluster.initdb();
+        cluster.start();
+        cluster.execute(&format!(
+            "CREATE ROLE {SECRET_USER} LOGIN PASSWORD '{SECRET_PASSWORD}'"
+        ));
+        cluster
+    }
+
+    /// A hot standby streaming from `primary`, made with pg_basebackup.
+    pub fn standby_of(primary: &Cluster, name: &str) -> Cluster {
+        let standby = Cluster::prepare(name);
+        let output = standby
+            .command("pg_basebackup")
+            .arg("-D")
+            .arg(&standby.data)
+            .args([
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &primary.port.to_string(),
+                "-U",
+                "postgres",
+            ])
+            .args(["-X", "stream", "-R", "-c", "fast"])
+            .output()
+            .unwrap_or_else(|err| panic!("cannot run pg_basebackup ({err}). {INSTALL_HINT}"));
+        assert!(
+            output.status.success(),
+            "pg_basebackup failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        standby.start();
+        standby
+    }
+
+    /// The directories, port and owner of a cluster that has no data yet.
+    fn prepare(name: &str) -> Cluster {
         let bindir = find_bindir();
         let owner = if geteuid().is_root() {
             Some(
@@ -76,7 +114,7 @@ impl Cluster {
                 chown(dir, Some(owner.uid.as_raw()), Some(owner.gid.as_raw())).expect("chown");
             }
         }
-        let cluster = Cluster {
+        Cluster {
             name: name.to_owned(),
             base,
             data,
@@ -85,13 +123,7 @@ impl Cluster {
             bindir,
             owner,
             server: Mutex::new(None),
-        };
-        cluster.initdb();
-        cluster.start();
-        cluster.execute(&format!(
-            "CREATE ROLE {SECRET_USER} LOGIN PASSWORD '{SECRET_PASSWORD}'"
-        ));
-        cluster
+        }
     }
 
     fn command(&self, program: &str) -> Command {
@@ -205,6 +237,21 @@ impl Cluster {
         *server = Some(child);
     }
 
+    /// Stops the server with a fast shutdown: every session ends, the postmaster exits.
+    pub fn stop(&self) {
+        self.stop_with(Signal::SIGINT);
+    }
+
+    /// Promotes a standby to primary.
+    pub fn promote(&self) {
+        let promoted: bool = self
+            .client()
+            .query_one("SELECT pg_promote(true, 60)", &[])
+            .expect("pg_promote")
+            .get(0);
+        assert!(promoted, "{} was not promoted", self.name);
+    }
+
     /// Stops the server the hard way: an immediate shutdown, as after a crash.
     pub fn crash(&self) {
         self.stop_with(Signal::SIGQUIT);
@@ -250,6 +297,11 @@ impl Cluster {
             .expect("pg_terminate_backend")
             .get(0);
         assert!(terminated, "no session with backend pid {backend_pid}");
+    }
+
+    /// The operating-system user the server runs as, when the tests run as root.
+    pub fn owner(&self) -> Option<&User> {
+        self.owner.as_ref()
     }
 
     pub fn log(&self) -> String {
