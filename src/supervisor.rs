@@ -353,14 +353,7 @@ impl Supervisor {
         let mut deadline = sent + interval + timeout;
         let mut next_check = sent + interval;
         let mut check: Option<(Instant, CheckFuture)> = None;
-        let mut start_at = Some(Instant::now() + self.config.takeover_delay);
-        if !self.config.takeover_delay.is_zero() {
-            info!(
-                event = "takeover_delay",
-                "starting the command in {} (--takeover-delay)",
-                fmt(self.config.takeover_delay)
-            );
-        }
+        let mut start_at = Some(Instant::now() + delay);
         let mut job: Option<Job> = None;
 
         loop {

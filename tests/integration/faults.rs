@@ -363,3 +363,48 @@ fn a_leader_paused_longer_than_the_lease_loses_the_lock_and_stops_at_once_when_r
         "{lost}"
     );
 }
+
+#[test]
+fn the_restart_fence_keeps_a_new_leader_clear_of_a_command_still_stopping() {
+    let cluster = Cluster::new("fence");
+    let lock = unique_lock();
+    let journal = Journal::new("fence");
+    // A's command takes 1.5 s to stop; the server is back long before that.
+    let timings = [
+        "--check-interval=200ms",
+        "--check-timeout=300ms",
+        "--kill-timeout=2s",
+        "--lease=4s",
+        "--restart-fence=auto",
+    ];
+    let a = run(
+        "A",
+        &cluster,
+        lock,
+        &timings,
+        &format!(
+            "trap 'sleep 1.5; {}; exit 0' TERM; {}; echo A started; while :; do sleep 1000 & wait $!; done",
+            journal.append("A-stopped"),
+            journal.append("A-started")
+        ),
+    );
+    a.wait_stdout("A started");
+    let b = run(
+        "B",
+        &cluster,
+        lock,
+        &timings,
+        &format!(
+            "{}; echo B started; exec sleep 1000",
+            journal.append("B-started")
+        ),
+    );
+    b.wait_log("waiting for the lock");
+
+    cluster.stop();
+    cluster.start();
+    // B wins while A's command is still stopping, and waits out the fence (3.5 s of uptime).
+    b.wait_log("the server started");
+    b.wait_stdout("B started");
+    assert_eq!(journal.lines(), ["A-started", "A-stopped", "B-started"]);
+}

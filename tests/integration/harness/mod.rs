@@ -33,6 +33,9 @@ pub fn empty_home() -> &'static PathBuf {
 }
 
 /// `pgleader` with a clean environment (no PG* variables from the developer's shell).
+///
+/// The restart fence is off: test clusters are seconds old, and tests of other behaviour
+/// should not wait it out. The tests of the fence turn it back on with --restart-fence.
 pub fn pgleader() -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_pgleader"));
     command
@@ -41,7 +44,8 @@ pub fn pgleader() -> Command {
             "PATH",
             std::env::var_os("PATH").unwrap_or_else(|| "/usr/bin:/bin".into()),
         )
-        .env("HOME", empty_home());
+        .env("HOME", empty_home())
+        .env("PGLEADER_RESTART_FENCE", "0");
     command
 }
 
