@@ -115,7 +115,7 @@ _pgleader() {
             return 0
             ;;
         pgleader__subcmd__run)
-            opts="-d -v -q -h -V --lock-id --lock --database-url --once --no-wait --busy-exit-code --check-interval --check-timeout --kill-signal --kill-timeout --restart-delay --lease --takeover-delay --restart-fence --log-format --verbose --quiet --help --version"
+            opts="-d -v -q -h -V --lock-id --lock --database-url --once --no-wait --busy-exit-code --check-interval --check-timeout --kill-signal --kill-timeout --restart-delay --lease --takeover-delay --relinquish-after --relinquish-schedule --restart-fence --log-format --verbose --quiet --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -166,6 +166,14 @@ _pgleader() {
                     return 0
                     ;;
                 --takeover-delay)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --relinquish-after)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --relinquish-schedule)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;

@@ -45,7 +45,7 @@ pub struct Cli {
 pub enum Command {
     /// Run a command while, and only while, this instance holds the lock
     #[command(after_help = AFTER_HELP)]
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Show who holds the lock and who waits for it
     #[command(after_help = AFTER_HELP)]
     Status(StatusArgs),
@@ -173,6 +173,17 @@ pub struct RunArgs {
     #[arg(long, value_name = "DURATION", default_value = "0s", value_parser = duration, env = "PGLEADER_TAKEOVER_DELAY")]
     pub takeover_delay: Duration,
 
+    /// After leading this long, stop the command gracefully, release the lock and let the next
+    /// waiting replica lead: a planned handoff. A lone replica leads again at once
+    #[arg(long, value_name = "DURATION", value_parser = positive_duration, env = "PGLEADER_RELINQUISH_AFTER", conflicts_with_all = ["once", "no_wait"])]
+    pub relinquish_after: Option<Duration>,
+
+    /// Hand leadership over at the times of this cron expression, in local time ("0 0 * * *":
+    /// daily at midnight; an optional sixth, leading field gives seconds). Otherwise like
+    /// --relinquish-after
+    #[arg(long, value_name = "CRON", value_parser = parse_schedule, env = "PGLEADER_RELINQUISH_SCHEDULE", conflicts_with_all = ["once", "no_wait"])]
+    pub relinquish_schedule: Option<croner::Cron>,
+
     /// After winning on a server that started less than this long ago, wait until it has been
     /// up this long before starting the command: a restart frees every lock at once, possibly
     /// while the previous leader is still stopping its command. auto = --check-interval +
@@ -241,6 +252,20 @@ fn positive_duration(value: &str) -> Result<Duration, String> {
     }
 }
 
+/// A cron expression with five fields, or six with seconds first; it must match some time in
+/// the future.
+fn parse_schedule(value: &str) -> Result<croner::Cron, String> {
+    let schedule = croner::parser::CronParser::builder()
+        .seconds(croner::parser::Seconds::Optional)
+        .build()
+        .parse(value.trim())
+        .map_err(|err| format!("{err} (expected a cron expression such as \"0 0 * * *\")"))?;
+    schedule
+        .find_next_occurrence(&chrono::Local::now(), false)
+        .map_err(|_| "this schedule never matches a future time".to_owned())?;
+    Ok(schedule)
+}
+
 /// `TERM`, `SIGTERM`, `sigterm` or `15`.
 pub fn parse_signal(value: &str) -> Result<Signal, String> {
     let value = value.trim();
@@ -276,6 +301,17 @@ mod tests {
         assert_eq!(parse_signal("int"), Ok(Signal::SIGINT));
         assert!(parse_signal("NOPE").is_err());
         assert!(parse_signal("99").is_err());
+    }
+
+    #[test]
+    fn schedules_take_five_or_six_fields() {
+        assert!(parse_schedule("0 0 * * *").is_ok());
+        assert!(parse_schedule("*/5 * * * * *").is_ok());
+        assert!(parse_schedule("every day").is_err());
+        assert!(
+            parse_schedule("0 0 30 2 *").is_err(),
+            "February 30th never comes"
+        );
     }
 
     #[test]

@@ -38,6 +38,8 @@ pub struct RunConfig {
     pub takeover_delay: Duration,
     /// See `--restart-fence`; already resolved from `auto`.
     pub restart_fence: Duration,
+    pub relinquish_after: Option<Duration>,
+    pub relinquish_schedule: Option<croner::Cron>,
 }
 
 /// A resolved connection and the warnings its resolution produced.
@@ -76,6 +78,8 @@ impl RunConfig {
             restart_delay: args.restart_delay,
             lease,
             takeover_delay: args.takeover_delay,
+            relinquish_after: args.relinquish_after,
+            relinquish_schedule: args.relinquish_schedule,
             restart_fence: match args.restart_fence {
                 RestartFence::Fixed(duration) => duration,
                 RestartFence::Auto => {

@@ -123,7 +123,7 @@ const SECTIONS: &[Section] = &[
             ),
             Entry(
                 "database restart or crash",
-                "Every session ends; the leader stops its command; everyone reconnects with backoff and jitter (100 ms doubling to 2 s), and a new leader appears within about 2 s of the server accepting connections again.",
+                "Every session ends; the leader stops its command; everyone reconnects with backoff and jitter (100 ms doubling to 2 s), and a new leader wins within about 2 s of the server accepting connections again. A restart frees every lock at once, possibly before the old leader has stopped its command, so a leader that wins on a server up for less than --restart-fence waits until it has been up that long before starting its command.",
             ),
             Entry(
                 "silent network partition of the leader",
@@ -135,11 +135,11 @@ const SECTIONS: &[Section] = &[
             ),
             Entry(
                 "standby server",
-                "pgleader never leads through a server in recovery; it logs why and retries. List several hosts with target_session_attrs=read-write to follow a failover.",
+                "pgleader never leads through a server in recovery; it logs why and retries. With several hosts listed it looks for the read-write one (target_session_attrs=read-write is the default then), so it follows a failover to a promoted standby. The restart fence does not cover a promotion: use --takeover-delay if the old primary's leader may still be stopping when the standby is promoted.",
             ),
             Entry(
                 "transaction-mode pooler",
-                "pgleader stops with an error when its statements run on different server processes: connect directly or through a session-mode pool.",
+                "Refused at connection time with exit status 1: a probe connection that is handed this session's server process, or a session whose statements run on different server processes, means the lock would not belong to pgleader's session. Connect directly or through a session-mode pool. The probe relies on the pooler reusing server connections last-in-first-out (PgBouncer's default); the leader's checks keep comparing backend pids in any case.",
             ),
         ],
     },
@@ -153,6 +153,10 @@ const SECTIONS: &[Section] = &[
             Entry(
                 "pgleader run --once --no-wait --lock nightly -- ./nightly-job.sh",
                 "From cron on every host: whichever host wins runs the job; the others exit 0 at once.",
+            ),
+            Entry(
+                "pgleader run --lock consumer --relinquish-schedule '0 0 * * *' -- ./consume",
+                "Hand the consumer over to the next replica every midnight.",
             ),
             Entry("pgleader status --lock nightly", "Who leads, who waits."),
         ],

@@ -34,7 +34,7 @@ use crate::job::CommandError;
 /// whose thread lives as long as the process.
 pub async fn execute(command: Command) -> anyhow::Result<u8> {
     match command {
-        Command::Run(args) => run(args).await,
+        Command::Run(args) => run(*args).await,
         Command::Status(args) => status(args).await,
     }
 }

@@ -82,6 +82,9 @@ enum Led {
     Lost { status: Option<ChildStatus> },
     /// pgleader was asked to shut down.
     Shutdown(Option<ChildStatus>),
+    /// A planned handoff (--relinquish-after, --relinquish-schedule): the command was stopped
+    /// and the lock released, for the next waiting replica.
+    Relinquished,
 }
 
 enum WaitEvent {
@@ -95,6 +98,7 @@ enum LeadEvent {
     CheckDue,
     CheckDone(Result<Confirmation, SessionError>),
     Deadline,
+    Relinquish,
     Ended(String),
     Signal(Option<SignalEvent>),
     Report(Report),
@@ -157,6 +161,10 @@ impl Supervisor {
                 }
                 Led::Lost { status } => {
                     pause = self.pause_after_loss(status.is_some());
+                }
+                Led::Relinquished => {
+                    self.backoff.reset();
+                    pause = Duration::ZERO;
                 }
             }
         }
@@ -355,6 +363,7 @@ impl Supervisor {
         let mut check: Option<(Instant, CheckFuture)> = None;
         let mut start_at = Some(Instant::now() + delay);
         let mut job: Option<Job> = None;
+        let relinquish_at = self.relinquish_at();
 
         loop {
             let event = tokio::select! {
@@ -362,6 +371,7 @@ impl Supervisor {
                 _ = sleep_until(next_check), if check.is_none() => LeadEvent::CheckDue,
                 result = async { match &mut check { Some((_, future)) => future.await, None => std::future::pending().await } } => LeadEvent::CheckDone(result),
                 _ = sleep_until(deadline) => LeadEvent::Deadline,
+                _ = sleep_until(relinquish_at.map_or(deadline, |(at, _)| at)), if relinquish_at.is_some() => LeadEvent::Relinquish,
                 reason = session.ended() => LeadEvent::Ended(reason),
                 event = self.signals.recv() => LeadEvent::Signal(event),
                 report = async { match &mut job { Some(job) => job.next_report().await, None => std::future::pending().await } } => LeadEvent::Report(report),
@@ -413,6 +423,16 @@ impl Supervisor {
                     fmt(interval + timeout)
                 ),
                 LeadEvent::Ended(reason) => format!("the connection ended: {reason}"),
+                LeadEvent::Relinquish => {
+                    let why = relinquish_at.map_or("", |(_, why)| why);
+                    info!(event = "relinquish", lock = %lock, "handing leadership over ({why})");
+                    let status = self
+                        .stop_if_running(job.take(), self.config.kill_signal)
+                        .await;
+                    log_final(status);
+                    self.release(session).await;
+                    return Ok(Led::Relinquished);
+                }
                 LeadEvent::Signal(Some(SignalEvent::Shutdown(signal))) => {
                     self.shutdown_requested = Some(Instant::now());
                     info!(
@@ -470,6 +490,28 @@ impl Supervisor {
             // server has already freed it, in which case closing changes nothing).
             drop(session);
             return Ok(Led::Lost { status });
+        }
+    }
+
+    /// When a leadership that starts now is to be handed over, and which option asked for it.
+    fn relinquish_at(&self) -> Option<(Instant, &'static str)> {
+        let after = self
+            .config
+            .relinquish_after
+            .map(|after| (Instant::now() + after, "--relinquish-after"));
+        let scheduled = self
+            .config
+            .relinquish_schedule
+            .as_ref()
+            .and_then(|schedule| {
+                let now = chrono::Local::now();
+                let next = schedule.find_next_occurrence(&now, false).ok()?;
+                let wait = (next - now).to_std().unwrap_or(Duration::ZERO);
+                Some((Instant::now() + wait, "--relinquish-schedule"))
+            });
+        match (after, scheduled) {
+            (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
+            (one, other) => one.or(other),
         }
     }
 

@@ -336,3 +336,102 @@ fn status_reports_the_leader_and_the_waiters_in_order() {
         "{out:?}"
     );
 }
+
+/// A child that journals its start and its stop (on TERM).
+fn journaled_child(journal: &crate::harness::Journal, tag: &str) -> String {
+    format!(
+        "trap '{}; exit 0' TERM; {}; echo {tag} started; while :; do sleep 1000 & wait $!; done",
+        journal.append(&format!("{tag}-stopped")),
+        journal.append(&format!("{tag}-started"))
+    )
+}
+
+/// Checks that runs in the journal never overlap: every start follows the previous stop.
+fn assert_turns(lines: &[String]) {
+    for pair in lines.chunks(2) {
+        if let [started, stopped] = pair {
+            let tag = started
+                .strip_suffix("-started")
+                .unwrap_or_else(|| panic!("{lines:?}"));
+            assert_eq!(
+                stopped,
+                &format!("{tag}-stopped"),
+                "overlapping runs: {lines:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn replicas_take_turns_with_relinquish_after() {
+    let cluster = Cluster::shared();
+    let lock = unique_lock();
+    let journal = crate::harness::Journal::new("relinquish");
+    let a = run(
+        "A",
+        cluster,
+        lock,
+        &["--relinquish-after=300ms"],
+        &journaled_child(&journal, "A"),
+    );
+    a.wait_stdout("A started");
+    let b = run(
+        "B",
+        cluster,
+        lock,
+        &["--relinquish-after=300ms"],
+        &journaled_child(&journal, "B"),
+    );
+    b.wait_for_nth(Stream::Stdout, "B started", 2);
+    a.wait_for_nth(Stream::Stdout, "A started", 3);
+    a.wait_log("handing leadership over (--relinquish-after)");
+    let lines = journal.lines();
+    let starts: Vec<&str> = lines
+        .iter()
+        .filter_map(|line| line.strip_suffix("-started"))
+        .take(4)
+        .collect();
+    assert_eq!(starts, ["A", "B", "A", "B"], "{lines:?}");
+    assert_turns(&lines);
+}
+
+#[test]
+fn a_lone_replica_leads_again_at_once_after_relinquishing() {
+    let cluster = Cluster::shared();
+    let a = run(
+        "A",
+        cluster,
+        unique_lock(),
+        &["--relinquish-after=200ms"],
+        &patient_child("A"),
+    );
+    a.wait_for_nth(Stream::Stdout, "A got TERM", 2);
+    a.wait_for_nth(Stream::Stdout, "A started", 3);
+}
+
+#[test]
+fn replicas_take_turns_on_a_relinquish_schedule() {
+    let cluster = Cluster::shared();
+    let lock = unique_lock();
+    let journal = crate::harness::Journal::new("schedule");
+    let every_second = ["--relinquish-schedule", "* * * * * *"];
+    let a = run(
+        "A",
+        cluster,
+        lock,
+        &every_second,
+        &journaled_child(&journal, "A"),
+    );
+    a.wait_stdout("A started");
+    let b = run(
+        "B",
+        cluster,
+        lock,
+        &every_second,
+        &journaled_child(&journal, "B"),
+    );
+    b.wait_stdout("B started");
+    a.wait_for_nth(Stream::Stdout, "A started", 2);
+    a.wait_log("handing leadership over (--relinquish-schedule)");
+    assert_turns(&journal.lines());
+}

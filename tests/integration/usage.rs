@@ -99,6 +99,43 @@ fn bad_arguments_are_usage_errors_that_say_what_is_wrong() {
             ],
             "--busy-exit-code",
         ),
+        (
+            &[
+                "run",
+                "--lock-id",
+                "1",
+                "--once",
+                "--relinquish-after",
+                "1s",
+                "--",
+                "true",
+            ],
+            "cannot be used with",
+        ),
+        (
+            &[
+                "run",
+                "--lock-id",
+                "1",
+                "--relinquish-schedule",
+                "every day",
+                "--",
+                "true",
+            ],
+            "expected a cron expression",
+        ),
+        (
+            &[
+                "run",
+                "--lock-id",
+                "1",
+                "--relinquish-schedule",
+                "0 0 30 2 *",
+                "--",
+                "true",
+            ],
+            "never matches",
+        ),
         (&["frobnicate"], "unrecognized subcommand"),
     ];
     for (args, expected) in cases {
