@@ -7,5 +7,6 @@ mod docs;
 mod election;
 mod failover;
 mod faults;
+mod nemesis;
 mod signals;
 mod usage;
