@@ -239,8 +239,9 @@ fn after_a_server_restart_a_new_leader_starts_only_once_the_old_command_must_be_
 
     cluster.stop();
     a.wait_log("leadership lost");
+    // The server stays down for a few seconds: several rounds of reconnection attempts.
     for process in [&a, &b] {
-        process.wait_log("cannot connect; retrying");
+        process.wait_for_nth(Stream::Stderr, "cannot connect; retrying", 6);
     }
     assert_eq!(journal.lines(), ["A-started", "A-stopped"]);
     let before = [1, 0];
