@@ -84,7 +84,17 @@ enum Led {
     Shutdown(Option<ChildStatus>),
     /// A planned handoff (--relinquish-after, --relinquish-schedule): the command was stopped
     /// and the lock released, for the next waiting replica.
-    Relinquished,
+    Relinquished(Option<ChildStatus>),
+}
+
+impl Led {
+    /// How the command ended, if it ran.
+    fn status(&self) -> Option<ChildStatus> {
+        match self {
+            Led::Exited(status) => Some(*status),
+            Led::Lost { status } | Led::Shutdown(status) | Led::Relinquished(status) => *status,
+        }
+    }
 }
 
 enum WaitEvent {
@@ -134,11 +144,19 @@ impl Supervisor {
                     continue;
                 }
             };
-            match self.lead(session).await? {
+            let led = self.lead(session).await?;
+            if self.config.once && matches!(led, Led::Lost { status: Some(_) }) {
+                return Ok(Outcome::LostLeadership);
+            }
+            // A TERM or INT arrived, perhaps while the command was being stopped for another
+            // reason: exit with the command's status, if one ran.
+            if self.shutdown_requested.is_some() {
+                return Ok(led.status().map_or(Outcome::Shutdown, Outcome::ChildExited));
+            }
+            match led {
                 Led::Shutdown(status) => {
                     return Ok(status.map_or(Outcome::Shutdown, Outcome::ChildExited));
                 }
-                _ if self.shutdown_requested.is_some() => return Ok(Outcome::Shutdown),
                 Led::Exited(status) => {
                     if self.config.once {
                         return Ok(Outcome::ChildExited(status));
@@ -156,13 +174,10 @@ impl Supervisor {
                         }
                     }
                 }
-                Led::Lost { status: Some(_) } if self.config.once => {
-                    return Ok(Outcome::LostLeadership);
-                }
                 Led::Lost { status } => {
                     pause = self.pause_after_loss(status.is_some());
                 }
-                Led::Relinquished => {
+                Led::Relinquished(_) => {
                     self.backoff.reset();
                     pause = Duration::ZERO;
                 }
@@ -431,7 +446,7 @@ impl Supervisor {
                         .await;
                     log_final(status);
                     self.release(session).await;
-                    return Ok(Led::Relinquished);
+                    return Ok(Led::Relinquished(status));
                 }
                 LeadEvent::Signal(Some(SignalEvent::Shutdown(signal))) => {
                     self.shutdown_requested = Some(Instant::now());
