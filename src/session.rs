@@ -289,13 +289,17 @@ impl Session {
         })
     }
 
-    /// Releases the lock explicitly (so the next waiter is granted it now), then closes.
+    /// Releases the lock explicitly (so the next waiter is granted it now), then closes. An
+    /// error means the lock was not released by this call; closing the session frees it anyway.
     pub async fn release(self, key: &LockKey, timeout: Duration) -> Result<(), SessionError> {
         let key = key.key();
         let params: [(&(dyn tokio_postgres::types::ToSql + Sync), Type); 1] = [(&key, Type::INT8)];
         let unlock = self.client.query_typed(UNLOCK_SQL, &params);
         match tokio::time::timeout(timeout, unlock).await {
-            Ok(Ok(_)) => Ok(()),
+            Ok(Ok(rows)) if rows.first().is_some_and(|row| row.get::<_, bool>(0)) => Ok(()),
+            Ok(Ok(_)) => Err(SessionError::Query(
+                "the server says this session did not hold the lock".into(),
+            )),
             Ok(Err(err)) => Err(query_error(err)),
             Err(_) => Err(SessionError::Query(format!(
                 "no answer within {}",
