@@ -21,6 +21,7 @@ pub mod session;
 pub mod signals;
 pub mod status;
 pub mod supervisor;
+pub mod tls;
 
 use anyhow::Context;
 use tracing::warn;

@@ -8,4 +8,5 @@ mod election;
 mod failover;
 mod faults;
 mod signals;
+mod tls;
 mod usage;
