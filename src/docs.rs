@@ -90,6 +90,10 @@ const SECTIONS: &[Section] = &[
                 "As for psql: they fill in what the connection string leaves out. Without any of them pgleader connects like psql: to the Unix socket in /var/run/postgresql if a server listens there, else to localhost, as the operating-system user, to the database of the same name.",
             ),
             Entry(
+                "NOTIFY_SOCKET, WATCHDOG_USEC, WATCHDOG_PID",
+                "Set by systemd for a unit with Type=notify and WatchdogSec=; see SYSTEMD. The command does not inherit them.",
+            ),
+            Entry(
                 "~/.pgpass",
                 "Passwords, with libpq's format and rules; a file that group or others can read is ignored with a warning.",
             ),
@@ -120,6 +124,14 @@ const SECTIONS: &[Section] = &[
             ),
             Para(
                 "sslrootcert=system trusts the system's certificate store and requires verify-full (the default with it). A certificate that does not verify, a server that refuses TLS under require, and a server that accepts this client only over TLS under sslmode=disable are permanent errors: pgleader exits 1 with a message that says which, without retrying. The certificate files are read again at each connection attempt, so a renewed certificate is used from the next reconnection.",
+            ),
+        ],
+    },
+    Section {
+        heading: "SYSTEMD",
+        body: &[
+            Para(
+                "When NOTIFY_SOCKET is set, pgleader sends READY=1 once it is connected and queued for the lock or leading (not while the database is unreachable at start), STATUS= lines that say whether it leads or follows and what it waits for, STOPPING=1 when TERM or INT arrives, and WATCHDOG=1 every half of WATCHDOG_USEC if the unit sets WatchdogSec= (unless WATCHDOG_PID names another process). The watchdog pings come from the thread that runs pgleader's event loop. Addresses in the abstract namespace (starting with @) work.",
             ),
         ],
     },

@@ -31,6 +31,7 @@ use crate::config::RunConfig;
 use crate::exit::{ChildStatus, Outcome};
 use crate::job::{self, CommandError, Job};
 use crate::keeper::Report;
+use crate::notify;
 use crate::session::{Confirmation, ConnectError, Session, SessionError};
 use crate::signals::SignalEvent;
 
@@ -171,6 +172,7 @@ impl Supervisor {
 
     /// Connects, retrying transient failures with backoff. `None` means shut down.
     async fn connect(&mut self) -> anyhow::Result<Option<Session>> {
+        notify::status(&format!("connecting to {}", self.config.connection));
         loop {
             debug!(event = "connecting", server = %self.config.connection, "connecting");
             let (settings, application_name, lease) = (
@@ -221,6 +223,10 @@ impl Supervisor {
                 }
                 err => {
                     let delay = self.backoff.next_delay();
+                    notify::status(&format!(
+                        "cannot connect to {server}: {err}; retrying in {}",
+                        fmt(delay)
+                    ));
                     warn!(
                         event = "connect_failed",
                         server = %server,
@@ -267,6 +273,7 @@ impl Supervisor {
             backend_pid = session.backend_pid(),
             "waiting for the lock"
         );
+        notify::following(&lock);
         let started = Instant::now();
         let wait = session.wait_for_lock(&lock);
         tokio::pin!(wait);
@@ -282,6 +289,9 @@ impl Supervisor {
                 WaitEvent::Done(Err(err @ SessionError::Pooler { .. })) => return Err(err.into()),
                 WaitEvent::Done(Err(SessionError::Query(reason))) | WaitEvent::Ended(reason) => {
                     warn!(event = "session_lost", reason = %reason, "lost the session while waiting for the lock");
+                    notify::status(&format!(
+                        "lost the session while waiting for the lock: {reason}"
+                    ));
                     return Ok(Acquired::Lost { stable });
                 }
                 WaitEvent::Signal(event) => {
@@ -323,6 +333,7 @@ impl Supervisor {
             epoch,
             "became leader"
         );
+        notify::leading(&lock, epoch, &self.config.command.display());
 
         let mut deadline = sent + interval + timeout;
         let mut next_check = sent + interval;
@@ -401,6 +412,9 @@ impl Supervisor {
                         signal = signal.as_str(),
                         "shutting down"
                     );
+                    notify::stopping(
+                        "shutting down: stopping the command, then releasing the lock",
+                    );
                     let status = self.stop_if_running(job.take(), signal).await;
                     self.release(session).await;
                     return Ok(Led::Shutdown(status));
@@ -431,6 +445,9 @@ impl Supervisor {
                     Report::Exited(_) | Report::Killed(_) => {
                         let status = status_of(report);
                         info!(event = "child_exited", status = %status, exit_code = status.exit_code(), "the command exited");
+                        notify::status(&format!(
+                            "the command exited ({status}); releasing the lock"
+                        ));
                         // Whatever the command left behind in its process group goes too, before
                         // the lock is released.
                         if let Some(job) = job.take() {
@@ -443,6 +460,9 @@ impl Supervisor {
                 },
             };
             warn!(event = "leadership_lost", lock = %lock, reason = %lost_reason, "leadership lost");
+            notify::status(&format!(
+                "leadership lost ({lost_reason}); stopping the command"
+            ));
             let status = self
                 .stop_if_running(job.take(), self.config.kill_signal)
                 .await;
@@ -544,6 +564,7 @@ impl Supervisor {
                                 signal = received.as_str(),
                                 "shutting down once the command has stopped"
                             );
+                            notify::stopping("shutting down once the command has stopped");
                             let _ = job.signal(received);
                         }
                     }
@@ -642,6 +663,7 @@ impl Supervisor {
                     signal = signal.as_str(),
                     "shutting down"
                 );
+                notify::stopping("shutting down");
                 true
             }
             None => true,

@@ -7,6 +7,7 @@ mod docs;
 mod election;
 mod failover;
 mod faults;
+mod notify;
 mod signals;
 mod tls;
 mod usage;
