@@ -129,11 +129,9 @@ const SECTIONS: &[Section] = &[
     },
     Section {
         heading: "SYSTEMD",
-        body: &[
-            Para(
-                "When NOTIFY_SOCKET is set, pgleader sends READY=1 once it is connected and queued for the lock or leading (not while the database is unreachable at start), STATUS= lines that say whether it leads or follows and what it waits for, STOPPING=1 when TERM or INT arrives, and WATCHDOG=1 every half of WATCHDOG_USEC if the unit sets WatchdogSec= (unless WATCHDOG_PID names another process). The watchdog pings come from the thread that runs pgleader's event loop. Addresses in the abstract namespace (starting with @) work.",
-            ),
-        ],
+        body: &[Para(
+            "When NOTIFY_SOCKET is set, pgleader sends READY=1 once it is connected and queued for the lock or leading (not while the database is unreachable at start), STATUS= lines that say whether it leads or follows and what it waits for, STOPPING=1 when TERM or INT arrives, and WATCHDOG=1 every half of WATCHDOG_USEC if the unit sets WatchdogSec= (unless WATCHDOG_PID names another process). The watchdog pings come from the thread that runs pgleader's event loop. Addresses in the abstract namespace (starting with @) work.",
+        )],
     },
     Section {
         heading: "SIGNALS",

@@ -3,6 +3,7 @@
 
 mod harness;
 
+mod containers;
 mod docs;
 mod election;
 mod failover;

@@ -33,7 +33,20 @@ pub fn empty_home() -> &'static PathBuf {
 
 /// `pgleader` with a clean environment (no PG* variables from the developer's shell).
 pub fn pgleader() -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_pgleader"));
+    clean(Command::new(env!("CARGO_BIN_EXE_pgleader")))
+}
+
+/// `pgleader` started by another program (`unshare ... pgleader`), with the same clean
+/// environment.
+pub fn pgleader_under(wrapper: &[&str]) -> Command {
+    let mut command = Command::new(wrapper[0]);
+    command
+        .args(&wrapper[1..])
+        .arg(env!("CARGO_BIN_EXE_pgleader"));
+    clean(command)
+}
+
+fn clean(mut command: Command) -> Command {
     command
         .env_clear()
         .env(
