@@ -129,8 +129,17 @@ const SECTIONS: &[Section] = &[
     },
     Section {
         heading: "SYSTEMD",
+        body: &[
+            Para("SYSTEMD"),
+            Para(
+                "In the unit: Type=notify and NotifyAccess=main; KillMode=mixed, so that systemctl stop sends TERM to pgleader alone, which stops the command's process group itself before releasing the lock; TimeoutStopSec longer than --kill-timeout; SuccessExitStatus=143, the status after a stop when the command died of the TERM passed on to it; TimeoutStartSec=infinity if the database may be down at boot. The repository's examples/systemd holds such a unit.",
+            ),
+        ],
+    },
+    Section {
+        heading: "CONTAINERS",
         body: &[Para(
-            "When NOTIFY_SOCKET is set, pgleader sends READY=1 once it is connected and queued for the lock or leading (not while the database is unreachable at start), STATUS= lines that say whether it leads or follows and what it waits for, STOPPING=1 when TERM or INT arrives, and WATCHDOG=1 every half of WATCHDOG_USEC if the unit sets WatchdogSec= (unless WATCHDOG_PID names another process). The watchdog pings come from the thread that runs pgleader's event loop. Addresses in the abstract namespace (starting with @) work.",
+            "pgleader can be a container's entrypoint, PID 1: it passes signals on to the command's process group and reaps every orphan the kernel hands it, so no separate init (tini, docker run --init) is needed. Give the container a stop grace period longer than --kill-timeout. The repository's examples/docker holds a Dockerfile.",
         )],
     },
     Section {

@@ -16,7 +16,9 @@ use nix::sys::signal::{Signal, kill};
 use nix::sys::stat::Mode;
 use nix::unistd::{Pid, mkfifo};
 
-use crate::harness::{Cluster, Proc, Stream, WAIT, patient_child, pgleader_under, unique_lock};
+use crate::harness::{
+    Cluster, Proc, Stream, WAIT, patient_child, pgleader_under, require_tool, unique_lock,
+};
 
 const NEEDS: &str = "this test runs pgleader as PID 1 of a new pid namespace: it needs \
     util-linux's unshare and nsenter (Debian/Ubuntu: apt-get install util-linux) and the right \
@@ -102,11 +104,8 @@ fn fifo(dir: &Path, name: &str) -> PathBuf {
 
 #[test]
 fn as_pid_1_it_passes_signals_on_and_reaps_the_orphans_it_inherits() {
-    for tool in ["unshare", "nsenter"] {
-        let found = std::env::var_os("PATH")
-            .is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join(tool).is_file()));
-        assert!(found, "{tool} is not installed: {NEEDS}");
-    }
+    require_tool("unshare", NEEDS);
+    require_tool("nsenter", NEEDS);
     let mut preflight = Command::new("unshare");
     preflight.args(["--pid", "--fork", "--mount-proc", "--kill-child", "true"]);
     let preflight = Proc::spawn("unshare", preflight);

@@ -6,6 +6,7 @@ mod harness;
 mod containers;
 mod docs;
 mod election;
+mod examples;
 mod failover;
 mod faults;
 mod notify;

@@ -57,6 +57,13 @@ fn clean(mut command: Command) -> Command {
     command
 }
 
+/// Fails the test, saying what to install, unless `tool` is on PATH.
+pub fn require_tool(tool: &str, needed_because: &str) {
+    let found = std::env::var_os("PATH")
+        .is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join(tool).is_file()));
+    assert!(found, "{tool} is not installed: {needed_because}");
+}
+
 /// `pgleader run --lock-id <lock> <args...> -- sh -c <script>` against `cluster`.
 pub fn run(name: &str, cluster: &Cluster, lock: i64, args: &[&str], script: &str) -> Proc {
     let mut command = pgleader();
