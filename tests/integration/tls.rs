@@ -337,3 +337,25 @@ fn a_password_logs_in_over_tls_with_scram_and_channel_binding() {
         "the password leaked:\n{stderr}"
     );
 }
+
+#[test]
+fn require_against_a_server_without_tls_fails_clearly() {
+    // The shared cluster runs with ssl off.
+    let cluster = Cluster::shared();
+    let ca = server().file("ca.crt");
+    for (mode, query) in [
+        ("require", "sslmode=require".to_owned()),
+        (
+            "verify-full",
+            format!("sslmode=verify-full&sslrootcert={ca}"),
+        ),
+    ] {
+        assert_refused(
+            &format!("{}?{query}", cluster.url()),
+            &[
+                "the server does not accept TLS connections",
+                &format!("sslmode={mode} insists on TLS"),
+            ],
+        );
+    }
+}
