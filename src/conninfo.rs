@@ -88,15 +88,27 @@ impl SslMode {
     }
 }
 
-/// TLS settings from the connection string or `PGSSL*`.
+/// The `sslrootcert` value that means the system's trust store (libpq 16).
+pub const SYSTEM_ROOTS: &str = "system";
+
+/// TLS settings from the connection string or `PGSSL*`, with libpq's defaults filled in.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TlsSettings {
     pub mode: SslMode,
-    /// `sslrootcert`: a PEM file of trusted CAs, or `system` for the system's trust store.
+    /// `sslrootcert`: a PEM file of trusted CAs, or `system` for the system's trust store;
+    /// `~/.postgresql/root.crt` by default.
     pub root_cert: Option<PathBuf>,
-    /// `sslcert` / `sslkey`: a client certificate and its key.
+    /// `sslcert` / `sslkey`: a client certificate and its key; `~/.postgresql/postgresql.crt`
+    /// and `postgresql.key` by default. A certificate file that does not exist is not sent.
     pub client_cert: Option<PathBuf>,
     pub client_key: Option<PathBuf>,
+}
+
+impl TlsSettings {
+    /// Whether `sslrootcert=system`: trust the system's certificate store.
+    pub fn uses_system_roots(&self) -> bool {
+        self.root_cert.as_deref() == Some(Path::new(SYSTEM_ROOTS))
+    }
 }
 
 /// Where a server listens.
@@ -458,16 +470,43 @@ fn build(
         }
     };
 
+    // libpq's default certificate files live in ~/.postgresql; like libpq, tls.rs uses them
+    // only if they exist when connecting.
+    let in_home = |file: &str| env.home().map(|home| home.join(".postgresql").join(file));
+    let root_cert = params
+        .remove("sslrootcert")
+        .map(PathBuf::from)
+        .or_else(|| in_home("root.crt"));
+    let system_roots = root_cert.as_deref() == Some(Path::new(SYSTEM_ROOTS));
+    let mode = match params.remove("sslmode") {
+        Some(mode) => mode
+            .parse()
+            .map_err(|reason| ConnInfoError::InvalidValue("sslmode".into(), reason))?,
+        // As libpq 16: anyone can get a certificate from a public CA for a name they control,
+        // so trusting the system's store only means something if the host name is checked.
+        None if system_roots => SslMode::VerifyFull,
+        None => SslMode::Prefer,
+    };
+    if system_roots && mode != SslMode::VerifyFull {
+        return Err(ConnInfoError::InvalidValue(
+            "sslmode".into(),
+            format!(
+                "weak sslmode \"{}\" may not be used with sslrootcert=system (use \"verify-full\")",
+                mode.as_str()
+            ),
+        ));
+    }
     let tls = TlsSettings {
-        mode: match params.remove("sslmode") {
-            Some(mode) => mode
-                .parse()
-                .map_err(|reason| ConnInfoError::InvalidValue("sslmode".into(), reason))?,
-            None => SslMode::Prefer,
-        },
-        root_cert: params.remove("sslrootcert").map(PathBuf::from),
-        client_cert: params.remove("sslcert").map(PathBuf::from),
-        client_key: params.remove("sslkey").map(PathBuf::from),
+        mode,
+        root_cert,
+        client_cert: params
+            .remove("sslcert")
+            .map(PathBuf::from)
+            .or_else(|| in_home("postgresql.crt")),
+        client_key: params
+            .remove("sslkey")
+            .map(PathBuf::from)
+            .or_else(|| in_home("postgresql.key")),
     };
 
     let passfile = params.remove("passfile").map(PathBuf::from);
@@ -919,6 +958,38 @@ mod tests {
         assert_eq!(settings.dbname, "fromstring");
         assert_eq!(settings.application_name.as_deref(), Some("envapp"));
         assert_eq!(settings.connect_timeout, Duration::from_secs(5));
+    }
+
+    #[test]
+    fn tls_files_default_to_libpqs_in_home_and_system_roots_mean_verify_full() {
+        let env = FakeEnv {
+            home: Some("/home/app".into()),
+            ..FakeEnv::default()
+        };
+        let tls = resolve_with(Some("host=db"), &env).tls;
+        assert_eq!(tls.mode, SslMode::Prefer);
+        assert_eq!(
+            tls.root_cert.as_deref(),
+            Some(Path::new("/home/app/.postgresql/root.crt"))
+        );
+        assert_eq!(
+            tls.client_key.as_deref(),
+            Some(Path::new("/home/app/.postgresql/postgresql.key"))
+        );
+
+        let env = FakeEnv {
+            vars: HashMap::from([("PGSSLROOTCERT", "system".to_owned())]),
+            ..FakeEnv::default()
+        };
+        let tls = resolve_with(Some("host=db"), &env).tls;
+        assert!(tls.uses_system_roots());
+        assert_eq!(tls.mode, SslMode::VerifyFull);
+        let weak = resolve(Some("host=db sslmode=require"), &env).expect_err("weak");
+        assert_eq!(
+            weak.to_string(),
+            "invalid value for connection option \"sslmode\": weak sslmode \"require\" may not \
+             be used with sslrootcert=system (use \"verify-full\")"
+        );
     }
 
     #[test]

@@ -39,7 +39,7 @@ const SECTIONS: &[Section] = &[
             ),
             Entry(
                 "1",
-                "A fatal error: authentication failed, the database does not exist, the connection goes through a transaction-mode pooler, the database is unreachable under --no-wait.",
+                "A fatal error: authentication failed, the database does not exist, the server's TLS certificate does not verify, the connection goes through a transaction-mode pooler, the database is unreachable under --no-wait.",
             ),
             Entry(
                 "2",
@@ -86,14 +86,61 @@ const SECTIONS: &[Section] = &[
                 "The connection, when --database-url is not given: a postgres:// URL or key=value pairs, as libpq accepts them.",
             ),
             Entry(
-                "PGHOST, PGPORT, PGUSER, PGPASSWORD, PGDATABASE, PGAPPNAME, PGCONNECT_TIMEOUT, PGSSLMODE, PGSSLROOTCERT, PGPASSFILE, ...",
+                "PGHOST, PGPORT, PGUSER, PGPASSWORD, PGDATABASE, PGAPPNAME, PGCONNECT_TIMEOUT, PGSSLMODE, PGSSLROOTCERT, PGSSLCERT, PGSSLKEY, PGPASSFILE, ...",
                 "As for psql: they fill in what the connection string leaves out. Without any of them pgleader connects like psql: to the Unix socket in /var/run/postgresql if a server listens there, else to localhost, as the operating-system user, to the database of the same name.",
+            ),
+            Entry(
+                "NOTIFY_SOCKET, WATCHDOG_USEC, WATCHDOG_PID",
+                "Set by systemd for a unit with Type=notify and WatchdogSec=; see SYSTEMD. The command does not inherit them.",
             ),
             Entry(
                 "~/.pgpass",
                 "Passwords, with libpq's format and rules; a file that group or others can read is ignored with a warning.",
             ),
         ],
+    },
+    Section {
+        heading: "TLS",
+        body: &[
+            Para(
+                "pgleader speaks TLS 1.2 and 1.3 through rustls; it needs no OpenSSL. sslmode, sslrootcert, sslcert and sslkey come from the connection string or from PGSSLMODE, PGSSLROOTCERT, PGSSLCERT and PGSSLKEY, with libpq's meanings and defaults (~/.postgresql/root.crt, postgresql.crt, postgresql.key). TLS is never used over Unix sockets.",
+            ),
+            Entry("disable", "Never TLS."),
+            Entry(
+                "allow, prefer (the default)",
+                "TLS if the server offers it, the certificate checked as under require; if the TLS handshake fails, one more attempt without TLS. allow tries TLS first too.",
+            ),
+            Entry(
+                "require",
+                "Always TLS. The server's certificate is not checked, unless a root certificate file exists: then it is checked as under verify-ca (libpq's rule).",
+            ),
+            Entry(
+                "verify-ca",
+                "Always TLS; the server's certificate must be signed by a CA from sslrootcert. The host name is not compared.",
+            ),
+            Entry(
+                "verify-full",
+                "As verify-ca, and the certificate must be issued for the host name given in host (not hostaddr).",
+            ),
+            Para(
+                "sslrootcert=system trusts the system's certificate store and requires verify-full (the default with it). A certificate that does not verify, a server that refuses TLS under require, and a server that accepts this client only over TLS under sslmode=disable are permanent errors: pgleader exits 1 with a message that says which, without retrying. The certificate files are read again at each connection attempt, so a renewed certificate is used from the next reconnection.",
+            ),
+        ],
+    },
+    Section {
+        heading: "SYSTEMD",
+        body: &[
+            Para("SYSTEMD"),
+            Para(
+                "In the unit: Type=notify and NotifyAccess=main; KillMode=mixed, so that systemctl stop sends TERM to pgleader alone, which stops the command's process group itself before releasing the lock; TimeoutStopSec longer than --kill-timeout; SuccessExitStatus=143, the status after a stop when the command died of the TERM passed on to it; TimeoutStartSec=infinity if the database may be down at boot. The repository's examples/systemd holds such a unit.",
+            ),
+        ],
+    },
+    Section {
+        heading: "CONTAINERS",
+        body: &[Para(
+            "pgleader can be a container's entrypoint, PID 1: it passes signals on to the command's process group and reaps every orphan the kernel hands it, so no separate init (tini, docker run --init) is needed. Give the container a stop grace period longer than --kill-timeout. The repository's examples/docker holds a Dockerfile.",
+        )],
     },
     Section {
         heading: "SIGNALS",

@@ -172,6 +172,9 @@ impl Job {
             ))
             .envs(env.iter().map(|(key, value)| (key, value)))
             .process_group(0);
+        for name in crate::notify::PRIVATE_ENV {
+            keeper_command.env_remove(name);
+        }
         // SAFETY: runs between fork and exec; fcntl and sigprocmask are async-signal-safe and
         // nothing is allocated. The descriptor is open: `theirs` outlives the spawn call.
         unsafe {

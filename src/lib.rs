@@ -17,10 +17,12 @@ pub mod keeper;
 pub mod lease;
 pub mod lock;
 pub mod logging;
+pub mod notify;
 pub mod session;
 pub mod signals;
 pub mod status;
 pub mod supervisor;
+pub mod tls;
 
 use anyhow::Context;
 use tracing::warn;
@@ -46,6 +48,7 @@ async fn run(args: RunArgs) -> anyhow::Result<u8> {
     for warning in warnings {
         warn!(event = "config", "{warning}");
     }
+    notify::init();
     let outcome = supervisor::run(config, signals).await?;
     Ok(outcome.exit_code())
 }

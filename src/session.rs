@@ -14,13 +14,14 @@ use std::time::Duration;
 
 use thiserror::Error;
 use tokio::task::JoinHandle;
+use tokio_postgres::Client;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::Type;
-use tokio_postgres::{Client, NoTls};
 
-use crate::conninfo::{ConnSettings, Host, SslMode, TargetSessionAttrs};
+use crate::conninfo::{ConnSettings, Host, TargetSessionAttrs, TlsSettings};
 use crate::lease::Lease;
 use crate::lock::LockKey;
+use crate::tls;
 
 /// Why a connection attempt failed, sorted by whether trying again can help.
 #[derive(Debug, Error)]
@@ -106,7 +107,7 @@ impl Session {
     ) -> Result<Session, ConnectError> {
         let config = driver_config(settings, application_name, Some(lease))?;
         let budget = connect_budget(settings);
-        let (client, connection, server_major) = open(&config, budget).await?;
+        let (client, connection, server_major) = open(&config, &settings.tls, budget).await?;
         let mut session = Session {
             client: Arc::new(client),
             connection,
@@ -329,7 +330,8 @@ pub async fn connect_plain(
     application_name: &str,
 ) -> Result<PlainClient, ConnectError> {
     let config = driver_config(settings, application_name, None)?;
-    let (client, connection, server_major) = open(&config, connect_budget(settings)).await?;
+    let (client, connection, server_major) =
+        open(&config, &settings.tls, connect_budget(settings)).await?;
     Ok(PlainClient {
         client,
         server_major,
@@ -348,10 +350,14 @@ type ConnectionTask = JoinHandle<Result<(), tokio_postgres::Error>>;
 
 async fn open(
     config: &tokio_postgres::Config,
+    tls: &TlsSettings,
     budget: Duration,
 ) -> Result<(Client, ConnectionTask, u32), ConnectError> {
+    let connector = tls::connector(tls).map_err(ConnectError::Permanent)?;
     let attempt = async {
-        let (client, connection) = config.connect(NoTls).await.map_err(classify)?;
+        let (client, connection) = tls::connect(config, tls, connector)
+            .await
+            .map_err(|err| tls::classify(&err, tls).unwrap_or_else(|| classify(err)))?;
         let server_major = connection
             .parameter("server_version")
             .and_then(parse_major_version)
@@ -421,16 +427,7 @@ fn driver_config(
     if let Some(options) = &settings.options {
         config.options(options);
     }
-    config.ssl_mode(match settings.tls.mode {
-        SslMode::Disable => tokio_postgres::config::SslMode::Disable,
-        SslMode::Allow | SslMode::Prefer => tokio_postgres::config::SslMode::Prefer,
-        SslMode::Require | SslMode::VerifyCa | SslMode::VerifyFull => {
-            return Err(ConnectError::Permanent(format!(
-                "sslmode={} needs TLS, which this build of pgleader does not support yet",
-                settings.tls.mode.as_str()
-            )));
-        }
-    });
+    config.ssl_mode(tls::driver_mode(settings));
     Ok(config)
 }
 

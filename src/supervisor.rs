@@ -31,6 +31,7 @@ use crate::config::RunConfig;
 use crate::exit::{ChildStatus, Outcome};
 use crate::job::{self, CommandError, Job};
 use crate::keeper::Report;
+use crate::notify;
 use crate::session::{Confirmation, ConnectError, Session, SessionError};
 use crate::signals::SignalEvent;
 
@@ -194,6 +195,7 @@ impl Supervisor {
 
     /// Connects, retrying transient failures with backoff. `None` means shut down.
     async fn connect(&mut self) -> anyhow::Result<Option<Session>> {
+        notify::status(&format!("connecting to {}", self.config.connection));
         loop {
             debug!(event = "connecting", server = %self.config.connection, "connecting");
             let (settings, application_name, lease) = (
@@ -244,6 +246,10 @@ impl Supervisor {
                 }
                 err => {
                     let delay = self.backoff.next_delay();
+                    notify::status(&format!(
+                        "cannot connect to {server}: {err}; retrying in {}",
+                        fmt(delay)
+                    ));
                     warn!(
                         event = "connect_failed",
                         server = %server,
@@ -290,6 +296,7 @@ impl Supervisor {
             backend_pid = session.backend_pid(),
             "waiting for the lock"
         );
+        notify::following(&lock);
         let started = Instant::now();
         let wait = session.wait_for_lock(&lock);
         tokio::pin!(wait);
@@ -305,6 +312,9 @@ impl Supervisor {
                 WaitEvent::Done(Err(err @ SessionError::Pooler { .. })) => return Err(err.into()),
                 WaitEvent::Done(Err(SessionError::Query(reason))) | WaitEvent::Ended(reason) => {
                     warn!(event = "session_lost", reason = %reason, "lost the session while waiting for the lock");
+                    notify::status(&format!(
+                        "lost the session while waiting for the lock: {reason}"
+                    ));
                     return Ok(Acquired::Lost { stable });
                 }
                 WaitEvent::Signal(event) => {
@@ -347,6 +357,7 @@ impl Supervisor {
             epoch,
             "became leader"
         );
+        notify::leading(&lock, epoch, &self.config.command.display());
 
         // A server that has just started freed every lock when it went down, possibly before
         // the previous leader noticed and stopped its command. That leader stops within
@@ -441,6 +452,7 @@ impl Supervisor {
                 LeadEvent::Relinquish => {
                     let why = relinquish_at.map_or("", |(_, why)| why);
                     info!(event = "relinquish", lock = %lock, "handing leadership over ({why})");
+                    notify::status(&format!("handing leadership over ({why})"));
                     let status = self
                         .stop_if_running(job.take(), self.config.kill_signal)
                         .await;
@@ -454,6 +466,9 @@ impl Supervisor {
                         event = "shutdown",
                         signal = signal.as_str(),
                         "shutting down"
+                    );
+                    notify::stopping(
+                        "shutting down: stopping the command, then releasing the lock",
                     );
                     let status = self.stop_if_running(job.take(), signal).await;
                     self.release(session).await;
@@ -485,6 +500,9 @@ impl Supervisor {
                     Report::Exited(_) | Report::Killed(_) => {
                         let status = status_of(report);
                         info!(event = "child_exited", status = %status, exit_code = status.exit_code(), "the command exited");
+                        notify::status(&format!(
+                            "the command exited ({status}); releasing the lock"
+                        ));
                         // Whatever the command left behind in its process group goes too, before
                         // the lock is released.
                         if let Some(job) = job.take() {
@@ -497,6 +515,9 @@ impl Supervisor {
                 },
             };
             warn!(event = "leadership_lost", lock = %lock, reason = %lost_reason, "leadership lost");
+            notify::status(&format!(
+                "leadership lost ({lost_reason}); stopping the command"
+            ));
             let status = self
                 .stop_if_running(job.take(), self.config.kill_signal)
                 .await;
@@ -620,6 +641,7 @@ impl Supervisor {
                                 signal = received.as_str(),
                                 "shutting down once the command has stopped"
                             );
+                            notify::stopping("shutting down once the command has stopped");
                             let _ = job.signal(received);
                         }
                     }
@@ -718,6 +740,7 @@ impl Supervisor {
                     signal = signal.as_str(),
                     "shutting down"
                 );
+                notify::stopping("shutting down");
                 true
             }
             None => true,

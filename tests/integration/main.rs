@@ -3,10 +3,14 @@
 
 mod harness;
 
+mod containers;
 mod docs;
 mod election;
+mod examples;
 mod failover;
 mod faults;
 mod nemesis;
+mod notify;
 mod signals;
+mod tls;
 mod usage;

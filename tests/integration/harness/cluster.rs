@@ -25,6 +25,24 @@ const INSTALL_HINT: &str = "PostgreSQL server binaries (initdb, postgres) are ne
     and were not found. Install them (Debian/Ubuntu: `apt-get install postgresql`), or point \
     PGLEADER_TEST_PG_BINDIR at the directory that holds them";
 
+/// How a cluster differs from the default one.
+#[derive(Debug, Default)]
+pub struct Options {
+    /// Turns `ssl` on with this certificate and key.
+    pub tls: Option<ServerTls>,
+    /// Replaces pg_hba.conf; the Unix socket stays trusted for the harness itself.
+    pub hba: Option<String>,
+}
+
+/// The server's side of TLS, in PEM.
+#[derive(Debug)]
+pub struct ServerTls {
+    pub cert_pem: String,
+    pub key_pem: String,
+    /// The CA that signs client certificates (`ssl_ca_file`), for `cert` authentication.
+    pub client_ca_pem: Option<String>,
+}
+
 #[derive(Debug)]
 pub struct Cluster {
     pub name: String,
@@ -48,8 +66,14 @@ impl Cluster {
 
     /// A cluster of the test's own, for tests that stop or restart the server.
     pub fn new(name: &str) -> Cluster {
+        Cluster::with_options(name, Options::default())
+    }
+
+    /// A cluster of the test's own, configured differently from the default one.
+    pub fn with_options(name: &str, options: Options) -> Cluster {
         let cluster = Cluster::prepare(name);
         cluster.initdb();
+        cluster.configure(&options);
         cluster.start();
         cluster.execute(&format!(
             "CREATE ROLE {SECRET_USER} LOGIN PASSWORD '{SECRET_PASSWORD}'"
@@ -174,6 +198,38 @@ impl Cluster {
         .expect("write pg_hba.conf");
     }
 
+    /// Applies `options` on top of what initdb wrote.
+    fn configure(&self, options: &Options) {
+        if let Some(hba) = &options.hba {
+            let lines = format!("local all all trust\nlocal replication all trust\n{hba}");
+            fs::write(self.data.join("pg_hba.conf"), lines).expect("write pg_hba.conf");
+        }
+        let Some(tls) = &options.tls else {
+            return;
+        };
+        let mut conf =
+            String::from("\nssl = on\nssl_cert_file = 'server.crt'\nssl_key_file = 'server.key'\n");
+        let mut files = vec![("server.crt", &tls.cert_pem), ("server.key", &tls.key_pem)];
+        if let Some(ca) = &tls.client_ca_pem {
+            conf.push_str("ssl_ca_file = 'client_ca.crt'\n");
+            files.push(("client_ca.crt", ca));
+        }
+        for (name, pem) in files {
+            let path = self.data.join(name);
+            fs::write(&path, pem).expect("write a TLS file");
+            // The server refuses a key file that others can read.
+            fs::set_permissions(&path, fs::Permissions::from_mode(0o600)).expect("chmod");
+            if let Some(owner) = &self.owner {
+                chown(&path, Some(owner.uid.as_raw()), Some(owner.gid.as_raw())).expect("chown");
+            }
+        }
+        let mut file = fs::OpenOptions::new()
+            .append(true)
+            .open(self.data.join("postgresql.conf"))
+            .expect("open postgresql.conf");
+        std::io::Write::write_all(&mut file, conf.as_bytes()).expect("write postgresql.conf");
+    }
+
     /// Starts the server and waits until it accepts connections.
     pub fn start(&self) {
         let mut server = self.server.lock().expect("server lock");
@@ -224,7 +280,7 @@ impl Cluster {
                     self.log()
                 );
             }
-            if postgres::Client::connect(&self.url(), postgres::NoTls).is_ok() {
+            if postgres::Client::connect(&self.admin_url(), postgres::NoTls).is_ok() {
                 break;
             }
             assert!(
@@ -278,8 +334,18 @@ impl Cluster {
         format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
     }
 
+    /// The harness's own connections go through the Unix socket, which pg_hba.conf always
+    /// trusts, whatever TCP demands (TLS only, client certificates).
+    fn admin_url(&self) -> String {
+        format!(
+            "host={} port={} user=postgres dbname=postgres",
+            self.socket_dir.display(),
+            self.port
+        )
+    }
+
     pub fn client(&self) -> postgres::Client {
-        postgres::Client::connect(&self.url(), postgres::NoTls)
+        postgres::Client::connect(&self.admin_url(), postgres::NoTls)
             .unwrap_or_else(|err| panic!("cannot connect to the test cluster: {err}"))
     }
 

@@ -37,7 +37,20 @@ pub fn empty_home() -> &'static PathBuf {
 /// The restart fence is off: test clusters are seconds old, and tests of other behaviour
 /// should not wait it out. The tests of the fence turn it back on with --restart-fence.
 pub fn pgleader() -> Command {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_pgleader"));
+    clean(Command::new(env!("CARGO_BIN_EXE_pgleader")))
+}
+
+/// `pgleader` started by another program (`unshare ... pgleader`), with the same clean
+/// environment.
+pub fn pgleader_under(wrapper: &[&str]) -> Command {
+    let mut command = Command::new(wrapper[0]);
+    command
+        .args(&wrapper[1..])
+        .arg(env!("CARGO_BIN_EXE_pgleader"));
+    clean(command)
+}
+
+fn clean(mut command: Command) -> Command {
     command
         .env_clear()
         .env(
@@ -47,6 +60,13 @@ pub fn pgleader() -> Command {
         .env("HOME", empty_home())
         .env("PGLEADER_RESTART_FENCE", "0");
     command
+}
+
+/// Fails the test, saying what to install, unless `tool` is on PATH.
+pub fn require_tool(tool: &str, needed_because: &str) {
+    let found = std::env::var_os("PATH")
+        .is_some_and(|path| std::env::split_paths(&path).any(|dir| dir.join(tool).is_file()));
+    assert!(found, "{tool} is not installed: {needed_because}");
 }
 
 /// `pgleader run --lock-id <lock> <args...> -- sh -c <script>` against `cluster`.
