@@ -301,10 +301,12 @@ impl Supervisor {
         let wait = session.wait_for_lock(&lock);
         tokio::pin!(wait);
         loop {
+            // Biased: a grant that arrives with the connection's end is no grant at all.
             let event = tokio::select! {
-                result = &mut wait => WaitEvent::Done(result),
+                biased;
                 reason = session.ended() => WaitEvent::Ended(reason),
                 event = self.signals.recv() => WaitEvent::Signal(event),
+                result = &mut wait => WaitEvent::Done(result),
             };
             let stable = started.elapsed() >= STABLE_SESSION;
             match event {
@@ -392,17 +394,24 @@ impl Supervisor {
         let relinquish_at = self.relinquish_at();
 
         loop {
+            // Biased: after a stall (SIGSTOP, a VM pause, a starved CPU) several arms are ready
+            // at once, and the end of the leadership must win over everything, starting the
+            // command above all.
             let event = tokio::select! {
-                _ = sleep_until(start_at.unwrap_or(deadline)), if start_at.is_some() => LeadEvent::Start,
-                _ = sleep_until(next_check), if check.is_none() => LeadEvent::CheckDue,
-                result = async { match &mut check { Some((_, future)) => future.await, None => std::future::pending().await } } => LeadEvent::CheckDone(result),
-                _ = sleep_until(deadline) => LeadEvent::Deadline,
-                _ = sleep_until(relinquish_at.map_or(deadline, |(at, _)| at)), if relinquish_at.is_some() => LeadEvent::Relinquish,
+                biased;
                 reason = session.ended() => LeadEvent::Ended(reason),
+                _ = sleep_until(deadline) => LeadEvent::Deadline,
+                result = async { match &mut check { Some((_, future)) => future.await, None => std::future::pending().await } } => LeadEvent::CheckDone(result),
                 event = self.signals.recv() => LeadEvent::Signal(event),
                 report = async { match &mut job { Some(job) => job.next_report().await, None => std::future::pending().await } } => LeadEvent::Report(report),
+                _ = sleep_until(next_check), if check.is_none() => LeadEvent::CheckDue,
+                _ = sleep_until(relinquish_at.map_or(deadline, |(at, _)| at)), if relinquish_at.is_some() => LeadEvent::Relinquish,
+                _ = sleep_until(start_at.unwrap_or(deadline)), if start_at.is_some() => LeadEvent::Start,
             };
             let lost_reason = match event {
+                LeadEvent::Start if Instant::now() >= deadline => {
+                    "the leadership expired before the command could start".to_owned()
+                }
                 LeadEvent::Start => {
                     start_at = None;
                     let env = self.child_env(session.backend_pid(), epoch);

@@ -409,3 +409,42 @@ fn the_restart_fence_keeps_a_new_leader_clear_of_a_command_still_stopping() {
     b.wait_stdout("B started");
     assert_eq!(journal.lines(), ["A-started", "A-stopped", "B-started"]);
 }
+
+#[test]
+fn a_leader_paused_before_its_command_started_never_starts_it_once_resumed() {
+    let cluster = Cluster::shared();
+    let lock = unique_lock();
+    let timings = [
+        "--check-interval=200ms",
+        "--check-timeout=300ms",
+        "--kill-timeout=1s",
+        "--lease=3s",
+        "--takeover-delay=1s",
+    ];
+    let a = run("A", cluster, lock, &timings, &patient_child("A"));
+    // Paused during its takeover delay, and resumed once both its deadline (500 ms) and its
+    // start time (1 s) have passed but before the server gives up on it (3 s): the deadline
+    // must win over the start.
+    a.wait_log("starting the command in 1s (--takeover-delay)");
+    a.signal(nix::sys::signal::Signal::SIGSTOP);
+    // The length of the pause is the fault under test, not a synchronisation.
+    std::thread::sleep(Duration::from_millis(1800));
+    a.signal(nix::sys::signal::Signal::SIGCONT);
+    let lost = a.wait_log("leadership lost");
+    assert!(lost.contains("no successful check"), "{lost}");
+    // Back in the queue: whatever happened to the old leadership is over.
+    a.wait_for_nth(Stream::Stderr, "waiting for the lock", 2);
+    let started = a
+        .lines(Stream::Stdout)
+        .iter()
+        .any(|line| line.contains("A started"));
+    let stopped = a
+        .lines(Stream::Stderr)
+        .iter()
+        .any(|line| line.contains("stopping the command"));
+    assert!(
+        !started && !stopped,
+        "A started its command after its leadership had expired:\n{}",
+        a.dump()
+    );
+}
