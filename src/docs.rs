@@ -149,7 +149,7 @@ const SECTIONS: &[Section] = &[
                 "The command runs in a process group of its own, led by a small keeper process of pgleader's. pgleader passes HUP, QUIT, USR1, USR2 and WINCH on to that process group, and TERM and INT too. TERM and INT also shut pgleader down: it waits for the command to exit (up to --kill-timeout, then SIGKILL), releases the lock and exits. A second TERM or INT sends SIGKILL at once.",
             ),
             Para(
-                "If pgleader itself dies, even by SIGKILL, the keeper notices and SIGKILLs the whole process group, so no part of the command outlives pgleader. Processes the command leaves behind when it exits are stopped too, before the lock is released.",
+                "The stop signal is followed by SIGCONT, so that a stopped command can act on it. When --kill-timeout runs out, the keeper SIGKILLs every process the command started, including those that left its process group with setsid (the keeper is a child subreaper, so they come back to it). If pgleader itself dies, even by SIGKILL, the keeper notices and does the same, so no part of the command outlives pgleader. Processes the command leaves behind when it exits are stopped too, and the lock is released only once no member of the command's process group is alive.",
             ),
         ],
     },

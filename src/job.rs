@@ -23,6 +23,7 @@ use thiserror::Error;
 
 use crate::exit::{self, ChildStatus};
 use crate::keeper::{self, Report};
+use crate::procfs;
 
 /// The command could not be run; pgleader stops before taking part in the election.
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -210,6 +211,22 @@ impl Job {
             Ok(()) | Err(Errno::ESRCH) => Ok(()),
             Err(err) => Err(err.into()),
         }
+    }
+
+    /// Asks the keeper to SIGKILL everything the command started, wherever it went (setsid
+    /// included), and to exit once nothing is left.
+    pub fn kill_everything(&self) -> io::Result<()> {
+        match self.channel.try_write(&[keeper::KILL_EVERYTHING]) {
+            Ok(_) => Ok(()),
+            Err(err) if err.kind() == io::ErrorKind::BrokenPipe => Ok(()),
+            Err(err) => Err(err),
+        }
+    }
+
+    /// The living members of the job's process group. Normally none is left once the keeper
+    /// is reaped; if the keeper was killed from outside, its group may outlive it.
+    pub fn group_members(&self) -> Vec<i32> {
+        procfs::group_members(self.keeper.as_raw())
     }
 
     /// The next report from the keeper. Cancel-safe; never completes once the keeper has closed

@@ -8,15 +8,17 @@
 //! and the keeper starts the command inside that group. The keeper:
 //!
 //! - holds one end of a socket pair whose other end only pgleader holds. When pgleader dies, by
-//!   any means, the kernel closes its end, the keeper reads end-of-file and SIGKILLs the whole
-//!   group, itself included. Unlike a parent-death signal this does not depend on which thread
-//!   of pgleader did the spawning;
+//!   any means, the kernel closes its end, the keeper reads end-of-file and SIGKILLs every
+//!   process that descends from it, then exits. Unlike a parent-death signal this does not depend
+//!   on which thread of pgleader did the spawning. pgleader uses the same path, by sending one
+//!   byte, when its kill timeout runs out;
 //! - gives the command a parent-death signal (SIGKILL) of its own, in case the keeper itself is
 //!   killed;
 //! - keeps every signal blocked, so the signals pgleader sends to the group reach the command
 //!   and its descendants but not the keeper (SIGKILL, which cannot be blocked, takes it too);
 //! - is a child subreaper: descendants orphaned inside the job are reparented to it, so it can
-//!   tell when the whole tree is gone, and reaps them meanwhile;
+//!   tell when the whole tree is gone (even processes that left the process group with setsid),
+//!   and reaps them meanwhile;
 //! - reports over the socket: the command's pid once started, or why it could not start, and
 //!   the command's exit status once it ends. It exits when it has no children left.
 //!
@@ -34,10 +36,12 @@ use nix::errno::Errno;
 use nix::fcntl::{FcntlArg, FdFlag, fcntl};
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::prctl;
-use nix::sys::signal::{SigSet, SigmaskHow, Signal, killpg, raise, sigprocmask};
+use nix::sys::signal::{SigSet, SigmaskHow, Signal, kill, raise, sigprocmask};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
-use nix::unistd::{Pid, getpgrp, getpid, getppid};
+use nix::unistd::{Pid, getpid, getppid};
+
+use crate::procfs;
 
 /// The name the keeper runs under; `main` checks `argv[0]` for it.
 pub const ARGV0: &str = "pgleader-keeper";
@@ -167,11 +171,16 @@ fn run() -> io::Result<i32> {
     // A failed write means pgleader is gone; the poll loop below notices and cleans up.
     let _ = channel.write_all(&Report::Started(main_pid.as_raw()).encode());
 
-    let mut main_done = false;
+    let mut job = Job {
+        main_pid,
+        main_done: false,
+        channel,
+        signalfd,
+    };
     loop {
         let mut fds = [
-            PollFd::new(channel.as_fd(), PollFlags::POLLIN),
-            PollFd::new(signalfd.as_fd(), PollFlags::POLLIN),
+            PollFd::new(job.channel.as_fd(), PollFlags::POLLIN),
+            PollFd::new(job.signalfd.as_fd(), PollFlags::POLLIN),
         ];
         match poll(&mut fds, PollTimeout::NONE) {
             Err(Errno::EINTR) => continue,
@@ -181,46 +190,94 @@ fn run() -> io::Result<i32> {
         let channel_ready = fds[0].any().unwrap_or(true);
         let children_ready = fds[1].any().unwrap_or(false);
 
-        if channel_ready && pgleader_is_gone(&mut channel) {
-            // pgleader died without stopping us: take the whole group down, ourselves included.
-            let _ = killpg(getpgrp(), Signal::SIGKILL);
-            return Ok(1);
-        }
-        if children_ready {
-            while let Ok(Some(_)) = signalfd.read_signal() {}
-            loop {
-                match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
-                    Ok(WaitStatus::StillAlive) => break,
-                    Ok(WaitStatus::Exited(pid, code)) if pid == main_pid => {
-                        main_done = true;
-                        let _ = channel.write_all(&Report::Exited(code).encode());
-                    }
-                    Ok(WaitStatus::Signaled(pid, signal, _)) if pid == main_pid => {
-                        main_done = true;
-                        let _ = channel.write_all(&Report::Killed(signal as i32).encode());
-                    }
-                    Ok(_) => {}
-                    Err(Errno::EINTR) => {}
-                    Err(Errno::ECHILD) => {
-                        if main_done {
-                            return Ok(0);
-                        }
-                        break;
-                    }
-                    Err(err) => return Err(err.into()),
+        if channel_ready {
+            match read_request(&mut job.channel) {
+                Request::None => {}
+                // pgleader asks for the end (its kill timeout ran out), or died without
+                // stopping us: nothing of the job may outlive this moment.
+                Request::KillEverything | Request::PgleaderGone => {
+                    job.kill_everything();
+                    return Ok(0);
                 }
             }
+        }
+        if children_ready && job.reap() == Reaped::NoChildrenLeft && job.main_done {
+            return Ok(0);
         }
     }
 }
 
-/// Reads what is waiting on the channel; true at end-of-file or on an error.
-fn pgleader_is_gone(channel: &mut UnixStream) -> bool {
+/// The request byte pgleader sends when the job must end now.
+pub const KILL_EVERYTHING: u8 = b'K';
+
+enum Request {
+    None,
+    KillEverything,
+    PgleaderGone,
+}
+
+/// Reads what is waiting on the channel.
+fn read_request(channel: &mut UnixStream) -> Request {
     let mut buf = [0u8; 64];
     match channel.read(&mut buf) {
-        Ok(0) => true,
-        Ok(_) => false,
-        Err(err) => err.kind() != io::ErrorKind::Interrupted,
+        Ok(0) => Request::PgleaderGone,
+        Ok(n) if buf[..n].contains(&KILL_EVERYTHING) => Request::KillEverything,
+        Ok(_) => Request::None,
+        Err(err) if err.kind() == io::ErrorKind::Interrupted => Request::None,
+        Err(_) => Request::PgleaderGone,
+    }
+}
+
+#[derive(PartialEq, Eq)]
+enum Reaped {
+    SomeLeft,
+    NoChildrenLeft,
+}
+
+/// The keeper's side of a running job.
+struct Job {
+    main_pid: Pid,
+    main_done: bool,
+    channel: UnixStream,
+    signalfd: SignalFd,
+}
+
+impl Job {
+    /// Reaps every child that has exited, reporting the command's own end.
+    fn reap(&mut self) -> Reaped {
+        while let Ok(Some(_)) = self.signalfd.read_signal() {}
+        loop {
+            let report = match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
+                Ok(WaitStatus::StillAlive) => return Reaped::SomeLeft,
+                Ok(WaitStatus::Exited(pid, code)) if pid == self.main_pid => Report::Exited(code),
+                Ok(WaitStatus::Signaled(pid, signal, _)) if pid == self.main_pid => {
+                    Report::Killed(signal as i32)
+                }
+                Ok(_) | Err(Errno::EINTR) => continue,
+                Err(_) => return Reaped::NoChildrenLeft,
+            };
+            self.main_done = true;
+            // A failed write means pgleader is gone; the caller finds out soon enough.
+            let _ = self.channel.write_all(&report.encode());
+        }
+    }
+
+    /// SIGKILLs every descendant, including those that left the process group, until none is
+    /// left. Being a subreaper, the keeper inherits whatever a killed process leaves behind, so
+    /// repeating until it has no children reaches everything the command ever started.
+    fn kill_everything(&mut self) {
+        loop {
+            for pid in procfs::descendants(getpid().as_raw()) {
+                let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
+            }
+            if self.reap() == Reaped::NoChildrenLeft {
+                return;
+            }
+            // Wait for the next child to be reaped, or look again shortly for processes forked
+            // while this pass was killing their parents.
+            let mut fds = [PollFd::new(self.signalfd.as_fd(), PollFlags::POLLIN)];
+            let _ = poll(&mut fds, PollTimeout::from(10u8));
+        }
     }
 }
 

@@ -18,6 +18,7 @@ pub mod lease;
 pub mod lock;
 pub mod logging;
 pub mod notify;
+pub mod procfs;
 pub mod session;
 pub mod signals;
 pub mod status;

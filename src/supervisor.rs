@@ -38,6 +38,10 @@ use crate::signals::SignalEvent;
 /// A session that lived this long was healthy: the next reconnection happens at once.
 const STABLE_SESSION: Duration = Duration::from_secs(2);
 
+/// How long the keeper may take to kill everything the command started before its process
+/// group is SIGKILLed directly (which kills the keeper too).
+const KEEPER_GRACE: Duration = Duration::from_secs(1);
+
 /// A second TERM or INT sends SIGKILL at once, unless it follows the first this closely.
 pub const REPEAT_WINDOW: Duration = Duration::from_secs(1);
 
@@ -117,6 +121,7 @@ enum LeadEvent {
 
 enum StopEvent {
     GraceOver,
+    KeeperStuck,
     Signal(Option<SignalEvent>),
     Report(Report),
 }
@@ -484,11 +489,15 @@ impl Supervisor {
                     return Ok(Led::Shutdown(status));
                 }
                 LeadEvent::Signal(event) => {
-                    if self.handle_signal(event, job.as_mut()) {
-                        if let Some(status) = self.finish_vanished(job.as_mut()) {
-                            self.release(session).await;
-                            return Ok(Led::Exited(status));
+                    if self.handle_signal(event, job.as_mut())
+                        && let Some(status) = self.finish_vanished(job.as_mut())
+                    {
+                        // The keeper is gone but what it left in its group may not be.
+                        if let Some(job) = job.take() {
+                            self.wait_until_group_gone(&job).await;
                         }
+                        self.release(session).await;
+                        return Ok(Led::Exited(status));
                     }
                     continue;
                 }
@@ -579,9 +588,11 @@ impl Supervisor {
         }
     }
 
-    /// Stops a job: `signal` to its process group, then SIGKILL after the kill timeout (or at
-    /// once on a second TERM/INT), and waits until its keeper is reaped. `leftovers_only` when
-    /// the command itself has exited already and only what it left behind is being stopped.
+    /// Stops a job: `signal` (and SIGCONT, for a stopped command) to its process group; once
+    /// the kill timeout runs out, or on a second TERM/INT, the keeper SIGKILLs everything the
+    /// command started. Returns once the keeper is reaped and no member of the group is left.
+    /// `leftovers_only` when the command itself has exited already and only what it left
+    /// behind is being stopped.
     async fn stop(
         &mut self,
         mut job: Job,
@@ -599,28 +610,40 @@ impl Supervisor {
                 signal.as_str()
             );
         }
-        if let Err(err) = job.signal(signal) {
-            warn!(event = "signal_failed", pgid, reason = %err, "cannot signal the process group");
-        }
+        // What the command should have received by now; sent again if it starts only now (a
+        // signal sent to the group before it existed reached just the keeper).
+        let mut current = signal;
+        send_stop_signal(&job, current);
         let grace = sleep(self.config.kill_timeout);
         tokio::pin!(grace);
-        let mut killed = false;
+        let keeper_grace = sleep(Duration::MAX);
+        tokio::pin!(keeper_grace);
+        let (mut escalated, mut keeper_killed) = (false, false);
         while !job.is_finished() {
             let event = tokio::select! {
-                _ = &mut grace, if !killed => StopEvent::GraceOver,
+                _ = &mut grace, if !escalated => StopEvent::GraceOver,
+                _ = &mut keeper_grace, if escalated && !keeper_killed => StopEvent::KeeperStuck,
                 event = self.signals.recv() => StopEvent::Signal(event),
                 report = job.next_report() => StopEvent::Report(report),
             };
-            match event {
+            let escalate = match event {
                 StopEvent::GraceOver => {
                     warn!(
                         event = "kill",
                         pgid,
-                        "the process group did not exit within {} (--kill-timeout); sending SIGKILL",
+                        "the command did not exit within {} (--kill-timeout); sending SIGKILL to everything it started",
                         fmt(self.config.kill_timeout)
                     );
+                    true
+                }
+                StopEvent::KeeperStuck => {
+                    warn!(
+                        event = "kill",
+                        pgid, "the keeper did not finish; sending SIGKILL to the process group"
+                    );
                     let _ = job.signal(Signal::SIGKILL);
-                    killed = true;
+                    keeper_killed = true;
+                    false
                 }
                 StopEvent::Signal(Some(SignalEvent::Shutdown(received))) => {
                     match self.shutdown_requested {
@@ -632,6 +655,7 @@ impl Supervisor {
                                 signal = received.as_str(),
                                 "ignoring a repeated shutdown signal"
                             );
+                            false
                         }
                         Some(_) => {
                             warn!(
@@ -640,8 +664,7 @@ impl Supervisor {
                                 signal = received.as_str(),
                                 "second shutdown signal: sending SIGKILL"
                             );
-                            let _ = job.signal(Signal::SIGKILL);
-                            killed = true;
+                            true
                         }
                         None => {
                             self.shutdown_requested = Some(Instant::now());
@@ -651,29 +674,48 @@ impl Supervisor {
                                 "shutting down once the command has stopped"
                             );
                             notify::stopping("shutting down once the command has stopped");
-                            let _ = job.signal(received);
+                            if !escalated {
+                                current = received;
+                                send_stop_signal(&job, current);
+                            }
+                            false
                         }
                     }
                 }
                 StopEvent::Signal(event) => {
                     self.handle_signal(event, Some(&mut job));
+                    false
                 }
-                StopEvent::Report(report) => match report {
-                    Report::Exited(_) | Report::Killed(_) => {
-                        let ended = status_of(report);
-                        if !leftovers_only {
-                            info!(event = "child_exited", status = %ended, exit_code = ended.exit_code(), "the command exited");
+                StopEvent::Report(report) => {
+                    match report {
+                        Report::Exited(_) | Report::Killed(_) => {
+                            let ended = status_of(report);
+                            if !leftovers_only {
+                                info!(event = "child_exited", status = %ended, exit_code = ended.exit_code(), "the command exited");
+                            }
+                            status.get_or_insert(ended);
                         }
-                        status.get_or_insert(ended);
+                        // The keeper exits with 126/127 right after; its status stands for
+                        // the command's.
+                        Report::SpawnFailed(_) => {}
+                        Report::Started(pid) => {
+                            debug!(
+                                event = "child_started",
+                                pid, "the command started while being stopped"
+                            );
+                            send_stop_signal(&job, current);
+                        }
                     }
-                    // The keeper exits with 126/127 right after; its status stands for the
-                    // command's.
-                    Report::SpawnFailed(_) => {}
-                    Report::Started(pid) => debug!(
-                        event = "child_started",
-                        pid, "the command started while being stopped"
-                    ),
-                },
+                    false
+                }
+            };
+            if escalate && !escalated {
+                escalated = true;
+                current = Signal::SIGKILL;
+                if job.kill_everything().is_err() {
+                    let _ = job.signal(Signal::SIGKILL);
+                }
+                keeper_grace.as_mut().reset(Instant::now() + KEEPER_GRACE);
             }
         }
         for report in job.remaining_reports() {
@@ -681,10 +723,39 @@ impl Supervisor {
                 status.get_or_insert(status_of(report));
             }
         }
+        self.wait_until_group_gone(&job).await;
         debug!(event = "group_stopped", pgid, "the process group is gone");
         status
             .or_else(|| job.keeper_status())
             .unwrap_or(ChildStatus::Signaled(Signal::SIGKILL))
+    }
+
+    /// Waits until no member of the job's process group is alive, SIGKILLing them meanwhile.
+    /// Normally there is none by the time the keeper is reaped; there can be when the keeper was
+    /// killed from outside (its children are then reparented to init), or when a killed
+    /// process is stuck in the kernel (an NFS write) and dies only when the call returns.
+    async fn wait_until_group_gone(&mut self, job: &Job) {
+        let pgid = job.pgid().as_raw();
+        let started = Instant::now();
+        let mut next_warning = started;
+        loop {
+            let members = job.group_members();
+            if members.is_empty() {
+                return;
+            }
+            if Instant::now() >= next_warning {
+                warn!(
+                    event = "group_alive",
+                    pgid,
+                    "{} process(es) of the command's group are still alive after {} (pids {members:?}); sending SIGKILL and waiting before releasing the lock",
+                    members.len(),
+                    fmt(started.elapsed())
+                );
+                next_warning = Instant::now() + Duration::from_secs(5);
+            }
+            let _ = job.signal(Signal::SIGKILL);
+            sleep(Duration::from_millis(10)).await;
+        }
     }
 
     /// Handles a signal event while a job may run. Returns true if a child was reaped.
@@ -784,6 +855,17 @@ impl Supervisor {
                 warn!(event = "release_failed", lock = %lock, reason = %err, "cannot release the lock explicitly; closing the session frees it")
             }
         }
+    }
+}
+
+/// A stop signal for the command's process group, followed by SIGCONT so that a stopped
+/// command can act on it (as systemd does).
+fn send_stop_signal(job: &Job, signal: Signal) {
+    if let Err(err) = job.signal(signal) {
+        warn!(event = "signal_failed", pgid = job.pgid().as_raw(), reason = %err, "cannot signal the process group");
+    }
+    if !matches!(signal, Signal::SIGKILL | Signal::SIGCONT) {
+        let _ = job.signal(Signal::SIGCONT);
     }
 }
 

@@ -163,3 +163,104 @@ fn leftovers_of_a_command_that_exited_are_stopped_before_the_lock_is_released() 
         "the command's background process outlived the leadership"
     );
 }
+
+#[test]
+fn processes_that_left_the_process_group_are_killed_after_the_kill_timeout() {
+    let cluster = Cluster::shared();
+    let a = run(
+        "A",
+        cluster,
+        unique_lock(),
+        &["--kill-timeout=300ms"],
+        "setsid sleep 1000 & echo A escaped $!; trap 'exit 0' TERM; echo A started; while :; do sleep 1000 & wait $!; done",
+    );
+    let escaped: i32 = a
+        .wait_stdout("A escaped")
+        .split_whitespace()
+        .nth(2)
+        .and_then(|p| p.parse().ok())
+        .expect("pid");
+    a.wait_stdout("A started");
+    a.signal(Signal::SIGTERM);
+    a.wait_log(
+        "did not exit within 300ms (--kill-timeout); sending SIGKILL to everything it started",
+    );
+    a.wait_exit();
+    assert!(
+        !is_running(escaped),
+        "a process that left the group outlived the leadership"
+    );
+}
+
+#[test]
+fn kill_9_of_pgleader_also_takes_down_processes_that_left_the_group() {
+    let cluster = Cluster::shared();
+    let a = run(
+        "A",
+        cluster,
+        unique_lock(),
+        &[],
+        "setsid sleep 1000 & echo A escaped $!; echo A started; wait",
+    );
+    let escaped: i32 = a
+        .wait_stdout("A escaped")
+        .split_whitespace()
+        .nth(2)
+        .and_then(|p| p.parse().ok())
+        .expect("pid");
+    a.wait_stdout("A started");
+    a.signal(Signal::SIGKILL);
+    assert!(
+        wait_gone(escaped, WAIT),
+        "a process that left the group outlived pgleader"
+    );
+}
+
+#[test]
+fn a_keeper_killed_from_outside_leaves_nothing_behind_when_the_lock_is_released() {
+    let cluster = Cluster::shared();
+    let a = run(
+        "A",
+        cluster,
+        unique_lock(),
+        &["--once"],
+        "sh -c 'sleep 1000' & echo A grandchild $!; echo A started keeper=$PPID; wait",
+    );
+    let grandchild: i32 = a
+        .wait_stdout("A grandchild")
+        .split_whitespace()
+        .nth(2)
+        .and_then(|p| p.parse().ok())
+        .expect("pid");
+    let keeper: i32 = field(&a.wait_stdout("A started"), "keeper")
+        .parse()
+        .expect("keeper");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(keeper), Signal::SIGKILL)
+        .expect("kill the keeper");
+    a.wait_log("released the lock");
+    assert!(
+        !is_running(grandchild),
+        "the grandchild outlived its keeper and the lock was released"
+    );
+    assert_eq!(a.wait_code(), 128 + 9);
+}
+
+#[test]
+fn a_stop_signal_sent_before_the_command_exists_still_reaches_it() {
+    let cluster = Cluster::shared();
+    // A TERM sent to the group while the keeper is still starting the command reaches only
+    // the keeper (which blocks it); pgleader sends it again once the command runs. With a
+    // kill timeout of an hour, a lost TERM would hang this test.
+    for _ in 0..5 {
+        let a = run(
+            "A",
+            cluster,
+            unique_lock(),
+            &["-v", "--kill-timeout=1h", "--lease=2h"],
+            "exec sleep 1000",
+        );
+        a.wait_log("started the keeper");
+        a.signal(Signal::SIGTERM);
+        assert_eq!(a.wait_code(), 128 + 15, "{}", a.dump());
+    }
+}
