@@ -170,7 +170,7 @@ const SECTIONS: &[Section] = &[
             ),
             Entry(
                 "database restart or crash",
-                "Every session ends; the leader stops its command; everyone reconnects with backoff and jitter (100 ms doubling to 2 s), and a new leader wins within about 2 s of the server accepting connections again. A restart frees every lock at once, possibly before the old leader has stopped its command, so a leader that wins on a server up for less than --restart-fence waits until it has been up that long before starting its command.",
+                "Every session ends; the leader stops its command; everyone reconnects with backoff and jitter (100 ms doubling to 2 s), and a new leader wins within about 2 s of the server accepting connections again. A restart, or the crash of any server process, frees every lock at once, possibly before the old leader has stopped its command; it also ends every session. So a leader whose session is younger than --restart-fence waits until it is that old before starting its command (a replica that connected moments before winning a graceful handoff waits too).",
             ),
             Entry(
                 "silent network partition of the leader",
@@ -182,7 +182,7 @@ const SECTIONS: &[Section] = &[
             ),
             Entry(
                 "standby server",
-                "pgleader never leads through a server in recovery; it logs why and retries. With several hosts listed it looks for the read-write one (target_session_attrs=read-write is the default then), so it follows a failover to a promoted standby. The restart fence does not cover a promotion: use --takeover-delay if the old primary's leader may still be stopping when the standby is promoted.",
+                "pgleader never leads through a server in recovery; it logs why and retries. With several hosts listed it looks for the read-write one (target_session_attrs=read-write is the default then), so it follows a failover to a promoted standby. The restart fence covers a promotion too: no pgleader session existed on the standby before it.",
             ),
             Entry(
                 "transaction-mode pooler",

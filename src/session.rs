@@ -10,7 +10,7 @@
 //! prepared statements, which a pooler could leave behind on a server connection.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use thiserror::Error;
 use tokio::task::JoinHandle;
@@ -54,15 +54,6 @@ pub enum SessionError {
     Pooler { evidence: String },
 }
 
-/// See [`Session::fence`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Fence {
-    /// The fencing token handed to the command as PGLEADER_EPOCH.
-    pub epoch: i64,
-    /// How long ago the server started.
-    pub server_uptime: Duration,
-}
-
 /// What a leader's check found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Confirmation {
@@ -77,6 +68,7 @@ pub struct Session {
     connection: ConnectionTask,
     backend_pid: i32,
     server_major: u32,
+    connected_at: Instant,
 }
 
 impl Drop for Session {
@@ -113,6 +105,7 @@ impl Session {
             connection,
             backend_pid: 0,
             server_major,
+            connected_at: Instant::now(),
         };
         let setup = setup_sql(lease, server_major);
         tokio::time::timeout(budget, session.client.batch_execute(&setup))
@@ -261,33 +254,27 @@ impl Session {
         }
     }
 
-    /// What a new leader learns before starting its command: a fencing token, and how long
-    /// the server has been up.
-    ///
-    /// The token is a transaction id assigned now. Transaction ids only grow, and each leader
-    /// takes its own after the previous leader lost the lock, so tokens strictly increase from
-    /// one leadership to the next. Assigning one fails on a read-only server, which also proves
-    /// the session is on a writable primary.
-    pub async fn fence(&self) -> Result<Fence, SessionError> {
-        let xid = if self.server_major >= 13 || self.server_major == 0 {
-            "pg_catalog.pg_current_xact_id()::text::int8"
+    /// A fencing token for a new leader: a transaction id assigned now. Transaction ids only
+    /// grow, and each leader takes its own after the previous leader lost the lock, so tokens
+    /// strictly increase from one leadership to the next. Assigning one fails on a read-only
+    /// server, which also proves the session is on a writable primary.
+    pub async fn epoch(&self) -> Result<i64, SessionError> {
+        let sql = if self.server_major >= 13 || self.server_major == 0 {
+            "SELECT pg_catalog.pg_current_xact_id()::text::int8"
         } else {
-            "pg_catalog.txid_current()"
+            "SELECT pg_catalog.txid_current()"
         };
-        let sql = format!(
-            "SELECT {xid}, extract(epoch FROM pg_catalog.clock_timestamp() \
-             - pg_catalog.pg_postmaster_start_time())::float8"
-        );
         let row = self
             .client
-            .query_typed_one(&sql, &[])
+            .query_typed_one(sql, &[])
             .await
             .map_err(query_error)?;
-        let uptime: f64 = row.get(1);
-        Ok(Fence {
-            epoch: row.get(0),
-            server_uptime: Duration::try_from_secs_f64(uptime).unwrap_or(Duration::ZERO),
-        })
+        Ok(row.get(0))
+    }
+
+    /// How long ago this session was established.
+    pub fn age(&self) -> Duration {
+        self.connected_at.elapsed()
     }
 
     /// Releases the lock explicitly (so the next waiter is granted it now), then closes. An

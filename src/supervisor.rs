@@ -345,8 +345,8 @@ impl Supervisor {
         // server keeps the session (and the lock) at least a lease past `sent`: a safe base
         // for the leader's own deadline.
         let sent = Instant::now();
-        let fence = match tokio::time::timeout(timeout, session.fence()).await {
-            Ok(Ok(fence)) => fence,
+        let epoch = match tokio::time::timeout(timeout, session.epoch()).await {
+            Ok(Ok(epoch)) => epoch,
             Ok(Err(err)) => {
                 warn!(event = "leadership_lost", lock = %lock, reason = %err, "won the lock but cannot take a fencing token; giving it up");
                 return Ok(Led::Lost { status: None });
@@ -356,7 +356,6 @@ impl Supervisor {
                 return Ok(Led::Lost { status: None });
             }
         };
-        let epoch = fence.epoch;
         info!(
             event = "leader",
             lock = %lock,
@@ -366,21 +365,21 @@ impl Supervisor {
         );
         notify::leading(&lock, epoch, &self.config.command.display());
 
-        // A server that has just started freed every lock when it went down, possibly before
-        // the previous leader noticed and stopped its command. That leader stops within
-        // check-interval + check-timeout + kill-timeout of losing the server; wait until the
-        // server has been up that long (plus a margin: --restart-fence) before starting ours.
-        let restart_fence = self
-            .config
-            .restart_fence
-            .saturating_sub(fence.server_uptime);
+        // A server restart, a crash of any server process (which makes the postmaster end every
+        // session) and a failover to a promoted standby all free every lock at once, possibly
+        // before the previous leader has noticed. They also end every session, so a session
+        // that has lived through --restart-fence (check-interval + check-timeout +
+        // kill-timeout + margin: how long that leader can take to stop its command) proves
+        // there was none in the meantime. A younger one waits until it is that old.
+        let session_age = session.age();
+        let restart_fence = self.config.restart_fence.saturating_sub(session_age);
         let delay = self.config.takeover_delay.max(restart_fence);
         if !restart_fence.is_zero() && restart_fence >= self.config.takeover_delay {
             info!(
                 event = "restart_fence",
-                server_uptime = %fmt(fence.server_uptime),
-                "the server started {} ago: starting the command in {}, once a previous leader's command must be gone",
-                fmt(fence.server_uptime),
+                session_age = %fmt(session_age),
+                "this session is only {} old: starting the command in {} (--restart-fence), in case a server restart, crash or failover freed the lock while the previous leader's command still ran",
+                fmt(session_age),
                 fmt(restart_fence)
             );
         } else if !delay.is_zero() {

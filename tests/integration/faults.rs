@@ -231,8 +231,8 @@ fn after_a_server_restart_a_new_leader_starts_only_once_the_old_command_must_be_
         )
     };
     let a = run("A", &cluster, lock, &timings, &child("A"));
-    // The cluster is seconds old: even the first leader waits out the fence.
-    a.wait_log("the server started");
+    // A session just opened: even the first leader waits out the fence.
+    a.wait_log("this session is only");
     a.wait_stdout("A started");
     let b = run("B", &cluster, lock, &timings, &child("B"));
     b.wait_log("waiting for the lock");
@@ -251,7 +251,7 @@ fn after_a_server_restart_a_new_leader_starts_only_once_the_old_command_must_be_
     let tag = &winner.name;
     let fence = winner.wait_for_nth(
         Stream::Stderr,
-        "the server started",
+        "this session is only",
         if tag == "A" { 2 } else { 1 },
     );
     assert!(fence.contains("starting the command in"), "{fence}");
@@ -404,8 +404,8 @@ fn the_restart_fence_keeps_a_new_leader_clear_of_a_command_still_stopping() {
 
     cluster.stop();
     cluster.start();
-    // B wins while A's command is still stopping, and waits out the fence (3.5 s of uptime).
-    b.wait_log("the server started");
+    // B wins while A's command is still stopping, and waits until its new session is 3.5 s old.
+    b.wait_log("this session is only");
     b.wait_stdout("B started");
     assert_eq!(journal.lines(), ["A-started", "A-stopped", "B-started"]);
 }
@@ -447,4 +447,58 @@ fn a_leader_paused_before_its_command_started_never_starts_it_once_resumed() {
         "A started its command after its leadership had expired:\n{}",
         a.dump()
     );
+}
+
+#[test]
+fn the_restart_fence_also_covers_a_crashed_server_process() {
+    // When any server process crashes, the postmaster ends every session and frees every lock
+    // without restarting itself: pg_postmaster_start_time() does not move. The fence rests on
+    // the age of the winner's session, which such a reset cannot leave old.
+    let cluster = Cluster::new("crash");
+    let lock = unique_lock();
+    let journal = Journal::new("crash");
+    let timings = [
+        "--check-interval=200ms",
+        "--check-timeout=300ms",
+        "--kill-timeout=2s",
+        "--lease=4s",
+        "--restart-fence=auto",
+    ];
+    let a = run(
+        "A",
+        &cluster,
+        lock,
+        &timings,
+        &format!(
+            "trap 'sleep 1.5; {}; exit 0' TERM; {}; echo A started backend=$PGLEADER_BACKEND_PID; while :; do sleep 1000 & wait $!; done",
+            journal.append("A-stopped"),
+            journal.append("A-started")
+        ),
+    );
+    let started = a.wait_stdout("A started");
+    let b = run(
+        "B",
+        &cluster,
+        lock,
+        &timings,
+        &format!(
+            "{}; echo B started; exec sleep 1000",
+            journal.append("B-started")
+        ),
+    );
+    b.wait_log("waiting for the lock");
+    // The fence of B's first session has long passed by now: its age counts from the reset.
+    b.wait_for_nth(Stream::Stderr, "waiting for the lock", 1);
+
+    let backend: i32 = crate::harness::field(&started, "backend")
+        .parse()
+        .expect("backend");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(backend),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("crash a server process");
+    a.wait_log("leadership lost");
+    b.wait_stdout("B started");
+    assert_eq!(journal.lines(), ["A-started", "A-stopped", "B-started"]);
 }
