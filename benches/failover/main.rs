@@ -339,13 +339,7 @@ fn settings(plan: &Plan) -> Vec<(&'static str, String)> {
             "timing",
             "from just before the fault (kill(2), the pg_terminate_backend query or lease-revoke request on an open connection, the proxy freezing) to the moment a reader thread of the benchmark got the child's line from its pipe (Instant, monotonic); start: from just before spawning the tool".into(),
         ),
-        (
-            "CPU time",
-            format!(
-                "user + system time from /proc/PID/stat, in clock ticks of {:.0} ms",
-                procfs::cpu_tick().as_secs_f64() * 1000.0
-            ),
-        ),
+        ("CPU time", procfs::cpu_time_source().into()),
         (
             "old child stopped",
             "the old leader's child had exited within 1 s after the handoff (or after the handoff bound)".into(),

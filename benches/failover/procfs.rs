@@ -14,26 +14,49 @@ pub fn rss_kib(pid: i32) -> Option<u64> {
         .and_then(|value| value.trim().trim_end_matches("kB").trim().parse().ok())
 }
 
-/// User plus system CPU time of a process (all its threads, dead ones included).
+/// CPU time of a process: what its live threads have run, in nanoseconds, from
+/// `/proc/PID/task/*/schedstat`. The clock ticks of `/proc/PID/stat` (10 ms) would read an idle
+/// pgleader's minute as zero. Where schedstat is missing, the ticks are the fallback.
 pub fn cpu_time(pid: i32) -> Option<Duration> {
+    scheduled_time(pid).or_else(|| ticked_time(pid))
+}
+
+/// Whether [`cpu_time`] reads nanoseconds here, for the report.
+pub fn cpu_time_source() -> &'static str {
+    if scheduled_time(std::process::id() as i32).is_some() {
+        "/proc/PID/task/*/schedstat (nanoseconds; threads that exited during the window are not counted)"
+    } else {
+        "user + system time from /proc/PID/stat (clock ticks of 10 ms: schedstat is missing)"
+    }
+}
+
+fn scheduled_time(pid: i32) -> Option<Duration> {
+    let tasks = fs::read_dir(format!("/proc/{pid}/task")).ok()?;
+    let mut total = 0u64;
+    for task in tasks.flatten() {
+        let schedstat = fs::read_to_string(task.path().join("schedstat")).ok()?;
+        total += schedstat.split_whitespace().next()?.parse::<u64>().ok()?;
+    }
+    Some(Duration::from_nanos(total))
+}
+
+fn ticked_time(pid: i32) -> Option<Duration> {
     let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The command name may hold spaces and parentheses; the fields after its last `)` do not.
     let (_, rest) = stat.rsplit_once(") ")?;
     let fields: Vec<&str> = rest.split_whitespace().collect();
     // `rest` starts at field 3 (state); utime and stime are fields 14 and 15.
     let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
-    Some(Duration::from_secs_f64(ticks as f64 / ticks_per_second()))
-}
-
-/// The resolution of [`cpu_time`]: one clock tick.
-pub fn cpu_tick() -> Duration {
-    Duration::from_secs_f64(1.0 / ticks_per_second())
-}
-
-fn ticks_per_second() -> f64 {
     // SAFETY: sysconf only reads a system constant.
-    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
-    if ticks > 0 { ticks as f64 } else { 100.0 }
+    let per_second = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    Some(Duration::from_secs_f64(
+        ticks as f64
+            / if per_second > 0 {
+                per_second as f64
+            } else {
+                100.0
+            },
+    ))
 }
 
 /// The pids whose parent is `parent`.

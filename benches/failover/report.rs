@@ -345,10 +345,9 @@ impl Report {
                 cost.role,
                 cost.rss_kib.map_or_else(|| "–".into(), mib),
                 cost.keeper_rss_kib.map_or_else(|| "–".into(), mib),
-                ms(cost.cpu.as_secs_f64() * 1000.0),
+                cpu_ms(cost.cpu),
                 secs(cost.window),
-                cost.keeper_cpu
-                    .map_or_else(|| "–".into(), |cpu| ms(cpu.as_secs_f64() * 1000.0)),
+                cost.keeper_cpu.map_or_else(|| "–".into(), cpu_ms),
                 100.0 * cost.cpu.as_secs_f64() / cost.window.as_secs_f64(),
                 cost.requests_per_second
                     .map_or_else(|| "–".into(), |r| format!("{r:.3}")),
@@ -372,7 +371,7 @@ impl Report {
                 stopped(Some(scale.old_child_stopped)),
                 scale.server_cpu.map_or_else(
                     || "–".into(),
-                    |share| format!("{:.2}% of a core", share * 100.0)
+                    |share| format!("{:.3}% of a core", share * 100.0)
                 ),
                 secs(scale.window)
             );
@@ -424,6 +423,11 @@ pub fn ms(value: f64) -> String {
     } else {
         format!("{value:.1} ms")
     }
+}
+
+/// CPU time: idle processes use fractions of a millisecond a minute.
+fn cpu_ms(cpu: Duration) -> String {
+    format!("{:.2} ms", cpu.as_secs_f64() * 1000.0)
 }
 
 pub fn secs(duration: Duration) -> String {
