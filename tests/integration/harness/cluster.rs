@@ -420,7 +420,8 @@ fn find_bindir() -> PathBuf {
         .unwrap_or_else(|| panic!("{INSTALL_HINT}"))
 }
 
-fn free_port() -> u16 {
+/// A free TCP port on 127.0.0.1 (the benchmark starts etcd on such ports too).
+pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|listener| listener.local_addr())
         .map(|addr| addr.port())

@@ -23,7 +23,8 @@ pub enum Stream {
 
 #[derive(Default)]
 struct Shared {
-    lines: Vec<(Stream, String)>,
+    /// Each line with the moment it arrived on the pipe: the benchmarks time faults by it.
+    lines: Vec<(Stream, String, Instant)>,
     exit: Option<ExitStatus>,
     closed: usize,
 }
@@ -79,20 +80,36 @@ impl Proc {
 
     /// Waits until `n` lines on `stream` contain `needle`; returns the n-th.
     pub fn wait_for_nth(&self, stream: Stream, needle: &str, n: usize) -> String {
-        let found = self.wait_until(WAIT, |state| {
-            state
-                .lines
-                .iter()
-                .filter(|(s, line)| *s == stream && line.contains(needle))
-                .nth(n - 1)
-                .map(|(_, line)| line.clone())
-        });
-        found.unwrap_or_else(|| {
+        let found = self.wait_line(stream, needle, n, None, WAIT);
+        found.map(|(line, _)| line).unwrap_or_else(|| {
             panic!(
                 "{}: no {n}th {stream:?} line containing {needle:?} within {WAIT:?}\n{}",
                 self.name,
                 self.dump()
             )
+        })
+    }
+
+    /// Waits up to `timeout` for the `n`-th line on `stream` that contains `needle`, counting
+    /// only lines that arrived at or after `since`; returns it with the moment it arrived on
+    /// the pipe, or `None` once the timeout has passed (a zero timeout looks once).
+    pub fn wait_line(
+        &self,
+        stream: Stream,
+        needle: &str,
+        n: usize,
+        since: Option<Instant>,
+        timeout: Duration,
+    ) -> Option<(String, Instant)> {
+        self.wait_until(timeout, |state| {
+            state
+                .lines
+                .iter()
+                .filter(|(s, line, at)| {
+                    *s == stream && line.contains(needle) && since.is_none_or(|since| *at >= since)
+                })
+                .nth(n - 1)
+                .map(|(_, line, at)| (line.clone(), *at))
         })
     }
 
@@ -141,8 +158,8 @@ impl Proc {
         state
             .lines
             .iter()
-            .filter(|(s, _)| *s == stream)
-            .map(|(_, line)| line.clone())
+            .filter(|(s, _, _)| *s == stream)
+            .map(|(_, line, _)| line.clone())
             .collect()
     }
 
@@ -195,7 +212,7 @@ impl Proc {
             "--- {} ---\ncommand: {}\nexit: {:?}\n",
             self.name, self.command_line, state.exit
         );
-        for (stream, line) in &state.lines {
+        for (stream, line, _) in &state.lines {
             let tag = match stream {
                 Stream::Stdout => "out",
                 Stream::Stderr => "err",
@@ -227,11 +244,12 @@ fn collect(pipe: impl Read + Send + 'static, stream: Stream, output: Arc<Output>
             match reader.read_until(b'\n', &mut line) {
                 Ok(0) | Err(_) => break,
                 Ok(_) => {
+                    let arrived = Instant::now();
                     let text = String::from_utf8_lossy(&line)
                         .trim_end_matches('\n')
                         .to_owned();
                     let mut state = output.state.lock().expect("output lock");
-                    state.lines.push((stream, text));
+                    state.lines.push((stream, text, arrived));
                     output.changed.notify_all();
                 }
             }

@@ -58,9 +58,14 @@ impl Proxy {
         Proxy { port, shared }
     }
 
+    /// The port it listens on, on 127.0.0.1 (the benchmark puts etcd behind it too).
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
     /// A URL that reaches the cluster through this proxy.
     pub fn url(&self) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port())
     }
 
     /// Stops forwarding in both directions; connections stay open.

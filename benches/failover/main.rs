@@ -1,0 +1,356 @@
+//! The failover benchmark of issue 5: how fast pgleader hands over and notices faults, what an
+//! idle candidate costs, and how it scales, side by side with `etcdctl lock` in the same run on
+//! the same machine. It starts its own PostgreSQL (with the integration tests' harness) and its
+//! own etcd, runs every scenario with real processes and real faults, and writes BENCHMARKS.md.
+//!
+//! `cargo bench --bench failover` runs the full benchmark (20 runs per scenario, 60 s cost
+//! windows, about a quarter of an hour) and updates BENCHMARKS.md at the repository's root.
+//! `cargo bench --bench failover -- --quick` runs a few of each and writes its report under the
+//! target directory; CI runs it so the benchmark cannot rot. Either mode exits non-zero when a
+//! scenario produced no figures at all.
+
+#[path = "../../tests/integration/harness/mod.rs"]
+#[expect(
+    dead_code,
+    unused_imports,
+    reason = "the benchmark uses part of the integration tests' harness; the rest is theirs"
+)]
+mod harness;
+
+mod etcd;
+mod procfs;
+mod report;
+mod scenarios;
+mod tools;
+
+use std::path::PathBuf;
+use std::process::{Command, ExitCode};
+use std::time::{Duration, Instant, SystemTime};
+
+use anyhow::Context;
+
+use crate::etcd::Etcd;
+use crate::harness::Cluster;
+use crate::report::Report;
+use crate::tools::{PARTITION_ARGS, Pgleader, Tool};
+
+const USAGE: &str = "usage: cargo bench --bench failover [-- [--quick] [--runs N] [--out PATH]]
+  --quick     a few runs per scenario and short windows (CI); the report goes under target/
+  --runs N    runs per scenario (default 20, or 3 with --quick)
+  --out PATH  where to write the report (default BENCHMARKS.md, or target/.../BENCHMARKS.quick.md)";
+
+/// How much to run.
+#[derive(Debug)]
+struct Plan {
+    quick: bool,
+    /// Runs of each scenario whose runs take milliseconds.
+    runs: usize,
+    /// Runs of each scenario bound by a lease (seconds per run): the partition, and every
+    /// peer scenario that waits for its TTL; also the failovers at each scale.
+    lease_runs: usize,
+    /// Runs of a peer scenario where nothing is expected to happen (each waits out a bound).
+    never_runs: usize,
+    cost_window: Duration,
+    scale_window: Duration,
+    out: PathBuf,
+}
+
+impl Plan {
+    fn from_args() -> Result<Plan, String> {
+        let mut quick = false;
+        let mut runs = None;
+        let mut out = None;
+        let mut args = std::env::args().skip(1);
+        while let Some(arg) = args.next() {
+            match arg.as_str() {
+                "--quick" => quick = true,
+                "--runs" => {
+                    let value = args.next().ok_or("--runs needs a number")?;
+                    runs = Some(
+                        value
+                            .parse::<usize>()
+                            .ok()
+                            .filter(|n| *n > 0)
+                            .ok_or(format!("--runs {value}: not a positive number"))?,
+                    );
+                }
+                "--out" => out = Some(PathBuf::from(args.next().ok_or("--out needs a path")?)),
+                // cargo bench passes --bench to every benchmark binary.
+                "--bench" => {}
+                "-h" | "--help" => return Err(String::new()),
+                other => return Err(format!("unknown argument {other:?}")),
+            }
+        }
+        let runs = runs.unwrap_or(if quick { 3 } else { 20 });
+        Ok(Plan {
+            quick,
+            runs,
+            lease_runs: if quick { 2 } else { runs },
+            never_runs: if quick { 1 } else { 5.min(runs) },
+            cost_window: Duration::from_secs(if quick { 5 } else { 60 }),
+            scale_window: Duration::from_secs(if quick { 2 } else { 10 }),
+            out: out.unwrap_or_else(|| {
+                if quick {
+                    PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("BENCHMARKS.quick.md")
+                } else {
+                    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("BENCHMARKS.md")
+                }
+            }),
+        })
+    }
+}
+
+fn main() -> ExitCode {
+    let plan = match Plan::from_args() {
+        Ok(plan) => plan,
+        Err(message) => {
+            if !message.is_empty() {
+                eprintln!("bench: {message}");
+            }
+            eprintln!("{USAGE}");
+            return ExitCode::from(if message.is_empty() { 0 } else { 2 });
+        }
+    };
+    match run(&plan) {
+        Ok(report) => {
+            println!("{}", report.markdown());
+            let missing = report.missing();
+            if missing.is_empty() {
+                eprintln!(
+                    "bench: every scenario produced figures; report in {}",
+                    plan.out.display()
+                );
+                ExitCode::SUCCESS
+            } else {
+                eprintln!("bench: these scenarios produced no figures:");
+                for scenario in missing {
+                    eprintln!("bench:   {scenario}");
+                }
+                ExitCode::FAILURE
+            }
+        }
+        Err(err) => {
+            eprintln!("bench: {err:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(plan: &Plan) -> anyhow::Result<Report> {
+    let began = Instant::now();
+    let started = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
+    etcd::ensure_installed()?;
+    eprintln!("bench: starting PostgreSQL and etcd");
+    let pgleader = Pgleader::new(Cluster::new("bench"));
+    let etcd = Etcd::start()?;
+    let tools: [&dyn Tool; 2] = [&pgleader, &etcd];
+
+    let mut rows = Vec::new();
+    let is_peer = |tool: &dyn Tool| tool.label() != pgleader.label();
+    for tool in tools {
+        let runs = if is_peer(tool) {
+            plan.lease_runs
+        } else {
+            plan.runs
+        };
+        rows.extend(scenarios::kill9(tool, runs));
+    }
+    for tool in tools {
+        let runs = if is_peer(tool) {
+            plan.never_runs
+        } else {
+            plan.runs
+        };
+        rows.extend(scenarios::sigterm(tool, runs, false));
+    }
+    for tool in tools {
+        rows.extend(scenarios::sigterm(tool, plan.runs, true));
+    }
+    rows.extend(scenarios::end_session(
+        &pgleader,
+        plan.runs,
+        "pg_terminate_backend",
+    ));
+    rows.extend(scenarios::end_session(
+        &etcd,
+        plan.runs,
+        "etcd: lease revoke",
+    ));
+    for tool in tools {
+        rows.extend(scenarios::partition(tool, plan.lease_runs));
+    }
+    for tool in tools {
+        rows.extend(scenarios::start(tool, plan.runs));
+    }
+    sort_by_scenario(&mut rows);
+
+    let mut costs = Vec::new();
+    for tool in tools {
+        eprintln!("bench: 6. cost of an idle candidate ({})", tool.label());
+        // A failure leaves the tool without cost figures, which the final check reports.
+        match tool.cost(plan.cost_window) {
+            Ok(figures) => costs.extend(figures),
+            Err(err) => eprintln!("bench:   failed: {err:#}"),
+        }
+    }
+
+    let mut scales = Vec::new();
+    for n in [10, 50, 100] {
+        for tool in tools {
+            scales.push(scenarios::scale(
+                tool,
+                n,
+                plan.lease_runs,
+                plan.scale_window,
+            ));
+        }
+    }
+
+    let report = Report {
+        quick: plan.quick,
+        started,
+        took: began.elapsed(),
+        environment: environment(&pgleader, &etcd),
+        settings: settings(plan),
+        rows,
+        costs,
+        scales,
+    };
+    report
+        .write(&plan.out)
+        .with_context(|| format!("cannot write {}", plan.out.display()))?;
+    Ok(report)
+}
+
+/// Scenario by scenario, pgleader first: the rows were produced tool by tool.
+fn sort_by_scenario(rows: &mut [report::Row]) {
+    rows.sort_by(|a, b| {
+        let number = |row: &report::Row| {
+            row.scenario
+                .split('.')
+                .next()
+                .unwrap_or_default()
+                .to_owned()
+        };
+        number(a).cmp(&number(b))
+    });
+}
+
+fn environment(pgleader: &Pgleader, etcd: &Etcd) -> Vec<(&'static str, String)> {
+    let machine = procfs::Machine::read();
+    let commit = Command::new("git")
+        .args([
+            "-C",
+            env!("CARGO_MANIFEST_DIR"),
+            "describe",
+            "--always",
+            "--dirty",
+        ])
+        .output()
+        .ok()
+        .filter(|out| out.status.success())
+        .map_or_else(
+            || "unknown".into(),
+            |out| String::from_utf8_lossy(&out.stdout).trim().to_owned(),
+        );
+    let etcdctl = first_line(
+        Command::new("etcdctl")
+            .env("ETCDCTL_API", "3")
+            .arg("version"),
+    );
+    vec![
+        ("CPU", machine.cpu),
+        ("cores", machine.cores.to_string()),
+        ("memory", machine.memory),
+        ("kernel", format!("Linux {}", machine.kernel)),
+        ("OS", machine.os),
+        (
+            "pgleader",
+            format!("{} at {commit}, release build", env!("CARGO_PKG_VERSION")),
+        ),
+        (
+            "PostgreSQL",
+            pgleader
+                .server_version()
+                .unwrap_or_else(|err| format!("unknown ({err})")),
+        ),
+        ("etcd", format!("{} ({etcdctl})", etcd.version)),
+    ]
+}
+
+/// The first line a command prints, empty if it cannot run.
+pub fn first_line(command: &mut Command) -> String {
+    command
+        .output()
+        .map(|out| {
+            String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .next()
+                .unwrap_or_default()
+                .to_owned()
+        })
+        .unwrap_or_default()
+}
+
+fn settings(plan: &Plan) -> Vec<(&'static str, String)> {
+    vec![
+        (
+            "mode",
+            format!(
+                "{}: {} runs per scenario ({} for the partition, the failovers at scale and the etcdctl scenarios bound by its TTL; {} where etcdctl is expected never to hand over); cost windows of {}; server CPU at scale over {}",
+                if plan.quick { "quick" } else { "full" },
+                plan.runs,
+                plan.lease_runs,
+                plan.never_runs,
+                report::secs(plan.cost_window),
+                report::secs(plan.scale_window),
+            ),
+        ),
+        (
+            "pgleader",
+            format!(
+                "its defaults (--check-interval 1s, --check-timeout 2s, --kill-timeout 5s, --lease 10s), except the partitioned leader of scenario 4: {}",
+                PARTITION_ARGS.join(" ")
+            ),
+        ),
+        (
+            "etcdctl lock",
+            format!(
+                "--ttl {} (etcdctl's default is 10), ETCDCTL_API=3, its defaults otherwise",
+                etcd::TTL_SECONDS
+            ),
+        ),
+        (
+            "the child",
+            "`sh -c`: prints a line when it starts and another when it gets TERM, then exits at once; otherwise waits".into(),
+        ),
+        (
+            "PostgreSQL server",
+            "the test harness's throwaway cluster on 127.0.0.1: fsync=off, synchronous_commit=off, shared_buffers=32MB, max_connections=300; log_statement=all only during the cost window".into(),
+        ),
+        (
+            "etcd server",
+            format!(
+                "single node on 127.0.0.1, default heartbeat (100 ms) and election timeout (1000 ms), {}",
+                etcd::data_dir_note()
+            ),
+        ),
+        (
+            "timing",
+            "from just before the fault (kill(2), the pg_terminate_backend query or lease-revoke request on an open connection, the proxy freezing) to the moment a reader thread of the benchmark got the child's line from its pipe (Instant, monotonic); start: from just before spawning the tool".into(),
+        ),
+        ("CPU time", procfs::cpu_time_source().into()),
+        (
+            "old child stopped",
+            "the old leader's child had exited within 1 s after the handoff (or after the handoff bound)".into(),
+        ),
+        (
+            "faults at the server",
+            "pgleader: pg_terminate_backend(leader's backend); etcd: revoking the leader's lease over the JSON gateway (etcd's way to end a client's session)".into(),
+        ),
+        (
+            "partition",
+            "a user-space TCP proxy between the leader and its server stops forwarding both ways (no RST, no FIN); the follower connects directly".into(),
+        ),
+    ]
+}

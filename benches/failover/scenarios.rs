@@ -1,0 +1,418 @@
+//! The scenarios of issue 5, written once for any [`Tool`]. Each run starts from fresh
+//! candidates on a fresh lock, injects one fault, and observes on the children's pipes when
+//! the next leader's child started and when the old child got its SIGTERM; durations count
+//! from the moment just before the fault.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::thread::sleep;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, anyhow};
+use nix::sys::signal::Signal;
+
+use crate::harness::{Proxy, is_running, started_pid, unique_lock, wait_gone};
+use crate::procfs::CpuMeter;
+use crate::report::{Figures, Row, Scale};
+use crate::tools::{Candidate, SETTLE, SETUP_WAIT, Tool, wait_queued};
+
+/// After the next leader started (or the handoff bound passed), how much longer the old child
+/// is given to report a signal or to be gone, before the answer counts as "never".
+const GRACE: Duration = Duration::from_secs(1);
+
+/// What one run saw.
+#[derive(Debug, Default)]
+struct Observed {
+    /// From the fault to the next leader's child's first line.
+    next: Option<Duration>,
+    /// From the fault to the old child's report of SIGTERM.
+    signal: Option<Duration>,
+    /// Whether the old child was gone shortly after the handoff.
+    stopped: Option<bool>,
+    /// Whether the old child still ran when the next leader's child had started.
+    overlap: Option<bool>,
+}
+
+/// A leader and a follower queued behind it, on a lock of their own.
+struct Pair {
+    leader: Candidate,
+    follower: Candidate,
+    leader_line: String,
+    child: i32,
+    /// Dropped last: the candidates go before their connections are cut.
+    proxy: Option<Proxy>,
+}
+
+impl Pair {
+    fn start(tool: &dyn Tool, through_proxy: bool) -> anyhow::Result<Pair> {
+        let lock = unique_lock();
+        let proxy = through_proxy.then(|| Proxy::start(tool.port()));
+        let leader = tool.candidate("A", lock, proxy.as_ref());
+        let (leader_line, _) = leader
+            .started(None, SETUP_WAIT)
+            .ok_or_else(|| anyhow!("the first candidate never led\n{}", leader.dump()))?;
+        let follower = tool.candidate("B", lock, None);
+        wait_queued(tool, lock, 2, SETUP_WAIT).with_context(|| follower.dump())?;
+        sleep(SETTLE);
+        Ok(Pair {
+            child: started_pid(&leader_line),
+            leader,
+            follower,
+            leader_line,
+            proxy,
+        })
+    }
+
+    /// Waits for the handoff after a fault at `fault`; `bound` is how long it may take. With
+    /// `signal`, also for the old child's report of SIGTERM (a SIGKILLed one sends none).
+    fn observe(&self, fault: Instant, bound: Duration, signal: bool) -> Observed {
+        let next = self.follower.started(Some(fault), bound);
+        let overlap = next.as_ref().map(|_| is_running(self.child));
+        let signal = signal
+            .then(|| self.leader.signalled(fault, GRACE))
+            .flatten();
+        Observed {
+            next: next.map(|(_, at)| at - fault),
+            signal: signal.map(|at| at - fault),
+            stopped: Some(wait_gone(self.child, GRACE)),
+            overlap,
+        }
+    }
+}
+
+/// Runs `run` `runs` times; a run that fails or panics is reported, not fatal.
+fn repeat(
+    label: &str,
+    runs: usize,
+    mut run: impl FnMut() -> anyhow::Result<Observed>,
+) -> Vec<anyhow::Result<Observed>> {
+    (0..runs)
+        .map(|i| {
+            let result = catch_unwind(AssertUnwindSafe(&mut run))
+                .unwrap_or_else(|_| Err(anyhow!("the run panicked (see above)")));
+            match &result {
+                Ok(seen) => eprintln!(
+                    "bench:   {label} run {}/{runs}: {}{}",
+                    i + 1,
+                    show(seen.next),
+                    seen.signal.map_or_else(String::new, |signal| format!(
+                        ", old child signalled after {}",
+                        show(Some(signal))
+                    ))
+                ),
+                Err(err) => eprintln!("bench:   {label} run {}/{runs} failed: {err:#}", i + 1),
+            }
+            result
+        })
+        .collect()
+}
+
+fn millis(value: Option<Duration>) -> Option<f64> {
+    value.map(|d| d.as_secs_f64() * 1000.0)
+}
+
+fn show(value: Option<Duration>) -> String {
+    value.map_or_else(
+        || "never".into(),
+        |d| format!("{:.1} ms", d.as_secs_f64() * 1000.0),
+    )
+}
+
+/// The two rows of a scenario that watches both ends of a handoff: when the old child got its
+/// SIGTERM (`<id>.signal`), and when the next leader's child ran (`<id>.next`).
+fn handoff_rows(
+    id: &str,
+    scenario: &str,
+    tool: &dyn Tool,
+    results: &[anyhow::Result<Observed>],
+    bound: Duration,
+) -> Vec<Row> {
+    vec![
+        row(
+            &format!("{id}.signal"),
+            scenario,
+            tool,
+            "old child gets SIGTERM",
+            results,
+            bound,
+            |o| millis(o.signal),
+        ),
+        row(
+            &format!("{id}.next"),
+            scenario,
+            tool,
+            "next leader's child runs",
+            results,
+            bound,
+            |o| millis(o.next),
+        ),
+    ]
+}
+
+/// One row from the runs, taking the figure `pick` chooses.
+fn row(
+    id: &str,
+    scenario: &str,
+    tool: &dyn Tool,
+    measure: &'static str,
+    runs: &[anyhow::Result<Observed>],
+    bound: Duration,
+    pick: impl Fn(&Observed) -> Option<f64>,
+) -> Row {
+    let mut figures = Figures::default();
+    let (mut stopped, mut checked, mut overlaps, mut seen) = (0, 0, 0, 0);
+    for run in runs {
+        match run {
+            Ok(observed) => {
+                match pick(observed) {
+                    Some(value) => figures.sample_ms(value),
+                    None => figures.never(bound),
+                }
+                if let Some(gone) = observed.stopped {
+                    checked += 1;
+                    stopped += usize::from(gone);
+                }
+                if let Some(overlap) = observed.overlap {
+                    seen += 1;
+                    overlaps += usize::from(overlap);
+                }
+            }
+            Err(err) => figures.failure(format!("{err:#}").replace('\n', " ")),
+        }
+    }
+    let mut notes = Vec::new();
+    if figures.only_never() {
+        notes.push(tool.why_never().to_owned());
+    }
+    if overlaps > 0 {
+        notes.push(format!(
+            "the old child still ran when the next one started in {overlaps} of {seen} runs"
+        ));
+    }
+    Row {
+        id: id.to_owned(),
+        scenario: scenario.to_owned(),
+        tool: tool.label(),
+        measure,
+        figures,
+        old_child_stopped: Some((stopped, checked)),
+        note: notes.join("; "),
+    }
+}
+
+/// Scenario 1: the leader's tool is killed with SIGKILL.
+pub fn kill9(tool: &dyn Tool, runs: usize) -> Vec<Row> {
+    let scenario = "1. kill -9 of the leader";
+    eprintln!("bench: {scenario} ({})", tool.label());
+    let results = repeat(tool.label(), runs, || {
+        let pair = Pair::start(tool, false)?;
+        let fault = Instant::now();
+        pair.leader.signal(Signal::SIGKILL);
+        Ok(pair.observe(fault, tool.handoff_bound(), false))
+    });
+    vec![row(
+        "kill9.next",
+        scenario,
+        tool,
+        "next leader's child runs",
+        &results,
+        tool.handoff_bound(),
+        |o| millis(o.next),
+    )]
+}
+
+/// Scenario 2: the leader is stopped with SIGTERM, sent to the tool's own process, or
+/// (`to_group`) to its whole process group. The child exits as soon as it gets TERM.
+pub fn sigterm(tool: &dyn Tool, runs: usize, to_group: bool) -> Vec<Row> {
+    let scenario = if to_group {
+        "2b. SIGTERM to the leader's process group (kill -TERM -- -PGID)"
+    } else {
+        "2. SIGTERM to the leader (graceful handoff)"
+    };
+    eprintln!("bench: {scenario} ({})", tool.label());
+    let results = repeat(tool.label(), runs, || {
+        let pair = Pair::start(tool, false)?;
+        let fault = Instant::now();
+        if to_group {
+            pair.leader.signal_group(Signal::SIGTERM);
+        } else {
+            pair.leader.signal(Signal::SIGTERM);
+        }
+        Ok(pair.observe(fault, tool.handoff_bound(), true))
+    });
+    let id = if to_group { "sigterm_group" } else { "sigterm" };
+    handoff_rows(id, scenario, tool, &results, tool.handoff_bound())
+}
+
+/// Scenario 3: the server ends the leader's session: `pg_terminate_backend`, or for etcd the
+/// revocation of the leader's lease.
+pub fn end_session(tool: &dyn Tool, runs: usize, how: &str) -> Vec<Row> {
+    let scenario = format!("3. the server ends the leader's session ({how})");
+    eprintln!("bench: {scenario} ({})", tool.label());
+    let results = repeat(tool.label(), runs, || {
+        let pair = Pair::start(tool, false)?;
+        let fault = tool.end_session(&pair.leader_line)?;
+        Ok(pair.observe(fault, tool.handoff_bound(), true))
+    });
+    handoff_rows(
+        "end_session",
+        &scenario,
+        tool,
+        &results,
+        tool.handoff_bound(),
+    )
+}
+
+/// Scenario 4: the leader's traffic is frozen by a proxy (no RST, no FIN): its tool must stop the
+/// child on its own deadline, and the server free the lock only later.
+pub fn partition(tool: &dyn Tool, runs: usize) -> Vec<Row> {
+    let scenario = "4. the leader is partitioned (proxy freezes its traffic)";
+    eprintln!("bench: {scenario} ({})", tool.label());
+    // The server frees the lock one lease (or TTL) after it last heard from the leader.
+    let bound = tool.handoff_bound() + Duration::from_secs(5);
+    let results = repeat(tool.label(), runs, || {
+        let pair = Pair::start(tool, true)?;
+        let proxy = pair.proxy.as_ref().context("no proxy")?;
+        let fault = Instant::now();
+        proxy.freeze();
+        Ok(pair.observe(fault, bound, true))
+    });
+    // Signed: a next leader that started before the old child's signal shows as negative.
+    let gap = |o: &Observed| Some(millis(o.next)? - millis(o.signal)?);
+    let gap_row = row(
+        "partition.gap",
+        scenario,
+        tool,
+        "gap: old child's signal → next leader's child",
+        &results,
+        bound,
+        gap,
+    );
+    let mut rows = handoff_rows("partition", scenario, tool, &results, bound);
+    rows.push(gap_row);
+    rows
+}
+
+/// Scenario 5: from starting the tool to its child running, with the lock free.
+pub fn start(tool: &dyn Tool, runs: usize) -> Vec<Row> {
+    let scenario = "5. start with a free lock";
+    eprintln!("bench: {scenario} ({})", tool.label());
+    let results = repeat(tool.label(), runs, || {
+        let lock = unique_lock();
+        let began = Instant::now();
+        let candidate = tool.candidate("A", lock, None);
+        let (_, at) = candidate
+            .started(None, SETUP_WAIT)
+            .ok_or_else(|| anyhow!("the child never started\n{}", candidate.dump()))?;
+        Ok(Observed {
+            next: Some(at - began),
+            ..Observed::default()
+        })
+    });
+    let mut row = row(
+        "start",
+        scenario,
+        tool,
+        "start → child runs",
+        &results,
+        SETUP_WAIT,
+        |o| millis(o.next),
+    );
+    row.old_child_stopped = None;
+    vec![row]
+}
+
+/// Scenario 7: `n` candidates on one lock: the server's CPU while they wait, then failover after
+/// SIGKILL of the leader, a fresh candidate taking the killed one's place after each run.
+pub fn scale(tool: &dyn Tool, n: usize, runs: usize, window: Duration) -> Scale {
+    eprintln!("bench: 7. scale with {n} candidates ({})", tool.label());
+    let mut scale = Scale {
+        tool: tool.label(),
+        candidates: n,
+        failover: Figures::default(),
+        old_child_stopped: (0, 0),
+        server_cpu: None,
+        window,
+    };
+    let outcome = catch_unwind(AssertUnwindSafe(|| {
+        scale_runs(tool, n, runs, window, &mut scale)
+    }))
+    .unwrap_or_else(|_| Err(anyhow!("the scenario panicked (see above)")));
+    if let Err(err) = outcome {
+        eprintln!("bench:   failed: {err:#}");
+        scale
+            .failover
+            .failure(format!("{err:#}").replace('\n', " "));
+    }
+    scale
+}
+
+fn scale_runs(
+    tool: &dyn Tool,
+    n: usize,
+    runs: usize,
+    window: Duration,
+    scale: &mut Scale,
+) -> anyhow::Result<()> {
+    let lock = unique_lock();
+    let mut spawned = 0;
+    let mut spawn = || {
+        spawned += 1;
+        tool.candidate(&format!("c{spawned}"), lock, None)
+    };
+    let mut candidates: Vec<Candidate> = (0..n).map(|_| spawn()).collect();
+    wait_queued(tool, lock, n, SETUP_WAIT * 2)?;
+    let (mut leader, (mut leader_line, _)) =
+        first_started(&candidates, None, SETUP_WAIT).context("no candidate led")?;
+    // Let the start-up load pass before measuring the server at rest.
+    sleep(SETTLE * 3);
+    let server = tool.server_pids();
+    let meter = CpuMeter::start(&server);
+    sleep(window);
+    scale.server_cpu = Some(meter.used(&server).as_secs_f64() / window.as_secs_f64());
+
+    for run in 0..runs {
+        let child = started_pid(&leader_line);
+        let fault = Instant::now();
+        candidates[leader].signal(Signal::SIGKILL);
+        let next = first_started(&candidates, Some(fault), tool.handoff_bound());
+        scale.old_child_stopped.1 += 1;
+        scale.old_child_stopped.0 += usize::from(wait_gone(child, GRACE));
+        let Some((index, line, at)) = next.map(|(i, (line, at))| (i, line, at)) else {
+            scale.failover.never(tool.handoff_bound());
+            eprintln!("bench:   run {}/{runs}: no handoff", run + 1);
+            break;
+        };
+        scale.failover.sample(at - fault);
+        eprintln!(
+            "bench:   run {}/{runs}: next {}",
+            run + 1,
+            show(Some(at - fault))
+        );
+        candidates[leader] = spawn();
+        wait_queued(tool, lock, n, SETUP_WAIT)?;
+        sleep(SETTLE);
+        (leader, leader_line) = (index, line);
+    }
+    Ok(())
+}
+
+/// The first candidate whose child printed its first line (after `since`), polling them all;
+/// the moment is when the line arrived, not when the poll saw it.
+fn first_started(
+    candidates: &[Candidate],
+    since: Option<Instant>,
+    timeout: Duration,
+) -> Option<(usize, (String, Instant))> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let found = candidates
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| Some((i, c.started(since, Duration::ZERO)?)))
+            .min_by_key(|(_, (_, at))| *at);
+        if found.is_some() || Instant::now() > deadline {
+            return found;
+        }
+        sleep(Duration::from_millis(5));
+    }
+}

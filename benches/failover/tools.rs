@@ -1,0 +1,393 @@
+//! The tools under test, behind one trait so that every scenario is written once and run
+//! against each: pgleader against the benchmark's PostgreSQL here, `etcdctl lock` against its
+//! etcd in `etcd.rs`. A candidate is one running instance of a tool, in a process group of its
+//! own, whose child prints a line when it starts and another when it gets SIGTERM.
+
+use std::collections::HashMap;
+use std::os::unix::process::CommandExt;
+use std::process::Command;
+use std::sync::Mutex;
+use std::thread::sleep;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use nix::sys::signal::{Signal, kill, killpg};
+
+use crate::harness::{self, Cluster, Proc, Proxy, Stream, field};
+use crate::procfs::{self, CpuMeter};
+use crate::report::Cost;
+
+/// How long a candidate may take to start, connect and queue up outside the measurement.
+pub const SETUP_WAIT: Duration = Duration::from_secs(30);
+
+/// A fault can reach the server's side only after the leader's session has settled.
+pub const SETTLE: Duration = Duration::from_millis(300);
+
+/// pgleader's timings in the partition scenario: small, so that a run takes seconds.
+pub const PARTITION_ARGS: [&str; 4] = [
+    "--check-interval=200ms",
+    "--check-timeout=300ms",
+    "--kill-timeout=1s",
+    "--lease=3s",
+];
+
+/// What a scenario needs from a tool.
+pub trait Tool {
+    fn label(&self) -> &'static str;
+
+    /// Starts a candidate for `lock`, connected through `proxy` if given (pgleader then uses
+    /// [`PARTITION_ARGS`]).
+    fn candidate(&self, tag: &str, lock: i64, proxy: Option<&Proxy>) -> Candidate;
+
+    /// How many sessions hold or wait for `lock`, as the server sees them.
+    fn queued(&self, lock: i64) -> anyhow::Result<usize>;
+
+    /// Ends the session of the leader whose child printed `leader_line`, from the server's
+    /// side. Returns the moment just before the request left.
+    fn end_session(&self, leader_line: &str) -> anyhow::Result<Instant>;
+
+    /// The server's processes, for its CPU time.
+    fn server_pids(&self) -> Vec<i32>;
+
+    /// The server's TCP port, for a proxy in front of it.
+    fn port(&self) -> u16;
+
+    /// A handoff that has not happened after this long (from the fault) is not coming.
+    fn handoff_bound(&self) -> Duration;
+
+    /// Why this tool may never do what a scenario waits for, for the report.
+    fn why_never(&self) -> &'static str;
+
+    /// Resident memory, CPU and requests of an idle leader and an idle follower.
+    fn cost(&self, window: Duration) -> anyhow::Result<Vec<Cost>>;
+}
+
+/// The child every candidate runs: a line when it starts (with what identifies the leader's
+/// session to the server), a line when it gets TERM (then it exits at once), else it waits.
+pub fn child_script(tag: &str) -> String {
+    format!(
+        "trap 'echo {tag} got TERM; exit 0' TERM; \
+         echo {tag} started $$ backend=$PGLEADER_BACKEND_PID etcd_key=$ETCD_LOCK_KEY; \
+         while :; do sleep 1000 & wait $!; done"
+    )
+}
+
+/// One running instance of a tool.
+pub struct Candidate {
+    proc: Proc,
+}
+
+impl Candidate {
+    /// Starts `command` in a process group of its own: a peer's orphaned child can then be
+    /// cleaned up with its group, and a signal to the group reaches only this candidate.
+    pub fn spawn(tag: &str, mut command: Command) -> Candidate {
+        command.process_group(0);
+        Candidate {
+            proc: Proc::spawn(tag, command),
+        }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.proc.pid.as_raw()
+    }
+
+    /// The child's first line (after `since`, if given) and when it arrived.
+    pub fn started(&self, since: Option<Instant>, timeout: Duration) -> Option<(String, Instant)> {
+        self.proc
+            .wait_line(Stream::Stdout, " started ", 1, since, timeout)
+    }
+
+    /// When the child reported a SIGTERM that arrived after `since`.
+    pub fn signalled(&self, since: Instant, timeout: Duration) -> Option<Instant> {
+        self.proc
+            .wait_line(Stream::Stdout, " got TERM", 1, Some(since), timeout)
+            .map(|(_, at)| at)
+    }
+
+    /// A log line of the tool's own (stderr).
+    pub fn logged(&self, needle: &str, timeout: Duration) -> Option<String> {
+        self.proc
+            .wait_line(Stream::Stderr, needle, 1, None, timeout)
+            .map(|(line, _)| line)
+    }
+
+    /// Signals the tool's own process.
+    pub fn signal(&self, signal: Signal) {
+        let _ = kill(self.proc.pid, signal);
+    }
+
+    /// Signals every process in the tool's process group.
+    pub fn signal_group(&self, signal: Signal) {
+        let _ = killpg(self.proc.pid, signal);
+    }
+
+    /// Everything the candidate printed, for error messages.
+    pub fn dump(&self) -> String {
+        self.proc.dump()
+    }
+}
+
+impl Drop for Candidate {
+    fn drop(&mut self) {
+        // The group, not just the tool: a peer's child outlives a peer that was killed.
+        let _ = killpg(self.proc.pid, Signal::SIGKILL);
+    }
+}
+
+/// Waits until the server sees `n` sessions holding or waiting for `lock`.
+pub fn wait_queued(tool: &dyn Tool, lock: i64, n: usize, timeout: Duration) -> anyhow::Result<()> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let queued = tool.queued(lock)?;
+        if queued == n {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "{}: {queued} sessions on lock {lock} after {timeout:?}, expected {n}",
+                tool.label()
+            );
+        }
+        sleep(Duration::from_millis(5));
+    }
+}
+
+/// pgleader against the benchmark's PostgreSQL.
+pub struct Pgleader {
+    pub cluster: Cluster,
+    /// One connection for the benchmark's own queries, so that none of them pays for a
+    /// connection set-up inside a measurement.
+    admin: Mutex<postgres::Client>,
+}
+
+impl Pgleader {
+    pub fn new(cluster: Cluster) -> Pgleader {
+        let admin = Mutex::new(cluster.client());
+        Pgleader { cluster, admin }
+    }
+
+    fn admin(&self) -> std::sync::MutexGuard<'_, postgres::Client> {
+        self.admin
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+    }
+
+    pub fn server_version(&self) -> anyhow::Result<String> {
+        let row = self.admin().query_one("SELECT version()", &[])?;
+        Ok(row.get(0))
+    }
+
+    /// Makes the server log every statement with the pid of the backend that ran it, so that
+    /// statements can be counted per session; or stops it.
+    fn log_statements(&self, on: bool) -> anyhow::Result<()> {
+        let mut admin = self.admin();
+        // ALTER SYSTEM refuses to run in a transaction block: one statement at a time.
+        let statements: &[&str] = if on {
+            &[
+                "ALTER SYSTEM SET log_statement = 'all'",
+                "ALTER SYSTEM SET log_line_prefix = 'pid=%p '",
+            ]
+        } else {
+            &[
+                "ALTER SYSTEM RESET log_statement",
+                "ALTER SYSTEM RESET log_line_prefix",
+            ]
+        };
+        for statement in statements {
+            admin.batch_execute(statement)?;
+        }
+        admin.batch_execute("SELECT pg_reload_conf()")?;
+        drop(admin);
+        // The postmaster applies a reload asynchronously; new sessions must see it.
+        sleep(Duration::from_millis(500));
+        Ok(())
+    }
+
+    /// Statements per backend pid in the server log from byte `from` on.
+    fn statements_since(&self, from: usize) -> HashMap<i32, u64> {
+        let log = self.cluster.log();
+        let mut counts = HashMap::new();
+        for line in log.get(from..).unwrap_or_default().lines() {
+            let Some(rest) = line.strip_prefix("pid=") else {
+                continue;
+            };
+            let Some((pid, message)) = rest.split_once(' ') else {
+                continue;
+            };
+            // Simple-protocol statements log as `statement:`, extended-protocol ones (what
+            // pgleader sends) as `execute <name>:`.
+            if message.starts_with("LOG:  statement:") || message.starts_with("LOG:  execute ") {
+                if let Ok(pid) = pid.parse() {
+                    *counts.entry(pid).or_default() += 1;
+                }
+            }
+        }
+        counts
+    }
+}
+
+impl Tool for Pgleader {
+    fn label(&self) -> &'static str {
+        "pgleader"
+    }
+
+    fn candidate(&self, tag: &str, lock: i64, proxy: Option<&Proxy>) -> Candidate {
+        let url = proxy.map_or_else(|| self.cluster.url(), Proxy::url);
+        let mut command = harness::pgleader();
+        command
+            .env("PGLEADER_DATABASE_URL", url)
+            .arg("run")
+            .arg(format!("--lock-id={lock}"));
+        if proxy.is_some() {
+            command.args(PARTITION_ARGS);
+        }
+        command.args(["--", "sh", "-c", &child_script(tag)]);
+        Candidate::spawn(tag, command)
+    }
+
+    fn queued(&self, lock: i64) -> anyhow::Result<usize> {
+        let row = self.admin().query_one(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 1 \
+             AND ((classid::bigint << 32) | objid::bigint) = $1",
+            &[&lock],
+        )?;
+        Ok(row.get::<_, i64>(0) as usize)
+    }
+
+    fn end_session(&self, leader_line: &str) -> anyhow::Result<Instant> {
+        let backend: i32 = field(leader_line, "backend")
+            .parse()
+            .with_context(|| format!("no backend pid in {leader_line:?}"))?;
+        let mut admin = self.admin();
+        let fault = Instant::now();
+        let terminated: bool = admin
+            .query_one("SELECT pg_terminate_backend($1)", &[&backend])?
+            .get(0);
+        if !terminated {
+            bail!("no session with backend pid {backend}");
+        }
+        Ok(fault)
+    }
+
+    fn server_pids(&self) -> Vec<i32> {
+        let postmaster = std::fs::read_to_string(self.cluster.data.join("postmaster.pid"))
+            .ok()
+            .and_then(|text| text.lines().next()?.trim().parse::<i32>().ok());
+        match postmaster {
+            Some(pid) => {
+                let mut pids = procfs::children(pid);
+                pids.push(pid);
+                pids
+            }
+            None => Vec::new(),
+        }
+    }
+
+    fn port(&self) -> u16 {
+        self.cluster.port
+    }
+
+    fn handoff_bound(&self) -> Duration {
+        Duration::from_secs(10)
+    }
+
+    fn why_never(&self) -> &'static str {
+        "unexpected: a bug in pgleader or in the benchmark"
+    }
+
+    fn cost(&self, window: Duration) -> anyhow::Result<Vec<Cost>> {
+        self.log_statements(true)?;
+        let measured = (|| {
+            let lock = harness::unique_lock();
+            let leader = self.candidate("A", lock, None);
+            let (line, _) = leader
+                .started(None, SETUP_WAIT)
+                .with_context(|| format!("the leader never started\n{}", leader.dump()))?;
+            let follower = self.candidate("B", lock, None);
+            wait_queued(self, lock, 2, SETUP_WAIT)?;
+            let waiting = follower
+                .logged("waiting for the lock", SETUP_WAIT)
+                .context("the follower never logged that it waits")?;
+            let follower_backend: i32 = field(&waiting, "backend_pid").parse()?;
+            let leader_backend: i32 = field(&line, "backend").parse()?;
+            // The follower's one blocking statement and the leader's start stay out of the
+            // window.
+            sleep(SETTLE * 3);
+            let log_mark = self.cluster.log().len();
+            let keeper = procfs::children(leader.pid()).first().copied();
+            let usage = Usage::measure(&[leader.pid(), follower.pid()], keeper, window);
+            let statements = self.statements_since(log_mark);
+            let per_second = |backend: i32| {
+                statements.get(&backend).copied().unwrap_or(0) as f64 / window.as_secs_f64()
+            };
+            let how = "statements in the server log (log_statement = all) from its backend pid";
+            Ok(vec![
+                usage.cost(0, self.label(), "leader", per_second(leader_backend), how),
+                usage.cost(
+                    1,
+                    self.label(),
+                    "follower",
+                    per_second(follower_backend),
+                    how,
+                ),
+            ])
+        })();
+        self.log_statements(false)?;
+        measured
+    }
+}
+
+/// Resident memory at the end of a window and CPU time over it, per process.
+pub struct Usage {
+    window: Duration,
+    rss: Vec<Option<u64>>,
+    cpu: Vec<Duration>,
+    /// The keeper belongs to the first process measured.
+    keeper_rss: Option<u64>,
+    keeper_cpu: Option<Duration>,
+}
+
+impl Usage {
+    /// Sleeps through `window`, measuring `pids` (and a keeper, measured on its own).
+    pub fn measure(pids: &[i32], keeper: Option<i32>, window: Duration) -> Usage {
+        let meters: Vec<CpuMeter> = pids.iter().map(|pid| CpuMeter::start(&[*pid])).collect();
+        let keeper_meter = keeper.map(|pid| CpuMeter::start(&[pid]));
+        sleep(window);
+        Usage {
+            window,
+            rss: pids.iter().map(|pid| procfs::rss_kib(*pid)).collect(),
+            cpu: pids
+                .iter()
+                .zip(&meters)
+                .map(|(pid, meter)| meter.used(&[*pid]))
+                .collect(),
+            keeper_rss: keeper.and_then(procfs::rss_kib),
+            keeper_cpu: keeper
+                .zip(keeper_meter)
+                .map(|(pid, meter)| meter.used(&[pid])),
+        }
+    }
+
+    /// The cost row of the `index`-th process measured.
+    pub fn cost(
+        &self,
+        index: usize,
+        tool: &'static str,
+        role: &'static str,
+        requests_per_second: f64,
+        requests_how: &'static str,
+    ) -> Cost {
+        let first = index == 0;
+        Cost {
+            tool,
+            role,
+            window: self.window,
+            rss_kib: self.rss[index],
+            keeper_rss_kib: self.keeper_rss.filter(|_| first),
+            cpu: self.cpu[index],
+            keeper_cpu: self.keeper_cpu.filter(|_| first),
+            requests_per_second: Some(requests_per_second),
+            requests_how,
+        }
+    }
+}
