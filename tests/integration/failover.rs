@@ -172,7 +172,7 @@ fn processes_that_left_the_process_group_are_killed_after_the_kill_timeout() {
         cluster,
         unique_lock(),
         &["--kill-timeout=300ms"],
-        "setsid sleep 1000 & echo A escaped $!; trap 'exit 0' TERM; echo A started; while :; do sleep 1000 & wait $!; done",
+        "setsid sh -c 'echo A escaped $$; exec sleep 1000' & trap 'exit 0' TERM; echo A started; while :; do sleep 1000 & wait $!; done",
     );
     let escaped: i32 = a
         .wait_stdout("A escaped")
@@ -200,7 +200,7 @@ fn kill_9_of_pgleader_also_takes_down_processes_that_left_the_group() {
         cluster,
         unique_lock(),
         &[],
-        "setsid sleep 1000 & echo A escaped $!; echo A started; wait",
+        "setsid sh -c 'echo A escaped $$; exec sleep 1000' & echo A started; wait",
     );
     let escaped: i32 = a
         .wait_stdout("A escaped")
