@@ -185,11 +185,11 @@ pub struct RunArgs {
     #[arg(long, value_name = "CRON", value_parser = parse_schedule, env = "PGLEADER_RELINQUISH_SCHEDULE", conflicts_with_all = ["once", "no_wait"])]
     pub relinquish_schedule: Option<croner::Cron>,
 
-    /// After winning with a session younger than this, wait until it is this old before
-    /// starting the command: a server restart, crash or failover ends every session and frees
-    /// every lock at once, possibly while the previous leader is still stopping its command.
-    /// auto = --check-interval + --check-timeout + --kill-timeout + 1s, the longest a previous
-    /// leader with the same settings can take. 0 disables
+    /// After winning less than this long after a server restart, crash or failover (which free
+    /// every lock at once, possibly while the previous leader is still stopping its command),
+    /// wait until this long has passed before starting the command. auto = --check-interval +
+    /// --check-timeout + --kill-timeout + 1s, the longest a previous leader with the same
+    /// settings can take. 0 disables
     #[arg(long, value_name = "DURATION", default_value = "auto", value_parser = auto_or_duration, env = "PGLEADER_RESTART_FENCE")]
     pub restart_fence: RestartFence,
 

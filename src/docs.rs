@@ -170,7 +170,7 @@ const SECTIONS: &[Section] = &[
             ),
             Entry(
                 "database restart or crash",
-                "Every session ends; the leader stops its command; everyone reconnects with backoff and jitter (100 ms doubling to 2 s), and a new leader wins within about 2 s of the server accepting connections again. A restart, or the crash of any server process, frees every lock at once, possibly before the old leader has stopped its command; it also ends every session. So a leader whose session is younger than --restart-fence waits until it is that old before starting its command (a replica that connected moments before winning a graceful handoff waits too).",
+                "Every session ends; the leader stops its command; everyone reconnects with backoff and jitter (100 ms doubling to 2 s), and a new leader wins within about 2 s of the server accepting connections again. A restart, or the crash of any server process, frees every lock at once, possibly before the old leader has stopped its command. So a leader that wins less than --restart-fence after the server last started or reset waits until that long has passed before starting its command; after a failover, a leader that has just lost its previous session waits until its new one is that old.",
             ),
             Entry(
                 "silent network partition of the leader",

@@ -54,6 +54,15 @@ pub enum SessionError {
     Pooler { evidence: String },
 }
 
+/// See [`Session::fence`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fence {
+    /// The fencing token handed to the command as PGLEADER_EPOCH.
+    pub epoch: i64,
+    /// How long ago the server last started or reset after a crash.
+    pub since_server_reset: Duration,
+}
+
 /// What a leader's check found.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Confirmation {
@@ -254,22 +263,43 @@ impl Session {
         }
     }
 
-    /// A fencing token for a new leader: a transaction id assigned now. Transaction ids only
-    /// grow, and each leader takes its own after the previous leader lost the lock, so tokens
-    /// strictly increase from one leadership to the next. Assigning one fails on a read-only
-    /// server, which also proves the session is on a writable primary.
-    pub async fn epoch(&self) -> Result<i64, SessionError> {
-        let sql = if self.server_major >= 13 || self.server_major == 0 {
-            "SELECT pg_catalog.pg_current_xact_id()::text::int8"
+    /// What a new leader learns before starting its command: a fencing token, and how long
+    /// ago the server last freed every lock at once.
+    ///
+    /// The token is a transaction id assigned now. Transaction ids only grow, and each leader
+    /// takes its own after the previous leader lost the lock, so tokens strictly increase from
+    /// one leadership to the next. Assigning one fails on a read-only server, which also proves
+    /// the session is on a writable primary. A transaction that only takes an id writes no WAL
+    /// of its own, so PostgreSQL commits it without flushing, and a crash in the next moment
+    /// could hand the same id out again: the (transactional) logical message makes the commit
+    /// wait for its WAL to be flushed.
+    ///
+    /// The server freed every lock when it last started, or when it last reset after the crash
+    /// of one of its processes, which also resets the shared statistics (the bgwriter's
+    /// `stats_reset`, readable by any role).
+    pub async fn fence(&self) -> Result<Fence, SessionError> {
+        let xid = if self.server_major >= 13 || self.server_major == 0 {
+            "pg_catalog.pg_current_xact_id()::text::int8"
         } else {
-            "SELECT pg_catalog.txid_current()"
+            "pg_catalog.txid_current()"
         };
+        let sql = format!(
+            "SELECT {xid}, \
+                    pg_catalog.pg_logical_emit_message(true, 'pgleader', 'epoch') IS NOT NULL, \
+                    extract(epoch FROM pg_catalog.clock_timestamp() - GREATEST(\
+                        pg_catalog.pg_postmaster_start_time(), \
+                        (SELECT stats_reset FROM pg_catalog.pg_stat_bgwriter)))::float8"
+        );
         let row = self
             .client
-            .query_typed_one(sql, &[])
+            .query_typed_one(&sql, &[])
             .await
             .map_err(query_error)?;
-        Ok(row.get(0))
+        let since_reset: f64 = row.get(2);
+        Ok(Fence {
+            epoch: row.get(0),
+            since_server_reset: Duration::try_from_secs_f64(since_reset).unwrap_or(Duration::ZERO),
+        })
     }
 
     /// How long ago this session was established.
@@ -420,10 +450,13 @@ fn driver_config(
 
 /// The statements that prepare a session, sent in one round trip. Waiting for the lock must
 /// never time out on the server's side; the lease settings bound how long the server keeps
-/// the lock of a leader that vanished (see `lease.rs`).
+/// the lock of a leader that vanished (see `lease.rs`); the epoch's commit must reach disk
+/// (and a synchronous standby, if there is one) even where the server's default is
+/// `synchronous_commit = off`.
 fn setup_sql(lease: &Lease, server_major: u32) -> String {
     let mut sql = String::from(
-        "SET statement_timeout = 0; SET lock_timeout = 0; SET idle_in_transaction_session_timeout = 0;",
+        "SET statement_timeout = 0; SET lock_timeout = 0; SET idle_in_transaction_session_timeout = 0; \
+         SET synchronous_commit = on;",
     );
     sql.push_str(&format!(
         " SET tcp_keepalives_idle = {}; SET tcp_keepalives_interval = {}; SET tcp_keepalives_count = {};",
@@ -443,6 +476,11 @@ fn setup_sql(lease: &Lease, server_major: u32) -> String {
             lease.duration().as_millis(),
             lease.client_check_interval().as_millis(),
         ));
+    }
+    // PostgreSQL 17's transaction_timeout also bounds a single statement's implicit
+    // transaction: set for the role or database, it would end followers' waits.
+    if server_major >= 17 {
+        sql.push_str(" SET transaction_timeout = 0;");
     }
     sql
 }
@@ -537,6 +575,9 @@ mod tests {
         assert!(!setup_sql(&lease, 13).contains("idle_session_timeout"));
         let sql = setup_sql(&lease, 15);
         assert!(sql.contains("idle_session_timeout = 15000"), "{sql}");
+        assert!(!sql.contains("transaction_timeout = 0;"), "{sql}");
+        assert!(setup_sql(&lease, 17).contains("SET transaction_timeout = 0;"));
+        assert!(sql.contains("synchronous_commit = on"), "{sql}");
         assert!(sql.contains("statement_timeout = 0"), "{sql}");
         assert!(sql.contains("lock_timeout = 0"), "{sql}");
     }

@@ -55,6 +55,7 @@ pub async fn run(
         signals,
         backoff: Backoff::default(),
         shutdown_requested: None,
+        last_disturbance: None,
     }
     .run()
     .await
@@ -66,6 +67,9 @@ struct Supervisor {
     backoff: Backoff,
     /// When the first TERM or INT arrived: finish what is under way, then exit.
     shutdown_requested: Option<Instant>,
+    /// When a session last ended, or a connection attempt last failed, other than by
+    /// pgleader's own doing: a server restart, crash or failover looks like this from here.
+    last_disturbance: Option<Instant>,
 }
 
 /// How waiting for the lock ended.
@@ -250,6 +254,7 @@ impl Supervisor {
                     bail!("cannot connect to {server}: {err} (--no-wait tries once)");
                 }
                 err => {
+                    self.last_disturbance = Some(Instant::now());
                     let delay = self.backoff.next_delay();
                     notify::status(&format!(
                         "cannot connect to {server}: {err}; retrying in {}",
@@ -318,6 +323,7 @@ impl Supervisor {
                 WaitEvent::Done(Ok(())) => return Ok(Acquired::Won(session)),
                 WaitEvent::Done(Err(err @ SessionError::Pooler { .. })) => return Err(err.into()),
                 WaitEvent::Done(Err(SessionError::Query(reason))) | WaitEvent::Ended(reason) => {
+                    self.last_disturbance = Some(Instant::now());
                     warn!(event = "session_lost", reason = %reason, "lost the session while waiting for the lock");
                     notify::status(&format!(
                         "lost the session while waiting for the lock: {reason}"
@@ -345,8 +351,8 @@ impl Supervisor {
         // server keeps the session (and the lock) at least a lease past `sent`: a safe base
         // for the leader's own deadline.
         let sent = Instant::now();
-        let epoch = match tokio::time::timeout(timeout, session.epoch()).await {
-            Ok(Ok(epoch)) => epoch,
+        let fence = match tokio::time::timeout(timeout, session.fence()).await {
+            Ok(Ok(fence)) => fence,
             Ok(Err(err)) => {
                 warn!(event = "leadership_lost", lock = %lock, reason = %err, "won the lock but cannot take a fencing token; giving it up");
                 return Ok(Led::Lost { status: None });
@@ -356,6 +362,7 @@ impl Supervisor {
                 return Ok(Led::Lost { status: None });
             }
         };
+        let epoch = fence.epoch;
         info!(
             event = "leader",
             lock = %lock,
@@ -365,21 +372,28 @@ impl Supervisor {
         );
         notify::leading(&lock, epoch, &self.config.command.display());
 
-        // A server restart, a crash of any server process (which makes the postmaster end every
-        // session) and a failover to a promoted standby all free every lock at once, possibly
-        // before the previous leader has noticed. They also end every session, so a session
-        // that has lived through --restart-fence (check-interval + check-timeout +
-        // kill-timeout + margin: how long that leader can take to stop its command) proves
-        // there was none in the meantime. A younger one waits until it is that old.
-        let session_age = session.age();
-        let restart_fence = self.config.restart_fence.saturating_sub(session_age);
+        // A server restart, the crash of any server process (after which the postmaster ends
+        // every session) and a failover to a promoted standby all free every lock at once,
+        // possibly before the previous leader has noticed. Its command is gone at most
+        // --restart-fence (check-interval + check-timeout + kill-timeout + margin) later. The
+        // server tells when it last started or reset; a failover shows only on this side, as
+        // the loss of this pgleader's previous session, after which every session of the new
+        // primary, this one included, is younger than the failover.
+        let mut since_reset = fence.since_server_reset;
+        if self
+            .last_disturbance
+            .is_some_and(|at| at.elapsed() < self.config.restart_fence)
+        {
+            since_reset = since_reset.min(session.age());
+        }
+        let restart_fence = self.config.restart_fence.saturating_sub(since_reset);
         let delay = self.config.takeover_delay.max(restart_fence);
         if !restart_fence.is_zero() && restart_fence >= self.config.takeover_delay {
             info!(
                 event = "restart_fence",
-                session_age = %fmt(session_age),
-                "this session is only {} old: starting the command in {} (--restart-fence), in case a server restart, crash or failover freed the lock while the previous leader's command still ran",
-                fmt(session_age),
+                since_reset = %fmt(since_reset),
+                "the server restarted, reset or failed over {} ago: starting the command in {} (--restart-fence), in case the previous leader's command still runs",
+                fmt(since_reset),
                 fmt(restart_fence)
             );
         } else if !delay.is_zero() {
@@ -532,6 +546,7 @@ impl Supervisor {
                 },
             };
             warn!(event = "leadership_lost", lock = %lock, reason = %lost_reason, "leadership lost");
+            self.last_disturbance = Some(Instant::now());
             notify::status(&format!(
                 "leadership lost ({lost_reason}); stopping the command"
             ));

@@ -83,6 +83,7 @@ fn server() -> &'static TlsServer {
                      hostssl all {SECRET_USER} 127.0.0.1/32 scram-sha-256\n\
                      hostssl all all 127.0.0.1/32 trust\n"
                 )),
+                ..Options::default()
             },
         );
         cluster.execute(&format!("CREATE ROLE {CERT_USER} LOGIN SUPERUSER"));

@@ -32,6 +32,8 @@ pub struct Options {
     pub tls: Option<ServerTls>,
     /// Replaces pg_hba.conf; the Unix socket stays trusted for the harness itself.
     pub hba: Option<String>,
+    /// Extra postgresql.conf settings, such as `wal_writer_delay = '10s'`.
+    pub settings: Vec<String>,
 }
 
 /// The server's side of TLS, in PEM.
@@ -203,6 +205,14 @@ impl Cluster {
         if let Some(hba) = &options.hba {
             let lines = format!("local all all trust\nlocal replication all trust\n{hba}");
             fs::write(self.data.join("pg_hba.conf"), lines).expect("write pg_hba.conf");
+        }
+        if !options.settings.is_empty() {
+            let mut file = fs::OpenOptions::new()
+                .append(true)
+                .open(self.data.join("postgresql.conf"))
+                .expect("open postgresql.conf");
+            let text = format!("\n{}\n", options.settings.join("\n"));
+            std::io::Write::write_all(&mut file, text.as_bytes()).expect("write postgresql.conf");
         }
         let Some(tls) = &options.tls else {
             return;
