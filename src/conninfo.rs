@@ -37,8 +37,13 @@ pub enum ConnInfoError {
     Url(String),
     #[error("invalid connection string: {0}")]
     KeyValue(String),
-    #[error("invalid connection option {0:?}")]
+    #[error("invalid connection option {0:?}{hint}", hint = suggestion(.0))]
     UnknownOption(String),
+    /// An unknown name that may be a fragment of a badly quoted password: not repeated.
+    /// An unknown name in key=value pairs, which may be a piece of a password with an
+    /// unquoted space: not repeated, only the keyword it resembles.
+    #[error("the connection string has a setting whose name is no connection option{}; is a value with spaces unquoted? write key='a b'", .0.map(|k| format!(" (did you mean {k:?}?)")).unwrap_or_default())]
+    UnknownSetting(Option<&'static str>),
     #[error("connection option {0:?} is not supported by pgleader")]
     Unsupported(String),
     #[error("invalid value for connection option {0:?}: {1}")]
@@ -175,7 +180,18 @@ pub struct ConnSettings {
     pub options: Option<String>,
     pub target_session_attrs: TargetSessionAttrs,
     pub load_balance_hosts: bool,
+    /// `channel_binding`: with `require`, SCRAM must bind to the TLS channel, which defeats a
+    /// man in the middle when the certificate is not verified.
+    pub channel_binding: ChannelBinding,
     pub tls: TlsSettings,
+}
+
+/// libpq's `channel_binding`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChannelBinding {
+    Disable,
+    Prefer,
+    Require,
 }
 
 impl fmt::Display for ConnSettings {
@@ -210,6 +226,8 @@ const KEYWORDS: &[(&str, Option<&str>)] = &[
     ("sslkey", Some("PGSSLKEY")),
     ("target_session_attrs", Some("PGTARGETSESSIONATTRS")),
     ("load_balance_hosts", Some("PGLOADBALANCEHOSTS")),
+    ("channel_binding", Some("PGCHANNELBINDING")),
+    ("gssencmode", Some("PGGSSENCMODE")),
 ];
 
 /// libpq keywords that pgleader accepts and ignores, with the reason it gives.
@@ -241,11 +259,6 @@ const IGNORED: &[(&str, &str)] = &[
     ("client_encoding", "pgleader uses UTF8"),
     ("sslcompression", "TLS compression is never used"),
     ("sslsni", "pgleader always sends SNI for host names"),
-    ("gssencmode", "pgleader does not use GSSAPI encryption"),
-    (
-        "channel_binding",
-        "pgleader uses channel binding when the server offers it",
-    ),
 ];
 
 /// libpq keywords whose meaning pgleader cannot honour: refused rather than silently ignored.
@@ -459,6 +472,29 @@ fn build(
             ));
         }
     };
+    let channel_binding = match params.remove("channel_binding").as_deref() {
+        None | Some("prefer") => ChannelBinding::Prefer,
+        Some("disable") => ChannelBinding::Disable,
+        Some("require") => ChannelBinding::Require,
+        Some(_) => {
+            return Err(ConnInfoError::InvalidValue(
+                "channel_binding".into(),
+                "expected disable, prefer or require".into(),
+            ));
+        }
+    };
+    // pgleader has no GSSAPI: "prefer" (libpq's default) falls back to TLS or plain text as
+    // libpq does without GSSAPI credentials; "require" cannot be honoured.
+    match params.remove("gssencmode").as_deref() {
+        None | Some("disable") | Some("prefer") => {}
+        Some("require") => return Err(ConnInfoError::Unsupported("gssencmode=require".into())),
+        Some(_) => {
+            return Err(ConnInfoError::InvalidValue(
+                "gssencmode".into(),
+                "expected disable, prefer or require".into(),
+            ));
+        }
+    }
     let load_balance_hosts = match params.remove("load_balance_hosts").as_deref() {
         None | Some("disable") => false,
         Some("random") => true,
@@ -548,6 +584,7 @@ fn build(
         options,
         target_session_attrs,
         load_balance_hosts,
+        channel_binding,
         tls,
     })
 }
@@ -562,26 +599,63 @@ fn default_host(port: u16, env: &dyn Environment) -> Host {
     }
 }
 
+/// A port number. The text is not repeated in the error: in a URL whose password has an
+/// unencoded '/', what looks like a port is part of the password.
 fn parse_port(text: &str) -> Result<u16, ConnInfoError> {
     match text.parse::<u16>() {
         Ok(port) if port > 0 => Ok(port),
         _ => Err(ConnInfoError::InvalidValue(
             "port".into(),
-            format!("{text:?} is not a port number (1-65535)"),
+            "not a port number (1-65535); in a URL, a password with '/', '?', '#' or '@' must be percent-encoded".into(),
         )),
     }
+}
+
+/// " (did you mean \"sslmode\"?)" for a name one or two typos away from a known one.
+fn suggestion(name: &str) -> String {
+    nearest_keyword(name)
+        .map(|keyword| format!(" (did you mean {keyword:?}?)"))
+        .unwrap_or_default()
+}
+
+/// The keyword one or two typos away from `name`, if any.
+fn nearest_keyword(name: &str) -> Option<&'static str> {
+    KEYWORDS
+        .iter()
+        .map(|(keyword, _)| *keyword)
+        .chain(IGNORED.iter().map(|(keyword, _)| *keyword))
+        .map(|keyword| (edit_distance(name, keyword), keyword))
+        .filter(|(distance, _)| *distance <= 2)
+        .min()
+        .map(|(_, keyword)| keyword)
+}
+
+/// Levenshtein distance, for suggestions.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut previous = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let substitution = previous + usize::from(ca != *cb);
+            previous = row[j + 1];
+            row[j + 1] = substitution.min(row[j] + 1).min(row[j + 1] + 1);
+        }
+    }
+    row[b.len()]
 }
 
 /// Parses a connection string in either form into its parameters.
 fn parse(text: &str) -> Result<Params, ConnInfoError> {
     let text = text.trim();
-    let params = if let Some(rest) = text
+    let (params, from_url) = if let Some(rest) = text
         .strip_prefix("postgresql://")
         .or_else(|| text.strip_prefix("postgres://"))
     {
-        parse_url(rest)?
+        (parse_url(rest)?, true)
     } else if text.contains('=') {
-        parse_key_values(text)?
+        (parse_key_values(text)?, false)
     } else {
         return Err(ConnInfoError::UnknownFormat);
     };
@@ -592,7 +666,14 @@ fn parse(text: &str) -> Result<Params, ConnInfoError> {
         let known = KEYWORDS.iter().any(|(keyword, _)| keyword == key)
             || IGNORED.iter().any(|(keyword, _)| keyword == key);
         if !known {
-            return Err(ConnInfoError::UnknownOption(key.clone()));
+            // In key=value pairs, a stray word may be a piece of a badly quoted password. In a
+            // URL the parameters come after the '?', which a password cannot reach unencoded
+            // (parse_url refuses an '@' after the host part).
+            return Err(if from_url {
+                ConnInfoError::UnknownOption(key.clone())
+            } else {
+                ConnInfoError::UnknownSetting(nearest_keyword(key))
+            });
         }
     }
     Ok(params)
@@ -602,6 +683,16 @@ fn parse(text: &str) -> Result<Params, ConnInfoError> {
 /// after the scheme.
 fn parse_url(rest: &str) -> Result<Params, ConnInfoError> {
     let mut params = Params::new();
+    // Everything up to the first '/', '?' or '#' is user, password and hosts; an '@' after it
+    // means a password (or user) with one of those characters was not percent-encoded, and
+    // the pieces would land in the host, port or database name, where they would be shown.
+    if let Some(end) = rest.find(['/', '?', '#'])
+        && rest[end..].contains('@')
+    {
+        return Err(ConnInfoError::Url(
+            "there is an '@' after the host part: percent-encode '/', '?', '#' and '@' in the user name and password".into(),
+        ));
+    }
     let (before_query, query) = match rest.split_once('?') {
         Some((before, query)) => (before, Some(query)),
         None => (rest, None),
@@ -734,8 +825,10 @@ fn parse_key_values(text: &str) -> Result<Params, ConnInfoError> {
         }
         while chars.next_if(|c| c.is_whitespace()).is_some() {}
         if chars.next() != Some('=') {
+            // The word may be a piece of a password with an unquoted space: not repeated.
             return Err(ConnInfoError::KeyValue(format!(
-                "missing '=' after {key:?}"
+                "setting number {} has no '=' (is a value with spaces unquoted? write key='a b')",
+                params.len() + 1
             )));
         }
         while chars.next_if(|c| c.is_whitespace()).is_some() {}
@@ -750,9 +843,14 @@ fn parse_key_values(text: &str) -> Result<Params, ConnInfoError> {
                     Some('\'') => break,
                     Some(c) => value.push(c),
                     None => {
-                        return Err(ConnInfoError::KeyValue(format!(
-                            "the quoted value of {key:?} is not terminated"
-                        )));
+                        // Named only if it is a keyword: the name could be a piece of a
+                        // password with an unquoted space.
+                        let known = KEYWORDS.iter().any(|(keyword, _)| *keyword == key);
+                        return Err(ConnInfoError::KeyValue(if known {
+                            format!("the quoted value of {key:?} is not terminated")
+                        } else {
+                            "a quoted value is not terminated".to_owned()
+                        }));
                     }
                 }
             }
@@ -1026,9 +1124,14 @@ mod tests {
         let env = FakeEnv::default();
         let cases = [
             ("mydb", ConnInfoError::UnknownFormat),
+            ("host=h bogus=1", ConnInfoError::UnknownSetting(None)),
             (
-                "host=h bogus=1",
-                ConnInfoError::UnknownOption("bogus".into()),
+                "host=h sslmod=require",
+                ConnInfoError::UnknownSetting(Some("sslmode")),
+            ),
+            (
+                "postgres://h/d?sslmod=require",
+                ConnInfoError::UnknownOption("sslmod".into()),
             ),
             ("service=x", ConnInfoError::Unsupported("service".into())),
         ];
@@ -1045,6 +1148,27 @@ mod tests {
             !unterminated.to_string().contains("hunter2"),
             "{unterminated}"
         );
+        assert!(
+            ConnInfoError::UnknownOption("sslmod".into())
+                .to_string()
+                .contains("did you mean \"sslmode\"")
+        );
+        // Passwords that were not quoted or percent-encoded: none of their pieces is repeated.
+        for (text, secret) in [
+            ("postgres://u:s3cr/et@host/db", "s3cr"),
+            (
+                "postgres://postgres:5432/Xy+secret@127.0.0.1:55999/postgres",
+                "Xy+secret",
+            ),
+            ("postgres://u:pa?ss@host/db", "ss@host"),
+            ("password=correct horse", "horse"),
+            ("password=x horse=battery", "horse"),
+            ("host=h port=5432/Xy+secret", "Xy+secret"),
+            ("password=correct horse='x", "horse"),
+        ] {
+            let err = resolve(Some(text), &env).expect_err(text).to_string();
+            assert!(!err.contains(secret), "{text}: {err}");
+        }
     }
 
     #[test]

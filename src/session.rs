@@ -18,7 +18,7 @@ use tokio_postgres::Client;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::Type;
 
-use crate::conninfo::{ConnSettings, Host, TargetSessionAttrs, TlsSettings};
+use crate::conninfo::{ChannelBinding, ConnSettings, Host, TargetSessionAttrs, TlsSettings};
 use crate::lease::Lease;
 use crate::lock::LockKey;
 use crate::tls;
@@ -441,6 +441,11 @@ fn driver_config(
     if let Some(password) = &settings.password {
         config.password(password.expose());
     }
+    config.channel_binding(match settings.channel_binding {
+        ChannelBinding::Disable => tokio_postgres::config::ChannelBinding::Disable,
+        ChannelBinding::Prefer => tokio_postgres::config::ChannelBinding::Prefer,
+        ChannelBinding::Require => tokio_postgres::config::ChannelBinding::Require,
+    });
     if let Some(options) = &settings.options {
         config.options(options);
     }

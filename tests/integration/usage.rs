@@ -180,6 +180,8 @@ fn negative_lock_ids_are_accepted_with_or_without_an_equals_sign() {
 fn a_bad_connection_string_is_a_usage_error_that_never_prints_the_password() {
     for url in [
         "postgres://user:hunter2@host:99999/db",
+        "postgres://user:hunter2/x@host/db",
+        "host=h password=hunter2 horse=battery",
         "postgres://user:hunter2%zz@host/db",
         "host=h password='hunter2",
         "host=h password=hunter2 sslcrl=/x",
@@ -267,6 +269,20 @@ fn a_wrong_password_stops_at_once_and_is_never_printed() {
         !stderr.contains(SECRET_PASSWORD),
         "the password leaked:\n{stderr}"
     );
+}
+
+#[test]
+fn channel_binding_require_is_honoured_and_gssencmode_require_refused() {
+    let cluster = Cluster::shared();
+    // Trust authentication has no SCRAM exchange to bind: insisting on binding must fail.
+    let url = format!("{}?channel_binding=require", cluster.url());
+    let (code, stderr) = outcome(Some(&url), &["run", "--lock-id", "1", "--", "true"]);
+    assert_eq!(code, 1, "{stderr}");
+    assert!(stderr.contains("channel binding"), "{stderr}");
+    let url = format!("{}?gssencmode=require", cluster.url());
+    let (code, stderr) = outcome(Some(&url), &["run", "--lock-id", "1", "--", "true"]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("gssencmode=require"), "{stderr}");
 }
 
 #[test]
