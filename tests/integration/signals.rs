@@ -10,8 +10,16 @@ use crate::harness::{Cluster, WAIT, field, patient_child, run, unique_lock};
 #[test]
 fn signals_are_passed_on_to_the_commands_process_group() {
     let cluster = Cluster::shared();
-    let a = run("A", cluster, unique_lock(), &[], &patient_child("A"));
+    // The command starts a grandchild that reports signals too: they go to the whole group,
+    // not only to the process pgleader's keeper started.
+    let script = format!(
+        "sh -c \"{}\" & {}",
+        patient_child("G").replace('$', "\\$").replace('"', "\\\""),
+        patient_child("A")
+    );
+    let a = run("A", cluster, unique_lock(), &["--kill-timeout=1s"], &script);
     a.wait_stdout("A started");
+    a.wait_stdout("G started");
     for signal in [
         Signal::SIGHUP,
         Signal::SIGUSR1,
@@ -22,6 +30,11 @@ fn signals_are_passed_on_to_the_commands_process_group() {
         a.signal(signal);
         let name = &signal.as_str()[3..];
         a.wait_stdout(&format!("A got {name}"));
+        // A background job of sh starts with INT and QUIT ignored, and sh cannot trap a signal
+        // it started with ignored: the grandchild reports the others.
+        if signal != Signal::SIGQUIT {
+            a.wait_stdout(&format!("G got {name}"));
+        }
     }
     // INT is passed on too, and shuts pgleader down once the command has exited.
     a.signal(Signal::SIGINT);
