@@ -172,6 +172,21 @@ impl Pgleader {
             .unwrap_or_else(|poison| poison.into_inner())
     }
 
+    /// Waits until the server has been up for `age`, as a long-running server would be: a
+    /// server that has just started makes a new leader wait out pgleader's restart fence.
+    pub fn wait_until_server_is(&self, age: Duration) -> anyhow::Result<()> {
+        let row = self.admin().query_one(
+            "SELECT extract(epoch FROM clock_timestamp() - greatest(pg_postmaster_start_time(), \
+             (SELECT stats_reset FROM pg_stat_bgwriter)))::float8",
+            &[],
+        )?;
+        let up = Duration::from_secs_f64(row.get::<_, f64>(0).max(0.0));
+        if let Some(rest) = age.checked_sub(up) {
+            std::thread::sleep(rest);
+        }
+        Ok(())
+    }
+
     pub fn server_version(&self) -> anyhow::Result<String> {
         let row = self.admin().query_one("SELECT version()", &[])?;
         Ok(row.get(0))
@@ -234,7 +249,9 @@ impl Tool for Pgleader {
     fn candidate(&self, tag: &str, lock: i64, proxy: Option<&Proxy>) -> Candidate {
         let url = proxy.map_or_else(|| self.cluster.url(), Proxy::url);
         let mut command = harness::pgleader();
+        // pgleader's own defaults, restart fence included (the harness turns it off for tests).
         command
+            .env_remove("PGLEADER_RESTART_FENCE")
             .env("PGLEADER_DATABASE_URL", url)
             .arg("run")
             .arg(format!("--lock-id={lock}"));
