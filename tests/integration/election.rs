@@ -435,3 +435,58 @@ fn replicas_take_turns_on_a_relinquish_schedule() {
     a.wait_log("handing leadership over (--relinquish-schedule)");
     assert_turns(&journal.lines());
 }
+
+#[test]
+fn json_logs_carry_a_stable_set_of_fields() {
+    let cluster = Cluster::shared();
+    let lock = unique_lock();
+    let a = run(
+        "A",
+        cluster,
+        lock,
+        &["--log-format=json", "--once"],
+        "echo ran; exit 3",
+    );
+    assert_eq!(a.wait_code(), 3);
+    let (_, _, stderr) = a.finish();
+    let events: Vec<serde_json::Value> = stderr
+        .iter()
+        .map(|line| {
+            serde_json::from_str(line).unwrap_or_else(|err| panic!("not JSON ({err}): {line}"))
+        })
+        .collect();
+    for event in &events {
+        for field in ["time", "level", "event", "message"] {
+            assert!(event.get(field).is_some(), "no {field} in {event}");
+        }
+        let time = event["time"].as_str().expect("time is a string");
+        humantime::parse_rfc3339(time).unwrap_or_else(|err| panic!("{time}: {err}"));
+    }
+    let find = |name: &str| {
+        events
+            .iter()
+            .find(|event| event["event"] == name)
+            .unwrap_or_else(|| panic!("no {name} event in {events:?}"))
+    };
+    assert_eq!(find("leader")["lock"], lock.to_string());
+    assert!(find("leader")["epoch"].is_i64());
+    assert!(find("child_started")["pid"].is_i64());
+    let exited = find("child_exited");
+    assert_eq!(exited["exit_code"], 3);
+    assert_eq!(exited["status"], "exit code 3");
+    assert_eq!(find("released")["level"], "info");
+    assert_eq!(
+        events
+            .iter()
+            .map(|event| event["event"].as_str().expect("event"))
+            .collect::<Vec<_>>(),
+        [
+            "connected",
+            "waiting",
+            "leader",
+            "child_started",
+            "child_exited",
+            "released"
+        ]
+    );
+}
