@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, anyhow};
 use nix::sys::signal::Signal;
 
-use crate::harness::{Proxy, is_running, started_pid, unique_lock, wait_gone};
+use crate::harness::{Proxy, is_running, pid_in, unique_lock, wait_gone};
 use crate::procfs::CpuMeter;
 use crate::report::{Figures, Row, Scale};
 use crate::tools::{Candidate, SETTLE, SETUP_WAIT, Tool, wait_queued};
@@ -54,7 +54,7 @@ impl Pair {
         wait_queued(tool, lock, 2, SETUP_WAIT).with_context(|| follower.dump())?;
         sleep(SETTLE);
         Ok(Pair {
-            child: started_pid(&leader_line),
+            child: pid_in(&leader_line),
             leader,
             follower,
             leader_line,
@@ -371,7 +371,7 @@ fn scale_runs(
     scale.server_cpu = Some(meter.used(&server).as_secs_f64() / window.as_secs_f64());
 
     for run in 0..runs {
-        let child = started_pid(&leader_line);
+        let child = pid_in(&leader_line);
         let fault = Instant::now();
         candidates[leader].signal(Signal::SIGKILL);
         let next = first_started(&candidates, Some(fault), tool.handoff_bound());

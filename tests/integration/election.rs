@@ -248,12 +248,8 @@ fn after_the_command_exits_the_lock_goes_to_the_next_waiting_replica() {
 
     // A's command ends on its own: A releases, B (already waiting) takes over, A waits out
     // its restart delay.
-    let sleep_pid: i32 = a
-        .wait_log("started the command")
-        .split("pid=")
-        .nth(1)
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|pid| pid.parse().ok())
+    let sleep_pid: i32 = field(&a.wait_log("started the command"), "pid")
+        .parse()
         .expect("pid");
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(sleep_pid), Signal::SIGKILL)
         .expect("kill the command");
@@ -337,15 +333,6 @@ fn status_reports_the_leader_and_the_waiters_in_order() {
     );
 }
 
-/// A child that journals its start and its stop (on TERM).
-fn journaled_child(journal: &crate::harness::Journal, tag: &str) -> String {
-    format!(
-        "trap '{}; exit 0' TERM; {}; echo {tag} started; while :; do sleep 1000 & wait $!; done",
-        journal.append(&format!("{tag}-stopped")),
-        journal.append(&format!("{tag}-started"))
-    )
-}
-
 /// Checks that runs in the journal never overlap: every start follows the previous stop.
 fn assert_turns(lines: &[String]) {
     for pair in lines.chunks(2) {
@@ -372,7 +359,7 @@ fn replicas_take_turns_with_relinquish_after() {
         cluster,
         lock,
         &["--relinquish-after=300ms"],
-        &journaled_child(&journal, "A"),
+        &journal.child("A", "0"),
     );
     a.wait_stdout("A started");
     let b = run(
@@ -380,7 +367,7 @@ fn replicas_take_turns_with_relinquish_after() {
         cluster,
         lock,
         &["--relinquish-after=300ms"],
-        &journaled_child(&journal, "B"),
+        &journal.child("B", "0"),
     );
     b.wait_for_nth(Stream::Stdout, "B started", 2);
     a.wait_for_nth(Stream::Stdout, "A started", 3);
@@ -415,21 +402,9 @@ fn replicas_take_turns_on_a_relinquish_schedule() {
     let lock = unique_lock();
     let journal = crate::harness::Journal::new("schedule");
     let every_second = ["--relinquish-schedule", "* * * * * *"];
-    let a = run(
-        "A",
-        cluster,
-        lock,
-        &every_second,
-        &journaled_child(&journal, "A"),
-    );
+    let a = run("A", cluster, lock, &every_second, &journal.child("A", "0"));
     a.wait_stdout("A started");
-    let b = run(
-        "B",
-        cluster,
-        lock,
-        &every_second,
-        &journaled_child(&journal, "B"),
-    );
+    let b = run("B", cluster, lock, &every_second, &journal.child("B", "0"));
     b.wait_stdout("B started");
     a.wait_for_nth(Stream::Stdout, "A started", 2);
     a.wait_log("handing leadership over (--relinquish-schedule)");

@@ -6,8 +6,7 @@ use std::fs;
 use nix::sys::signal::Signal;
 
 use crate::harness::{
-    Cluster, Stream, WAIT, field, is_running, patient_child, run, started_pid, unique_lock,
-    wait_gone,
+    Cluster, Stream, WAIT, field, is_running, patient_child, pid_in, run, unique_lock, wait_gone,
 };
 
 #[test]
@@ -22,14 +21,9 @@ fn kill_9_of_the_leader_takes_its_command_and_grandchild_down_and_a_follower_tak
         "sh -c 'sleep 1000' & echo A grandchild $!; echo A started $$ keeper=$PPID; wait",
     );
     let started = a.wait_stdout("A started");
-    let child = started_pid(&started);
+    let child = pid_in(&started);
     let keeper: i32 = field(&started, "keeper").parse().expect("keeper pid");
-    let grandchild: i32 = a
-        .wait_stdout("A grandchild")
-        .split_whitespace()
-        .nth(2)
-        .and_then(|p| p.parse().ok())
-        .expect("pid");
+    let grandchild: i32 = pid_in(&a.wait_stdout("A grandchild"));
     let b = run("B", cluster, lock, &[], &patient_child("B"));
     b.wait_log("waiting for the lock");
 
@@ -134,7 +128,7 @@ fn a_command_that_ignores_sigterm_is_killed_after_the_kill_timeout() {
         &["--kill-timeout=300ms"],
         "trap '' TERM; echo A started $$; while :; do sleep 1000 & wait $!; done",
     );
-    let child = started_pid(&a.wait_stdout("A started"));
+    let child = pid_in(&a.wait_stdout("A started"));
     a.signal(Signal::SIGTERM);
     a.wait_log("did not exit within 300ms (--kill-timeout); sending SIGKILL");
     assert_eq!(a.wait_code(), 128 + 9, "{}", a.dump());
@@ -151,12 +145,7 @@ fn leftovers_of_a_command_that_exited_are_stopped_before_the_lock_is_released() 
         &["--once", "--kill-timeout=5s"],
         "sleep 1000 & echo A left $!; exit 3",
     );
-    let leftover: i32 = a
-        .wait_stdout("A left")
-        .split_whitespace()
-        .nth(2)
-        .and_then(|p| p.parse().ok())
-        .expect("pid");
+    let leftover: i32 = pid_in(&a.wait_stdout("A left"));
     assert_eq!(a.wait_code(), 3);
     assert!(
         !is_running(leftover),
@@ -174,12 +163,7 @@ fn processes_that_left_the_process_group_are_killed_after_the_kill_timeout() {
         &["--kill-timeout=300ms"],
         "setsid sh -c 'echo A escaped $$; exec sleep 1000' & trap 'exit 0' TERM; echo A started; while :; do sleep 1000 & wait $!; done",
     );
-    let escaped: i32 = a
-        .wait_stdout("A escaped")
-        .split_whitespace()
-        .nth(2)
-        .and_then(|p| p.parse().ok())
-        .expect("pid");
+    let escaped: i32 = pid_in(&a.wait_stdout("A escaped"));
     a.wait_stdout("A started");
     a.signal(Signal::SIGTERM);
     a.wait_log(
@@ -202,12 +186,7 @@ fn kill_9_of_pgleader_also_takes_down_processes_that_left_the_group() {
         &[],
         "setsid sh -c 'echo A escaped $$; exec sleep 1000' & echo A started; wait",
     );
-    let escaped: i32 = a
-        .wait_stdout("A escaped")
-        .split_whitespace()
-        .nth(2)
-        .and_then(|p| p.parse().ok())
-        .expect("pid");
+    let escaped: i32 = pid_in(&a.wait_stdout("A escaped"));
     a.wait_stdout("A started");
     a.signal(Signal::SIGKILL);
     assert!(
@@ -226,12 +205,7 @@ fn a_keeper_killed_from_outside_leaves_nothing_behind_when_the_lock_is_released(
         &["--once"],
         "sh -c 'sleep 1000' & echo A grandchild $!; echo A started keeper=$PPID; wait",
     );
-    let grandchild: i32 = a
-        .wait_stdout("A grandchild")
-        .split_whitespace()
-        .nth(2)
-        .and_then(|p| p.parse().ok())
-        .expect("pid");
+    let grandchild: i32 = pid_in(&a.wait_stdout("A grandchild"));
     let keeper: i32 = field(&a.wait_stdout("A started"), "keeper")
         .parse()
         .expect("keeper");

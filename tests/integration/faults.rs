@@ -226,18 +226,11 @@ fn after_a_server_restart_a_new_leader_starts_only_once_the_old_command_must_be_
         "--lease=3s",
         "--restart-fence=auto",
     ];
-    let child = |tag: &str| {
-        format!(
-            "trap '{}; exit 0' TERM; {}; echo {tag} started; while :; do sleep 1000 & wait $!; done",
-            journal.append(&format!("{tag}-stopped")),
-            journal.append(&format!("{tag}-started"))
-        )
-    };
-    let a = run("A", &cluster, lock, &timings, &child("A"));
+    let a = run("A", &cluster, lock, &timings, &journal.child("A", "0"));
     // The server has just started: even the first leader waits out the fence.
     a.wait_log("(--restart-fence)");
     a.wait_stdout("A started");
-    let b = run("B", &cluster, lock, &timings, &child("B"));
+    let b = run("B", &cluster, lock, &timings, &journal.child("B", "0"));
     b.wait_log("waiting for the lock");
 
     cluster.stop();
@@ -381,17 +374,7 @@ fn the_restart_fence_keeps_a_new_leader_clear_of_a_command_still_stopping() {
         "--lease=4s",
         "--restart-fence=auto",
     ];
-    let a = run(
-        "A",
-        &cluster,
-        lock,
-        &timings,
-        &format!(
-            "trap 'sleep 1.5; {}; exit 0' TERM; {}; echo A started; while :; do sleep 1000 & wait $!; done",
-            journal.append("A-stopped"),
-            journal.append("A-started")
-        ),
-    );
+    let a = run("A", &cluster, lock, &timings, &journal.child("A", "1.5"));
     a.wait_stdout("A started");
     let b = run(
         "B",
@@ -467,17 +450,7 @@ fn the_restart_fence_also_covers_a_crashed_server_process() {
         "--lease=4s",
         "--restart-fence=auto",
     ];
-    let a = run(
-        "A",
-        &cluster,
-        lock,
-        &timings,
-        &format!(
-            "trap 'sleep 1.5; {}; exit 0' TERM; {}; echo A started backend=$PGLEADER_BACKEND_PID; while :; do sleep 1000 & wait $!; done",
-            journal.append("A-stopped"),
-            journal.append("A-started")
-        ),
-    );
+    let a = run("A", &cluster, lock, &timings, &journal.child("A", "1.5"));
     let started = a.wait_stdout("A started");
     let b = run(
         "B",

@@ -107,8 +107,9 @@ pub fn field(line: &str, key: &str) -> String {
         .to_owned()
 }
 
-/// The pid a child printed as `<tag> started <pid>`.
-pub fn started_pid(line: &str) -> i32 {
+/// The pid a child printed as the third word of a line: `<tag> started <pid>`,
+/// `<tag> escaped <pid>`.
+pub fn pid_in(line: &str) -> i32 {
     line.split_whitespace()
         .nth(2)
         .and_then(|pid| pid.parse().ok())
@@ -154,6 +155,18 @@ impl Journal {
             .lines()
             .map(str::to_owned)
             .collect()
+    }
+}
+
+impl Journal {
+    /// A command that journals `<tag>-started`, prints `<tag> started backend=<pid>`, and on
+    /// TERM takes `stop_seconds` to shut down, journals `<tag>-stopped` and exits 0.
+    pub fn child(&self, tag: &str, stop_seconds: &str) -> String {
+        format!(
+            "trap 'sleep {stop_seconds}; {}; exit 0' TERM; {}; echo {tag} started backend=$PGLEADER_BACKEND_PID; while :; do sleep 1000 & wait $!; done",
+            self.append(&format!("{tag}-stopped")),
+            self.append(&format!("{tag}-started"))
+        )
     }
 }
 
