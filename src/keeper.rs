@@ -184,7 +184,11 @@ fn run() -> io::Result<i32> {
         ];
         match poll(&mut fds, PollTimeout::NONE) {
             Err(Errno::EINTR) => continue,
-            Err(err) => return Err(err.into()),
+            Err(err) => {
+                // Unable to watch over the job any more: end it rather than orphan it.
+                job.kill_everything();
+                return Err(err.into());
+            }
             Ok(_) => {}
         }
         let channel_ready = fds[0].any().unwrap_or(true);
