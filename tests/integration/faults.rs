@@ -8,6 +8,15 @@ use crate::harness::{
     Cluster, Journal, Proc, Proxy, Stream, WAIT, patient_child, run, run_with_url, unique_lock,
 };
 
+/// Timings that make a leader cut off from the server give up within half a second and the
+/// server free its lock after three.
+const QUICK_LEASE: [&str; 4] = [
+    "--check-interval=200ms",
+    "--check-timeout=300ms",
+    "--kill-timeout=1s",
+    "--lease=3s",
+];
+
 /// When a log line was written.
 fn log_time(line: &str) -> std::time::SystemTime {
     let stamp = line.split_whitespace().next().unwrap_or_default();
@@ -24,13 +33,7 @@ fn a_partitioned_leader_stops_its_command_before_the_server_frees_the_lock() {
         "A",
         &proxy.url(),
         lock,
-        &[
-            "-v",
-            "--check-interval=200ms",
-            "--check-timeout=300ms",
-            "--kill-timeout=1s",
-            "--lease=3s",
-        ],
+        &[QUICK_LEASE.as_slice(), &["-v"]].concat(),
         &format!(
             "trap '{}; echo A stopped; exit 0' TERM; {}; echo A started; while :; do sleep 1000 & wait $!; done",
             journal.append("A-stopped"),
@@ -219,13 +222,7 @@ fn after_a_server_restart_a_new_leader_starts_only_once_the_old_command_must_be_
     let cluster = Cluster::new("restart");
     let lock = unique_lock();
     let journal = Journal::new("restart");
-    let timings = [
-        "--check-interval=200ms",
-        "--check-timeout=300ms",
-        "--kill-timeout=1s",
-        "--lease=3s",
-        "--restart-fence=auto",
-    ];
+    let timings = [QUICK_LEASE.as_slice(), &["--restart-fence=auto"]].concat();
     let a = run("A", &cluster, lock, &timings, &journal.child("A", "0"));
     // The server has just started: even the first leader waits out the fence.
     a.wait_log("(--restart-fence)");
@@ -320,12 +317,7 @@ fn takeover_delay_keeps_the_next_command_clear_of_a_terminated_leaders_shutdown(
 fn a_leader_paused_longer_than_the_lease_loses_the_lock_and_stops_at_once_when_resumed() {
     let cluster = Cluster::shared();
     let lock = unique_lock();
-    let timings = [
-        "--check-interval=200ms",
-        "--check-timeout=300ms",
-        "--kill-timeout=1s",
-        "--lease=3s",
-    ];
+    let timings = QUICK_LEASE;
     let a = run("A", cluster, lock, &timings, &patient_child("A"));
     let a_started = a.wait_stdout("A started");
     let b = run("B", cluster, lock, &timings, &patient_child("B"));
@@ -390,7 +382,8 @@ fn the_restart_fence_keeps_a_new_leader_clear_of_a_command_still_stopping() {
 
     cluster.stop();
     cluster.start();
-    // B wins while A's command is still stopping, and waits until its new session is 3.5 s old.
+    // B wins while A's command is still stopping, and waits until 3.5 s have passed since the
+    // server started again.
     b.wait_log("(--restart-fence)");
     b.wait_stdout("B started");
     assert_eq!(journal.lines(), ["A-started", "A-stopped", "B-started"]);
@@ -400,13 +393,7 @@ fn the_restart_fence_keeps_a_new_leader_clear_of_a_command_still_stopping() {
 fn a_leader_paused_before_its_command_started_never_starts_it_once_resumed() {
     let cluster = Cluster::shared();
     let lock = unique_lock();
-    let timings = [
-        "--check-interval=200ms",
-        "--check-timeout=300ms",
-        "--kill-timeout=1s",
-        "--lease=3s",
-        "--takeover-delay=1s",
-    ];
+    let timings = [QUICK_LEASE.as_slice(), &["--takeover-delay=1s"]].concat();
     let a = run("A", cluster, lock, &timings, &patient_child("A"));
     // Paused during its takeover delay, and resumed once both its deadline (500 ms) and its
     // start time (1 s) have passed but before the server gives up on it (3 s): the deadline
