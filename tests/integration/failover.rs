@@ -1,12 +1,11 @@
 //! Losing the leader: kill -9 of pgleader, a graceful SIGTERM, the server terminating the
 //! leader's session, a command that will not stop.
 
-use std::fs;
-
 use nix::sys::signal::Signal;
 
 use crate::harness::{
-    Cluster, Stream, WAIT, field, is_running, patient_child, pid_in, run, unique_lock, wait_gone,
+    Cluster, Journal, Stream, WAIT, field, is_running, patient_child, pid_in, run, unique_lock,
+    wait_gone,
 };
 
 #[test]
@@ -45,36 +44,18 @@ fn kill_9_of_the_leader_takes_its_command_and_grandchild_down_and_a_follower_tak
 fn sigterm_to_the_leader_hands_over_only_after_its_command_has_exited() {
     let cluster = Cluster::shared();
     let lock = unique_lock();
-    let journal = std::env::temp_dir().join(format!("pgleader-journal-{lock}"));
-    let _ = fs::remove_file(&journal);
-    let path = journal.display().to_string();
+    let journal = Journal::new("handover");
     // A takes half a second to clean up after TERM; B must not start before A is done.
-    let a = run(
-        "A",
-        cluster,
-        lock,
-        &[],
-        &format!(
-            "trap 'sleep 0.5; echo A stopped >> {path}; exit 0' TERM; echo A started; while :; do sleep 1000 & wait $!; done"
-        ),
-    );
+    let a = run("A", cluster, lock, &[], &journal.child("A", "0.5"));
     a.wait_stdout("A started");
-    let b = run(
-        "B",
-        cluster,
-        lock,
-        &[],
-        &format!("echo B started >> {path}; echo B started; exec sleep 1000"),
-    );
+    let b = run("B", cluster, lock, &[], &journal.quick_child("B"));
     b.wait_log("waiting for the lock");
 
     a.signal(Signal::SIGTERM);
     b.wait_stdout("B started");
     assert_eq!(a.wait_code(), 0, "{}", a.dump());
     a.wait_log("released the lock");
-    let order = fs::read_to_string(&journal).expect("journal");
-    assert_eq!(order, "A stopped\nB started\n");
-    let _ = fs::remove_file(&journal);
+    assert_eq!(journal.lines(), ["A-started", "A-stopped", "B-started"]);
 }
 
 #[test]

@@ -41,16 +41,7 @@ fn a_partitioned_leader_stops_its_command_before_the_server_frees_the_lock() {
         ),
     );
     a.wait_stdout("A started");
-    let b = run(
-        "B",
-        cluster,
-        lock,
-        &[],
-        &format!(
-            "{}; echo B started; exec sleep 1000",
-            journal.append("B-started")
-        ),
-    );
+    let b = run("B", cluster, lock, &[], &journal.quick_child("B"));
     b.wait_log("waiting for the lock");
     a.wait_log("the session still holds the lock");
 
@@ -258,27 +249,13 @@ fn takeover_delay_keeps_the_next_command_clear_of_a_terminated_leaders_shutdown(
     let cluster = Cluster::shared();
     let journal = Journal::new("takeover");
     // The old command takes a second to shut down.
-    let slow_child = |tag: &str| {
-        format!(
-            "trap 'sleep 1; {}; exit 0' TERM; {}; echo {tag} started backend=$PGLEADER_BACKEND_PID; while :; do sleep 1000 & wait $!; done",
-            journal.append(&format!("{tag}-stopped")),
-            journal.append(&format!("{tag}-started"))
-        )
-    };
-    let quick_child = |tag: &str| {
-        format!(
-            "{}; echo {tag} started; exec sleep 1000",
-            journal.append(&format!("{tag}-started"))
-        )
-    };
-
     // Without a takeover delay, the lock is free the moment the server ends the leader's
     // session, and the next command starts while the old one is still shutting down: the
     // documented limit that --takeover-delay addresses.
     let lock = unique_lock();
-    let a = run("A", cluster, lock, &[], &slow_child("A"));
+    let a = run("A", cluster, lock, &[], &journal.child("A", "1"));
     let started = a.wait_stdout("A started");
-    let b = run("B", cluster, lock, &[], &quick_child("B"));
+    let b = run("B", cluster, lock, &[], &journal.quick_child("B"));
     b.wait_log("waiting for the lock");
     cluster.terminate_backend(
         crate::harness::field(&started, "backend")
@@ -293,14 +270,14 @@ fn takeover_delay_keeps_the_next_command_clear_of_a_terminated_leaders_shutdown(
 
     // With a takeover delay longer than the old command's shutdown, they never overlap.
     let lock = unique_lock();
-    let c = run("C", cluster, lock, &[], &slow_child("C"));
+    let c = run("C", cluster, lock, &[], &journal.child("C", "1"));
     let started = c.wait_stdout("C started");
     let d = run(
         "D",
         cluster,
         lock,
         &["--takeover-delay=2s"],
-        &quick_child("D"),
+        &journal.quick_child("D"),
     );
     d.wait_log("waiting for the lock");
     cluster.terminate_backend(
@@ -368,16 +345,7 @@ fn the_restart_fence_keeps_a_new_leader_clear_of_a_command_still_stopping() {
     ];
     let a = run("A", &cluster, lock, &timings, &journal.child("A", "1.5"));
     a.wait_stdout("A started");
-    let b = run(
-        "B",
-        &cluster,
-        lock,
-        &timings,
-        &format!(
-            "{}; echo B started; exec sleep 1000",
-            journal.append("B-started")
-        ),
-    );
+    let b = run("B", &cluster, lock, &timings, &journal.quick_child("B"));
     b.wait_log("waiting for the lock");
 
     cluster.stop();
@@ -439,16 +407,7 @@ fn the_restart_fence_also_covers_a_crashed_server_process() {
     ];
     let a = run("A", &cluster, lock, &timings, &journal.child("A", "1.5"));
     let started = a.wait_stdout("A started");
-    let b = run(
-        "B",
-        &cluster,
-        lock,
-        &timings,
-        &format!(
-            "{}; echo B started; exec sleep 1000",
-            journal.append("B-started")
-        ),
-    );
+    let b = run("B", &cluster, lock, &timings, &journal.quick_child("B"));
     b.wait_log("waiting for the lock");
     // The fence of B's first session has long passed by now: its age counts from the reset.
     b.wait_for_nth(Stream::Stderr, "waiting for the lock", 1);

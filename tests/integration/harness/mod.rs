@@ -170,6 +170,17 @@ impl Journal {
     }
 }
 
+impl Journal {
+    /// A command that journals `<tag>-started`, prints `<tag> started` and waits, dying at
+    /// once on TERM.
+    pub fn quick_child(&self, tag: &str) -> String {
+        format!(
+            "{}; echo {tag} started; exec sleep 1000",
+            self.append(&format!("{tag}-started"))
+        )
+    }
+}
+
 impl Drop for Journal {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.path);
