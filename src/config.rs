@@ -8,10 +8,10 @@ use nix::sys::signal::Signal;
 use thiserror::Error;
 
 use crate::cli::{ConnectionArgs, LockArgs, RestartFence, RunArgs};
-use crate::conninfo::{self, ConnSettings, Environment};
-use crate::job::CommandLine;
-use crate::lease::Lease;
-use crate::lock::LockKey;
+use crate::connect::conninfo::{self, ConnSettings, Environment};
+use crate::election::lease::Lease;
+use crate::election::lock::LockKey;
+use crate::supervise::job::CommandLine;
 
 /// A usage error: the message says what is wrong; pgleader exits with 2.
 #[derive(Debug, Error)]
@@ -86,7 +86,7 @@ impl RunConfig {
                     args.check_interval
                         + args.check_timeout
                         + args.kill_timeout
-                        + crate::lease::MARGIN
+                        + crate::election::lease::MARGIN
                 }
             },
         };

@@ -6,32 +6,23 @@
 //! each own one concern. DESIGN.md in the repository's shared notes lists the invariants the
 //! code keeps and the tests that prove them.
 
-pub mod backoff;
 pub mod cli;
 pub mod config;
-pub mod conninfo;
-pub mod docs;
+pub mod connect;
+pub mod election;
 pub mod exit;
-pub mod job;
-pub mod keeper;
-pub mod lease;
-pub mod lock;
-pub mod logging;
-pub mod notify;
-pub mod procfs;
-pub mod session;
-pub mod signals;
-pub mod status;
-pub mod supervisor;
-pub mod tls;
+pub mod operate;
+pub mod supervise;
 
 use anyhow::Context;
 use tracing::warn;
 
 use crate::cli::{Command, RunArgs, StatusArgs};
 use crate::config::{RunConfig, UsageError};
-use crate::conninfo::ProcessEnvironment;
-use crate::job::CommandError;
+use crate::connect::conninfo::ProcessEnvironment;
+use crate::operate::{notify, status};
+use crate::supervise::job::CommandError;
+use crate::supervise::{signals, supervisor};
 
 /// Runs a subcommand to its end and returns the exit code. Must run inside a tokio runtime
 /// whose thread lives as long as the process.

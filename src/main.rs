@@ -5,7 +5,9 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use pgleader::cli::Cli;
-use pgleader::{exit, keeper, logging};
+use pgleader::exit;
+use pgleader::operate::logging;
+use pgleader::supervise::keeper;
 
 fn main() -> ExitCode {
     if keeper::is_keeper_invocation() {

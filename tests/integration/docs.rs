@@ -21,10 +21,10 @@ fn the_committed_manual_page_and_completions_are_up_to_date() {
     let mut stale = Vec::new();
     check(
         &root.join("man/pgleader.1"),
-        &pgleader::docs::man_page(),
+        &pgleader::operate::docs::man_page(),
         &mut stale,
     );
-    for (name, contents) in pgleader::docs::completions() {
+    for (name, contents) in pgleader::operate::docs::completions() {
         check(&root.join("completions").join(name), &contents, &mut stale);
     }
     assert!(

@@ -13,9 +13,9 @@ use serde_json::{Value, json};
 use tokio_postgres::types::Type;
 
 use crate::config;
-use crate::conninfo::ConnSettings;
-use crate::lock::LockKey;
-use crate::session::{self, describe};
+use crate::connect::conninfo::ConnSettings;
+use crate::election::lock::LockKey;
+use crate::election::session::{self, describe};
 
 /// One session holding or waiting for the lock.
 #[derive(Debug, Clone, PartialEq)]

@@ -26,14 +26,14 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::time::{Instant, sleep, sleep_until};
 use tracing::{debug, info, warn};
 
-use crate::backoff::Backoff;
 use crate::config::RunConfig;
+use crate::election::backoff::Backoff;
+use crate::election::session::{Confirmation, ConnectError, Session, SessionError};
 use crate::exit::{ChildStatus, Outcome};
-use crate::job::{self, CommandError, Job};
-use crate::keeper::Report;
-use crate::notify;
-use crate::session::{Confirmation, ConnectError, Session, SessionError};
-use crate::signals::SignalEvent;
+use crate::operate::notify;
+use crate::supervise::job::{self, CommandError, Job};
+use crate::supervise::keeper::Report;
+use crate::supervise::signals::SignalEvent;
 
 /// A session that lived this long was healthy: the next reconnection happens at once.
 const STABLE_SESSION: Duration = Duration::from_secs(2);

@@ -18,10 +18,12 @@ use tokio_postgres::Client;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::Type;
 
-use crate::conninfo::{ChannelBinding, ConnSettings, Host, TargetSessionAttrs, TlsSettings};
-use crate::lease::Lease;
-use crate::lock::LockKey;
-use crate::tls;
+use crate::connect::conninfo::{
+    ChannelBinding, ConnSettings, Host, TargetSessionAttrs, TlsSettings,
+};
+use crate::connect::tls;
+use crate::election::lease::Lease;
+use crate::election::lock::LockKey;
 
 /// Why a connection attempt failed, sorted by whether trying again can help.
 #[derive(Debug, Error)]

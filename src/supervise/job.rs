@@ -22,8 +22,8 @@ use nix::unistd::{AccessFlags, Pid, access};
 use thiserror::Error;
 
 use crate::exit::{self, ChildStatus};
-use crate::keeper::{self, Report};
-use crate::procfs;
+use crate::supervise::keeper::{self, Report};
+use crate::supervise::procfs;
 
 /// The command could not be run; pgleader stops before taking part in the election.
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -173,7 +173,7 @@ impl Job {
             ))
             .envs(env.iter().map(|(key, value)| (key, value)))
             .process_group(0);
-        for name in crate::notify::PRIVATE_ENV {
+        for name in crate::operate::notify::PRIVATE_ENV {
             keeper_command.env_remove(name);
         }
         // SAFETY: runs between fork and exec; fcntl and sigprocmask are async-signal-safe and

@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use tracing::{debug, warn};
 
-use crate::lock::LockKey;
+use crate::election::lock::LockKey;
 
 /// The variables that configure notifications; removed from the command's environment.
 pub const PRIVATE_ENV: [&str; 3] = ["NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"];

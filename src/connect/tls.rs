@@ -38,8 +38,8 @@ use tokio_postgres::{Client, Connection, Socket};
 use tokio_postgres_rustls::MakeRustlsConnect;
 use tracing::warn;
 
-use crate::conninfo::{ConnSettings, Host, SslMode, TlsSettings};
-use crate::session::ConnectError;
+use crate::connect::conninfo::{ConnSettings, Host, SslMode, TlsSettings};
+use crate::election::session::ConnectError;
 
 /// The driver's connector: rustls under tokio-postgres.
 pub type Connector = MakeRustlsConnect;

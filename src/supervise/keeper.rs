@@ -41,7 +41,7 @@ use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::{Pid, getpid, getppid};
 
-use crate::procfs;
+use crate::supervise::procfs;
 
 /// The name the keeper runs under; `main` checks `argv[0]` for it.
 pub const ARGV0: &str = "pgleader-keeper";
