@@ -11,9 +11,10 @@ use nix::sys::signal::Signal;
 const AFTER_HELP: &str = "\
 Exit status (run):
   the command's status   under --once, or after a shutdown that stopped it (128+N if killed by signal N)
-  0                      shut down while no command was running; --no-wait found the lock busy (see --busy-exit-code)
+  0                      shut down while no command was running; --no-wait found the lock busy; --once --schedule
+                         found its occurrence claimed (see --busy-exit-code)
   1                      fatal error (bad password, unknown database, TLS certificate that does not verify,
-                         unreachable database under --no-wait)
+                         unreachable database under --no-wait, a ledger table that cannot be used)
   2                      usage error
   75                     --once: leadership was lost while the command ran
   126, 127               the command cannot be executed / was not found
@@ -185,6 +186,47 @@ pub struct RunArgs {
     #[arg(long, value_name = "CRON", value_parser = parse_schedule, env = "PGLEADER_RELINQUISH_SCHEDULE", conflicts_with_all = ["once", "no_wait"])]
     pub relinquish_schedule: Option<croner::Cron>,
 
+    /// Run the command at the times of this cron expression instead of at once: five fields
+    /// ("0 3 * * *": daily at 03:00), six with seconds first, or @hourly, @daily, @weekly,
+    /// @monthly, @yearly. Each occurrence runs at most once across all replicas, on the database
+    /// server's clock; the leader keeps the lock between runs. With --once: run the occurrence
+    /// this timer fired for, unless a replica already claimed it
+    #[arg(long, value_name = "CRON", env = "PGLEADER_SCHEDULE", help_heading = "Scheduled jobs", conflicts_with_all = ["relinquish_after", "relinquish_schedule", "restart_delay"])]
+    pub schedule: Option<String>,
+
+    /// The time zone --schedule is read in: an IANA name such as Europe/Paris. Every replica of
+    /// a lock must use the same
+    #[arg(
+        long,
+        value_name = "TZ",
+        default_value = "UTC",
+        env = "PGLEADER_SCHEDULE_TIMEZONE",
+        help_heading = "Scheduled jobs",
+        requires = "schedule"
+    )]
+    pub schedule_timezone: String,
+
+    /// Run an occurrence that came while no leader could run it (the fleet or the database
+    /// down, a failover) if it is at most this old; only the most recent one, never a backlog.
+    /// Older ones are recorded as missed. 0 runs only occurrences a leader was waiting for
+    #[arg(long, value_name = "DURATION", default_value = "1h", value_parser = duration, env = "PGLEADER_CATCH_UP", help_heading = "Scheduled jobs", requires = "schedule")]
+    pub catch_up: Duration,
+
+    /// How many times an occurrence whose run was interrupted (its leader lost the lock or was
+    /// shut down) is started again by the next leader. 0: never, so no occurrence starts twice
+    #[arg(
+        long,
+        value_name = "COUNT",
+        default_value_t = 0,
+        env = "PGLEADER_RETRY_INTERRUPTED",
+        help_heading = "Scheduled jobs",
+        requires = "schedule"
+    )]
+    pub retry_interrupted: u32,
+
+    #[command(flatten)]
+    pub ledger: LedgerArgs,
+
     /// After winning less than this long after a server restart, crash or failover (which free
     /// every lock at once, possibly while the previous leader is still stopping its command),
     /// wait until this long has passed before starting the command. auto = --check-interval +
@@ -204,6 +246,21 @@ pub struct RunArgs {
     pub command: Vec<OsString>,
 }
 
+/// Where scheduled runs are recorded.
+#[derive(Debug, Args)]
+pub struct LedgerArgs {
+    /// The table that records each scheduled occurrence (created when missing), optionally
+    /// with its schema: ops.pgleader_ledger
+    #[arg(
+        long,
+        value_name = "TABLE",
+        default_value = "pgleader_ledger",
+        env = "PGLEADER_LEDGER_TABLE",
+        help_heading = "Scheduled jobs"
+    )]
+    pub ledger_table: String,
+}
+
 #[derive(Debug, Args)]
 pub struct StatusArgs {
     #[command(flatten)]
@@ -211,6 +268,9 @@ pub struct StatusArgs {
 
     #[command(flatten)]
     pub connection: ConnectionArgs,
+
+    #[command(flatten)]
+    pub ledger: LedgerArgs,
 
     /// Print JSON instead of text
     #[arg(long)]

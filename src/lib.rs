@@ -12,6 +12,7 @@ pub mod connect;
 pub mod election;
 pub mod exit;
 pub mod operate;
+pub mod schedule;
 pub mod supervise;
 
 use anyhow::Context;
@@ -51,12 +52,15 @@ async fn status(args: StatusArgs) -> anyhow::Result<u8> {
     for warning in connection.warnings {
         warn!(event = "config", "{warning}");
     }
-    let status = status::read(&lock, &connection.settings).await?;
-    if args.json {
-        println!("{}", status.to_json());
+    let ledger = config::ledger_table(&args.ledger)?;
+    let status = status::read(&lock, &connection.settings, &ledger).await?;
+    let text = if args.json {
+        format!("{}\n", status.to_json())
     } else {
-        print!("{}", status.to_text());
-    }
+        status.to_text()
+    };
+    // A reader that went away (`| head`) is no reason to panic.
+    let _ = std::io::Write::write_all(&mut std::io::stdout(), text.as_bytes());
     Ok(if status.is_held() {
         exit::SUCCESS
     } else {

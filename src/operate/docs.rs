@@ -35,11 +35,11 @@ const SECTIONS: &[Section] = &[
             ),
             Entry(
                 "0",
-                "Shut down while no command was running. Also --no-wait when another instance holds the lock, unless --busy-exit-code says otherwise.",
+                "Shut down while no command was running. Also --no-wait when another instance holds the lock, and --once --schedule when its occurrence is already claimed or none is due, unless --busy-exit-code says otherwise.",
             ),
             Entry(
                 "1",
-                "A fatal error: authentication failed, the database does not exist, the server's TLS certificate does not verify, the connection goes through a transaction-mode pooler, the database is unreachable under --no-wait.",
+                "A fatal error: authentication failed, the database does not exist, the server's TLS certificate does not verify, the connection goes through a transaction-mode pooler, the database is unreachable under --no-wait. With --schedule: the ledger table cannot be created or used; under --once, this timer's schedule disagrees with the one the lock's replicas established.",
             ),
             Entry(
                 "2",
@@ -73,6 +73,14 @@ const SECTIONS: &[Section] = &[
                 "PGLEADER_EPOCH",
                 "A fencing token: a number that strictly increases from one leadership of the lock to the next (a transaction id taken right after winning). A resource the command writes to can refuse writes that carry an older epoch than one it has already seen.",
             ),
+            Entry(
+                "PGLEADER_SCHEDULED_TIME",
+                "With --schedule: the occurrence the command runs for, in RFC 3339 and UTC (2026-11-23T02:00:00Z). The same on every attempt at that occurrence: an idempotency key.",
+            ),
+            Entry(
+                "PGLEADER_ATTEMPT",
+                "With --schedule: 1, or more when --retry-interrupted starts an interrupted occurrence again.",
+            ),
         ],
     },
     Section {
@@ -96,6 +104,36 @@ const SECTIONS: &[Section] = &[
             Entry(
                 "~/.pgpass",
                 "Passwords, with libpq's format and rules; a file that group or others can read is ignored with a warning.",
+            ),
+        ],
+    },
+    Section {
+        heading: "SCHEDULED JOBS",
+        body: &[
+            Para(
+                "With --schedule, each occurrence of a cron schedule starts at most once across every replica and timer of the lock. Occurrences are instants on the database server's clock: each leader measures its offset from the server at every check and waits on its own monotonic clock, so a replica whose clock is off neither runs early, nor late, nor twice. Before the command starts, the leader claims the occurrence in the ledger table (--ledger-table, created when missing) on its own session while it holds the lock; a claimed occurrence is never started again, except by --retry-interrupted.",
+            ),
+            Para(
+                "As a service (without --once) the leader runs the command at each occurrence and keeps the lock between runs; the others wait in the lock's queue and take over within milliseconds. A failing command does not end the service. From a timer (--once) pgleader runs the occurrence the timer fired for (the most recent one, or one at most a minute ahead on the server's clock) and exits with the command's status, or at once with --busy-exit-code if a replica has claimed it or holds the lock.",
+            ),
+            Entry(
+                "missed",
+                "An occurrence that came while no leader could run it is run by the next leader if it is at most --catch-up old (only the most recent one); an older one is recorded as missed.",
+            ),
+            Entry(
+                "skipped",
+                "An occurrence that comes while the previous run is still going is not started and is recorded as skipped.",
+            ),
+            Entry(
+                "interrupted",
+                "A run whose leader lost the lock, or was shut down, is stopped as always and recorded as interrupted. It is started again by the next leader only under --retry-interrupted, with the same PGLEADER_SCHEDULED_TIME and a new PGLEADER_EPOCH.",
+            ),
+            Entry(
+                "disagreement",
+                "Each scheduled pgleader shows a fingerprint of its schedule and time zone in its application_name. A leader whose schedule differs from the one that ran last, while a replica with that one is still connected, does not run its version: a service hands the lock over, a timer exits 1. Once no replica with the old schedule is left, the new one takes over.",
+            ),
+            Para(
+                "The ledger keeps the newest 100 rows of each lock. pgleader status shows the schedule, the next occurrence and the last runs. README.md gives the table's definition and the grants for a role that may not create tables.",
             ),
         ],
     },
@@ -200,6 +238,14 @@ const SECTIONS: &[Section] = &[
             Entry(
                 "pgleader run --once --no-wait --lock nightly -- ./nightly-job.sh",
                 "From cron on every host: whichever host wins runs the job; the others exit 0 at once.",
+            ),
+            Entry(
+                "pgleader run --lock nightly --schedule '0 3 * * *' --schedule-timezone Europe/Paris -- ./nightly-job.sh",
+                "On every replica: the job runs once a night at 03:00 Paris time, on whichever replica leads.",
+            ),
+            Entry(
+                "pgleader run --once --lock nightly --schedule '0 3 * * *' --schedule-timezone Europe/Paris -- ./nightly-job.sh",
+                "From cron or a systemd timer on every host: the first timer runs that night's occurrence; later ones exit 0 at once.",
             ),
             Entry(
                 "pgleader run --lock consumer --relinquish-schedule '0 0 * * *' -- ./consume",

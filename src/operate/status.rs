@@ -4,7 +4,8 @@
 //! pgleader names its sessions `<name>:<pid>@<host>` (see `config.rs`), so the holder's host
 //! and pid show up here without any table of pgleader's own. Waiters are listed in the order
 //! the server will grant them the lock (by `pg_locks.waitstart`, PostgreSQL 14+; by the start
-//! of their query before that).
+//! of their query before that). For a scheduled lock it adds the ledger's view (see
+//! `schedule/report.rs`): the schedule, the next occurrence and the last runs.
 
 use std::fmt::Write as _;
 
@@ -16,6 +17,9 @@ use crate::config;
 use crate::connect::conninfo::ConnSettings;
 use crate::election::lock::LockKey;
 use crate::election::session::{self, describe};
+use crate::schedule::agreement::fingerprint_in;
+use crate::schedule::ledger::TableName;
+use crate::schedule::report::{self, ScheduleReport};
 
 /// One session holding or waiting for the lock.
 #[derive(Debug, Clone, PartialEq)]
@@ -35,6 +39,8 @@ pub struct LockStatus {
     pub lock: LockKey,
     pub holder: Option<Participant>,
     pub waiting: Vec<Participant>,
+    /// For a scheduled lock: its schedule and last runs, from the ledger.
+    pub schedule: Option<ScheduleReport>,
 }
 
 const STATUS_SQL: &str = "\
@@ -49,7 +55,11 @@ SELECT l.pid, l.granted, a.application_name, host(a.client_addr), a.client_port,
  ORDER BY l.granted DESC, COALESCE(%WAITSTART%, a.query_start), l.pid";
 
 /// Reads the lock's status.
-pub async fn read(lock: &LockKey, connection: &ConnSettings) -> anyhow::Result<LockStatus> {
+pub async fn read(
+    lock: &LockKey,
+    connection: &ConnSettings,
+    ledger: &TableName,
+) -> anyhow::Result<LockStatus> {
     let client = session::connect_plain(
         connection,
         &config::application_name(Some("pgleader-status")),
@@ -93,10 +103,18 @@ pub async fn read(lock: &LockKey, connection: &ConnSettings) -> anyhow::Result<L
             waiting.push(participant);
         }
     }
+    let holder_pid = holder
+        .as_ref()
+        .map(|holder: &Participant| holder.backend_pid);
+    let schedule = report::read(&client.client, ledger, lock, holder_pid)
+        .await
+        .map_err(anyhow::Error::from)
+        .context("cannot read the ledger")?;
     Ok(LockStatus {
         lock: lock.clone(),
         holder,
         waiting,
+        schedule,
     })
 }
 
@@ -117,6 +135,7 @@ impl Participant {
             "application_name": self.application_name,
             "pgleader_pid": process.map(|(pid, _)| pid),
             "pgleader_host": process.map(|(_, host)| host),
+            "schedule_fingerprint": self.application_name.as_deref().and_then(fingerprint_in),
             "client_address": self.client_address,
             "client_port": self.client_port,
             "backend_start": self.backend_start,
@@ -128,6 +147,9 @@ impl Participant {
         let mut line = format!("backend pid {}", self.backend_pid);
         if let Some((pid, host)) = self.pgleader_process() {
             let _ = write!(line, ", pgleader pid {pid} on {host}");
+            if let Some(fingerprint) = self.application_name.as_deref().and_then(fingerprint_in) {
+                let _ = write!(line, ", schedule {fingerprint}");
+            }
         } else if let Some(name) = &self.application_name
             && !name.is_empty()
         {
@@ -168,6 +190,7 @@ impl LockStatus {
             "held": self.is_held(),
             "holder": self.holder.as_ref().map(Participant::to_json),
             "waiting": self.waiting.iter().map(Participant::to_json).collect::<Vec<_>>(),
+            "schedule": self.schedule.as_ref().map(ScheduleReport::to_json),
         })
     }
 
@@ -187,6 +210,9 @@ impl LockStatus {
         }
         if self.waiting.is_empty() {
             let _ = writeln!(text, "  nobody is waiting");
+        }
+        if let Some(schedule) = &self.schedule {
+            schedule.write_text(&mut text);
         }
         text
     }
