@@ -193,13 +193,16 @@ pub struct RunArgs {
     #[arg(long, value_name = "DURATION", default_value = "auto", value_parser = auto_or_duration, env = "PGLEADER_RESTART_FENCE")]
     pub restart_fence: RestartFence,
 
-    /// The command to run, with its arguments
+    /// The command to run, with its arguments, which are passed on untouched (options included).
+    /// A command whose name starts with "-" must follow --
+    // No allow_hyphen_values: an unknown option before the command must be a usage error (with
+    // a suggestion), not a command that is not found. trailing_var_arg still hands everything
+    // after the first word to the command, options included.
     #[arg(
         value_name = "COMMAND",
         required = true,
         num_args = 1..,
-        trailing_var_arg = true,
-        allow_hyphen_values = true
+        trailing_var_arg = true
     )]
     pub command: Vec<OsString>,
 }

@@ -43,7 +43,7 @@ const SECTIONS: &[Section] = &[
             ),
             Entry(
                 "2",
-                "A usage error: an invalid option value, a missing command, timings that do not fit inside the lease.",
+                "A usage error: an unknown option (before the command, every argument that starts with \"-\" is an option; a command whose name starts with \"-\" must follow --), an invalid option value, a missing command, timings that do not fit inside the lease.",
             ),
             Entry(
                 "75",

@@ -149,6 +149,103 @@ fn bad_arguments_are_usage_errors_that_say_what_is_wrong() {
 }
 
 #[test]
+fn an_unknown_option_before_the_command_is_a_usage_error_that_suggests_the_real_one() {
+    let url = Some("postgres://postgres@127.0.0.1:1/postgres");
+    let cases: &[(&[&str], &str, Option<&str>)] = &[
+        (
+            &[
+                "run",
+                "--lock-id",
+                "1",
+                "--kill-timout",
+                "5s",
+                "--",
+                "./nightly-job.sh",
+            ],
+            "--kill-timout",
+            Some("--kill-timeout"),
+        ),
+        (
+            &[
+                "run",
+                "--lock-id",
+                "1",
+                "--kill-timout",
+                "5s",
+                "./nightly-job.sh",
+            ],
+            "--kill-timout",
+            Some("--kill-timeout"),
+        ),
+        (
+            &[
+                "run",
+                "--lock-id",
+                "1",
+                "--kill-timeout=5s",
+                "--onse",
+                "true",
+            ],
+            "--onse",
+            Some("--once"),
+        ),
+        (&["run", "--lock-id", "1", "-x", "--", "true"], "-x", None),
+        (
+            &["run", "--frobnicate", "--lock-id", "1", "true"],
+            "--frobnicate",
+            None,
+        ),
+        (
+            &["status", "--lock-id", "1", "--jsn"],
+            "--jsn",
+            Some("--json"),
+        ),
+        (&["status", "--lock-id", "1", "-x"], "-x", None),
+    ];
+    for (args, unknown, suggestion) in cases {
+        let (code, stderr) = outcome(url, args);
+        assert_eq!(code, 2, "{args:?}: {stderr}");
+        assert!(
+            stderr.contains(&format!("unexpected argument '{unknown}'")),
+            "{args:?}: the unknown option is not named:\n{stderr}"
+        );
+        if let Some(suggestion) = suggestion {
+            assert!(
+                stderr.contains(&format!("a similar argument exists: '{suggestion}'")),
+                "{args:?}: {suggestion} is not suggested:\n{stderr}"
+            );
+        }
+        assert!(
+            !stderr.contains("command not found"),
+            "{args:?}: taken for the command:\n{stderr}"
+        );
+    }
+}
+
+#[test]
+fn everything_from_the_commands_first_word_on_goes_to_the_command_untouched() {
+    let cluster = Cluster::shared();
+    let lock = unique_lock().to_string();
+    // pgleader's own options, unknown options, a second `--` and --help: all the command's.
+    let script = r#"printf '[%s]' "$@"; echo"#;
+    let passed = ["-v", "x", "--kill-timout", "5s", "--", "--help", "-q"];
+    let expected = "[-v][x][--kill-timout][5s][--][--help][-q]";
+    for escape in [true, false] {
+        let mut args = vec!["run", "--once", "--lock-id", &lock];
+        if escape {
+            args.push("--");
+        }
+        args.extend(["sh", "-c", script, "sh"]);
+        args.extend(passed);
+        let process = pgleader_with("pass-through", Some(&cluster.url()), &args);
+        let (status, stdout, stderr) = process.finish();
+        // Had pgleader also taken -v and -q, they would conflict: a usage error.
+        assert_eq!(status.code(), Some(0), "{args:?}: {stderr:?}");
+        assert_eq!(stdout, [expected], "{args:?}: {stderr:?}");
+    }
+}
+
+#[test]
 fn negative_lock_ids_are_accepted_with_or_without_an_equals_sign() {
     let cluster = Cluster::shared();
     let key = -(unique_lock());
@@ -198,25 +295,25 @@ fn a_bad_connection_string_is_a_usage_error_that_never_prints_the_password() {
 #[test]
 fn a_missing_command_fails_with_127_before_connecting() {
     let cluster = Cluster::shared();
-    let (code, stderr) = outcome(
-        Some(&cluster.url()),
-        &[
-            "run",
-            "--lock-id",
-            "1",
-            "--",
-            "no-such-command-for-pgleader",
-        ],
-    );
-    assert_eq!(code, 127, "{stderr}");
-    assert!(
-        stderr.contains("command not found: no-such-command-for-pgleader"),
-        "{stderr}"
-    );
-    assert!(
-        !stderr.contains("connected"),
-        "it connected before checking the command:\n{stderr}"
-    );
+    // After `--`, a first word that starts with `-` is the command, looked up like any other.
+    for command in [
+        "no-such-command-for-pgleader",
+        "-no-such-command-for-pgleader",
+    ] {
+        let (code, stderr) = outcome(
+            Some(&cluster.url()),
+            &["run", "--lock-id", "1", "--", command],
+        );
+        assert_eq!(code, 127, "{stderr}");
+        assert!(
+            stderr.contains(&format!("command not found: {command}")),
+            "{stderr}"
+        );
+        assert!(
+            !stderr.contains("connected"),
+            "it connected before checking the command:\n{stderr}"
+        );
+    }
 }
 
 #[test]
