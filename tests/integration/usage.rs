@@ -442,3 +442,71 @@ fn psql_style_environment_variables_are_honoured() {
         "it did not use the Unix socket: {connected}"
     );
 }
+
+/// `pgleader <args> --help` at a terminal `columns` wide: its lines, under each heading.
+fn help_sections(args: &[&str], columns: usize) -> Vec<(String, Vec<String>)> {
+    let mut command = pgleader();
+    command.env("COLUMNS", columns.to_string()).args(args);
+    let process = Proc::spawn("help", command);
+    let (status, stdout, stderr) = process.finish();
+    assert_eq!(status.code(), Some(0), "{stderr:?}");
+    let mut sections: Vec<(String, Vec<String>)> = Vec::new();
+    for line in stdout {
+        if !line.is_empty() && !line.starts_with(' ') {
+            sections.push((line, Vec::new()));
+        } else if let Some((_, lines)) = sections.last_mut() {
+            lines.push(line);
+        }
+    }
+    sections
+}
+
+fn section<'a>(sections: &'a [(String, Vec<String>)], heading: &str) -> &'a [String] {
+    sections
+        .iter()
+        .find(|(h, _)| h == heading)
+        .map(|(_, lines)| lines.as_slice())
+        .unwrap_or_else(|| panic!("no {heading:?} in --help: {sections:#?}"))
+}
+
+#[test]
+fn help_lists_the_global_options_under_their_own_heading() {
+    for subcommand in ["run", "status"] {
+        let sections = help_sections(&[subcommand, "--help"], 100);
+        let own = section(&sections, "Options:").join("\n");
+        let global = section(&sections, "Global options:").join("\n");
+        for option in ["--log-format", "--verbose", "--quiet"] {
+            assert!(global.contains(option), "{subcommand}: {option}:\n{global}");
+            assert!(!own.contains(option), "{subcommand}: {option}:\n{own}");
+        }
+        assert!(own.contains("--lock-id"), "{subcommand}:\n{own}");
+    }
+}
+
+#[test]
+fn the_exit_status_table_in_help_wraps_cleanly_at_any_width() {
+    let terms = ["the command's status", "0", "1", "2", "75", "126, 127"];
+    for columns in [60, 80, 100] {
+        let sections = help_sections(&["run", "--help"], columns);
+        let table = section(&sections, "Exit status (run):");
+        let mut seen = Vec::new();
+        for line in table.iter().take_while(|line| !line.is_empty()) {
+            assert!(
+                line.chars().count() <= columns,
+                "wider than {columns} columns: {line:?}"
+            );
+            // A term at 2 columns, its description (and every wrapped line of it) at 6: a line
+            // wrapped back to the left edge or to the term's column breaks the table.
+            if let Some(term) = line.strip_prefix("  ").filter(|t| !t.starts_with(' ')) {
+                assert!(terms.contains(&term), "{columns} columns: {line:?}");
+                seen.push(term);
+            } else {
+                assert!(
+                    line.starts_with("      ") && !line[6..].starts_with(' '),
+                    "{columns} columns: {line:?}"
+                );
+            }
+        }
+        assert_eq!(seen, terms, "{columns} columns: {table:#?}");
+    }
+}
