@@ -8,16 +8,23 @@ use clap::builder::BoolishValueParser;
 use clap::{ArgAction, ArgGroup, Args, Parser, Subcommand, ValueEnum};
 use nix::sys::signal::Signal;
 
+/// Each description is one line of its own, indented: clap wraps a long line of after-help text
+/// at the terminal's width and indents the continuation as deep as the line starts, so only
+/// this layout stays a clean table at any width.
 const AFTER_HELP: &str = "\
 Exit status (run):
-  the command's status   under --once, or after a shutdown that stopped it (128+N if killed by signal N)
-  0                      shut down while no command was running; --no-wait found the lock busy; --once --schedule
-                         found its occurrence claimed (see --busy-exit-code)
-  1                      fatal error (bad password, unknown database, TLS certificate that does not verify,
-                         unreachable database under --no-wait, a ledger table that cannot be used)
-  2                      usage error
-  75                     --once: leadership was lost while the command ran
-  126, 127               the command cannot be executed / was not found
+  the command's status
+      under --once, or after a shutdown that stopped it (128+N if it was killed by signal N)
+  0
+      shut down while no command was running; --no-wait found the lock busy; --once --schedule found its occurrence claimed (see --busy-exit-code)
+  1
+      fatal error: bad password, unknown database, TLS certificate that does not verify, unreachable database under --no-wait, a ledger table that cannot be used
+  2
+      usage error: an unknown option, an invalid value, a missing command
+  75
+      --once: leadership was lost while the command ran
+  126, 127
+      the command cannot be executed / was not found
 
 Exit status (status):
   0 the lock is held, 3 the lock is free, 1 error, 2 usage error";
@@ -53,7 +60,10 @@ pub enum Command {
     Status(StatusArgs),
 }
 
+/// Global: accepted before or after the subcommand, and listed under their own heading so that
+/// they do not interleave with a subcommand's own options in its --help.
 #[derive(Debug, Args)]
+#[command(next_help_heading = "Global options")]
 pub struct LogArgs {
     /// Log format: one line of text per event, or one JSON object per line
     #[arg(
@@ -235,13 +245,16 @@ pub struct RunArgs {
     #[arg(long, value_name = "DURATION", default_value = "auto", value_parser = auto_or_duration, env = "PGLEADER_RESTART_FENCE")]
     pub restart_fence: RestartFence,
 
-    /// The command to run, with its arguments
+    /// The command to run, with its arguments, which are passed on untouched (options included).
+    /// A command whose name starts with "-" must follow --
+    // No allow_hyphen_values: an unknown option before the command must be a usage error (with
+    // a suggestion), not a command that is not found. trailing_var_arg still hands everything
+    // after the first word to the command, options included.
     #[arg(
         value_name = "COMMAND",
         required = true,
         num_args = 1..,
-        trailing_var_arg = true,
-        allow_hyphen_values = true
+        trailing_var_arg = true
     )]
     pub command: Vec<OsString>,
 }

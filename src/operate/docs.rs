@@ -43,7 +43,7 @@ const SECTIONS: &[Section] = &[
             ),
             Entry(
                 "2",
-                "A usage error: an invalid option value, a missing command, timings that do not fit inside the lease.",
+                "A usage error: an unknown option (before the command, every argument that starts with \"-\" is an option; a command whose name starts with \"-\" must follow --), an invalid option value, a missing command, timings that do not fit inside the lease.",
             ),
             Entry(
                 "75",
@@ -268,11 +268,15 @@ pub fn man_page() -> String {
     let mut options = Vec::new();
     man.render_options_section(&mut options).expect("in memory");
     let mut text = String::from_utf8(out).expect("roff is UTF-8");
-    text.push_str(&String::from_utf8_lossy(&options).replacen(
-        ".SH OPTIONS",
-        ".SH \"GLOBAL OPTIONS\"",
-        1,
-    ));
+    // clap_mangen lists -h and -V under OPTIONS, then the options with a help heading under it;
+    // at the top level every option is global, so one section holds them all.
+    let options = String::from_utf8_lossy(&options);
+    let (help_and_version, global) = options
+        .split_once(".SH \"GLOBAL OPTIONS\"\n")
+        .expect("the global options have their help heading");
+    text.push_str(".SH \"GLOBAL OPTIONS\"\n");
+    text.push_str(global);
+    text.push_str(&help_and_version.replacen(".SH OPTIONS\n", "", 1));
 
     for sub in top.get_subcommands() {
         let name = sub.get_name().to_owned();
