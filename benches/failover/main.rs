@@ -21,6 +21,7 @@ mod etcd;
 mod procfs;
 mod report;
 mod scenarios;
+mod scheduled;
 mod tools;
 
 use std::path::PathBuf;
@@ -209,6 +210,17 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
         }
     }
 
+    rows.push(scheduled::on_time(&pgleader, plan.runs));
+    rows.push(scheduled::after_kill9(&pgleader, plan.runs));
+    match scheduled::idle_cost(&pgleader, plan.cost_window) {
+        Ok(cost) => costs.push(cost),
+        Err(err) => eprintln!("bench:   failed: {err:#}"),
+    }
+    let timers = scheduled::timers(&pgleader, plan.runs).unwrap_or_else(|err| {
+        eprintln!("bench:   the timers failed: {err:#}");
+        Vec::new()
+    });
+
     let report = Report {
         quick: plan.quick,
         started,
@@ -218,6 +230,7 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
         rows,
         costs,
         scales,
+        timers,
     };
     report
         .write(&plan.out)
