@@ -661,10 +661,8 @@ mod tests {
             TableName::parse("pgleader_ledger").expect("ok").as_str(),
             "pgleader_ledger"
         );
-        assert_eq!(
-            TableName::parse("Ops.Runs").expect("ok").as_str(),
-            "ops.runs"
-        );
+        let ops = TableName::parse("Ops.Runs").expect("ok");
+        assert_eq!((ops.as_str(), ops.sql()), ("ops.runs", "\"ops\".\"runs\""));
         for bad in [
             "",
             "a.b.c",
@@ -678,7 +676,7 @@ mod tests {
         assert!(
             TableName::default()
                 .ddl()
-                .starts_with("CREATE TABLE pgleader_ledger (")
+                .starts_with("CREATE TABLE \"pgleader_ledger\" (")
         );
     }
 }
