@@ -13,7 +13,7 @@ Exit status (run):
   the command's status   under --once, or after a shutdown that stopped it (128+N if killed by signal N)
   0                      shut down while no command was running; --no-wait found the lock busy (see --busy-exit-code)
   1                      fatal error (bad password, unknown database, TLS certificate that does not verify,
-                         unreachable database under --no-wait)
+                         a server older than PostgreSQL 13, unreachable database under --no-wait)
   2                      usage error
   75                     --once: leadership was lost while the command ran
   126, 127               the command cannot be executed / was not found

@@ -39,7 +39,7 @@ const SECTIONS: &[Section] = &[
             ),
             Entry(
                 "1",
-                "A fatal error: authentication failed, the database does not exist, the server's TLS certificate does not verify, the connection goes through a transaction-mode pooler, the database is unreachable under --no-wait.",
+                "A fatal error: authentication failed, the database does not exist, the server's TLS certificate does not verify, the connection goes through a transaction-mode pooler, the server runs a PostgreSQL older than 13, the database is unreachable under --no-wait.",
             ),
             Entry(
                 "2",
@@ -126,6 +126,12 @@ const SECTIONS: &[Section] = &[
                 "sslrootcert=system trusts the system's certificate store and requires verify-full (the default with it). A certificate that does not verify, a server that refuses TLS under require, and a server that accepts this client only over TLS under sslmode=disable are permanent errors: pgleader exits 1 with a message that says which, without retrying. The certificate files are read again at each connection attempt, so a renewed certificate is used from the next reconnection.",
             ),
         ],
+    },
+    Section {
+        heading: "POSTGRESQL VERSIONS",
+        body: &[Para(
+            "PostgreSQL 13 to 18; an older server is refused with exit status 1. PostgreSQL 13 has no idle_session_timeout: there, a leader cut off from the server behind a proxy, pooler or load balancer keeps its lock until that middlebox closes the connection (its command is still stopped on time), and pgleader warns about it once at start. A direct connection is covered by TCP keepalives on every version.",
+        )],
     },
     Section {
         heading: "SYSTEMD",

@@ -14,3 +14,4 @@ mod notify;
 mod signals;
 mod tls;
 mod usage;
+mod versions;
