@@ -5,7 +5,8 @@ use std::time::{Duration, Instant};
 
 use crate::harness::pgbouncer::PgBouncer;
 use crate::harness::{
-    Cluster, Journal, Proc, Proxy, Stream, WAIT, patient_child, run, run_with_url, unique_lock,
+    Cluster, Journal, Proc, Proxy, Stream, WAIT, log_time, patient_child, run, run_with_url,
+    unique_lock,
 };
 
 /// Timings that make a leader cut off from the server give up within half a second and the
@@ -16,12 +17,6 @@ const QUICK_LEASE: [&str; 4] = [
     "--kill-timeout=1s",
     "--lease=3s",
 ];
-
-/// When a log line was written.
-fn log_time(line: &str) -> std::time::SystemTime {
-    let stamp = line.split_whitespace().next().unwrap_or_default();
-    humantime::parse_rfc3339(stamp).unwrap_or_else(|err| panic!("no timestamp in {line:?}: {err}"))
-}
 
 /// On PostgreSQL 13, where nothing frees the lock of a leader the server still seems to hear
 /// from: `follower` starts nothing for the quick lease and two seconds more.
