@@ -155,11 +155,5 @@ fn apt_mirror() -> String {
 /// The released binary with the harness's clean environment (no PG* variables from the
 /// developer's shell, an empty HOME, no restart fence on seconds-old test servers).
 pub fn static_pgleader() -> Command {
-    let mut command = Command::new(binary());
-    command
-        .env_clear()
-        .env("PATH", "/usr/bin:/bin")
-        .env("HOME", crate::harness::empty_home())
-        .env("PGLEADER_RESTART_FENCE", "0");
-    command
+    crate::harness::clean(Command::new(binary()))
 }

@@ -51,7 +51,9 @@ pub fn pgleader_under(wrapper: &[&str]) -> Command {
     clean(command)
 }
 
-fn clean(mut command: Command) -> Command {
+/// The clean environment of [`pgleader`], for another pgleader binary (the release's static
+/// one, in the release tests and the benchmark).
+pub fn clean(mut command: Command) -> Command {
     command
         .env_clear()
         .env(
