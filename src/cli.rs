@@ -18,7 +18,7 @@ Exit status (run):
   0
       shut down while no command was running; --no-wait found the lock busy; --once --schedule found its occurrence claimed (see --busy-exit-code)
   1
-      fatal error: bad password, unknown database, TLS certificate that does not verify, unreachable database under --no-wait, a ledger table that cannot be used
+      fatal error: bad password, unknown database, TLS certificate that does not verify, a server older than PostgreSQL 13, unreachable database under --no-wait, a ledger table that cannot be used
   2
       usage error: an unknown option, an invalid value, a missing command
   75

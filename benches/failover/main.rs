@@ -24,8 +24,9 @@ mod scenarios;
 mod scheduled;
 mod tools;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::Context;
@@ -35,10 +36,12 @@ use crate::harness::Cluster;
 use crate::report::Report;
 use crate::tools::{PARTITION_ARGS, Pgleader, Tool};
 
-const USAGE: &str = "usage: cargo bench --bench failover [-- [--quick] [--runs N] [--out PATH]]
-  --quick     a few runs per scenario and short windows (CI); the report goes under target/
-  --runs N    runs per scenario (default 20, or 3 with --quick)
-  --out PATH  where to write the report (default BENCHMARKS.md, or target/.../BENCHMARKS.quick.md)";
+const USAGE: &str = "usage: cargo bench --bench failover [-- [--quick] [--runs N] [--out PATH] [--static PATH]]
+  --quick        a few runs per scenario and short windows (CI); the report goes under target/
+  --runs N       runs per scenario (default 20, or 3 with --quick)
+  --out PATH     where to write the report (default BENCHMARKS.md, or target/.../BENCHMARKS.quick.md)
+  --static PATH  also run pgleader's failover, start-up and cost scenarios with this binary (the
+                 release's static one, dist/pgleader-<version>-x86_64-linux), beside cargo's";
 
 /// How much to run.
 #[derive(Debug)]
@@ -54,11 +57,14 @@ struct Plan {
     cost_window: Duration,
     scale_window: Duration,
     out: PathBuf,
+    /// A second pgleader binary to measure beside cargo's (`--static`).
+    static_binary: Option<PathBuf>,
 }
 
 impl Plan {
     fn from_args() -> Result<Plan, String> {
         let mut quick = false;
+        let mut static_binary = None;
         let mut runs = None;
         let mut out = None;
         let mut args = std::env::args().skip(1);
@@ -76,6 +82,16 @@ impl Plan {
                     );
                 }
                 "--out" => out = Some(PathBuf::from(args.next().ok_or("--out needs a path")?)),
+                "--static" => {
+                    let path = PathBuf::from(args.next().ok_or("--static needs a path")?);
+                    if !path.is_file() {
+                        return Err(format!(
+                            "--static {}: no such file (scripts/release makes it)",
+                            path.display()
+                        ));
+                    }
+                    static_binary = Some(path);
+                }
                 // cargo bench passes --bench to every benchmark binary.
                 "--bench" => {}
                 "-h" | "--help" => return Err(String::new()),
@@ -84,6 +100,7 @@ impl Plan {
         }
         let runs = runs.unwrap_or(if quick { 3 } else { 20 });
         Ok(Plan {
+            static_binary,
             quick,
             runs,
             lease_runs: if quick { 2 } else { runs },
@@ -142,16 +159,25 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
     let started = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
     etcd::ensure_installed()?;
     eprintln!("bench: starting PostgreSQL and etcd");
-    let pgleader = Pgleader::new(Cluster::new("bench"));
+    let cluster = Arc::new(Cluster::new("bench"));
+    let pgleader = Pgleader::new(cluster.clone());
+    let static_pgleader = plan
+        .static_binary
+        .clone()
+        .map(|binary| Pgleader::with_binary(cluster, binary, STATIC_LABEL));
     let etcd = Etcd::start()?;
     // pgleader's default restart fence is 1 + 2 + 5 + 1 = 9 s.
     eprintln!("bench: waiting until the server has been up 10 s, past pgleader's restart fence");
     pgleader.wait_until_server_is(Duration::from_secs(10))?;
-    let tools: [&dyn Tool; 2] = [&pgleader, &etcd];
+    // The static binary's rows come right after the dynamic one's, in the same run.
+    let mut pgleaders: Vec<&Pgleader> = vec![&pgleader];
+    pgleaders.extend(static_pgleader.as_ref());
+    let mut tools: Vec<&dyn Tool> = pgleaders.iter().map(|p| *p as &dyn Tool).collect();
+    tools.push(&etcd);
 
     let mut rows = Vec::new();
-    let is_peer = |tool: &dyn Tool| tool.label() != pgleader.label();
-    for tool in tools {
+    let is_peer = |tool: &dyn Tool| !tool.label().starts_with(pgleader.label());
+    for &tool in &tools {
         let runs = if is_peer(tool) {
             plan.lease_runs
         } else {
@@ -159,7 +185,7 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
         };
         rows.extend(scenarios::kill9(tool, runs));
     }
-    for tool in tools {
+    for &tool in &tools {
         let runs = if is_peer(tool) {
             plan.never_runs
         } else {
@@ -167,29 +193,31 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
         };
         rows.extend(scenarios::sigterm(tool, runs, false));
     }
-    for tool in tools {
+    for &tool in &tools {
         rows.extend(scenarios::sigterm(tool, plan.runs, true));
     }
-    rows.extend(scenarios::end_session(
-        &pgleader,
-        plan.runs,
-        "pg_terminate_backend",
-    ));
+    for pgleader in &pgleaders {
+        rows.extend(scenarios::end_session(
+            *pgleader,
+            plan.runs,
+            "pg_terminate_backend",
+        ));
+    }
     rows.extend(scenarios::end_session(
         &etcd,
         plan.runs,
         "etcd: lease revoke",
     ));
-    for tool in tools {
+    for &tool in &tools {
         rows.extend(scenarios::partition(tool, plan.lease_runs));
     }
-    for tool in tools {
+    for &tool in &tools {
         rows.extend(scenarios::start(tool, plan.runs));
     }
     sort_by_scenario(&mut rows);
 
     let mut costs = Vec::new();
-    for tool in tools {
+    for &tool in &tools {
         eprintln!("bench: 6. cost of an idle candidate ({})", tool.label());
         // A failure leaves the tool without cost figures, which the final check reports.
         match tool.cost(plan.cost_window) {
@@ -199,8 +227,9 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
     }
 
     let mut scales = Vec::new();
+    // At scale, the server's work dominates: cargo's binary only.
     for n in [10, 50, 100] {
-        for tool in tools {
+        for tool in [&pgleader as &dyn Tool, &etcd] {
             scales.push(scenarios::scale(
                 tool,
                 n,
@@ -225,7 +254,7 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
         quick: plan.quick,
         started,
         took: began.elapsed(),
-        environment: environment(&pgleader, &etcd),
+        environment: environment(&pgleader, &etcd, plan.static_binary.as_deref()),
         settings: settings(plan),
         rows,
         costs,
@@ -252,7 +281,79 @@ fn sort_by_scenario(rows: &mut [report::Row]) {
     });
 }
 
-fn environment(pgleader: &Pgleader, etcd: &Etcd) -> Vec<(&'static str, String)> {
+/// The report's label for the rows of the `--static` binary.
+const STATIC_LABEL: &str = "pgleader static";
+
+/// A file's size in bytes, with MB beside it.
+fn size(path: &Path) -> String {
+    match std::fs::metadata(path) {
+        Ok(meta) => format!(
+            "{} bytes ({:.1} MB)",
+            meta.len(),
+            meta.len() as f64 / 1_000_000.0
+        ),
+        Err(err) => format!("unknown ({err})"),
+    }
+}
+
+/// The size of `binary` once stripped of its symbols (a copy is stripped), if strip can run.
+fn stripped_size(binary: &Path) -> Option<String> {
+    let copy = std::env::temp_dir().join(format!("pgleader-bench-strip-{}", std::process::id()));
+    let stripped = Command::new("strip")
+        .arg("-o")
+        .arg(&copy)
+        .arg(binary)
+        .status()
+        .is_ok_and(|status| status.success());
+    let size = stripped.then(|| size(&copy));
+    let _ = std::fs::remove_file(&copy);
+    size
+}
+
+/// The binaries' sizes, and with `--static` those of the other release artifacts beside it.
+fn sizes(static_binary: Option<&Path>) -> Vec<(&'static str, String)> {
+    let dynamic = Path::new(env!("CARGO_BIN_EXE_pgleader"));
+    let mut sizes = vec![(
+        "size, dynamic binary",
+        format!(
+            "{} as cargo builds it (release profile, with symbols){}",
+            size(dynamic),
+            stripped_size(dynamic)
+                .map(|stripped| format!("; {stripped} stripped"))
+                .unwrap_or_default()
+        ),
+    )];
+    let Some(binary) = static_binary else {
+        return sizes;
+    };
+    sizes.push((
+        "size, static binary",
+        format!("{} (stripped, as released)", size(binary)),
+    ));
+    let dist = binary.parent().unwrap_or(Path::new("."));
+    let version = env!("CARGO_PKG_VERSION");
+    for (label, name) in [
+        (
+            "size, tarball",
+            format!("pgleader-{version}-x86_64-linux.tar.gz"),
+        ),
+        ("size, .deb", format!("pgleader_{version}-1_amd64.deb")),
+        (
+            "size, image",
+            format!("pgleader-{version}-image.tar (one layer: the binary and the CA bundle)"),
+        ),
+    ] {
+        let file = name.split(' ').next().unwrap_or_default();
+        sizes.push((label, format!("{} {}", size(&dist.join(file)), name)));
+    }
+    sizes
+}
+
+fn environment(
+    pgleader: &Pgleader,
+    etcd: &Etcd,
+    static_binary: Option<&Path>,
+) -> Vec<(&'static str, String)> {
     let machine = procfs::Machine::read();
     let commit = Command::new("git")
         .args([
@@ -292,6 +393,9 @@ fn environment(pgleader: &Pgleader, etcd: &Etcd) -> Vec<(&'static str, String)> 
         ),
         ("etcd", format!("{} ({etcdctl})", etcd.version)),
     ]
+    .into_iter()
+    .chain(sizes(static_binary))
+    .collect()
 }
 
 /// The first line a command prints, empty if it cannot run.

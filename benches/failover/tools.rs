@@ -5,8 +5,9 @@
 
 use std::collections::HashMap;
 use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
 use std::process::Command;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::thread::sleep;
 use std::time::{Duration, Instant};
 
@@ -167,16 +168,34 @@ pub fn wait_queued(tool: &dyn Tool, lock: i64, n: usize, timeout: Duration) -> a
 
 /// pgleader against the benchmark's PostgreSQL.
 pub struct Pgleader {
-    pub cluster: Cluster,
+    pub cluster: Arc<Cluster>,
     /// One connection for the benchmark's own queries, so that none of them pays for a
     /// connection set-up inside a measurement.
     admin: Mutex<postgres::Client>,
+    /// Which binary: cargo's build (None), or another one such as the release's static binary.
+    binary: Option<PathBuf>,
+    label: &'static str,
 }
 
 impl Pgleader {
-    pub fn new(cluster: Cluster) -> Pgleader {
+    /// The binary cargo built for the benchmark (release profile, dynamically linked).
+    pub fn new(cluster: Arc<Cluster>) -> Pgleader {
         let admin = Mutex::new(cluster.client());
-        Pgleader { cluster, admin }
+        Pgleader {
+            cluster,
+            admin,
+            binary: None,
+            label: "pgleader",
+        }
+    }
+
+    /// Another binary, labelled apart in the report, against the same server.
+    pub fn with_binary(cluster: Arc<Cluster>, binary: PathBuf, label: &'static str) -> Pgleader {
+        Pgleader {
+            binary: Some(binary),
+            label,
+            ..Pgleader::new(cluster)
+        }
     }
 
     pub fn admin(&self) -> std::sync::MutexGuard<'_, postgres::Client> {
@@ -256,12 +275,15 @@ impl Pgleader {
 
 impl Tool for Pgleader {
     fn label(&self) -> &'static str {
-        "pgleader"
+        self.label
     }
 
     fn candidate(&self, tag: &str, lock: i64, proxy: Option<&Proxy>) -> Candidate {
         let url = proxy.map_or_else(|| self.cluster.url(), Proxy::url);
-        let mut command = harness::pgleader();
+        let mut command = match &self.binary {
+            Some(binary) => harness::clean(Command::new(binary)),
+            None => harness::pgleader(),
+        };
         // pgleader's own defaults, restart fence included (the harness turns it off for tests).
         command
             .env_remove("PGLEADER_RESTART_FENCE")

@@ -6,3 +6,4 @@ pub mod backoff;
 pub mod lease;
 pub mod lock;
 pub mod session;
+pub mod version;

@@ -26,6 +26,7 @@ use crate::connect::conninfo::{
 use crate::connect::tls;
 use crate::election::lease::Lease;
 use crate::election::lock::LockKey;
+use crate::election::version::{self, Support};
 
 /// Why a connection attempt failed, sorted by whether trying again can help.
 #[derive(Debug, Error)]
@@ -122,6 +123,18 @@ impl Session {
         let config = driver_config(settings, application_name, Some(lease))?;
         let budget = connect_budget(settings);
         let (client, connection, server_major) = open(&config, &settings.tls, budget).await?;
+        if Support::of(server_major) == Support::NoIdleSessionTimeout {
+            // Once per process: a warning at every reconnection would drown the log.
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            WARNED.call_once(|| {
+                tracing::warn!(
+                    event = "old_server",
+                    server_version = server_major,
+                    "{}",
+                    version::no_idle_session_timeout_warning(server_major)
+                );
+            });
+        }
         let mut session = Session {
             client: Arc::new(client),
             connection,
@@ -294,22 +307,16 @@ impl Session {
     /// of one of its processes, which also resets the shared statistics (the bgwriter's
     /// `stats_reset`, readable by any role).
     pub async fn fence(&self) -> Result<Fence, SessionError> {
-        let xid = if self.server_major >= 13 || self.server_major == 0 {
-            "pg_catalog.pg_current_xact_id()::text::int8"
-        } else {
-            "pg_catalog.txid_current()"
-        };
-        let sql = format!(
-            "SELECT {xid}, \
+        // pg_current_xact_id: PostgreSQL 13 or later, which `version` already demands.
+        const FENCE_SQL: &str = "SELECT pg_catalog.pg_current_xact_id()::text::int8, \
                     pg_catalog.pg_logical_emit_message(true, 'pgleader', 'epoch') IS NOT NULL, \
                     extract(epoch FROM pg_catalog.clock_timestamp() - GREATEST(\
                         pg_catalog.pg_postmaster_start_time(), \
                         (SELECT stats_reset FROM pg_catalog.pg_stat_bgwriter)))::float8, \
-                    pg_catalog.clock_timestamp()"
-        );
+                    pg_catalog.clock_timestamp()";
         let row = self
             .client
-            .query_typed_one(&sql, &[])
+            .query_typed_one(FENCE_SQL, &[])
             .await
             .map_err(query_error)?;
         let since_reset: f64 = row.get(2);
@@ -402,6 +409,9 @@ async fn open(
             .parameter("server_version")
             .and_then(parse_major_version)
             .unwrap_or(0);
+        if Support::of(server_major) == Support::TooOld {
+            return Err(ConnectError::Permanent(version::too_old(server_major)));
+        }
         Ok::<_, ConnectError>((client, tokio::spawn(connection), server_major))
     };
     tokio::time::timeout(budget, attempt).await.map_err(|_| {

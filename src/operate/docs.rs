@@ -39,7 +39,7 @@ const SECTIONS: &[Section] = &[
             ),
             Entry(
                 "1",
-                "A fatal error: authentication failed, the database does not exist, the server's TLS certificate does not verify, the connection goes through a transaction-mode pooler, the database is unreachable under --no-wait. With --schedule: the ledger table cannot be created or used; under --once, this timer's schedule disagrees with the one the lock's replicas established.",
+                "A fatal error: authentication failed, the database does not exist, the server's TLS certificate does not verify, the connection goes through a transaction-mode pooler, the server runs a PostgreSQL older than 13, the database is unreachable under --no-wait. With --schedule: the ledger table cannot be created or used; under --once, this timer's schedule disagrees with the one the lock's replicas established.",
             ),
             Entry(
                 "2",
@@ -166,18 +166,24 @@ const SECTIONS: &[Section] = &[
         ],
     },
     Section {
+        heading: "POSTGRESQL VERSIONS",
+        body: &[Para(
+            "PostgreSQL 13 to 18; an older server is refused with exit status 1. PostgreSQL 13 has no idle_session_timeout: there, a leader cut off from the server behind a proxy, pooler or load balancer keeps its lock until that middlebox closes the connection (its command is still stopped on time), and pgleader warns about it once at start. A direct connection is covered by TCP keepalives on every version.",
+        )],
+    },
+    Section {
         heading: "SYSTEMD",
         body: &[
             Para("SYSTEMD"),
             Para(
-                "In the unit: Type=notify and NotifyAccess=main; KillMode=mixed, so that systemctl stop sends TERM to pgleader alone, which stops the command's process group itself before releasing the lock; TimeoutStopSec longer than --kill-timeout; SuccessExitStatus=143, the status after a stop when the command died of the TERM passed on to it; TimeoutStartSec=infinity if the database may be down at boot. The repository's examples/systemd holds such a unit.",
+                "In the unit: Type=notify and NotifyAccess=main; KillMode=mixed, so that systemctl stop sends TERM to pgleader alone, which stops the command's process group itself before releasing the lock; TimeoutStopSec longer than --kill-timeout; SuccessExitStatus=143, the status after a stop when the command died of the TERM passed on to it; TimeoutStartSec=infinity if the database may be down at boot. The repository's examples/systemd holds such a unit. The Debian package installs pgleader@.service, a template that runs the command of /etc/pgleader/INSTANCE.env (PGLEADER_COMMAND, split at white space, and any PGLEADER_ option) under a lock named after the instance, as the system user pgleader: systemctl enable --now pgleader@INSTANCE.",
             ),
         ],
     },
     Section {
         heading: "CONTAINERS",
         body: &[Para(
-            "pgleader can be a container's entrypoint, PID 1: it passes signals on to the command's process group and reaps every orphan the kernel hands it, so no separate init (tini, docker run --init) is needed. Give the container a stop grace period longer than --kill-timeout. The repository's examples/docker holds a Dockerfile.",
+            "pgleader can be a container's entrypoint, PID 1: it passes signals on to the command's process group and reaps every orphan the kernel hands it, so no separate init (tini, docker run --init) is needed. Give the container a stop grace period longer than --kill-timeout. The release image (FROM scratch: the static binary at /pgleader and a CA bundle) is meant to be copied from: COPY --from=pgleader:VERSION /pgleader /usr/local/bin/pgleader. The binary is statically linked and needs nothing from the image it is copied into; it resolves host names from /etc/hosts and DNS (/etc/resolv.conf) only, loading no NSS module. The repository's examples/docker holds a Dockerfile.",
         )],
     },
     Section {

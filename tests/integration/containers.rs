@@ -16,6 +16,7 @@ use nix::sys::signal::{Signal, kill};
 use nix::sys::stat::Mode;
 use nix::unistd::{Pid, mkfifo};
 
+use crate::harness::namespace::namespace_processes;
 use crate::harness::{
     Cluster, Proc, Stream, WAIT, patient_child, pgleader_under, require_tool, unique_lock,
 };
@@ -24,52 +25,6 @@ const NEEDS: &str = "this test runs pgleader as PID 1 of a new pid namespace: it
     util-linux's unshare and nsenter (Debian/Ubuntu: apt-get install util-linux) and the right \
     to create namespaces (run the tests as root, or in a container started with \
     --privileged or CAP_SYS_ADMIN)";
-
-/// One process in the namespace, seen from outside.
-#[derive(Debug)]
-struct NsProcess {
-    host_pid: i32,
-    /// The pid inside the namespace (the last NSpid field).
-    ns_pid: i32,
-    parent: i32,
-    state: char,
-}
-
-/// Every process in the pid namespace of `member` (host pids).
-fn namespace_processes(member: i32) -> Vec<NsProcess> {
-    let Ok(ns) = fs::read_link(format!("/proc/{member}/ns/pid")) else {
-        return Vec::new();
-    };
-    fs::read_dir("/proc")
-        .expect("read /proc")
-        .flatten()
-        .filter_map(|entry| {
-            let host_pid: i32 = entry.file_name().to_str()?.parse().ok()?;
-            if fs::read_link(entry.path().join("ns/pid")).ok()? != ns {
-                return None;
-            }
-            let stat = fs::read_to_string(entry.path().join("stat")).ok()?;
-            let (_, rest) = stat.rsplit_once(") ")?;
-            let mut fields = rest.split_whitespace();
-            let state = fields.next()?.chars().next()?;
-            let parent = fields.next()?.parse().ok()?;
-            let status = fs::read_to_string(entry.path().join("status")).ok()?;
-            let ns_pid = status
-                .lines()
-                .find_map(|line| line.strip_prefix("NSpid:"))?
-                .split_whitespace()
-                .last()?
-                .parse()
-                .ok()?;
-            Some(NsProcess {
-                host_pid,
-                ns_pid,
-                parent,
-                state,
-            })
-        })
-        .collect()
-}
 
 /// Polls `condition` until it holds, failing after the hard timeout with `what`.
 fn wait_until(what: &str, mut condition: impl FnMut() -> Option<String>) -> String {

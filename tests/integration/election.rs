@@ -454,6 +454,8 @@ fn json_logs_carry_a_stable_set_of_fields() {
         events
             .iter()
             .map(|event| event["event"].as_str().expect("event"))
+            // PostgreSQL 13's warning (see versions.rs) comes on top of the usual sequence.
+            .filter(|event| *event != "old_server")
             .collect::<Vec<_>>(),
         [
             "connected",

