@@ -2,6 +2,7 @@
 //! from these definitions (see `docs.rs`), so what is written here is what users read.
 
 use std::ffi::OsString;
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use clap::builder::BoolishValueParser;
@@ -193,6 +194,12 @@ pub struct RunArgs {
     #[arg(long, value_name = "DURATION", default_value = "auto", value_parser = auto_or_duration, env = "PGLEADER_RESTART_FENCE")]
     pub restart_fence: RestartFence,
 
+    /// Serve /leader, /healthz, /status and /metrics (Prometheus) over HTTP on this address
+    /// and port: 127.0.0.1:9187 for this host only, 0.0.0.0:9187 or [::]:9187 for every
+    /// interface. Off unless given
+    #[arg(long, value_name = "ADDR", value_parser = http_address, env = "PGLEADER_HTTP")]
+    pub http: Option<SocketAddr>,
+
     /// The command to run, with its arguments
     #[arg(
         value_name = "COMMAND",
@@ -215,6 +222,11 @@ pub struct StatusArgs {
     /// Print JSON instead of text
     #[arg(long)]
     pub json: bool,
+
+    /// Keep running: print the lock's state again (one line, or one JSON object per line) each
+    /// time its holder or its waiters change, until interrupted
+    #[arg(long)]
+    pub watch: bool,
 }
 
 fn non_empty_name(value: &str) -> Result<String, String> {
@@ -267,6 +279,14 @@ fn parse_schedule(value: &str) -> Result<croner::Cron, String> {
     Ok(schedule)
 }
 
+/// An address and port to listen on: `127.0.0.1:9187`, `0.0.0.0:9187`, `[::]:9187`.
+fn http_address(value: &str) -> Result<SocketAddr, String> {
+    value.trim().parse().map_err(|_| {
+        "expected an IP address and a port, such as 127.0.0.1:9187, 0.0.0.0:9187 or [::]:9187"
+            .to_owned()
+    })
+}
+
 /// `TERM`, `SIGTERM`, `sigterm` or `15`.
 pub fn parse_signal(value: &str) -> Result<Signal, String> {
     let value = value.trim();
@@ -313,6 +333,19 @@ mod tests {
             parse_schedule("0 0 30 2 *").is_err(),
             "February 30th never comes"
         );
+    }
+
+    #[test]
+    fn http_addresses_need_an_ip_and_a_port() {
+        assert_eq!(
+            http_address("127.0.0.1:9187"),
+            Ok("127.0.0.1:9187".parse().expect("address"))
+        );
+        assert!(http_address("[::]:9187").is_ok());
+        assert!(http_address("0.0.0.0:0").is_ok());
+        for bad in ["9187", "localhost:9187", "127.0.0.1", "127.0.0.1:99999", ""] {
+            assert!(http_address(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

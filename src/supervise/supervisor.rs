@@ -31,6 +31,7 @@ use crate::election::backoff::Backoff;
 use crate::election::session::{Confirmation, ConnectError, Session, SessionError};
 use crate::exit::{ChildStatus, Outcome};
 use crate::operate::notify;
+use crate::operate::telemetry::{LossReason, Telemetry};
 use crate::supervise::job::{self, CommandError, Job};
 use crate::supervise::keeper::Report;
 use crate::supervise::signals::SignalEvent;
@@ -49,10 +50,12 @@ pub const REPEAT_WINDOW: Duration = Duration::from_secs(1);
 pub async fn run(
     config: RunConfig,
     signals: UnboundedReceiver<SignalEvent>,
+    telemetry: Telemetry,
 ) -> anyhow::Result<Outcome> {
     Supervisor {
         config,
         signals,
+        telemetry,
         backoff: Backoff::default(),
         shutdown_requested: None,
         last_disturbance: None,
@@ -64,6 +67,8 @@ pub async fn run(
 struct Supervisor {
     config: RunConfig,
     signals: UnboundedReceiver<SignalEvent>,
+    /// Where the state goes for the HTTP endpoint; publishing never waits.
+    telemetry: Telemetry,
     backoff: Backoff,
     /// When the first TERM or INT arrived: finish what is under way, then exit.
     shutdown_requested: Option<Instant>,
@@ -171,6 +176,7 @@ impl Supervisor {
                     if self.config.once {
                         return Ok(Outcome::ChildExited(status));
                     }
+                    self.telemetry.idle();
                     self.backoff.reset();
                     pause = Duration::ZERO;
                     if !self.config.restart_delay.is_zero() {
@@ -205,6 +211,7 @@ impl Supervisor {
     /// Connects, retrying transient failures with backoff. `None` means shut down.
     async fn connect(&mut self) -> anyhow::Result<Option<Session>> {
         notify::status(&format!("connecting to {}", self.config.connection));
+        self.telemetry.connecting();
         loop {
             debug!(event = "connecting", server = %self.config.connection, "connecting");
             let (settings, application_name, lease) = (
@@ -256,6 +263,7 @@ impl Supervisor {
                 err => {
                     self.last_disturbance = Some(Instant::now());
                     let delay = self.backoff.next_delay();
+                    self.telemetry.connect_failed(&err.to_string(), delay);
                     notify::status(&format!(
                         "cannot connect to {server}: {err}; retrying in {}",
                         fmt(delay)
@@ -307,6 +315,7 @@ impl Supervisor {
             "waiting for the lock"
         );
         notify::following(&lock);
+        self.telemetry.following(session.backend_pid());
         let started = Instant::now();
         let wait = session.wait_for_lock(&lock);
         tokio::pin!(wait);
@@ -325,6 +334,7 @@ impl Supervisor {
                 WaitEvent::Done(Err(SessionError::Query(reason))) | WaitEvent::Ended(reason) => {
                     self.last_disturbance = Some(Instant::now());
                     warn!(event = "session_lost", reason = %reason, "lost the session while waiting for the lock");
+                    self.telemetry.session_lost(&reason);
                     notify::status(&format!(
                         "lost the session while waiting for the lock: {reason}"
                     ));
@@ -371,6 +381,7 @@ impl Supervisor {
             "became leader"
         );
         notify::leading(&lock, epoch, &self.config.command.display());
+        self.telemetry.leading(epoch, session.backend_pid());
 
         // A server restart, the crash of any server process (after which the postmaster ends
         // every session) and a failover to a promoted standby all free every lock at once,
@@ -426,10 +437,11 @@ impl Supervisor {
                 _ = sleep_until(relinquish_at.map_or(deadline, |(at, _)| at)), if relinquish_at.is_some() => LeadEvent::Relinquish,
                 _ = sleep_until(start_at.unwrap_or(deadline)), if start_at.is_some() => LeadEvent::Start,
             };
-            let lost_reason = match event {
-                LeadEvent::Start if Instant::now() >= deadline => {
-                    "the leadership expired before the command could start".to_owned()
-                }
+            let (loss, lost_reason) = match event {
+                LeadEvent::Start if Instant::now() >= deadline => (
+                    LossReason::CheckTimeout,
+                    "the leadership expired before the command could start".to_owned(),
+                ),
                 LeadEvent::Start => {
                     start_at = None;
                     let env = self.child_env(session.backend_pid(), epoch);
@@ -450,6 +462,8 @@ impl Supervisor {
                 }
                 LeadEvent::CheckDone(result) => {
                     let sent = check.take().map_or_else(Instant::now, |(sent, _)| sent);
+                    self.telemetry
+                        .check_completed(sent.elapsed(), matches!(result, Ok(Confirmation::Held)));
                     match result {
                         Ok(Confirmation::Held) => {
                             debug!(event = "confirmed", lock = %lock, "the session still holds the lock");
@@ -457,10 +471,13 @@ impl Supervisor {
                             next_check = sent + interval;
                             continue;
                         }
-                        Ok(Confirmation::NotHeld) => {
-                            "the check found that this session no longer holds the lock".to_owned()
-                        }
+                        Ok(Confirmation::NotHeld) => (
+                            LossReason::NotHeld,
+                            "the check found that this session no longer holds the lock".to_owned(),
+                        ),
                         Err(err @ SessionError::Pooler { .. }) => {
+                            self.telemetry
+                                .leadership_lost(LossReason::CheckFailed, &err.to_string());
                             let status = self
                                 .stop_if_running(job.take(), self.config.kill_signal)
                                 .await;
@@ -468,18 +485,31 @@ impl Supervisor {
                             log_final(status);
                             return Err(err.into());
                         }
-                        Err(SessionError::Query(reason)) => format!("the check failed: {reason}"),
+                        Err(SessionError::Query(reason)) => (
+                            LossReason::CheckFailed,
+                            format!("the check failed: {reason}"),
+                        ),
                     }
                 }
-                LeadEvent::Deadline => format!(
-                    "no successful check for {} (--check-interval + --check-timeout)",
-                    fmt(interval + timeout)
+                LeadEvent::Deadline => (
+                    LossReason::CheckTimeout,
+                    format!(
+                        "no successful check for {} (--check-interval + --check-timeout)",
+                        fmt(interval + timeout)
+                    ),
                 ),
-                LeadEvent::Ended(reason) => format!("the connection ended: {reason}"),
+                LeadEvent::Ended(reason) => (
+                    LossReason::ConnectionEnded,
+                    format!("the connection ended: {reason}"),
+                ),
                 LeadEvent::Relinquish => {
                     let why = relinquish_at.map_or("", |(_, why)| why);
                     info!(event = "relinquish", lock = %lock, "handing leadership over ({why})");
                     notify::status(&format!("handing leadership over ({why})"));
+                    self.telemetry.leadership_lost(
+                        LossReason::Relinquished,
+                        &format!("handing over ({why})"),
+                    );
                     let status = self
                         .stop_if_running(job.take(), self.config.kill_signal)
                         .await;
@@ -497,6 +527,8 @@ impl Supervisor {
                     notify::stopping(
                         "shutting down: stopping the command, then releasing the lock",
                     );
+                    self.telemetry
+                        .leadership_lost(LossReason::Shutdown, "shutting down");
                     let status = self.stop_if_running(job.take(), signal).await;
                     self.release(session).await;
                     return Ok(Led::Shutdown(status));
@@ -505,6 +537,8 @@ impl Supervisor {
                     if self.handle_signal(event, job.as_mut())
                         && let Some(status) = self.finish_vanished(job.as_mut())
                     {
+                        self.telemetry
+                            .leadership_lost(LossReason::CommandExited, "the command exited");
                         // The keeper is gone but what it left in its group may not be.
                         if let Some(job) = job.take() {
                             self.wait_until_group_gone(&job).await;
@@ -517,6 +551,7 @@ impl Supervisor {
                 LeadEvent::Report(report) => match report {
                     Report::Started(pid) => {
                         info!(event = "child_started", pid, command = %self.config.command.display(), "started the command");
+                        self.telemetry.command_started(pid);
                         continue;
                     }
                     Report::SpawnFailed(errno) => {
@@ -524,6 +559,8 @@ impl Supervisor {
                             self.config.command.program().as_os_str(),
                             errno,
                         );
+                        self.telemetry
+                            .leadership_lost(LossReason::CommandExited, &err.to_string());
                         let _ = self.stop_if_running(job.take(), Signal::SIGKILL).await;
                         self.release(session).await;
                         return Err(err.into());
@@ -531,6 +568,11 @@ impl Supervisor {
                     Report::Exited(_) | Report::Killed(_) => {
                         let status = status_of(report);
                         info!(event = "child_exited", status = %status, exit_code = status.exit_code(), "the command exited");
+                        self.telemetry.command_exited(status);
+                        self.telemetry.leadership_lost(
+                            LossReason::CommandExited,
+                            &format!("the command exited ({status})"),
+                        );
                         notify::status(&format!(
                             "the command exited ({status}); releasing the lock"
                         ));
@@ -546,6 +588,7 @@ impl Supervisor {
                 },
             };
             warn!(event = "leadership_lost", lock = %lock, reason = %lost_reason, "leadership lost");
+            self.telemetry.leadership_lost(loss, &lost_reason);
             self.last_disturbance = Some(Instant::now());
             notify::status(&format!(
                 "leadership lost ({lost_reason}); stopping the command"
@@ -688,6 +731,7 @@ impl Supervisor {
                                 "shutting down once the command has stopped"
                             );
                             notify::stopping("shutting down once the command has stopped");
+                            self.telemetry.shutting_down();
                             if !escalated {
                                 current = received;
                                 send_stop_signal(&job, current);
@@ -739,9 +783,13 @@ impl Supervisor {
         }
         self.wait_until_group_gone(&job).await;
         debug!(event = "group_stopped", pgid, "the process group is gone");
-        status
+        let status = status
             .or_else(|| job.keeper_status())
-            .unwrap_or(ChildStatus::Signaled(Signal::SIGKILL))
+            .unwrap_or(ChildStatus::Signaled(Signal::SIGKILL));
+        if !leftovers_only {
+            self.telemetry.command_exited(status);
+        }
+        status
     }
 
     /// Waits until no member of the job's process group is alive, SIGKILLing them meanwhile.
@@ -821,6 +869,7 @@ impl Supervisor {
             .or_else(|| job.keeper_status())
             .unwrap_or(ChildStatus::Signaled(Signal::SIGKILL));
         info!(event = "child_exited", status = %status, exit_code = status.exit_code(), "the command exited");
+        self.telemetry.command_exited(status);
         Some(status)
     }
 
@@ -835,6 +884,7 @@ impl Supervisor {
                     "shutting down"
                 );
                 notify::stopping("shutting down");
+                self.telemetry.shutting_down();
                 true
             }
             None => true,
