@@ -21,7 +21,7 @@ use crate::cli::{Command, RunArgs, StatusArgs};
 use crate::config::{RunConfig, UsageError};
 use crate::connect::conninfo::ProcessEnvironment;
 use crate::operate::telemetry::{self, Telemetry};
-use crate::operate::{http, notify, status};
+use crate::operate::{http, notify, status, watch};
 use crate::supervise::job::CommandError;
 use crate::supervise::{signals, supervisor};
 
@@ -61,6 +61,9 @@ async fn status(args: StatusArgs) -> anyhow::Result<u8> {
     let connection = config::connection(&args.connection, &ProcessEnvironment)?;
     for warning in connection.warnings {
         warn!(event = "config", "{warning}");
+    }
+    if args.watch {
+        return watch::watch(&lock, &connection.settings, args.json).await;
     }
     let status = status::read(&lock, &connection.settings).await?;
     if args.json {

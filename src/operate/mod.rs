@@ -9,3 +9,4 @@ pub mod metrics;
 pub mod notify;
 pub mod status;
 pub mod telemetry;
+pub mod watch;

@@ -15,7 +15,7 @@ use tokio_postgres::types::Type;
 use crate::config;
 use crate::connect::conninfo::ConnSettings;
 use crate::election::lock::LockKey;
-use crate::election::session::{self, describe};
+use crate::election::session::{self, ConnectError, PlainClient, describe};
 
 /// One session holding or waiting for the lock.
 #[derive(Debug, Clone, PartialEq)]
@@ -50,12 +50,23 @@ SELECT l.pid, l.granted, a.application_name, host(a.client_addr), a.client_port,
 
 /// Reads the lock's status.
 pub async fn read(lock: &LockKey, connection: &ConnSettings) -> anyhow::Result<LockStatus> {
-    let client = session::connect_plain(
+    let client = connect(connection)
+        .await
+        .with_context(|| format!("cannot connect to {connection}"))?;
+    query(&client, lock).await
+}
+
+/// A connection for reading the status, named `pgleader-status:<pid>@<host>`.
+pub async fn connect(connection: &ConnSettings) -> Result<PlainClient, ConnectError> {
+    session::connect_plain(
         connection,
         &config::application_name(Some("pgleader-status")),
     )
     .await
-    .with_context(|| format!("cannot connect to {connection}"))?;
+}
+
+/// Reads the lock's status on an open connection.
+pub async fn query(client: &PlainClient, lock: &LockKey) -> anyhow::Result<LockStatus> {
     let major = client.server_major;
     let waitstart = if major >= 14 {
         "l.waitstart"
@@ -124,6 +135,19 @@ impl Participant {
         })
     }
 
+    /// A short name for one line: `pgleader 4242@web-1 (backend 8581)`.
+    pub fn short(&self) -> String {
+        match (self.pgleader_process(), &self.application_name) {
+            (Some((pid, host)), _) => {
+                format!("pgleader {pid}@{host} (backend {})", self.backend_pid)
+            }
+            (None, Some(name)) if !name.is_empty() => {
+                format!("backend {} ({name:?})", self.backend_pid)
+            }
+            _ => format!("backend {}", self.backend_pid),
+        }
+    }
+
     fn describe(&self) -> String {
         let mut line = format!("backend pid {}", self.backend_pid);
         if let Some((pid, host)) = self.pgleader_process() {
@@ -169,6 +193,38 @@ impl LockStatus {
             "holder": self.holder.as_ref().map(Participant::to_json),
             "waiting": self.waiting.iter().map(Participant::to_json).collect::<Vec<_>>(),
         })
+    }
+
+    /// Who holds and who waits, in order: what `status --watch` compares. The holder's session
+    /// start is part of it, so that a new session with a recycled backend pid counts as new.
+    pub fn participants(&self) -> (Option<(i32, Option<&str>)>, Vec<i32>) {
+        (
+            self.holder
+                .as_ref()
+                .map(|holder| (holder.backend_pid, holder.backend_start.as_deref())),
+            self.waiting
+                .iter()
+                .map(|waiter| waiter.backend_pid)
+                .collect(),
+        )
+    }
+
+    /// The state on one line, for `status --watch`.
+    pub fn to_line(&self) -> String {
+        let mut line = format!("lock {}: ", self.lock);
+        match &self.holder {
+            Some(holder) => {
+                let _ = write!(line, "leader {}", holder.short());
+            }
+            None => line.push_str("free"),
+        }
+        if self.waiting.is_empty() {
+            line.push_str("; nobody waiting");
+        } else {
+            let waiting: Vec<String> = self.waiting.iter().map(Participant::short).collect();
+            let _ = write!(line, "; waiting: {}", waiting.join(", "));
+        }
+        line
     }
 
     pub fn to_text(&self) -> String {
