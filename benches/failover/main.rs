@@ -18,6 +18,7 @@
 mod harness;
 
 mod etcd;
+mod http;
 mod procfs;
 mod report;
 mod scenarios;
@@ -34,8 +35,11 @@ use crate::harness::Cluster;
 use crate::report::Report;
 use crate::tools::{PARTITION_ARGS, Pgleader, Tool};
 
-const USAGE: &str = "usage: cargo bench --bench failover [-- [--quick] [--runs N] [--out PATH]]
+const USAGE: &str =
+    "usage: cargo bench --bench failover [-- [--quick] [--only http] [--runs N] [--out PATH]]
   --quick     a few runs per scenario and short windows (CI); the report goes under target/
+  --only http only scenario 8 (the HTTP endpoint) and the idle cost with --http; the report
+              goes under target/ (BENCHMARKS.md is written by full runs only)
   --runs N    runs per scenario (default 20, or 3 with --quick)
   --out PATH  where to write the report (default BENCHMARKS.md, or target/.../BENCHMARKS.quick.md)";
 
@@ -43,6 +47,8 @@ const USAGE: &str = "usage: cargo bench --bench failover [-- [--quick] [--runs N
 #[derive(Debug)]
 struct Plan {
     quick: bool,
+    /// Only the HTTP endpoint's scenarios (`--only http`).
+    only_http: bool,
     /// Runs of each scenario whose runs take milliseconds.
     runs: usize,
     /// Runs of each scenario bound by a lease (seconds per run): the partition, and every
@@ -58,12 +64,17 @@ struct Plan {
 impl Plan {
     fn from_args() -> Result<Plan, String> {
         let mut quick = false;
+        let mut only_http = false;
         let mut runs = None;
         let mut out = None;
         let mut args = std::env::args().skip(1);
         while let Some(arg) = args.next() {
             match arg.as_str() {
                 "--quick" => quick = true,
+                "--only" => match args.next().as_deref() {
+                    Some("http") => only_http = true,
+                    other => return Err(format!("--only {other:?}: the one group is http")),
+                },
                 "--runs" => {
                     let value = args.next().ok_or("--runs needs a number")?;
                     runs = Some(
@@ -84,13 +95,16 @@ impl Plan {
         let runs = runs.unwrap_or(if quick { 3 } else { 20 });
         Ok(Plan {
             quick,
+            only_http,
             runs,
             lease_runs: if quick { 2 } else { runs },
             never_runs: if quick { 1 } else { 5.min(runs) },
             cost_window: Duration::from_secs(if quick { 5 } else { 60 }),
             scale_window: Duration::from_secs(if quick { 2 } else { 10 }),
             out: out.unwrap_or_else(|| {
-                if quick {
+                if only_http {
+                    PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("BENCHMARKS.http.md")
+                } else if quick {
                     PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("BENCHMARKS.quick.md")
                 } else {
                     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("BENCHMARKS.md")
@@ -137,6 +151,9 @@ fn main() -> ExitCode {
 }
 
 fn run(plan: &Plan) -> anyhow::Result<Report> {
+    if plan.only_http {
+        return run_http_only(plan);
+    }
     let began = Instant::now();
     let started = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
     etcd::ensure_installed()?;
@@ -185,6 +202,8 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
     for tool in tools {
         rows.extend(scenarios::start(tool, plan.runs));
     }
+    rows.extend(http::scrape(&pgleader, plan.runs * 10));
+    rows.extend(http::leader_after_kill9(&pgleader, plan.runs));
     sort_by_scenario(&mut rows);
 
     let mut costs = Vec::new();
@@ -196,6 +215,7 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
             Err(err) => eprintln!("bench:   failed: {err:#}"),
         }
     }
+    costs.extend(http_cost(&pgleader, plan));
 
     let mut scales = Vec::new();
     for n in [10, 50, 100] {
@@ -211,9 +231,10 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
 
     let report = Report {
         quick: plan.quick,
+        only: None,
         started,
         took: began.elapsed(),
-        environment: environment(&pgleader, &etcd),
+        environment: environment(&pgleader, Some(&etcd)),
         settings: settings(plan),
         rows,
         costs,
@@ -223,6 +244,54 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
         .write(&plan.out)
         .with_context(|| format!("cannot write {}", plan.out.display()))?;
     Ok(report)
+}
+
+/// Scenario 8 and the idle cost with `--http` alone, against a server of its own.
+fn run_http_only(plan: &Plan) -> anyhow::Result<Report> {
+    let began = Instant::now();
+    let started = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
+    eprintln!("bench: starting PostgreSQL");
+    let pgleader = Pgleader::new(Cluster::new("bench-http"));
+    pgleader.wait_until_server_is(Duration::from_secs(10))?;
+    let mut rows = http::scrape(&pgleader, plan.runs * 10);
+    rows.extend(http::leader_after_kill9(&pgleader, plan.runs));
+    // Without --http too, in the same run, to compare.
+    eprintln!("bench: 6. cost of an idle candidate (pgleader)");
+    let mut costs = pgleader.cost(plan.cost_window).unwrap_or_else(|err| {
+        eprintln!("bench:   failed: {err:#}");
+        Vec::new()
+    });
+    costs.extend(http_cost(&pgleader, plan));
+    let report = Report {
+        quick: plan.quick,
+        only: Some("8 and the idle cost with --http"),
+        started,
+        took: began.elapsed(),
+        environment: environment(&pgleader, None),
+        settings: settings(plan),
+        rows,
+        costs,
+        scales: Vec::new(),
+    };
+    report
+        .write(&plan.out)
+        .with_context(|| format!("cannot write {}", plan.out.display()))?;
+    Ok(report)
+}
+
+/// An idle leader and follower with `--http` on and nobody asking.
+fn http_cost(pgleader: &Pgleader, plan: &Plan) -> Vec<report::Cost> {
+    eprintln!("bench: 6. cost of an idle candidate (pgleader, --http on, not scraped)");
+    pgleader
+        .cost_with(
+            plan.cost_window,
+            &[http::HTTP],
+            ["leader, --http", "follower, --http"],
+        )
+        .unwrap_or_else(|err| {
+            eprintln!("bench:   failed: {err:#}");
+            Vec::new()
+        })
 }
 
 /// Scenario by scenario, pgleader first: the rows were produced tool by tool.
@@ -239,7 +308,7 @@ fn sort_by_scenario(rows: &mut [report::Row]) {
     });
 }
 
-fn environment(pgleader: &Pgleader, etcd: &Etcd) -> Vec<(&'static str, String)> {
+fn environment(pgleader: &Pgleader, etcd: Option<&Etcd>) -> Vec<(&'static str, String)> {
     let machine = procfs::Machine::read();
     let commit = Command::new("git")
         .args([
@@ -256,12 +325,7 @@ fn environment(pgleader: &Pgleader, etcd: &Etcd) -> Vec<(&'static str, String)> 
             || "unknown".into(),
             |out| String::from_utf8_lossy(&out.stdout).trim().to_owned(),
         );
-    let etcdctl = first_line(
-        Command::new("etcdctl")
-            .env("ETCDCTL_API", "3")
-            .arg("version"),
-    );
-    vec![
+    let mut environment = vec![
         ("CPU", machine.cpu),
         ("cores", machine.cores.to_string()),
         ("memory", machine.memory),
@@ -277,8 +341,16 @@ fn environment(pgleader: &Pgleader, etcd: &Etcd) -> Vec<(&'static str, String)> 
                 .server_version()
                 .unwrap_or_else(|err| format!("unknown ({err})")),
         ),
-        ("etcd", format!("{} ({etcdctl})", etcd.version)),
-    ]
+    ];
+    if let Some(etcd) = etcd {
+        let etcdctl = first_line(
+            Command::new("etcdctl")
+                .env("ETCDCTL_API", "3")
+                .arg("version"),
+        );
+        environment.push(("etcd", format!("{} ({etcdctl})", etcd.version)));
+    }
+    environment
 }
 
 /// The first line a command prints, empty if it cannot run.
