@@ -14,13 +14,14 @@ Exit status (run):
   the command's status   under --once, or after a shutdown that stopped it (128+N if killed by signal N)
   0                      shut down while no command was running; --no-wait found the lock busy (see --busy-exit-code)
   1                      fatal error (bad password, unknown database, TLS certificate that does not verify,
-                         unreachable database under --no-wait)
-  2                      usage error
+                         unreachable database under --no-wait, --http address that cannot be listened on)
+  2                      usage error (an --http address that does not parse, too)
   75                     --once: leadership was lost while the command ran
   126, 127               the command cannot be executed / was not found
 
 Exit status (status):
-  0 the lock is held, 3 the lock is free, 1 error, 2 usage error";
+  0 the lock is held, 3 the lock is free, 1 error, 2 usage error
+  with --watch: 0 when interrupted (TERM, INT), 1 error, 2 usage error";
 
 #[derive(Debug, Parser)]
 #[command(
@@ -196,7 +197,7 @@ pub struct RunArgs {
 
     /// Serve /leader, /healthz, /status and /metrics (Prometheus) over HTTP on this address
     /// and port: 127.0.0.1:9187 for this host only, 0.0.0.0:9187 or [::]:9187 for every
-    /// interface. Off unless given
+    /// interface (port 0: any free port, which the log names). Off unless given
     #[arg(long, value_name = "ADDR", value_parser = http_address, env = "PGLEADER_HTTP")]
     pub http: Option<SocketAddr>,
 
