@@ -316,7 +316,9 @@ fn a_real_prometheus_scrapes_the_replicas_and_evaluates_the_example_rules() {
     assert_eq!(result["metric"]["lock"], name.as_str(), "{leaders}");
     assert_eq!(result["value"][1], "1", "{leaders}");
 
-    // The example rules load and are evaluated without errors; none fires.
+    // The example rules load and are evaluated without errors, and none is pending or firing.
+    // (An evaluation that saw only the follower's series yet puts "no leader" in pending until
+    // the next one, a second later.)
     let deadline = Instant::now() + WAIT;
     loop {
         let rules = get(web, "/api/v1/rules").json();
@@ -325,15 +327,15 @@ fn a_real_prometheus_scrapes_the_replicas_and_evaluates_the_example_rules() {
             .cloned()
             .unwrap_or_default();
         assert_eq!(loaded.len(), 5, "{rules}");
-        if loaded.iter().all(|rule| rule["health"] == "ok") {
-            for rule in &loaded {
-                assert_eq!(rule["state"], "inactive", "{rule}");
-            }
+        if loaded
+            .iter()
+            .all(|rule| rule["health"] == "ok" && rule["state"] == "inactive")
+        {
             break;
         }
         assert!(
             Instant::now() < deadline && loaded.iter().all(|rule| rule["health"] != "err"),
-            "the example rules were not all evaluated without error: {rules}"
+            "the example rules were not all evaluated without error, or one stayed active: {rules}"
         );
         std::thread::sleep(Duration::from_millis(100));
     }
