@@ -115,7 +115,7 @@ _pgleader() {
             return 0
             ;;
         pgleader__subcmd__run)
-            opts="-d -v -q -h -V --lock-id --lock --database-url --once --no-wait --busy-exit-code --check-interval --check-timeout --kill-signal --kill-timeout --restart-delay --lease --takeover-delay --relinquish-after --relinquish-schedule --restart-fence --http --log-format --verbose --quiet --help --version"
+            opts="-d -v -q -h -V --lock-id --lock --database-url --once --no-wait --busy-exit-code --check-interval --check-timeout --kill-signal --kill-timeout --restart-delay --lease --takeover-delay --relinquish-after --relinquish-schedule --schedule --schedule-timezone --catch-up --retry-interrupted --ledger-table --restart-fence --http --log-format --verbose --quiet --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -177,6 +177,26 @@ _pgleader() {
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
+                --schedule)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --schedule-timezone)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --catch-up)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --retry-interrupted)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --ledger-table)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
                 --restart-fence)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
@@ -197,7 +217,7 @@ _pgleader() {
             return 0
             ;;
         pgleader__subcmd__status)
-            opts="-d -v -q -h -V --lock-id --lock --database-url --json --watch --log-format --verbose --quiet --help --version"
+            opts="-d -v -q -h -V --lock-id --lock --database-url --ledger-table --json --watch --log-format --verbose --quiet --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -216,6 +236,10 @@ _pgleader() {
                     return 0
                     ;;
                 -d)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --ledger-table)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;

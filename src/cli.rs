@@ -9,15 +9,23 @@ use clap::builder::BoolishValueParser;
 use clap::{ArgAction, ArgGroup, Args, Parser, Subcommand, ValueEnum};
 use nix::sys::signal::Signal;
 
+/// Each description is one line of its own, indented: clap wraps a long line of after-help text
+/// at the terminal's width and indents the continuation as deep as the line starts, so only
+/// this layout stays a clean table at any width.
 const AFTER_HELP: &str = "\
 Exit status (run):
-  the command's status   under --once, or after a shutdown that stopped it (128+N if killed by signal N)
-  0                      shut down while no command was running; --no-wait found the lock busy (see --busy-exit-code)
-  1                      fatal error (bad password, unknown database, TLS certificate that does not verify,
-                         unreachable database under --no-wait, --http address that cannot be listened on)
-  2                      usage error (an --http address that does not parse, too)
-  75                     --once: leadership was lost while the command ran
-  126, 127               the command cannot be executed / was not found
+  the command's status
+      under --once, or after a shutdown that stopped it (128+N if it was killed by signal N)
+  0
+      shut down while no command was running; --no-wait found the lock busy; --once --schedule found its occurrence claimed (see --busy-exit-code)
+  1
+      fatal error: bad password, unknown database, TLS certificate that does not verify, unreachable database under --no-wait, a ledger table that cannot be used, an --http address that cannot be listened on
+  2
+      usage error: an unknown option, an invalid value (an --http address that does not parse, too), a missing command
+  75
+      --once: leadership was lost while the command ran
+  126, 127
+      the command cannot be executed / was not found
 
 Exit status (status):
   0 the lock is held, 3 the lock is free, 1 error, 2 usage error
@@ -54,7 +62,10 @@ pub enum Command {
     Status(StatusArgs),
 }
 
+/// Global: accepted before or after the subcommand, and listed under their own heading so that
+/// they do not interleave with a subcommand's own options in its --help.
 #[derive(Debug, Args)]
+#[command(next_help_heading = "Global options")]
 pub struct LogArgs {
     /// Log format: one line of text per event, or one JSON object per line
     #[arg(
@@ -187,6 +198,47 @@ pub struct RunArgs {
     #[arg(long, value_name = "CRON", value_parser = parse_schedule, env = "PGLEADER_RELINQUISH_SCHEDULE", conflicts_with_all = ["once", "no_wait"])]
     pub relinquish_schedule: Option<croner::Cron>,
 
+    /// Run the command at the times of this cron expression instead of at once: five fields
+    /// ("0 3 * * *": daily at 03:00), six with seconds first, or @hourly, @daily, @weekly,
+    /// @monthly, @yearly. Each occurrence runs at most once across all replicas, on the database
+    /// server's clock; the leader keeps the lock between runs. With --once: run the occurrence
+    /// this timer fired for, unless a replica already claimed it
+    #[arg(long, value_name = "CRON", env = "PGLEADER_SCHEDULE", help_heading = "Scheduled jobs", conflicts_with_all = ["relinquish_after", "relinquish_schedule", "restart_delay"])]
+    pub schedule: Option<String>,
+
+    /// The time zone --schedule is read in: an IANA name such as Europe/Paris. Every replica of
+    /// a lock must use the same
+    #[arg(
+        long,
+        value_name = "TZ",
+        default_value = "UTC",
+        env = "PGLEADER_SCHEDULE_TIMEZONE",
+        help_heading = "Scheduled jobs",
+        requires = "schedule"
+    )]
+    pub schedule_timezone: String,
+
+    /// Run an occurrence that came while no leader could run it (the fleet or the database
+    /// down, a failover) if it is at most this old; only the most recent one, never a backlog.
+    /// Older ones are recorded as missed. 0 runs only occurrences a leader was waiting for
+    #[arg(long, value_name = "DURATION", default_value = "1h", value_parser = duration, env = "PGLEADER_CATCH_UP", help_heading = "Scheduled jobs", requires = "schedule")]
+    pub catch_up: Duration,
+
+    /// How many times an occurrence whose run was interrupted (its leader lost the lock or was
+    /// shut down) is started again by the next leader. 0: never, so no occurrence starts twice
+    #[arg(
+        long,
+        value_name = "COUNT",
+        default_value_t = 0,
+        env = "PGLEADER_RETRY_INTERRUPTED",
+        help_heading = "Scheduled jobs",
+        requires = "schedule"
+    )]
+    pub retry_interrupted: u32,
+
+    #[command(flatten)]
+    pub ledger: LedgerArgs,
+
     /// After winning less than this long after a server restart, crash or failover (which free
     /// every lock at once, possibly while the previous leader is still stopping its command),
     /// wait until this long has passed before starting the command. auto = --check-interval +
@@ -201,15 +253,33 @@ pub struct RunArgs {
     #[arg(long, value_name = "ADDR", value_parser = http_address, env = "PGLEADER_HTTP")]
     pub http: Option<SocketAddr>,
 
-    /// The command to run, with its arguments
+    /// The command to run, with its arguments, which are passed on untouched (options included).
+    /// A command whose name starts with "-" must follow --
+    // No allow_hyphen_values: an unknown option before the command must be a usage error (with
+    // a suggestion), not a command that is not found. trailing_var_arg still hands everything
+    // after the first word to the command, options included.
     #[arg(
         value_name = "COMMAND",
         required = true,
         num_args = 1..,
-        trailing_var_arg = true,
-        allow_hyphen_values = true
+        trailing_var_arg = true
     )]
     pub command: Vec<OsString>,
+}
+
+/// Where scheduled runs are recorded.
+#[derive(Debug, Args)]
+pub struct LedgerArgs {
+    /// The table that records each scheduled occurrence (created when missing), optionally
+    /// with its schema: ops.pgleader_ledger
+    #[arg(
+        long,
+        value_name = "TABLE",
+        default_value = "pgleader_ledger",
+        env = "PGLEADER_LEDGER_TABLE",
+        help_heading = "Scheduled jobs"
+    )]
+    pub ledger_table: String,
 }
 
 #[derive(Debug, Args)]
@@ -219,6 +289,9 @@ pub struct StatusArgs {
 
     #[command(flatten)]
     pub connection: ConnectionArgs,
+
+    #[command(flatten)]
+    pub ledger: LedgerArgs,
 
     /// Print JSON instead of text
     #[arg(long)]

@@ -8,10 +8,13 @@ use std::time::Duration;
 use nix::sys::signal::Signal;
 use thiserror::Error;
 
-use crate::cli::{ConnectionArgs, LockArgs, RestartFence, RunArgs};
+use crate::cli::{ConnectionArgs, LedgerArgs, LockArgs, RestartFence, RunArgs};
 use crate::connect::conninfo::{self, ConnSettings, Environment};
 use crate::election::lease::Lease;
 use crate::election::lock::LockKey;
+use crate::schedule::Plan;
+use crate::schedule::calendar::Schedule;
+use crate::schedule::ledger::TableName;
 use crate::supervise::job::CommandLine;
 
 /// A usage error: the message says what is wrong; pgleader exits with 2.
@@ -41,6 +44,8 @@ pub struct RunConfig {
     pub restart_fence: Duration,
     pub relinquish_after: Option<Duration>,
     pub relinquish_schedule: Option<croner::Cron>,
+    /// `--schedule` and its companions.
+    pub schedule: Option<Plan>,
     /// Where to serve /leader, /healthz, /status and /metrics, if anywhere.
     pub http: Option<SocketAddr>,
 }
@@ -65,10 +70,27 @@ impl RunConfig {
         lease
             .validate(args.check_interval, args.check_timeout, args.kill_timeout)
             .map_err(UsageError)?;
+        let schedule = match &args.schedule {
+            Some(expression) => Some(Plan {
+                schedule: Schedule::parse(expression, &args.schedule_timezone)
+                    .map_err(|err| UsageError(format!("--schedule: {err}")))?,
+                catch_up: args.catch_up,
+                retry_interrupted: args.retry_interrupted,
+                table: ledger_table(&args.ledger)?,
+                once: args.once || args.no_wait,
+            }),
+            None => None,
+        };
         let command = CommandLine::resolve(args.command, std::env::var_os("PATH").as_deref())?;
         let config = RunConfig {
             lock,
-            application_name: application_name(connection.settings.application_name.as_deref()),
+            application_name: scheduled_application_name(
+                connection.settings.application_name.as_deref(),
+                schedule
+                    .as_ref()
+                    .map(|plan| plan.schedule.fingerprint())
+                    .as_deref(),
+            ),
             connection: connection.settings,
             command,
             once: args.once || args.no_wait,
@@ -83,6 +105,7 @@ impl RunConfig {
             takeover_delay: args.takeover_delay,
             relinquish_after: args.relinquish_after,
             relinquish_schedule: args.relinquish_schedule,
+            schedule,
             http: args.http,
             restart_fence: match args.restart_fence {
                 RestartFence::Fixed(duration) => duration,
@@ -141,19 +164,36 @@ pub fn connection(args: &ConnectionArgs, env: &dyn Environment) -> Result<Connec
     Ok(Connection { settings, warnings })
 }
 
+/// The ledger table of `--ledger-table`.
+pub fn ledger_table(args: &LedgerArgs) -> Result<TableName, UsageError> {
+    TableName::parse(&args.ledger_table).map_err(|err| UsageError(format!("--ledger-table: {err}")))
+}
+
 /// `<name>:<pid>@<host>`, where name is the user's application_name or "pgleader"; at most 63
-/// bytes, the server's limit.
+/// bytes, the server's limit. A scheduled pgleader adds its schedule's fingerprint to the name
+/// (`pgleader#1a2b3c4d:<pid>@<host>`), so that a leader can tell whether the replicas waiting
+/// behind it agree with it on the schedule.
 pub fn application_name(user_given: Option<&str>) -> String {
+    scheduled_application_name(user_given, None)
+}
+
+/// [`application_name`] with a schedule's fingerprint.
+pub fn scheduled_application_name(user_given: Option<&str>, fingerprint: Option<&str>) -> String {
     let host = nix::unistd::gethostname()
         .ok()
         .and_then(|name| name.into_string().ok())
         .unwrap_or_else(|| "unknown".into());
-    let mut name = format!(
-        "{}:{}@{}",
-        user_given.unwrap_or("pgleader"),
-        std::process::id(),
-        host
-    );
+    let mut prefix = user_given.unwrap_or("pgleader").to_owned();
+    if let Some(fingerprint) = fingerprint {
+        // The fingerprint must survive the cut at 63 bytes.
+        let mut cut = prefix.len().min(32);
+        while !prefix.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        prefix.truncate(cut);
+        prefix = format!("{prefix}#{fingerprint}");
+    }
+    let mut name = format!("{prefix}:{}@{}", std::process::id(), host);
     if name.len() > 63 {
         let mut cut = 63;
         while !name.is_char_boundary(cut) {

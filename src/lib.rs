@@ -12,6 +12,7 @@ pub mod connect;
 pub mod election;
 pub mod exit;
 pub mod operate;
+pub mod schedule;
 pub mod supervise;
 
 use anyhow::Context;
@@ -45,7 +46,7 @@ async fn run(args: RunArgs) -> anyhow::Result<u8> {
         lock: config.lock.clone(),
         connection: config.connection.to_string(),
         check_deadline: config.check_interval + config.check_timeout,
-        scheduled: false,
+        schedule: config.schedule.as_ref().map(|plan| plan.schedule.clone()),
     });
     // Bound before the election: a port that is taken stops pgleader before it can win.
     if let Some(address) = config.http {
@@ -62,15 +63,18 @@ async fn status(args: StatusArgs) -> anyhow::Result<u8> {
     for warning in connection.warnings {
         warn!(event = "config", "{warning}");
     }
+    let ledger = config::ledger_table(&args.ledger)?;
     if args.watch {
         return watch::watch(&lock, &connection.settings, args.json).await;
     }
-    let status = status::read(&lock, &connection.settings).await?;
-    if args.json {
-        println!("{}", status.to_json());
+    let status = status::read(&lock, &connection.settings, &ledger).await?;
+    let text = if args.json {
+        format!("{}\n", status.to_json())
     } else {
-        print!("{}", status.to_text());
-    }
+        status.to_text()
+    };
+    // A reader that went away (`| head`) is no reason to panic.
+    let _ = std::io::Write::write_all(&mut std::io::stdout(), text.as_bytes());
     Ok(if status.is_held() {
         exit::SUCCESS
     } else {

@@ -1,4 +1,4 @@
-//! Scenario 8, issue 10's: what the HTTP endpoint (`--http`) costs and how fast it tells the
+//! Scenario 9, issue 10's: what the HTTP endpoint (`--http`) costs and how fast it tells the
 //! truth. The idle cost with `--http` on goes into the cost table beside the cost without it;
 //! here, a scrape of `/metrics`, and how soon after a kill -9 the new leader's `/leader`
 //! answers 200 compared with the moment its command started, while a client asks it without
@@ -32,7 +32,7 @@ fn address(candidate: &Candidate) -> anyhow::Result<SocketAddr> {
 /// `GET /metrics` on an idle leader, `runs` times, each on a new connection: from the
 /// connection to the end of the answer.
 pub fn scrape(pgleader: &Pgleader, runs: usize) -> Vec<Row> {
-    let scenario = "8. --http: GET /metrics of an idle leader";
+    let scenario = "9. --http: GET /metrics of an idle leader";
     eprintln!("bench: {scenario} ({runs} scrapes)");
     let mut figures = Figures::default();
     let measured = (|| {
@@ -72,7 +72,7 @@ pub fn scrape(pgleader: &Pgleader, runs: usize) -> Vec<Row> {
 /// answer turns 200, relative to the line the new command printed when it started (negative:
 /// `/leader` said 200 before that line arrived), and how long the failover itself took.
 pub fn leader_after_kill9(pgleader: &Pgleader, runs: usize) -> Vec<Row> {
-    let scenario = "8. --http: kill -9 of the leader, /leader of the follower polled";
+    let scenario = "9. --http: kill -9 of the leader, /leader of the follower polled";
     eprintln!("bench: {scenario}");
     let mut turned = Figures::default();
     let mut next = Figures::default();

@@ -22,6 +22,7 @@ mod http;
 mod procfs;
 mod report;
 mod scenarios;
+mod scheduled;
 mod tools;
 
 use std::path::PathBuf;
@@ -38,7 +39,7 @@ use crate::tools::{PARTITION_ARGS, Pgleader, Tool};
 const USAGE: &str =
     "usage: cargo bench --bench failover [-- [--quick] [--only http] [--runs N] [--out PATH]]
   --quick     a few runs per scenario and short windows (CI); the report goes under target/
-  --only http only scenario 8 (the HTTP endpoint) and the idle cost with --http; the report
+  --only http only scenario 9 (the HTTP endpoint) and the idle cost with --http; the report
               goes under target/ (BENCHMARKS.md is written by full runs only)
   --runs N    runs per scenario (default 20, or 3 with --quick)
   --out PATH  where to write the report (default BENCHMARKS.md, or target/.../BENCHMARKS.quick.md)";
@@ -202,8 +203,6 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
     for tool in tools {
         rows.extend(scenarios::start(tool, plan.runs));
     }
-    rows.extend(http::scrape(&pgleader, plan.runs * 10));
-    rows.extend(http::leader_after_kill9(&pgleader, plan.runs));
     sort_by_scenario(&mut rows);
 
     let mut costs = Vec::new();
@@ -229,6 +228,19 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
         }
     }
 
+    rows.push(scheduled::on_time(&pgleader, plan.runs));
+    rows.push(scheduled::after_kill9(&pgleader, plan.runs));
+    match scheduled::idle_cost(&pgleader, plan.cost_window) {
+        Ok(cost) => costs.push(cost),
+        Err(err) => eprintln!("bench:   failed: {err:#}"),
+    }
+    let timers = scheduled::timers(&pgleader, plan.runs).unwrap_or_else(|err| {
+        eprintln!("bench:   the timers failed: {err:#}");
+        Vec::new()
+    });
+    rows.extend(http::scrape(&pgleader, plan.runs * 10));
+    rows.extend(http::leader_after_kill9(&pgleader, plan.runs));
+
     let report = Report {
         quick: plan.quick,
         only: None,
@@ -239,6 +251,7 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
         rows,
         costs,
         scales,
+        timers,
     };
     report
         .write(&plan.out)
@@ -246,7 +259,7 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
     Ok(report)
 }
 
-/// Scenario 8 and the idle cost with `--http` alone, against a server of its own.
+/// Scenario 9 and the idle cost with `--http` alone, against a server of its own.
 fn run_http_only(plan: &Plan) -> anyhow::Result<Report> {
     let began = Instant::now();
     let started = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
@@ -264,7 +277,7 @@ fn run_http_only(plan: &Plan) -> anyhow::Result<Report> {
     costs.extend(http_cost(&pgleader, plan));
     let report = Report {
         quick: plan.quick,
-        only: Some("8 and the idle cost with --http"),
+        only: Some("9 and the idle cost with --http"),
         started,
         took: began.elapsed(),
         environment: environment(&pgleader, None),
@@ -272,6 +285,7 @@ fn run_http_only(plan: &Plan) -> anyhow::Result<Report> {
         rows,
         costs,
         scales: Vec::new(),
+        timers: Vec::new(),
     };
     report
         .write(&plan.out)

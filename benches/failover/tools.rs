@@ -104,6 +104,19 @@ impl Candidate {
             .map(|(_, at)| at)
     }
 
+    /// The `n`-th line on `stream` containing `needle` (after `since`, if given), and when it
+    /// arrived.
+    pub fn line(
+        &self,
+        stream: Stream,
+        needle: &str,
+        n: usize,
+        since: Option<Instant>,
+        timeout: Duration,
+    ) -> Option<(String, Instant)> {
+        self.proc.wait_line(stream, needle, n, since, timeout)
+    }
+
     /// A log line of the tool's own (stderr).
     pub fn logged(&self, needle: &str, timeout: Duration) -> Option<String> {
         self.proc
@@ -166,7 +179,7 @@ impl Pgleader {
         Pgleader { cluster, admin }
     }
 
-    fn admin(&self) -> std::sync::MutexGuard<'_, postgres::Client> {
+    pub fn admin(&self) -> std::sync::MutexGuard<'_, postgres::Client> {
         self.admin
             .lock()
             .unwrap_or_else(|poison| poison.into_inner())
@@ -260,7 +273,7 @@ impl Pgleader {
 
     /// Makes the server log every statement with the pid of the backend that ran it, so that
     /// statements can be counted per session; or stops it.
-    fn log_statements(&self, on: bool) -> anyhow::Result<()> {
+    pub fn log_statements(&self, on: bool) -> anyhow::Result<()> {
         let mut admin = self.admin();
         // ALTER SYSTEM refuses to run in a transaction block: one statement at a time.
         let statements: &[&str] = if on {
@@ -285,7 +298,7 @@ impl Pgleader {
     }
 
     /// Statements per backend pid in the server log from byte `from` on.
-    fn statements_since(&self, from: usize) -> HashMap<i32, u64> {
+    pub fn statements_since(&self, from: usize) -> HashMap<i32, u64> {
         let log = self.cluster.log();
         let mut counts = HashMap::new();
         for line in log.get(from..).unwrap_or_default().lines() {

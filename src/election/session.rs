@@ -12,6 +12,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use chrono::{DateTime, Utc};
+
 use thiserror::Error;
 use tokio::task::JoinHandle;
 use tokio_postgres::Client;
@@ -61,6 +63,8 @@ pub enum SessionError {
 pub struct Fence {
     /// The fencing token handed to the command as PGLEADER_EPOCH.
     pub epoch: i64,
+    /// The server's clock when it handed out the token.
+    pub server_time: DateTime<Utc>,
     /// How long ago the server last started or reset after a crash.
     pub since_server_reset: Duration,
 }
@@ -70,6 +74,13 @@ pub struct Fence {
 pub enum Confirmation {
     Held,
     NotHeld,
+}
+
+/// A check's answer: whether the lock is still held, and the server's clock when it looked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Check {
+    pub confirmation: Confirmation,
+    pub server_time: DateTime<Utc>,
 }
 
 /// An open session, with the task that drives its connection.
@@ -94,7 +105,7 @@ const SETUP_IDENTITY: &str = "SELECT pg_catalog.pg_backend_pid(), pg_catalog.pg_
 const WAIT_SQL: &str = "SELECT pg_catalog.pg_advisory_lock($1), pg_catalog.pg_backend_pid()";
 const TRY_SQL: &str = "SELECT pg_catalog.pg_try_advisory_lock($1), pg_catalog.pg_backend_pid()";
 const UNLOCK_SQL: &str = "SELECT pg_catalog.pg_advisory_unlock($1)";
-const CONFIRM_SQL: &str = "SELECT pg_catalog.pg_backend_pid(), EXISTS (\
+const CONFIRM_SQL: &str = "SELECT pg_catalog.pg_backend_pid(), pg_catalog.clock_timestamp(), EXISTS (\
        SELECT FROM pg_catalog.pg_locks \
        WHERE locktype = 'advisory' AND granted AND pid = pg_catalog.pg_backend_pid() \
          AND database = (SELECT oid FROM pg_catalog.pg_database \
@@ -245,7 +256,7 @@ impl Session {
     pub fn confirm(
         &self,
         key: &LockKey,
-    ) -> impl Future<Output = Result<Confirmation, SessionError>> + 'static {
+    ) -> impl Future<Output = Result<Check, SessionError>> + 'static {
         let client = self.client.clone();
         let (expected, classid, objid) = (self.backend_pid, key.classid(), key.objid());
         async move {
@@ -257,10 +268,13 @@ impl Session {
                 .first()
                 .ok_or_else(|| SessionError::Query("the ownership check returned no row".into()))?;
             same_backend(expected, row.get(0))?;
-            Ok(if row.get(1) {
-                Confirmation::Held
-            } else {
-                Confirmation::NotHeld
+            Ok(Check {
+                confirmation: if row.get(2) {
+                    Confirmation::Held
+                } else {
+                    Confirmation::NotHeld
+                },
+                server_time: row.get(1),
             })
         }
     }
@@ -290,7 +304,8 @@ impl Session {
                     pg_catalog.pg_logical_emit_message(true, 'pgleader', 'epoch') IS NOT NULL, \
                     extract(epoch FROM pg_catalog.clock_timestamp() - GREATEST(\
                         pg_catalog.pg_postmaster_start_time(), \
-                        (SELECT stats_reset FROM pg_catalog.pg_stat_bgwriter)))::float8"
+                        (SELECT stats_reset FROM pg_catalog.pg_stat_bgwriter)))::float8, \
+                    pg_catalog.clock_timestamp()"
         );
         let row = self
             .client
@@ -300,8 +315,14 @@ impl Session {
         let since_reset: f64 = row.get(2);
         Ok(Fence {
             epoch: row.get(0),
+            server_time: row.get(3),
             since_server_reset: Duration::try_from_secs_f64(since_reset).unwrap_or(Duration::ZERO),
         })
+    }
+
+    /// The driver's client, for statements a leader runs on its own session (the ledger's).
+    pub fn client(&self) -> Arc<Client> {
+        self.client.clone()
     }
 
     /// How long ago this session was established.

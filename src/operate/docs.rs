@@ -35,15 +35,15 @@ const SECTIONS: &[Section] = &[
             ),
             Entry(
                 "0",
-                "Shut down while no command was running. Also --no-wait when another instance holds the lock, unless --busy-exit-code says otherwise.",
+                "Shut down while no command was running. Also --no-wait when another instance holds the lock, and --once --schedule when its occurrence is already claimed or none is due, unless --busy-exit-code says otherwise.",
             ),
             Entry(
                 "1",
-                "A fatal error: authentication failed, the database does not exist, the server's TLS certificate does not verify, the connection goes through a transaction-mode pooler, the database is unreachable under --no-wait. Also an --http address that cannot be listened on (the port is taken, the address is not this host's), reported before the election.",
+                "A fatal error: authentication failed, the database does not exist, the server's TLS certificate does not verify, the connection goes through a transaction-mode pooler, the database is unreachable under --no-wait. With --schedule: the ledger table cannot be created or used; under --once, this timer's schedule disagrees with the one the lock's replicas established. Also an --http address that cannot be listened on (the port is taken, the address is not this host's), reported before the election.",
             ),
             Entry(
                 "2",
-                "A usage error: an invalid option value (an --http address that does not parse, too), a missing command, timings that do not fit inside the lease.",
+                "A usage error: an unknown option (before the command, every argument that starts with \"-\" is an option; a command whose name starts with \"-\" must follow --), an invalid option value (an --http address that does not parse, too), a missing command, timings that do not fit inside the lease.",
             ),
             Entry(
                 "75",
@@ -76,6 +76,14 @@ const SECTIONS: &[Section] = &[
                 "PGLEADER_EPOCH",
                 "A fencing token: a number that strictly increases from one leadership of the lock to the next (a transaction id taken right after winning). A resource the command writes to can refuse writes that carry an older epoch than one it has already seen.",
             ),
+            Entry(
+                "PGLEADER_SCHEDULED_TIME",
+                "With --schedule: the occurrence the command runs for, in RFC 3339 and UTC (2026-11-23T02:00:00Z). The same on every attempt at that occurrence: an idempotency key.",
+            ),
+            Entry(
+                "PGLEADER_ATTEMPT",
+                "With --schedule: 1, or more when --retry-interrupted starts an interrupted occurrence again.",
+            ),
         ],
     },
     Section {
@@ -99,6 +107,36 @@ const SECTIONS: &[Section] = &[
             Entry(
                 "~/.pgpass",
                 "Passwords, with libpq's format and rules; a file that group or others can read is ignored with a warning.",
+            ),
+        ],
+    },
+    Section {
+        heading: "SCHEDULED JOBS",
+        body: &[
+            Para(
+                "With --schedule, each occurrence of a cron schedule starts at most once across every replica and timer of the lock. Occurrences are instants on the database server's clock: each leader measures its offset from the server at every check and waits on its own monotonic clock, so a replica whose clock is off neither runs early, nor late, nor twice. Before the command starts, the leader claims the occurrence in the ledger table (--ledger-table, created when missing) on its own session while it holds the lock; a claimed occurrence is never started again, except by --retry-interrupted.",
+            ),
+            Para(
+                "As a service (without --once) the leader runs the command at each occurrence and keeps the lock between runs; the others wait in the lock's queue and take over within milliseconds. A failing command does not end the service. From a timer (--once) pgleader runs the occurrence the timer fired for (the most recent one, or one at most a minute ahead on the server's clock) and exits with the command's status, or at once with --busy-exit-code if a replica has claimed it or holds the lock.",
+            ),
+            Entry(
+                "missed",
+                "An occurrence that came while no leader could run it is run by the next leader if it is at most --catch-up old (only the most recent one); an older one is recorded as missed.",
+            ),
+            Entry(
+                "skipped",
+                "An occurrence that comes while the previous run is still going is not started and is recorded as skipped.",
+            ),
+            Entry(
+                "interrupted",
+                "A run whose leader lost the lock, or was shut down, is stopped as always and recorded as interrupted. It is started again by the next leader only under --retry-interrupted, with the same PGLEADER_SCHEDULED_TIME and a new PGLEADER_EPOCH.",
+            ),
+            Entry(
+                "disagreement",
+                "Each scheduled pgleader shows a fingerprint of its schedule and time zone in its application_name. A leader whose schedule differs from the one that ran last, while a replica with that one is still connected, does not run its version: a service hands the lock over, a timer exits 1. Once no replica with the old schedule is left, the new one takes over.",
+            ),
+            Para(
+                "The ledger keeps the newest 100 rows of each lock. pgleader status shows the schedule, the next occurrence and the last runs. README.md gives the table's definition and the grants for a role that may not create tables.",
             ),
         ],
     },
@@ -138,7 +176,7 @@ const SECTIONS: &[Section] = &[
             ),
             Entry(
                 "GET /leader",
-                "200 while this instance leads: it holds the lock and its command runs. 503 otherwise, with what it does instead. During a --takeover-delay or --restart-fence wait the instance holds the lock (pgleader_is_leader is 1) but /leader stays 503 until the command runs. For readiness probes that send traffic to the leader only, HAProxy's httpchk, vip-manager.",
+                "200 while this instance leads: it holds the lock and its command runs (with --schedule: it holds the lock, between runs too). 503 otherwise, with what it does instead. During a --takeover-delay or --restart-fence wait the instance holds the lock (pgleader_is_leader is 1) but /leader stays 503 until the command runs. For readiness probes that send traffic to the leader only, HAProxy's httpchk, vip-manager.",
             ),
             Entry(
                 "GET /healthz",
@@ -146,11 +184,11 @@ const SECTIONS: &[Section] = &[
             ),
             Entry(
                 "GET /status",
-                "One JSON object: version, role (connecting, follower, leader, stepping_down, idle, shutting_down), since, leader, healthy, problem, lock (key, name), connection, pid, host, backend_pid, epoch (of the current or last leadership), last_check, command (state: not_running, waiting, running or stopping; pid, started_at, last_exit), schedule (null).",
+                "One JSON object: version, role (connecting, follower, leader, stepping_down, idle, shutting_down), since, leader, healthy, problem, lock (key, name), connection, pid, host, backend_pid, epoch (of the current or last leadership), last_check, command (state: not_running, waiting, running or stopping; pid, started_at, last_exit), schedule (with --schedule: expression, timezone, next_occurrence on this host's clock, last_runs this instance claimed or recorded; else null).",
             ),
             Entry(
                 "GET /metrics",
-                "Prometheus' text format, version 0.0.4. Every series carries the label lock (the name with --lock, the key with --lock-id). pgleader_info{version,lock_key,lock_name} (gauge, 1); pgleader_is_leader (gauge); pgleader_epoch (gauge); pgleader_leadership_acquired_total (counter); pgleader_leadership_lost_total{reason} (counter; reason: connection_ended, check_failed, check_timeout, not_held, command_exited, relinquished, shutdown); pgleader_last_check_success_timestamp_seconds (gauge); pgleader_check_duration_seconds (histogram); pgleader_command_running (gauge); pgleader_command_exits_total{outcome} (counter; outcome: succeeded, failed, signaled); pgleader_connection_failures_total (counter).",
+                "Prometheus' text format, version 0.0.4. Every series carries the label lock (the name with --lock, the key with --lock-id). pgleader_info{version,lock_key,lock_name} (gauge, 1); pgleader_is_leader (gauge); pgleader_epoch (gauge); pgleader_leadership_acquired_total (counter); pgleader_leadership_lost_total{reason} (counter; reason: connection_ended, check_failed, check_timeout, not_held, command_exited, relinquished, ledger_failed, shutdown); pgleader_last_check_success_timestamp_seconds (gauge); pgleader_check_duration_seconds (histogram); pgleader_command_running (gauge); pgleader_command_exits_total{outcome} (counter; outcome: succeeded, failed, signaled); pgleader_connection_failures_total (counter); with --schedule, pgleader_scheduled_runs_total{outcome} (counter; outcome: succeeded, failed, interrupted, skipped, missed, busy; each ledger outcome counted by the instance that recorded it).",
             ),
             Para(
                 "The endpoint runs beside the election on pgleader's one thread and only reads what the election publishes, so no client can delay a check, a stop or a handoff. At most 64 connections are served at once (one more is closed at once), a request head may be at most 8 KiB and must arrive within 5 s, and no connection is kept longer than 30 s.",
@@ -235,6 +273,14 @@ const SECTIONS: &[Section] = &[
                 "From cron on every host: whichever host wins runs the job; the others exit 0 at once.",
             ),
             Entry(
+                "pgleader run --lock nightly --schedule '0 3 * * *' --schedule-timezone Europe/Paris -- ./nightly-job.sh",
+                "On every replica: the job runs once a night at 03:00 Paris time, on whichever replica leads.",
+            ),
+            Entry(
+                "pgleader run --once --lock nightly --schedule '0 3 * * *' --schedule-timezone Europe/Paris -- ./nightly-job.sh",
+                "From cron or a systemd timer on every host: the first timer runs that night's occurrence; later ones exit 0 at once.",
+            ),
+            Entry(
                 "pgleader run --lock consumer --relinquish-schedule '0 0 * * *' -- ./consume",
                 "Hand the consumer over to the next replica every midnight.",
             ),
@@ -263,11 +309,15 @@ pub fn man_page() -> String {
     let mut options = Vec::new();
     man.render_options_section(&mut options).expect("in memory");
     let mut text = String::from_utf8(out).expect("roff is UTF-8");
-    text.push_str(&String::from_utf8_lossy(&options).replacen(
-        ".SH OPTIONS",
-        ".SH \"GLOBAL OPTIONS\"",
-        1,
-    ));
+    // clap_mangen lists -h and -V under OPTIONS, then the options with a help heading under it;
+    // at the top level every option is global, so one section holds them all.
+    let options = String::from_utf8_lossy(&options);
+    let (help_and_version, global) = options
+        .split_once(".SH \"GLOBAL OPTIONS\"\n")
+        .expect("the global options have their help heading");
+    text.push_str(".SH \"GLOBAL OPTIONS\"\n");
+    text.push_str(global);
+    text.push_str(&help_and_version.replacen(".SH OPTIONS\n", "", 1));
 
     for sub in top.get_subcommands() {
         let name = sub.get_name().to_owned();

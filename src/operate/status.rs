@@ -4,7 +4,8 @@
 //! pgleader names its sessions `<name>:<pid>@<host>` (see `config.rs`), so the holder's host
 //! and pid show up here without any table of pgleader's own. Waiters are listed in the order
 //! the server will grant them the lock (by `pg_locks.waitstart`, PostgreSQL 14+; by the start
-//! of their query before that).
+//! of their query before that). For a scheduled lock it adds the ledger's view (see
+//! `schedule/report.rs`): the schedule, the next occurrence and the last runs.
 
 use std::fmt::Write as _;
 
@@ -16,6 +17,9 @@ use crate::config;
 use crate::connect::conninfo::ConnSettings;
 use crate::election::lock::LockKey;
 use crate::election::session::{self, ConnectError, PlainClient, describe};
+use crate::schedule::agreement::fingerprint_in;
+use crate::schedule::ledger::TableName;
+use crate::schedule::report::{self, ScheduleReport};
 
 /// One session holding or waiting for the lock.
 #[derive(Debug, Clone, PartialEq)]
@@ -35,6 +39,8 @@ pub struct LockStatus {
     pub lock: LockKey,
     pub holder: Option<Participant>,
     pub waiting: Vec<Participant>,
+    /// For a scheduled lock: its schedule and last runs, from the ledger.
+    pub schedule: Option<ScheduleReport>,
 }
 
 const STATUS_SQL: &str = "\
@@ -48,12 +54,22 @@ SELECT l.pid, l.granted, a.application_name, host(a.client_addr), a.client_port,
    AND l.classid = $1 AND l.objid = $2 AND l.objsubid = 1
  ORDER BY l.granted DESC, COALESCE(%WAITSTART%, a.query_start), l.pid";
 
-/// Reads the lock's status.
-pub async fn read(lock: &LockKey, connection: &ConnSettings) -> anyhow::Result<LockStatus> {
+/// Reads the lock's status, and its ledger if it is a scheduled lock.
+pub async fn read(
+    lock: &LockKey,
+    connection: &ConnSettings,
+    ledger: &TableName,
+) -> anyhow::Result<LockStatus> {
     let client = connect(connection)
         .await
         .with_context(|| format!("cannot connect to {connection}"))?;
-    query(&client, lock).await
+    let mut status = query(&client, lock).await?;
+    let holder_pid = status.holder.as_ref().map(|holder| holder.backend_pid);
+    status.schedule = report::read(&client.client, ledger, lock, holder_pid)
+        .await
+        .map_err(anyhow::Error::from)
+        .context("cannot read the ledger")?;
+    Ok(status)
 }
 
 /// A connection for reading the status, named `pgleader-status:<pid>@<host>`.
@@ -65,7 +81,7 @@ pub async fn connect(connection: &ConnSettings) -> Result<PlainClient, ConnectEr
     .await
 }
 
-/// Reads the lock's status on an open connection.
+/// Reads who holds and who waits for the lock on an open connection (not the ledger).
 pub async fn query(client: &PlainClient, lock: &LockKey) -> anyhow::Result<LockStatus> {
     let major = client.server_major;
     let waitstart = if major >= 14 {
@@ -108,6 +124,7 @@ pub async fn query(client: &PlainClient, lock: &LockKey) -> anyhow::Result<LockS
         lock: lock.clone(),
         holder,
         waiting,
+        schedule: None,
     })
 }
 
@@ -128,6 +145,7 @@ impl Participant {
             "application_name": self.application_name,
             "pgleader_pid": process.map(|(pid, _)| pid),
             "pgleader_host": process.map(|(_, host)| host),
+            "schedule_fingerprint": self.application_name.as_deref().and_then(fingerprint_in),
             "client_address": self.client_address,
             "client_port": self.client_port,
             "backend_start": self.backend_start,
@@ -152,6 +170,9 @@ impl Participant {
         let mut line = format!("backend pid {}", self.backend_pid);
         if let Some((pid, host)) = self.pgleader_process() {
             let _ = write!(line, ", pgleader pid {pid} on {host}");
+            if let Some(fingerprint) = self.application_name.as_deref().and_then(fingerprint_in) {
+                let _ = write!(line, ", schedule {fingerprint}");
+            }
         } else if let Some(name) = &self.application_name
             && !name.is_empty()
         {
@@ -192,6 +213,7 @@ impl LockStatus {
             "held": self.is_held(),
             "holder": self.holder.as_ref().map(Participant::to_json),
             "waiting": self.waiting.iter().map(Participant::to_json).collect::<Vec<_>>(),
+            "schedule": self.schedule.as_ref().map(ScheduleReport::to_json),
         })
     }
 
@@ -243,6 +265,9 @@ impl LockStatus {
         }
         if self.waiting.is_empty() {
             let _ = writeln!(text, "  nobody is waiting");
+        }
+        if let Some(schedule) = &self.schedule {
+            schedule.write_text(&mut text);
         }
         text
     }

@@ -18,6 +18,7 @@ use tokio::sync::watch;
 use crate::election::lock::LockKey;
 use crate::exit::ChildStatus;
 use crate::operate::metrics::Metrics;
+use crate::schedule::calendar::{self, Schedule};
 
 /// What this instance is doing in the election.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -63,20 +64,24 @@ pub enum LossReason {
     NotHeld,
     /// The command exited on its own (or could not start).
     CommandExited,
-    /// A planned handoff (--relinquish-after, --relinquish-schedule).
+    /// A planned handoff (--relinquish-after, --relinquish-schedule), or the lock given up
+    /// because the replicas disagree on the schedule or a timer had nothing to run.
     Relinquished,
+    /// A statement on the schedule's ledger failed.
+    LedgerFailed,
     /// TERM or INT.
     Shutdown,
 }
 
 impl LossReason {
-    pub const ALL: [LossReason; 7] = [
+    pub const ALL: [LossReason; 8] = [
         LossReason::ConnectionEnded,
         LossReason::CheckFailed,
         LossReason::CheckTimeout,
         LossReason::NotHeld,
         LossReason::CommandExited,
         LossReason::Relinquished,
+        LossReason::LedgerFailed,
         LossReason::Shutdown,
     ];
 
@@ -88,6 +93,7 @@ impl LossReason {
             LossReason::NotHeld => "not_held",
             LossReason::CommandExited => "command_exited",
             LossReason::Relinquished => "relinquished",
+            LossReason::LedgerFailed => "ledger_failed",
             LossReason::Shutdown => "shutdown",
         }
     }
@@ -128,21 +134,23 @@ impl CommandOutcome {
     }
 }
 
-/// How one occurrence of a schedule (`--schedule`) ended: the `outcome` label of
-/// `pgleader_scheduled_runs_total`.
+/// What became of one occurrence of a schedule (`--schedule`): the `outcome` label of
+/// `pgleader_scheduled_runs_total`. All but `busy` are the outcomes the ledger records; each is
+/// counted by the instance that recorded it, so the sum over the fleet matches the ledger.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ScheduledOutcome {
     /// The command ran and exited 0.
     Succeeded,
-    /// The command ran and exited non-zero, or died of a signal of its own.
+    /// The command ran and exited otherwise.
     Failed,
-    /// The run was stopped: leadership lost, shutdown.
+    /// The run was stopped before it ended (shutdown, lost leadership), or its leader vanished
+    /// while it ran (recorded by the next leader).
     Interrupted,
-    /// Not run on purpose (the ledger says another leader ran this occurrence already).
-    Skipped,
-    /// Its time passed while nobody led.
-    Missed,
     /// Its time came while the previous run still ran.
+    Skipped,
+    /// It came while no leader could run it, longer ago than --catch-up.
+    Missed,
+    /// A timer (--once) found its occurrence claimed by another replica and did not run it.
     Busy,
 }
 
@@ -156,6 +164,13 @@ impl ScheduledOutcome {
         ScheduledOutcome::Busy,
     ];
 
+    /// The outcome of a ledger row (`skipped`, `missed`, ...); `None` for `running`.
+    pub fn from_ledger(outcome: &str) -> Option<ScheduledOutcome> {
+        ScheduledOutcome::ALL
+            .into_iter()
+            .find(|known| known.as_str() == outcome)
+    }
+
     pub fn as_str(self) -> &'static str {
         match self {
             ScheduledOutcome::Succeeded => "succeeded",
@@ -168,23 +183,17 @@ impl ScheduledOutcome {
     }
 }
 
-/// The schedule as `/status` shows it, filled in by the scheduler.
-#[derive(Clone, Debug, PartialEq)]
-pub struct ScheduleView {
-    pub expression: String,
-    pub timezone: String,
-    pub next_occurrence: Option<DateTime<Utc>>,
-    /// The latest runs, newest first.
-    pub last_runs: Vec<RunView>,
-}
+/// How many runs `/status` shows.
+pub const RUNS_SHOWN: usize = 10;
 
-/// One run of the schedule.
+/// One occurrence of the schedule as this instance saw it recorded, for `/status`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RunView {
     pub scheduled_for: DateTime<Utc>,
     /// `None` while it runs.
     pub outcome: Option<ScheduledOutcome>,
     pub exit_code: Option<i32>,
+    pub attempt: Option<i32>,
     pub claimed_at: Option<DateTime<Utc>>,
     pub ended_at: Option<DateTime<Utc>>,
     /// The host of the pgleader that ran it.
@@ -238,7 +247,8 @@ pub struct Snapshot {
     /// The last time the leader's session proved it holds the lock (winning it, or a check).
     pub last_check: Option<DateTime<Utc>>,
     pub command: CommandView,
-    pub schedule: Option<ScheduleView>,
+    /// With a schedule: the runs this instance claimed or recorded, newest first.
+    pub runs: Vec<RunView>,
 }
 
 /// What does not change while pgleader runs.
@@ -251,7 +261,7 @@ struct Identity {
     host: String,
     /// A leader whose last check is older than this is not healthy.
     check_deadline: Duration,
-    scheduled: bool,
+    schedule: Option<Schedule>,
 }
 
 /// The handle the supervisor publishes through and the HTTP server reads from. Clones share
@@ -276,9 +286,10 @@ pub struct Settings {
     pub connection: String,
     /// --check-interval + --check-timeout.
     pub check_deadline: Duration,
-    /// Whether a schedule (`--schedule`) drives the command: `/leader` then answers 200 while
-    /// the lock is held, between runs too, and the scheduled-run counters exist.
-    pub scheduled: bool,
+    /// The schedule (`--schedule`) that drives the command, if one does: `/leader` then
+    /// answers 200 while the lock is held, between runs too, and the scheduled-run counters
+    /// exist.
+    pub schedule: Option<Schedule>,
 }
 
 impl Telemetry {
@@ -287,7 +298,7 @@ impl Telemetry {
             .ok()
             .and_then(|name| name.into_string().ok())
             .unwrap_or_else(|| "unknown".into());
-        let metrics = Metrics::new(&settings.lock, settings.scheduled);
+        let metrics = Metrics::new(&settings.lock, settings.schedule.is_some());
         let (state, _) = watch::channel(Snapshot {
             role: Role::Connecting,
             since: Utc::now(),
@@ -301,7 +312,7 @@ impl Telemetry {
                 started_at: None,
                 last_exit: None,
             },
-            schedule: None,
+            runs: Vec::new(),
         });
         Telemetry {
             inner: Arc::new(Inner {
@@ -311,7 +322,7 @@ impl Telemetry {
                     pid: std::process::id(),
                     host,
                     check_deadline: settings.check_deadline,
-                    scheduled: settings.scheduled,
+                    schedule: settings.schedule,
                 },
                 state,
                 metrics,
@@ -379,7 +390,7 @@ impl Telemetry {
         metrics.acquired.inc();
         let now = Utc::now();
         metrics.last_check.set(timestamp(now));
-        let scheduled = self.inner.identity.scheduled;
+        let scheduled = self.inner.identity.schedule.is_some();
         self.update(|s| {
             s.enter(Role::Leader);
             s.epoch = Some(epoch);
@@ -464,17 +475,35 @@ impl Telemetry {
 
     // The scheduler's hooks.
 
-    /// The schedule's expression, next occurrence and latest runs.
-    pub fn set_schedule(&self, schedule: ScheduleView) {
-        self.update(|s| s.schedule = Some(schedule));
-    }
-
-    /// One occurrence of the schedule ended with `outcome`. Counted only when the telemetry was
-    /// made with `scheduled`.
-    pub fn scheduled_run(&self, outcome: ScheduledOutcome) {
-        if let Some(runs) = &self.inner.metrics.scheduled_runs {
+    /// An occurrence was claimed (no outcome yet) or its outcome recorded: counted once it
+    /// has an outcome, and shown by `/status` (a later report of the same occurrence updates
+    /// the earlier one).
+    pub fn scheduled_run(&self, run: RunView) {
+        if let (Some(outcome), Some(runs)) = (run.outcome, &self.inner.metrics.scheduled_runs) {
             runs.with_label_values(&[outcome.as_str()]).inc();
         }
+        self.update(|s| {
+            match s
+                .runs
+                .iter_mut()
+                .find(|known| known.scheduled_for == run.scheduled_for)
+            {
+                Some(known) => {
+                    known.outcome = run.outcome;
+                    known.exit_code = run.exit_code.or(known.exit_code);
+                    known.attempt = run.attempt.or(known.attempt);
+                    known.claimed_at = run.claimed_at.or(known.claimed_at);
+                    known.ended_at = run.ended_at.or(known.ended_at);
+                    known.host = run.host.or(known.host.take());
+                }
+                None => {
+                    s.runs.insert(0, run);
+                    s.runs
+                        .sort_by_key(|run| std::cmp::Reverse(run.scheduled_for));
+                    s.runs.truncate(RUNS_SHOWN);
+                }
+            }
+        });
     }
 
     fn update(&self, change: impl FnOnce(&mut Snapshot)) {
@@ -489,7 +518,7 @@ impl Telemetry {
     pub fn leads(&self, snapshot: &Snapshot) -> Result<(), String> {
         match (snapshot.role, snapshot.command.state) {
             (Role::Leader, CommandState::Running) => Ok(()),
-            (Role::Leader, _) if self.inner.identity.scheduled => Ok(()),
+            (Role::Leader, _) if self.inner.identity.schedule.is_some() => Ok(()),
             (Role::Leader, _) => Err(
                 "leader, but the command has not started yet (--takeover-delay, --restart-fence)"
                     .to_owned(),
@@ -556,7 +585,7 @@ impl Telemetry {
                     "at": rfc3339(at),
                 })),
             },
-            "schedule": snapshot.schedule.as_ref().map(schedule_json),
+            "schedule": identity.schedule.as_ref().map(|schedule| schedule_json(schedule, &snapshot.runs, now)),
         })
     }
 }
@@ -573,17 +602,20 @@ impl Snapshot {
     }
 }
 
-fn schedule_json(schedule: &ScheduleView) -> Value {
+/// The schedule, its next occurrence after `now` on this host's clock (the leader starts it on
+/// the server's), and the runs this instance saw.
+fn schedule_json(schedule: &Schedule, runs: &[RunView], now: DateTime<Utc>) -> Value {
     json!({
-        "expression": schedule.expression,
-        "timezone": schedule.timezone,
-        "next_occurrence": schedule.next_occurrence.map(rfc3339),
-        "last_runs": schedule.last_runs.iter().map(|run| json!({
-            "scheduled_for": rfc3339(run.scheduled_for),
+        "expression": schedule.expression(),
+        "timezone": schedule.timezone(),
+        "next_occurrence": schedule.next_after(now).map(calendar::rfc3339),
+        "last_runs": runs.iter().map(|run| json!({
+            "scheduled_for": calendar::rfc3339(run.scheduled_for),
             "outcome": run.outcome.map_or("running", ScheduledOutcome::as_str),
             "exit_code": run.exit_code,
-            "claimed_at": run.claimed_at.map(rfc3339),
-            "ended_at": run.ended_at.map(rfc3339),
+            "attempt": run.attempt,
+            "claimed_at": run.claimed_at.map(calendar::rfc3339),
+            "ended_at": run.ended_at.map(calendar::rfc3339),
             "host": run.host,
         })).collect::<Vec<_>>(),
     })
@@ -609,7 +641,8 @@ mod tests {
             lock: LockKey::from_name("nightly"),
             connection: "app@db:5432/app".into(),
             check_deadline: Duration::from_secs(3),
-            scheduled,
+            schedule: scheduled
+                .then(|| Schedule::parse("0 3 * * *", "Europe/Paris").expect("a schedule")),
         })
     }
 
@@ -669,18 +702,23 @@ mod tests {
         t.command_started(42);
         t.command_exited(ChildStatus::Signaled(Signal::SIGTERM));
         let at = Utc::now();
-        t.set_schedule(ScheduleView {
-            expression: "0 3 * * *".into(),
-            timezone: "UTC".into(),
-            next_occurrence: Some(at),
-            last_runs: vec![RunView {
-                scheduled_for: at,
-                outcome: Some(ScheduledOutcome::Failed),
-                exit_code: Some(3),
-                claimed_at: Some(at),
-                ended_at: None,
-                host: Some("web-1".into()),
-            }],
+        t.scheduled_run(RunView {
+            scheduled_for: at,
+            outcome: None,
+            exit_code: None,
+            attempt: Some(1),
+            claimed_at: Some(at),
+            ended_at: None,
+            host: Some("web-1".into()),
+        });
+        t.scheduled_run(RunView {
+            scheduled_for: at,
+            outcome: Some(ScheduledOutcome::Failed),
+            exit_code: Some(3),
+            attempt: None,
+            claimed_at: None,
+            ended_at: Some(at),
+            host: None,
         });
         let status = t.status_json(&t.snapshot(), Utc::now());
         assert_eq!(status["role"], "leader");
@@ -689,8 +727,23 @@ mod tests {
         assert_eq!(status["connection"], "app@db:5432/app");
         assert_eq!(status["command"]["state"], "not_running");
         assert_eq!(status["command"]["last_exit"]["exit_code"], 143);
-        assert_eq!(status["schedule"]["expression"], "0 3 * * *");
-        assert_eq!(status["schedule"]["last_runs"][0]["outcome"], "failed");
-        assert_eq!(status["schedule"]["next_occurrence"], rfc3339(at));
+        assert_eq!(status["schedule"]["timezone"], "Europe/Paris");
+        let runs = status["schedule"]["last_runs"].as_array().expect("runs");
+        assert_eq!(runs.len(), 1, "{status}");
+        assert_eq!(runs[0]["outcome"], "failed");
+        assert_eq!(runs[0]["exit_code"], 3);
+        assert_eq!(runs[0]["host"], "web-1", "the claim's host is kept");
+        assert!(
+            status["schedule"]["next_occurrence"].is_string(),
+            "{status}"
+        );
+        let text = t.render_metrics();
+        assert!(
+            text.lines()
+                .any(|line| line.starts_with("pgleader_scheduled_runs_total{")
+                    && line.contains(r#"outcome="failed""#)
+                    && line.ends_with("} 1")),
+            "{text}"
+        );
     }
 }

@@ -28,10 +28,14 @@ use tracing::{debug, info, warn};
 
 use crate::config::RunConfig;
 use crate::election::backoff::Backoff;
-use crate::election::session::{Confirmation, ConnectError, Session, SessionError};
+use crate::election::session::{Check, Confirmation, ConnectError, Session, SessionError};
 use crate::exit::{ChildStatus, Outcome};
 use crate::operate::notify;
 use crate::operate::telemetry::{LossReason, Telemetry};
+use crate::schedule::calendar::rfc3339;
+use crate::schedule::clock::ServerClock;
+use crate::schedule::ledger::{Claimant, Ledger, LedgerError};
+use crate::schedule::runs::{Runs, RunsEvent};
 use crate::supervise::job::{self, CommandError, Job};
 use crate::supervise::keeper::Report;
 use crate::supervise::signals::SignalEvent;
@@ -52,6 +56,12 @@ pub async fn run(
     signals: UnboundedReceiver<SignalEvent>,
     telemetry: Telemetry,
 ) -> anyhow::Result<Outcome> {
+    // A timer's run is worth retrying for as long as its occurrence can still be caught up.
+    let connect_deadline = config
+        .schedule
+        .as_ref()
+        .filter(|plan| plan.once)
+        .map(|plan| Instant::now() + plan.catch_up);
     Supervisor {
         config,
         signals,
@@ -59,6 +69,7 @@ pub async fn run(
         backoff: Backoff::default(),
         shutdown_requested: None,
         last_disturbance: None,
+        connect_deadline,
     }
     .run()
     .await
@@ -75,6 +86,8 @@ struct Supervisor {
     /// When a session last ended, or a connection attempt last failed, other than by
     /// pgleader's own doing: a server restart, crash or failover looks like this from here.
     last_disturbance: Option<Instant>,
+    /// When to stop retrying a connection (a scheduled --once).
+    connect_deadline: Option<Instant>,
 }
 
 /// How waiting for the lock ended.
@@ -99,6 +112,11 @@ enum Led {
     /// A planned handoff (--relinquish-after, --relinquish-schedule): the command was stopped
     /// and the lock released, for the next waiting replica.
     Relinquished(Option<ChildStatus>),
+    /// `--schedule --once`: nothing for this timer to run; the lock was released.
+    NothingToRun,
+    /// `--schedule`: this replica disagrees with the fleet on the schedule; it released the
+    /// lock so that a replica with the established schedule can lead.
+    HandedOver,
 }
 
 impl Led {
@@ -107,6 +125,7 @@ impl Led {
         match self {
             Led::Exited(status) => Some(*status),
             Led::Lost { status } | Led::Shutdown(status) | Led::Relinquished(status) => *status,
+            Led::NothingToRun | Led::HandedOver => None,
         }
     }
 }
@@ -120,9 +139,10 @@ enum WaitEvent {
 enum LeadEvent {
     Start,
     CheckDue,
-    CheckDone(Result<Confirmation, SessionError>),
+    CheckDone(Result<Check, SessionError>),
     Deadline,
     Relinquish,
+    Runs(RunsEvent),
     Ended(String),
     Signal(Option<SignalEvent>),
     Report(Report),
@@ -135,7 +155,7 @@ enum StopEvent {
     Report(Report),
 }
 
-type CheckFuture = std::pin::Pin<Box<dyn Future<Output = Result<Confirmation, SessionError>>>>;
+type CheckFuture = std::pin::Pin<Box<dyn Future<Output = Result<Check, SessionError>>>>;
 
 impl Supervisor {
     async fn run(&mut self) -> anyhow::Result<Outcome> {
@@ -150,6 +170,17 @@ impl Supervisor {
             let Some(session) = self.connect().await? else {
                 return Ok(Outcome::Shutdown);
             };
+            if let Err(err) = self.prepare_ledger(&session).await {
+                match err {
+                    LedgerError::Fatal(reason) => bail!("{reason}"),
+                    LedgerError::Query(reason) => {
+                        warn!(event = "ledger_failed", reason = %reason, "cannot prepare the ledger table; reconnecting");
+                        self.last_disturbance = Some(Instant::now());
+                        pause = self.backoff.next_delay();
+                        continue;
+                    }
+                }
+            }
             let session = match self.acquire(session).await? {
                 Acquired::Won(session) => session,
                 Acquired::Busy => return Ok(Outcome::Busy(self.config.busy_exit_code)),
@@ -196,6 +227,13 @@ impl Supervisor {
                 Led::Relinquished(_) => {
                     self.backoff.reset();
                     pause = Duration::ZERO;
+                }
+                Led::NothingToRun => return Ok(Outcome::Busy(self.config.busy_exit_code)),
+                Led::HandedOver => {
+                    // Back to the end of the queue, behind the replicas that agree with the
+                    // established schedule; not at once, so that a lone pair cannot spin.
+                    self.backoff.reset();
+                    pause = self.config.check_interval;
                 }
             }
         }
@@ -257,8 +295,13 @@ impl Supervisor {
                         password_hint(&self.config, &reason)
                     );
                 }
-                err if self.config.no_wait => {
+                err if self.config.no_wait && self.config.schedule.is_none() => {
                     bail!("cannot connect to {server}: {err} (--no-wait tries once)");
+                }
+                err if self.connect_deadline.is_some_and(|at| Instant::now() >= at) => {
+                    bail!(
+                        "cannot connect to {server}: {err} (a scheduled --once stops retrying after --catch-up)"
+                    );
                 }
                 err => {
                     self.last_disturbance = Some(Instant::now());
@@ -286,7 +329,7 @@ impl Supervisor {
     /// Waits for the lock on this session (or tries once under `--no-wait`).
     async fn acquire(&mut self, mut session: Session) -> anyhow::Result<Acquired> {
         let lock = self.config.lock.clone();
-        if self.config.no_wait {
+        if self.config.no_wait || self.config.schedule.as_ref().is_some_and(|plan| plan.once) {
             let attempt = tokio::time::timeout(
                 self.config.connection.connect_timeout,
                 session.try_lock(&lock),
@@ -372,6 +415,7 @@ impl Supervisor {
                 return Ok(Led::Lost { status: None });
             }
         };
+        let fence_received = Instant::now();
         let epoch = fence.epoch;
         info!(
             event = "leader",
@@ -418,9 +462,29 @@ impl Supervisor {
         let mut deadline = sent + interval + timeout;
         let mut next_check = sent + interval;
         let mut check: Option<(Instant, CheckFuture)> = None;
-        let mut start_at = Some(Instant::now() + delay);
+        // With --schedule the command starts at its occurrences, which `runs` says when;
+        // without, once the fences above are passed.
+        let mut runs = self.config.schedule.clone().map(|plan| {
+            let claimant = Claimant {
+                host: host_name(),
+                pid: std::process::id() as i32,
+                epoch,
+            };
+            let clock = ServerClock::sample(sent, fence_received, fence.server_time);
+            Runs::new(
+                plan,
+                lock.clone(),
+                session.client(),
+                claimant,
+                clock,
+                Instant::now() + delay,
+                self.telemetry.clone(),
+            )
+        });
+        let mut start_at = runs.is_none().then(|| Instant::now() + delay);
         let mut job: Option<Job> = None;
         let relinquish_at = self.relinquish_at();
+        let mut last_status: Option<ChildStatus> = None;
 
         loop {
             // Biased: after a stall (SIGSTOP, a VM pause, a starved CPU) several arms are ready
@@ -433,6 +497,7 @@ impl Supervisor {
                 result = async { match &mut check { Some((_, future)) => future.await, None => std::future::pending().await } } => LeadEvent::CheckDone(result),
                 event = self.signals.recv() => LeadEvent::Signal(event),
                 report = async { match &mut job { Some(job) => job.next_report().await, None => std::future::pending().await } } => LeadEvent::Report(report),
+                event = async { match &mut runs { Some(runs) => runs.next().await, None => std::future::pending().await } } => LeadEvent::Runs(event),
                 _ = sleep_until(next_check), if check.is_none() => LeadEvent::CheckDue,
                 _ = sleep_until(relinquish_at.map_or(deadline, |(at, _)| at)), if relinquish_at.is_some() => LeadEvent::Relinquish,
                 _ = sleep_until(start_at.unwrap_or(deadline)), if start_at.is_some() => LeadEvent::Start,
@@ -444,34 +509,100 @@ impl Supervisor {
                 ),
                 LeadEvent::Start => {
                     start_at = None;
-                    let env = self.child_env(session.backend_pid(), epoch);
-                    let spawned = Job::spawn(&self.config.command, &env)
-                        .context("cannot start the keeper process")?;
-                    self.backoff.reset();
-                    debug!(
-                        event = "spawned",
-                        pgid = spawned.pgid().as_raw(),
-                        "started the keeper"
-                    );
-                    job = Some(spawned);
+                    let env = self.child_env(session.backend_pid(), epoch, None);
+                    job = Some(self.spawn(&env)?);
                     continue;
                 }
+                LeadEvent::Runs(RunsEvent::Start { .. }) if Instant::now() >= deadline => (
+                    LossReason::CheckTimeout,
+                    "the leadership expired before the command could start".to_owned(),
+                ),
+                LeadEvent::Runs(RunsEvent::Start {
+                    occurrence,
+                    attempt,
+                }) => {
+                    let env =
+                        self.child_env(session.backend_pid(), epoch, Some((occurrence, attempt)));
+                    job = Some(self.spawn(&env)?);
+                    continue;
+                }
+                LeadEvent::Runs(RunsEvent::Done) => {
+                    self.telemetry
+                        .leadership_lost(LossReason::CommandExited, "the timer's run is over");
+                    self.release(session).await;
+                    return Ok(Led::Exited(
+                        last_status.unwrap_or(ChildStatus::Signaled(Signal::SIGKILL)),
+                    ));
+                }
+                LeadEvent::Runs(RunsEvent::NothingToRun) => {
+                    self.telemetry
+                        .leadership_lost(LossReason::Relinquished, "nothing for this timer to run");
+                    self.release(session).await;
+                    return Ok(Led::NothingToRun);
+                }
+                LeadEvent::Runs(RunsEvent::Disagree(reason)) => {
+                    self.telemetry
+                        .leadership_lost(LossReason::Relinquished, &reason);
+                    let status = self
+                        .stop_if_running(job.take(), self.config.kill_signal)
+                        .await;
+                    log_final(status);
+                    self.release(session).await;
+                    if self.config.once {
+                        bail!("{reason}");
+                    }
+                    warn!(event = "schedule_mismatch", lock = %lock, "{reason}; handing the lock over");
+                    return Ok(Led::HandedOver);
+                }
+                LeadEvent::Runs(RunsEvent::Failed(LedgerError::Fatal(reason))) => {
+                    self.telemetry
+                        .leadership_lost(LossReason::LedgerFailed, &reason);
+                    let status = self
+                        .stop_if_running(job.take(), self.config.kill_signal)
+                        .await;
+                    log_final(status);
+                    self.release(session).await;
+                    bail!("{reason}");
+                }
+                LeadEvent::Runs(RunsEvent::Failed(LedgerError::Query(reason))) => (
+                    LossReason::LedgerFailed,
+                    format!("a ledger statement failed: {reason}"),
+                ),
                 LeadEvent::CheckDue => {
                     check = Some((Instant::now(), Box::pin(session.confirm(&lock))));
                     continue;
                 }
                 LeadEvent::CheckDone(result) => {
                     let sent = check.take().map_or_else(Instant::now, |(sent, _)| sent);
-                    self.telemetry
-                        .check_completed(sent.elapsed(), matches!(result, Ok(Confirmation::Held)));
+                    let held = matches!(
+                        &result,
+                        Ok(Check {
+                            confirmation: Confirmation::Held,
+                            ..
+                        })
+                    );
+                    self.telemetry.check_completed(sent.elapsed(), held);
                     match result {
-                        Ok(Confirmation::Held) => {
+                        Ok(Check {
+                            confirmation: Confirmation::Held,
+                            server_time,
+                        }) => {
                             debug!(event = "confirmed", lock = %lock, "the session still holds the lock");
+                            if let Some(runs) = &mut runs {
+                                runs.observe_clock(ServerClock::sample(
+                                    sent,
+                                    Instant::now(),
+                                    server_time,
+                                ));
+                            }
                             deadline = sent + interval + timeout;
                             next_check = sent + interval;
                             continue;
                         }
-                        Ok(Confirmation::NotHeld) => (
+                        Ok(Check {
+                            confirmation: Confirmation::NotHeld,
+                            ..
+                        }) => (
                             LossReason::NotHeld,
                             "the check found that this session no longer holds the lock".to_owned(),
                         ),
@@ -530,6 +661,10 @@ impl Supervisor {
                     self.telemetry
                         .leadership_lost(LossReason::Shutdown, "shutting down");
                     let status = self.stop_if_running(job.take(), signal).await;
+                    if let Some(runs) = &mut runs {
+                        runs.interrupted(status, "pgleader was shut down", timeout)
+                            .await;
+                    }
                     self.release(session).await;
                     return Ok(Led::Shutdown(status));
                 }
@@ -537,11 +672,18 @@ impl Supervisor {
                     if self.handle_signal(event, job.as_mut())
                         && let Some(status) = self.finish_vanished(job.as_mut())
                     {
-                        self.telemetry
-                            .leadership_lost(LossReason::CommandExited, "the command exited");
+                        if runs.is_none() {
+                            self.telemetry
+                                .leadership_lost(LossReason::CommandExited, "the command exited");
+                        }
                         // The keeper is gone but what it left in its group may not be.
                         if let Some(job) = job.take() {
                             self.wait_until_group_gone(&job).await;
+                        }
+                        if let Some(runs) = &mut runs {
+                            runs.exited(status);
+                            last_status = Some(status);
+                            continue;
                         }
                         self.release(session).await;
                         return Ok(Led::Exited(status));
@@ -569,18 +711,30 @@ impl Supervisor {
                         let status = status_of(report);
                         info!(event = "child_exited", status = %status, exit_code = status.exit_code(), "the command exited");
                         self.telemetry.command_exited(status);
-                        self.telemetry.leadership_lost(
-                            LossReason::CommandExited,
-                            &format!("the command exited ({status})"),
-                        );
-                        notify::status(&format!(
-                            "the command exited ({status}); releasing the lock"
-                        ));
+                        if runs.is_none() {
+                            self.telemetry.leadership_lost(
+                                LossReason::CommandExited,
+                                &format!("the command exited ({status})"),
+                            );
+                        }
+                        notify::status(&if runs.is_some() {
+                            format!(
+                                "the command exited ({status}); waiting for the next occurrence"
+                            )
+                        } else {
+                            format!("the command exited ({status}); releasing the lock")
+                        });
                         // Whatever the command left behind in its process group goes too, before
                         // the lock is released.
                         if let Some(job) = job.take() {
                             self.stop(job, self.config.kill_signal, Some(status), true)
                                 .await;
+                        }
+                        // A scheduled leader keeps the lock between runs.
+                        if let Some(runs) = &mut runs {
+                            runs.exited(status);
+                            last_status = Some(status);
+                            continue;
                         }
                         self.release(session).await;
                         return Ok(Led::Exited(status));
@@ -626,7 +780,12 @@ impl Supervisor {
         }
     }
 
-    fn child_env(&self, backend_pid: i32, epoch: i64) -> Vec<(&'static str, String)> {
+    fn child_env(
+        &self,
+        backend_pid: i32,
+        epoch: i64,
+        scheduled: Option<(chrono::DateTime<chrono::Utc>, i32)>,
+    ) -> Vec<(&'static str, String)> {
         let mut env = vec![
             ("PGLEADER_LOCK_ID", self.config.lock.key().to_string()),
             ("PGLEADER_BACKEND_PID", backend_pid.to_string()),
@@ -635,7 +794,50 @@ impl Supervisor {
         if let Some(name) = self.config.lock.name() {
             env.push(("PGLEADER_LOCK_NAME", name.to_owned()));
         }
+        if let Some((occurrence, attempt)) = scheduled {
+            env.push(("PGLEADER_SCHEDULED_TIME", rfc3339(occurrence)));
+            env.push(("PGLEADER_ATTEMPT", attempt.to_string()));
+        }
         env
+    }
+
+    /// Starts the command under its keeper.
+    fn spawn(&mut self, env: &[(&'static str, String)]) -> anyhow::Result<Job> {
+        let spawned =
+            Job::spawn(&self.config.command, env).context("cannot start the keeper process")?;
+        self.backoff.reset();
+        debug!(
+            event = "spawned",
+            pgid = spawned.pgid().as_raw(),
+            "started the keeper"
+        );
+        Ok(spawned)
+    }
+
+    /// With --schedule: makes sure the ledger table exists and can be used, on a new session
+    /// and before waiting for the lock, so that every replica reports a missing permission,
+    /// not only the leader.
+    async fn prepare_ledger(&self, session: &Session) -> Result<(), LedgerError> {
+        let Some(plan) = &self.config.schedule else {
+            return Ok(());
+        };
+        let ledger = Ledger::new(
+            plan.table.clone(),
+            self.config.lock.clone(),
+            plan.schedule.clone(),
+        );
+        let client = session.client();
+        match tokio::time::timeout(
+            self.config.connection.connect_timeout,
+            ledger.prepare(&client),
+        )
+        .await
+        {
+            Ok(result) => result,
+            Err(_) => Err(LedgerError::Query(
+                "no answer while preparing the ledger table".into(),
+            )),
+        }
     }
 
     async fn stop_if_running(&mut self, job: Option<Job>, signal: Signal) -> Option<ChildStatus> {
@@ -960,6 +1162,14 @@ fn password_hint(config: &RunConfig, reason: &str) -> String {
     } else {
         String::new()
     }
+}
+
+/// This host's name, as the ledger records who claimed a run.
+fn host_name() -> String {
+    nix::unistd::gethostname()
+        .ok()
+        .and_then(|name| name.into_string().ok())
+        .unwrap_or_else(|| "unknown".into())
 }
 
 /// A duration for people: to the millisecond.

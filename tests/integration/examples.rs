@@ -32,34 +32,110 @@ fn unit_values<'a>(unit: &'a str, key: &str) -> Vec<&'a str> {
         .collect()
 }
 
-#[test]
-fn the_systemd_unit_passes_systemd_analyze_verify() {
-    let unit = read(&example("systemd/nightly-report.service"));
-    // verify checks that ExecStart's program exists: point it at the binary under test.
-    let dir = std::env::temp_dir().join(format!("pgleader-unit-{}", std::process::id()));
+/// Runs `systemd-analyze verify` on example units (ExecStart pointed at the binary under
+/// test, which verify requires to exist); fails on any complaint, warnings included.
+fn verify_units(names: &[&str]) {
+    let dir = std::env::temp_dir().join(format!(
+        "pgleader-unit-{}-{}",
+        std::process::id(),
+        unique_lock()
+    ));
     fs::create_dir_all(&dir).expect("create the unit directory");
-    let path = dir.join("nightly-report.service");
-    fs::write(
-        &path,
-        unit.replace("/usr/local/bin/pgleader", env!("CARGO_BIN_EXE_pgleader")),
-    )
-    .expect("write the unit");
+    let mut paths = Vec::new();
+    for name in names {
+        let unit = read(&example(&format!("systemd/{name}")));
+        let path = dir.join(name);
+        fs::write(
+            &path,
+            unit.replace("/usr/local/bin/pgleader", env!("CARGO_BIN_EXE_pgleader")),
+        )
+        .expect("write the unit");
+        paths.push(path);
+    }
     require_tool(
         "systemd-analyze",
-        "the systemd unit is checked with it (Debian/Ubuntu: apt-get install systemd)",
+        "the systemd units are checked with it (Debian/Ubuntu: apt-get install systemd)",
     );
     let mut verify = Command::new("systemd-analyze");
     // --man=no: the manual page is not installed on the machine that runs the tests.
-    verify.args(["verify", "--man=no"]).arg(&path);
+    verify.args(["verify", "--man=no"]).args(&paths);
     let process = Proc::spawn("systemd-analyze", verify);
     let (status, stdout, stderr) = process.finish();
     let _ = fs::remove_dir_all(&dir);
     assert!(status.success(), "{}", process.dump());
     // Unknown keys and bad values are only warnings to systemd: none is allowed here.
     assert!(stdout.is_empty() && stderr.is_empty(), "{}", process.dump());
+}
+
+#[test]
+fn the_systemd_unit_passes_systemd_analyze_verify() {
+    verify_units(&["nightly-report.service"]);
+    let unit = read(&example("systemd/nightly-report.service"));
     assert_eq!(unit_values(&unit, "Type"), ["notify"]);
     assert_eq!(unit_values(&unit, "NotifyAccess"), ["main"]);
     assert_eq!(unit_values(&unit, "KillMode"), ["mixed"]);
+}
+
+#[test]
+fn the_scheduled_units_parse_and_name_the_same_occurrence() {
+    verify_units(&["nightly-report-once.service", "nightly-report-once.timer"]);
+    let service = read(&example("systemd/nightly-report.service"));
+    let once = read(&example("systemd/nightly-report-once.service"));
+    let timer = read(&example("systemd/nightly-report-once.timer"));
+    for unit in [&service, &once] {
+        let exec = unit_values(unit, "ExecStart").join(" ");
+        assert!(
+            exec.contains("--schedule \"0 3 * * *\" --schedule-timezone Europe/Paris"),
+            "{exec}"
+        );
+    }
+    assert!(unit_values(&once, "ExecStart")[0].contains(" --once "));
+    assert_eq!(
+        unit_values(&timer, "OnCalendar"),
+        ["*-*-* 03:00:00 Europe/Paris"]
+    );
+    // The arguments are ones pgleader accepts: a usage error would exit 2 before connecting.
+    let exec = unit_values(&once, "ExecStart")[0];
+    let args: Vec<String> = shell_words(exec).into_iter().skip(1).collect();
+    let mut command = pgleader();
+    command
+        .env(
+            "PGLEADER_DATABASE_URL",
+            "postgres://nobody@127.0.0.1:1/none",
+        )
+        .env("PGLEADER_CATCH_UP", "1ms")
+        .args(args.iter().take_while(|arg| *arg != "--"))
+        .args(["--", "true"]);
+    let process = Proc::spawn("once", command);
+    let (status, _, stderr) = process.finish();
+    assert_eq!(status.code(), Some(1), "{}", process.dump());
+    assert!(
+        stderr
+            .join("\n")
+            .contains("stops retrying after --catch-up"),
+        "{}",
+        process.dump()
+    );
+}
+
+/// Splits a systemd command line on spaces, honouring double quotes.
+fn shell_words(line: &str) -> Vec<String> {
+    let (mut words, mut word, mut quoted) = (Vec::new(), String::new(), false);
+    for c in line.chars() {
+        match c {
+            '"' => quoted = !quoted,
+            ' ' if !quoted => {
+                if !word.is_empty() {
+                    words.push(std::mem::take(&mut word));
+                }
+            }
+            c => word.push(c),
+        }
+    }
+    if !word.is_empty() {
+        words.push(word);
+    }
+    words
 }
 
 #[test]

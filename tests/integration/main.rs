@@ -12,6 +12,7 @@ mod faults;
 mod nemesis;
 mod notify;
 mod observability;
+mod schedule;
 mod signals;
 mod tls;
 mod usage;

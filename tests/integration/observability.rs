@@ -670,3 +670,103 @@ fn status_watch_prints_each_change_of_holder_and_waiters_until_interrupted() {
         assert_ne!(strip(&pair[0]), strip(&pair[1]), "{lines:?}");
     }
 }
+
+#[test]
+fn a_scheduled_leader_leads_between_runs_and_shows_and_counts_its_runs() {
+    let cluster = Cluster::shared();
+    let lock = unique_lock();
+    let table = format!("ledger_{}", unique_lock());
+    let replica = |tag: &str| {
+        let mut command = pgleader();
+        command
+            .env("PGLEADER_DATABASE_URL", cluster.url())
+            .arg("run")
+            .arg(format!("--lock-id={lock}"))
+            .args([
+                "--schedule",
+                "*/2 * * * * *",
+                "--ledger-table",
+                &table,
+                HTTP,
+            ])
+            .args(["--", "sh", "-c", &format!("echo {tag} ran; exit 0")]);
+        Proc::spawn(tag, command)
+    };
+    let a = replica("A");
+    let a_http = address_of(&a);
+    a.wait_log("became leader");
+    let b = replica("B");
+    let b_http = address_of(&b);
+    b.wait_log("waiting for the lock");
+
+    // Once a run has ended, the leader still leads (it holds the lock between runs).
+    let deadline = Instant::now() + WAIT;
+    let status = loop {
+        let status = get(a_http, "/status").json();
+        let ran = status["schedule"]["last_runs"]
+            .as_array()
+            .is_some_and(|runs| runs.iter().any(|run| run["outcome"] == "succeeded"));
+        if ran && status["command"]["state"] == "not_running" {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "no finished run shown: {status}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(status["role"], "leader", "{status}");
+    assert_eq!(
+        status["schedule"]["expression"], "*/2 * * * * *",
+        "{status}"
+    );
+    assert_eq!(status["schedule"]["timezone"], "UTC", "{status}");
+    assert!(
+        status["schedule"]["next_occurrence"].is_string(),
+        "{status}"
+    );
+    let run = &status["schedule"]["last_runs"]
+        .as_array()
+        .and_then(|runs| runs.iter().find(|run| run["outcome"] == "succeeded"))
+        .cloned()
+        .expect("a succeeded run");
+    assert_eq!(run["exit_code"], 0, "{run}");
+    assert!(
+        run["claimed_at"].is_string() && run["ended_at"].is_string(),
+        "{run}"
+    );
+    assert_eq!(run["host"], status["host"], "{run}");
+    a.wait_stdout("A ran");
+    // Between runs too (the command state was just seen idle).
+    assert_eq!(get(a_http, "/leader").status, 200);
+    assert_eq!(get(b_http, "/leader").status, 503);
+
+    let metrics = get(a_http, "/metrics").body;
+    promtool(&["check", "metrics"], &metrics);
+    assert!(
+        sample(
+            &metrics,
+            "pgleader_scheduled_runs_total",
+            &["outcome=\"succeeded\""]
+        ) >= 1.0
+    );
+    assert_eq!(
+        sample(
+            &metrics,
+            "pgleader_leadership_lost_total",
+            &["reason=\"command_exited\""]
+        ),
+        0.0,
+        "a scheduled run's end is no loss of leadership"
+    );
+    // The follower knows the schedule but ran nothing.
+    let follower = get(b_http, "/status").json();
+    assert_eq!(follower["schedule"]["expression"], "*/2 * * * * *");
+    assert_eq!(follower["schedule"]["last_runs"], serde_json::json!([]));
+    let metrics = get(b_http, "/metrics").body;
+    assert_eq!(
+        sample(
+            &metrics,
+            "pgleader_scheduled_runs_total",
+            &["outcome=\"succeeded\""]
+        ),
+        0.0
+    );
+}

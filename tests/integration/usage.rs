@@ -149,6 +149,103 @@ fn bad_arguments_are_usage_errors_that_say_what_is_wrong() {
 }
 
 #[test]
+fn an_unknown_option_before_the_command_is_a_usage_error_that_suggests_the_real_one() {
+    let url = Some("postgres://postgres@127.0.0.1:1/postgres");
+    let cases: &[(&[&str], &str, Option<&str>)] = &[
+        (
+            &[
+                "run",
+                "--lock-id",
+                "1",
+                "--kill-timout",
+                "5s",
+                "--",
+                "./nightly-job.sh",
+            ],
+            "--kill-timout",
+            Some("--kill-timeout"),
+        ),
+        (
+            &[
+                "run",
+                "--lock-id",
+                "1",
+                "--kill-timout",
+                "5s",
+                "./nightly-job.sh",
+            ],
+            "--kill-timout",
+            Some("--kill-timeout"),
+        ),
+        (
+            &[
+                "run",
+                "--lock-id",
+                "1",
+                "--kill-timeout=5s",
+                "--onse",
+                "true",
+            ],
+            "--onse",
+            Some("--once"),
+        ),
+        (&["run", "--lock-id", "1", "-x", "--", "true"], "-x", None),
+        (
+            &["run", "--frobnicate", "--lock-id", "1", "true"],
+            "--frobnicate",
+            None,
+        ),
+        (
+            &["status", "--lock-id", "1", "--jsn"],
+            "--jsn",
+            Some("--json"),
+        ),
+        (&["status", "--lock-id", "1", "-x"], "-x", None),
+    ];
+    for (args, unknown, suggestion) in cases {
+        let (code, stderr) = outcome(url, args);
+        assert_eq!(code, 2, "{args:?}: {stderr}");
+        assert!(
+            stderr.contains(&format!("unexpected argument '{unknown}'")),
+            "{args:?}: the unknown option is not named:\n{stderr}"
+        );
+        if let Some(suggestion) = suggestion {
+            assert!(
+                stderr.contains(&format!("a similar argument exists: '{suggestion}'")),
+                "{args:?}: {suggestion} is not suggested:\n{stderr}"
+            );
+        }
+        assert!(
+            !stderr.contains("command not found"),
+            "{args:?}: taken for the command:\n{stderr}"
+        );
+    }
+}
+
+#[test]
+fn everything_from_the_commands_first_word_on_goes_to_the_command_untouched() {
+    let cluster = Cluster::shared();
+    let lock = unique_lock().to_string();
+    // pgleader's own options, unknown options, a second `--` and --help: all the command's.
+    let script = r#"printf '[%s]' "$@"; echo"#;
+    let passed = ["-v", "x", "--kill-timout", "5s", "--", "--help", "-q"];
+    let expected = "[-v][x][--kill-timout][5s][--][--help][-q]";
+    for escape in [true, false] {
+        let mut args = vec!["run", "--once", "--lock-id", &lock];
+        if escape {
+            args.push("--");
+        }
+        args.extend(["sh", "-c", script, "sh"]);
+        args.extend(passed);
+        let process = pgleader_with("pass-through", Some(&cluster.url()), &args);
+        let (status, stdout, stderr) = process.finish();
+        // Had pgleader also taken -v and -q, they would conflict: a usage error.
+        assert_eq!(status.code(), Some(0), "{args:?}: {stderr:?}");
+        assert_eq!(stdout, [expected], "{args:?}: {stderr:?}");
+    }
+}
+
+#[test]
 fn negative_lock_ids_are_accepted_with_or_without_an_equals_sign() {
     let cluster = Cluster::shared();
     let key = -(unique_lock());
@@ -198,25 +295,25 @@ fn a_bad_connection_string_is_a_usage_error_that_never_prints_the_password() {
 #[test]
 fn a_missing_command_fails_with_127_before_connecting() {
     let cluster = Cluster::shared();
-    let (code, stderr) = outcome(
-        Some(&cluster.url()),
-        &[
-            "run",
-            "--lock-id",
-            "1",
-            "--",
-            "no-such-command-for-pgleader",
-        ],
-    );
-    assert_eq!(code, 127, "{stderr}");
-    assert!(
-        stderr.contains("command not found: no-such-command-for-pgleader"),
-        "{stderr}"
-    );
-    assert!(
-        !stderr.contains("connected"),
-        "it connected before checking the command:\n{stderr}"
-    );
+    // After `--`, a first word that starts with `-` is the command, looked up like any other.
+    for command in [
+        "no-such-command-for-pgleader",
+        "-no-such-command-for-pgleader",
+    ] {
+        let (code, stderr) = outcome(
+            Some(&cluster.url()),
+            &["run", "--lock-id", "1", "--", command],
+        );
+        assert_eq!(code, 127, "{stderr}");
+        assert!(
+            stderr.contains(&format!("command not found: {command}")),
+            "{stderr}"
+        );
+        assert!(
+            !stderr.contains("connected"),
+            "it connected before checking the command:\n{stderr}"
+        );
+    }
 }
 
 #[test]
@@ -344,4 +441,72 @@ fn psql_style_environment_variables_are_honoured() {
         connected.contains(".s.PGSQL."),
         "it did not use the Unix socket: {connected}"
     );
+}
+
+/// `pgleader <args> --help` at a terminal `columns` wide: its lines, under each heading.
+fn help_sections(args: &[&str], columns: usize) -> Vec<(String, Vec<String>)> {
+    let mut command = pgleader();
+    command.env("COLUMNS", columns.to_string()).args(args);
+    let process = Proc::spawn("help", command);
+    let (status, stdout, stderr) = process.finish();
+    assert_eq!(status.code(), Some(0), "{stderr:?}");
+    let mut sections: Vec<(String, Vec<String>)> = Vec::new();
+    for line in stdout {
+        if !line.is_empty() && !line.starts_with(' ') {
+            sections.push((line, Vec::new()));
+        } else if let Some((_, lines)) = sections.last_mut() {
+            lines.push(line);
+        }
+    }
+    sections
+}
+
+fn section<'a>(sections: &'a [(String, Vec<String>)], heading: &str) -> &'a [String] {
+    sections
+        .iter()
+        .find(|(h, _)| h == heading)
+        .map(|(_, lines)| lines.as_slice())
+        .unwrap_or_else(|| panic!("no {heading:?} in --help: {sections:#?}"))
+}
+
+#[test]
+fn help_lists_the_global_options_under_their_own_heading() {
+    for subcommand in ["run", "status"] {
+        let sections = help_sections(&[subcommand, "--help"], 100);
+        let own = section(&sections, "Options:").join("\n");
+        let global = section(&sections, "Global options:").join("\n");
+        for option in ["--log-format", "--verbose", "--quiet"] {
+            assert!(global.contains(option), "{subcommand}: {option}:\n{global}");
+            assert!(!own.contains(option), "{subcommand}: {option}:\n{own}");
+        }
+        assert!(own.contains("--lock-id"), "{subcommand}:\n{own}");
+    }
+}
+
+#[test]
+fn the_exit_status_table_in_help_wraps_cleanly_at_any_width() {
+    let terms = ["the command's status", "0", "1", "2", "75", "126, 127"];
+    for columns in [60, 80, 100] {
+        let sections = help_sections(&["run", "--help"], columns);
+        let table = section(&sections, "Exit status (run):");
+        let mut seen = Vec::new();
+        for line in table.iter().take_while(|line| !line.is_empty()) {
+            assert!(
+                line.chars().count() <= columns,
+                "wider than {columns} columns: {line:?}"
+            );
+            // A term at 2 columns, its description (and every wrapped line of it) at 6: a line
+            // wrapped back to the left edge or to the term's column breaks the table.
+            if let Some(term) = line.strip_prefix("  ").filter(|t| !t.starts_with(' ')) {
+                assert!(terms.contains(&term), "{columns} columns: {line:?}");
+                seen.push(term);
+            } else {
+                assert!(
+                    line.starts_with("      ") && !line[6..].starts_with(' '),
+                    "{columns} columns: {line:?}"
+                );
+            }
+        }
+        assert_eq!(seen, terms, "{columns} columns: {table:#?}");
+    }
 }

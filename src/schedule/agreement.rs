@@ -1,0 +1,299 @@
+//! Whether the replicas of a lock agree on its schedule, and what a leader does when they do
+//! not.
+//!
+//! Two definitions of one lock's schedule (another expression, another time zone) would run
+//! the job at the union of their occurrences: twice a night, say. That is a configuration
+//! error, and pgleader must not run both versions. The evidence it has:
+//!
+//! - the ledger's newest row, which says which definition ran last: the *established* one;
+//! - the sessions that hold or wait for the lock right now: each scheduled pgleader puts the
+//!   fingerprint of its definition in its `application_name` (`pgleader#1a2b3c4d:<pid>@<host>`).
+//!
+//! The rules, applied by a leader before it claims an occurrence:
+//!
+//! 1. Its definition is the established one (or there is none yet): it runs, and warns about
+//!    any live replica with another definition.
+//! 2. Otherwise, if a live replica announces the established definition, the two disagree:
+//!    it does not run (a service hands the lock over so that a replica with the established
+//!    definition leads; a timer exits 1) and says so.
+//! 3. Otherwise the established definition's replicas are gone, as after a rolling update,
+//!    and this one takes over: unless it is a timer (`--once`) with no live replica to vouch
+//!    for the fleet, in which case the established definition still counts as in use when
+//!    its own latest occurrence was run; timers of the old definition could fire again.
+
+use std::fmt::Write as _;
+
+use tokio_postgres::Client;
+use tokio_postgres::types::Type;
+
+use crate::election::lock::LockKey;
+use crate::election::session::describe;
+use crate::schedule::calendar::fingerprint_of;
+use crate::schedule::ledger::{Entry, LedgerError};
+
+/// Another session on the lock, as `pg_stat_activity` shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Participant {
+    pub application_name: String,
+    pub backend_pid: i32,
+}
+
+impl Participant {
+    /// The schedule fingerprint the session announces, if it is a scheduled pgleader.
+    pub fn fingerprint(&self) -> Option<&str> {
+        fingerprint_in(&self.application_name)
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "{} (backend pid {})",
+            self.application_name, self.backend_pid
+        )
+    }
+}
+
+/// The fingerprint in an application name `<name>#<fingerprint>:<pid>@<host>`.
+pub fn fingerprint_in(application_name: &str) -> Option<&str> {
+    let (name, _) = application_name.rsplit_once(':')?;
+    let (_, fingerprint) = name.rsplit_once('#')?;
+    (fingerprint.len() == 8 && fingerprint.chars().all(|c| c.is_ascii_hexdigit()))
+        .then_some(fingerprint)
+}
+
+/// What the evidence says.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Run. `warning` names live replicas with another definition, if any.
+    Agree { warning: Option<String> },
+    /// Run, and from now on this definition is the established one; the text says what
+    /// changed.
+    Adopt { change: String },
+    /// Do not run: the text says who disagrees with whom.
+    Disagree { reason: String },
+    /// The established definition differs and no live replica speaks for or against it: it
+    /// is still in use if its own latest occurrence has a row. The caller looks that up and
+    /// calls [`settle`].
+    Undecided { established: (String, String) },
+}
+
+/// Applies the rules to what the ledger and `pg_locks` show. `once` is true for a timer.
+pub fn judge(
+    expression: &str,
+    timezone: &str,
+    newest: Option<&Entry>,
+    live: &[Participant],
+    once: bool,
+) -> Verdict {
+    let own = fingerprint_of(expression, timezone);
+    let others: Vec<&Participant> = live
+        .iter()
+        .filter(|p| p.fingerprint().is_some_and(|fp| fp != own))
+        .collect();
+    let Some(newest) = newest.filter(|n| n.schedule != expression || n.timezone != timezone) else {
+        let warning = (!others.is_empty()).then(|| {
+            let mut text = String::from("replicas with another schedule wait for this lock: ");
+            text.push_str(&list(&others));
+            text.push_str(
+                "; they will not run it while this definition is established. Give every replica the same --schedule and --schedule-timezone",
+            );
+            text
+        });
+        return Verdict::Agree { warning };
+    };
+    let established = fingerprint_of(&newest.schedule, &newest.timezone);
+    let holders: Vec<&Participant> = live
+        .iter()
+        .filter(|p| p.fingerprint() == Some(established.as_str()))
+        .collect();
+    let definition = format!("\"{}\" ({})", newest.schedule, newest.timezone);
+    let mine = format!("\"{expression}\" ({timezone})");
+    if !holders.is_empty() {
+        return Verdict::Disagree {
+            reason: format!(
+                "this replica's schedule {mine} differs from {definition}, which the lock's last run used and which {} still announce(s); not running this version. Give every replica the same --schedule and --schedule-timezone",
+                list(&holders)
+            ),
+        };
+    }
+    let fleet_present = live.iter().any(|p| p.fingerprint().is_some());
+    if once && !fleet_present {
+        return Verdict::Undecided {
+            established: (newest.schedule.clone(), newest.timezone.clone()),
+        };
+    }
+    Verdict::Adopt {
+        change: format!(
+            "the schedule changed from {definition} to {mine}: no replica with the old one is left"
+        ),
+    }
+}
+
+/// Settles an [`Verdict::Undecided`]: `still_used` is whether the established definition's
+/// own latest occurrence has a row.
+pub fn settle(
+    expression: &str,
+    timezone: &str,
+    established: &(String, String),
+    still_used: bool,
+) -> Verdict {
+    let definition = format!("\"{}\" ({})", established.0, established.1);
+    let mine = format!("\"{expression}\" ({timezone})");
+    if still_used {
+        Verdict::Disagree {
+            reason: format!(
+                "this replica's schedule {mine} differs from {definition}, which ran at its own latest occurrence; another host's timer still uses it. Not running this version. Give every replica the same --schedule and --schedule-timezone (a schedule changed on purpose takes over once no replica runs the old one)"
+            ),
+        }
+    } else {
+        Verdict::Adopt {
+            change: format!(
+                "the schedule changed from {definition} to {mine}: the old one no longer runs"
+            ),
+        }
+    }
+}
+
+fn list(participants: &[&Participant]) -> String {
+    let mut text = String::new();
+    for (i, p) in participants.iter().enumerate() {
+        if i > 0 {
+            text.push_str(", ");
+        }
+        let _ = write!(text, "{}", p.describe());
+    }
+    text
+}
+
+const PARTICIPANTS_SQL: &str = "\
+SELECT COALESCE(a.application_name, ''), l.pid
+  FROM pg_catalog.pg_locks l
+  JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid
+ WHERE l.locktype = 'advisory'
+   AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database())
+   AND l.classid = $1 AND l.objid = $2 AND l.objsubid = 1
+   AND l.pid <> pg_catalog.pg_backend_pid()";
+
+/// The other sessions that hold or wait for the lock.
+pub async fn participants(
+    client: &Client,
+    lock: &LockKey,
+) -> Result<Vec<Participant>, LedgerError> {
+    let rows = client
+        .query_typed(
+            PARTICIPANTS_SQL,
+            &[(&lock.classid(), Type::OID), (&lock.objid(), Type::OID)],
+        )
+        .await
+        .map_err(|err| LedgerError::Query(describe(&err)))?;
+    Ok(rows
+        .iter()
+        .map(|row| Participant {
+            application_name: row.get(0),
+            backend_pid: row.get(1),
+        })
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::Utc;
+
+    const EXPR: &str = "0 0 3 * * *";
+
+    fn row(schedule: &str, timezone: &str) -> Entry {
+        Entry {
+            scheduled_for: Utc::now(),
+            outcome: "succeeded".into(),
+            exit_code: Some(0),
+            attempt: 1,
+            claimed_at: Utc::now(),
+            ended_at: None,
+            host: None,
+            pid: None,
+            backend_pid: None,
+            epoch: None,
+            detail: None,
+            schedule: schedule.into(),
+            timezone: timezone.into(),
+        }
+    }
+
+    fn replica(schedule: &str, timezone: &str, pid: i32) -> Participant {
+        Participant {
+            application_name: format!(
+                "pgleader#{}:{pid}@host-{pid}",
+                fingerprint_of(schedule, timezone)
+            ),
+            backend_pid: pid,
+        }
+    }
+
+    #[test]
+    fn reads_the_fingerprint_from_the_application_name() {
+        assert_eq!(
+            fingerprint_in("pgleader#0a1b2c3d:42@web-1"),
+            Some("0a1b2c3d")
+        );
+        assert_eq!(
+            fingerprint_in("billing:x#0a1b2c3d:42@web-1"),
+            Some("0a1b2c3d")
+        );
+        assert_eq!(fingerprint_in("pgleader:42@web-1"), None);
+        assert_eq!(fingerprint_in("pgleader#xyz:42@web-1"), None);
+    }
+
+    #[test]
+    fn the_established_definition_runs_and_warns_about_others() {
+        assert_eq!(
+            judge(EXPR, "UTC", None, &[], false),
+            Verdict::Agree { warning: None }
+        );
+        let verdict = judge(
+            EXPR,
+            "UTC",
+            Some(&row(EXPR, "UTC")),
+            &[replica(EXPR, "Europe/Paris", 7)],
+            false,
+        );
+        assert!(
+            matches!(&verdict, Verdict::Agree { warning: Some(w) } if w.contains("backend pid 7")),
+            "{verdict:?}"
+        );
+    }
+
+    #[test]
+    fn a_live_replica_with_the_established_definition_wins() {
+        let verdict = judge(
+            EXPR,
+            "UTC",
+            Some(&row(EXPR, "Europe/Paris")),
+            &[replica(EXPR, "Europe/Paris", 9)],
+            false,
+        );
+        assert!(
+            matches!(&verdict, Verdict::Disagree { reason } if reason.contains("Europe/Paris") && reason.contains("backend pid 9")),
+            "{verdict:?}"
+        );
+    }
+
+    #[test]
+    fn a_definition_nobody_runs_any_more_is_replaced() {
+        let service = judge(EXPR, "UTC", Some(&row(EXPR, "Europe/Paris")), &[], false);
+        assert!(matches!(service, Verdict::Adopt { .. }), "{service:?}");
+        let fleet = [replica(EXPR, "UTC", 3)];
+        let timer_with_fleet = judge(EXPR, "UTC", Some(&row(EXPR, "Europe/Paris")), &fleet, true);
+        assert!(matches!(timer_with_fleet, Verdict::Adopt { .. }));
+        let timer = judge(EXPR, "UTC", Some(&row(EXPR, "Europe/Paris")), &[], true);
+        assert!(matches!(timer, Verdict::Undecided { .. }), "{timer:?}");
+        let established = (EXPR.to_owned(), "Europe/Paris".to_owned());
+        assert!(matches!(
+            settle(EXPR, "UTC", &established, true),
+            Verdict::Disagree { .. }
+        ));
+        assert!(matches!(
+            settle(EXPR, "UTC", &established, false),
+            Verdict::Adopt { .. }
+        ));
+    }
+}

@@ -1,0 +1,284 @@
+//! When a scheduled command runs: a cron expression read in an IANA time zone, and the
+//! occurrences it gives on the absolute time line (UTC instants).
+//!
+//! The definition is put in one canonical form (six fields, seconds first, nicknames spelled
+//! out, names in capitals) so that replicas that wrote the same schedule differently
+//! (`@daily`, `0 0 * * *`, `0  0 0 * * *`) agree, and so that the ledger and the fingerprint in
+//! each session's `application_name` compare like with like. Time-zone rules come from the tz
+//! database compiled into pgleader (chrono-tz), not from the host: every replica with the same
+//! pgleader version computes the same instants, containers without `/usr/share/zoneinfo`
+//! included.
+
+use std::fmt;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use chrono_tz::Tz;
+use croner::Cron;
+use croner::parser::{CronParser, Seconds};
+
+use crate::election::lock::LockKey;
+
+/// A schedule: when, and in which zone's wall clock.
+#[derive(Clone, Debug)]
+pub struct Schedule {
+    cron: Cron,
+    expression: String,
+    timezone: Tz,
+}
+
+impl PartialEq for Schedule {
+    fn eq(&self, other: &Self) -> bool {
+        self.expression == other.expression && self.timezone == other.timezone
+    }
+}
+
+impl Schedule {
+    /// Parses a cron expression (five fields, six with seconds first, or `@hourly`, `@daily`,
+    /// `@weekly`, `@monthly`, `@yearly`) read in `timezone` (an IANA name such as
+    /// `Europe/Paris`, or `UTC`).
+    pub fn parse(expression: &str, timezone: &str) -> Result<Schedule, String> {
+        let timezone: Tz = timezone.trim().parse().map_err(|_| {
+            format!(
+                "unknown time zone {:?} (expected an IANA name such as UTC, Europe/Paris or America/New_York)",
+                timezone.trim()
+            )
+        })?;
+        let expression = canonical(expression)?;
+        let cron = CronParser::builder()
+            .seconds(Seconds::Required)
+            .build()
+            .parse(&expression)
+            .map_err(|err| {
+                format!("{err} (expected a cron expression such as \"0 3 * * *\" or @daily)")
+            })?;
+        let schedule = Schedule {
+            cron,
+            expression,
+            timezone,
+        };
+        if schedule.next_after(Utc::now()).is_none() {
+            return Err("this schedule never matches a future time".into());
+        }
+        Ok(schedule)
+    }
+
+    /// The canonical expression: six fields, seconds first.
+    pub fn expression(&self) -> &str {
+        &self.expression
+    }
+
+    /// The IANA name of the time zone.
+    pub fn timezone(&self) -> &str {
+        self.timezone.name()
+    }
+
+    /// Eight hex digits that identify the definition (expression and zone), shown in each
+    /// session's `application_name` so that a leader can see whether the replicas waiting
+    /// behind it agree with it. The hash is PostgreSQL's `hashtextextended`, so it can be
+    /// computed in SQL too.
+    pub fn fingerprint(&self) -> String {
+        fingerprint_of(&self.expression, self.timezone())
+    }
+
+    /// The latest occurrence at or before `at`.
+    pub fn latest_at_or_before(&self, at: DateTime<Utc>) -> Option<DateTime<Utc>> {
+        let local = at.with_timezone(&self.timezone);
+        self.cron
+            .find_previous_occurrence(&local, true)
+            .ok()
+            .map(|found| found.with_timezone(&Utc))
+            .filter(|found| *found <= at)
+    }
+
+    /// The first occurrence strictly after `at`.
+    pub fn next_after(&self, at: DateTime<Utc>) -> Option<DateTime<Utc>> {
+        let local = at.with_timezone(&self.timezone);
+        self.cron
+            .find_next_occurrence(&local, false)
+            .ok()
+            .map(|found| found.with_timezone(&Utc))
+            .filter(|found| *found > at)
+    }
+
+    /// The time from `occurrence` to the one after it, if there is one.
+    pub fn gap_after(&self, occurrence: DateTime<Utc>) -> Option<Duration> {
+        let next = self.next_after(occurrence)?;
+        (next - occurrence).to_std().ok()
+    }
+}
+
+impl fmt::Display for Schedule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "\"{}\" ({})", self.expression, self.timezone.name())
+    }
+}
+
+/// The fingerprint of a definition as the ledger stores it; see [`Schedule::fingerprint`].
+pub fn fingerprint_of(expression: &str, timezone: &str) -> String {
+    let key = LockKey::from_name(&format!("{expression} {timezone}")).key();
+    format!("{:08x}", (key as u64) as u32)
+}
+
+/// An instant as the command and the ledger's readers see it: RFC 3339, UTC, whole seconds
+/// when it has no fraction (`2026-11-23T03:00:00Z`).
+pub fn rfc3339(at: DateTime<Utc>) -> String {
+    at.to_rfc3339_opts(chrono::SecondsFormat::AutoSi, true)
+}
+
+/// Six fields, seconds first, nicknames spelled out, single spaces, names in capitals.
+fn canonical(expression: &str) -> Result<String, String> {
+    let trimmed = expression.trim();
+    if trimmed.is_empty() {
+        return Err(
+            "the schedule is empty (expected a cron expression such as \"0 3 * * *\")".into(),
+        );
+    }
+    let spelled = match trimmed.to_ascii_lowercase().as_str() {
+        "@yearly" | "@annually" => "0 0 1 1 *".to_owned(),
+        "@monthly" => "0 0 1 * *".to_owned(),
+        "@weekly" => "0 0 * * SUN".to_owned(),
+        "@daily" | "@midnight" => "0 0 * * *".to_owned(),
+        "@hourly" => "0 * * * *".to_owned(),
+        other if other.starts_with('@') => {
+            return Err(format!(
+                "unknown nickname {trimmed:?} (expected @hourly, @daily, @weekly, @monthly or @yearly)"
+            ));
+        }
+        _ => trimmed.to_owned(),
+    };
+    let fields: Vec<&str> = spelled.split_whitespace().collect();
+    let fields = match fields.len() {
+        5 => std::iter::once("0").chain(fields).collect::<Vec<_>>(),
+        6 => fields,
+        n => {
+            return Err(format!(
+                "a cron expression has five fields (minute hour day month weekday), or six with \
+                 seconds first; {trimmed:?} has {n}"
+            ));
+        }
+    };
+    Ok(fields.join(" ").to_ascii_uppercase())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::TimeZone;
+
+    fn utc(text: &str) -> DateTime<Utc> {
+        DateTime::parse_from_rfc3339(text)
+            .expect("date")
+            .with_timezone(&Utc)
+    }
+
+    #[test]
+    fn equivalent_spellings_share_one_definition() {
+        let daily = Schedule::parse("@daily", "UTC").expect("parse");
+        let five = Schedule::parse("0 0 * * *", "UTC").expect("parse");
+        let six = Schedule::parse(" 0  0 0 * * * ", "UTC").expect("parse");
+        assert_eq!(daily.expression(), "0 0 0 * * *");
+        assert_eq!(daily, five);
+        assert_eq!(five, six);
+        assert_eq!(daily.fingerprint(), six.fingerprint());
+        let paris = Schedule::parse("@daily", "Europe/Paris").expect("parse");
+        assert_ne!(daily, paris);
+        assert_ne!(daily.fingerprint(), paris.fingerprint());
+        assert_eq!(
+            Schedule::parse("0 3 * * mon", "UTC")
+                .expect("parse")
+                .expression(),
+            "0 0 3 * * MON"
+        );
+    }
+
+    #[test]
+    fn bad_input_names_the_problem() {
+        assert!(
+            Schedule::parse("every day", "UTC")
+                .expect_err("refused")
+                .contains("five fields")
+        );
+        assert!(
+            Schedule::parse("@often", "UTC")
+                .expect_err("refused")
+                .contains("nickname")
+        );
+        assert!(
+            Schedule::parse("0 3 * * *", "Mars/Olympus")
+                .expect_err("refused")
+                .contains("time zone")
+        );
+        assert!(
+            Schedule::parse("0 0 30 2 *", "UTC")
+                .expect_err("refused")
+                .contains("never matches")
+        );
+        assert!(Schedule::parse("61 * * * *", "UTC").is_err());
+        assert!(
+            Schedule::parse("", "UTC")
+                .expect_err("refused")
+                .contains("empty")
+        );
+    }
+
+    #[test]
+    fn occurrences_are_instants_in_the_zone_given() {
+        let nightly = Schedule::parse("0 3 * * *", "Europe/Paris").expect("parse");
+        // 03:00 in Paris is 02:00 UTC in winter.
+        let at = utc("2026-11-22T12:00:00Z");
+        assert_eq!(
+            nightly.latest_at_or_before(at),
+            Some(utc("2026-11-22T02:00:00Z"))
+        );
+        assert_eq!(nightly.next_after(at), Some(utc("2026-11-23T02:00:00Z")));
+        // Inclusive at the occurrence itself, and below a second too.
+        let on = utc("2026-11-23T02:00:00Z");
+        assert_eq!(nightly.latest_at_or_before(on), Some(on));
+        assert_eq!(
+            nightly.latest_at_or_before(on + chrono::Duration::milliseconds(400)),
+            Some(on)
+        );
+        assert_eq!(
+            nightly.latest_at_or_before(on - chrono::Duration::milliseconds(1)),
+            Some(utc("2026-11-22T02:00:00Z"))
+        );
+        assert_eq!(nightly.next_after(on), Some(utc("2026-11-24T02:00:00Z")));
+        assert_eq!(
+            nightly.next_after(on - chrono::Duration::milliseconds(1)),
+            Some(on)
+        );
+        assert_eq!(nightly.gap_after(on), Some(Duration::from_secs(86_400)));
+    }
+
+    #[test]
+    fn seconds_schedules_and_daylight_saving_time() {
+        let every_two = Schedule::parse("*/2 * * * * *", "UTC").expect("parse");
+        let at = utc("2026-11-22T12:00:01.500Z");
+        assert_eq!(
+            every_two.latest_at_or_before(at),
+            Some(utc("2026-11-22T12:00:00Z"))
+        );
+        assert_eq!(every_two.next_after(at), Some(utc("2026-11-22T12:00:02Z")));
+        // 02:30 does not exist in Paris on 2026-03-29; the day after, it is 00:30 UTC.
+        let half_past_two = Schedule::parse("30 2 * * *", "Europe/Paris").expect("parse");
+        let after = half_past_two
+            .next_after(utc("2026-03-29T00:00:00Z"))
+            .expect("next");
+        assert!(after > utc("2026-03-29T00:00:00Z"), "{after}");
+        assert_eq!(
+            half_past_two.next_after(utc("2026-03-30T00:00:00Z")),
+            Some(
+                Tz::Europe__Paris
+                    .with_ymd_and_hms(2026, 3, 30, 2, 30, 0)
+                    .unwrap()
+                    .with_timezone(&Utc)
+            )
+        );
+    }
+
+    #[test]
+    fn instants_print_as_rfc3339_utc() {
+        assert_eq!(rfc3339(utc("2026-11-23T03:00:00Z")), "2026-11-23T03:00:00Z");
+    }
+}

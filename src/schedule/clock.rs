@@ -1,0 +1,108 @@
+//! The database server's clock, as seen from here.
+//!
+//! Occurrences are instants on the server's clock (`clock_timestamp()`), so that a replica whose
+//! own clock is off by a minute runs neither early, nor late, nor twice. Each round trip that
+//! returns the server's time is a sample: the server read its clock somewhere between sending
+//! and receiving, so the midpoint of the round trip, on this host's monotonic clock, is taken
+//! to be that moment (wrong by at most half the round trip). Waiting for an occurrence is then
+//! a sleep on the monotonic clock, which neither the host's wall clock nor its corrections
+//! move. Every new sample replaces the mapping, so drift between the two clocks never
+//! accumulates beyond one check interval; and the claim itself refuses to run early on the
+//! server's own clock (see `ledger.rs`).
+
+use std::time::{Duration, SystemTime};
+
+use chrono::{DateTime, Utc};
+use tokio::time::Instant;
+
+/// A mapping from this host's monotonic clock to the server's wall clock.
+#[derive(Clone, Copy, Debug)]
+pub struct ServerClock {
+    server: DateTime<Utc>,
+    local: Instant,
+    /// The host's wall clock at `local`, to report its offset from the server's.
+    wall: SystemTime,
+    round_trip: Duration,
+}
+
+impl ServerClock {
+    /// A sample: the query was sent at `sent`, its answer arrived at `received`, and the
+    /// server's clock said `server`.
+    pub fn sample(sent: Instant, received: Instant, server: DateTime<Utc>) -> ServerClock {
+        let round_trip = received.saturating_duration_since(sent);
+        let local = sent + round_trip / 2;
+        let wall = SystemTime::now()
+            .checked_sub(received.saturating_duration_since(local))
+            .unwrap_or_else(SystemTime::now);
+        ServerClock {
+            server,
+            local,
+            wall,
+            round_trip,
+        }
+    }
+
+    /// The server's time now.
+    pub fn now(&self) -> DateTime<Utc> {
+        self.at(Instant::now())
+    }
+
+    /// The server's time at a local instant.
+    pub fn at(&self, instant: Instant) -> DateTime<Utc> {
+        let delta = if instant >= self.local {
+            chrono::Duration::from_std(instant - self.local).unwrap_or(chrono::Duration::MAX)
+        } else {
+            -chrono::Duration::from_std(self.local - instant).unwrap_or(chrono::Duration::MAX)
+        };
+        self.server + delta
+    }
+
+    /// The local instant at which the server's clock shows `at` (now, if that has passed).
+    pub fn instant_of(&self, at: DateTime<Utc>) -> Instant {
+        match (at - self.server).to_std() {
+            Ok(ahead) => self.local + ahead,
+            Err(_) => {
+                let behind = (self.server - at).to_std().unwrap_or(Duration::MAX);
+                self.local.checked_sub(behind).unwrap_or(self.local)
+            }
+        }
+    }
+
+    /// How far this host's wall clock is ahead of the server's (negative: behind), in
+    /// seconds, to within half a round trip.
+    pub fn host_offset_seconds(&self) -> f64 {
+        let host: DateTime<Utc> = self.wall.into();
+        (host - self.server).num_microseconds().unwrap_or(0) as f64 / 1e6
+    }
+
+    pub fn round_trip(&self) -> Duration {
+        self.round_trip
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn maps_server_instants_to_local_ones_through_the_round_trips_midpoint() {
+        let sent = Instant::now();
+        let received = sent + Duration::from_millis(10);
+        let server = 1_800_000_000_000_000; // 2027-01-15T08:00:00Z
+        let clock = ServerClock::sample(
+            sent,
+            received,
+            DateTime::from_timestamp_micros(server).expect("time"),
+        );
+        let midpoint = sent + Duration::from_millis(5);
+        assert_eq!(clock.at(midpoint).timestamp_micros(), server);
+        let later = DateTime::from_timestamp_micros(server + 2_000_000).expect("time");
+        assert_eq!(clock.instant_of(later), midpoint + Duration::from_secs(2));
+        let earlier = DateTime::from_timestamp_micros(server - 1_000).expect("time");
+        assert_eq!(
+            clock.instant_of(earlier),
+            midpoint - Duration::from_millis(1)
+        );
+        assert_eq!(clock.round_trip(), Duration::from_millis(10));
+    }
+}

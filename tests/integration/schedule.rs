@@ -1,0 +1,1083 @@
+//! Scheduled jobs (`--schedule`): each occurrence starts at most once across replicas and
+//! timers, on the server's clock, through kill -9, pg_terminate_backend, a server restart and
+//! skewed host clocks; missed, interrupted, skipped and mismatched occurrences are handled and
+//! recorded as README.md says.
+//!
+//! Every job appends `<occurrence> <epoch> <attempt> <tag>` to a journal file when it starts,
+//! so the journal is the ground truth of what ran; the ledger is checked against it.
+
+use std::collections::BTreeMap;
+use std::process::Command;
+use std::time::{Duration, Instant, SystemTime};
+
+use chrono::{DateTime, SubsecRound, Utc};
+use nix::sys::signal::Signal;
+
+use crate::harness::{Cluster, Journal, Proc, Stream, WAIT, pgleader, unique_lock};
+
+/// Every two seconds: fast enough for tests, slow enough for a 2-core machine under load.
+const EVERY_TWO_SECONDS: &str = "*/2 * * * * *";
+
+/// A ledger table no other test uses.
+fn unique_table() -> String {
+    format!("ledger_{}", unique_lock())
+}
+
+/// A lock and a ledger table of the test's own on the shared cluster, and a journal.
+struct Setup {
+    lock: i64,
+    table: String,
+    journal: Journal,
+}
+
+impl Setup {
+    fn new(tag: &str) -> Setup {
+        Setup {
+            lock: unique_lock(),
+            table: unique_table(),
+            journal: Journal::new(tag),
+        }
+    }
+
+    /// A replica on `schedule` whose job (tagged `tag`) takes `seconds`.
+    fn replica(&self, tag: &str, schedule: &str, args: &[&str], seconds: &str) -> Proc {
+        scheduled(
+            tag,
+            Cluster::shared(),
+            self.lock,
+            &self.table,
+            schedule,
+            args,
+            &job(&self.journal, tag, seconds),
+        )
+    }
+
+    fn ledger(&self) -> BTreeMap<String, (String, i32)> {
+        ledger(Cluster::shared(), &self.table, self.lock)
+    }
+}
+
+/// `pgleader run --schedule ...` against `url`.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "a test helper that names each part of the command line"
+)]
+fn scheduled_at(
+    name: &str,
+    mut command: Command,
+    url: &str,
+    lock: i64,
+    table: &str,
+    schedule: &str,
+    args: &[&str],
+    script: &str,
+) -> Proc {
+    command
+        .env("PGLEADER_DATABASE_URL", url)
+        .arg("run")
+        .arg(format!("--lock-id={lock}"))
+        .args(["--schedule", schedule, "--ledger-table", table])
+        .args(args)
+        .args(["--", "sh", "-c", script]);
+    Proc::spawn(name, command)
+}
+
+fn scheduled(
+    name: &str,
+    cluster: &Cluster,
+    lock: i64,
+    table: &str,
+    schedule: &str,
+    args: &[&str],
+    script: &str,
+) -> Proc {
+    scheduled_at(
+        name,
+        pgleader(),
+        &cluster.url(),
+        lock,
+        table,
+        schedule,
+        args,
+        script,
+    )
+}
+
+/// A job that journals its start, prints `<tag> ran <occurrence>`, and takes `seconds`.
+fn job(journal: &Journal, tag: &str, seconds: &str) -> String {
+    format!(
+        "{}; echo {tag} ran $PGLEADER_SCHEDULED_TIME; sleep {seconds}",
+        journal.append(&format!(
+            "$PGLEADER_SCHEDULED_TIME $PGLEADER_EPOCH $PGLEADER_ATTEMPT {tag}"
+        ))
+    )
+}
+
+/// One journaled start.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Started {
+    occurrence: String,
+    epoch: i64,
+    attempt: i32,
+    tag: String,
+}
+
+fn starts(journal: &Journal) -> Vec<Started> {
+    journal
+        .lines()
+        .iter()
+        .map(|line| {
+            let words: Vec<&str> = line.split_whitespace().collect();
+            assert_eq!(
+                words.len(),
+                4,
+                "a journal line without every field: {line:?}"
+            );
+            Started {
+                occurrence: words[0].to_owned(),
+                epoch: words[1].parse().expect("epoch"),
+                attempt: words[2].parse().expect("attempt"),
+                tag: words[3].to_owned(),
+            }
+        })
+        .collect()
+}
+
+/// Waits until the journal holds at least `n` starts; returns them.
+fn wait_starts(journal: &Journal, n: usize, timeout: Duration) -> Vec<Started> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let seen = starts(journal);
+        if seen.len() >= n {
+            return seen;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "only {} of {n} runs within {timeout:?}: {seen:?}",
+            seen.len()
+        );
+        std::thread::sleep(Duration::from_millis(25));
+    }
+}
+
+/// How many times each occurrence started.
+fn counts(seen: &[Started]) -> BTreeMap<String, usize> {
+    let mut counts = BTreeMap::new();
+    for start in seen {
+        *counts.entry(start.occurrence.clone()).or_insert(0) += 1;
+    }
+    counts
+}
+
+fn assert_each_started_once(seen: &[Started]) {
+    let twice: Vec<_> = counts(seen).into_iter().filter(|(_, n)| *n > 1).collect();
+    assert!(
+        twice.is_empty(),
+        "occurrences started more than once: {twice:?}; {seen:?}"
+    );
+}
+
+fn parse_time(text: &str) -> DateTime<Utc> {
+    DateTime::parse_from_rfc3339(text)
+        .unwrap_or_else(|err| panic!("{text:?}: {err}"))
+        .with_timezone(&Utc)
+}
+
+fn rfc3339(at: DateTime<Utc>) -> String {
+    at.to_rfc3339_opts(chrono::SecondsFormat::AutoSi, true)
+}
+
+/// A six-field schedule that matches only `at` (once a year), in UTC.
+fn only_at(at: DateTime<Utc>) -> String {
+    at.format("%-S %-M %-H %-d %-m *").to_string()
+}
+
+/// An instant `seconds` (whole) from now, on a whole second.
+fn in_seconds(seconds: i64) -> DateTime<Utc> {
+    Utc::now().trunc_subsecs(0) + chrono::Duration::seconds(seconds + 1)
+}
+
+/// Sleeps until the wall clock shows `at`: the scenario itself (a timer that fires then), not
+/// a stand-in for an event.
+fn sleep_until(at: DateTime<Utc>) {
+    if let Ok(wait) = (at - Utc::now()).to_std() {
+        std::thread::sleep(wait);
+    }
+}
+
+/// The ledger rows of a lock: occurrence → (outcome, attempt).
+fn ledger(cluster: &Cluster, table: &str, lock: i64) -> BTreeMap<String, (String, i32)> {
+    cluster
+        .client()
+        .query(
+            &format!(
+                "SELECT to_char(scheduled_for AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'), \
+                        outcome, attempt FROM {table} WHERE lock_key = $1"
+            ),
+            &[&lock],
+        )
+        .unwrap_or_else(|err| panic!("read {table}: {err}"))
+        .iter()
+        .map(|row| (row.get(0), (row.get(1), row.get(2))))
+        .collect()
+}
+
+/// The replica whose command printed `<tag> ran <occurrence>` (the journal is written just
+/// before that line).
+fn runner<'a>(replicas: &'a [Proc], occurrence: &str) -> &'a Proc {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let found = replicas.iter().find(|replica| {
+            replica
+                .lines(Stream::Stdout)
+                .iter()
+                .any(|line| line.ends_with(&format!("ran {occurrence}")))
+        });
+        if let Some(replica) = found {
+            return replica;
+        }
+        assert!(Instant::now() < deadline, "no replica ran {occurrence}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// The backend holding the lock.
+fn holder_backend(cluster: &Cluster, lock: i64) -> i32 {
+    cluster
+        .client()
+        .query_one(
+            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted \
+               AND objid = $1::bigint::oid AND classid = 0 AND objsubid = 1",
+            &[&lock],
+        )
+        .expect("the lock's holder")
+        .get(0)
+}
+
+#[test]
+fn three_replicas_run_each_occurrence_once_through_kill_9_terminate_and_restart() {
+    let cluster = Cluster::new("schedule-faults");
+    let lock = unique_lock();
+    let table = unique_table();
+    let journal = Journal::new("schedule-faults");
+    let mut replicas: Vec<Proc> = Vec::new();
+    let spawn = |replicas: &mut Vec<Proc>| {
+        let tag = format!("R{}", replicas.len());
+        let replica = scheduled(
+            &tag,
+            &cluster,
+            lock,
+            &table,
+            EVERY_TWO_SECONDS,
+            &[],
+            &job(&journal, &tag, "0.6"),
+        );
+        replica.wait_log("connected");
+        replicas.push(replica);
+    };
+    for _ in 0..3 {
+        spawn(&mut replicas);
+    }
+    let seen = wait_starts(&journal, 3, WAIT);
+    // kill -9 of the leader between runs: the next occurrence runs on another replica.
+    let last = &seen.last().expect("a run").occurrence;
+    let leader = runner(&replicas, last);
+    leader.wait_log(&format!("the run of {last} succeeded"));
+    leader.signal(Signal::SIGKILL);
+    spawn(&mut replicas);
+    let seen = wait_starts(&journal, seen.len() + 2, WAIT);
+
+    // kill -9 of the leader during a run: that occurrence is interrupted, not run again.
+    let interrupted = seen.last().expect("a run").occurrence.clone();
+    runner(&replicas, &interrupted).signal(Signal::SIGKILL);
+    spawn(&mut replicas);
+    let seen = wait_starts(&journal, seen.len() + 2, WAIT);
+
+    // pg_terminate_backend of the leader's session between runs.
+    let last = seen.last().expect("a run").occurrence.clone();
+    runner(&replicas, &last).wait_log(&format!("the run of {last} succeeded"));
+    cluster.terminate_backend(holder_backend(&cluster, lock));
+    let seen = wait_starts(&journal, seen.len() + 2, WAIT);
+
+    // A server restart, down for three seconds.
+    let stopped = Utc::now();
+    cluster.stop();
+    std::thread::sleep(Duration::from_secs(3));
+    cluster.start();
+    // Occurrences that may be lost: those that came while the server was down, but the most
+    // recent of them.
+    let (down, up) = (stopped, Utc::now());
+    let seen = wait_starts(&journal, seen.len() + 3, WAIT);
+
+    assert_each_started_once(&seen);
+    // The first run may catch up an occurrence that came just before the fleet started, and
+    // overrun the next one, which is then skipped: count from the second run.
+    let first = parse_time(&seen[1].occurrence);
+    let latest = parse_time(&seen.last().expect("a run").occurrence);
+    let ran = counts(&seen);
+    // The run that catches up after the restart may still be going at the next occurrence,
+    // which is then skipped.
+    let up = up + chrono::Duration::seconds(2);
+    let mut at = first;
+    let mut lost_in_outage = Vec::new();
+    while at <= latest {
+        if !ran.contains_key(&rfc3339(at)) {
+            assert!(
+                at >= down && at <= up,
+                "the occurrence of {} did not run, outside any fault window; runs: {seen:?}",
+                rfc3339(at)
+            );
+            lost_in_outage.push(at);
+        }
+        at += chrono::Duration::seconds(2);
+    }
+    assert!(lost_in_outage.len() <= 3, "lost {lost_in_outage:?}");
+
+    let rows = ledger(&cluster, &table, lock);
+    // The last run may still be going.
+    for start in &seen[..seen.len() - 1] {
+        let (outcome, _) = rows
+            .get(&start.occurrence)
+            .unwrap_or_else(|| panic!("no ledger row for {start:?}: {rows:?}"));
+        if start.occurrence == interrupted {
+            assert_eq!(outcome, "interrupted", "{rows:?}");
+        } else {
+            assert_ne!(
+                outcome, "running",
+                "{} is still running: {rows:?}",
+                start.occurrence
+            );
+        }
+    }
+    // Epochs grow from one leadership to the next.
+    let epochs: Vec<i64> = seen.iter().map(|start| start.epoch).collect();
+    assert!(
+        epochs.windows(2).all(|pair| pair[0] <= pair[1]),
+        "{epochs:?}"
+    );
+}
+
+/// Three timers (`--once`) for the same occurrence, the second half a second after the first and
+/// the third five seconds after that: one run.
+fn timers_run_one_occurrence_once(first_fires: i64) {
+    let cluster = Cluster::shared();
+    let lock = unique_lock();
+    let table = unique_table();
+    let journal = Journal::new("timers");
+    let occurrence = in_seconds(3);
+    let schedule = only_at(occurrence);
+    let fire = |name: &str, at: DateTime<Utc>| {
+        sleep_until(at);
+        scheduled(
+            name,
+            cluster,
+            lock,
+            &table,
+            &schedule,
+            &["--once", "--busy-exit-code=3"],
+            &job(&journal, name, "1"),
+        )
+    };
+    let first = occurrence + chrono::Duration::milliseconds(first_fires);
+    let a = fire("A", first);
+    let b = fire("B", first + chrono::Duration::milliseconds(500));
+    let c = fire("C", first + chrono::Duration::milliseconds(5_500));
+    let codes = [a.wait_code(), b.wait_code(), c.wait_code()];
+    assert_eq!(codes, [0, 3, 3], "A runs, B and C find it taken");
+    let seen = starts(&journal);
+    assert_eq!(seen.len(), 1, "{seen:?}");
+    assert_eq!(seen[0].occurrence, rfc3339(occurrence));
+    assert_eq!(seen[0].tag, "A");
+    c.wait_log("already claimed (succeeded)");
+    assert_eq!(
+        ledger(cluster, &table, lock).get(&rfc3339(occurrence)),
+        Some(&("succeeded".to_owned(), 1))
+    );
+}
+
+#[test]
+fn timers_half_a_second_and_five_seconds_apart_run_an_occurrence_once() {
+    timers_run_one_occurrence_once(200);
+}
+
+#[test]
+fn a_timer_that_fires_early_waits_for_the_occurrence_on_the_servers_clock() {
+    // A fires 1.5 s early and waits; B, half a second later, finds the lock taken.
+    timers_run_one_occurrence_once(-1_500);
+}
+
+/// libfaketime, preloaded into pgleader itself (not through the `faketime` program, which
+/// forks and would stand between the test and pgleader's pid).
+fn faketime_library() -> String {
+    let path = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1";
+    assert!(
+        std::path::Path::new(path).is_file(),
+        "{path} is missing: the clock-skew test runs pgleader under libfaketime (apt-get install faketime)"
+    );
+    path.to_owned()
+}
+
+/// `pgleader` whose clocks are `offset` off.
+fn skewed_pgleader(library: &str, offset: &str) -> Command {
+    let mut command = pgleader();
+    command.env("LD_PRELOAD", library).env("FAKETIME", offset);
+    command
+}
+
+/// The wall-clock time at which a line reached the test, from the moment it arrived on the pipe.
+fn arrival(at: Instant, reference: (Instant, SystemTime)) -> DateTime<Utc> {
+    let wall = if at >= reference.0 {
+        reference.1 + (at - reference.0)
+    } else {
+        reference.1 - (reference.0 - at)
+    };
+    wall.into()
+}
+
+#[test]
+fn replicas_with_clocks_30_seconds_off_run_each_occurrence_once_at_the_servers_time() {
+    let library = faketime_library();
+    let cluster = Cluster::shared();
+    let lock = unique_lock();
+    let table = unique_table();
+    let journal = Journal::new("skew");
+    let reference = (Instant::now(), SystemTime::now());
+    let skewed = |tag: &str, offset: &str| {
+        scheduled_at(
+            tag,
+            skewed_pgleader(&library, offset),
+            &cluster.url(),
+            lock,
+            &table,
+            "*/3 * * * * *",
+            &[],
+            &job(&journal, tag, "0.2"),
+        )
+    };
+    let ahead = skewed("ahead", "+30s");
+    ahead.wait_log("this host's clock is 30");
+    let behind = skewed("behind", "-30s");
+    behind.wait_log("waiting for the lock");
+    let seen = wait_starts(&journal, 2, WAIT);
+    let leader = if seen[0].tag == "ahead" {
+        &ahead
+    } else {
+        &behind
+    };
+    leader.signal(Signal::SIGKILL);
+    let seen = wait_starts(&journal, seen.len() + 2, WAIT);
+    assert_each_started_once(&seen);
+    assert!(
+        seen.iter().any(|s| s.tag == "ahead") && seen.iter().any(|s| s.tag == "behind"),
+        "both skewed replicas led: {seen:?}"
+    );
+    for (replica, tag) in [(&ahead, "ahead"), (&behind, "behind")] {
+        // A new leader first catches up the latest occurrence, which may be seconds old; every
+        // later one it waits for.
+        let (_, won) = replica
+            .wait_line(Stream::Stderr, "became leader", 1, None, WAIT)
+            .expect("it led");
+        let won = arrival(won, reference);
+        for start in seen.iter().filter(|s| s.tag == tag) {
+            let (_, at) = replica
+                .wait_line(
+                    Stream::Stdout,
+                    &format!("ran {}", start.occurrence),
+                    1,
+                    None,
+                    WAIT,
+                )
+                .expect("the run's line");
+            let started = arrival(at, reference);
+            let occurrence = parse_time(&start.occurrence);
+            assert!(
+                started >= occurrence,
+                "{tag} ran {} early, at {}",
+                start.occurrence,
+                rfc3339(started)
+            );
+            let late = (started - occurrence.max(won)).num_milliseconds();
+            assert!(
+                late < 1_500,
+                "{tag} ran {} at {}: {late} ms after the occurrence (or its leadership) on the server's clock",
+                start.occurrence,
+                rfc3339(started)
+            );
+        }
+    }
+
+    // A timer whose clock is 30 s ahead, started 1.5 s before an occurrence, waits for it.
+    let occurrence = in_seconds(3);
+    sleep_until(occurrence - chrono::Duration::milliseconds(1_500));
+    let timer_lock = unique_lock();
+    let timer = scheduled_at(
+        "timer",
+        skewed_pgleader(&library, "+30s"),
+        &cluster.url(),
+        timer_lock,
+        &table,
+        &only_at(occurrence),
+        &["--once"],
+        &job(&journal, "timer", "0"),
+    );
+    assert_eq!(timer.wait_code(), 0, "{}", timer.dump());
+    let (_, at) = timer
+        .wait_line(Stream::Stdout, "timer ran", 1, None, WAIT)
+        .expect("the timer's run");
+    let late = (arrival(at, reference) - occurrence).num_milliseconds();
+    assert!(
+        (0..1_500).contains(&late),
+        "the timer ran {late} ms from its occurrence"
+    );
+}
+
+#[test]
+fn after_the_whole_fleet_was_down_only_the_latest_missed_occurrence_runs_within_catch_up() {
+    let cluster = Cluster::shared();
+    let table = unique_table();
+    let journal = Journal::new("catch-up");
+
+    // Every second: a replica runs a few, dies, and the fleet stays down for four seconds.
+    let lock = unique_lock();
+    let a = scheduled(
+        "A",
+        cluster,
+        lock,
+        &table,
+        "* * * * * *",
+        &[],
+        &job(&journal, "A", "0"),
+    );
+    let before = wait_starts(&journal, 2, WAIT);
+    a.signal(Signal::SIGKILL);
+    a.wait_exit();
+    let down = Utc::now();
+    std::thread::sleep(Duration::from_secs(4));
+    let b = scheduled(
+        "B",
+        cluster,
+        lock,
+        &table,
+        "* * * * * *",
+        &[],
+        &job(&journal, "B", "0"),
+    );
+    let after = wait_starts(&journal, before.len() + 2, WAIT);
+    let first_of_b = after.iter().find(|s| s.tag == "B").expect("B ran");
+    let caught_up = parse_time(&first_of_b.occurrence);
+    b.wait_log(&format!("running the occurrence of {}", rfc3339(caught_up)));
+    assert!(
+        caught_up > down + chrono::Duration::seconds(3),
+        "B caught up {caught_up}, not the latest missed occurrence"
+    );
+    let backlog: Vec<_> = after
+        .iter()
+        .filter(|s| {
+            let at = parse_time(&s.occurrence);
+            at > down && at < caught_up
+        })
+        .collect();
+    assert!(backlog.is_empty(), "a backlog was replayed: {backlog:?}");
+    assert_each_started_once(&after);
+
+    // An occurrence older than --catch-up is recorded as missed, not run.
+    let lock = unique_lock();
+    let occurrence = in_seconds(0);
+    sleep_until(occurrence + chrono::Duration::seconds(3));
+    let late = scheduled(
+        "late",
+        cluster,
+        lock,
+        &table,
+        &only_at(occurrence),
+        &["--catch-up=2s"],
+        &job(&journal, "late", "0"),
+    );
+    late.wait_log(&format!(
+        "the occurrence of {} was missed",
+        rfc3339(occurrence)
+    ));
+    assert_eq!(
+        ledger(cluster, &table, lock)
+            .get(&rfc3339(occurrence))
+            .map(|(o, _)| o.as_str()),
+        Some("missed")
+    );
+    // Within the default --catch-up (1h) the same late start runs it, once.
+    let lock = unique_lock();
+    let occurrence = in_seconds(0);
+    sleep_until(occurrence + chrono::Duration::seconds(2));
+    let on_time = scheduled(
+        "catcher",
+        cluster,
+        lock,
+        &table,
+        &only_at(occurrence),
+        &[],
+        &job(&journal, "catcher", "0"),
+    );
+    on_time.wait_log(&format!("the run of {} succeeded", rfc3339(occurrence)));
+    on_time.signal(Signal::SIGTERM);
+    on_time.wait_exit();
+    let again = scheduled(
+        "again",
+        cluster,
+        lock,
+        &table,
+        &only_at(occurrence),
+        &["--once", "--busy-exit-code=3"],
+        &job(&journal, "again", "0"),
+    );
+    assert_eq!(again.wait_code(), 3, "{}", again.dump());
+    again.wait_log("already claimed (succeeded)");
+    assert!(
+        !starts(&journal)
+            .iter()
+            .any(|s| s.tag == "late" || s.tag == "again")
+    );
+    assert_eq!(
+        starts(&journal)
+            .iter()
+            .filter(|s| s.tag == "catcher")
+            .count(),
+        1
+    );
+    assert!(!late.lines(Stream::Stdout).iter().any(|l| l.contains("ran")));
+}
+
+/// An interrupted run: A leads the occurrence and is killed during its run; B, waiting, has
+/// taken over; C waits behind B.
+struct Interrupted {
+    setup: Setup,
+    occurrence: DateTime<Utc>,
+    b: Proc,
+    c: Proc,
+}
+
+fn interrupt_a_run(retries: &str) -> Interrupted {
+    let setup = Setup::new("interrupted");
+    let occurrence = in_seconds(2);
+    let schedule = only_at(occurrence);
+    let a = setup.replica("A", &schedule, &[retries], "1000");
+    a.wait_log("became leader");
+    let b = setup.replica("B", &schedule, &[retries], "1000");
+    b.wait_log("waiting for the lock");
+    let c = setup.replica("C", &schedule, &[retries], "1000");
+    c.wait_log("waiting for the lock");
+    a.wait_stdout(&format!("A ran {}", rfc3339(occurrence)));
+    a.signal(Signal::SIGKILL);
+    b.wait_log("became leader");
+    Interrupted {
+        setup,
+        occurrence,
+        b,
+        c,
+    }
+}
+
+#[test]
+fn an_interrupted_run_is_not_started_again_by_default() {
+    let Interrupted {
+        setup,
+        occurrence,
+        b,
+        ..
+    } = interrupt_a_run("--retry-interrupted=0");
+    b.wait_log(&format!(
+        "not running the occurrence of {}: it was interrupted",
+        rfc3339(occurrence)
+    ));
+    b.wait_log("was interrupted: its leader lost the lock while it ran");
+    assert_eq!(
+        setup.ledger().get(&rfc3339(occurrence)),
+        Some(&("interrupted".to_owned(), 1))
+    );
+    let seen = starts(&setup.journal);
+    assert_eq!(seen.len(), 1, "{seen:?}");
+}
+
+#[test]
+fn retry_interrupted_starts_an_interrupted_run_again_with_the_same_scheduled_time() {
+    let Interrupted {
+        setup,
+        occurrence,
+        b,
+        c,
+    } = interrupt_a_run("--retry-interrupted=1");
+    b.wait_stdout(&format!("B ran {}", rfc3339(occurrence)));
+    let seen = starts(&setup.journal);
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    assert_eq!((seen[0].attempt, seen[1].attempt), (1, 2));
+    assert_eq!(
+        seen[0].occurrence, seen[1].occurrence,
+        "the same PGLEADER_SCHEDULED_TIME"
+    );
+    assert!(
+        seen[0].epoch < seen[1].epoch,
+        "a new PGLEADER_EPOCH: {seen:?}"
+    );
+    // Interrupted again: one retry was allowed, and it was used.
+    b.signal(Signal::SIGKILL);
+    c.wait_log(&format!(
+        "not running the occurrence of {}: it was interrupted, and --retry-interrupted allows no more attempts",
+        rfc3339(occurrence)
+    ));
+    assert_eq!(starts(&setup.journal).len(), 2);
+    assert_eq!(
+        setup.ledger().get(&rfc3339(occurrence)),
+        Some(&("interrupted".to_owned(), 2))
+    );
+}
+
+#[test]
+fn an_occurrence_that_comes_while_the_previous_run_goes_on_is_skipped_and_recorded() {
+    let setup = Setup::new("overlap");
+    let a = setup.replica("A", EVERY_TWO_SECONDS, &[], "3");
+    let seen = wait_starts(&setup.journal, 2, WAIT);
+    let skipped = a.wait_log("was skipped: the run of");
+    assert_each_started_once(&seen);
+    let (first, second) = (
+        parse_time(&seen[0].occurrence),
+        parse_time(&seen[1].occurrence),
+    );
+    assert!(
+        (second - first).num_seconds() >= 4,
+        "nothing was skipped: {seen:?}"
+    );
+    let rows = setup.ledger();
+    let mut between = first + chrono::Duration::seconds(2);
+    while between < second {
+        assert_eq!(
+            rows.get(&rfc3339(between)).map(|(o, _)| o.as_str()),
+            Some("skipped"),
+            "{} came during the run of {}: {rows:?}",
+            rfc3339(between),
+            seen[0].occurrence
+        );
+        between += chrono::Duration::seconds(2);
+    }
+    assert!(
+        skipped.contains(&format!(
+            "the run of {} was still going",
+            seen[0].occurrence
+        )),
+        "{skipped}"
+    );
+}
+
+#[test]
+fn a_missing_ledger_without_create_permission_is_a_clear_error_that_gives_the_ddl() {
+    let cluster = Cluster::shared();
+    let table = unique_table();
+    let role = format!("r{}", unique_lock());
+    cluster.execute(&format!(
+        "CREATE ROLE {role} LOGIN; REVOKE CREATE ON SCHEMA public FROM PUBLIC"
+    ));
+    let url = format!("postgres://{role}@127.0.0.1:{}/postgres", cluster.port);
+    let lock = unique_lock();
+    let refused = scheduled_at(
+        "refused",
+        pgleader(),
+        &url,
+        lock,
+        &table,
+        EVERY_TWO_SECONDS,
+        &[],
+        "true",
+    );
+    let (status, _, stderr) = refused.finish();
+    assert_eq!(status.code(), Some(1), "{}", refused.dump());
+    let stderr = stderr.join("\n");
+    assert!(
+        stderr.contains(&format!("cannot create the ledger table {table}")),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(&format!("CREATE TABLE {table} (")),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(&format!(
+            "GRANT SELECT, INSERT, UPDATE, DELETE ON {table} TO"
+        )),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains("waiting for the lock"),
+        "it must stop before the election: {stderr}"
+    );
+
+    // Created by an administrator but not granted: still refused, saying what is missing.
+    let ddl = pgleader::schedule::ledger::TableName::parse(&table)
+        .expect("table")
+        .ddl();
+    cluster.execute(&ddl);
+    let ungranted = scheduled_at(
+        "ungranted",
+        pgleader(),
+        &url,
+        lock,
+        &table,
+        EVERY_TWO_SECONDS,
+        &[],
+        "true",
+    );
+    let (status, _, stderr) = ungranted.finish();
+    assert_eq!(status.code(), Some(1));
+    assert!(
+        stderr.join("\n").contains("may not use the ledger table"),
+        "{stderr:?}"
+    );
+
+    // Granted: it runs.
+    cluster.execute(&format!(
+        "GRANT SELECT, INSERT, UPDATE, DELETE ON {table} TO {role}"
+    ));
+    let journal = Journal::new("granted");
+    let granted = scheduled_at(
+        "granted",
+        pgleader(),
+        &url,
+        lock,
+        &table,
+        EVERY_TWO_SECONDS,
+        &[],
+        &job(&journal, "G", "0"),
+    );
+    let first = wait_starts(&journal, 1, WAIT).remove(0);
+    granted.wait_log(&format!("the run of {} succeeded", first.occurrence));
+    assert_eq!(
+        ledger(cluster, &table, lock).get(&first.occurrence),
+        Some(&("succeeded".to_owned(), 1))
+    );
+}
+
+#[test]
+fn a_replica_with_another_schedule_is_reported_and_never_runs_its_version() {
+    let cluster = Cluster::shared();
+    let lock = unique_lock();
+    let table = unique_table();
+    let journal = Journal::new("mismatch");
+    let a1 = scheduled(
+        "A1",
+        cluster,
+        lock,
+        &table,
+        EVERY_TWO_SECONDS,
+        &[],
+        &job(&journal, "A1", "0"),
+    );
+    wait_starts(&journal, 1, WAIT);
+    // B reads the same expression in another time zone; it queues before A2.
+    let b = scheduled(
+        "B",
+        cluster,
+        lock,
+        &table,
+        EVERY_TWO_SECONDS,
+        &["--schedule-timezone=Asia/Kolkata"],
+        &job(&journal, "B", "0"),
+    );
+    b.wait_log("waiting for the lock");
+    let a2 = scheduled(
+        "A2",
+        cluster,
+        lock,
+        &table,
+        EVERY_TWO_SECONDS,
+        &[],
+        &job(&journal, "A2", "0"),
+    );
+    a2.wait_log("waiting for the lock");
+    // The leader notices the disagreement at its next occurrence.
+    let warning = a1.wait_log("replicas with another schedule wait for this lock");
+    assert!(
+        warning.contains("Asia/Kolkata") || warning.contains(&b.pid.to_string()),
+        "{warning}"
+    );
+    a1.signal(Signal::SIGKILL);
+    // B wins the lock, sees A2 announce the established schedule, and hands over.
+    let refused = b.wait_log("differs from");
+    assert!(
+        refused.contains("Asia/Kolkata") && refused.contains("(UTC)"),
+        "{refused}"
+    );
+    b.wait_log("handing the lock over");
+    let a2_run = a2.wait_stdout("A2 ran");
+    assert!(
+        !starts(&journal).iter().any(|s| s.tag == "B"),
+        "B ran its version"
+    );
+    assert!(
+        !b.has_exited(),
+        "a service replica stays in the fleet: {}",
+        b.dump()
+    );
+    drop(a2_run);
+
+    // A timer with another schedule, after the established one ran at its occurrence: exit 1.
+    let timer_lock = unique_lock();
+    let occurrence = in_seconds(1);
+    let established = scheduled(
+        "T1",
+        cluster,
+        timer_lock,
+        &table,
+        &only_at(occurrence),
+        &["--once"],
+        &job(&journal, "T1", "0"),
+    );
+    assert_eq!(established.wait_code(), 0, "{}", established.dump());
+    let other = scheduled(
+        "T2",
+        cluster,
+        timer_lock,
+        &table,
+        "* * * * * *",
+        &["--once"],
+        &job(&journal, "T2", "0"),
+    );
+    let (status, _, stderr) = other.finish();
+    assert_eq!(status.code(), Some(1), "{}", other.dump());
+    assert!(
+        stderr
+            .join("\n")
+            .contains("another host's timer still uses it"),
+        "{stderr:?}"
+    );
+    assert!(!starts(&journal).iter().any(|s| s.tag == "T2"));
+}
+
+#[test]
+fn bad_schedules_and_combinations_are_usage_errors_that_name_the_problem() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["--schedule", "every night"], "five fields"),
+        (
+            &[
+                "--schedule",
+                "0 3 * * *",
+                "--schedule-timezone",
+                "Europe/Atlantis",
+            ],
+            "unknown time zone \"Europe/Atlantis\"",
+        ),
+        (&["--schedule", "@nightly"], "unknown nickname"),
+        (&["--schedule", "0 0 30 2 *"], "never matches"),
+        (
+            &["--schedule", "0 3 * * *", "--relinquish-after", "1h"],
+            "cannot be used with",
+        ),
+        (
+            &["--schedule", "0 3 * * *", "--restart-delay", "5s"],
+            "cannot be used with",
+        ),
+        (&["--catch-up", "5m"], "--schedule"),
+        (&["--retry-interrupted", "1"], "--schedule"),
+        (
+            &["--schedule", "0 3 * * *", "--ledger-table", "a;drop"],
+            "not a table name",
+        ),
+        (
+            &["--schedule", "0 3 * * *", "--catch-up", "soon"],
+            "--catch-up",
+        ),
+    ];
+    for (args, expected) in cases {
+        let mut command = pgleader();
+        command
+            .env(
+                "PGLEADER_DATABASE_URL",
+                "postgres://nobody@127.0.0.1:1/none",
+            )
+            .args(["run", "--lock-id=1"])
+            .args(*args)
+            .args(["--", "true"]);
+        let proc = Proc::spawn("usage", command);
+        let (status, _, stderr) = proc.finish();
+        let stderr = stderr.join("\n");
+        assert_eq!(status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains(expected),
+            "{args:?}: expected {expected:?} in {stderr}"
+        );
+    }
+}
+
+#[test]
+fn status_shows_the_schedule_its_last_runs_and_the_next_occurrence() {
+    let cluster = Cluster::shared();
+    let setup = Setup::new("status");
+    let a = setup.replica("A", EVERY_TWO_SECONDS, &[], "0");
+    let seen = wait_starts(&setup.journal, 2, WAIT);
+    a.wait_log(&format!("the run of {} succeeded", seen[1].occurrence));
+    let (lock, table) = (setup.lock, &setup.table);
+    let status = |json: bool| {
+        let mut command = pgleader();
+        command.env("PGLEADER_DATABASE_URL", cluster.url()).args([
+            "status",
+            &format!("--lock-id={lock}"),
+            "--ledger-table",
+            table,
+        ]);
+        if json {
+            command.arg("--json");
+        }
+        let proc = Proc::spawn("status", command);
+        let (status, stdout, _) = proc.finish();
+        assert_eq!(status.code(), Some(0), "{}", proc.dump());
+        stdout.join("\n")
+    };
+    let text = status(false);
+    assert!(text.contains("schedule: \"*/2 * * * * *\" (UTC)"), "{text}");
+    assert!(
+        text.contains(&format!("{}  succeeded   exit 0", seen[1].occurrence)),
+        "{text}"
+    );
+    let json: serde_json::Value = serde_json::from_str(&status(true)).expect("JSON");
+    let schedule = &json["schedule"];
+    assert_eq!(schedule["expression"], "*/2 * * * * *");
+    assert_eq!(schedule["timezone"], "UTC");
+    let next = parse_time(
+        schedule["next_occurrence"]
+            .as_str()
+            .expect("next occurrence"),
+    );
+    assert!(next > parse_time(&seen[1].occurrence), "{json}");
+    let runs = schedule["runs"].as_array().expect("runs");
+    let run = runs
+        .iter()
+        .find(|run| run["scheduled_for"] == seen[1].occurrence.as_str())
+        .unwrap_or_else(|| panic!("{} not in {json}", seen[1].occurrence));
+    assert_eq!(run["outcome"], "succeeded");
+    assert_eq!(run["exit_code"], 0);
+    assert_eq!(run["epoch"], seen[1].epoch);
+    assert_eq!(
+        json["holder"]["schedule_fingerprint"], schedule["fingerprint"],
+        "{json}"
+    );
+}
+
+#[test]
+fn without_schedule_no_ledger_table_is_touched() {
+    let cluster = Cluster::shared();
+    let table = unique_table();
+    let mut command = pgleader();
+    command
+        .env("PGLEADER_DATABASE_URL", cluster.url())
+        .env("PGLEADER_LEDGER_TABLE", &table)
+        .args([
+            "run",
+            &format!("--lock-id={}", unique_lock()),
+            "--once",
+            "--",
+            "true",
+        ]);
+    let proc = Proc::spawn("unscheduled", command);
+    assert_eq!(proc.wait_code(), 0, "{}", proc.dump());
+    let exists: bool = cluster
+        .client()
+        .query_one("SELECT to_regclass($1) IS NOT NULL", &[&table])
+        .expect("to_regclass")
+        .get(0);
+    assert!(!exists, "an unscheduled run created {table}");
+}
