@@ -78,6 +78,7 @@ impl RunConfig {
                 retry_interrupted: args.retry_interrupted,
                 table: ledger_table(&args.ledger)?,
                 once: args.once || args.no_wait,
+                statement_timeout: args.check_timeout / 2,
             }),
             None => None,
         };
@@ -164,6 +165,14 @@ pub fn connection(args: &ConnectionArgs, env: &dyn Environment) -> Result<Connec
     Ok(Connection { settings, warnings })
 }
 
+/// This host's name, as pgleader shows it in `application_name` and the ledger.
+pub fn host_name() -> String {
+    nix::unistd::gethostname()
+        .ok()
+        .and_then(|name| name.into_string().ok())
+        .unwrap_or_else(|| "unknown".into())
+}
+
 /// The ledger table of `--ledger-table`.
 pub fn ledger_table(args: &LedgerArgs) -> Result<TableName, UsageError> {
     TableName::parse(&args.ledger_table).map_err(|err| UsageError(format!("--ledger-table: {err}")))
@@ -179,10 +188,7 @@ pub fn application_name(user_given: Option<&str>) -> String {
 
 /// [`application_name`] with a schedule's fingerprint.
 pub fn scheduled_application_name(user_given: Option<&str>, fingerprint: Option<&str>) -> String {
-    let host = nix::unistd::gethostname()
-        .ok()
-        .and_then(|name| name.into_string().ok())
-        .unwrap_or_else(|| "unknown".into());
+    let host = host_name();
     let mut prefix = user_given.unwrap_or("pgleader").to_owned();
     if let Some(fingerprint) = fingerprint {
         // The fingerprint must survive the cut at 63 bytes.

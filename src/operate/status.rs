@@ -140,12 +140,14 @@ impl Participant {
 
     fn to_json(&self) -> Value {
         let process = self.pgleader_process();
+        let fingerprints = self.application_name.as_deref().and_then(fingerprint_in);
         json!({
             "backend_pid": self.backend_pid,
             "application_name": self.application_name,
             "pgleader_pid": process.map(|(pid, _)| pid),
             "pgleader_host": process.map(|(_, host)| host),
-            "schedule_fingerprint": self.application_name.as_deref().and_then(fingerprint_in),
+            "schedule_fingerprint": fingerprints.map(|(schedule, _)| schedule),
+            "ledger_fingerprint": fingerprints.and_then(|(_, ledger)| ledger),
             "client_address": self.client_address,
             "client_port": self.client_port,
             "backend_start": self.backend_start,
@@ -170,8 +172,13 @@ impl Participant {
         let mut line = format!("backend pid {}", self.backend_pid);
         if let Some((pid, host)) = self.pgleader_process() {
             let _ = write!(line, ", pgleader pid {pid} on {host}");
-            if let Some(fingerprint) = self.application_name.as_deref().and_then(fingerprint_in) {
-                let _ = write!(line, ", schedule {fingerprint}");
+            if let Some((schedule, ledger)) =
+                self.application_name.as_deref().and_then(fingerprint_in)
+            {
+                let _ = write!(line, ", schedule {schedule}");
+                if let Some(ledger) = ledger {
+                    let _ = write!(line, ", ledger {ledger}");
+                }
             }
         } else if let Some(name) = &self.application_name
             && !name.is_empty()

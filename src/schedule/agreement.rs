@@ -7,7 +7,8 @@
 //!
 //! - the ledger's newest row, which says which definition ran last: the *established* one;
 //! - the sessions that hold or wait for the lock right now: each scheduled pgleader puts the
-//!   fingerprint of its definition in its `application_name` (`pgleader#1a2b3c4d:<pid>@<host>`).
+//!   fingerprint of its definition, and of the ledger table it records runs in, in its
+//!   `application_name` (`pgleader#1a2b3c4d5e6f7a8b:<pid>@<host>`: schedule, then ledger).
 //!
 //! The rules, applied by a leader before it claims an occurrence:
 //!
@@ -41,10 +42,15 @@ pub struct Participant {
 impl Participant {
     /// The schedule fingerprint the session announces, if it is a scheduled pgleader.
     pub fn fingerprint(&self) -> Option<&str> {
-        fingerprint_in(&self.application_name)
+        fingerprint_in(&self.application_name).map(|(schedule, _)| schedule)
     }
 
-    fn describe(&self) -> String {
+    /// The ledger table's fingerprint it announces, once it has prepared its ledger.
+    pub fn ledger_fingerprint(&self) -> Option<&str> {
+        fingerprint_in(&self.application_name).and_then(|(_, ledger)| ledger)
+    }
+
+    pub fn describe(&self) -> String {
         format!(
             "{} (backend pid {})",
             self.application_name, self.backend_pid
@@ -52,12 +58,27 @@ impl Participant {
     }
 }
 
-/// The fingerprint in an application name `<name>#<fingerprint>:<pid>@<host>`.
-pub fn fingerprint_in(application_name: &str) -> Option<&str> {
+/// The fingerprints in an application name `<name>#<schedule>[<ledger>]:<pid>@<host>`: the
+/// schedule's eight hex digits, then the ledger table's once the session has prepared it.
+pub fn fingerprint_in(application_name: &str) -> Option<(&str, Option<&str>)> {
     let (name, _) = application_name.rsplit_once(':')?;
     let (_, fingerprint) = name.rsplit_once('#')?;
-    (fingerprint.len() == 8 && fingerprint.chars().all(|c| c.is_ascii_hexdigit()))
-        .then_some(fingerprint)
+    if !fingerprint.chars().all(|c| c.is_ascii_hexdigit()) {
+        return None;
+    }
+    match fingerprint.len() {
+        8 => Some((fingerprint, None)),
+        16 => Some((&fingerprint[..8], Some(&fingerprint[8..]))),
+        _ => None,
+    }
+}
+
+/// The live replicas that record this lock's runs in another ledger table than `own` (a
+/// table fingerprint): a configuration error, which would let an occurrence run once in each.
+pub fn foreign_ledgers<'a>(live: &'a [Participant], own: &str) -> Vec<&'a Participant> {
+    live.iter()
+        .filter(|p| p.ledger_fingerprint().is_some_and(|fp| fp != own))
+        .collect()
 }
 
 /// What the evidence says.
@@ -233,11 +254,11 @@ mod tests {
     fn reads_the_fingerprint_from_the_application_name() {
         assert_eq!(
             fingerprint_in("pgleader#0a1b2c3d:42@web-1"),
-            Some("0a1b2c3d")
+            Some(("0a1b2c3d", None))
         );
         assert_eq!(
-            fingerprint_in("billing:x#0a1b2c3d:42@web-1"),
-            Some("0a1b2c3d")
+            fingerprint_in("billing:x#0a1b2c3d99887766:42@web-1"),
+            Some(("0a1b2c3d", Some("99887766")))
         );
         assert_eq!(fingerprint_in("pgleader:42@web-1"), None);
         assert_eq!(fingerprint_in("pgleader#xyz:42@web-1"), None);

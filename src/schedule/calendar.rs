@@ -281,4 +281,41 @@ mod tests {
     fn instants_print_as_rfc3339_utc() {
         assert_eq!(rfc3339(utc("2026-11-23T03:00:00Z")), "2026-11-23T03:00:00Z");
     }
+
+    #[test]
+    fn a_wall_time_that_happens_twice_is_one_occurrence_for_a_daily_job() {
+        // 01:30 happens twice in New York on 2026-11-01 (05:30Z in EDT, 06:30Z in EST).
+        let daily = Schedule::parse("30 1 * * *", "America/New_York").expect("parse");
+        let (mut at, end) = (utc("2026-11-01T04:00:00Z"), utc("2026-11-01T12:00:00Z"));
+        let mut seen = Vec::new();
+        while let Some(next) = daily.next_after(at).filter(|next| *next < end) {
+            seen.push(next);
+            at = next;
+        }
+        assert_eq!(seen.len(), 1, "{seen:?}");
+    }
+
+    #[test]
+    fn an_hourly_job_runs_in_both_copies_of_the_repeated_hour() {
+        let hourly = Schedule::parse("30 * * * *", "America/New_York").expect("parse");
+        let mut at = utc("2026-11-01T04:00:00Z");
+        let mut seen = Vec::new();
+        for _ in 0..4 {
+            at = hourly.next_after(at).expect("next");
+            seen.push(at);
+        }
+        let expected =
+            ["04:30", "05:30", "06:30", "07:30"].map(|time| utc(&format!("2026-11-01T{time}:00Z")));
+        assert_eq!(seen, expected);
+    }
+
+    #[test]
+    fn a_wall_time_that_does_not_exist_runs_when_the_clock_has_moved_on_as_in_cron() {
+        // 02:30 does not exist in New York on 2026-03-08: it runs at 03:00 EDT (07:00Z).
+        let s = Schedule::parse("30 2 * * *", "America/New_York").expect("parse");
+        assert_eq!(
+            s.next_after(utc("2026-03-08T05:00:00Z")),
+            Some(utc("2026-03-08T07:00:00Z"))
+        );
+    }
 }

@@ -75,6 +75,11 @@ impl ServerClock {
         (host - self.server).num_microseconds().unwrap_or(0) as f64 / 1e6
     }
 
+    /// Whether this sample was taken after `other`.
+    pub fn is_newer_than(&self, other: &ServerClock) -> bool {
+        self.local > other.local
+    }
+
     pub fn round_trip(&self) -> Duration {
         self.round_trip
     }

@@ -51,20 +51,31 @@ pub const DDL: &str = "CREATE TABLE {table} (
     PRIMARY KEY (lock_key, scheduled_for)
 )";
 
-/// A ledger failure: `Fatal` when retrying cannot help (no permission, no table, a table of
-/// another shape), `Query` when the session itself is in trouble.
+/// A ledger failure, sorted by what the leader does about it.
 #[derive(Debug, Error)]
 pub enum LedgerError {
+    /// Retrying cannot help: no permission, no table, a table of another shape. pgleader exits.
     #[error("{0}")]
     Fatal(String),
+    /// The statement waited too long (a lock held on the table, `statement_timeout`) or lost a
+    /// serialization race, and was rolled back: try again a little later, still leading.
+    #[error("{0}")]
+    Busy(String),
+    /// The session itself is in trouble: leadership is in doubt.
     #[error("{0}")]
     Query(String),
 }
 
-/// A validated table name: `name` or `schema.name`, plain SQL identifiers (folded to lower
-/// case by the server, as psql would).
+/// A validated table name: `name` or `schema.name`, plain SQL identifiers, folded to lower
+/// case as the server folds unquoted names, and quoted in every statement, so that a name
+/// that happens to be a keyword (`user`, `order`) works too.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct TableName(String);
+pub struct TableName {
+    /// As given, folded: `ops.pgleader_ledger`.
+    text: String,
+    /// For statements: `"ops"."pgleader_ledger"`.
+    sql: String,
+}
 
 impl TableName {
     pub fn parse(text: &str) -> Result<TableName, String> {
@@ -83,23 +94,43 @@ impl TableName {
                 "{text:?} is not a table name (expected a name such as pgleader_ledger or ops.pgleader_ledger: letters, digits and underscores)"
             ));
         }
-        Ok(TableName(text.to_ascii_lowercase()))
+        let text = text.to_ascii_lowercase();
+        let sql = text
+            .split('.')
+            .map(|part| format!("\"{part}\""))
+            .collect::<Vec<_>>()
+            .join(".");
+        Ok(TableName { text, sql })
     }
 
+    /// The name as given (folded to lower case), for messages.
     pub fn as_str(&self) -> &str {
-        &self.0
+        &self.text
+    }
+
+    /// The quoted name, for statements and for `to_regclass`.
+    pub fn sql(&self) -> &str {
+        &self.sql
     }
 
     /// The statement that creates it, for error messages and README.
     pub fn ddl(&self) -> String {
-        DDL.replace("{table}", &self.0)
+        DDL.replace("{table}", &self.sql)
     }
 }
 
 impl Default for TableName {
     fn default() -> Self {
-        TableName(DEFAULT_TABLE.to_owned())
+        TableName::parse(DEFAULT_TABLE).expect("the default table name is valid")
     }
+}
+
+/// Eight hex digits that identify a ledger table (by its schema-qualified name), announced
+/// in `application_name` beside the schedule's, so that replicas that would record one lock's
+/// runs in two different tables notice each other.
+pub fn table_fingerprint(qualified: &str) -> String {
+    let key = LockKey::from_name(&format!("ledger {qualified}")).key();
+    format!("{:08x}", (key as u64) as u32)
 }
 
 /// Who claims: this pgleader.
@@ -126,6 +157,17 @@ pub struct Entry {
     pub detail: Option<String>,
     pub schedule: String,
     pub timezone: String,
+}
+
+/// How a run ended, kept by a leader whose session ended before it could record it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LateFinish {
+    pub at: DateTime<Utc>,
+    pub epoch: i64,
+    pub attempt: i32,
+    pub outcome: &'static str,
+    pub exit_code: Option<i32>,
+    pub ended_at: DateTime<Utc>,
 }
 
 /// What a claim found.
@@ -158,11 +200,13 @@ struct Statements {
     interrupt_stale: String,
     recent: String,
     exists: String,
+    late_finish: String,
+    unclaim: String,
 }
 
 impl Ledger {
     pub fn new(table: TableName, lock: LockKey, schedule: Schedule) -> Ledger {
-        let t = table.as_str();
+        let t = table.sql();
         let claim = format!(
             "WITH now AS (SELECT pg_catalog.clock_timestamp() AS t),
              existing AS (SELECT outcome FROM {t} WHERE lock_key = $1 AND scheduled_for = $3),
@@ -210,6 +254,22 @@ impl Ledger {
              RETURNING scheduled_for, host, pid"
         );
         let recent = recent_sql(&table);
+        // A leader whose session ended before it could record how its run ended records it on
+        // its next session, unless the next leader has started the occurrence again since.
+        let late_finish = format!(
+            "UPDATE {t} SET outcome = $4, exit_code = $5, ended_at = $6,
+                            detail = 'recorded on the leader''s next session: its session ended first'
+              WHERE lock_key = $1 AND scheduled_for = $2 AND epoch = $3 AND attempt = $7
+                AND outcome IN ('running', 'interrupted')"
+        );
+        // A claim whose command never started: as if it had not been made.
+        let unclaim = format!(
+            "WITH gone AS (DELETE FROM {t} WHERE lock_key = $1 AND scheduled_for = $2 AND epoch = $3
+                                            AND outcome = 'running' AND attempt = 1 RETURNING 1)
+             UPDATE {t} SET outcome = 'interrupted', attempt = attempt - 1
+              WHERE lock_key = $1 AND scheduled_for = $2 AND epoch = $3 AND outcome = 'running'
+                AND attempt > 1"
+        );
         let exists =
             format!("SELECT EXISTS (SELECT FROM {t} WHERE lock_key = $1 AND scheduled_for = $2)");
         Ledger {
@@ -223,6 +283,8 @@ impl Ledger {
                 interrupt_stale,
                 recent,
                 exists,
+                late_finish,
+                unclaim,
             }),
         }
     }
@@ -236,18 +298,16 @@ impl Ledger {
     }
 
     /// Makes sure the table exists and that this role may use it: creates it when missing,
-    /// and says what to run when it cannot.
-    pub async fn prepare(&self, client: &Client) -> Result<(), LedgerError> {
-        let table = self.inner.table.as_str();
-        if !self.table_exists(client).await? {
-            let ddl =
-                self.inner
-                    .table
-                    .ddl()
-                    .replacen("CREATE TABLE", "CREATE TABLE IF NOT EXISTS", 1);
+    /// and says what to run when it cannot. Returns its schema-qualified name.
+    pub async fn prepare(&self, client: &Client) -> Result<String, LedgerError> {
+        let table = &self.inner.table;
+        if resolve(client, table).await?.is_none() {
+            let ddl = table
+                .ddl()
+                .replacen("CREATE TABLE", "CREATE TABLE IF NOT EXISTS", 1);
             if let Err(err) = client.batch_execute(&ddl).await {
                 // Another replica may have created it at the same moment.
-                if !self.table_exists(client).await? {
+                if resolve(client, table).await?.is_none() {
                     return Err(self.explain(&err, "cannot create the ledger table"));
                 }
             }
@@ -258,14 +318,16 @@ impl Ledger {
                     AND pg_catalog.has_table_privilege($1, 'INSERT') \
                     AND pg_catalog.has_table_privilege($1, 'UPDATE') \
                     AND pg_catalog.has_table_privilege($1, 'DELETE')",
-                &[(&table, Type::TEXT)],
+                &[(&table.sql(), Type::TEXT)],
             )
             .await
             .map_err(query_error)?;
         if !privileges.get::<_, bool>(0) {
+            let name = table.as_str();
             return Err(LedgerError::Fatal(format!(
-                "this role may not use the ledger table {table}: it needs SELECT, INSERT, UPDATE \
-                 and DELETE on it (GRANT SELECT, INSERT, UPDATE, DELETE ON {table} TO <role>)"
+                "this role may not use the ledger table {name}: it needs SELECT, INSERT, UPDATE \
+                 and DELETE on it (GRANT SELECT, INSERT, UPDATE, DELETE ON {} TO <role>)",
+                table.sql()
             )));
         }
         // A table of another shape fails here, not at the first claim.
@@ -277,18 +339,9 @@ impl Ledger {
             )
             .await
             .map_err(|err| self.explain(&err, "the ledger table cannot be read"))?;
-        Ok(())
-    }
-
-    async fn table_exists(&self, client: &Client) -> Result<bool, LedgerError> {
-        Ok(client
-            .query_typed_one(
-                "SELECT pg_catalog.to_regclass($1) IS NOT NULL",
-                &[(&self.inner.table.as_str(), Type::TEXT)],
-            )
-            .await
-            .map_err(query_error)?
-            .get(0))
+        resolve(client, table).await?.ok_or_else(|| {
+            LedgerError::Query(format!("the ledger table {} vanished", table.as_str()))
+        })
     }
 
     /// Marks the runs its previous leaders left `running` as interrupted: whoever holds the
@@ -375,8 +428,8 @@ impl Ledger {
         let server_now: DateTime<Utc> = row.get(3);
         Ok(match (attempt, existing) {
             (Some(attempt), _) => Claim::Claimed { attempt },
+            (None, _) if newer => Claim::Superseded,
             (None, Some(outcome)) => Claim::Taken { outcome },
-            (None, None) if newer => Claim::Superseded,
             (None, None) => Claim::Early { server_now },
         })
     }
@@ -386,19 +439,16 @@ impl Ledger {
     pub async fn finish(
         &self,
         client: &Client,
-        at: DateTime<Utc>,
-        epoch: i64,
-        outcome: &str,
-        exit_code: Option<i32>,
+        finish: &LateFinish,
         detail: Option<&str>,
     ) -> Result<bool, LedgerError> {
         let key = self.inner.lock.key();
         let params: [(&(dyn ToSql + Sync), Type); 6] = [
             (&key, Type::INT8),
-            (&at, Type::TIMESTAMPTZ),
-            (&epoch, Type::INT8),
-            (&outcome, Type::TEXT),
-            (&exit_code, Type::INT4),
+            (&finish.at, Type::TIMESTAMPTZ),
+            (&finish.epoch, Type::INT8),
+            (&finish.outcome, Type::TEXT),
+            (&finish.exit_code, Type::INT4),
             (&detail, Type::TEXT),
         ];
         let row = client
@@ -406,6 +456,53 @@ impl Ledger {
             .await
             .map_err(|err| self.classify(err))?;
         Ok(row.get::<_, i64>(0) > 0)
+    }
+
+    /// Records, on a later session, how a run ended whose leader lost its session before it
+    /// could. False if the row had moved on (retried by another leader).
+    pub async fn finish_late(
+        &self,
+        client: &Client,
+        late: &LateFinish,
+    ) -> Result<bool, LedgerError> {
+        let key = self.inner.lock.key();
+        let params: [(&(dyn ToSql + Sync), Type); 7] = [
+            (&key, Type::INT8),
+            (&late.at, Type::TIMESTAMPTZ),
+            (&late.epoch, Type::INT8),
+            (&late.outcome, Type::TEXT),
+            (&late.exit_code, Type::INT4),
+            (&late.ended_at, Type::TIMESTAMPTZ),
+            (&late.attempt, Type::INT4),
+        ];
+        let updated = client
+            .execute_typed(&self.inner.late_finish, &params)
+            .await
+            .map_err(|err| self.classify(err))?;
+        Ok(updated > 0)
+    }
+
+    /// Takes back a claim whose command never started (the leadership ended, or pgleader was
+    /// shut down, between the claim and the start), so that the next leader may still run it.
+    pub async fn unclaim(
+        &self,
+        client: &Client,
+        at: DateTime<Utc>,
+        epoch: i64,
+    ) -> Result<(), LedgerError> {
+        let key = self.inner.lock.key();
+        client
+            .execute_typed(
+                &self.inner.unclaim,
+                &[
+                    (&key, Type::INT8),
+                    (&at, Type::TIMESTAMPTZ),
+                    (&epoch, Type::INT8),
+                ],
+            )
+            .await
+            .map_err(|err| self.classify(err))?;
+        Ok(())
     }
 
     /// Records an occurrence that did not run (`skipped`, `missed`), unless it or a later one
@@ -441,13 +538,25 @@ impl Ledger {
     }
 
     fn classify(&self, err: tokio_postgres::Error) -> LedgerError {
-        let fatal = err.code().is_some_and(|code| {
-            *code == SqlState::INSUFFICIENT_PRIVILEGE
-                || *code == SqlState::UNDEFINED_TABLE
-                || *code == SqlState::UNDEFINED_COLUMN
-                || *code == SqlState::DATATYPE_MISMATCH
-        });
-        if fatal {
+        let Some(code) = err.code() else {
+            return query_error(err);
+        };
+        let busy = [
+            SqlState::QUERY_CANCELED,
+            SqlState::LOCK_NOT_AVAILABLE,
+            SqlState::T_R_SERIALIZATION_FAILURE,
+            SqlState::T_R_DEADLOCK_DETECTED,
+        ];
+        let fatal = [
+            SqlState::INSUFFICIENT_PRIVILEGE,
+            SqlState::UNDEFINED_TABLE,
+            SqlState::UNDEFINED_COLUMN,
+            SqlState::DATATYPE_MISMATCH,
+            SqlState::WRONG_OBJECT_TYPE,
+        ];
+        if busy.contains(code) {
+            LedgerError::Busy(describe(&err))
+        } else if fatal.contains(code) || code.code().starts_with("23") {
             self.explain(&err, "the ledger table cannot be used")
         } else {
             query_error(err)
@@ -458,9 +567,10 @@ impl Ledger {
     /// missing permission.
     fn explain(&self, err: &tokio_postgres::Error, what: &str) -> LedgerError {
         let table = self.inner.table.as_str();
+        let quoted = self.inner.table.sql();
         let hint = match err.code() {
             Some(code) if *code == SqlState::INSUFFICIENT_PRIVILEGE => format!(
-                "; have an administrator create it with:\n{};\nGRANT SELECT, INSERT, UPDATE, DELETE ON {table} TO <role>;",
+                "; have an administrator create it with:\n{};\nGRANT SELECT, INSERT, UPDATE, DELETE ON {quoted} TO <role>;",
                 self.inner.table.ddl()
             ),
             Some(code) if *code == SqlState::UNDEFINED_TABLE => {
@@ -474,12 +584,27 @@ impl Ledger {
     }
 }
 
+/// The table's schema-qualified name, `None` when it does not exist (as the session's
+/// `search_path` resolves it).
+pub async fn resolve(client: &Client, table: &TableName) -> Result<Option<String>, LedgerError> {
+    Ok(client
+        .query_typed_one(
+            "SELECT (SELECT n.nspname || '.' || c.relname FROM pg_catalog.pg_class c \
+                       JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
+                      WHERE c.oid = pg_catalog.to_regclass($1))",
+            &[(&table.sql(), Type::TEXT)],
+        )
+        .await
+        .map_err(query_error)?
+        .get(0))
+}
+
 fn recent_sql(table: &TableName) -> String {
     format!(
         "SELECT scheduled_for, outcome, exit_code, attempt, claimed_at, ended_at, host, pid, \
                 backend_pid, epoch, detail, schedule, timezone \
            FROM {} WHERE lock_key = $1 ORDER BY scheduled_for DESC LIMIT $2",
-        table.as_str()
+        table.sql()
     )
 }
 
@@ -491,15 +616,7 @@ pub async fn read_recent(
     lock: &LockKey,
     limit: i64,
 ) -> Result<Option<Vec<Entry>>, LedgerError> {
-    let exists: bool = client
-        .query_typed_one(
-            "SELECT pg_catalog.to_regclass($1) IS NOT NULL",
-            &[(&table.as_str(), Type::TEXT)],
-        )
-        .await
-        .map_err(query_error)?
-        .get(0);
-    if !exists {
+    if resolve(client, table).await?.is_none() {
         return Ok(None);
     }
     let rows = client
@@ -544,10 +661,8 @@ mod tests {
             TableName::parse("pgleader_ledger").expect("ok").as_str(),
             "pgleader_ledger"
         );
-        assert_eq!(
-            TableName::parse("Ops.Runs").expect("ok").as_str(),
-            "ops.runs"
-        );
+        let ops = TableName::parse("Ops.Runs").expect("ok");
+        assert_eq!((ops.as_str(), ops.sql()), ("ops.runs", "\"ops\".\"runs\""));
         for bad in [
             "",
             "a.b.c",
@@ -561,7 +676,7 @@ mod tests {
         assert!(
             TableName::default()
                 .ddl()
-                .starts_with("CREATE TABLE pgleader_ledger (")
+                .starts_with("CREATE TABLE \"pgleader_ledger\" (")
         );
     }
 }

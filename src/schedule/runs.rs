@@ -3,20 +3,28 @@
 //!
 //! The supervisor polls [`Runs::next`] in its event loop, next to its checks and signals, and
 //! acts on what comes out: start the command for an occurrence, hand the lock over, exit. It
-//! tells [`Runs`] when the command has ended. Everything here happens on the leader's own
-//! session, one ledger statement at a time, so the lock orders every claim.
+//! tells [`Runs`] when the command started and ended, and asks it to settle the ledger before
+//! it releases the lock. Everything here happens on the leader's own session, one ledger
+//! statement at a time, so the lock orders every claim. Each statement may wait at most
+//! `Plan::statement_timeout` (a lock held on the table, a synchronous standby away): the checks
+//! share the session and must not be held up past their deadline. A statement that times out
+//! was rolled back and is tried again a moment later, still leading.
 //!
 //! The rules, in order of time:
 //!
 //! - on winning: runs left `running` by earlier leaders are marked interrupted, the replicas'
 //!   agreement on the schedule is checked, and the most recent occurrence is run if it is no
 //!   older than `--catch-up` and nobody claimed it (recorded as `missed` if it is older);
+//!   occurrences passed over before it are logged and recorded, never silently dropped;
 //! - a service then waits for each next occurrence and runs it; one that comes while the
-//!   previous run is still going is recorded as `skipped`;
+//!   previous run is still going is recorded as `skipped`; a leader held back (restart fence,
+//!   `--takeover-delay`) or stalled runs the most recent occurrence when it can, and records
+//!   the ones it passed over;
 //! - a timer (`--once`) runs the occurrence it was started for (the most recent one, or one
 //!   that is less than a minute away on the server's clock) and exits.
 
 use std::collections::VecDeque;
+use std::fmt::Write as _;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
@@ -28,12 +36,19 @@ use tracing::{debug, info, warn};
 
 use crate::election::lock::LockKey;
 use crate::exit::ChildStatus;
+use crate::operate::logging::for_people;
 use crate::operate::telemetry::{RunView, ScheduledOutcome, Telemetry};
 use crate::schedule::agreement::{self, Verdict};
 use crate::schedule::calendar::{Schedule, rfc3339};
 use crate::schedule::clock::ServerClock;
-use crate::schedule::ledger::{Claim, Claimant, Ledger, LedgerError};
-use crate::schedule::{EARLY_WINDOW, Plan};
+use crate::schedule::ledger::{Claim, Claimant, LateFinish, Ledger, LedgerError};
+use crate::schedule::{EARLY_WINDOW, Plan, foreign_ledger_blocks_catch_up};
+
+/// Passed-over occurrences listed one by one in a log line; beyond, only the range.
+const LISTED: usize = 10;
+
+/// How many passed-over occurrences are counted at most.
+const COUNTED: usize = 10_000;
 
 /// What the supervisor is to do.
 #[derive(Debug)]
@@ -50,7 +65,7 @@ pub enum RunsEvent {
     NothingToRun,
     /// The replicas disagree on the schedule and this one must not run its version.
     Disagree(String),
-    /// A ledger statement failed.
+    /// A ledger statement failed for good (`Fatal`) or the session is in trouble (`Query`).
     Failed(LedgerError),
 }
 
@@ -59,8 +74,11 @@ pub enum RunsEvent {
 struct Run {
     at: DateTime<Utc>,
     attempt: i32,
+    /// Whether the command was started (a claim can be followed by a refusal to start).
+    started: bool,
 }
 
+#[derive(Clone, Debug)]
 enum Step {
     Begin,
     Claim(DateTime<Utc>),
@@ -69,35 +87,32 @@ enum Step {
         outcome: &'static str,
         detail: String,
     },
-    Finish {
-        at: DateTime<Utc>,
-        outcome: &'static str,
-        exit_code: Option<i32>,
-    },
+    Finish(LateFinish),
 }
 
 enum Done {
-    Began(Result<Verdict, LedgerError>),
-    Claimed {
-        at: DateTime<Utc>,
-        result: Result<ClaimResult, LedgerError>,
-        clock: ServerClock,
-    },
-    Recorded {
-        at: DateTime<Utc>,
-        outcome: &'static str,
-        detail: String,
-        result: Result<bool, LedgerError>,
-    },
-    Finished {
-        at: DateTime<Utc>,
-        result: Result<bool, LedgerError>,
-    },
+    Began(Result<Began, LedgerError>),
+    Claimed(Result<(ClaimResult, Option<ServerClock>), LedgerError>),
+    Recorded(Result<bool, LedgerError>),
+    Finished(Result<bool, LedgerError>),
+}
+
+struct Began {
+    agreement: Agreement,
+    /// The newest occurrence the ledger records for the lock.
+    newest: Option<DateTime<Utc>>,
 }
 
 enum ClaimResult {
     Disagree(String),
-    Claim(Claim, Verdict),
+    Claim(Claim, Agreement),
+}
+
+/// What the agreement check found: the verdict, and whether a live replica records the lock's
+/// runs in another ledger table.
+struct Agreement {
+    verdict: Verdict,
+    foreign_ledger: Option<String>,
 }
 
 type Pending = Pin<Box<dyn Future<Output = Done>>>;
@@ -110,21 +125,29 @@ pub struct Runs {
     client: Arc<Client>,
     claimant: Claimant,
     clock: ServerClock,
+    /// The fingerprint of this replica's ledger table.
+    own_ledger: String,
     /// No claim before this (the restart fence and --takeover-delay).
     not_before: Instant,
-    op: Option<Pending>,
+    op: Option<(Step, Pending)>,
     queue: VecDeque<Step>,
+    /// The head of the queue waits until then: its statement timed out.
+    paused_until: Option<Instant>,
     due: Option<DateTime<Utc>>,
     /// The claim of `due` waits until then: the server said it was early.
     early_until: Option<Instant>,
     running: Option<Run>,
+    /// How the last run ended, until the ledger has it.
+    finishing: Option<LateFinish>,
     /// Emitted once the queue has drained.
     closing: Option<RunsEvent>,
     /// The first claim of a service's leadership only probes the latest occurrence: that it
     /// was already run is no news.
     probing: bool,
     warned: Option<String>,
-    /// Where claims and outcomes are published for the HTTP endpoint.
+    /// When a replica recording the lock's runs in another ledger table was last seen.
+    foreign_ledger_seen: Option<Instant>,
+    /// Where runs and outcomes are published for the HTTP endpoint.
     telemetry: Telemetry,
 }
 
@@ -137,20 +160,27 @@ impl std::fmt::Debug for Runs {
     }
 }
 
+/// Where a leadership's runs start from.
+#[derive(Debug)]
+pub struct Start {
+    pub claimant: Claimant,
+    /// A sample of the server's clock taken on the session.
+    pub clock: ServerClock,
+    /// When the command may start at the earliest.
+    pub not_before: Instant,
+    /// This replica's ledger table, as [`super::prepare`] fingerprinted it.
+    pub own_ledger: String,
+    /// When this replica last saw another ledger table in use for the lock.
+    pub foreign_ledger_seen: Option<Instant>,
+    /// Where runs and outcomes are published for the HTTP endpoint.
+    pub telemetry: Telemetry,
+}
+
 impl Runs {
-    /// The runs of a leadership that has just begun: `clock` is a sample taken on the
-    /// session, `not_before` when the command may start at the earliest.
-    pub fn new(
-        plan: Plan,
-        lock: LockKey,
-        client: Arc<Client>,
-        claimant: Claimant,
-        clock: ServerClock,
-        not_before: Instant,
-        telemetry: Telemetry,
-    ) -> Runs {
+    /// The runs of a leadership that has just begun.
+    pub fn new(plan: Plan, lock: LockKey, client: Arc<Client>, start: Start) -> Runs {
         let ledger = Ledger::new(plan.table.clone(), lock.clone(), plan.schedule.clone());
-        let offset = clock.host_offset_seconds();
+        let offset = start.clock.host_offset_seconds();
         if offset.abs() >= 1.0 {
             info!(
                 event = "clock_offset",
@@ -160,161 +190,60 @@ impl Runs {
                 if offset > 0.0 { "ahead of" } else { "behind" }
             );
         }
-        let mut queue = VecDeque::new();
-        queue.push_back(Step::Begin);
         Runs {
             plan,
             ledger,
             lock,
             client,
-            claimant,
-            clock,
-            not_before,
+            claimant: start.claimant,
+            clock: start.clock,
+            own_ledger: start.own_ledger,
+            not_before: start.not_before,
             op: None,
-            queue,
+            queue: VecDeque::from([Step::Begin]),
+            paused_until: None,
             due: None,
             early_until: None,
             running: None,
+            finishing: None,
             closing: None,
             probing: false,
             warned: None,
-            telemetry,
+            foreign_ledger_seen: start.foreign_ledger_seen,
+            telemetry: start.telemetry,
         }
     }
 
-    /// A newer sample of the server's clock (from a leader's check).
-    pub fn observe_clock(&mut self, clock: ServerClock) {
-        self.clock = clock;
+    /// A check's sample of the server's clock: the query was sent at `sent`, its answer came
+    /// at `received`, and the server's clock said `server`.
+    pub fn observe_check(&mut self, sent: Instant, received: Instant, server: DateTime<Utc>) {
+        self.observe_clock(ServerClock::sample(sent, received, server));
     }
 
-    /// The occurrence the running command was started for.
-    pub fn running_occurrence(&self) -> Option<DateTime<Utc>> {
-        self.running.map(|run| run.at)
-    }
-
-    /// The next occurrence this leader waits for.
-    pub fn next_occurrence(&self) -> Option<DateTime<Utc>> {
-        self.due
-    }
-
-    /// The next thing for the supervisor to do. Cancel-safe: a statement in flight stays in
-    /// flight when the future is dropped.
-    pub async fn next(&mut self) -> RunsEvent {
-        loop {
-            if let Some(op) = self.op.as_mut() {
-                let done = op.await;
-                self.op = None;
-                if let Some(event) = self.on_done(done) {
-                    return event;
-                }
-                continue;
-            }
-            if let Some(step) = self.queue.pop_front() {
-                self.op = Some(self.launch(step));
-                continue;
-            }
-            if let Some(event) = self.closing.take() {
-                return event;
-            }
-            let Some(at) = self.due else {
-                return std::future::pending().await;
-            };
-            let mut wake = self.clock.instant_of(at);
-            if self.running.is_none() {
-                wake = wake.max(self.not_before);
-                if let Some(until) = self.early_until {
-                    wake = wake.max(until);
-                }
-            }
-            sleep_until(wake).await;
-            self.on_due(at);
+    fn observe_clock(&mut self, clock: ServerClock) {
+        if clock.is_newer_than(&self.clock) {
+            self.clock = clock;
         }
     }
 
-    /// The command ended on its own: record how.
-    pub fn exited(&mut self, status: ChildStatus) {
-        let Some(run) = self.running.take() else {
-            return;
-        };
-        let succeeded = status == ChildStatus::Exited(0);
-        let outcome = if succeeded { "succeeded" } else { "failed" };
-        let next = self.due.filter(|_| !self.plan.once).map(rfc3339);
-        if succeeded {
-            info!(event = "scheduled_run_finished", occurrence = %rfc3339(run.at), attempt = run.attempt, outcome, exit_code = status.exit_code(), next = next.as_deref().unwrap_or("none"), "the run of {} succeeded", rfc3339(run.at));
-        } else {
-            warn!(event = "scheduled_run_finished", occurrence = %rfc3339(run.at), attempt = run.attempt, outcome, status = %status, exit_code = status.exit_code(), next = next.as_deref().unwrap_or("none"), "the run of {} failed ({status})", rfc3339(run.at));
-        }
-        self.queue.push_back(Step::Finish {
-            at: run.at,
-            outcome,
-            exit_code: Some(i32::from(status.exit_code())),
-        });
-        self.publish(run.at, outcome, Some(i32::from(status.exit_code())));
-        if self.plan.once {
-            self.due = None;
-            self.closing = Some(RunsEvent::Done);
+    /// The command for the claimed occurrence started.
+    pub fn started(&mut self) {
+        if let Some(run) = &mut self.running {
+            run.started = true;
+            self.telemetry.scheduled_run(RunView {
+                scheduled_for: run.at,
+                outcome: None,
+                exit_code: None,
+                attempt: Some(run.attempt),
+                claimed_at: Some(self.clock.now()),
+                ended_at: None,
+                host: Some(self.claimant.host.clone()),
+            });
         }
     }
 
-    /// The command was stopped before it ended (shutdown, a handover): record the run as
-    /// interrupted while the session still holds the lock. Bounded by `timeout`.
-    pub async fn interrupted(&mut self, status: Option<ChildStatus>, why: &str, timeout: Duration) {
-        self.op = None;
-        self.queue.clear();
-        let Some(run) = self.running.take() else {
-            return;
-        };
-        warn!(event = "scheduled_run_interrupted", occurrence = %rfc3339(run.at), reason = why, "the run of {} was interrupted: {why}", rfc3339(run.at));
-        let exit_code = status.map(|status| i32::from(status.exit_code()));
-        self.publish(run.at, "interrupted", exit_code);
-        let finish = self.ledger.finish(
-            &self.client,
-            run.at,
-            self.claimant.epoch,
-            "interrupted",
-            exit_code,
-            Some(why),
-        );
-        match tokio::time::timeout(timeout, finish).await {
-            Ok(Ok(_)) => {}
-            Ok(Err(err)) => {
-                warn!(event = "ledger_failed", reason = %err, "cannot record the interrupted run; the next leader will")
-            }
-            Err(_) => {
-                warn!(
-                    event = "ledger_failed",
-                    "no answer recording the interrupted run; the next leader will"
-                )
-            }
-        }
-    }
-
-    fn on_due(&mut self, at: DateTime<Utc>) {
-        self.due = None;
-        match self.running {
-            Some(run) => {
-                self.queue.push_back(Step::Record {
-                    at,
-                    outcome: "skipped",
-                    detail: format!("the run of {} was still going", rfc3339(run.at)),
-                });
-                self.due = self.after(at);
-            }
-            None => self.queue.push_back(Step::Claim(at)),
-        }
-    }
-
-    /// The next occurrence after `at`, and after now: a late run does not queue up the
-    /// occurrences that passed meanwhile.
-    fn after(&self, at: DateTime<Utc>) -> Option<DateTime<Utc>> {
-        self.schedule().next_after(at.max(self.clock.now()))
-    }
-
-    fn schedule(&self) -> &Schedule {
-        &self.plan.schedule
-    }
-
-    /// Publishes the outcome the ledger records for the occurrence of `at`.
+    /// Publishes an outcome this leader decided for the occurrence of `at` (each is counted
+    /// once, here, whenever the ledger gets it).
     fn publish(&self, at: DateTime<Utc>, outcome: &str, exit_code: Option<i32>) {
         self.telemetry.scheduled_run(RunView {
             scheduled_for: at,
@@ -327,15 +256,303 @@ impl Runs {
         });
     }
 
+    /// The occurrence the running command was started for.
+    pub fn running_occurrence(&self) -> Option<DateTime<Utc>> {
+        self.running.map(|run| run.at)
+    }
+
+    /// The next occurrence this leader waits for.
+    pub fn next_occurrence(&self) -> Option<DateTime<Utc>> {
+        self.due
+    }
+
+    /// How the last run ended, if the ledger does not have it yet: the supervisor keeps it
+    /// for its next session when the leadership ends first.
+    pub fn unrecorded(&self) -> Option<LateFinish> {
+        self.finishing.clone()
+    }
+
+    /// When this leadership last saw a replica that records the lock's runs elsewhere.
+    pub fn foreign_ledger_seen(&self) -> Option<Instant> {
+        self.foreign_ledger_seen
+    }
+
+    /// The next thing for the supervisor to do. Cancel-safe: a statement in flight stays in
+    /// flight when the future is dropped, and nothing is lost between its answer and the
+    /// event it leads to.
+    pub async fn next(&mut self) -> RunsEvent {
+        loop {
+            if let Some((_, op)) = self.op.as_mut() {
+                let done = op.await;
+                let (step, _) = self.op.take().expect("the statement in flight");
+                if let Some(event) = self.on_done(step, done) {
+                    return event;
+                }
+                continue;
+            }
+            let paused = self.paused_until.filter(|until| *until > Instant::now());
+            if paused.is_none()
+                && let Some(step) = self.queue.pop_front()
+            {
+                let pending = self.launch(step.clone());
+                self.op = Some((step, pending));
+                continue;
+            }
+            if self.queue.is_empty()
+                && let Some(event) = self.closing.take()
+            {
+                return event;
+            }
+            let due = self.due.map(|at| (at, self.wake_for(at)));
+            let wake = match (paused, due) {
+                (None, None) => return std::future::pending().await,
+                (Some(pause), Some((_, due))) => pause.min(due),
+                (Some(pause), None) => pause,
+                (None, Some((_, due))) => due,
+            };
+            sleep_until(wake).await;
+            if let Some((at, due)) = due
+                && due <= Instant::now()
+            {
+                self.on_due(at);
+            }
+        }
+    }
+
+    /// When to act on the occurrence `at`.
+    fn wake_for(&self, at: DateTime<Utc>) -> Instant {
+        let mut wake = self.clock.instant_of(at);
+        if self.running.is_none() {
+            wake = wake.max(self.not_before);
+            if let Some(until) = self.early_until {
+                wake = wake.max(until);
+            }
+        }
+        wake
+    }
+
+    /// The command ended on its own: record how.
+    pub fn exited(&mut self, status: ChildStatus) {
+        let Some(run) = self.running.take() else {
+            return;
+        };
+        let succeeded = status == ChildStatus::Exited(0);
+        let outcome = if succeeded { "succeeded" } else { "failed" };
+        let next = self.due.filter(|_| !self.plan.once).map(rfc3339);
+        let next = next.as_deref().unwrap_or("none");
+        let at = rfc3339(run.at);
+        if succeeded {
+            info!(event = "scheduled_run_finished", occurrence = %at, attempt = run.attempt, outcome, exit_code = status.exit_code(), next, "the run of {at} succeeded");
+        } else {
+            warn!(event = "scheduled_run_finished", occurrence = %at, attempt = run.attempt, outcome, status = %status, exit_code = status.exit_code(), next, "the run of {at} failed ({status})");
+        }
+        let finish = LateFinish {
+            at: run.at,
+            epoch: self.claimant.epoch,
+            attempt: run.attempt,
+            outcome,
+            exit_code: Some(i32::from(status.exit_code())),
+            ended_at: self.clock.now(),
+        };
+        self.publish(run.at, outcome, finish.exit_code);
+        self.finishing = Some(finish.clone());
+        self.queue.push_back(Step::Finish(finish));
+        if self.plan.once {
+            self.due = None;
+            self.closing = Some(RunsEvent::Done);
+        }
+    }
+
+    /// Brings the ledger up to date before the lock is released (shutdown, a handover, an
+    /// error): the statement in flight is awaited (a claim that went through but whose command
+    /// never started is taken back), outcomes still queued are recorded, and a run the
+    /// supervisor stopped (`stopped`: the command's status, and why) is recorded as
+    /// interrupted. Bounded by `timeout`; what does not make it is left to the next leader.
+    pub async fn settle(
+        &mut self,
+        stopped: Option<(Option<ChildStatus>, &str)>,
+        timeout: Duration,
+    ) {
+        let work = async {
+            if let Some((step, op)) = self.op.take() {
+                let done = op.await;
+                match (step, done) {
+                    (
+                        Step::Claim(at),
+                        Done::Claimed(Ok((ClaimResult::Claim(Claim::Claimed { attempt }, _), _))),
+                    ) => {
+                        self.running = Some(Run {
+                            at,
+                            attempt,
+                            started: false,
+                        });
+                    }
+                    (Step::Finish(_), Done::Finished(Ok(true))) => self.finishing = None,
+                    _ => {}
+                }
+            }
+            for step in std::mem::take(&mut self.queue) {
+                match step {
+                    Step::Finish(finish) => {
+                        let done = self.ledger.finish(&self.client, &finish, None).await;
+                        if matches!(done, Ok(true)) {
+                            self.finishing = None;
+                        }
+                    }
+                    Step::Record {
+                        at,
+                        outcome,
+                        detail,
+                    } => {
+                        let recorded = self
+                            .ledger
+                            .record(&self.client, at, outcome, &detail, &self.claimant)
+                            .await;
+                        if matches!(recorded, Ok(true)) {
+                            self.publish(at, outcome, None);
+                        }
+                    }
+                    Step::Begin | Step::Claim(_) => {}
+                }
+            }
+            let Some(run) = self.running.take() else {
+                return;
+            };
+            let at = rfc3339(run.at);
+            if !run.started {
+                debug!(event = "unclaimed", occurrence = %at, "taking back the claim of {at}: its command never started");
+                let _ = self
+                    .ledger
+                    .unclaim(&self.client, run.at, self.claimant.epoch)
+                    .await;
+                return;
+            }
+            let (status, why) = stopped.unwrap_or((None, "its leader stepped down"));
+            warn!(event = "scheduled_run_interrupted", occurrence = %at, reason = why, "the run of {at} was interrupted: {why}");
+            let finish = LateFinish {
+                at: run.at,
+                epoch: self.claimant.epoch,
+                attempt: run.attempt,
+                outcome: "interrupted",
+                exit_code: status.map(|status| i32::from(status.exit_code())),
+                ended_at: self.clock.now(),
+            };
+            match self.ledger.finish(&self.client, &finish, Some(why)).await {
+                Ok(_) => self.publish(run.at, finish.outcome, finish.exit_code),
+                Err(err) => {
+                    warn!(event = "ledger_failed", reason = %err, "cannot record the interrupted run; the next leader will")
+                }
+            }
+        };
+        if tokio::time::timeout(timeout, work).await.is_err() {
+            warn!(
+                event = "ledger_failed",
+                "no answer while settling the ledger; the next leader will record what is missing"
+            );
+        }
+    }
+
+    fn on_due(&mut self, at: DateTime<Utc>) {
+        self.due = None;
+        let now = self.clock.now();
+        // Held back (the restart fence, --takeover-delay) or stalled, this leader may wake
+        // after newer occurrences: the most recent one is the one to run.
+        let latest = self
+            .schedule()
+            .latest_at_or_before(now)
+            .map_or(at, |latest| latest.max(at));
+        let passed = self.between(at, latest);
+        if let Some(run) = self.running {
+            let mut detail = format!("the run of {} was still going", rfc3339(run.at));
+            if !passed.is_empty() {
+                let _ = write!(detail, " (and {})", describe(&passed, "before it"));
+            }
+            self.queue.push_back(Step::Record {
+                at: latest,
+                outcome: "skipped",
+                detail,
+            });
+            self.due = self.schedule().next_after(now);
+            return;
+        }
+        self.record_passed_over(
+            &passed,
+            latest,
+            "while this leader could not start yet; only the most recent one",
+        );
+        let age = (now - latest).to_std().unwrap_or(Duration::ZERO);
+        if age > self.plan.catch_up && !passed.is_empty() {
+            self.record_missed(latest, age);
+            self.due = self.schedule().next_after(now);
+            return;
+        }
+        self.queue.push_back(Step::Claim(latest));
+    }
+
+    /// The occurrences from `from` (included) to `to` (excluded), at most [`COUNTED`].
+    fn between(&self, from: DateTime<Utc>, to: DateTime<Utc>) -> Vec<DateTime<Utc>> {
+        let mut found = Vec::new();
+        let mut at = Some(from);
+        while let Some(occurrence) = at.filter(|at| *at < to) {
+            if found.len() >= COUNTED {
+                break;
+            }
+            found.push(occurrence);
+            at = self.schedule().next_after(occurrence);
+        }
+        found
+    }
+
+    /// Records occurrences passed over on the way to `latest` as one `missed` row (the last of
+    /// them) that says how many there were.
+    fn record_passed_over(&mut self, passed: &[DateTime<Utc>], latest: DateTime<Utc>, why: &str) {
+        if let Some(&last) = passed.last() {
+            self.queue.push_back(Step::Record {
+                at: last,
+                outcome: "missed",
+                detail: format!(
+                    "{} {why}, {}, runs",
+                    describe(passed, "came"),
+                    rfc3339(latest)
+                ),
+            });
+        }
+    }
+
+    fn record_missed(&mut self, at: DateTime<Utc>, age: Duration) {
+        self.queue.push_back(Step::Record {
+            at,
+            outcome: "missed",
+            detail: format!(
+                "no leader could run it until {} later, more than --catch-up {}",
+                for_people(age),
+                for_people(self.plan.catch_up)
+            ),
+        });
+    }
+
+    fn schedule(&self) -> &Schedule {
+        &self.plan.schedule
+    }
+
     fn launch(&mut self, step: Step) -> Pending {
         let (client, ledger) = (self.client.clone(), self.ledger.clone());
         let claimant = self.claimant.clone();
+        let (lock, clock, once) = (self.lock.clone(), self.clock, self.plan.once);
+        let own_ledger = self.own_ledger.clone();
         match step {
             Step::Begin => {
-                let (lock, clock, once) = (self.lock.clone(), self.clock, self.plan.once);
+                let timeout = self.plan.statement_timeout.as_millis().max(1);
                 let telemetry = self.telemetry.clone();
                 Box::pin(async move {
                     let result = async {
+                        // Waiting for the lock needed no timeout; a leader's statements do.
+                        client
+                            .batch_execute(&format!(
+                                "SET statement_timeout = {timeout}; SET lock_timeout = {timeout}"
+                            ))
+                            .await
+                            .map_err(|err| LedgerError::Query(crate::election::session::describe(&err)))?;
                         for (at, host, pid) in ledger.interrupt_stale(&client).await? {
                             telemetry.scheduled_run(RunView {
                                 scheduled_for: at,
@@ -355,33 +572,35 @@ impl Runs {
                                 host.as_deref().unwrap_or("?")
                             );
                         }
-                        agree(&client, &ledger, &lock, &clock, once).await
+                        let newest = ledger.newest(&client).await?.map(|entry| entry.scheduled_for);
+                        let agreement = agree(&client, &ledger, &lock, &clock, once, &own_ledger).await?;
+                        Ok(Began { agreement, newest })
                     }
                     .await;
                     Done::Began(result)
                 })
             }
             Step::Claim(at) => {
-                let (lock, clock, once) = (self.lock.clone(), self.clock, self.plan.once);
                 let retries = i32::try_from(self.plan.retry_interrupted).unwrap_or(i32::MAX);
                 Box::pin(async move {
-                    let sent = Instant::now();
                     let result = async {
-                        let verdict = agree(&client, &ledger, &lock, &clock, once).await?;
-                        if let Verdict::Disagree { reason } = verdict {
-                            return Ok(ClaimResult::Disagree(reason));
+                        let agreement =
+                            agree(&client, &ledger, &lock, &clock, once, &own_ledger).await?;
+                        if let Verdict::Disagree { reason } = agreement.verdict {
+                            return Ok((ClaimResult::Disagree(reason), None));
                         }
+                        let sent = Instant::now();
                         let claim = ledger.claim(&client, at, &claimant, retries).await?;
-                        Ok(ClaimResult::Claim(claim, verdict))
+                        let sample = match &claim {
+                            Claim::Early { server_now } => {
+                                Some(ServerClock::sample(sent, Instant::now(), *server_now))
+                            }
+                            _ => None,
+                        };
+                        Ok((ClaimResult::Claim(claim, agreement), sample))
                     }
                     .await;
-                    let clock = match &result {
-                        Ok(ClaimResult::Claim(Claim::Early { server_now }, _)) => {
-                            ServerClock::sample(sent, Instant::now(), *server_now)
-                        }
-                        _ => clock,
-                    };
-                    Done::Claimed { at, result, clock }
+                    Done::Claimed(result)
                 })
             }
             Step::Record {
@@ -389,84 +608,83 @@ impl Runs {
                 outcome,
                 detail,
             } => Box::pin(async move {
-                let result = ledger
-                    .record(&client, at, outcome, &detail, &claimant)
-                    .await;
-                Done::Recorded {
-                    at,
-                    outcome,
-                    detail,
-                    result,
-                }
+                Done::Recorded(
+                    ledger
+                        .record(&client, at, outcome, &detail, &claimant)
+                        .await,
+                )
             }),
-            Step::Finish {
-                at,
-                outcome,
-                exit_code,
-            } => Box::pin(async move {
-                let result = ledger
-                    .finish(&client, at, claimant.epoch, outcome, exit_code, None)
-                    .await;
-                Done::Finished { at, result }
-            }),
+            Step::Finish(finish) => {
+                Box::pin(async move { Done::Finished(ledger.finish(&client, &finish, None).await) })
+            }
         }
     }
 
-    fn on_done(&mut self, done: Done) -> Option<RunsEvent> {
+    fn on_done(&mut self, step: Step, done: Done) -> Option<RunsEvent> {
+        let failed = match &done {
+            Done::Began(Err(err))
+            | Done::Claimed(Err(err))
+            | Done::Recorded(Err(err))
+            | Done::Finished(Err(err)) => Some(err),
+            _ => None,
+        };
+        if let Some(LedgerError::Busy(reason)) = failed {
+            // Rolled back: the same statement again, a moment later.
+            let retry = self.plan.statement_timeout.max(Duration::from_millis(100));
+            warn!(event = "ledger_busy", reason = %reason, "a ledger statement waited too long and was rolled back; trying again in {}", for_people(retry));
+            self.queue.push_front(step);
+            self.paused_until = Some(Instant::now() + retry);
+            return None;
+        }
         match done {
             Done::Began(Err(err))
-            | Done::Claimed {
-                result: Err(err), ..
-            }
-            | Done::Recorded {
-                result: Err(err), ..
-            }
-            | Done::Finished {
-                result: Err(err), ..
-            } => Some(RunsEvent::Failed(err)),
-            Done::Began(Ok(verdict)) => {
-                if let Some(event) = self.note_verdict(verdict) {
+            | Done::Claimed(Err(err))
+            | Done::Recorded(Err(err))
+            | Done::Finished(Err(err)) => Some(RunsEvent::Failed(err)),
+            Done::Began(Ok(began)) => {
+                if let Some(event) = self.note_agreement(began.agreement) {
                     return Some(event);
                 }
-                self.plan_first();
+                self.plan_first(began.newest);
                 None
             }
-            Done::Claimed {
-                at,
-                result: Ok(result),
-                clock,
-            } => {
-                self.clock = clock;
-                let probing = std::mem::replace(&mut self.probing, false);
-                let (claim, verdict) = match result {
-                    ClaimResult::Disagree(reason) => return Some(RunsEvent::Disagree(reason)),
-                    ClaimResult::Claim(claim, verdict) => (claim, verdict),
+            Done::Claimed(Ok((result, sample))) => {
+                if let Some(sample) = sample {
+                    self.observe_clock(sample);
+                }
+                let Step::Claim(at) = step else {
+                    return None;
                 };
-                if let Some(event) = self.note_verdict(verdict) {
+                let probing = std::mem::replace(&mut self.probing, false);
+                let (claim, agreement) = match result {
+                    ClaimResult::Disagree(reason) => return Some(RunsEvent::Disagree(reason)),
+                    ClaimResult::Claim(claim, agreement) => (claim, agreement),
+                };
+                if let Some(event) = self.note_agreement(agreement) {
                     return Some(event);
                 }
                 self.on_claim(at, claim, probing)
             }
-            Done::Recorded {
-                at,
-                outcome,
-                detail,
-                result: Ok(recorded),
-            } => {
-                if recorded {
-                    self.publish(at, outcome, None);
-                    warn!(event = "occurrence_not_run", occurrence = %rfc3339(at), outcome, reason = %detail, "the occurrence of {} was {outcome}: {detail}", rfc3339(at));
-                } else {
-                    debug!(event = "occurrence_not_run", occurrence = %rfc3339(at), outcome, "the occurrence of {} is already recorded", rfc3339(at));
+            Done::Recorded(Ok(recorded)) => {
+                if let Step::Record {
+                    at,
+                    outcome,
+                    detail,
+                } = step
+                {
+                    if recorded {
+                        self.publish(at, outcome, None);
+                        warn!(event = "occurrence_not_run", occurrence = %rfc3339(at), outcome, reason = %detail, "the occurrence of {} was {outcome}: {detail}", rfc3339(at));
+                    } else {
+                        debug!(event = "occurrence_not_run", occurrence = %rfc3339(at), outcome, "the occurrence of {} is already recorded", rfc3339(at));
+                    }
                 }
                 None
             }
-            Done::Finished {
-                at,
-                result: Ok(updated),
-            } => {
-                if !updated {
-                    warn!(event = "ledger_conflict", occurrence = %rfc3339(at), "the ledger row of {} was no longer this leader's to update", rfc3339(at));
+            Done::Finished(Ok(updated)) => {
+                self.finishing = None;
+                if !updated && let Step::Finish(finish) = step {
+                    warn!(event = "ledger_conflict", occurrence = %rfc3339(finish.at), "the ledger row of {} was no longer this leader's to update", rfc3339(finish.at));
                 }
                 None
             }
@@ -477,15 +695,10 @@ impl Runs {
         match claim {
             Claim::Claimed { attempt } => {
                 self.early_until = None;
-                self.running = Some(Run { at, attempt });
-                self.telemetry.scheduled_run(RunView {
-                    scheduled_for: at,
-                    outcome: None,
-                    exit_code: None,
-                    attempt: Some(attempt),
-                    claimed_at: Some(self.clock.now()),
-                    ended_at: None,
-                    host: Some(self.claimant.host.clone()),
+                self.running = Some(Run {
+                    at,
+                    attempt,
+                    started: false,
                 });
                 self.due = self.after(at);
                 let late = (self.clock.now() - at).to_std().unwrap_or(Duration::ZERO);
@@ -505,7 +718,7 @@ impl Runs {
             }
             Claim::Early { server_now } => {
                 let ahead = (at - server_now).to_std().unwrap_or(Duration::ZERO);
-                debug!(event = "early", occurrence = %rfc3339(at), "the server's clock has not reached the occurrence yet; waiting {} more", humantime::format_duration(ahead));
+                debug!(event = "early", occurrence = %rfc3339(at), "the server's clock has not reached the occurrence yet; waiting {} more", for_people(ahead));
                 self.early_until = Some(Instant::now() + ahead.max(Duration::from_millis(1)));
                 self.due = Some(at);
                 None
@@ -519,14 +732,14 @@ impl Runs {
                     Claim::Taken { outcome } => format!("it is already claimed ({outcome})"),
                     _ => "a later occurrence is already recorded".to_owned(),
                 };
+                let interrupted =
+                    matches!(&other, Claim::Taken { outcome } if outcome == "interrupted");
                 if self.plan.once {
                     info!(event = "occurrence_taken", occurrence = %rfc3339(at), "not running the occurrence of {}: {why}", rfc3339(at));
                     self.publish(at, "busy", None);
                     self.due = None;
                     return Some(RunsEvent::NothingToRun);
                 }
-                let interrupted =
-                    matches!(&other, Claim::Taken { outcome } if outcome == "interrupted");
                 if probing && !interrupted {
                     debug!(event = "occurrence_taken", occurrence = %rfc3339(at), "the occurrence of {} needs no catching up: {why}", rfc3339(at));
                 } else {
@@ -538,9 +751,19 @@ impl Runs {
         }
     }
 
+    /// The next occurrence after `at`, and after now: a late run does not queue up the
+    /// occurrences that passed meanwhile (they are recorded as they come due).
+    fn after(&self, at: DateTime<Utc>) -> Option<DateTime<Utc>> {
+        self.schedule().next_after(at.max(self.clock.now()))
+    }
+
     /// Logs what the agreement check found; a disagreement ends the runs.
-    fn note_verdict(&mut self, verdict: Verdict) -> Option<RunsEvent> {
-        match verdict {
+    fn note_agreement(&mut self, agreement: Agreement) -> Option<RunsEvent> {
+        if let Some(foreign) = agreement.foreign_ledger {
+            self.foreign_ledger_seen = Some(Instant::now());
+            self.warn_once("ledger_mismatch", foreign);
+        }
+        match agreement.verdict {
             Verdict::Disagree { reason } => Some(RunsEvent::Disagree(reason)),
             Verdict::Adopt { change } => {
                 warn!(event = "schedule_changed", lock = %self.lock, "{change}");
@@ -549,19 +772,24 @@ impl Runs {
             Verdict::Agree {
                 warning: Some(warning),
             } => {
-                if self.warned.as_deref() != Some(warning.as_str()) {
-                    warn!(event = "schedule_mismatch", lock = %self.lock, "{warning}");
-                    self.warned = Some(warning);
-                }
+                self.warn_once("schedule_mismatch", warning);
                 None
             }
             Verdict::Agree { warning: None } | Verdict::Undecided { .. } => None,
         }
     }
 
+    fn warn_once(&mut self, event: &'static str, text: String) {
+        if self.warned.as_deref() != Some(text.as_str()) {
+            warn!(event, lock = %self.lock, "{text}");
+            self.warned = Some(text);
+        }
+    }
+
     /// What a new leadership does first: catch up the latest occurrence if it may, or record
-    /// it as missed; then wait for the next one (a timer: only its own).
-    fn plan_first(&mut self) {
+    /// it as missed, and record the ones passed over since the ledger's `newest`; then wait for
+    /// the next one (a timer: only its own).
+    fn plan_first(&mut self, newest: Option<DateTime<Utc>>) {
         let now = self.clock.now();
         let schedule = self.schedule();
         let latest = schedule.latest_at_or_before(now);
@@ -578,26 +806,35 @@ impl Runs {
                 .map_or(EARLY_WINDOW, |gap| gap / 2);
             let nearer = latest.is_none_or(|latest| ahead < age(latest));
             if ahead <= EARLY_WINDOW.min(half_gap) && nearer {
-                info!(event = "waiting_for_occurrence", occurrence = %rfc3339(next), "waiting {} for the occurrence of {} on the server's clock", fmt(ahead), rfc3339(next));
+                info!(event = "waiting_for_occurrence", occurrence = %rfc3339(next), "waiting {} for the occurrence of {} on the server's clock", for_people(ahead), rfc3339(next));
                 self.due = Some(next);
                 return;
             }
         }
+        // The occurrences between the ledger's newest row and the latest one came while no
+        // leader could run them.
+        if let (Some(newest), Some(latest)) = (newest, latest)
+            && let Some(first) = schedule.next_after(newest)
+        {
+            let passed = self.between(first, latest);
+            self.record_passed_over(
+                &passed,
+                latest,
+                "while no leader could run them; only the most recent one, if it is within --catch-up,",
+            );
+        }
+        let blocked = foreign_ledger_blocks_catch_up(self.foreign_ledger_seen, catch_up);
         match latest {
+            Some(latest) if blocked => {
+                warn!(event = "no_catch_up", occurrence = %rfc3339(latest), "not catching up the occurrence of {}: a replica that records this lock's runs in another ledger table was seen lately and may have run it", rfc3339(latest));
+                self.due = if self.plan.once { None } else { next };
+            }
             Some(latest) if age(latest) <= catch_up => {
                 self.probing = !self.plan.once;
                 self.due = Some(latest);
             }
             Some(latest) => {
-                self.queue.push_back(Step::Record {
-                    at: latest,
-                    outcome: "missed",
-                    detail: format!(
-                        "no leader could run it until {} later, more than --catch-up {}",
-                        fmt(age(latest)),
-                        fmt(catch_up)
-                    ),
-                });
+                self.record_missed(latest, age(latest));
                 self.due = if self.plan.once { None } else { next };
             }
             None => self.due = if self.plan.once { None } else { next },
@@ -611,16 +848,49 @@ impl Runs {
     }
 }
 
-/// Checks the replicas' agreement on the schedule, on the leader's session.
+/// "3 occurrences (2026-11-22T03:00:00Z, ...) came", or a range beyond [`LISTED`].
+fn describe(passed: &[DateTime<Utc>], verb: &str) -> String {
+    let n = passed.len();
+    let plural = if n == 1 { "occurrence" } else { "occurrences" };
+    let count = if n >= COUNTED {
+        format!("{n} or more")
+    } else {
+        n.to_string()
+    };
+    if n <= LISTED {
+        let list: Vec<String> = passed.iter().copied().map(rfc3339).collect();
+        format!("{count} {plural} ({}) {verb}", list.join(", "))
+    } else {
+        format!(
+            "{count} {plural} from {} to {} {verb}",
+            rfc3339(passed[0]),
+            rfc3339(passed[n - 1])
+        )
+    }
+}
+
+/// Checks the replicas' agreement on the schedule, and on the ledger table, on the leader's
+/// session.
 async fn agree(
     client: &Client,
     ledger: &Ledger,
     lock: &LockKey,
     clock: &ServerClock,
     once: bool,
-) -> Result<Verdict, LedgerError> {
+    own_ledger: &str,
+) -> Result<Agreement, LedgerError> {
     let newest = ledger.newest(client).await?;
     let live = agreement::participants(client, lock).await?;
+    let foreign: Vec<String> = agreement::foreign_ledgers(&live, own_ledger)
+        .iter()
+        .map(|p| p.describe())
+        .collect();
+    let foreign_ledger = (!foreign.is_empty()).then(|| {
+        format!(
+            "{} record(s) this lock's runs in another ledger table; an occurrence could run once in each. Give every replica the same --ledger-table (and the same search_path)",
+            foreign.join(", ")
+        )
+    });
     let schedule = ledger.schedule();
     let verdict = agreement::judge(
         schedule.expression(),
@@ -629,25 +899,27 @@ async fn agree(
         &live,
         once,
     );
-    let Verdict::Undecided { established } = &verdict else {
-        return Ok(verdict);
+    let verdict = match &verdict {
+        Verdict::Undecided { established } => {
+            let still_used = match Schedule::parse(&established.0, &established.1) {
+                Ok(old) => match old.latest_at_or_before(clock.now()) {
+                    Some(at) => ledger.has(client, at).await?,
+                    None => false,
+                },
+                // A definition this version cannot read is not one any replica of it runs.
+                Err(_) => false,
+            };
+            agreement::settle(
+                schedule.expression(),
+                schedule.timezone(),
+                established,
+                still_used,
+            )
+        }
+        _ => verdict,
     };
-    let still_used = match Schedule::parse(&established.0, &established.1) {
-        Ok(old) => match old.latest_at_or_before(clock.now()) {
-            Some(at) => ledger.has(client, at).await?,
-            None => false,
-        },
-        // A definition this version cannot read is not one any replica of it runs.
-        Err(_) => false,
-    };
-    Ok(agreement::settle(
-        schedule.expression(),
-        schedule.timezone(),
-        established,
-        still_used,
-    ))
-}
-
-fn fmt(duration: Duration) -> humantime::FormattedDuration {
-    humantime::format_duration(Duration::from_millis(duration.as_millis() as u64))
+    Ok(Agreement {
+        verdict,
+        foreign_ledger,
+    })
 }

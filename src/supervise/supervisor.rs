@@ -27,15 +27,18 @@ use tokio::time::{Instant, sleep, sleep_until};
 use tracing::{debug, info, warn};
 
 use crate::config::RunConfig;
+use crate::config::host_name;
 use crate::election::backoff::Backoff;
 use crate::election::session::{Check, Confirmation, ConnectError, Session, SessionError};
 use crate::exit::{ChildStatus, Outcome};
+use crate::operate::logging::for_people as fmt;
 use crate::operate::notify;
 use crate::operate::telemetry::{LossReason, Telemetry};
 use crate::schedule::calendar::rfc3339;
 use crate::schedule::clock::ServerClock;
-use crate::schedule::ledger::{Claimant, Ledger, LedgerError};
-use crate::schedule::runs::{Runs, RunsEvent};
+use crate::schedule::ledger::{Claimant, LateFinish, LedgerError};
+use crate::schedule::runs::{self, Runs, RunsEvent};
+use crate::schedule::{self, Prepared};
 use crate::supervise::job::{self, CommandError, Job};
 use crate::supervise::keeper::Report;
 use crate::supervise::signals::SignalEvent;
@@ -70,6 +73,9 @@ pub async fn run(
         shutdown_requested: None,
         last_disturbance: None,
         connect_deadline,
+        late_finish: None,
+        prepared: Prepared::default(),
+        foreign_ledger_seen: None,
     }
     .run()
     .await
@@ -88,6 +94,14 @@ struct Supervisor {
     last_disturbance: Option<Instant>,
     /// When to stop retrying a connection (a scheduled --once).
     connect_deadline: Option<Instant>,
+    /// With --schedule: how the last run ended, when the leadership ended before the ledger
+    /// had it; recorded on the next session.
+    late_finish: Option<LateFinish>,
+    /// With --schedule: what preparing the current session found.
+    prepared: Prepared,
+    /// With --schedule: when a replica recording the lock's runs in another ledger table was
+    /// last seen.
+    foreign_ledger_seen: Option<Instant>,
 }
 
 /// How waiting for the lock ended.
@@ -117,13 +131,16 @@ enum Led {
     /// `--schedule`: this replica disagrees with the fleet on the schedule; it released the
     /// lock so that a replica with the established schedule can lead.
     HandedOver,
+    /// `--schedule`: the command had ended with this status, but the leadership ended before
+    /// the ledger had the outcome (kept for the next session).
+    Unrecorded(ChildStatus),
 }
 
 impl Led {
     /// How the command ended, if it ran.
     fn status(&self) -> Option<ChildStatus> {
         match self {
-            Led::Exited(status) => Some(*status),
+            Led::Exited(status) | Led::Unrecorded(status) => Some(*status),
             Led::Lost { status } | Led::Shutdown(status) | Led::Relinquished(status) => *status,
             Led::NothingToRun | Led::HandedOver => None,
         }
@@ -162,6 +179,9 @@ impl Supervisor {
         let mut pause = Duration::ZERO;
         loop {
             if !pause.is_zero() {
+                if self.connect_deadline.is_some_and(|at| Instant::now() >= at) {
+                    bail!("gave up: a scheduled --once stops retrying after --catch-up");
+                }
                 debug!(event = "backoff", "reconnecting in {}", fmt(pause));
                 if !self.pause(pause).await {
                     return Ok(Outcome::Shutdown);
@@ -170,15 +190,14 @@ impl Supervisor {
             let Some(session) = self.connect().await? else {
                 return Ok(Outcome::Shutdown);
             };
-            if let Err(err) = self.prepare_ledger(&session).await {
-                match err {
-                    LedgerError::Fatal(reason) => bail!("{reason}"),
-                    LedgerError::Query(reason) => {
-                        warn!(event = "ledger_failed", reason = %reason, "cannot prepare the ledger table; reconnecting");
-                        self.last_disturbance = Some(Instant::now());
-                        pause = self.backoff.next_delay();
-                        continue;
-                    }
+            match self.prepare_ledger(&session).await {
+                Ok(()) => {}
+                Err(LedgerError::Fatal(reason)) => bail!("{reason}"),
+                Err(LedgerError::Query(reason) | LedgerError::Busy(reason)) => {
+                    warn!(event = "ledger_failed", reason = %reason, "cannot prepare the ledger table; reconnecting");
+                    self.last_disturbance = Some(Instant::now());
+                    pause = self.backoff.next_delay();
+                    continue;
                 }
             }
             let session = match self.acquire(session).await? {
@@ -227,6 +246,13 @@ impl Supervisor {
                 Led::Relinquished(_) => {
                     self.backoff.reset();
                     pause = Duration::ZERO;
+                }
+                Led::Unrecorded(status) => {
+                    if self.config.once {
+                        warn!(event = "ledger_failed", status = %status, "the command ended ({status}) but the session ended before its outcome was recorded; the next leader will mark the run interrupted");
+                        return Ok(Outcome::ChildExited(status));
+                    }
+                    pause = self.pause_after_loss(true);
                 }
                 Led::NothingToRun => return Ok(Outcome::Busy(self.config.busy_exit_code)),
                 Led::HandedOver => {
@@ -339,11 +365,15 @@ impl Supervisor {
             return match attempt {
                 Ok(true) => Ok(Acquired::Won(session)),
                 Ok(false) => {
+                    let why = match &self.config.schedule {
+                        Some(plan) => schedule::busy_reason(plan, &session.client()).await,
+                        None => "--no-wait".to_owned(),
+                    };
                     info!(
                         event = "busy",
                         lock = %lock,
                         exit_code = self.config.busy_exit_code,
-                        "another instance holds the lock; exiting (--no-wait)"
+                        "another instance holds the lock; exiting ({why})"
                     );
                     Ok(Acquired::Busy)
                 }
@@ -470,16 +500,15 @@ impl Supervisor {
                 pid: std::process::id() as i32,
                 epoch,
             };
-            let clock = ServerClock::sample(sent, fence_received, fence.server_time);
-            Runs::new(
-                plan,
-                lock.clone(),
-                session.client(),
+            let start = runs::Start {
                 claimant,
-                clock,
-                Instant::now() + delay,
-                self.telemetry.clone(),
-            )
+                clock: ServerClock::sample(sent, fence_received, fence.server_time),
+                not_before: Instant::now() + delay,
+                own_ledger: self.prepared.ledger_fingerprint.clone(),
+                foreign_ledger_seen: self.foreign_ledger_seen,
+                telemetry: self.telemetry.clone(),
+            };
+            Runs::new(plan, lock.clone(), session.client(), start)
         });
         let mut start_at = runs.is_none().then(|| Instant::now() + delay);
         let mut job: Option<Job> = None;
@@ -524,11 +553,15 @@ impl Supervisor {
                     let env =
                         self.child_env(session.backend_pid(), epoch, Some((occurrence, attempt)));
                     job = Some(self.spawn(&env)?);
+                    if let Some(runs) = &mut runs {
+                        runs.started();
+                    }
                     continue;
                 }
                 LeadEvent::Runs(RunsEvent::Done) => {
                     self.telemetry
                         .leadership_lost(LossReason::CommandExited, "the timer's run is over");
+                    self.keep_from(runs.as_ref());
                     self.release(session).await;
                     return Ok(Led::Exited(
                         last_status.unwrap_or(ChildStatus::Signaled(Signal::SIGKILL)),
@@ -537,17 +570,20 @@ impl Supervisor {
                 LeadEvent::Runs(RunsEvent::NothingToRun) => {
                     self.telemetry
                         .leadership_lost(LossReason::Relinquished, "nothing for this timer to run");
+                    self.keep_from(runs.as_ref());
                     self.release(session).await;
                     return Ok(Led::NothingToRun);
                 }
                 LeadEvent::Runs(RunsEvent::Disagree(reason)) => {
                     self.telemetry
                         .leadership_lost(LossReason::Relinquished, &reason);
-                    let status = self
-                        .stop_if_running(job.take(), self.config.kill_signal)
-                        .await;
-                    log_final(status);
-                    self.release(session).await;
+                    self.step_down(
+                        job.take(),
+                        runs.as_mut(),
+                        session,
+                        "its replica disagrees on the schedule",
+                    )
+                    .await;
                     if self.config.once {
                         bail!("{reason}");
                     }
@@ -557,14 +593,18 @@ impl Supervisor {
                 LeadEvent::Runs(RunsEvent::Failed(LedgerError::Fatal(reason))) => {
                     self.telemetry
                         .leadership_lost(LossReason::LedgerFailed, &reason);
-                    let status = self
-                        .stop_if_running(job.take(), self.config.kill_signal)
-                        .await;
-                    log_final(status);
-                    self.release(session).await;
+                    self.step_down(
+                        job.take(),
+                        runs.as_mut(),
+                        session,
+                        "the ledger cannot be used",
+                    )
+                    .await;
                     bail!("{reason}");
                 }
-                LeadEvent::Runs(RunsEvent::Failed(LedgerError::Query(reason))) => (
+                LeadEvent::Runs(RunsEvent::Failed(
+                    LedgerError::Query(reason) | LedgerError::Busy(reason),
+                )) => (
                     LossReason::LedgerFailed,
                     format!("a ledger statement failed: {reason}"),
                 ),
@@ -589,11 +629,7 @@ impl Supervisor {
                         }) => {
                             debug!(event = "confirmed", lock = %lock, "the session still holds the lock");
                             if let Some(runs) = &mut runs {
-                                runs.observe_clock(ServerClock::sample(
-                                    sent,
-                                    Instant::now(),
-                                    server_time,
-                                ));
+                                runs.observe_check(sent, Instant::now(), server_time);
                             }
                             deadline = sent + interval + timeout;
                             next_check = sent + interval;
@@ -641,11 +677,7 @@ impl Supervisor {
                         LossReason::Relinquished,
                         &format!("handing over ({why})"),
                     );
-                    let status = self
-                        .stop_if_running(job.take(), self.config.kill_signal)
-                        .await;
-                    log_final(status);
-                    self.release(session).await;
+                    let status = self.step_down(job.take(), None, session, why).await;
                     return Ok(Led::Relinquished(status));
                 }
                 LeadEvent::Signal(Some(SignalEvent::Shutdown(signal))) => {
@@ -662,8 +694,9 @@ impl Supervisor {
                         .leadership_lost(LossReason::Shutdown, "shutting down");
                     let status = self.stop_if_running(job.take(), signal).await;
                     if let Some(runs) = &mut runs {
-                        runs.interrupted(status, "pgleader was shut down", timeout)
+                        runs.settle(Some((status, "pgleader was shut down")), timeout)
                             .await;
+                        self.keep_from(Some(runs));
                     }
                     self.release(session).await;
                     return Ok(Led::Shutdown(status));
@@ -704,6 +737,12 @@ impl Supervisor {
                         self.telemetry
                             .leadership_lost(LossReason::CommandExited, &err.to_string());
                         let _ = self.stop_if_running(job.take(), Signal::SIGKILL).await;
+                        if let Some(runs) = &mut runs {
+                            // Recorded as failed, with 126 or 127, like a shell would report it.
+                            runs.exited(ChildStatus::Exited(i32::from(err.exit_code())));
+                            runs.settle(None, timeout).await;
+                            self.keep_from(Some(runs));
+                        }
                         self.release(session).await;
                         return Err(err.into());
                     }
@@ -751,11 +790,55 @@ impl Supervisor {
                 .stop_if_running(job.take(), self.config.kill_signal)
                 .await;
             log_final(status);
+            if let Some(runs) = &mut runs {
+                // If the session still works, the ledger learns the truth now (a statement
+                // that succeeds on it runs while it holds the lock); else the next leader
+                // marks the run interrupted, and this replica records a finished run's outcome
+                // on its next session.
+                runs.settle(Some((status, lost_reason.as_str())), timeout / 2)
+                    .await;
+                self.keep_from(Some(runs));
+            }
             // Closed only now: until the command is gone, the session keeps the lock (or the
             // server has already freed it, in which case closing changes nothing).
             drop(session);
+            if status.is_none()
+                && self.late_finish.is_some()
+                && let Some(status) = last_status
+            {
+                return Ok(Led::Unrecorded(status));
+            }
             return Ok(Led::Lost { status });
         }
+    }
+
+    /// Keeps what a leadership's runs leave for the next one: an outcome the ledger does not
+    /// have yet, and when another ledger table was last seen.
+    fn keep_from(&mut self, runs: Option<&Runs>) {
+        if let Some(runs) = runs {
+            self.late_finish = runs.unrecorded();
+            self.foreign_ledger_seen = self.foreign_ledger_seen.max(runs.foreign_ledger_seen());
+        }
+    }
+
+    /// Steps down on purpose: stops the command, brings the ledger up to date, releases the
+    /// lock.
+    async fn step_down(
+        &mut self,
+        job: Option<Job>,
+        runs: Option<&mut Runs>,
+        session: Session,
+        why: &str,
+    ) -> Option<ChildStatus> {
+        let status = self.stop_if_running(job, self.config.kill_signal).await;
+        log_final(status);
+        if let Some(runs) = runs {
+            runs.settle(Some((status, why)), self.config.check_timeout)
+                .await;
+            self.keep_from(Some(runs));
+        }
+        self.release(session).await;
+        status
     }
 
     /// When a leadership that starts now is to be handed over, and which option asked for it.
@@ -814,30 +897,40 @@ impl Supervisor {
         Ok(spawned)
     }
 
-    /// With --schedule: makes sure the ledger table exists and can be used, on a new session
-    /// and before waiting for the lock, so that every replica reports a missing permission,
-    /// not only the leader.
-    async fn prepare_ledger(&self, session: &Session) -> Result<(), LedgerError> {
+    /// With --schedule: prepares a new session before it joins the election (see
+    /// `schedule::prepare`), so that every replica reports a missing permission, not only the
+    /// leader, and records the outcome a previous session could not.
+    async fn prepare_ledger(&mut self, session: &Session) -> Result<(), LedgerError> {
         let Some(plan) = &self.config.schedule else {
             return Ok(());
         };
-        let ledger = Ledger::new(
-            plan.table.clone(),
-            self.config.lock.clone(),
-            plan.schedule.clone(),
-        );
+        let user_given = self.config.connection.application_name.clone();
+        let name = |fingerprints: &str| {
+            crate::config::scheduled_application_name(user_given.as_deref(), Some(fingerprints))
+        };
         let client = session.client();
-        match tokio::time::timeout(
-            self.config.connection.connect_timeout,
-            ledger.prepare(&client),
-        )
-        .await
-        {
-            Ok(result) => result,
-            Err(_) => Err(LedgerError::Query(
-                "no answer while preparing the ledger table".into(),
-            )),
+        let prepare = schedule::prepare(
+            plan,
+            &self.config.lock,
+            &client,
+            name,
+            self.late_finish.as_ref(),
+        );
+        let prepared =
+            match tokio::time::timeout(self.config.connection.connect_timeout, prepare).await {
+                Ok(result) => result?,
+                Err(_) => {
+                    return Err(LedgerError::Query(
+                        "no answer while preparing the ledger table".into(),
+                    ));
+                }
+            };
+        self.late_finish = None;
+        if prepared.foreign_ledger.is_some() {
+            self.foreign_ledger_seen = Some(Instant::now());
         }
+        self.prepared = prepared;
+        Ok(())
     }
 
     async fn stop_if_running(&mut self, job: Option<Job>, signal: Signal) -> Option<ChildStatus> {
@@ -1162,17 +1255,4 @@ fn password_hint(config: &RunConfig, reason: &str) -> String {
     } else {
         String::new()
     }
-}
-
-/// This host's name, as the ledger records who claimed a run.
-fn host_name() -> String {
-    nix::unistd::gethostname()
-        .ok()
-        .and_then(|name| name.into_string().ok())
-        .unwrap_or_else(|| "unknown".into())
-}
-
-/// A duration for people: to the millisecond.
-fn fmt(duration: Duration) -> humantime::FormattedDuration {
-    humantime::format_duration(Duration::from_millis(duration.as_millis() as u64))
 }
