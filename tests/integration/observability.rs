@@ -377,7 +377,7 @@ fn the_example_alert_rules_pass_promtool_check_and_test_rules() {
 }
 
 #[test]
-fn head_gets_the_headers_other_methods_405_and_unknown_paths_404() {
+fn head_gets_the_headers_other_methods_405_unknown_paths_404_and_big_heads_431() {
     let cluster = Cluster::shared();
     let a = run("A", cluster, unique_lock(), &[HTTP], &patient_child("A"));
     let address = address_of(&a);
@@ -402,6 +402,23 @@ fn head_gets_the_headers_other_methods_405_and_unknown_paths_404() {
     }
     // A query string does not change the route.
     assert_eq!(get(address, "/leader?x=1").status, 200);
+
+    // A request head larger than 8 KiB is refused (431), one of 4 KiB is not.
+    for (size, expected) in [(16_000, "431"), (4_000, "200")] {
+        let mut stream = TcpStream::connect_timeout(&address, WAIT).expect("connect");
+        stream.set_read_timeout(Some(WAIT)).expect("timeout");
+        let head = format!(
+            "GET /leader HTTP/1.1\r\nHost: x\r\nX-Big: {}\r\nConnection: close\r\n\r\n",
+            "a".repeat(size)
+        );
+        let _ = stream.write_all(head.as_bytes());
+        let mut answer = String::new();
+        let _ = stream.read_to_string(&mut answer);
+        assert!(
+            answer.starts_with(&format!("HTTP/1.1 {expected}")),
+            "a head of {size} bytes: {answer:?}"
+        );
+    }
 }
 
 #[test]
