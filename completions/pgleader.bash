@@ -115,7 +115,7 @@ _pgleader() {
             return 0
             ;;
         pgleader__subcmd__run)
-            opts="-d -v -q -h -V --lock-id --lock --database-url --once --no-wait --busy-exit-code --check-interval --check-timeout --kill-signal --kill-timeout --restart-delay --lease --takeover-delay --relinquish-after --relinquish-schedule --schedule --schedule-timezone --catch-up --retry-interrupted --ledger-table --restart-fence --log-format --verbose --quiet --help --version"
+            opts="-d -v -q -h -V --lock-id --lock --database-url --once --no-wait --busy-exit-code --check-interval --check-timeout --kill-signal --kill-timeout --restart-delay --lease --takeover-delay --relinquish-after --relinquish-schedule --schedule --schedule-timezone --catch-up --retry-interrupted --ledger-table --restart-fence --http --log-format --verbose --quiet --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -201,6 +201,10 @@ _pgleader() {
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
+                --http)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
                 --log-format)
                     COMPREPLY=($(compgen -W "text json" -- "${cur}"))
                     return 0
@@ -213,7 +217,7 @@ _pgleader() {
             return 0
             ;;
         pgleader__subcmd__status)
-            opts="-d -v -q -h -V --lock-id --lock --database-url --ledger-table --json --log-format --verbose --quiet --help --version"
+            opts="-d -v -q -h -V --lock-id --lock --database-url --ledger-table --json --watch --log-format --verbose --quiet --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0

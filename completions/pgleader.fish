@@ -52,6 +52,7 @@ complete -c pgleader -n "__fish_pgleader_using_subcommand run" -l catch-up -d 'R
 complete -c pgleader -n "__fish_pgleader_using_subcommand run" -l retry-interrupted -d 'How many times an occurrence whose run was interrupted (its leader lost the lock or was shut down) is started again by the next leader. 0: never, so no occurrence starts twice' -r
 complete -c pgleader -n "__fish_pgleader_using_subcommand run" -l ledger-table -d 'The table that records each scheduled occurrence (created when missing), optionally with its schema: ops.pgleader_ledger' -r
 complete -c pgleader -n "__fish_pgleader_using_subcommand run" -l restart-fence -d 'After winning less than this long after a server restart, crash or failover (which free every lock at once, possibly while the previous leader is still stopping its command), wait until this long has passed before starting the command. auto = --check-interval + --check-timeout + --kill-timeout + 1s, the longest a previous leader with the same settings can take. 0 disables' -r
+complete -c pgleader -n "__fish_pgleader_using_subcommand run" -l http -d 'Serve /leader, /healthz, /status and /metrics (Prometheus) over HTTP on this address and port: 127.0.0.1:9187 for this host only, 0.0.0.0:9187 or [::]:9187 for every interface (port 0: any free port, which the log names). Off unless given' -r
 complete -c pgleader -n "__fish_pgleader_using_subcommand run" -l log-format -d 'Log format: one line of text per event, or one JSON object per line' -r -f -a "text\t''
 json\t''"
 complete -c pgleader -n "__fish_pgleader_using_subcommand run" -l once -d 'Wait for leadership, run the command once, and exit with its status'
@@ -67,6 +68,7 @@ complete -c pgleader -n "__fish_pgleader_using_subcommand status" -l ledger-tabl
 complete -c pgleader -n "__fish_pgleader_using_subcommand status" -l log-format -d 'Log format: one line of text per event, or one JSON object per line' -r -f -a "text\t''
 json\t''"
 complete -c pgleader -n "__fish_pgleader_using_subcommand status" -l json -d 'Print JSON instead of text'
+complete -c pgleader -n "__fish_pgleader_using_subcommand status" -l watch -d 'Keep running: print the lock\'s state again (one line, or one JSON object per line) each time its holder or its waiters change, until interrupted'
 complete -c pgleader -n "__fish_pgleader_using_subcommand status" -s v -l verbose -d 'Log more: -v adds debug details (every check, every reaped process), -vv everything'
 complete -c pgleader -n "__fish_pgleader_using_subcommand status" -s q -l quiet -d 'Log less: -q only warnings and errors, -qq only errors'
 complete -c pgleader -n "__fish_pgleader_using_subcommand status" -s h -l help -d 'Print help'

@@ -2,6 +2,7 @@
 //! from these definitions (see `docs.rs`), so what is written here is what users read.
 
 use std::ffi::OsString;
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use clap::builder::BoolishValueParser;
@@ -18,16 +19,17 @@ Exit status (run):
   0
       shut down while no command was running; --no-wait found the lock busy; --once --schedule found its occurrence claimed (see --busy-exit-code)
   1
-      fatal error: bad password, unknown database, TLS certificate that does not verify, a server older than PostgreSQL 13, unreachable database under --no-wait, a ledger table that cannot be used
+      fatal error: bad password, unknown database, TLS certificate that does not verify, a server older than PostgreSQL 13, unreachable database under --no-wait, a ledger table that cannot be used, an --http address that cannot be listened on
   2
-      usage error: an unknown option, an invalid value, a missing command
+      usage error: an unknown option, an invalid value (an --http address that does not parse, too), a missing command
   75
       --once: leadership was lost while the command ran
   126, 127
       the command cannot be executed / was not found
 
 Exit status (status):
-  0 the lock is held, 3 the lock is free, 1 error, 2 usage error";
+  0 the lock is held, 3 the lock is free, 1 error, 2 usage error
+  with --watch: 0 when interrupted (TERM, INT), 1 error, 2 usage error";
 
 #[derive(Debug, Parser)]
 #[command(
@@ -245,6 +247,12 @@ pub struct RunArgs {
     #[arg(long, value_name = "DURATION", default_value = "auto", value_parser = auto_or_duration, env = "PGLEADER_RESTART_FENCE")]
     pub restart_fence: RestartFence,
 
+    /// Serve /leader, /healthz, /status and /metrics (Prometheus) over HTTP on this address
+    /// and port: 127.0.0.1:9187 for this host only, 0.0.0.0:9187 or [::]:9187 for every
+    /// interface (port 0: any free port, which the log names). Off unless given
+    #[arg(long, value_name = "ADDR", value_parser = http_address, env = "PGLEADER_HTTP")]
+    pub http: Option<SocketAddr>,
+
     /// The command to run, with its arguments, which are passed on untouched (options included).
     /// A command whose name starts with "-" must follow --
     // No allow_hyphen_values: an unknown option before the command must be a usage error (with
@@ -288,6 +296,11 @@ pub struct StatusArgs {
     /// Print JSON instead of text
     #[arg(long)]
     pub json: bool,
+
+    /// Keep running: print the lock's state again (one line, or one JSON object per line) each
+    /// time its holder or its waiters change, until interrupted
+    #[arg(long)]
+    pub watch: bool,
 }
 
 fn non_empty_name(value: &str) -> Result<String, String> {
@@ -340,6 +353,14 @@ fn parse_schedule(value: &str) -> Result<croner::Cron, String> {
     Ok(schedule)
 }
 
+/// An address and port to listen on: `127.0.0.1:9187`, `0.0.0.0:9187`, `[::]:9187`.
+fn http_address(value: &str) -> Result<SocketAddr, String> {
+    value.trim().parse().map_err(|_| {
+        "expected an IP address and a port, such as 127.0.0.1:9187, 0.0.0.0:9187 or [::]:9187"
+            .to_owned()
+    })
+}
+
 /// `TERM`, `SIGTERM`, `sigterm` or `15`.
 pub fn parse_signal(value: &str) -> Result<Signal, String> {
     let value = value.trim();
@@ -386,6 +407,19 @@ mod tests {
             parse_schedule("0 0 30 2 *").is_err(),
             "February 30th never comes"
         );
+    }
+
+    #[test]
+    fn http_addresses_need_an_ip_and_a_port() {
+        assert_eq!(
+            http_address("127.0.0.1:9187"),
+            Ok("127.0.0.1:9187".parse().expect("address"))
+        );
+        assert!(http_address("[::]:9187").is_ok());
+        assert!(http_address("0.0.0.0:0").is_ok());
+        for bad in ["9187", "localhost:9187", "127.0.0.1", "127.0.0.1:99999", ""] {
+            assert!(http_address(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

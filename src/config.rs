@@ -2,6 +2,7 @@
 //! and the environment. Everything that can be refused is refused here, before any connection
 //! is made: a bad value is a usage error (exit 2), a command that cannot run is 126 or 127.
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
@@ -45,6 +46,8 @@ pub struct RunConfig {
     pub relinquish_schedule: Option<croner::Cron>,
     /// `--schedule` and its companions.
     pub schedule: Option<Plan>,
+    /// Where to serve /leader, /healthz, /status and /metrics, if anywhere.
+    pub http: Option<SocketAddr>,
 }
 
 /// A resolved connection and the warnings its resolution produced.
@@ -104,6 +107,7 @@ impl RunConfig {
             relinquish_after: args.relinquish_after,
             relinquish_schedule: args.relinquish_schedule,
             schedule,
+            http: args.http,
             restart_fence: match args.restart_fence {
                 RestartFence::Fixed(duration) => duration,
                 RestartFence::Auto => {

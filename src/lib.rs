@@ -21,7 +21,8 @@ use tracing::warn;
 use crate::cli::{Command, RunArgs, StatusArgs};
 use crate::config::{RunConfig, UsageError};
 use crate::connect::conninfo::ProcessEnvironment;
-use crate::operate::{notify, status};
+use crate::operate::telemetry::{self, Telemetry};
+use crate::operate::{http, notify, status, watch};
 use crate::supervise::job::CommandError;
 use crate::supervise::{signals, supervisor};
 
@@ -41,8 +42,18 @@ async fn run(args: RunArgs) -> anyhow::Result<u8> {
     for warning in warnings {
         warn!(event = "config", "{warning}");
     }
+    let telemetry = Telemetry::new(telemetry::Settings {
+        lock: config.lock.clone(),
+        connection: config.connection.to_string(),
+        check_deadline: config.check_interval + config.check_timeout,
+        schedule: config.schedule.as_ref().map(|plan| plan.schedule.clone()),
+    });
+    // Bound before the election: a port that is taken stops pgleader before it can win.
+    if let Some(address) = config.http {
+        http::spawn(http::bind(address).await?, telemetry.clone());
+    }
     notify::init();
-    let outcome = supervisor::run(config, signals).await?;
+    let outcome = supervisor::run(config, signals, telemetry).await?;
     Ok(outcome.exit_code())
 }
 
@@ -53,6 +64,9 @@ async fn status(args: StatusArgs) -> anyhow::Result<u8> {
         warn!(event = "config", "{warning}");
     }
     let ledger = config::ledger_table(&args.ledger)?;
+    if args.watch {
+        return watch::watch(&lock, &connection.settings, args.json).await;
+    }
     let status = status::read(&lock, &connection.settings, &ledger).await?;
     let text = if args.json {
         format!("{}\n", status.to_json())

@@ -18,6 +18,7 @@
 mod harness;
 
 mod etcd;
+mod http;
 mod procfs;
 mod report;
 mod scenarios;
@@ -36,8 +37,10 @@ use crate::harness::Cluster;
 use crate::report::Report;
 use crate::tools::{PARTITION_ARGS, Pgleader, Tool};
 
-const USAGE: &str = "usage: cargo bench --bench failover [-- [--quick] [--runs N] [--out PATH] [--static PATH]]
+const USAGE: &str = "usage: cargo bench --bench failover [-- [--quick] [--only http] [--runs N] [--out PATH] [--static PATH]]
   --quick        a few runs per scenario and short windows (CI); the report goes under target/
+  --only http    only scenario 9 (the HTTP endpoint) and the idle cost with --http; the report
+                 goes under target/ (BENCHMARKS.md is written by full runs only)
   --runs N       runs per scenario (default 20, or 3 with --quick)
   --out PATH     where to write the report (default BENCHMARKS.md, or target/.../BENCHMARKS.quick.md)
   --static PATH  also run pgleader's failover, start-up and cost scenarios with this binary (the
@@ -47,6 +50,8 @@ const USAGE: &str = "usage: cargo bench --bench failover [-- [--quick] [--runs N
 #[derive(Debug)]
 struct Plan {
     quick: bool,
+    /// Only the HTTP endpoint's scenarios (`--only http`).
+    only_http: bool,
     /// Runs of each scenario whose runs take milliseconds.
     runs: usize,
     /// Runs of each scenario bound by a lease (seconds per run): the partition, and every
@@ -65,12 +70,17 @@ impl Plan {
     fn from_args() -> Result<Plan, String> {
         let mut quick = false;
         let mut static_binary = None;
+        let mut only_http = false;
         let mut runs = None;
         let mut out = None;
         let mut args = std::env::args().skip(1);
         while let Some(arg) = args.next() {
             match arg.as_str() {
                 "--quick" => quick = true,
+                "--only" => match args.next().as_deref() {
+                    Some("http") => only_http = true,
+                    other => return Err(format!("--only {other:?}: the one group is http")),
+                },
                 "--runs" => {
                     let value = args.next().ok_or("--runs needs a number")?;
                     runs = Some(
@@ -102,13 +112,16 @@ impl Plan {
         Ok(Plan {
             static_binary,
             quick,
+            only_http,
             runs,
             lease_runs: if quick { 2 } else { runs },
             never_runs: if quick { 1 } else { 5.min(runs) },
             cost_window: Duration::from_secs(if quick { 5 } else { 60 }),
             scale_window: Duration::from_secs(if quick { 2 } else { 10 }),
             out: out.unwrap_or_else(|| {
-                if quick {
+                if only_http {
+                    PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("BENCHMARKS.http.md")
+                } else if quick {
                     PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("BENCHMARKS.quick.md")
                 } else {
                     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("BENCHMARKS.md")
@@ -155,6 +168,9 @@ fn main() -> ExitCode {
 }
 
 fn run(plan: &Plan) -> anyhow::Result<Report> {
+    if plan.only_http {
+        return run_http_only(plan);
+    }
     let began = Instant::now();
     let started = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
     etcd::ensure_installed()?;
@@ -225,6 +241,7 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
             Err(err) => eprintln!("bench:   failed: {err:#}"),
         }
     }
+    costs.extend(http_cost(&pgleader, plan));
 
     let mut scales = Vec::new();
     // At scale, the server's work dominates: cargo's binary only.
@@ -249,12 +266,15 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
         eprintln!("bench:   the timers failed: {err:#}");
         Vec::new()
     });
+    rows.extend(http::scrape(&pgleader, plan.runs * 10));
+    rows.extend(http::leader_after_kill9(&pgleader, plan.runs));
 
     let report = Report {
         quick: plan.quick,
+        only: None,
         started,
         took: began.elapsed(),
-        environment: environment(&pgleader, &etcd, plan.static_binary.as_deref()),
+        environment: environment(&pgleader, Some(&etcd), plan.static_binary.as_deref()),
         settings: settings(plan),
         rows,
         costs,
@@ -265,6 +285,55 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
         .write(&plan.out)
         .with_context(|| format!("cannot write {}", plan.out.display()))?;
     Ok(report)
+}
+
+/// Scenario 9 and the idle cost with `--http` alone, against a server of its own.
+fn run_http_only(plan: &Plan) -> anyhow::Result<Report> {
+    let began = Instant::now();
+    let started = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
+    eprintln!("bench: starting PostgreSQL");
+    let pgleader = Pgleader::new(Arc::new(Cluster::new("bench-http")));
+    pgleader.wait_until_server_is(Duration::from_secs(10))?;
+    let mut rows = http::scrape(&pgleader, plan.runs * 10);
+    rows.extend(http::leader_after_kill9(&pgleader, plan.runs));
+    // Without --http too, in the same run, to compare.
+    eprintln!("bench: 6. cost of an idle candidate (pgleader)");
+    let mut costs = pgleader.cost(plan.cost_window).unwrap_or_else(|err| {
+        eprintln!("bench:   failed: {err:#}");
+        Vec::new()
+    });
+    costs.extend(http_cost(&pgleader, plan));
+    let report = Report {
+        quick: plan.quick,
+        only: Some("9 and the idle cost with --http"),
+        started,
+        took: began.elapsed(),
+        environment: environment(&pgleader, None, None),
+        settings: settings(plan),
+        rows,
+        costs,
+        scales: Vec::new(),
+        timers: Vec::new(),
+    };
+    report
+        .write(&plan.out)
+        .with_context(|| format!("cannot write {}", plan.out.display()))?;
+    Ok(report)
+}
+
+/// An idle leader and follower with `--http` on and nobody asking.
+fn http_cost(pgleader: &Pgleader, plan: &Plan) -> Vec<report::Cost> {
+    eprintln!("bench: 6. cost of an idle candidate (pgleader, --http on, not scraped)");
+    pgleader
+        .cost_with(
+            plan.cost_window,
+            &[http::HTTP],
+            ["leader, --http", "follower, --http"],
+        )
+        .unwrap_or_else(|err| {
+            eprintln!("bench:   failed: {err:#}");
+            Vec::new()
+        })
 }
 
 /// Scenario by scenario, pgleader first: the rows were produced tool by tool.
@@ -351,7 +420,7 @@ fn sizes(static_binary: Option<&Path>) -> Vec<(&'static str, String)> {
 
 fn environment(
     pgleader: &Pgleader,
-    etcd: &Etcd,
+    etcd: Option<&Etcd>,
     static_binary: Option<&Path>,
 ) -> Vec<(&'static str, String)> {
     let machine = procfs::Machine::read();
@@ -370,12 +439,7 @@ fn environment(
             || "unknown".into(),
             |out| String::from_utf8_lossy(&out.stdout).trim().to_owned(),
         );
-    let etcdctl = first_line(
-        Command::new("etcdctl")
-            .env("ETCDCTL_API", "3")
-            .arg("version"),
-    );
-    vec![
+    let mut environment = vec![
         ("CPU", machine.cpu),
         ("cores", machine.cores.to_string()),
         ("memory", machine.memory),
@@ -391,11 +455,17 @@ fn environment(
                 .server_version()
                 .unwrap_or_else(|err| format!("unknown ({err})")),
         ),
-        ("etcd", format!("{} ({etcdctl})", etcd.version)),
-    ]
-    .into_iter()
-    .chain(sizes(static_binary))
-    .collect()
+    ];
+    if let Some(etcd) = etcd {
+        let etcdctl = first_line(
+            Command::new("etcdctl")
+                .env("ETCDCTL_API", "3")
+                .arg("version"),
+        );
+        environment.push(("etcd", format!("{} ({etcdctl})", etcd.version)));
+    }
+    environment.extend(sizes(static_binary));
+    environment
 }
 
 /// The first line a command prints, empty if it cannot run.

@@ -159,6 +159,8 @@ pub struct Scale {
 #[derive(Debug)]
 pub struct Report {
     pub quick: bool,
+    /// Which scenarios ran, when not all of them did (`--only`).
+    pub only: Option<&'static str>,
     pub started: String,
     pub took: Duration,
     pub environment: Vec<(&'static str, String)>,
@@ -197,14 +199,14 @@ impl Report {
             }
         }
         for (tool, scenario) in [("pgleader", "6. cost"), ("etcdctl lock", "6. cost")] {
-            if !self.costs.iter().any(|cost| cost.tool == tool) {
+            if self.only.is_none() && !self.costs.iter().any(|cost| cost.tool == tool) {
                 missing.push(format!("{scenario} ({tool})"));
             }
         }
-        if self.timers.is_empty() {
+        if self.only.is_none() && self.timers.is_empty() {
             missing.push("8. scheduled job: timers".into());
         }
-        if !self.costs.iter().any(|cost| cost.role == SCHEDULED_ROLE) {
+        if self.only.is_none() && !self.costs.iter().any(|cost| cost.role == SCHEDULED_ROLE) {
             missing.push("8. scheduled job: idle cost".into());
         }
         missing
@@ -313,6 +315,56 @@ impl Report {
             measured: follower.map_or_else(|| "no figures".into(), |r| format!("{r:.3}/s")),
             met: follower.map(|r| r == 0.0),
         });
+        verdicts.extend(self.http_verdicts());
+        verdicts
+    }
+
+    /// Issue 10's targets for the HTTP endpoint (scenario 9).
+    fn http_verdicts(&self) -> Vec<Verdict> {
+        let cost = |role: &str| {
+            self.costs
+                .iter()
+                .find(|c| c.tool == "pgleader" && c.role == role)
+        };
+        let mut verdicts = Vec::new();
+        for (target, role) in [
+            ("9. --http on: idle leader's RSS ≤ 7 MiB", "leader, --http"),
+            (
+                "9. --http on: idle follower's RSS ≤ 7 MiB",
+                "follower, --http",
+            ),
+        ] {
+            let rss = cost(role).and_then(|c| c.rss_kib);
+            verdicts.push(Verdict {
+                target,
+                measured: rss.map_or_else(|| "no figures".into(), mib),
+                met: rss.map(|kib| kib <= 7 * 1024),
+            });
+        }
+        let idle = cost("follower, --http").map(|c| (c.cpu, c.window));
+        verdicts.push(Verdict {
+            target: "9. --http on, not scraped: an idle follower uses no CPU (< 1 ms over the window)",
+            measured: idle.map_or_else(
+                || "no figures".into(),
+                |(cpu, window)| format!("{} over {}", cpu_ms(cpu), secs(window)),
+            ),
+            met: idle.map(|(cpu, _)| cpu < Duration::from_millis(1)),
+        });
+        for (target, id, limit) in [
+            ("9. GET /metrics ≤ 1 ms", "http.metrics", 1.0),
+            (
+                "9. kill -9: the new leader's /leader answers 200 ≤ 10 ms after its command starts",
+                "http.leader_200",
+                10.0,
+            ),
+        ] {
+            let median = self.median(id);
+            verdicts.push(Verdict {
+                target,
+                measured: median.map_or_else(|| "no figures".into(), |m| format!("p50 {}", ms(m))),
+                met: median.map(|m| m <= limit),
+            });
+        }
         verdicts
     }
 
@@ -322,13 +374,15 @@ impl Report {
         let _ = writeln!(out, "{BEGIN}\n");
         let _ = writeln!(
             out,
-            "## Results{}\n\nRun {} (took {}). Durations are from the fault to the moment the \
+            "## Results{}{}\n\nRun {} (took {}). Durations are from the fault to the moment the \
              line arrived on the benchmark's pipe, on a monotonic clock; p95 by nearest rank.\n",
             if self.quick {
                 " (quick mode: a few runs per scenario, not for comparison)"
             } else {
                 ""
             },
+            self.only
+                .map_or_else(String::new, |only| format!(" (only scenarios {only})")),
             self.started,
             secs(self.took)
         );
@@ -340,6 +394,9 @@ impl Report {
         let _ = writeln!(out, "\n### Targets (pgleader, medians on loopback)\n");
         let _ = writeln!(out, "| target | measured | |\n|---|---|---|");
         for verdict in self.verdicts() {
+            if self.only.is_some() && !verdict.target.starts_with("9.") {
+                continue;
+            }
             let mark = match verdict.met {
                 Some(true) => "met",
                 Some(false) => "**missed**",

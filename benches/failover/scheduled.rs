@@ -101,6 +101,10 @@ pub fn on_time(pg: &Pgleader, runs: usize) -> Row {
     let lock = harness::unique_lock();
     let clock = WallClock::now();
     let leader = replica(pg, "A", lock, "* * * * * *", &[], &job("A"));
+    // The follower starts only once A leads: started together, either could win.
+    if leader.logged("became leader", SETUP_WAIT).is_none() {
+        figures.failure(format!("A never led\n{}", leader.dump()));
+    }
     let _follower = replica(pg, "B", lock, "* * * * * *", &[], &job("B"));
     for n in 2..=runs + 1 {
         match leader.line(Stream::Stdout, "A ran ", n, None, SETUP_WAIT) {

@@ -219,6 +219,75 @@ impl Pgleader {
         Ok(())
     }
 
+    /// A candidate with `extra` options (such as `--http=...`) before its command.
+    pub fn candidate_with(
+        &self,
+        tag: &str,
+        lock: i64,
+        proxy: Option<&Proxy>,
+        extra: &[&str],
+    ) -> Candidate {
+        let url = proxy.map_or_else(|| self.cluster.url(), Proxy::url);
+        let mut command = match &self.binary {
+            Some(binary) => harness::clean(Command::new(binary)),
+            None => harness::pgleader(),
+        };
+        // pgleader's own defaults, restart fence included (the harness turns it off for tests).
+        command
+            .env_remove("PGLEADER_RESTART_FENCE")
+            .env("PGLEADER_DATABASE_URL", url)
+            .arg("run")
+            .arg(format!("--lock-id={lock}"));
+        if proxy.is_some() {
+            command.args(PARTITION_ARGS);
+        }
+        command.args(extra);
+        command.args(["--", "sh", "-c", &child_script(tag)]);
+        Candidate::spawn(tag, command)
+    }
+
+    /// The cost of an idle leader and follower started with `extra` options, reported under
+    /// `roles`.
+    pub fn cost_with(
+        &self,
+        window: Duration,
+        extra: &[&str],
+        roles: [&'static str; 2],
+    ) -> anyhow::Result<Vec<Cost>> {
+        self.log_statements(true)?;
+        let measured = (|| {
+            let lock = harness::unique_lock();
+            let leader = self.candidate_with("A", lock, None, extra);
+            let (line, _) = leader
+                .started(None, SETUP_WAIT)
+                .with_context(|| format!("the leader never started\n{}", leader.dump()))?;
+            let follower = self.candidate_with("B", lock, None, extra);
+            wait_queued(self, lock, 2, SETUP_WAIT)?;
+            let waiting = follower
+                .logged("waiting for the lock", SETUP_WAIT)
+                .context("the follower never logged that it waits")?;
+            let follower_backend: i32 = field(&waiting, "backend_pid").parse()?;
+            let leader_backend: i32 = field(&line, "backend").parse()?;
+            // The follower's one blocking statement and the leader's start stay out of the
+            // window.
+            sleep(SETTLE * 3);
+            let log_mark = self.cluster.log().len();
+            let keeper = procfs::children(leader.pid()).first().copied();
+            let usage = Usage::measure(&[leader.pid(), follower.pid()], keeper, window);
+            let statements = self.statements_since(log_mark);
+            let per_second = |backend: i32| {
+                statements.get(&backend).copied().unwrap_or(0) as f64 / window.as_secs_f64()
+            };
+            let how = "statements in the server log (log_statement = all) from its backend pid";
+            Ok(vec![
+                usage.cost(0, self.label(), roles[0], per_second(leader_backend), how),
+                usage.cost(1, self.label(), roles[1], per_second(follower_backend), how),
+            ])
+        })();
+        self.log_statements(false)?;
+        measured
+    }
+
     pub fn server_version(&self) -> anyhow::Result<String> {
         let row = self.admin().query_one("SELECT version()", &[])?;
         Ok(row.get(0))
@@ -279,22 +348,7 @@ impl Tool for Pgleader {
     }
 
     fn candidate(&self, tag: &str, lock: i64, proxy: Option<&Proxy>) -> Candidate {
-        let url = proxy.map_or_else(|| self.cluster.url(), Proxy::url);
-        let mut command = match &self.binary {
-            Some(binary) => harness::clean(Command::new(binary)),
-            None => harness::pgleader(),
-        };
-        // pgleader's own defaults, restart fence included (the harness turns it off for tests).
-        command
-            .env_remove("PGLEADER_RESTART_FENCE")
-            .env("PGLEADER_DATABASE_URL", url)
-            .arg("run")
-            .arg(format!("--lock-id={lock}"));
-        if proxy.is_some() {
-            command.args(PARTITION_ARGS);
-        }
-        command.args(["--", "sh", "-c", &child_script(tag)]);
-        Candidate::spawn(tag, command)
+        self.candidate_with(tag, lock, proxy, &[])
     }
 
     fn queued(&self, lock: i64) -> anyhow::Result<usize> {
@@ -348,44 +402,7 @@ impl Tool for Pgleader {
     }
 
     fn cost(&self, window: Duration) -> anyhow::Result<Vec<Cost>> {
-        self.log_statements(true)?;
-        let measured = (|| {
-            let lock = harness::unique_lock();
-            let leader = self.candidate("A", lock, None);
-            let (line, _) = leader
-                .started(None, SETUP_WAIT)
-                .with_context(|| format!("the leader never started\n{}", leader.dump()))?;
-            let follower = self.candidate("B", lock, None);
-            wait_queued(self, lock, 2, SETUP_WAIT)?;
-            let waiting = follower
-                .logged("waiting for the lock", SETUP_WAIT)
-                .context("the follower never logged that it waits")?;
-            let follower_backend: i32 = field(&waiting, "backend_pid").parse()?;
-            let leader_backend: i32 = field(&line, "backend").parse()?;
-            // The follower's one blocking statement and the leader's start stay out of the
-            // window.
-            sleep(SETTLE * 3);
-            let log_mark = self.cluster.log().len();
-            let keeper = procfs::children(leader.pid()).first().copied();
-            let usage = Usage::measure(&[leader.pid(), follower.pid()], keeper, window);
-            let statements = self.statements_since(log_mark);
-            let per_second = |backend: i32| {
-                statements.get(&backend).copied().unwrap_or(0) as f64 / window.as_secs_f64()
-            };
-            let how = "statements in the server log (log_statement = all) from its backend pid";
-            Ok(vec![
-                usage.cost(0, self.label(), "leader", per_second(leader_backend), how),
-                usage.cost(
-                    1,
-                    self.label(),
-                    "follower",
-                    per_second(follower_backend),
-                    how,
-                ),
-            ])
-        })();
-        self.log_statements(false)?;
-        measured
+        self.cost_with(window, &[], ["leader", "follower"])
     }
 }
 

@@ -39,11 +39,11 @@ const SECTIONS: &[Section] = &[
             ),
             Entry(
                 "1",
-                "A fatal error: authentication failed, the database does not exist, the server's TLS certificate does not verify, the connection goes through a transaction-mode pooler, the server runs a PostgreSQL older than 13, the database is unreachable under --no-wait. With --schedule: the ledger table cannot be created or used; under --once, this timer's schedule disagrees with the one the lock's replicas established.",
+                "A fatal error: authentication failed, the database does not exist, the server's TLS certificate does not verify, the connection goes through a transaction-mode pooler, the server runs a PostgreSQL older than 13, the database is unreachable under --no-wait. With --schedule: the ledger table cannot be created or used; under --once, this timer's schedule disagrees with the one the lock's replicas established. Also an --http address that cannot be listened on (the port is taken, the address is not this host's), reported before the election.",
             ),
             Entry(
                 "2",
-                "A usage error: an unknown option (before the command, every argument that starts with \"-\" is an option; a command whose name starts with \"-\" must follow --), an invalid option value, a missing command, timings that do not fit inside the lease.",
+                "A usage error: an unknown option (before the command, every argument that starts with \"-\" is an option; a command whose name starts with \"-\" must follow --), an invalid option value (an --http address that does not parse, too), a missing command, timings that do not fit inside the lease.",
             ),
             Entry(
                 "75",
@@ -55,6 +55,9 @@ const SECTIONS: &[Section] = &[
             Entry("0", "The lock is held."),
             Entry("3", "The lock is free."),
             Entry("1, 2", "An error, a usage error."),
+            Para(
+                "pgleader status --watch: 0 when interrupted by TERM or INT, or when its output is closed; 1 on errors that retrying cannot fix (a bad password); 2 on usage errors.",
+            ),
         ],
     },
     Section {
@@ -172,6 +175,36 @@ const SECTIONS: &[Section] = &[
         )],
     },
     Section {
+        heading: "HTTP ENDPOINT",
+        body: &[
+            Para(
+                "With --http ADDR (PGLEADER_HTTP), leaders and followers serve four routes. HEAD answers as GET without the body; other methods get 405, other paths 404. Nothing secret is served: the connection shows as user@host:port/db.",
+            ),
+            Entry(
+                "GET /leader",
+                "200 while this instance leads: it holds the lock and its command runs (with --schedule: it holds the lock, between runs too). 503 otherwise, with what it does instead. During a --takeover-delay or --restart-fence wait the instance holds the lock (pgleader_is_leader is 1) but /leader stays 503 until the command runs. For readiness probes that send traffic to the leader only, HAProxy's httpchk, vip-manager.",
+            ),
+            Entry(
+                "GET /healthz",
+                "200 while this instance is healthy: following, leading with a successful check within --check-interval + --check-timeout, or idle between leaderships (--restart-delay). 503 with the reason while it is not: connecting or failing to connect, leadership being lost, shutting down. For probes that must not block rolling updates.",
+            ),
+            Entry(
+                "GET /status",
+                "One JSON object: version, role (connecting, follower, leader, stepping_down, idle, shutting_down), since, leader, healthy, problem, lock (key, name), connection, pid, host, backend_pid, epoch (of the current or last leadership), last_check, command (state: not_running, waiting, running or stopping; pid, started_at, last_exit), schedule (with --schedule: expression, timezone, next_occurrence on this host's clock, last_runs this instance claimed or recorded; else null).",
+            ),
+            Entry(
+                "GET /metrics",
+                "Prometheus' text format, version 0.0.4. Every series carries the label lock (the name with --lock, the key with --lock-id). pgleader_info{version,lock_key,lock_name} (gauge, 1); pgleader_is_leader (gauge); pgleader_epoch (gauge); pgleader_leadership_acquired_total (counter); pgleader_leadership_lost_total{reason} (counter; reason: connection_ended, check_failed, check_timeout, not_held, command_exited, relinquished, ledger_failed, shutdown); pgleader_last_check_success_timestamp_seconds (gauge); pgleader_check_duration_seconds (histogram); pgleader_command_running (gauge); pgleader_command_exits_total{outcome} (counter; outcome: succeeded, failed, signaled); pgleader_connection_failures_total (counter); with --schedule, pgleader_scheduled_runs_total{outcome} (counter; outcome: succeeded, failed, interrupted, skipped, missed, busy; each ledger outcome counted by the instance that recorded it).",
+            ),
+            Para(
+                "The endpoint runs beside the election on pgleader's one thread and only reads what the election publishes, so no client can delay a check, a stop or a handoff. At most 64 connections are served at once (one more is closed at once), a request head may be at most 8 KiB (else 431) and must arrive within 5 s, and no connection is kept longer than 30 s.",
+            ),
+            Para(
+                "pgleader status --watch polls pg_locks every 250 ms on one connection and prints a line (with --json, an object) each time the holder or the waiters change, reconnecting with backoff when the connection breaks. The fencing token is not in pg_locks; each leadership takes a new one on a new session, so a new epoch shows as a new holder.",
+            ),
+        ],
+    },
+    Section {
         heading: "SYSTEMD",
         body: &[
             Para("SYSTEMD"),
@@ -257,7 +290,15 @@ const SECTIONS: &[Section] = &[
                 "pgleader run --lock consumer --relinquish-schedule '0 0 * * *' -- ./consume",
                 "Hand the consumer over to the next replica every midnight.",
             ),
+            Entry(
+                "pgleader run --http 0.0.0.0:9187 --lock consumer -- ./consume",
+                "Serve /leader, /healthz, /status and Prometheus /metrics on port 9187.",
+            ),
             Entry("pgleader status --lock nightly", "Who leads, who waits."),
+            Entry(
+                "pgleader status --lock nightly --watch",
+                "Print a line each time the leader or the waiters change, until interrupted.",
+            ),
         ],
     },
 ];

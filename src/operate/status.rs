@@ -16,7 +16,7 @@ use tokio_postgres::types::Type;
 use crate::config;
 use crate::connect::conninfo::ConnSettings;
 use crate::election::lock::LockKey;
-use crate::election::session::{self, describe};
+use crate::election::session::{self, ConnectError, PlainClient, describe};
 use crate::schedule::agreement::fingerprint_in;
 use crate::schedule::ledger::TableName;
 use crate::schedule::report::{self, ScheduleReport};
@@ -54,18 +54,35 @@ SELECT l.pid, l.granted, a.application_name, host(a.client_addr), a.client_port,
    AND l.classid = $1 AND l.objid = $2 AND l.objsubid = 1
  ORDER BY l.granted DESC, COALESCE(%WAITSTART%, a.query_start), l.pid";
 
-/// Reads the lock's status.
+/// Reads the lock's status, and its ledger if it is a scheduled lock.
 pub async fn read(
     lock: &LockKey,
     connection: &ConnSettings,
     ledger: &TableName,
 ) -> anyhow::Result<LockStatus> {
-    let client = session::connect_plain(
+    let client = connect(connection)
+        .await
+        .with_context(|| format!("cannot connect to {connection}"))?;
+    let mut status = query(&client, lock).await?;
+    let holder_pid = status.holder.as_ref().map(|holder| holder.backend_pid);
+    status.schedule = report::read(&client.client, ledger, lock, holder_pid)
+        .await
+        .map_err(anyhow::Error::from)
+        .context("cannot read the ledger")?;
+    Ok(status)
+}
+
+/// A connection for reading the status, named `pgleader-status:<pid>@<host>`.
+pub async fn connect(connection: &ConnSettings) -> Result<PlainClient, ConnectError> {
+    session::connect_plain(
         connection,
         &config::application_name(Some("pgleader-status")),
     )
     .await
-    .with_context(|| format!("cannot connect to {connection}"))?;
+}
+
+/// Reads who holds and who waits for the lock on an open connection (not the ledger).
+pub async fn query(client: &PlainClient, lock: &LockKey) -> anyhow::Result<LockStatus> {
     let major = client.server_major;
     let waitstart = if major >= 14 {
         "l.waitstart"
@@ -103,18 +120,11 @@ pub async fn read(
             waiting.push(participant);
         }
     }
-    let holder_pid = holder
-        .as_ref()
-        .map(|holder: &Participant| holder.backend_pid);
-    let schedule = report::read(&client.client, ledger, lock, holder_pid)
-        .await
-        .map_err(anyhow::Error::from)
-        .context("cannot read the ledger")?;
     Ok(LockStatus {
         lock: lock.clone(),
         holder,
         waiting,
-        schedule,
+        schedule: None,
     })
 }
 
@@ -143,6 +153,19 @@ impl Participant {
             "backend_start": self.backend_start,
             "waiting_since": self.waiting_since,
         })
+    }
+
+    /// A short name for one line: `pgleader 4242@web-1 (backend 8581)`.
+    pub fn short(&self) -> String {
+        match (self.pgleader_process(), &self.application_name) {
+            (Some((pid, host)), _) => {
+                format!("pgleader {pid}@{host} (backend {})", self.backend_pid)
+            }
+            (None, Some(name)) if !name.is_empty() => {
+                format!("backend {} ({name:?})", self.backend_pid)
+            }
+            _ => format!("backend {}", self.backend_pid),
+        }
     }
 
     fn describe(&self) -> String {
@@ -199,6 +222,38 @@ impl LockStatus {
             "waiting": self.waiting.iter().map(Participant::to_json).collect::<Vec<_>>(),
             "schedule": self.schedule.as_ref().map(ScheduleReport::to_json),
         })
+    }
+
+    /// Who holds and who waits, in order: what `status --watch` compares. The holder's session
+    /// start is part of it, so that a new session with a recycled backend pid counts as new.
+    pub fn participants(&self) -> (Option<(i32, Option<&str>)>, Vec<i32>) {
+        (
+            self.holder
+                .as_ref()
+                .map(|holder| (holder.backend_pid, holder.backend_start.as_deref())),
+            self.waiting
+                .iter()
+                .map(|waiter| waiter.backend_pid)
+                .collect(),
+        )
+    }
+
+    /// The state on one line, for `status --watch`.
+    pub fn to_line(&self) -> String {
+        let mut line = format!("lock {}: ", self.lock);
+        match &self.holder {
+            Some(holder) => {
+                let _ = write!(line, "leader {}", holder.short());
+            }
+            None => line.push_str("free"),
+        }
+        if self.waiting.is_empty() {
+            line.push_str("; nobody waiting");
+        } else {
+            let waiting: Vec<String> = self.waiting.iter().map(Participant::short).collect();
+            let _ = write!(line, "; waiting: {}", waiting.join(", "));
+        }
+        line
     }
 
     pub fn to_text(&self) -> String {

@@ -37,6 +37,7 @@ use tracing::{debug, info, warn};
 use crate::election::lock::LockKey;
 use crate::exit::ChildStatus;
 use crate::operate::logging::for_people;
+use crate::operate::telemetry::{RunView, ScheduledOutcome, Telemetry};
 use crate::schedule::agreement::{self, Verdict};
 use crate::schedule::calendar::{Schedule, rfc3339};
 use crate::schedule::clock::ServerClock;
@@ -146,6 +147,8 @@ pub struct Runs {
     warned: Option<String>,
     /// When a replica recording the lock's runs in another ledger table was last seen.
     foreign_ledger_seen: Option<Instant>,
+    /// Where runs and outcomes are published for the HTTP endpoint.
+    telemetry: Telemetry,
 }
 
 impl std::fmt::Debug for Runs {
@@ -169,6 +172,8 @@ pub struct Start {
     pub own_ledger: String,
     /// When this replica last saw another ledger table in use for the lock.
     pub foreign_ledger_seen: Option<Instant>,
+    /// Where runs and outcomes are published for the HTTP endpoint.
+    pub telemetry: Telemetry,
 }
 
 impl Runs {
@@ -205,6 +210,7 @@ impl Runs {
             probing: false,
             warned: None,
             foreign_ledger_seen: start.foreign_ledger_seen,
+            telemetry: start.telemetry,
         }
     }
 
@@ -224,7 +230,30 @@ impl Runs {
     pub fn started(&mut self) {
         if let Some(run) = &mut self.running {
             run.started = true;
+            self.telemetry.scheduled_run(RunView {
+                scheduled_for: run.at,
+                outcome: None,
+                exit_code: None,
+                attempt: Some(run.attempt),
+                claimed_at: Some(self.clock.now()),
+                ended_at: None,
+                host: Some(self.claimant.host.clone()),
+            });
         }
+    }
+
+    /// Publishes an outcome this leader decided for the occurrence of `at` (each is counted
+    /// once, here, whenever the ledger gets it).
+    fn publish(&self, at: DateTime<Utc>, outcome: &str, exit_code: Option<i32>) {
+        self.telemetry.scheduled_run(RunView {
+            scheduled_for: at,
+            outcome: ScheduledOutcome::from_ledger(outcome),
+            exit_code,
+            attempt: None,
+            claimed_at: None,
+            ended_at: Some(self.clock.now()),
+            host: None,
+        });
     }
 
     /// The occurrence the running command was started for.
@@ -325,6 +354,7 @@ impl Runs {
             exit_code: Some(i32::from(status.exit_code())),
             ended_at: self.clock.now(),
         };
+        self.publish(run.at, outcome, finish.exit_code);
         self.finishing = Some(finish.clone());
         self.queue.push_back(Step::Finish(finish));
         if self.plan.once {
@@ -374,10 +404,13 @@ impl Runs {
                         outcome,
                         detail,
                     } => {
-                        let _ = self
+                        let recorded = self
                             .ledger
                             .record(&self.client, at, outcome, &detail, &self.claimant)
                             .await;
+                        if matches!(recorded, Ok(true)) {
+                            self.publish(at, outcome, None);
+                        }
                     }
                     Step::Begin | Step::Claim(_) => {}
                 }
@@ -404,8 +437,11 @@ impl Runs {
                 exit_code: status.map(|status| i32::from(status.exit_code())),
                 ended_at: self.clock.now(),
             };
-            if let Err(err) = self.ledger.finish(&self.client, &finish, Some(why)).await {
-                warn!(event = "ledger_failed", reason = %err, "cannot record the interrupted run; the next leader will");
+            match self.ledger.finish(&self.client, &finish, Some(why)).await {
+                Ok(_) => self.publish(run.at, finish.outcome, finish.exit_code),
+                Err(err) => {
+                    warn!(event = "ledger_failed", reason = %err, "cannot record the interrupted run; the next leader will")
+                }
             }
         };
         if tokio::time::timeout(timeout, work).await.is_err() {
@@ -507,6 +543,7 @@ impl Runs {
         match step {
             Step::Begin => {
                 let timeout = self.plan.statement_timeout.as_millis().max(1);
+                let telemetry = self.telemetry.clone();
                 Box::pin(async move {
                     let result = async {
                         // Waiting for the lock needed no timeout; a leader's statements do.
@@ -517,6 +554,15 @@ impl Runs {
                             .await
                             .map_err(|err| LedgerError::Query(crate::election::session::describe(&err)))?;
                         for (at, host, pid) in ledger.interrupt_stale(&client).await? {
+                            telemetry.scheduled_run(RunView {
+                                scheduled_for: at,
+                                outcome: Some(ScheduledOutcome::Interrupted),
+                                exit_code: None,
+                                attempt: None,
+                                claimed_at: None,
+                                ended_at: Some(clock.now()),
+                                host: host.clone(),
+                            });
                             warn!(
                                 event = "scheduled_run_interrupted",
                                 occurrence = %rfc3339(at),
@@ -627,6 +673,7 @@ impl Runs {
                 } = step
                 {
                     if recorded {
+                        self.publish(at, outcome, None);
                         warn!(event = "occurrence_not_run", occurrence = %rfc3339(at), outcome, reason = %detail, "the occurrence of {} was {outcome}: {detail}", rfc3339(at));
                     } else {
                         debug!(event = "occurrence_not_run", occurrence = %rfc3339(at), outcome, "the occurrence of {} is already recorded", rfc3339(at));
@@ -689,6 +736,7 @@ impl Runs {
                     matches!(&other, Claim::Taken { outcome } if outcome == "interrupted");
                 if self.plan.once {
                     info!(event = "occurrence_taken", occurrence = %rfc3339(at), "not running the occurrence of {}: {why}", rfc3339(at));
+                    self.publish(at, "busy", None);
                     self.due = None;
                     return Some(RunsEvent::NothingToRun);
                 }

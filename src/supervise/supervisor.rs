@@ -33,6 +33,7 @@ use crate::election::session::{Check, Confirmation, ConnectError, Session, Sessi
 use crate::exit::{ChildStatus, Outcome};
 use crate::operate::logging::for_people as fmt;
 use crate::operate::notify;
+use crate::operate::telemetry::{LossReason, Telemetry};
 use crate::schedule::calendar::rfc3339;
 use crate::schedule::clock::ServerClock;
 use crate::schedule::ledger::{Claimant, LateFinish, LedgerError};
@@ -56,6 +57,7 @@ pub const REPEAT_WINDOW: Duration = Duration::from_secs(1);
 pub async fn run(
     config: RunConfig,
     signals: UnboundedReceiver<SignalEvent>,
+    telemetry: Telemetry,
 ) -> anyhow::Result<Outcome> {
     // A timer's run is worth retrying for as long as its occurrence can still be caught up.
     let connect_deadline = config
@@ -66,6 +68,7 @@ pub async fn run(
     Supervisor {
         config,
         signals,
+        telemetry,
         backoff: Backoff::default(),
         shutdown_requested: None,
         last_disturbance: None,
@@ -81,6 +84,8 @@ pub async fn run(
 struct Supervisor {
     config: RunConfig,
     signals: UnboundedReceiver<SignalEvent>,
+    /// Where the state goes for the HTTP endpoint; publishing never waits.
+    telemetry: Telemetry,
     backoff: Backoff,
     /// When the first TERM or INT arrived: finish what is under way, then exit.
     shutdown_requested: Option<Instant>,
@@ -221,6 +226,7 @@ impl Supervisor {
                     if self.config.once {
                         return Ok(Outcome::ChildExited(status));
                     }
+                    self.telemetry.idle();
                     self.backoff.reset();
                     pause = Duration::ZERO;
                     if !self.config.restart_delay.is_zero() {
@@ -269,6 +275,7 @@ impl Supervisor {
     /// Connects, retrying transient failures with backoff. `None` means shut down.
     async fn connect(&mut self) -> anyhow::Result<Option<Session>> {
         notify::status(&format!("connecting to {}", self.config.connection));
+        self.telemetry.connecting();
         loop {
             debug!(event = "connecting", server = %self.config.connection, "connecting");
             let (settings, application_name, lease) = (
@@ -325,6 +332,7 @@ impl Supervisor {
                 err => {
                     self.last_disturbance = Some(Instant::now());
                     let delay = self.backoff.next_delay();
+                    self.telemetry.connect_failed(&err.to_string(), delay);
                     notify::status(&format!(
                         "cannot connect to {server}: {err}; retrying in {}",
                         fmt(delay)
@@ -380,6 +388,7 @@ impl Supervisor {
             "waiting for the lock"
         );
         notify::following(&lock);
+        self.telemetry.following(session.backend_pid());
         let started = Instant::now();
         let wait = session.wait_for_lock(&lock);
         tokio::pin!(wait);
@@ -398,6 +407,7 @@ impl Supervisor {
                 WaitEvent::Done(Err(SessionError::Query(reason))) | WaitEvent::Ended(reason) => {
                     self.last_disturbance = Some(Instant::now());
                     warn!(event = "session_lost", reason = %reason, "lost the session while waiting for the lock");
+                    self.telemetry.session_lost(&reason);
                     notify::status(&format!(
                         "lost the session while waiting for the lock: {reason}"
                     ));
@@ -445,6 +455,7 @@ impl Supervisor {
             "became leader"
         );
         notify::leading(&lock, epoch, &self.config.command.display());
+        self.telemetry.leading(epoch, session.backend_pid());
 
         // A server restart, the crash of any server process (after which the postmaster ends
         // every session) and a failover to a promoted standby all free every lock at once,
@@ -495,6 +506,7 @@ impl Supervisor {
                 not_before: Instant::now() + delay,
                 own_ledger: self.prepared.ledger_fingerprint.clone(),
                 foreign_ledger_seen: self.foreign_ledger_seen,
+                telemetry: self.telemetry.clone(),
             };
             Runs::new(plan, lock.clone(), session.client(), start)
         });
@@ -519,19 +531,21 @@ impl Supervisor {
                 _ = sleep_until(relinquish_at.map_or(deadline, |(at, _)| at)), if relinquish_at.is_some() => LeadEvent::Relinquish,
                 _ = sleep_until(start_at.unwrap_or(deadline)), if start_at.is_some() => LeadEvent::Start,
             };
-            let lost_reason = match event {
-                LeadEvent::Start if Instant::now() >= deadline => {
-                    "the leadership expired before the command could start".to_owned()
-                }
+            let (loss, lost_reason) = match event {
+                LeadEvent::Start if Instant::now() >= deadline => (
+                    LossReason::CheckTimeout,
+                    "the leadership expired before the command could start".to_owned(),
+                ),
                 LeadEvent::Start => {
                     start_at = None;
                     let env = self.child_env(session.backend_pid(), epoch, None);
                     job = Some(self.spawn(&env)?);
                     continue;
                 }
-                LeadEvent::Runs(RunsEvent::Start { .. }) if Instant::now() >= deadline => {
-                    "the leadership expired before the command could start".to_owned()
-                }
+                LeadEvent::Runs(RunsEvent::Start { .. }) if Instant::now() >= deadline => (
+                    LossReason::CheckTimeout,
+                    "the leadership expired before the command could start".to_owned(),
+                ),
                 LeadEvent::Runs(RunsEvent::Start {
                     occurrence,
                     attempt,
@@ -545,6 +559,8 @@ impl Supervisor {
                     continue;
                 }
                 LeadEvent::Runs(RunsEvent::Done) => {
+                    self.telemetry
+                        .leadership_lost(LossReason::CommandExited, "the timer's run is over");
                     self.keep_from(runs.as_ref());
                     self.release(session).await;
                     return Ok(Led::Exited(
@@ -552,11 +568,15 @@ impl Supervisor {
                     ));
                 }
                 LeadEvent::Runs(RunsEvent::NothingToRun) => {
+                    self.telemetry
+                        .leadership_lost(LossReason::Relinquished, "nothing for this timer to run");
                     self.keep_from(runs.as_ref());
                     self.release(session).await;
                     return Ok(Led::NothingToRun);
                 }
                 LeadEvent::Runs(RunsEvent::Disagree(reason)) => {
+                    self.telemetry
+                        .leadership_lost(LossReason::Relinquished, &reason);
                     self.step_down(
                         job.take(),
                         runs.as_mut(),
@@ -571,6 +591,8 @@ impl Supervisor {
                     return Ok(Led::HandedOver);
                 }
                 LeadEvent::Runs(RunsEvent::Failed(LedgerError::Fatal(reason))) => {
+                    self.telemetry
+                        .leadership_lost(LossReason::LedgerFailed, &reason);
                     self.step_down(
                         job.take(),
                         runs.as_mut(),
@@ -582,15 +604,24 @@ impl Supervisor {
                 }
                 LeadEvent::Runs(RunsEvent::Failed(
                     LedgerError::Query(reason) | LedgerError::Busy(reason),
-                )) => {
-                    format!("a ledger statement failed: {reason}")
-                }
+                )) => (
+                    LossReason::LedgerFailed,
+                    format!("a ledger statement failed: {reason}"),
+                ),
                 LeadEvent::CheckDue => {
                     check = Some((Instant::now(), Box::pin(session.confirm(&lock))));
                     continue;
                 }
                 LeadEvent::CheckDone(result) => {
                     let sent = check.take().map_or_else(Instant::now, |(sent, _)| sent);
+                    let held = matches!(
+                        &result,
+                        Ok(Check {
+                            confirmation: Confirmation::Held,
+                            ..
+                        })
+                    );
+                    self.telemetry.check_completed(sent.elapsed(), held);
                     match result {
                         Ok(Check {
                             confirmation: Confirmation::Held,
@@ -607,10 +638,13 @@ impl Supervisor {
                         Ok(Check {
                             confirmation: Confirmation::NotHeld,
                             ..
-                        }) => {
-                            "the check found that this session no longer holds the lock".to_owned()
-                        }
+                        }) => (
+                            LossReason::NotHeld,
+                            "the check found that this session no longer holds the lock".to_owned(),
+                        ),
                         Err(err @ SessionError::Pooler { .. }) => {
+                            self.telemetry
+                                .leadership_lost(LossReason::CheckFailed, &err.to_string());
                             let status = self
                                 .stop_if_running(job.take(), self.config.kill_signal)
                                 .await;
@@ -618,18 +652,31 @@ impl Supervisor {
                             log_final(status);
                             return Err(err.into());
                         }
-                        Err(SessionError::Query(reason)) => format!("the check failed: {reason}"),
+                        Err(SessionError::Query(reason)) => (
+                            LossReason::CheckFailed,
+                            format!("the check failed: {reason}"),
+                        ),
                     }
                 }
-                LeadEvent::Deadline => format!(
-                    "no successful check for {} (--check-interval + --check-timeout)",
-                    fmt(interval + timeout)
+                LeadEvent::Deadline => (
+                    LossReason::CheckTimeout,
+                    format!(
+                        "no successful check for {} (--check-interval + --check-timeout)",
+                        fmt(interval + timeout)
+                    ),
                 ),
-                LeadEvent::Ended(reason) => format!("the connection ended: {reason}"),
+                LeadEvent::Ended(reason) => (
+                    LossReason::ConnectionEnded,
+                    format!("the connection ended: {reason}"),
+                ),
                 LeadEvent::Relinquish => {
                     let why = relinquish_at.map_or("", |(_, why)| why);
                     info!(event = "relinquish", lock = %lock, "handing leadership over ({why})");
                     notify::status(&format!("handing leadership over ({why})"));
+                    self.telemetry.leadership_lost(
+                        LossReason::Relinquished,
+                        &format!("handing over ({why})"),
+                    );
                     let status = self.step_down(job.take(), None, session, why).await;
                     return Ok(Led::Relinquished(status));
                 }
@@ -643,6 +690,8 @@ impl Supervisor {
                     notify::stopping(
                         "shutting down: stopping the command, then releasing the lock",
                     );
+                    self.telemetry
+                        .leadership_lost(LossReason::Shutdown, "shutting down");
                     let status = self.stop_if_running(job.take(), signal).await;
                     if let Some(runs) = &mut runs {
                         runs.settle(Some((status, "pgleader was shut down")), timeout)
@@ -656,6 +705,10 @@ impl Supervisor {
                     if self.handle_signal(event, job.as_mut())
                         && let Some(status) = self.finish_vanished(job.as_mut())
                     {
+                        if runs.is_none() {
+                            self.telemetry
+                                .leadership_lost(LossReason::CommandExited, "the command exited");
+                        }
                         // The keeper is gone but what it left in its group may not be.
                         if let Some(job) = job.take() {
                             self.wait_until_group_gone(&job).await;
@@ -673,6 +726,7 @@ impl Supervisor {
                 LeadEvent::Report(report) => match report {
                     Report::Started(pid) => {
                         info!(event = "child_started", pid, command = %self.config.command.display(), "started the command");
+                        self.telemetry.command_started(pid);
                         continue;
                     }
                     Report::SpawnFailed(errno) => {
@@ -680,6 +734,8 @@ impl Supervisor {
                             self.config.command.program().as_os_str(),
                             errno,
                         );
+                        self.telemetry
+                            .leadership_lost(LossReason::CommandExited, &err.to_string());
                         let _ = self.stop_if_running(job.take(), Signal::SIGKILL).await;
                         if let Some(runs) = &mut runs {
                             // Recorded as failed, with 126 or 127, like a shell would report it.
@@ -693,6 +749,13 @@ impl Supervisor {
                     Report::Exited(_) | Report::Killed(_) => {
                         let status = status_of(report);
                         info!(event = "child_exited", status = %status, exit_code = status.exit_code(), "the command exited");
+                        self.telemetry.command_exited(status);
+                        if runs.is_none() {
+                            self.telemetry.leadership_lost(
+                                LossReason::CommandExited,
+                                &format!("the command exited ({status})"),
+                            );
+                        }
                         notify::status(&if runs.is_some() {
                             format!(
                                 "the command exited ({status}); waiting for the next occurrence"
@@ -718,6 +781,7 @@ impl Supervisor {
                 },
             };
             warn!(event = "leadership_lost", lock = %lock, reason = %lost_reason, "leadership lost");
+            self.telemetry.leadership_lost(loss, &lost_reason);
             self.last_disturbance = Some(Instant::now());
             notify::status(&format!(
                 "leadership lost ({lost_reason}); stopping the command"
@@ -962,6 +1026,7 @@ impl Supervisor {
                                 "shutting down once the command has stopped"
                             );
                             notify::stopping("shutting down once the command has stopped");
+                            self.telemetry.shutting_down();
                             if !escalated {
                                 current = received;
                                 send_stop_signal(&job, current);
@@ -1013,9 +1078,13 @@ impl Supervisor {
         }
         self.wait_until_group_gone(&job).await;
         debug!(event = "group_stopped", pgid, "the process group is gone");
-        status
+        let status = status
             .or_else(|| job.keeper_status())
-            .unwrap_or(ChildStatus::Signaled(Signal::SIGKILL))
+            .unwrap_or(ChildStatus::Signaled(Signal::SIGKILL));
+        if !leftovers_only {
+            self.telemetry.command_exited(status);
+        }
+        status
     }
 
     /// Waits until no member of the job's process group is alive, SIGKILLing them meanwhile.
@@ -1095,6 +1164,7 @@ impl Supervisor {
             .or_else(|| job.keeper_status())
             .unwrap_or(ChildStatus::Signaled(Signal::SIGKILL));
         info!(event = "child_exited", status = %status, exit_code = status.exit_code(), "the command exited");
+        self.telemetry.command_exited(status);
         Some(status)
     }
 
@@ -1109,6 +1179,7 @@ impl Supervisor {
                     "shutting down"
                 );
                 notify::stopping("shutting down");
+                self.telemetry.shutting_down();
                 true
             }
             None => true,

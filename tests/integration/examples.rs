@@ -1,16 +1,21 @@
 //! The examples work as written: README's first lines; the systemd unit passes
 //! `systemd-analyze verify` and its `SuccessExitStatus` is what pgleader exits with after a
 //! stop; the Docker image's entrypoint and command, run as Docker would run them, lead, follow
-//! and stop cleanly. (The release tests, `tests/release`, build and run the image itself with
-//! podman; this suite cannot assume a container engine.)
+//! and stop cleanly (the release tests, `tests/release`, build and run the image itself with
+//! podman; this suite cannot assume a container engine); the Kubernetes manifests parse, their
+//! probes ask routes that answer as the comments say, and HAProxy with the leader-only
+//! configuration routes to the leader and follows a failover (minus Kubernetes: replicas and
+//! HAProxy run on loopback).
 
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use nix::sys::signal::Signal;
+use yaml_rust2::{Yaml, YamlLoader};
 
-use crate::harness::{Cluster, Proc, pgleader, require_tool, unique_lock, unit_values};
+use crate::harness::cluster::free_port;
+use crate::harness::{Cluster, Proc, WAIT, http, pgleader, require_tool, unique_lock, unit_values};
 
 fn example(path: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -310,4 +315,222 @@ fn the_readmes_first_lines_install_run_and_test_as_written() {
     run.wait_stdout(&format!("nightly-report: leading (lock {lock}"));
     run.signal(Signal::SIGTERM);
     assert_eq!(run.wait_code(), 0, "{}", run.dump());
+}
+
+/// The documents of a Kubernetes manifest.
+fn manifest(path: &str) -> Vec<Yaml> {
+    YamlLoader::load_from_str(&read(&example(path)))
+        .unwrap_or_else(|err| panic!("{path} is not YAML: {err}"))
+}
+
+/// The document of `kind` named `name`.
+fn object<'a>(documents: &'a [Yaml], kind: &str, name: &str) -> &'a Yaml {
+    documents
+        .iter()
+        .find(|doc| {
+            doc["kind"].as_str() == Some(kind) && doc["metadata"]["name"].as_str() == Some(name)
+        })
+        .unwrap_or_else(|| panic!("no {kind} {name}"))
+}
+
+fn text<'a>(value: &'a Yaml, what: &str) -> &'a str {
+    value
+        .as_str()
+        .unwrap_or_else(|| panic!("{what}: expected a string, found {value:?}"))
+}
+
+/// Two replicas of the Deployment's container, as Kubernetes would start them from the image
+/// of examples/docker (ENTRYPOINT pgleader run), on a fresh lock and a free port.
+fn kubernetes_replicas(container: &Yaml) -> (Proc, Proc, String) {
+    let cluster = Cluster::shared();
+    let lock = format!("nightly-report-{}", unique_lock());
+    let args: Vec<String> = container["args"]
+        .as_vec()
+        .expect("args")
+        .iter()
+        .map(|arg| match text(arg, "an argument") {
+            "nightly-report" => lock.clone(),
+            "/usr/local/bin/nightly-report" => {
+                example("docker/nightly-report.sh").display().to_string()
+            }
+            other => other.to_owned(),
+        })
+        .collect();
+    let env: Vec<(String, String)> = container["env"]
+        .as_vec()
+        .expect("env")
+        .iter()
+        .filter_map(|var| {
+            Some((
+                var["name"].as_str()?.to_owned(),
+                var["value"].as_str()?.to_owned(),
+            ))
+        })
+        .filter(|(name, _)| name.starts_with("PGLEADER_") && name != "PGLEADER_DATABASE_URL")
+        .collect();
+    let replica = |name: &str| {
+        let mut command = pgleader();
+        command.env("PGLEADER_DATABASE_URL", cluster.url());
+        for (key, value) in &env {
+            // The example's port, 9187, may be taken here: any free one of the loopback.
+            let value = if key == "PGLEADER_HTTP" {
+                assert_eq!(value, "0.0.0.0:9187");
+                "127.0.0.1:0"
+            } else {
+                value
+            };
+            command.env(key, value);
+        }
+        command.arg("run").args(&args);
+        Proc::spawn(name, command)
+    };
+    let a = replica("A");
+    a.wait_stdout(&format!("nightly-report: leading (lock {lock}"));
+    let b = replica("B");
+    b.wait_log("waiting for the lock");
+    (a, b, lock)
+}
+
+#[test]
+fn the_kubernetes_probes_ask_routes_that_answer_as_the_example_says() {
+    let documents = manifest("kubernetes/deployment.yaml");
+    let deployment = object(&documents, "Deployment", "nightly-report");
+    let pod = &deployment["spec"]["template"];
+    let container = &pod["spec"]["containers"][0];
+    let port = &container["ports"][0];
+    assert_eq!(port["containerPort"].as_i64(), Some(9187));
+    let port_name = text(&port["name"], "the port's name");
+    let probe = |which: &str| {
+        let get = &container[which]["httpGet"];
+        assert_eq!(text(&get["port"], "the probe's port"), port_name, "{which}");
+        text(&get["path"], "the probe's path").to_owned()
+    };
+    let (readiness, liveness) = (probe("readinessProbe"), probe("livenessProbe"));
+    assert_eq!(
+        (readiness.as_str(), liveness.as_str()),
+        ("/healthz", "/status")
+    );
+    // The metrics Service selects these pods, on that port.
+    let service = object(&documents, "Service", "nightly-report-metrics");
+    for (key, value) in service["spec"]["selector"].as_hash().expect("selector") {
+        assert_eq!(&pod["metadata"]["labels"][text(key, "a label")], value);
+    }
+    assert_eq!(
+        text(&service["spec"]["ports"][0]["targetPort"], "targetPort"),
+        port_name
+    );
+
+    // Both probes pass on the leader and on the follower alike (a rollout can proceed); the
+    // follower's /leader is 503, which is why readiness does not follow it.
+    let (a, b, _) = kubernetes_replicas(container);
+    for replica in [&a, &b] {
+        let address = http::address_of(replica);
+        for path in [&readiness, &liveness] {
+            let (reply, _) = http::wait_for_status(address, path, 200);
+            assert!(!reply.body.is_empty(), "{path}");
+        }
+        assert_eq!(http::get(address, "/metrics").status, 200);
+    }
+    assert_eq!(http::get(http::address_of(&b), "/leader").status, 503);
+}
+
+#[test]
+fn haproxy_with_the_examples_leader_check_routes_to_the_leader_only_and_follows_a_failover() {
+    let documents = manifest("kubernetes/leader-service.yaml");
+    let config = object(&documents, "ConfigMap", "nightly-report-leader-haproxy");
+    let haproxy_cfg = text(&config["data"]["haproxy.cfg"], "haproxy.cfg");
+    assert!(
+        haproxy_cfg.contains("option httpchk GET /leader"),
+        "{haproxy_cfg}"
+    );
+    assert!(haproxy_cfg.contains("check port 9187"), "{haproxy_cfg}");
+    let headless = object(&documents, "Service", "nightly-report-replicas");
+    assert_eq!(headless["spec"]["clusterIP"].as_str(), Some("None"));
+    assert_eq!(
+        headless["spec"]["selector"]["app"].as_str(),
+        Some("nightly-report")
+    );
+    let leader = object(&documents, "Service", "nightly-report-leader");
+    let router = object(&documents, "Deployment", "nightly-report-leader");
+    assert_eq!(
+        leader["spec"]["selector"],
+        router["spec"]["template"]["metadata"]["labels"]
+    );
+    require_tool(
+        "haproxy",
+        "the example's HAProxy configuration is run against real replicas (Debian/Ubuntu: apt-get install haproxy)",
+    );
+
+    // The Deployment's replicas, and HAProxy with the example's configuration, its two
+    // servers on loopback instead of DNS names, and a statistics page to read its view from.
+    let deployment = manifest("kubernetes/deployment.yaml");
+    let container = &object(&deployment, "Deployment", "nightly-report")["spec"]["template"]["spec"]
+        ["containers"][0];
+    let (a, b, _) = kubernetes_replicas(container);
+    let (a_http, b_http) = (http::address_of(&a), http::address_of(&b));
+    let stats = free_port();
+    let cfg = haproxy_cfg
+        .lines()
+        .filter(|line| !line.trim_start().starts_with("server-template"))
+        .map(|line| line.replace("bind :8080", &format!("bind 127.0.0.1:{}", free_port())))
+        .chain([
+            format!("  server a 127.0.0.1:1 port {}", a_http.port()),
+            format!("  server b 127.0.0.1:1 port {}", b_http.port()),
+            "frontend stats".to_owned(),
+            "  mode http".to_owned(),
+            format!("  bind 127.0.0.1:{stats}"),
+            "  stats enable".to_owned(),
+            "  stats uri /stats".to_owned(),
+            "  timeout client 5s".to_owned(),
+        ])
+        .collect::<Vec<_>>()
+        .join("\n");
+    let dir = std::env::temp_dir().join(format!("pgleader-haproxy-{}", unique_lock()));
+    fs::create_dir_all(&dir).expect("create the HAProxy directory");
+    let path = dir.join("haproxy.cfg");
+    fs::write(&path, format!("{cfg}\n")).expect("write haproxy.cfg");
+    let mut check = Command::new("haproxy");
+    check.arg("-c").arg("-f").arg(&path);
+    let checked = Proc::spawn("haproxy -c", check);
+    assert_eq!(checked.wait_code(), 0, "{}", checked.dump());
+    let mut command = Command::new("haproxy");
+    command.arg("-db").arg("-f").arg(&path);
+    let haproxy = Proc::spawn("haproxy", command);
+
+    // Which servers HAProxy's checks find UP, from its statistics as CSV.
+    let stats = std::net::SocketAddr::from(([127, 0, 0, 1], stats));
+    let up = || -> Vec<String> {
+        let Ok(reply) = http::request(stats, "GET", "/stats;csv") else {
+            return Vec::new();
+        };
+        reply
+            .body
+            .lines()
+            .map(|line| line.split(',').collect::<Vec<_>>())
+            .filter(|fields| fields.first() == Some(&"replicas") && fields.get(17) == Some(&"UP"))
+            .filter_map(|fields| fields.get(1).map(|name| (*name).to_owned()))
+            .filter(|name| name != "BACKEND")
+            .collect()
+    };
+    let wait_up = |expected: &[&str]| {
+        let deadline = std::time::Instant::now() + WAIT;
+        loop {
+            let seen = up();
+            if seen == expected {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "HAProxy saw {seen:?} UP, not {expected:?}, within {WAIT:?}\n{}",
+                haproxy.dump()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    };
+    wait_up(&["a"]);
+    a.signal(Signal::SIGKILL);
+    wait_up(&["b"]);
+    haproxy.signal(Signal::SIGTERM);
+    haproxy.wait_exit();
+    let _ = fs::remove_dir_all(&dir);
 }

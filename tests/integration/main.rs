@@ -11,6 +11,7 @@ mod failover;
 mod faults;
 mod nemesis;
 mod notify;
+mod observability;
 mod schedule;
 mod signals;
 mod tls;

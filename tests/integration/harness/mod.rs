@@ -2,6 +2,7 @@
 //! output captured, and small helpers to build child commands.
 
 pub mod cluster;
+pub mod http;
 pub mod namespace;
 pub mod pgbouncer;
 pub mod process;

@@ -1,0 +1,230 @@
+//! The Prometheus metrics of `/metrics`, in the classic text exposition format (version 0.0.4),
+//! which every Prometheus server, `promtool check metrics` and a person with curl can read.
+//!
+//! The `prometheus` crate keeps the values (atomics: the supervisor updates them without a
+//! lock) and writes the format, escaping included. Every series carries the `lock` label, so
+//! that the metrics of several locks, or of every replica of one, can be summed per lock: the
+//! lock's name with `--lock`, its key with `--lock-id`. Labels with a value per event (reasons,
+//! outcomes) take their values from small fixed sets, all present from the start at 0, so that
+//! `rate()` and `increase()` see the first event.
+
+use std::collections::HashMap;
+
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder, core::Collector,
+};
+
+use crate::election::lock::LockKey;
+use crate::operate::telemetry::{CommandOutcome, LossReason, ScheduledOutcome};
+
+/// The content type of the classic text format.
+pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// Check durations: a check is one round trip to the server, normally a millisecond or two;
+/// --check-timeout (2 s by default) bounds it.
+const CHECK_BUCKETS: [f64; 13] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+];
+
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    pub is_leader: IntGauge,
+    pub epoch: IntGauge,
+    pub acquired: IntCounter,
+    pub lost: IntCounterVec,
+    /// Seconds since the Unix epoch (a float gauge: the crate's `Gauge` is f64).
+    pub last_check: prometheus::Gauge,
+    pub check_duration: Histogram,
+    pub command_running: IntGauge,
+    pub command_exits: IntCounterVec,
+    pub connection_failures: IntCounter,
+    pub scheduled_runs: Option<IntCounterVec>,
+}
+
+impl Metrics {
+    /// The metric families for `lock`; the scheduled-run counter only when a schedule is set.
+    pub fn new(lock: &LockKey, scheduled: bool) -> Metrics {
+        let lock_label = lock
+            .name()
+            .map_or_else(|| lock.key().to_string(), str::to_owned);
+        let labels = HashMap::from([("lock".to_owned(), lock_label)]);
+        let registry = Registry::new_custom(Some("pgleader".to_owned()), Some(labels))
+            .expect("the prefix and the lock label are valid");
+
+        let info = IntGaugeVec::new(
+            Opts::new(
+                "info",
+                "Always 1; its labels say which pgleader version runs and for which lock key and name",
+            ),
+            &["version", "lock_key", "lock_name"],
+        )
+        .expect("valid metric");
+        info.with_label_values(&[
+            env!("CARGO_PKG_VERSION"),
+            &lock.key().to_string(),
+            lock.name().unwrap_or(""),
+        ])
+        .set(1);
+        register(&registry, info);
+
+        let is_leader = gauge(
+            &registry,
+            "is_leader",
+            "1 while this instance holds the lock as leader, else 0",
+        );
+        let epoch = gauge(
+            &registry,
+            "epoch",
+            "The fencing token (PGLEADER_EPOCH) of this instance's current or last leadership; 0 before its first",
+        );
+        let acquired = counter(
+            &registry,
+            "leadership_acquired_total",
+            "Leaderships this instance won (the lock granted and a fencing token taken)",
+        );
+        let lost = counter_vec(
+            &registry,
+            "leadership_lost_total",
+            "Leaderships of this instance that ended, by reason",
+            "reason",
+            LossReason::ALL.map(LossReason::as_str),
+        );
+        let last_check = prometheus::Gauge::new(
+            "last_check_success_timestamp_seconds",
+            "When this instance last proved, as leader, that its session holds the lock (winning it or a check), in seconds since the Unix epoch; 0 before",
+        )
+        .expect("valid metric");
+        register(&registry, last_check.clone());
+        let check_duration = Histogram::with_opts(
+            HistogramOpts::new(
+                "check_duration_seconds",
+                "How long the leader's ownership checks took, failed ones included",
+            )
+            .buckets(CHECK_BUCKETS.to_vec()),
+        )
+        .expect("valid metric");
+        register(&registry, check_duration.clone());
+        let command_running = gauge(
+            &registry,
+            "command_running",
+            "1 while the command runs on this instance, else 0",
+        );
+        let command_exits = counter_vec(
+            &registry,
+            "command_exits_total",
+            "Runs of the command that ended, by outcome: succeeded (exit 0), failed (another exit code), signaled (killed by a signal)",
+            "outcome",
+            CommandOutcome::ALL.map(CommandOutcome::as_str),
+        );
+        let connection_failures = counter(
+            &registry,
+            "connection_failures_total",
+            "Connection attempts to PostgreSQL that failed (each is retried with backoff)",
+        );
+        let scheduled_runs = scheduled.then(|| {
+            counter_vec(
+                &registry,
+                "scheduled_runs_total",
+                "Occurrences of the schedule, by outcome",
+                "outcome",
+                ScheduledOutcome::ALL.map(ScheduledOutcome::as_str),
+            )
+        });
+        Metrics {
+            registry,
+            is_leader,
+            epoch,
+            acquired,
+            lost,
+            last_check,
+            check_duration,
+            command_running,
+            command_exits,
+            connection_failures,
+            scheduled_runs,
+        }
+    }
+
+    /// The exposition, sorted by metric name.
+    pub fn render(&self) -> String {
+        let mut out = Vec::with_capacity(4096);
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut out)
+            .expect("writing to memory does not fail");
+        String::from_utf8(out).expect("the exposition is UTF-8")
+    }
+}
+
+fn register(registry: &Registry, metric: impl Collector + 'static) {
+    registry
+        .register(Box::new(metric))
+        .expect("each metric is registered once");
+}
+
+fn gauge(registry: &Registry, name: &str, help: &str) -> IntGauge {
+    let gauge = IntGauge::new(name, help).expect("valid metric");
+    register(registry, gauge.clone());
+    gauge
+}
+
+fn counter(registry: &Registry, name: &str, help: &str) -> IntCounter {
+    let counter = IntCounter::new(name, help).expect("valid metric");
+    register(registry, counter.clone());
+    counter
+}
+
+/// A counter with one label, every value of which exists from the start.
+fn counter_vec<const N: usize>(
+    registry: &Registry,
+    name: &str,
+    help: &str,
+    label: &str,
+    values: [&str; N],
+) -> IntCounterVec {
+    let counters = IntCounterVec::new(Opts::new(name, help), &[label]).expect("valid metric");
+    for value in values {
+        counters.with_label_values(&[value]);
+    }
+    register(registry, counters.clone());
+    counters
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_series_carries_the_lock_and_the_counters_start_at_zero() {
+        let metrics = Metrics::new(&LockKey::from_name("nightly \"report\""), false);
+        metrics.is_leader.set(1);
+        let text = metrics.render();
+        for line in text.lines().filter(|line| !line.starts_with('#')) {
+            assert!(line.contains(r#"lock="nightly \"report\"""#), "{line}");
+        }
+        assert!(text.contains("pgleader_is_leader{"), "{text}");
+        assert!(
+            text.lines()
+                .any(|line| line.starts_with("pgleader_leadership_lost_total{")
+                    && line.contains(r#"reason="check_timeout""#)
+                    && line.ends_with("} 0")),
+            "{text}"
+        );
+        assert!(
+            text.contains("lock_key=\"") && text.contains("version=\""),
+            "{text}"
+        );
+        assert!(!text.contains("scheduled_runs"), "{text}");
+    }
+
+    #[test]
+    fn the_scheduled_runs_exist_only_with_a_schedule() {
+        let metrics = Metrics::new(&LockKey::from_id(-5), true);
+        let text = metrics.render();
+        assert!(
+            text.contains(r#"pgleader_scheduled_runs_total{outcome="missed",lock="-5"} 0"#),
+            "{text}"
+        );
+    }
+}

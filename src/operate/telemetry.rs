@@ -1,0 +1,749 @@
+//! What pgleader publishes about itself for the HTTP endpoint (`--http`): a small state value
+//! (role, epoch, since when, last check, the command, the schedule) and the Prometheus
+//! counters.
+//!
+//! The supervisor calls one method per transition and never waits: the state goes out through a
+//! `tokio::sync::watch` channel, whose latest value readers clone, and the counters are atomics.
+//! Nothing a reader does (a slow client, a stuck scrape) can hold up a check, a stop or a
+//! handoff: the only lock is the channel's, held for the time of a field update or a clone,
+//! never across an `.await`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, SecondsFormat, Utc};
+use serde_json::{Value, json};
+use tokio::sync::watch;
+
+use crate::election::lock::LockKey;
+use crate::exit::ChildStatus;
+use crate::operate::metrics::Metrics;
+use crate::schedule::calendar::{self, Schedule};
+
+/// What this instance is doing in the election.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    /// Connecting, or reconnecting after a failure.
+    Connecting,
+    /// Connected and queued for the lock.
+    Follower,
+    /// Holds the lock and has its fencing token.
+    Leader,
+    /// Leadership is ending: the command is being stopped, the lock released.
+    SteppingDown,
+    /// Between two leaderships by choice: the command exited, `--restart-delay` runs.
+    Idle,
+    /// TERM or INT arrived: stopping the command, releasing the lock, exiting.
+    ShuttingDown,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Connecting => "connecting",
+            Role::Follower => "follower",
+            Role::Leader => "leader",
+            Role::SteppingDown => "stepping_down",
+            Role::Idle => "idle",
+            Role::ShuttingDown => "shutting_down",
+        }
+    }
+}
+
+/// Why a leadership ended: the `reason` label of `pgleader_leadership_lost_total`, a small
+/// fixed set so that the metric's series stay few.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LossReason {
+    /// The session's connection ended (terminated, server restart, network reset).
+    ConnectionEnded,
+    /// A check returned an error.
+    CheckFailed,
+    /// No successful check for --check-interval + --check-timeout.
+    CheckTimeout,
+    /// A check found that the session no longer holds the lock.
+    NotHeld,
+    /// The command exited on its own (or could not start).
+    CommandExited,
+    /// A planned handoff (--relinquish-after, --relinquish-schedule), or the lock given up
+    /// because the replicas disagree on the schedule or a timer had nothing to run.
+    Relinquished,
+    /// A statement on the schedule's ledger failed.
+    LedgerFailed,
+    /// TERM or INT.
+    Shutdown,
+}
+
+impl LossReason {
+    pub const ALL: [LossReason; 8] = [
+        LossReason::ConnectionEnded,
+        LossReason::CheckFailed,
+        LossReason::CheckTimeout,
+        LossReason::NotHeld,
+        LossReason::CommandExited,
+        LossReason::Relinquished,
+        LossReason::LedgerFailed,
+        LossReason::Shutdown,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LossReason::ConnectionEnded => "connection_ended",
+            LossReason::CheckFailed => "check_failed",
+            LossReason::CheckTimeout => "check_timeout",
+            LossReason::NotHeld => "not_held",
+            LossReason::CommandExited => "command_exited",
+            LossReason::Relinquished => "relinquished",
+            LossReason::LedgerFailed => "ledger_failed",
+            LossReason::Shutdown => "shutdown",
+        }
+    }
+}
+
+/// How the command ended: the `outcome` label of `pgleader_command_exits_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CommandOutcome {
+    /// Exit code 0.
+    Succeeded,
+    /// Another exit code.
+    Failed,
+    /// Killed by a signal (also when pgleader stopped it and it died of the signal).
+    Signaled,
+}
+
+impl CommandOutcome {
+    pub const ALL: [CommandOutcome; 3] = [
+        CommandOutcome::Succeeded,
+        CommandOutcome::Failed,
+        CommandOutcome::Signaled,
+    ];
+
+    pub fn of(status: ChildStatus) -> CommandOutcome {
+        match status {
+            ChildStatus::Exited(0) => CommandOutcome::Succeeded,
+            ChildStatus::Exited(_) => CommandOutcome::Failed,
+            ChildStatus::Signaled(_) => CommandOutcome::Signaled,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CommandOutcome::Succeeded => "succeeded",
+            CommandOutcome::Failed => "failed",
+            CommandOutcome::Signaled => "signaled",
+        }
+    }
+}
+
+/// What became of one occurrence of a schedule (`--schedule`): the `outcome` label of
+/// `pgleader_scheduled_runs_total`. All but `busy` are the outcomes the ledger records; each is
+/// counted by the instance that recorded it, so the sum over the fleet matches the ledger.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScheduledOutcome {
+    /// The command ran and exited 0.
+    Succeeded,
+    /// The command ran and exited otherwise.
+    Failed,
+    /// The run was stopped before it ended (shutdown, lost leadership), or its leader vanished
+    /// while it ran (recorded by the next leader).
+    Interrupted,
+    /// Its time came while the previous run still ran.
+    Skipped,
+    /// It came while no leader could run it, longer ago than --catch-up.
+    Missed,
+    /// A timer (--once) found its occurrence claimed by another replica and did not run it.
+    Busy,
+}
+
+impl ScheduledOutcome {
+    pub const ALL: [ScheduledOutcome; 6] = [
+        ScheduledOutcome::Succeeded,
+        ScheduledOutcome::Failed,
+        ScheduledOutcome::Interrupted,
+        ScheduledOutcome::Skipped,
+        ScheduledOutcome::Missed,
+        ScheduledOutcome::Busy,
+    ];
+
+    /// The outcome of a ledger row (`skipped`, `missed`, ...); `None` for `running`.
+    pub fn from_ledger(outcome: &str) -> Option<ScheduledOutcome> {
+        ScheduledOutcome::ALL
+            .into_iter()
+            .find(|known| known.as_str() == outcome)
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ScheduledOutcome::Succeeded => "succeeded",
+            ScheduledOutcome::Failed => "failed",
+            ScheduledOutcome::Interrupted => "interrupted",
+            ScheduledOutcome::Skipped => "skipped",
+            ScheduledOutcome::Missed => "missed",
+            ScheduledOutcome::Busy => "busy",
+        }
+    }
+}
+
+/// How many runs `/status` shows.
+pub const RUNS_SHOWN: usize = 10;
+
+/// One occurrence of the schedule as this instance saw it recorded, for `/status`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunView {
+    pub scheduled_for: DateTime<Utc>,
+    /// `None` while it runs.
+    pub outcome: Option<ScheduledOutcome>,
+    pub exit_code: Option<i32>,
+    pub attempt: Option<i32>,
+    pub claimed_at: Option<DateTime<Utc>>,
+    pub ended_at: Option<DateTime<Utc>>,
+    /// The host of the pgleader that ran it.
+    pub host: Option<String>,
+}
+
+/// The command's state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CommandState {
+    NotRunning,
+    /// Leading, but --takeover-delay or --restart-fence holds the start back.
+    Waiting,
+    Running,
+    /// The stop signal went out; waiting for everything it started to exit.
+    Stopping,
+}
+
+impl CommandState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CommandState::NotRunning => "not_running",
+            CommandState::Waiting => "waiting",
+            CommandState::Running => "running",
+            CommandState::Stopping => "stopping",
+        }
+    }
+}
+
+/// The command, as `/status` shows it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CommandView {
+    pub state: CommandState,
+    pub pid: Option<i32>,
+    pub started_at: Option<DateTime<Utc>>,
+    /// How the last run ended, and when.
+    pub last_exit: Option<(ChildStatus, DateTime<Utc>)>,
+}
+
+/// The published state: what `/leader`, `/healthz` and `/status` answer from.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Snapshot {
+    pub role: Role,
+    /// When the current role began.
+    pub since: DateTime<Utc>,
+    /// Why this instance is not healthy (a failed connection, a lost leadership), if it is not.
+    pub problem: Option<String>,
+    /// The current session's server process.
+    pub backend_pid: Option<i32>,
+    /// The fencing token of the current leadership, or of the last one.
+    pub epoch: Option<i64>,
+    /// The last time the leader's session proved it holds the lock (winning it, or a check).
+    pub last_check: Option<DateTime<Utc>>,
+    pub command: CommandView,
+    /// With a schedule: the runs this instance claimed or recorded, newest first.
+    pub runs: Vec<RunView>,
+}
+
+/// What does not change while pgleader runs.
+#[derive(Debug)]
+struct Identity {
+    lock: LockKey,
+    /// `user@host:port/db`: never a password.
+    connection: String,
+    pid: u32,
+    host: String,
+    /// A leader whose last check is older than this is not healthy.
+    check_deadline: Duration,
+    schedule: Option<Schedule>,
+}
+
+/// The handle the supervisor publishes through and the HTTP server reads from. Clones share
+/// the same state.
+#[derive(Clone, Debug)]
+pub struct Telemetry {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    identity: Identity,
+    state: watch::Sender<Snapshot>,
+    metrics: Metrics,
+}
+
+/// The settings the published state depends on.
+#[derive(Debug)]
+pub struct Settings {
+    pub lock: LockKey,
+    /// Shown in `/status`: the redacted `user@host:port/db`.
+    pub connection: String,
+    /// --check-interval + --check-timeout.
+    pub check_deadline: Duration,
+    /// The schedule (`--schedule`) that drives the command, if one does: `/leader` then
+    /// answers 200 while the lock is held, between runs too, and the scheduled-run counters
+    /// exist.
+    pub schedule: Option<Schedule>,
+}
+
+impl Telemetry {
+    pub fn new(settings: Settings) -> Telemetry {
+        let host = nix::unistd::gethostname()
+            .ok()
+            .and_then(|name| name.into_string().ok())
+            .unwrap_or_else(|| "unknown".into());
+        let metrics = Metrics::new(&settings.lock, settings.schedule.is_some());
+        let (state, _) = watch::channel(Snapshot {
+            role: Role::Connecting,
+            since: Utc::now(),
+            problem: None,
+            backend_pid: None,
+            epoch: None,
+            last_check: None,
+            command: CommandView {
+                state: CommandState::NotRunning,
+                pid: None,
+                started_at: None,
+                last_exit: None,
+            },
+            runs: Vec::new(),
+        });
+        Telemetry {
+            inner: Arc::new(Inner {
+                identity: Identity {
+                    lock: settings.lock,
+                    connection: settings.connection,
+                    pid: std::process::id(),
+                    host,
+                    check_deadline: settings.check_deadline,
+                    schedule: settings.schedule,
+                },
+                state,
+                metrics,
+            }),
+        }
+    }
+
+    /// A copy of the current state.
+    pub fn snapshot(&self) -> Snapshot {
+        self.inner.state.borrow().clone()
+    }
+
+    /// A receiver that sees every new state (`changed()`), for readers that wait.
+    pub fn subscribe(&self) -> watch::Receiver<Snapshot> {
+        self.inner.state.subscribe()
+    }
+
+    /// The Prometheus text exposition of the counters.
+    pub fn render_metrics(&self) -> String {
+        self.inner.metrics.render()
+    }
+
+    // The supervisor's hooks, one per transition.
+
+    /// Connecting (again).
+    pub fn connecting(&self) {
+        self.update(|s| s.enter(Role::Connecting));
+    }
+
+    /// A connection attempt failed; another follows after `retry_in`.
+    pub fn connect_failed(&self, reason: &str, retry_in: Duration) {
+        self.inner.metrics.connection_failures.inc();
+        let problem = format!(
+            "cannot connect: {reason}; retrying in {}",
+            humantime::format_duration(Duration::from_millis(retry_in.as_millis() as u64))
+        );
+        self.update(|s| {
+            s.enter(Role::Connecting);
+            s.problem = Some(problem);
+        });
+    }
+
+    /// Connected and queued for the lock.
+    pub fn following(&self, backend_pid: i32) {
+        self.update(|s| {
+            s.enter(Role::Follower);
+            s.backend_pid = Some(backend_pid);
+        });
+    }
+
+    /// The session broke while waiting for the lock; reconnecting follows.
+    pub fn session_lost(&self, reason: &str) {
+        let problem = format!("lost the session while waiting for the lock: {reason}");
+        self.update(|s| {
+            s.enter(Role::Connecting);
+            s.problem = Some(problem);
+        });
+    }
+
+    /// Won the lock and took the fencing token `epoch`.
+    pub fn leading(&self, epoch: i64, backend_pid: i32) {
+        let metrics = &self.inner.metrics;
+        metrics.is_leader.set(1);
+        metrics.epoch.set(epoch);
+        metrics.acquired.inc();
+        let now = Utc::now();
+        metrics.last_check.set(timestamp(now));
+        let scheduled = self.inner.identity.schedule.is_some();
+        self.update(|s| {
+            s.enter(Role::Leader);
+            s.epoch = Some(epoch);
+            s.backend_pid = Some(backend_pid);
+            s.last_check = Some(now);
+            if !scheduled {
+                s.command.state = CommandState::Waiting;
+            }
+        });
+    }
+
+    /// The command started with this pid.
+    pub fn command_started(&self, pid: i32) {
+        self.inner.metrics.command_running.set(1);
+        self.update(|s| {
+            s.command.state = CommandState::Running;
+            s.command.pid = Some(pid);
+            s.command.started_at = Some(Utc::now());
+        });
+    }
+
+    /// A check came back after `took`; `held` if it confirmed the lock.
+    pub fn check_completed(&self, took: Duration, held: bool) {
+        let metrics = &self.inner.metrics;
+        metrics.check_duration.observe(took.as_secs_f64());
+        if held {
+            let now = Utc::now();
+            metrics.last_check.set(timestamp(now));
+            self.update(|s| s.last_check = Some(now));
+        }
+    }
+
+    /// The leadership ended, for `reason` (`detail` says more); the command is being stopped.
+    pub fn leadership_lost(&self, reason: LossReason, detail: &str) {
+        let metrics = &self.inner.metrics;
+        metrics.is_leader.set(0);
+        metrics.lost.with_label_values(&[reason.as_str()]).inc();
+        let role = match reason {
+            LossReason::Shutdown => Role::ShuttingDown,
+            _ => Role::SteppingDown,
+        };
+        let problem = format!("leadership ended: {detail}");
+        self.update(|s| {
+            s.enter(role);
+            s.problem = Some(problem);
+            if s.command.state == CommandState::Running {
+                s.command.state = CommandState::Stopping;
+            } else if s.command.state == CommandState::Waiting {
+                s.command.state = CommandState::NotRunning;
+            }
+        });
+    }
+
+    /// The command exited (on its own, or stopped).
+    pub fn command_exited(&self, status: ChildStatus) {
+        let metrics = &self.inner.metrics;
+        metrics.command_running.set(0);
+        metrics
+            .command_exits
+            .with_label_values(&[CommandOutcome::of(status).as_str()])
+            .inc();
+        self.update(|s| {
+            s.command.state = CommandState::NotRunning;
+            s.command.pid = None;
+            s.command.last_exit = Some((status, Utc::now()));
+        });
+    }
+
+    /// Released the lock after the command exited; waiting --restart-delay.
+    pub fn idle(&self) {
+        self.update(|s| s.enter(Role::Idle));
+    }
+
+    /// TERM or INT arrived.
+    pub fn shutting_down(&self) {
+        self.update(|s| {
+            if s.role != Role::ShuttingDown {
+                s.enter(Role::ShuttingDown);
+            }
+        });
+    }
+
+    // The scheduler's hooks.
+
+    /// An occurrence was claimed (no outcome yet) or its outcome recorded: counted once it
+    /// has an outcome, and shown by `/status` (a later report of the same occurrence updates
+    /// the earlier one).
+    pub fn scheduled_run(&self, run: RunView) {
+        if let (Some(outcome), Some(runs)) = (run.outcome, &self.inner.metrics.scheduled_runs) {
+            runs.with_label_values(&[outcome.as_str()]).inc();
+        }
+        self.update(|s| {
+            match s
+                .runs
+                .iter_mut()
+                .find(|known| known.scheduled_for == run.scheduled_for)
+            {
+                Some(known) => {
+                    known.outcome = run.outcome;
+                    known.exit_code = run.exit_code.or(known.exit_code);
+                    known.attempt = run.attempt.or(known.attempt);
+                    known.claimed_at = run.claimed_at.or(known.claimed_at);
+                    known.ended_at = run.ended_at.or(known.ended_at);
+                    known.host = run.host.or(known.host.take());
+                }
+                None => {
+                    s.runs.insert(0, run);
+                    s.runs
+                        .sort_by_key(|run| std::cmp::Reverse(run.scheduled_for));
+                    s.runs.truncate(RUNS_SHOWN);
+                }
+            }
+        });
+    }
+
+    fn update(&self, change: impl FnOnce(&mut Snapshot)) {
+        // send_modify stores the value even when nobody subscribes.
+        self.inner.state.send_modify(change);
+    }
+
+    // What the HTTP routes answer.
+
+    /// Whether this instance leads, for `/leader`: it holds the lock and its command runs (or,
+    /// with a schedule, holds the lock between runs too). `Err` says what it does instead.
+    pub fn leads(&self, snapshot: &Snapshot) -> Result<(), String> {
+        match (snapshot.role, snapshot.command.state) {
+            (Role::Leader, CommandState::Running) => Ok(()),
+            (Role::Leader, _) if self.inner.identity.schedule.is_some() => Ok(()),
+            (Role::Leader, _) => Err(
+                "leader, but the command has not started yet (--takeover-delay, --restart-fence)"
+                    .to_owned(),
+            ),
+            (role, _) => Err(role.as_str().to_owned()),
+        }
+    }
+
+    /// Whether this instance is healthy, for `/healthz`: following, leading with a recent
+    /// successful check, or idle between leaderships. `Err` says why not.
+    pub fn health(&self, snapshot: &Snapshot, now: DateTime<Utc>) -> Result<(), String> {
+        let deadline = self.inner.identity.check_deadline;
+        match snapshot.role {
+            Role::Follower | Role::Idle => Ok(()),
+            Role::Leader => {
+                let since = snapshot.last_check.unwrap_or(snapshot.since);
+                let age = (now - since).to_std().unwrap_or(Duration::ZERO);
+                if age <= deadline {
+                    Ok(())
+                } else {
+                    Err(format!(
+                        "no successful check for {}",
+                        humantime::format_duration(Duration::from_millis(age.as_millis() as u64))
+                    ))
+                }
+            }
+            Role::Connecting => Err(snapshot
+                .problem
+                .clone()
+                .unwrap_or_else(|| "connecting".to_owned())),
+            Role::SteppingDown | Role::ShuttingDown => Err(snapshot
+                .problem
+                .clone()
+                .unwrap_or_else(|| snapshot.role.as_str().to_owned())),
+        }
+    }
+
+    /// The body of `/status`.
+    pub fn status_json(&self, snapshot: &Snapshot, now: DateTime<Utc>) -> Value {
+        let identity = &self.inner.identity;
+        let health = self.health(snapshot, now);
+        let command = &snapshot.command;
+        json!({
+            "version": env!("CARGO_PKG_VERSION"),
+            "role": snapshot.role.as_str(),
+            "since": rfc3339(snapshot.since),
+            "leader": self.leads(snapshot).is_ok(),
+            "healthy": health.is_ok(),
+            "problem": health.err(),
+            "lock": {"key": identity.lock.key(), "name": identity.lock.name()},
+            "connection": identity.connection,
+            "pid": identity.pid,
+            "host": identity.host,
+            "backend_pid": snapshot.backend_pid,
+            "epoch": snapshot.epoch,
+            "last_check": snapshot.last_check.map(rfc3339),
+            "command": {
+                "state": command.state.as_str(),
+                "pid": command.pid,
+                "started_at": command.started_at.map(rfc3339),
+                "last_exit": command.last_exit.map(|(status, at)| json!({
+                    "status": status.to_string(),
+                    "exit_code": status.exit_code(),
+                    "at": rfc3339(at),
+                })),
+            },
+            "schedule": identity.schedule.as_ref().map(|schedule| schedule_json(schedule, &snapshot.runs, now)),
+        })
+    }
+}
+
+impl Snapshot {
+    fn enter(&mut self, role: Role) {
+        if self.role != role {
+            self.role = role;
+            self.since = Utc::now();
+        }
+        if matches!(role, Role::Follower | Role::Leader | Role::Idle) {
+            self.problem = None;
+        }
+    }
+}
+
+/// The schedule, its next occurrence after `now` on this host's clock (the leader starts it on
+/// the server's), and the runs this instance saw.
+fn schedule_json(schedule: &Schedule, runs: &[RunView], now: DateTime<Utc>) -> Value {
+    json!({
+        "expression": schedule.expression(),
+        "timezone": schedule.timezone(),
+        "next_occurrence": schedule.next_after(now).map(calendar::rfc3339),
+        "last_runs": runs.iter().map(|run| json!({
+            "scheduled_for": calendar::rfc3339(run.scheduled_for),
+            "outcome": run.outcome.map_or("running", ScheduledOutcome::as_str),
+            "exit_code": run.exit_code,
+            "attempt": run.attempt,
+            "claimed_at": run.claimed_at.map(calendar::rfc3339),
+            "ended_at": run.ended_at.map(calendar::rfc3339),
+            "host": run.host,
+        })).collect::<Vec<_>>(),
+    })
+}
+
+/// RFC 3339 in UTC, to the millisecond: `2026-11-21T07:58:38.088Z`.
+pub fn rfc3339(time: DateTime<Utc>) -> String {
+    time.to_rfc3339_opts(SecondsFormat::Millis, true)
+}
+
+/// Seconds since the Unix epoch, as Prometheus timestamps are.
+fn timestamp(time: DateTime<Utc>) -> f64 {
+    time.timestamp_micros() as f64 / 1e6
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nix::sys::signal::Signal;
+
+    fn telemetry(scheduled: bool) -> Telemetry {
+        Telemetry::new(Settings {
+            lock: LockKey::from_name("nightly"),
+            connection: "app@db:5432/app".into(),
+            check_deadline: Duration::from_secs(3),
+            schedule: scheduled
+                .then(|| Schedule::parse("0 3 * * *", "Europe/Paris").expect("a schedule")),
+        })
+    }
+
+    #[test]
+    fn leads_only_while_the_command_runs_unless_scheduled() {
+        let t = telemetry(false);
+        assert!(t.leads(&t.snapshot()).is_err());
+        t.following(10);
+        assert_eq!(t.leads(&t.snapshot()), Err("follower".to_owned()));
+        t.leading(7, 10);
+        assert!(t.leads(&t.snapshot()).is_err(), "fenced, not started yet");
+        t.command_started(42);
+        assert_eq!(t.leads(&t.snapshot()), Ok(()));
+        t.leadership_lost(LossReason::ConnectionEnded, "the connection ended");
+        assert!(t.leads(&t.snapshot()).is_err());
+        assert_eq!(t.snapshot().command.state, CommandState::Stopping);
+
+        let s = telemetry(true);
+        s.leading(8, 11);
+        assert_eq!(
+            s.leads(&s.snapshot()),
+            Ok(()),
+            "a schedule leads between runs"
+        );
+    }
+
+    #[test]
+    fn health_follows_the_role_and_the_last_check() {
+        let t = telemetry(false);
+        let now = Utc::now();
+        assert_eq!(t.health(&t.snapshot(), now), Err("connecting".to_owned()));
+        t.connect_failed("connection refused", Duration::from_millis(400));
+        let err = t.health(&t.snapshot(), now).expect_err("unhealthy");
+        assert!(
+            err.contains("connection refused") && err.contains("400ms"),
+            "{err}"
+        );
+        t.following(10);
+        assert_eq!(t.health(&t.snapshot(), Utc::now()), Ok(()));
+        t.leading(7, 10);
+        let snapshot = t.snapshot();
+        assert_eq!(t.health(&snapshot, Utc::now()), Ok(()));
+        let later = Utc::now() + chrono::Duration::seconds(5);
+        let err = t.health(&snapshot, later).expect_err("stale check");
+        assert!(err.starts_with("no successful check for"), "{err}");
+        t.check_completed(Duration::from_millis(2), true);
+        t.leadership_lost(LossReason::NotHeld, "not held");
+        assert!(t.health(&t.snapshot(), Utc::now()).is_err());
+        t.idle();
+        assert_eq!(t.health(&t.snapshot(), Utc::now()), Ok(()));
+    }
+
+    #[test]
+    fn the_status_shows_the_command_and_the_schedule_without_secrets() {
+        let t = telemetry(true);
+        t.leading(7, 10);
+        t.command_started(42);
+        t.command_exited(ChildStatus::Signaled(Signal::SIGTERM));
+        let at = Utc::now();
+        t.scheduled_run(RunView {
+            scheduled_for: at,
+            outcome: None,
+            exit_code: None,
+            attempt: Some(1),
+            claimed_at: Some(at),
+            ended_at: None,
+            host: Some("web-1".into()),
+        });
+        t.scheduled_run(RunView {
+            scheduled_for: at,
+            outcome: Some(ScheduledOutcome::Failed),
+            exit_code: Some(3),
+            attempt: None,
+            claimed_at: None,
+            ended_at: Some(at),
+            host: None,
+        });
+        let status = t.status_json(&t.snapshot(), Utc::now());
+        assert_eq!(status["role"], "leader");
+        assert_eq!(status["epoch"], 7);
+        assert_eq!(status["lock"]["name"], "nightly");
+        assert_eq!(status["connection"], "app@db:5432/app");
+        assert_eq!(status["command"]["state"], "not_running");
+        assert_eq!(status["command"]["last_exit"]["exit_code"], 143);
+        assert_eq!(status["schedule"]["timezone"], "Europe/Paris");
+        let runs = status["schedule"]["last_runs"].as_array().expect("runs");
+        assert_eq!(runs.len(), 1, "{status}");
+        assert_eq!(runs[0]["outcome"], "failed");
+        assert_eq!(runs[0]["exit_code"], 3);
+        assert_eq!(runs[0]["host"], "web-1", "the claim's host is kept");
+        assert!(
+            status["schedule"]["next_occurrence"].is_string(),
+            "{status}"
+        );
+        let text = t.render_metrics();
+        assert!(
+            text.lines()
+                .any(|line| line.starts_with("pgleader_scheduled_runs_total{")
+                    && line.contains(r#"outcome="failed""#)
+                    && line.ends_with("} 1")),
+            "{text}"
+        );
+    }
+}
