@@ -5,17 +5,19 @@
 //! out, names in capitals) so that replicas that wrote the same schedule differently
 //! (`@daily`, `0 0 * * *`, `0  0 0 * * *`) agree, and so that the ledger and the fingerprint in
 //! each session's `application_name` compare like with like. Time-zone rules come from the tz
-//! database compiled into pgleader (chrono-tz), not from the host: every replica with the same
-//! pgleader version computes the same instants, containers without `/usr/share/zoneinfo`
-//! included.
+//! database compiled into pgleader (jiff's bundled copy, stored compressed and read on demand),
+//! never from the host: every replica with the same pgleader version computes the same
+//! instants, containers without `/usr/share/zoneinfo` included.
 
 use std::fmt;
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use chrono_tz::Tz;
 use croner::Cron;
 use croner::parser::{CronParser, Seconds};
+use jiff::tz::{TimeZone, TimeZoneDatabase};
+use jiff::{Timestamp, Zoned};
 
 use crate::election::lock::LockKey;
 
@@ -24,13 +26,21 @@ use crate::election::lock::LockKey;
 pub struct Schedule {
     cron: Cron,
     expression: String,
-    timezone: Tz,
+    timezone: TimeZone,
+    /// The zone's IANA name, as the tz database spells it.
+    zone_name: String,
 }
 
 impl PartialEq for Schedule {
     fn eq(&self, other: &Self) -> bool {
-        self.expression == other.expression && self.timezone == other.timezone
+        self.expression == other.expression && self.zone_name == other.zone_name
     }
+}
+
+/// The tz database compiled into pgleader.
+fn zones() -> &'static TimeZoneDatabase {
+    static ZONES: OnceLock<TimeZoneDatabase> = OnceLock::new();
+    ZONES.get_or_init(TimeZoneDatabase::bundled)
 }
 
 impl Schedule {
@@ -38,12 +48,13 @@ impl Schedule {
     /// `@weekly`, `@monthly`, `@yearly`) read in `timezone` (an IANA name such as
     /// `Europe/Paris`, or `UTC`).
     pub fn parse(expression: &str, timezone: &str) -> Result<Schedule, String> {
-        let timezone: Tz = timezone.trim().parse().map_err(|_| {
+        let timezone = zones().get(timezone.trim()).map_err(|_| {
             format!(
                 "unknown time zone {:?} (expected an IANA name such as UTC, Europe/Paris or America/New_York)",
                 timezone.trim()
             )
         })?;
+        let zone_name = timezone.iana_name().unwrap_or("UTC").to_owned();
         let expression = canonical(expression)?;
         let cron = CronParser::builder()
             .seconds(Seconds::Required)
@@ -56,6 +67,7 @@ impl Schedule {
             cron,
             expression,
             timezone,
+            zone_name,
         };
         if schedule.next_after(Utc::now()).is_none() {
             return Err("this schedule never matches a future time".into());
@@ -70,7 +82,7 @@ impl Schedule {
 
     /// The IANA name of the time zone.
     pub fn timezone(&self) -> &str {
-        self.timezone.name()
+        &self.zone_name
     }
 
     /// Eight hex digits that identify the definition (expression and zone), shown in each
@@ -83,22 +95,26 @@ impl Schedule {
 
     /// The latest occurrence at or before `at`.
     pub fn latest_at_or_before(&self, at: DateTime<Utc>) -> Option<DateTime<Utc>> {
-        let local = at.with_timezone(&self.timezone);
         self.cron
-            .find_previous_occurrence(&local, true)
+            .find_previous_occurrence(&self.local(at)?, true)
             .ok()
-            .map(|found| found.with_timezone(&Utc))
+            .and_then(|found| utc(&found))
             .filter(|found| *found <= at)
     }
 
     /// The first occurrence strictly after `at`.
     pub fn next_after(&self, at: DateTime<Utc>) -> Option<DateTime<Utc>> {
-        let local = at.with_timezone(&self.timezone);
         self.cron
-            .find_next_occurrence(&local, false)
+            .find_next_occurrence(&self.local(at)?, false)
             .ok()
-            .map(|found| found.with_timezone(&Utc))
+            .and_then(|found| utc(&found))
             .filter(|found| *found > at)
+    }
+
+    /// An instant on this schedule's wall clock.
+    fn local(&self, at: DateTime<Utc>) -> Option<Zoned> {
+        let instant = Timestamp::new(at.timestamp(), at.timestamp_subsec_nanos() as i32).ok()?;
+        Some(instant.to_zoned(self.timezone.clone()))
     }
 
     /// The time from `occurrence` to the one after it, if there is one.
@@ -110,8 +126,14 @@ impl Schedule {
 
 impl fmt::Display for Schedule {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "\"{}\" ({})", self.expression, self.timezone.name())
+        write!(f, "\"{}\" ({})", self.expression, self.zone_name)
     }
+}
+
+/// A wall-clock instant back on the absolute time line.
+fn utc(zoned: &Zoned) -> Option<DateTime<Utc>> {
+    let instant = zoned.timestamp();
+    DateTime::from_timestamp(instant.as_second(), instant.subsec_nanosecond() as u32)
 }
 
 /// The fingerprint of a definition as the ledger stores it; see [`Schedule::fingerprint`].
@@ -164,7 +186,6 @@ fn canonical(expression: &str) -> Result<String, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use chrono::TimeZone;
 
     fn utc(text: &str) -> DateTime<Utc> {
         DateTime::parse_from_rfc3339(text)
@@ -268,12 +289,8 @@ mod tests {
         assert!(after > utc("2026-03-29T00:00:00Z"), "{after}");
         assert_eq!(
             half_past_two.next_after(utc("2026-03-30T00:00:00Z")),
-            Some(
-                Tz::Europe__Paris
-                    .with_ymd_and_hms(2026, 3, 30, 2, 30, 0)
-                    .unwrap()
-                    .with_timezone(&Utc)
-            )
+            // 02:30 in Paris, summer time (UTC+2).
+            Some(utc("2026-03-30T00:30:00Z"))
         );
     }
 

@@ -833,6 +833,12 @@ impl Runs {
                 self.probing = !self.plan.once;
                 self.due = Some(latest);
             }
+            // The ledger has nothing of this lock yet: the fleet never ran it, so nothing was
+            // missed. (A schedule deployed at noon does not report the night's occurrence.)
+            Some(latest) if newest.is_none() => {
+                debug!(event = "first_leader", occurrence = %rfc3339(latest), "the latest occurrence, {}, came before this schedule ever ran and is older than --catch-up", rfc3339(latest));
+                self.due = if self.plan.once { None } else { next };
+            }
             Some(latest) => {
                 self.record_missed(latest, age(latest));
                 self.due = if self.plan.once { None } else { next };

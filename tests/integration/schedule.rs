@@ -590,16 +590,32 @@ fn after_the_whole_fleet_was_down_only_the_latest_missed_occurrence_runs_within_
     assert!(backlog.is_empty(), "a backlog was replayed: {backlog:?}");
     assert_each_started_once(&after);
 
-    // An occurrence older than --catch-up is recorded as missed, not run.
+    // An occurrence older than --catch-up is recorded as missed, not run, once the lock has
+    // run before (a schedule that never ran has missed nothing). Every five seconds: the
+    // first replica runs one and dies; the next starts 3 s after a later occurrence.
     let lock = unique_lock();
-    let occurrence = in_seconds(0);
+    let every_five = "*/5 * * * * *";
+    let first = scheduled(
+        "first",
+        cluster,
+        lock,
+        &table,
+        every_five,
+        &[],
+        &job(&journal, "first", "0"),
+    );
+    let ran = wait_starts(&journal, starts(&journal).len() + 1, WAIT);
+    first.signal(Signal::SIGKILL);
+    first.wait_exit();
+    let last = parse_time(&ran.last().expect("a run").occurrence);
+    let occurrence = last + chrono::Duration::seconds(10);
     sleep_until(occurrence + chrono::Duration::seconds(3));
     let late = scheduled(
         "late",
         cluster,
         lock,
         &table,
-        &only_at(occurrence),
+        every_five,
         &["--catch-up=2s"],
         &job(&journal, "late", "0"),
     );
@@ -613,6 +629,8 @@ fn after_the_whole_fleet_was_down_only_the_latest_missed_occurrence_runs_within_
             .map(|(o, _)| o.as_str()),
         Some("missed")
     );
+    late.signal(Signal::SIGTERM);
+    late.wait_exit();
     // Within the default --catch-up (1h) the same late start runs it, once.
     let lock = unique_lock();
     let occurrence = in_seconds(0);
