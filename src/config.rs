@@ -9,12 +9,12 @@ use nix::sys::signal::Signal;
 use thiserror::Error;
 
 use crate::cli::{ConnectionArgs, LedgerArgs, LockArgs, RestartFence, RunArgs};
-use crate::connect::conninfo::{self, ConnSettings, Environment};
 use crate::election::lease::Lease;
 use crate::election::lock::LockKey;
+use crate::postgres::conninfo::{self, ConnSettings, Environment};
+use crate::postgres::ledger::TableName;
 use crate::schedule::Plan;
 use crate::schedule::calendar::Schedule;
-use crate::schedule::ledger::TableName;
 use crate::supervise::job::CommandLine;
 
 /// A usage error: the message says what is wrong; pgleader exits with 2.

@@ -8,10 +8,10 @@
 
 pub mod cli;
 pub mod config;
-pub mod connect;
 pub mod election;
 pub mod exit;
 pub mod operate;
+pub mod postgres;
 pub mod schedule;
 pub mod supervise;
 
@@ -20,9 +20,9 @@ use tracing::warn;
 
 use crate::cli::{Command, RunArgs, StatusArgs};
 use crate::config::{RunConfig, UsageError};
-use crate::connect::conninfo::ProcessEnvironment;
 use crate::operate::telemetry::{self, Telemetry};
 use crate::operate::{http, notify, status, watch};
+use crate::postgres::conninfo::ProcessEnvironment;
 use crate::supervise::job::CommandError;
 use crate::supervise::{signals, supervisor};
 

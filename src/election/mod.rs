@@ -5,5 +5,3 @@
 pub mod backoff;
 pub mod lease;
 pub mod lock;
-pub mod session;
-pub mod version;

@@ -14,11 +14,11 @@ use serde_json::{Value, json};
 use tokio_postgres::types::Type;
 
 use crate::config;
-use crate::connect::conninfo::ConnSettings;
 use crate::election::lock::LockKey;
-use crate::election::session::{self, ConnectError, PlainClient, describe};
+use crate::postgres::conninfo::ConnSettings;
+use crate::postgres::ledger::TableName;
+use crate::postgres::session::{self, ConnectError, PlainClient, describe};
 use crate::schedule::agreement::fingerprint_in;
-use crate::schedule::ledger::TableName;
 use crate::schedule::report::{self, ScheduleReport};
 
 /// One session holding or waiting for the lock.

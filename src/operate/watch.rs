@@ -18,13 +18,13 @@ use tokio::signal::unix::{SignalKind, signal};
 use tokio::time::{MissedTickBehavior, interval, sleep, timeout};
 use tracing::warn;
 
-use crate::connect::conninfo::ConnSettings;
 use crate::election::backoff::Backoff;
 use crate::election::lock::LockKey;
-use crate::election::session::ConnectError;
 use crate::exit;
 use crate::operate::status::{self, LockStatus};
 use crate::operate::telemetry::rfc3339;
+use crate::postgres::conninfo::ConnSettings;
+use crate::postgres::session::ConnectError;
 
 /// How often the lock is read.
 pub const POLL: Duration = Duration::from_millis(250);

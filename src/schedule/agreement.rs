@@ -28,9 +28,9 @@ use tokio_postgres::Client;
 use tokio_postgres::types::Type;
 
 use crate::election::lock::LockKey;
-use crate::election::session::describe;
+use crate::postgres::ledger::{Entry, LedgerError};
+use crate::postgres::session::describe;
 use crate::schedule::calendar::fingerprint_of;
-use crate::schedule::ledger::{Entry, LedgerError};
 
 /// Another session on the lock, as `pg_stat_activity` shows it.
 #[derive(Clone, Debug, PartialEq, Eq)]

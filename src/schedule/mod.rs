@@ -11,7 +11,6 @@
 pub mod agreement;
 pub mod calendar;
 pub mod clock;
-pub mod ledger;
 pub mod report;
 pub mod runs;
 
@@ -23,9 +22,9 @@ use tokio_postgres::types::Type;
 use tracing::warn;
 
 use crate::election::lock::LockKey;
-use crate::election::session::describe;
+use crate::postgres::ledger::{LateFinish, Ledger, LedgerError, TableName, table_fingerprint};
+use crate::postgres::session::describe;
 use calendar::Schedule;
-use ledger::{LateFinish, Ledger, LedgerError, TableName, table_fingerprint};
 
 /// Everything `--schedule` and its companion options configure.
 #[derive(Clone, Debug)]

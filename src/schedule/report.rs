@@ -12,8 +12,8 @@ use serde_json::{Value, json};
 use tokio_postgres::Client;
 
 use crate::election::lock::LockKey;
+use crate::postgres::ledger::{self, Entry, LedgerError, TableName};
 use crate::schedule::calendar::{Schedule, fingerprint_of, rfc3339};
-use crate::schedule::ledger::{self, Entry, LedgerError, TableName};
 
 /// How many runs status shows.
 pub const RUNS_SHOWN: i64 = 10;
@@ -51,7 +51,7 @@ pub async fn read(
     let now: DateTime<Utc> = client
         .query_typed_one("SELECT pg_catalog.clock_timestamp()", &[])
         .await
-        .map_err(|err| LedgerError::Query(crate::election::session::describe(&err)))?
+        .map_err(|err| LedgerError::Query(crate::postgres::session::describe(&err)))?
         .get(0);
     let next_occurrence = Schedule::parse(&newest.schedule, &newest.timezone)
         .ok()

@@ -38,10 +38,10 @@ use crate::election::lock::LockKey;
 use crate::exit::ChildStatus;
 use crate::operate::logging::for_people;
 use crate::operate::telemetry::{RunView, ScheduledOutcome, Telemetry};
+use crate::postgres::ledger::{Claim, Claimant, LateFinish, Ledger, LedgerError};
 use crate::schedule::agreement::{self, Verdict};
 use crate::schedule::calendar::{Schedule, rfc3339};
 use crate::schedule::clock::ServerClock;
-use crate::schedule::ledger::{Claim, Claimant, LateFinish, Ledger, LedgerError};
 use crate::schedule::{EARLY_WINDOW, Plan, foreign_ledger_blocks_catch_up};
 
 /// Passed-over occurrences listed one by one in a log line; beyond, only the range.
@@ -552,7 +552,7 @@ impl Runs {
                                 "SET statement_timeout = {timeout}; SET lock_timeout = {timeout}"
                             ))
                             .await
-                            .map_err(|err| LedgerError::Query(crate::election::session::describe(&err)))?;
+                            .map_err(|err| LedgerError::Query(crate::postgres::session::describe(&err)))?;
                         for (at, host, pid) in ledger.interrupt_stale(&client).await? {
                             telemetry.scheduled_run(RunView {
                                 scheduled_for: at,

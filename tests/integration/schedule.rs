@@ -836,7 +836,7 @@ fn a_missing_ledger_without_create_permission_is_a_clear_error_that_gives_the_dd
     );
 
     // Created by an administrator but not granted: still refused, saying what is missing.
-    let ddl = pgleader::schedule::ledger::TableName::parse(&table)
+    let ddl = pgleader::postgres::ledger::TableName::parse(&table)
         .expect("table")
         .ddl();
     cluster.execute(&ddl);
@@ -1111,7 +1111,7 @@ fn without_schedule_no_ledger_table_is_touched() {
 }
 
 fn create_ledger(table: &str) {
-    let ddl = pgleader::schedule::ledger::TableName::parse(table)
+    let ddl = pgleader::postgres::ledger::TableName::parse(table)
         .expect("table")
         .ddl();
     Cluster::shared().execute(&ddl);

@@ -21,7 +21,7 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
 
 use crate::election::lock::LockKey;
-use crate::election::session::describe;
+use crate::postgres::session::describe;
 use crate::schedule::calendar::Schedule;
 
 /// How many rows of each lock the ledger keeps.

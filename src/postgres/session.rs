@@ -20,13 +20,13 @@ use tokio_postgres::Client;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::Type;
 
-use crate::connect::conninfo::{
-    ChannelBinding, ConnSettings, Host, TargetSessionAttrs, TlsSettings,
-};
-use crate::connect::tls;
 use crate::election::lease::Lease;
 use crate::election::lock::LockKey;
-use crate::election::version::{self, Support};
+use crate::postgres::conninfo::{
+    ChannelBinding, ConnSettings, Host, TargetSessionAttrs, TlsSettings,
+};
+use crate::postgres::tls;
+use crate::postgres::version::{self, Support};
 
 /// Why a connection attempt failed, sorted by whether trying again can help.
 #[derive(Debug, Error)]

@@ -1,0 +1,7 @@
+//! PostgreSQL: the first backend behind the election's boundary.
+
+pub mod conninfo;
+pub mod ledger;
+pub mod session;
+pub mod tls;
+pub mod version;
