@@ -3,18 +3,19 @@
 //! is made: a bad value is a usage error (exit 2), a command that cannot run is 126 or 127.
 
 use std::net::SocketAddr;
-use std::time::Duration;
 
-use nix::sys::signal::Signal;
 use thiserror::Error;
 
 use crate::cli::{ConnectionArgs, LedgerArgs, LockArgs, RestartFence, RunArgs};
 use crate::election::lease::Lease;
 use crate::election::lock::LockKey;
+use crate::election::participant;
+use crate::postgres::PgBackend;
 use crate::postgres::conninfo::{self, ConnSettings, Environment};
 use crate::postgres::ledger::TableName;
 use crate::schedule::Plan;
 use crate::schedule::calendar::Schedule;
+use crate::supervise::Settings;
 use crate::supervise::job::CommandLine;
 
 /// A usage error: the message says what is wrong; pgleader exits with 2.
@@ -22,30 +23,12 @@ use crate::supervise::job::CommandLine;
 #[error("{0}")]
 pub struct UsageError(pub String);
 
-/// Everything `pgleader run` needs.
+/// Everything `pgleader run` needs: the backend it elects through, what the supervisor does,
+/// and where the HTTP endpoint listens.
 #[derive(Debug, Clone)]
 pub struct RunConfig {
-    pub lock: LockKey,
-    pub connection: ConnSettings,
-    /// What pg_stat_activity shows for pgleader's sessions.
-    pub application_name: String,
-    pub command: CommandLine,
-    pub once: bool,
-    pub no_wait: bool,
-    pub busy_exit_code: u8,
-    pub check_interval: Duration,
-    pub check_timeout: Duration,
-    pub kill_signal: Signal,
-    pub kill_timeout: Duration,
-    pub restart_delay: Duration,
-    pub lease: Lease,
-    pub takeover_delay: Duration,
-    /// See `--restart-fence`; already resolved from `auto`.
-    pub restart_fence: Duration,
-    pub relinquish_after: Option<Duration>,
-    pub relinquish_schedule: Option<croner::Cron>,
-    /// `--schedule` and its companions.
-    pub schedule: Option<Plan>,
+    pub backend: PgBackend,
+    pub supervision: Settings,
     /// Where to serve /leader, /healthz, /status and /metrics, if anywhere.
     pub http: Option<SocketAddr>,
 }
@@ -76,23 +59,30 @@ impl RunConfig {
                     .map_err(|err| UsageError(format!("--schedule: {err}")))?,
                 catch_up: args.catch_up,
                 retry_interrupted: args.retry_interrupted,
-                table: ledger_table(&args.ledger)?,
                 once: args.once || args.no_wait,
-                statement_timeout: args.check_timeout / 2,
+                busy_retry: args.check_timeout / 2,
             }),
             None => None,
         };
+        // Without a schedule there is no ledger, and --ledger-table is not looked at.
+        let table = match &schedule {
+            Some(_) => ledger_table(&args.ledger)?,
+            None => TableName::default(),
+        };
         let command = CommandLine::resolve(args.command, std::env::var_os("PATH").as_deref())?;
-        let config = RunConfig {
-            lock,
-            application_name: scheduled_application_name(
-                connection.settings.application_name.as_deref(),
-                schedule
-                    .as_ref()
-                    .map(|plan| plan.schedule.fingerprint())
-                    .as_deref(),
-            ),
-            connection: connection.settings,
+        let session_name = participant::label(
+            connection.settings.application_name.as_deref(),
+            schedule
+                .as_ref()
+                .map(|plan| plan.schedule.fingerprint())
+                .as_deref(),
+        );
+        let connect_timeout = connection.settings.connect_timeout;
+        // A leader's ledger statements share its session with the checks: well under
+        // --check-timeout, so that a check is never held up past its deadline.
+        let ledger_statement_timeout = args.check_timeout / 2;
+        let supervision = Settings {
+            session_name,
             command,
             once: args.once || args.no_wait,
             no_wait: args.no_wait,
@@ -102,12 +92,11 @@ impl RunConfig {
             kill_signal: args.kill_signal,
             kill_timeout: args.kill_timeout,
             restart_delay: args.restart_delay,
-            lease,
             takeover_delay: args.takeover_delay,
             relinquish_after: args.relinquish_after,
             relinquish_schedule: args.relinquish_schedule,
             schedule,
-            http: args.http,
+            connect_timeout,
             restart_fence: match args.restart_fence {
                 RestartFence::Fixed(duration) => duration,
                 RestartFence::Auto => {
@@ -117,6 +106,18 @@ impl RunConfig {
                         + crate::election::lease::MARGIN
                 }
             },
+            lock: lock.clone(),
+        };
+        let config = RunConfig {
+            backend: PgBackend::new(
+                connection.settings,
+                lock,
+                lease,
+                table,
+                ledger_statement_timeout,
+            ),
+            supervision,
+            http: args.http,
         };
         Ok((config, connection.warnings))
     }
@@ -165,63 +166,7 @@ pub fn connection(args: &ConnectionArgs, env: &dyn Environment) -> Result<Connec
     Ok(Connection { settings, warnings })
 }
 
-/// This host's name, as pgleader shows it in `application_name` and the ledger.
-pub fn host_name() -> String {
-    nix::unistd::gethostname()
-        .ok()
-        .and_then(|name| name.into_string().ok())
-        .unwrap_or_else(|| "unknown".into())
-}
-
 /// The ledger table of `--ledger-table`.
 pub fn ledger_table(args: &LedgerArgs) -> Result<TableName, UsageError> {
     TableName::parse(&args.ledger_table).map_err(|err| UsageError(format!("--ledger-table: {err}")))
-}
-
-/// `<name>:<pid>@<host>`, where name is the user's application_name or "pgleader"; at most 63
-/// bytes, the server's limit. A scheduled pgleader adds its schedule's fingerprint to the name
-/// (`pgleader#1a2b3c4d:<pid>@<host>`), so that a leader can tell whether the replicas waiting
-/// behind it agree with it on the schedule.
-pub fn application_name(user_given: Option<&str>) -> String {
-    scheduled_application_name(user_given, None)
-}
-
-/// [`application_name`] with a schedule's fingerprint.
-pub fn scheduled_application_name(user_given: Option<&str>, fingerprint: Option<&str>) -> String {
-    let host = host_name();
-    let mut prefix = user_given.unwrap_or("pgleader").to_owned();
-    if let Some(fingerprint) = fingerprint {
-        // The fingerprint must survive the cut at 63 bytes.
-        let mut cut = prefix.len().min(32);
-        while !prefix.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        prefix.truncate(cut);
-        prefix = format!("{prefix}#{fingerprint}");
-    }
-    let mut name = format!("{prefix}:{}@{}", std::process::id(), host);
-    if name.len() > 63 {
-        let mut cut = 63;
-        while !name.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        name.truncate(cut);
-    }
-    name
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_application_name_fits_the_servers_limit() {
-        let name = application_name(Some(&"x".repeat(80)));
-        assert_eq!(name.len(), 63);
-        let name = application_name(None);
-        assert!(
-            name.starts_with(&format!("pgleader:{}@", std::process::id())),
-            "{name}"
-        );
-    }
 }

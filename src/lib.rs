@@ -3,8 +3,19 @@
 //! the leader, and goes back into the election.
 //!
 //! The binary (`main.rs`) parses the command line and calls [`execute`]; the modules below
-//! each own one concern. DESIGN.md in the repository's shared notes lists the invariants the
-//! code keeps and the tests that prove them.
+//! each own one concern, on floors that import only downwards:
+//!
+//! - [`time`], [`exit`], [`cli`]: leaves;
+//! - [`election`]: the boundary every backend implements (traits, the lock's key, the lease
+//!   rule, backoff, participants, the ledger's contract);
+//! - [`schedule`]: cron on the server's clock, catch-up, agreement (no backend types);
+//! - [`postgres`]: the PostgreSQL backend (a Redis backend will be its sibling);
+//! - [`operate`]: logs, notify, telemetry, metrics, HTTP, `status`, docs;
+//! - [`supervise`]: the state machine, the leader's duty, the job and its keeper, signals;
+//! - [`config`]: validated settings, and which backend they name; then this file.
+//!
+//! DESIGN.md in the repository's shared notes lists the invariants the code keeps and the tests
+//! that prove them.
 
 pub mod cli;
 pub mod config;
@@ -14,14 +25,17 @@ pub mod operate;
 pub mod postgres;
 pub mod schedule;
 pub mod supervise;
+pub mod time;
 
 use anyhow::Context;
 use tracing::warn;
 
 use crate::cli::{Command, RunArgs, StatusArgs};
 use crate::config::{RunConfig, UsageError};
+use crate::election::Backend;
 use crate::operate::telemetry::{self, Telemetry};
 use crate::operate::{http, notify, status, watch};
+use crate::postgres::PgBackend;
 use crate::postgres::conninfo::ProcessEnvironment;
 use crate::supervise::job::CommandError;
 use crate::supervise::{signals, supervisor};
@@ -42,18 +56,19 @@ async fn run(args: RunArgs) -> anyhow::Result<u8> {
     for warning in warnings {
         warn!(event = "config", "{warning}");
     }
+    let settings = &config.supervision;
     let telemetry = Telemetry::new(telemetry::Settings {
-        lock: config.lock.clone(),
-        connection: config.connection.to_string(),
-        check_deadline: config.check_interval + config.check_timeout,
-        schedule: config.schedule.as_ref().map(|plan| plan.schedule.clone()),
+        lock: settings.lock.clone(),
+        connection: config.backend.to_string(),
+        check_deadline: settings.check_interval + settings.check_timeout,
+        schedule: settings.schedule.as_ref().map(|plan| plan.schedule.clone()),
     });
     // Bound before the election: a port that is taken stops pgleader before it can win.
     if let Some(address) = config.http {
         http::spawn(http::bind(address).await?, telemetry.clone());
     }
     notify::init();
-    let outcome = supervisor::run(config, signals, telemetry).await?;
+    let outcome = supervisor::run(config.backend, config.supervision, signals, telemetry).await?;
     Ok(outcome.exit_code())
 }
 
@@ -63,11 +78,16 @@ async fn status(args: StatusArgs) -> anyhow::Result<u8> {
     for warning in connection.warnings {
         warn!(event = "config", "{warning}");
     }
-    let ledger = config::ledger_table(&args.ledger)?;
+    let table = config::ledger_table(&args.ledger)?;
+    let backend = PgBackend::for_status(connection.settings, lock.clone(), table);
     if args.watch {
-        return watch::watch(&lock, &connection.settings, args.json).await;
+        return watch::watch(&lock, &backend, args.json).await;
     }
-    let status = status::read(&lock, &connection.settings, &ledger).await?;
+    let observer = backend
+        .observe()
+        .await
+        .with_context(|| format!("cannot connect to {backend}"))?;
+    let status = status::read(&lock, &observer).await?;
     let text = if args.json {
         format!("{}\n", status.to_json())
     } else {

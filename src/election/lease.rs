@@ -3,21 +3,24 @@
 //! A leader that stops hearing from the server (a silent partition: no RST, no FIN) stops its
 //! child once `check-interval + check-timeout` have passed since its last successful check,
 //! and the child is gone at most `kill-timeout` later. The server, on its side, frees the lock
-//! only when it gives up on the session. With PostgreSQL's defaults that takes about two hours
-//! (TCP keepalives), so pgleader sets, on its own session:
+//! only when it gives up on the leader. The rule every backend keeps: the server never frees
+//! the lock before `last successful check + lease`, and frees it within about a lease after.
+//! Requiring `lease >= check-interval + check-timeout + kill-timeout + margin` therefore means
+//! the old child is gone before anyone else can win. [`Lease::validate`] refuses anything else.
+//!
+//! How the server is made to keep it is the backend's business. PostgreSQL's defaults would
+//! keep a silent leader's lock for about two hours (TCP keepalives), so pgleader sets, on its
+//! own session (`postgres/session.rs`):
 //!
 //! - `idle_session_timeout` = lease (PostgreSQL 14+): a leader sends a check every
 //!   check-interval, so a session idle for a whole lease belongs to a leader that is gone;
 //! - `tcp_user_timeout` = lease: data the server sent must be acknowledged within the lease;
-//! - `tcp_keepalives_idle/interval/count` adding up to at least the lease.
+//! - `tcp_keepalives_idle/interval/count` adding up to at least the lease (computed here, as
+//!   any TCP backend would set them).
 //!
-//! Each of these starts counting at the earliest at the leader's last successful check, so the
-//! server never frees the lock before `last check + lease`. Requiring
-//! `lease >= check-interval + check-timeout + kill-timeout + margin` therefore means the old
-//! child is gone before anyone else can win. [`Lease::validate`] refuses anything else.
-//!
-//! The same values, on pgleader's side of the socket, let a waiting follower notice a dead
-//! server.
+//! Each of these starts counting at the earliest at the leader's last successful check. The
+//! same keepalives, on pgleader's side of the socket, let a waiting follower notice a dead
+//! server. (A key's TTL is the lease on Redis.)
 
 use std::time::Duration;
 

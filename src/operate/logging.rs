@@ -126,11 +126,6 @@ where
     }
 }
 
-/// A duration as logs show it: to the millisecond (`1s 500ms`, `2m`).
-pub fn for_people(duration: std::time::Duration) -> humantime::FormattedDuration {
-    humantime::format_duration(std::time::Duration::from_millis(duration.as_millis() as u64))
-}
-
 fn needs_quotes(text: &str) -> bool {
     text.is_empty()
         || text

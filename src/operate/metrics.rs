@@ -16,7 +16,8 @@ use prometheus::{
 };
 
 use crate::election::lock::LockKey;
-use crate::operate::telemetry::{CommandOutcome, LossReason, ScheduledOutcome};
+use crate::exit::ChildStatus;
+use crate::schedule::ScheduledOutcome;
 
 /// The content type of the classic text format.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -26,6 +27,90 @@ pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 const CHECK_BUCKETS: [f64; 13] = [
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
 ];
+
+/// Why a leadership ended: the `reason` label of `pgleader_leadership_lost_total`, a small
+/// fixed set so that the metric's series stay few.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LossReason {
+    /// The session's connection ended (terminated, server restart, network reset).
+    ConnectionEnded,
+    /// A check returned an error.
+    CheckFailed,
+    /// No successful check for --check-interval + --check-timeout.
+    CheckTimeout,
+    /// A check found that the session no longer holds the lock.
+    NotHeld,
+    /// The command exited on its own (or could not start).
+    CommandExited,
+    /// A planned handoff (--relinquish-after, --relinquish-schedule), or the lock given up
+    /// because the replicas disagree on the schedule or a timer had nothing to run.
+    Relinquished,
+    /// A statement on the schedule's ledger failed.
+    LedgerFailed,
+    /// TERM or INT.
+    Shutdown,
+}
+
+impl LossReason {
+    pub const ALL: [LossReason; 8] = [
+        LossReason::ConnectionEnded,
+        LossReason::CheckFailed,
+        LossReason::CheckTimeout,
+        LossReason::NotHeld,
+        LossReason::CommandExited,
+        LossReason::Relinquished,
+        LossReason::LedgerFailed,
+        LossReason::Shutdown,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LossReason::ConnectionEnded => "connection_ended",
+            LossReason::CheckFailed => "check_failed",
+            LossReason::CheckTimeout => "check_timeout",
+            LossReason::NotHeld => "not_held",
+            LossReason::CommandExited => "command_exited",
+            LossReason::Relinquished => "relinquished",
+            LossReason::LedgerFailed => "ledger_failed",
+            LossReason::Shutdown => "shutdown",
+        }
+    }
+}
+
+/// How the command ended: the `outcome` label of `pgleader_command_exits_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CommandOutcome {
+    /// Exit code 0.
+    Succeeded,
+    /// Another exit code.
+    Failed,
+    /// Killed by a signal (also when pgleader stopped it and it died of the signal).
+    Signaled,
+}
+
+impl CommandOutcome {
+    pub const ALL: [CommandOutcome; 3] = [
+        CommandOutcome::Succeeded,
+        CommandOutcome::Failed,
+        CommandOutcome::Signaled,
+    ];
+
+    pub fn of(status: ChildStatus) -> CommandOutcome {
+        match status {
+            ChildStatus::Exited(0) => CommandOutcome::Succeeded,
+            ChildStatus::Exited(_) => CommandOutcome::Failed,
+            ChildStatus::Signaled(_) => CommandOutcome::Signaled,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CommandOutcome::Succeeded => "succeeded",
+            CommandOutcome::Failed => "failed",
+            CommandOutcome::Signaled => "signaled",
+        }
+    }
+}
 
 #[derive(Debug)]
 pub struct Metrics {

@@ -16,9 +16,11 @@ use serde_json::{Value, json};
 use tokio::sync::watch;
 
 use crate::election::lock::LockKey;
+use crate::election::participant::host_name;
 use crate::exit::ChildStatus;
-use crate::operate::metrics::Metrics;
+use crate::operate::metrics::{CommandOutcome, LossReason, Metrics};
 use crate::schedule::calendar::{self, Schedule};
+use crate::schedule::{RunView, ScheduledOutcome};
 
 /// What this instance is doing in the election.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -50,155 +52,8 @@ impl Role {
     }
 }
 
-/// Why a leadership ended: the `reason` label of `pgleader_leadership_lost_total`, a small
-/// fixed set so that the metric's series stay few.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum LossReason {
-    /// The session's connection ended (terminated, server restart, network reset).
-    ConnectionEnded,
-    /// A check returned an error.
-    CheckFailed,
-    /// No successful check for --check-interval + --check-timeout.
-    CheckTimeout,
-    /// A check found that the session no longer holds the lock.
-    NotHeld,
-    /// The command exited on its own (or could not start).
-    CommandExited,
-    /// A planned handoff (--relinquish-after, --relinquish-schedule), or the lock given up
-    /// because the replicas disagree on the schedule or a timer had nothing to run.
-    Relinquished,
-    /// A statement on the schedule's ledger failed.
-    LedgerFailed,
-    /// TERM or INT.
-    Shutdown,
-}
-
-impl LossReason {
-    pub const ALL: [LossReason; 8] = [
-        LossReason::ConnectionEnded,
-        LossReason::CheckFailed,
-        LossReason::CheckTimeout,
-        LossReason::NotHeld,
-        LossReason::CommandExited,
-        LossReason::Relinquished,
-        LossReason::LedgerFailed,
-        LossReason::Shutdown,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            LossReason::ConnectionEnded => "connection_ended",
-            LossReason::CheckFailed => "check_failed",
-            LossReason::CheckTimeout => "check_timeout",
-            LossReason::NotHeld => "not_held",
-            LossReason::CommandExited => "command_exited",
-            LossReason::Relinquished => "relinquished",
-            LossReason::LedgerFailed => "ledger_failed",
-            LossReason::Shutdown => "shutdown",
-        }
-    }
-}
-
-/// How the command ended: the `outcome` label of `pgleader_command_exits_total`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum CommandOutcome {
-    /// Exit code 0.
-    Succeeded,
-    /// Another exit code.
-    Failed,
-    /// Killed by a signal (also when pgleader stopped it and it died of the signal).
-    Signaled,
-}
-
-impl CommandOutcome {
-    pub const ALL: [CommandOutcome; 3] = [
-        CommandOutcome::Succeeded,
-        CommandOutcome::Failed,
-        CommandOutcome::Signaled,
-    ];
-
-    pub fn of(status: ChildStatus) -> CommandOutcome {
-        match status {
-            ChildStatus::Exited(0) => CommandOutcome::Succeeded,
-            ChildStatus::Exited(_) => CommandOutcome::Failed,
-            ChildStatus::Signaled(_) => CommandOutcome::Signaled,
-        }
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            CommandOutcome::Succeeded => "succeeded",
-            CommandOutcome::Failed => "failed",
-            CommandOutcome::Signaled => "signaled",
-        }
-    }
-}
-
-/// What became of one occurrence of a schedule (`--schedule`): the `outcome` label of
-/// `pgleader_scheduled_runs_total`. All but `busy` are the outcomes the ledger records; each is
-/// counted by the instance that recorded it, so the sum over the fleet matches the ledger.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ScheduledOutcome {
-    /// The command ran and exited 0.
-    Succeeded,
-    /// The command ran and exited otherwise.
-    Failed,
-    /// The run was stopped before it ended (shutdown, lost leadership), or its leader vanished
-    /// while it ran (recorded by the next leader).
-    Interrupted,
-    /// Its time came while the previous run still ran.
-    Skipped,
-    /// It came while no leader could run it, longer ago than --catch-up.
-    Missed,
-    /// A timer (--once) found its occurrence claimed by another replica and did not run it.
-    Busy,
-}
-
-impl ScheduledOutcome {
-    pub const ALL: [ScheduledOutcome; 6] = [
-        ScheduledOutcome::Succeeded,
-        ScheduledOutcome::Failed,
-        ScheduledOutcome::Interrupted,
-        ScheduledOutcome::Skipped,
-        ScheduledOutcome::Missed,
-        ScheduledOutcome::Busy,
-    ];
-
-    /// The outcome of a ledger row (`skipped`, `missed`, ...); `None` for `running`.
-    pub fn from_ledger(outcome: &str) -> Option<ScheduledOutcome> {
-        ScheduledOutcome::ALL
-            .into_iter()
-            .find(|known| known.as_str() == outcome)
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ScheduledOutcome::Succeeded => "succeeded",
-            ScheduledOutcome::Failed => "failed",
-            ScheduledOutcome::Interrupted => "interrupted",
-            ScheduledOutcome::Skipped => "skipped",
-            ScheduledOutcome::Missed => "missed",
-            ScheduledOutcome::Busy => "busy",
-        }
-    }
-}
-
 /// How many runs `/status` shows.
 pub const RUNS_SHOWN: usize = 10;
-
-/// One occurrence of the schedule as this instance saw it recorded, for `/status`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct RunView {
-    pub scheduled_for: DateTime<Utc>,
-    /// `None` while it runs.
-    pub outcome: Option<ScheduledOutcome>,
-    pub exit_code: Option<i32>,
-    pub attempt: Option<i32>,
-    pub claimed_at: Option<DateTime<Utc>>,
-    pub ended_at: Option<DateTime<Utc>>,
-    /// The host of the pgleader that ran it.
-    pub host: Option<String>,
-}
 
 /// The command's state.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -294,10 +149,7 @@ pub struct Settings {
 
 impl Telemetry {
     pub fn new(settings: Settings) -> Telemetry {
-        let host = nix::unistd::gethostname()
-            .ok()
-            .and_then(|name| name.into_string().ok())
-            .unwrap_or_else(|| "unknown".into());
+        let host = host_name();
         let metrics = Metrics::new(&settings.lock, settings.schedule.is_some());
         let (state, _) = watch::channel(Snapshot {
             role: Role::Connecting,

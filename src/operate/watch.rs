@@ -20,11 +20,10 @@ use tracing::warn;
 
 use crate::election::backoff::Backoff;
 use crate::election::lock::LockKey;
+use crate::election::{Backend, ConnectError};
 use crate::exit;
 use crate::operate::status::{self, LockStatus};
 use crate::operate::telemetry::rfc3339;
-use crate::postgres::conninfo::ConnSettings;
-use crate::postgres::session::ConnectError;
 
 /// How often the lock is read.
 pub const POLL: Duration = Duration::from_millis(250);
@@ -32,7 +31,7 @@ pub const POLL: Duration = Duration::from_millis(250);
 pub const QUERY_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Watches until TERM or INT (exit 0), or until stdout is closed.
-pub async fn watch(lock: &LockKey, connection: &ConnSettings, json: bool) -> anyhow::Result<u8> {
+pub async fn watch<B: Backend>(lock: &LockKey, backend: &B, json: bool) -> anyhow::Result<u8> {
     let mut term = signal(SignalKind::terminate()).context("cannot listen for TERM")?;
     let mut int = signal(SignalKind::interrupt()).context("cannot listen for INT")?;
     let stop = async {
@@ -42,23 +41,23 @@ pub async fn watch(lock: &LockKey, connection: &ConnSettings, json: bool) -> any
         }
     };
     tokio::select! {
-        result = follow(lock, connection, json) => result,
+        result = follow(lock, backend, json) => result,
         () = stop => Ok(exit::SUCCESS),
     }
 }
 
-async fn follow(lock: &LockKey, connection: &ConnSettings, json: bool) -> anyhow::Result<u8> {
+async fn follow<B: Backend>(lock: &LockKey, backend: &B, json: bool) -> anyhow::Result<u8> {
     let mut backoff = Backoff::default();
     let mut last: Option<LockStatus> = None;
     loop {
         sleep(backoff.next_delay()).await;
-        let client = match status::connect(connection).await {
-            Ok(client) => client,
+        let observer = match backend.observe().await {
+            Ok(observer) => observer,
             Err(ConnectError::Permanent(reason)) => {
-                bail!("cannot connect to {connection}: {reason}")
+                bail!("cannot connect to {backend}: {reason}")
             }
             Err(err) => {
-                warn!(event = "connect_failed", server = %connection, reason = %err, "cannot connect; retrying");
+                warn!(event = "connect_failed", server = %backend, reason = %err, "cannot connect; retrying");
                 continue;
             }
         };
@@ -66,7 +65,7 @@ async fn follow(lock: &LockKey, connection: &ConnSettings, json: bool) -> anyhow
         ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
         loop {
             ticks.tick().await;
-            let status = match timeout(QUERY_TIMEOUT, status::query(&client, lock)).await {
+            let status = match timeout(QUERY_TIMEOUT, status::query(lock, &observer)).await {
                 Ok(Ok(status)) => status,
                 Ok(Err(err)) => {
                     warn!(event = "session_lost", reason = %format!("{err:#}"), "cannot read the lock; reconnecting");

@@ -1,8 +1,10 @@
 //! The ledger: one row per occurrence of a scheduled lock, in a table of the same database.
 //!
-//! It is what makes "at most once per occurrence" hold across replicas, timers, restarts and
-//! failovers: before the command starts, the leader inserts the occurrence's row on its own
-//! session, the one that holds the lock, so the lock orders every write and the primary key
+//! It is PostgreSQL's implementation of the ledger's contract (`election/ledger.rs`), what
+//! makes "at most once per occurrence" hold across replicas, timers, restarts and failovers:
+//! before the command starts, the leader inserts the occurrence's row on its own session, and
+//! the statement itself requires that this session holds the advisory lock, so the lock orders
+//! every write, a session that lost it claims nothing, and the primary key
 //! `(lock_key, scheduled_for)` refuses a second claim. A claim also refuses to be early on the
 //! server's clock and refuses any occurrence at or before one already recorded, so a server
 //! clock that steps back, or pruning, cannot bring an old occurrence back.
@@ -13,19 +15,20 @@
 //! within `--catch-up`). Only the newest [`KEEP`] rows of each lock are kept.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use thiserror::Error;
 use tokio_postgres::Client;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
 
+use crate::election::ledger::{
+    Claim, Claimant, Definition, Entry, KEEP, LateFinish, Ledger, LedgerError, StaleRun,
+};
 use crate::election::lock::LockKey;
-use crate::postgres::session::describe;
-use crate::schedule::calendar::Schedule;
-
-/// How many rows of each lock the ledger keeps.
-pub const KEEP: i64 = 100;
+use crate::election::participant::{self, Participant};
+use crate::postgres::describe::describe;
+use crate::postgres::locks::{LOCK_ROWS, held_here as leads, this_lock};
 
 /// The default table name.
 pub const DEFAULT_TABLE: &str = "pgleader_ledger";
@@ -50,21 +53,6 @@ pub const DDL: &str = "CREATE TABLE {table} (
     epoch         bigint,
     PRIMARY KEY (lock_key, scheduled_for)
 )";
-
-/// A ledger failure, sorted by what the leader does about it.
-#[derive(Debug, Error)]
-pub enum LedgerError {
-    /// Retrying cannot help: no permission, no table, a table of another shape. pgleader exits.
-    #[error("{0}")]
-    Fatal(String),
-    /// The statement waited too long (a lock held on the table, `statement_timeout`) or lost a
-    /// serialization race, and was rolled back: try again a little later, still leading.
-    #[error("{0}")]
-    Busy(String),
-    /// The session itself is in trouble: leadership is in doubt.
-    #[error("{0}")]
-    Query(String),
-}
 
 /// A validated table name: `name` or `schema.name`, plain SQL identifiers, folded to lower
 /// case as the server folds unquoted names, and quoted in every statement, so that a name
@@ -125,67 +113,11 @@ impl Default for TableName {
     }
 }
 
-/// Eight hex digits that identify a ledger table (by its schema-qualified name), announced
-/// in `application_name` beside the schedule's, so that replicas that would record one lock's
-/// runs in two different tables notice each other.
-pub fn table_fingerprint(qualified: &str) -> String {
-    let key = LockKey::from_name(&format!("ledger {qualified}")).key();
-    format!("{:08x}", (key as u64) as u32)
-}
-
-/// Who claims: this pgleader.
+/// The ledger of one lock and one schedule definition, on one session: the statements,
+/// prepared as text for its table, and the session's client.
 #[derive(Clone, Debug)]
-pub struct Claimant {
-    pub host: String,
-    pub pid: i32,
-    pub epoch: i64,
-}
-
-/// A row of the ledger, newest first when read.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Entry {
-    pub scheduled_for: DateTime<Utc>,
-    pub outcome: String,
-    pub exit_code: Option<i32>,
-    pub attempt: i32,
-    pub claimed_at: DateTime<Utc>,
-    pub ended_at: Option<DateTime<Utc>>,
-    pub host: Option<String>,
-    pub pid: Option<i32>,
-    pub backend_pid: Option<i32>,
-    pub epoch: Option<i64>,
-    pub detail: Option<String>,
-    pub schedule: String,
-    pub timezone: String,
-}
-
-/// How a run ended, kept by a leader whose session ended before it could record it.
-#[derive(Clone, Debug, PartialEq)]
-pub struct LateFinish {
-    pub at: DateTime<Utc>,
-    pub epoch: i64,
-    pub attempt: i32,
-    pub outcome: &'static str,
-    pub exit_code: Option<i32>,
-    pub ended_at: DateTime<Utc>,
-}
-
-/// What a claim found.
-#[derive(Clone, Debug, PartialEq)]
-pub enum Claim {
-    /// The occurrence is ours to run; `attempt` is 1, or more for a retried interrupted run.
-    Claimed { attempt: i32 },
-    /// Already claimed (by anyone, this replica included): its outcome so far.
-    Taken { outcome: String },
-    /// A later occurrence is already recorded: this one will never run.
-    Superseded,
-    /// The server's clock has not reached the occurrence yet; it says `server_now`.
-    Early { server_now: DateTime<Utc> },
-}
-
-/// The ledger of one lock, with the statements prepared as text for its table.
-#[derive(Clone, Debug)]
-pub struct Ledger {
+pub struct PgLedger {
+    client: Arc<Client>,
     inner: Arc<Statements>,
 }
 
@@ -193,7 +125,11 @@ pub struct Ledger {
 struct Statements {
     table: TableName,
     lock: LockKey,
-    schedule: Schedule,
+    definition: Definition,
+    /// The application name the user gave, which the session's name starts with.
+    user_name: Option<String>,
+    /// Opens the transaction that bounds one leader-side statement.
+    begin: String,
     claim: String,
     finish: String,
     record: String,
@@ -204,18 +140,34 @@ struct Statements {
     unclaim: String,
 }
 
-impl Ledger {
-    pub fn new(table: TableName, lock: LockKey, schedule: Schedule) -> Ledger {
+impl PgLedger {
+    /// The ledger in `table`, on the session of `client`. Each statement a leader runs is
+    /// bounded by `statement_timeout` (and waits at most as long for a lock on the table), in a
+    /// transaction of its own, so that the bound never outlives it on the session.
+    pub fn new(
+        client: Arc<Client>,
+        table: TableName,
+        lock: LockKey,
+        definition: Definition,
+        user_name: Option<String>,
+        statement_timeout: Duration,
+    ) -> PgLedger {
         let t = table.sql();
+        let bound = statement_timeout.as_millis().max(1);
+        let begin = format!(
+            "BEGIN; SET LOCAL statement_timeout = {bound}; SET LOCAL lock_timeout = {bound}"
+        );
+        let leads_claim = leads("$10", "$11");
         let claim = format!(
             "WITH now AS (SELECT pg_catalog.clock_timestamp() AS t),
+             leads AS (SELECT {leads_claim} AS held),
              existing AS (SELECT outcome FROM {t} WHERE lock_key = $1 AND scheduled_for = $3),
              newer AS (SELECT FROM {t} WHERE lock_key = $1 AND scheduled_for > $3),
              claimed AS (
                INSERT INTO {t} AS l (lock_key, scheduled_for, lock_name, schedule, timezone, outcome,
                                      attempt, claimed_at, host, pid, backend_pid, epoch)
                SELECT $1, $3, $2, $4, $5, 'running', 1, now.t, $6, $7, pg_catalog.pg_backend_pid(), $8
-                 FROM now WHERE now.t >= $3 AND NOT EXISTS (SELECT FROM newer)
+                 FROM now, leads WHERE leads.held AND now.t >= $3 AND NOT EXISTS (SELECT FROM newer)
                ON CONFLICT (lock_key, scheduled_for) DO UPDATE
                   SET outcome = 'running', attempt = l.attempt + 1, claimed_at = EXCLUDED.claimed_at,
                       ended_at = NULL, exit_code = NULL, detail = NULL, host = EXCLUDED.host,
@@ -223,7 +175,7 @@ impl Ledger {
                 WHERE l.outcome = 'interrupted' AND l.attempt <= $9
                RETURNING attempt)
              SELECT (SELECT attempt FROM claimed), (SELECT outcome FROM existing),
-                    EXISTS (SELECT FROM newer), (SELECT t FROM now)"
+                    EXISTS (SELECT FROM newer), (SELECT t FROM now), (SELECT held FROM leads)"
         );
         let finish = format!(
             "WITH done AS (
@@ -239,18 +191,21 @@ impl Ledger {
              SELECT (SELECT count(*) FROM done), (SELECT count(*) FROM pruned)",
             offset = KEEP - 1
         );
+        let leads_record = leads_param(11);
         let record = format!(
             "INSERT INTO {t} (lock_key, scheduled_for, lock_name, schedule, timezone, outcome, detail,
                               claimed_at, ended_at, host, pid, backend_pid, epoch)
              SELECT $1, $3, $2, $4, $5, $6, $7, pg_catalog.clock_timestamp(),
                     pg_catalog.clock_timestamp(), $8, $9, pg_catalog.pg_backend_pid(), $10
               WHERE NOT EXISTS (SELECT FROM {t} WHERE lock_key = $1 AND scheduled_for >= $3)
+                AND {leads_record}
              RETURNING 1"
         );
+        let leads_stale = leads("$2", "$3");
         let interrupt_stale = format!(
             "UPDATE {t} SET outcome = 'interrupted', ended_at = pg_catalog.clock_timestamp(),
                             detail = COALESCE(detail, 'its leader lost the lock while it ran')
-              WHERE lock_key = $1 AND outcome = 'running'
+              WHERE lock_key = $1 AND outcome = 'running' AND {leads_stale}
              RETURNING scheduled_for, host, pid"
         );
         let recent = recent_sql(&table);
@@ -272,11 +227,14 @@ impl Ledger {
         );
         let exists =
             format!("SELECT EXISTS (SELECT FROM {t} WHERE lock_key = $1 AND scheduled_for = $2)");
-        Ledger {
+        PgLedger {
+            client,
             inner: Arc::new(Statements {
                 table,
                 lock,
-                schedule,
+                definition,
+                user_name,
+                begin,
                 claim,
                 finish,
                 record,
@@ -289,252 +247,30 @@ impl Ledger {
         }
     }
 
-    pub fn table(&self) -> &TableName {
-        &self.inner.table
-    }
-
-    pub fn schedule(&self) -> &Schedule {
-        &self.inner.schedule
-    }
-
-    /// Makes sure the table exists and that this role may use it: creates it when missing,
-    /// and says what to run when it cannot. Returns its schema-qualified name.
-    pub async fn prepare(&self, client: &Client) -> Result<String, LedgerError> {
-        let table = &self.inner.table;
-        if resolve(client, table).await?.is_none() {
-            let ddl = table
-                .ddl()
-                .replacen("CREATE TABLE", "CREATE TABLE IF NOT EXISTS", 1);
-            if let Err(err) = client.batch_execute(&ddl).await {
-                // Another replica may have created it at the same moment.
-                if resolve(client, table).await?.is_none() {
-                    return Err(self.explain(&err, "cannot create the ledger table"));
-                }
-            }
-        }
-        let privileges = client
-            .query_typed_one(
-                "SELECT pg_catalog.has_table_privilege($1, 'SELECT') \
-                    AND pg_catalog.has_table_privilege($1, 'INSERT') \
-                    AND pg_catalog.has_table_privilege($1, 'UPDATE') \
-                    AND pg_catalog.has_table_privilege($1, 'DELETE')",
-                &[(&table.sql(), Type::TEXT)],
-            )
-            .await
-            .map_err(query_error)?;
-        if !privileges.get::<_, bool>(0) {
-            let name = table.as_str();
-            return Err(LedgerError::Fatal(format!(
-                "this role may not use the ledger table {name}: it needs SELECT, INSERT, UPDATE \
-                 and DELETE on it (GRANT SELECT, INSERT, UPDATE, DELETE ON {} TO <role>)",
-                table.sql()
-            )));
-        }
-        // A table of another shape fails here, not at the first claim.
-        let one = 1_i64;
-        client
-            .query_typed(
-                &self.inner.recent,
-                &[(&self.inner.lock.key(), Type::INT8), (&one, Type::INT8)],
-            )
-            .await
-            .map_err(|err| self.explain(&err, "the ledger table cannot be read"))?;
-        resolve(client, table).await?.ok_or_else(|| {
-            LedgerError::Query(format!("the ledger table {} vanished", table.as_str()))
-        })
-    }
-
-    /// Marks the runs its previous leaders left `running` as interrupted: whoever holds the
-    /// lock is the only one who can be running anything. Returns them.
-    pub async fn interrupt_stale(
+    /// Runs one leader-side statement in a transaction of its own, bounded by the statement
+    /// timeout: `SET LOCAL` ends with it, so nothing that runs later on the session (the
+    /// checks, a wait for the lock) inherits the bound.
+    ///
+    /// The three requests go out together, in order, in one round trip: each is sent when
+    /// first polled, and a biased join polls them in order in one go, so that nothing else the
+    /// leader sends on the session (a check) can fall inside the transaction. A COMMIT of a
+    /// transaction that failed rolls it back and says so without an error.
+    async fn bounded<T>(
         &self,
-        client: &Client,
-    ) -> Result<Vec<(DateTime<Utc>, Option<String>, Option<i32>)>, LedgerError> {
-        let rows = client
-            .query_typed(
-                &self.inner.interrupt_stale,
-                &[(&self.inner.lock.key(), Type::INT8)],
-            )
-            .await
-            .map_err(|err| self.classify(err))?;
-        Ok(rows
-            .iter()
-            .map(|row| (row.get(0), row.get(1), row.get(2)))
-            .collect())
+        statement: impl Future<Output = Result<T, tokio_postgres::Error>>,
+    ) -> Result<T, LedgerError> {
+        let begin = self.client.batch_execute(&self.inner.begin);
+        let commit = self.client.batch_execute("COMMIT");
+        let (begun, result, ended) = tokio::join!(biased; begin, statement, commit);
+        begun.map_err(query_error)?;
+        let value = result.map_err(|err| self.classify(err))?;
+        ended.map_err(query_error)?;
+        Ok(value)
     }
 
-    /// The newest row of this lock, whatever its definition.
-    pub async fn newest(&self, client: &Client) -> Result<Option<Entry>, LedgerError> {
-        Ok(self.recent(client, 1).await?.into_iter().next())
-    }
-
-    /// The newest `limit` rows of this lock.
-    pub async fn recent(&self, client: &Client, limit: i64) -> Result<Vec<Entry>, LedgerError> {
-        let rows = client
-            .query_typed(
-                &self.inner.recent,
-                &[(&self.inner.lock.key(), Type::INT8), (&limit, Type::INT8)],
-            )
-            .await
-            .map_err(|err| self.classify(err))?;
-        Ok(rows.iter().map(entry).collect())
-    }
-
-    /// Whether a row exists for this occurrence.
-    pub async fn has(&self, client: &Client, at: DateTime<Utc>) -> Result<bool, LedgerError> {
-        Ok(client
-            .query_typed_one(
-                &self.inner.exists,
-                &[
-                    (&self.inner.lock.key(), Type::INT8),
-                    (&at, Type::TIMESTAMPTZ),
-                ],
-            )
-            .await
-            .map_err(|err| self.classify(err))?
-            .get(0))
-    }
-
-    /// Claims an occurrence for this leader, or says why not. `retries` is how many times an
-    /// interrupted run may be started again.
-    pub async fn claim(
-        &self,
-        client: &Client,
-        at: DateTime<Utc>,
-        claimant: &Claimant,
-        retries: i32,
-    ) -> Result<Claim, LedgerError> {
-        let s = &self.inner;
-        let (key, name) = (s.lock.key(), s.lock.name());
-        let (expression, timezone) = (s.schedule.expression(), s.schedule.timezone());
-        let params: [(&(dyn ToSql + Sync), Type); 9] = [
-            (&key, Type::INT8),
-            (&name, Type::TEXT),
-            (&at, Type::TIMESTAMPTZ),
-            (&expression, Type::TEXT),
-            (&timezone, Type::TEXT),
-            (&claimant.host, Type::TEXT),
-            (&claimant.pid, Type::INT4),
-            (&claimant.epoch, Type::INT8),
-            (&retries, Type::INT4),
-        ];
-        let row = client
-            .query_typed_one(&s.claim, &params)
-            .await
-            .map_err(|err| self.classify(err))?;
-        let attempt: Option<i32> = row.get(0);
-        let existing: Option<String> = row.get(1);
-        let newer: bool = row.get(2);
-        let server_now: DateTime<Utc> = row.get(3);
-        Ok(match (attempt, existing) {
-            (Some(attempt), _) => Claim::Claimed { attempt },
-            (None, _) if newer => Claim::Superseded,
-            (None, Some(outcome)) => Claim::Taken { outcome },
-            (None, None) => Claim::Early { server_now },
-        })
-    }
-
-    /// Records how a claimed run ended, and prunes old rows. False if the row was no longer
-    /// this leader's to update.
-    pub async fn finish(
-        &self,
-        client: &Client,
-        finish: &LateFinish,
-        detail: Option<&str>,
-    ) -> Result<bool, LedgerError> {
-        let key = self.inner.lock.key();
-        let params: [(&(dyn ToSql + Sync), Type); 6] = [
-            (&key, Type::INT8),
-            (&finish.at, Type::TIMESTAMPTZ),
-            (&finish.epoch, Type::INT8),
-            (&finish.outcome, Type::TEXT),
-            (&finish.exit_code, Type::INT4),
-            (&detail, Type::TEXT),
-        ];
-        let row = client
-            .query_typed_one(&self.inner.finish, &params)
-            .await
-            .map_err(|err| self.classify(err))?;
-        Ok(row.get::<_, i64>(0) > 0)
-    }
-
-    /// Records, on a later session, how a run ended whose leader lost its session before it
-    /// could. False if the row had moved on (retried by another leader).
-    pub async fn finish_late(
-        &self,
-        client: &Client,
-        late: &LateFinish,
-    ) -> Result<bool, LedgerError> {
-        let key = self.inner.lock.key();
-        let params: [(&(dyn ToSql + Sync), Type); 7] = [
-            (&key, Type::INT8),
-            (&late.at, Type::TIMESTAMPTZ),
-            (&late.epoch, Type::INT8),
-            (&late.outcome, Type::TEXT),
-            (&late.exit_code, Type::INT4),
-            (&late.ended_at, Type::TIMESTAMPTZ),
-            (&late.attempt, Type::INT4),
-        ];
-        let updated = client
-            .execute_typed(&self.inner.late_finish, &params)
-            .await
-            .map_err(|err| self.classify(err))?;
-        Ok(updated > 0)
-    }
-
-    /// Takes back a claim whose command never started (the leadership ended, or pgleader was
-    /// shut down, between the claim and the start), so that the next leader may still run it.
-    pub async fn unclaim(
-        &self,
-        client: &Client,
-        at: DateTime<Utc>,
-        epoch: i64,
-    ) -> Result<(), LedgerError> {
-        let key = self.inner.lock.key();
-        client
-            .execute_typed(
-                &self.inner.unclaim,
-                &[
-                    (&key, Type::INT8),
-                    (&at, Type::TIMESTAMPTZ),
-                    (&epoch, Type::INT8),
-                ],
-            )
-            .await
-            .map_err(|err| self.classify(err))?;
-        Ok(())
-    }
-
-    /// Records an occurrence that did not run (`skipped`, `missed`), unless it or a later one
-    /// is already recorded. True if recorded.
-    pub async fn record(
-        &self,
-        client: &Client,
-        at: DateTime<Utc>,
-        outcome: &str,
-        detail: &str,
-        claimant: &Claimant,
-    ) -> Result<bool, LedgerError> {
-        let s = &self.inner;
-        let (key, name) = (s.lock.key(), s.lock.name());
-        let (expression, timezone) = (s.schedule.expression(), s.schedule.timezone());
-        let params: [(&(dyn ToSql + Sync), Type); 10] = [
-            (&key, Type::INT8),
-            (&name, Type::TEXT),
-            (&at, Type::TIMESTAMPTZ),
-            (&expression, Type::TEXT),
-            (&timezone, Type::TEXT),
-            (&outcome, Type::TEXT),
-            (&detail, Type::TEXT),
-            (&claimant.host, Type::TEXT),
-            (&claimant.pid, Type::INT4),
-            (&claimant.epoch, Type::INT8),
-        ];
-        let rows = client
-            .query_typed(&s.record, &params)
-            .await
-            .map_err(|err| self.classify(err))?;
-        Ok(!rows.is_empty())
+    fn key_params(&self) -> (i64, u32, u32) {
+        let lock = &self.inner.lock;
+        (lock.key(), lock.classid(), lock.objid())
     }
 
     fn classify(&self, err: tokio_postgres::Error) -> LedgerError {
@@ -582,6 +318,275 @@ impl Ledger {
         };
         LedgerError::Fatal(format!("{what} {table}: {}{hint}", describe(err)))
     }
+}
+
+/// [`leads`] with the classid and objid at parameters `$first` and `$first + 1`.
+fn leads_param(first: usize) -> String {
+    leads(&format!("${first}"), &format!("${}", first + 1))
+}
+
+impl Ledger for PgLedger {
+    /// Makes sure the table exists and that this role may use it: creates it when missing,
+    /// and says what to run when it cannot. Returns its schema-qualified name.
+    async fn prepare(&self) -> Result<String, LedgerError> {
+        let (client, table) = (&self.client, &self.inner.table);
+        if resolve(client, table).await?.is_none() {
+            let ddl = table
+                .ddl()
+                .replacen("CREATE TABLE", "CREATE TABLE IF NOT EXISTS", 1);
+            if let Err(err) = client.batch_execute(&ddl).await {
+                // Another replica may have created it at the same moment.
+                if resolve(client, table).await?.is_none() {
+                    return Err(self.explain(&err, "cannot create the ledger table"));
+                }
+            }
+        }
+        let privileges = client
+            .query_typed_one(
+                "SELECT pg_catalog.has_table_privilege($1, 'SELECT') \
+                    AND pg_catalog.has_table_privilege($1, 'INSERT') \
+                    AND pg_catalog.has_table_privilege($1, 'UPDATE') \
+                    AND pg_catalog.has_table_privilege($1, 'DELETE')",
+                &[(&table.sql(), Type::TEXT)],
+            )
+            .await
+            .map_err(query_error)?;
+        if !privileges.get::<_, bool>(0) {
+            let name = table.as_str();
+            return Err(LedgerError::Fatal(format!(
+                "this role may not use the ledger table {name}: it needs SELECT, INSERT, UPDATE \
+                 and DELETE on it (GRANT SELECT, INSERT, UPDATE, DELETE ON {} TO <role>)",
+                table.sql()
+            )));
+        }
+        // A table of another shape fails here, not at the first claim.
+        let one = 1_i64;
+        client
+            .query_typed(
+                &self.inner.recent,
+                &[(&self.inner.lock.key(), Type::INT8), (&one, Type::INT8)],
+            )
+            .await
+            .map_err(|err| self.explain(&err, "the ledger table cannot be read"))?;
+        resolve(client, table).await?.ok_or_else(|| {
+            LedgerError::Query(format!("the ledger table {} vanished", table.as_str()))
+        })
+    }
+
+    async fn announce(&self, fingerprints: &str) -> Result<(), LedgerError> {
+        let name = participant::label(self.inner.user_name.as_deref(), Some(fingerprints));
+        self.client
+            .query_typed(
+                "SELECT pg_catalog.set_config('application_name', $1, false)",
+                &[(&name, Type::TEXT)],
+            )
+            .await
+            .map_err(query_error)?;
+        Ok(())
+    }
+
+    async fn participants(&self) -> Result<Vec<Participant>, LedgerError> {
+        let lock = &self.inner.lock;
+        let rows = self
+            .bounded(self.client.query_typed(
+                &participants_sql(),
+                &[(&lock.classid(), Type::OID), (&lock.objid(), Type::OID)],
+            ))
+            .await?;
+        Ok(rows
+            .iter()
+            .map(|row| Participant {
+                application_name: Some(row.get(0)),
+                backend_pid: row.get(1),
+                granted: row.get(2),
+                ..Participant::default()
+            })
+            .collect())
+    }
+
+    async fn server_time(&self) -> Result<DateTime<Utc>, LedgerError> {
+        server_time(&self.client).await
+    }
+
+    async fn interrupt_stale(&self) -> Result<Vec<StaleRun>, LedgerError> {
+        let (key, classid, objid) = self.key_params();
+        let rows = self
+            .bounded(self.client.query_typed(
+                &self.inner.interrupt_stale,
+                &[
+                    (&key, Type::INT8),
+                    (&classid, Type::OID),
+                    (&objid, Type::OID),
+                ],
+            ))
+            .await?;
+        Ok(rows
+            .iter()
+            .map(|row| (row.get(0), row.get(1), row.get(2)))
+            .collect())
+    }
+
+    async fn recent(&self, limit: i64) -> Result<Vec<Entry>, LedgerError> {
+        let key = self.inner.lock.key();
+        let rows = self
+            .bounded(self.client.query_typed(
+                &self.inner.recent,
+                &[(&key, Type::INT8), (&limit, Type::INT8)],
+            ))
+            .await?;
+        Ok(rows.iter().map(entry).collect())
+    }
+
+    async fn has(&self, at: DateTime<Utc>) -> Result<bool, LedgerError> {
+        let key = self.inner.lock.key();
+        let row = self
+            .bounded(self.client.query_typed_one(
+                &self.inner.exists,
+                &[(&key, Type::INT8), (&at, Type::TIMESTAMPTZ)],
+            ))
+            .await?;
+        Ok(row.get(0))
+    }
+
+    async fn claim(
+        &self,
+        at: DateTime<Utc>,
+        claimant: &Claimant,
+        retries: i32,
+    ) -> Result<Claim, LedgerError> {
+        let s = &self.inner;
+        let (key, classid, objid) = self.key_params();
+        let name = s.lock.name();
+        let (expression, timezone) = (&s.definition.expression, &s.definition.timezone);
+        let params: [(&(dyn ToSql + Sync), Type); 11] = [
+            (&key, Type::INT8),
+            (&name, Type::TEXT),
+            (&at, Type::TIMESTAMPTZ),
+            (expression, Type::TEXT),
+            (timezone, Type::TEXT),
+            (&claimant.host, Type::TEXT),
+            (&claimant.pid, Type::INT4),
+            (&claimant.epoch, Type::INT8),
+            (&retries, Type::INT4),
+            (&classid, Type::OID),
+            (&objid, Type::OID),
+        ];
+        let row = self
+            .bounded(self.client.query_typed_one(&s.claim, &params))
+            .await?;
+        let attempt: Option<i32> = row.get(0);
+        let existing: Option<String> = row.get(1);
+        let newer: bool = row.get(2);
+        let server_now: DateTime<Utc> = row.get(3);
+        let held: bool = row.get(4);
+        Ok(match (attempt, existing) {
+            (Some(attempt), _) => Claim::Claimed { attempt },
+            (None, _) if !held => Claim::NotLeader,
+            (None, _) if newer => Claim::Superseded,
+            (None, Some(outcome)) => Claim::Taken { outcome },
+            (None, None) => Claim::Early { server_now },
+        })
+    }
+
+    async fn finish(&self, finish: &LateFinish, detail: Option<&str>) -> Result<bool, LedgerError> {
+        let key = self.inner.lock.key();
+        let params: [(&(dyn ToSql + Sync), Type); 6] = [
+            (&key, Type::INT8),
+            (&finish.at, Type::TIMESTAMPTZ),
+            (&finish.epoch, Type::INT8),
+            (&finish.outcome, Type::TEXT),
+            (&finish.exit_code, Type::INT4),
+            (&detail, Type::TEXT),
+        ];
+        let row = self
+            .bounded(self.client.query_typed_one(&self.inner.finish, &params))
+            .await?;
+        Ok(row.get::<_, i64>(0) > 0)
+    }
+
+    async fn finish_late(&self, late: &LateFinish) -> Result<bool, LedgerError> {
+        let key = self.inner.lock.key();
+        let params: [(&(dyn ToSql + Sync), Type); 7] = [
+            (&key, Type::INT8),
+            (&late.at, Type::TIMESTAMPTZ),
+            (&late.epoch, Type::INT8),
+            (&late.outcome, Type::TEXT),
+            (&late.exit_code, Type::INT4),
+            (&late.ended_at, Type::TIMESTAMPTZ),
+            (&late.attempt, Type::INT4),
+        ];
+        let updated = self
+            .client
+            .execute_typed(&self.inner.late_finish, &params)
+            .await
+            .map_err(|err| self.classify(err))?;
+        Ok(updated > 0)
+    }
+
+    async fn unclaim(&self, at: DateTime<Utc>, epoch: i64) -> Result<(), LedgerError> {
+        let key = self.inner.lock.key();
+        self.bounded(self.client.execute_typed(
+            &self.inner.unclaim,
+            &[
+                (&key, Type::INT8),
+                (&at, Type::TIMESTAMPTZ),
+                (&epoch, Type::INT8),
+            ],
+        ))
+        .await?;
+        Ok(())
+    }
+
+    async fn record(
+        &self,
+        at: DateTime<Utc>,
+        outcome: &str,
+        detail: &str,
+        claimant: &Claimant,
+    ) -> Result<bool, LedgerError> {
+        let s = &self.inner;
+        let (key, classid, objid) = self.key_params();
+        let name = s.lock.name();
+        let (expression, timezone) = (&s.definition.expression, &s.definition.timezone);
+        let params: [(&(dyn ToSql + Sync), Type); 12] = [
+            (&key, Type::INT8),
+            (&name, Type::TEXT),
+            (&at, Type::TIMESTAMPTZ),
+            (expression, Type::TEXT),
+            (timezone, Type::TEXT),
+            (&outcome, Type::TEXT),
+            (&detail, Type::TEXT),
+            (&claimant.host, Type::TEXT),
+            (&claimant.pid, Type::INT4),
+            (&claimant.epoch, Type::INT8),
+            (&classid, Type::OID),
+            (&objid, Type::OID),
+        ];
+        let rows = self
+            .bounded(self.client.query_typed(&s.record, &params))
+            .await?;
+        Ok(!rows.is_empty())
+    }
+}
+
+/// The other sessions that hold or wait for the lock, with their names.
+fn participants_sql() -> String {
+    format!(
+        "SELECT COALESCE(a.application_name, ''), l.pid, l.granted
+           FROM {LOCK_ROWS}
+           JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid
+          WHERE {} AND l.pid <> pg_catalog.pg_backend_pid()",
+        this_lock("$1", "$2")
+    )
+}
+
+/// The server's clock now.
+pub async fn server_time(client: &Client) -> Result<DateTime<Utc>, LedgerError> {
+    Ok(client
+        .query_typed_one("SELECT pg_catalog.clock_timestamp()", &[])
+        .await
+        .map_err(query_error)?
+        .get(0))
 }
 
 /// The table's schema-qualified name, `None` when it does not exist (as the session's

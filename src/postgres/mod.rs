@@ -1,7 +1,122 @@
-//! PostgreSQL: the first backend behind the election's boundary.
+//! PostgreSQL, the first backend behind the election's boundary (`election/`): the lock is a
+//! session-level advisory lock, the fencing token a transaction id, the lease the server's own
+//! keepalives and `idle_session_timeout` on pgleader's session, and the ledger a table.
+//!
+//! What only PostgreSQL needs lives here: connection settings read the way libpq reads them
+//! ([`conninfo`], `.pgpass` included), TLS through rustls ([`tls`]), the session and its
+//! set-up, standby and pooler checks ([`session`]), the oldest supported server
+//! ([`version`]), how statements name the lock in `pg_locks` ([`locks`]), the ledger table
+//! ([`ledger`]) and what `status` reads ([`observer`]).
 
 pub mod conninfo;
+pub mod describe;
 pub mod ledger;
+pub mod locks;
+pub mod observer;
 pub mod session;
 pub mod tls;
 pub mod version;
+
+use std::fmt;
+
+use crate::election::lease::Lease;
+use crate::election::lock::LockKey;
+use crate::election::participant;
+use crate::election::{Backend, ConnectError};
+use conninfo::ConnSettings;
+use ledger::TableName;
+use observer::PgObserver;
+use session::{LedgerSettings, PgSession};
+
+/// A PostgreSQL server (or several, for a failover-aware URL), the lock and the settings of
+/// pgleader's sessions.
+#[derive(Clone, Debug)]
+pub struct PgBackend {
+    pub settings: ConnSettings,
+    pub lock: LockKey,
+    pub lease: Lease,
+    pub ledger: LedgerSettings,
+}
+
+impl PgBackend {
+    /// `ledger_statement_timeout` bounds each of a leader's ledger statements (see
+    /// [`LedgerSettings`]).
+    pub fn new(
+        settings: ConnSettings,
+        lock: LockKey,
+        lease: Lease,
+        table: TableName,
+        ledger_statement_timeout: std::time::Duration,
+    ) -> PgBackend {
+        let user_name = settings.application_name.clone();
+        PgBackend {
+            settings,
+            lock,
+            lease,
+            ledger: LedgerSettings {
+                table,
+                user_name,
+                statement_timeout: ledger_statement_timeout,
+            },
+        }
+    }
+}
+
+impl PgBackend {
+    /// A backend that only observes (`pgleader status`): it opens no election session, so its
+    /// lease and statement bound are never used.
+    pub fn for_status(settings: ConnSettings, lock: LockKey, table: TableName) -> PgBackend {
+        PgBackend::new(
+            settings,
+            lock,
+            Lease::new(std::time::Duration::ZERO),
+            table,
+            std::time::Duration::ZERO,
+        )
+    }
+}
+
+impl fmt::Display for PgBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.settings.fmt(f)
+    }
+}
+
+impl Backend for PgBackend {
+    type Session = PgSession;
+    type Observer = PgObserver;
+
+    async fn connect(&self, name: &str) -> Result<PgSession, ConnectError> {
+        PgSession::connect(
+            &self.settings,
+            name,
+            &self.lease,
+            self.lock.clone(),
+            self.ledger.clone(),
+        )
+        .await
+    }
+
+    async fn observe(&self) -> Result<PgObserver, ConnectError> {
+        let name = participant::label(Some("pgleader-status"), None);
+        PgObserver::connect(
+            &self.settings,
+            &name,
+            self.lock.clone(),
+            self.ledger.table.clone(),
+        )
+        .await
+    }
+
+    fn password_hint(&self, reason: &str) -> String {
+        if !reason.contains("password") {
+            return String::new();
+        }
+        match &self.settings.password_source {
+            Some(source) => format!(" (the password came from {source})"),
+            None => {
+                " (no password was given: set one in ~/.pgpass, PGPASSWORD or the URL)".to_owned()
+            }
+        }
+    }
+}

@@ -12,81 +12,55 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use chrono::{DateTime, Utc};
-
-use thiserror::Error;
 use tokio::task::JoinHandle;
 use tokio_postgres::Client;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::Type;
 
 use crate::election::lease::Lease;
+use crate::election::ledger::Definition;
 use crate::election::lock::LockKey;
+use crate::election::{Check, Confirmation, ConnectError, Fence, Session, SessionError};
 use crate::postgres::conninfo::{
     ChannelBinding, ConnSettings, Host, TargetSessionAttrs, TlsSettings,
 };
+use crate::postgres::describe::describe;
+use crate::postgres::ledger::{PgLedger, TableName};
+use crate::postgres::locks::held_here;
 use crate::postgres::tls;
 use crate::postgres::version::{self, Support};
 
-/// Why a connection attempt failed, sorted by whether trying again can help.
-#[derive(Debug, Error)]
-pub enum ConnectError {
-    /// Authentication failed, the database or role does not exist, the settings are wrong:
-    /// retrying would only hammer the server.
-    #[error("{0}")]
-    Permanent(String),
-    /// The server is down, unreachable, restarting, overloaded: try again later.
-    #[error("{0}")]
-    Transient(String),
-    /// The server is a standby (in recovery): never lead through it.
-    #[error(
-        "the server is a standby (in recovery); pgleader leads only through a writable primary"
-    )]
-    Standby,
-}
+/// Why leading through a standby is refused (and retried: a failover may promote it).
+const STANDBY: &str =
+    "the server is a standby (in recovery); pgleader leads only through a writable primary";
 
-/// A failure on an established session.
-#[derive(Debug, Error)]
-pub enum SessionError {
-    #[error("{0}")]
-    Query(String),
-    /// The session does not keep its server process: a transaction-mode pooler.
-    #[error(
+/// Why leading through a transaction pooler is refused, with the evidence.
+fn pooler(evidence: &str) -> String {
+    format!(
         "{evidence}: the connection goes through a transaction-pooling proxy (such as PgBouncer \
          in transaction mode), where advisory locks leak or vanish. Connect directly to \
          PostgreSQL or through a session-mode pool"
-    )]
-    Pooler { evidence: String },
+    )
 }
 
-/// See [`Session::fence`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Fence {
-    /// The fencing token handed to the command as PGLEADER_EPOCH.
-    pub epoch: i64,
-    /// The server's clock when it handed out the token.
-    pub server_time: DateTime<Utc>,
-    /// How long ago the server last started or reset after a crash.
-    pub since_server_reset: Duration,
+/// What a leader's ledger statements need from the backend's settings.
+#[derive(Clone, Debug)]
+pub struct LedgerSettings {
+    pub table: TableName,
+    /// The application name the user gave (the session's name starts with it).
+    pub user_name: Option<String>,
+    /// How long one of a leader's ledger statements may wait: well under --check-timeout, so
+    /// that the checks, which share the session, are not held up past their deadline.
+    pub statement_timeout: Duration,
 }
 
-/// What a leader's check found.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Confirmation {
-    Held,
-    NotHeld,
-}
-
-/// A check's answer: whether the lock is still held, and the server's clock when it looked.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Check {
-    pub confirmation: Confirmation,
-    pub server_time: DateTime<Utc>,
-}
-
-/// An open session, with the task that drives its connection.
+/// An open session for one lock, with the task that drives its connection.
 #[derive(Debug)]
-pub struct Session {
+pub struct PgSession {
+    lock: LockKey,
+    /// Bounds `pg_try_advisory_lock` (`--no-wait`, timers).
+    try_timeout: Duration,
+    ledger: LedgerSettings,
     client: Arc<Client>,
     connection: ConnectionTask,
     backend_pid: i32,
@@ -94,7 +68,7 @@ pub struct Session {
     connected_at: Instant,
 }
 
-impl Drop for Session {
+impl Drop for PgSession {
     fn drop(&mut self) {
         // Closing the socket is what frees the session's locks on the server; do not wait for
         // in-flight queries (a blocked pg_advisory_lock would never finish).
@@ -106,20 +80,24 @@ const SETUP_IDENTITY: &str = "SELECT pg_catalog.pg_backend_pid(), pg_catalog.pg_
 const WAIT_SQL: &str = "SELECT pg_catalog.pg_advisory_lock($1), pg_catalog.pg_backend_pid()";
 const TRY_SQL: &str = "SELECT pg_catalog.pg_try_advisory_lock($1), pg_catalog.pg_backend_pid()";
 const UNLOCK_SQL: &str = "SELECT pg_catalog.pg_advisory_unlock($1)";
-const CONFIRM_SQL: &str = "SELECT pg_catalog.pg_backend_pid(), pg_catalog.clock_timestamp(), EXISTS (\
-       SELECT FROM pg_catalog.pg_locks \
-       WHERE locktype = 'advisory' AND granted AND pid = pg_catalog.pg_backend_pid() \
-         AND database = (SELECT oid FROM pg_catalog.pg_database \
-                         WHERE datname = pg_catalog.current_database()) \
-         AND classid = $1 AND objid = $2 AND objsubid = 1)";
 
-impl Session {
+/// The leader's check: this backend (the same as ever) holds the lock, and the server's clock.
+fn confirm_sql() -> String {
+    format!(
+        "SELECT pg_catalog.pg_backend_pid(), pg_catalog.clock_timestamp(), {}",
+        held_here("$1", "$2")
+    )
+}
+
+impl PgSession {
     /// Connects, applies the session settings, and checks the server is a primary.
     pub async fn connect(
         settings: &ConnSettings,
         application_name: &str,
         lease: &Lease,
-    ) -> Result<Session, ConnectError> {
+        lock: LockKey,
+        ledger: LedgerSettings,
+    ) -> Result<PgSession, ConnectError> {
         let config = driver_config(settings, application_name, Some(lease))?;
         let budget = connect_budget(settings);
         let (client, connection, server_major) = open(&config, &settings.tls, budget).await?;
@@ -135,7 +113,10 @@ impl Session {
                 );
             });
         }
-        let mut session = Session {
+        let mut session = PgSession {
+            lock,
+            try_timeout: settings.connect_timeout,
+            ledger,
             client: Arc::new(client),
             connection,
             backend_pid: 0,
@@ -153,7 +134,7 @@ impl Session {
             .map_err(classify)?;
         let in_recovery: bool = row.get(1);
         if in_recovery {
-            return Err(ConnectError::Standby);
+            return Err(ConnectError::Transient(STANDBY.to_owned()));
         }
         session.backend_pid = row.get(0);
         session
@@ -207,23 +188,28 @@ impl Session {
             _ if again != self.backend_pid => moved(self.backend_pid, again),
             _ => return Ok(()),
         };
-        Err(ConnectError::Permanent(
-            SessionError::Pooler { evidence }.to_string(),
-        ))
+        Err(ConnectError::Permanent(pooler(&evidence)))
     }
+}
+
+impl Session for PgSession {
+    type Ledger = PgLedger;
 
     /// The pid of the server process behind this session.
-    pub fn backend_pid(&self) -> i32 {
+    fn id(&self) -> i32 {
         self.backend_pid
     }
 
     /// The server's major version (15 for 15.4), 0 if unknown.
-    pub fn server_major(&self) -> u32 {
+    fn server_version(&self) -> u32 {
         self.server_major
     }
 
-    /// A future that completes when the connection has ended, with the reason.
-    pub async fn ended(&mut self) -> String {
+    fn age(&self) -> Duration {
+        self.connected_at.elapsed()
+    }
+
+    async fn ended(&mut self) -> String {
         match (&mut self.connection).await {
             Ok(Ok(())) => "the server closed the connection".to_owned(),
             Ok(Err(err)) => describe(&err),
@@ -232,12 +218,9 @@ impl Session {
     }
 
     /// Blocks until the lock is granted (no polling: the server queues waiters in order).
-    pub fn wait_for_lock(
-        &self,
-        key: &LockKey,
-    ) -> impl Future<Output = Result<(), SessionError>> + 'static {
+    fn wait(&self) -> impl Future<Output = Result<(), SessionError>> + 'static {
         let client = self.client.clone();
-        let (expected, key) = (self.backend_pid, key.key());
+        let (expected, key) = (self.backend_pid, self.lock.key());
         async move {
             let row = client
                 .query_typed(WAIT_SQL, &[(&key, Type::INT8)])
@@ -250,12 +233,15 @@ impl Session {
         }
     }
 
-    /// Takes the lock if it is free; false if someone else holds it.
-    pub async fn try_lock(&self, key: &LockKey) -> Result<bool, SessionError> {
-        let rows = self
-            .client
-            .query_typed(TRY_SQL, &[(&key.key(), Type::INT8)])
+    async fn try_acquire(&self) -> Result<bool, SessionError> {
+        let key = self.lock.key();
+        let params: [(&(dyn tokio_postgres::types::ToSql + Sync), Type); 1] = [(&key, Type::INT8)];
+        let attempt = self.client.query_typed(TRY_SQL, &params);
+        let rows = tokio::time::timeout(self.try_timeout, attempt)
             .await
+            .map_err(|_| {
+                SessionError::Query("no answer from the server to pg_try_advisory_lock".into())
+            })?
             .map_err(query_error)?;
         let row = rows
             .first()
@@ -266,15 +252,15 @@ impl Session {
 
     /// Checks, on this session, that it still holds the lock: the right `pg_locks` row, held by
     /// this very backend.
-    pub fn confirm(
-        &self,
-        key: &LockKey,
-    ) -> impl Future<Output = Result<Check, SessionError>> + 'static {
+    fn confirm(&self) -> impl Future<Output = Result<Check, SessionError>> + 'static {
         let client = self.client.clone();
-        let (expected, classid, objid) = (self.backend_pid, key.classid(), key.objid());
+        let (expected, classid, objid) = (self.backend_pid, self.lock.classid(), self.lock.objid());
         async move {
             let rows = client
-                .query_typed(CONFIRM_SQL, &[(&classid, Type::OID), (&objid, Type::OID)])
+                .query_typed(
+                    &confirm_sql(),
+                    &[(&classid, Type::OID), (&objid, Type::OID)],
+                )
                 .await
                 .map_err(query_error)?;
             let row = rows
@@ -306,7 +292,7 @@ impl Session {
     /// The server freed every lock when it last started, or when it last reset after the crash
     /// of one of its processes, which also resets the shared statistics (the bgwriter's
     /// `stats_reset`, readable by any role).
-    pub async fn fence(&self) -> Result<Fence, SessionError> {
+    async fn fence(&self) -> Result<Fence, SessionError> {
         // pg_current_xact_id: PostgreSQL 13 or later, which `version` already demands.
         const FENCE_SQL: &str = "SELECT pg_catalog.pg_current_xact_id()::text::int8, \
                     pg_catalog.pg_logical_emit_message(true, 'pgleader', 'epoch') IS NOT NULL, \
@@ -327,20 +313,9 @@ impl Session {
         })
     }
 
-    /// The driver's client, for statements a leader runs on its own session (the ledger's).
-    pub fn client(&self) -> Arc<Client> {
-        self.client.clone()
-    }
-
-    /// How long ago this session was established.
-    pub fn age(&self) -> Duration {
-        self.connected_at.elapsed()
-    }
-
-    /// Releases the lock explicitly (so the next waiter is granted it now), then closes. An
-    /// error means the lock was not released by this call; closing the session frees it anyway.
-    pub async fn release(self, key: &LockKey, timeout: Duration) -> Result<(), SessionError> {
-        let key = key.key();
+    /// Releases the lock explicitly (so the next waiter is granted it now), then closes.
+    async fn release(self, timeout: Duration) -> Result<(), SessionError> {
+        let key = self.lock.key();
         let params: [(&(dyn tokio_postgres::types::ToSql + Sync), Type); 1] = [(&key, Type::INT8)];
         let unlock = self.client.query_typed(UNLOCK_SQL, &params);
         match tokio::time::timeout(timeout, unlock).await {
@@ -354,6 +329,17 @@ impl Session {
                 humantime::format_duration(timeout)
             ))),
         }
+    }
+
+    fn ledger(&self, definition: &Definition) -> PgLedger {
+        PgLedger::new(
+            self.client.clone(),
+            self.ledger.table.clone(),
+            self.lock.clone(),
+            definition.clone(),
+            self.ledger.user_name.clone(),
+            self.ledger.statement_timeout,
+        )
     }
 }
 
@@ -488,7 +474,7 @@ fn driver_config(
 
 /// The statements that prepare a session, sent in one round trip. Waiting for the lock must
 /// never time out on the server's side; the lease settings bound how long the server keeps
-/// the lock of a leader that vanished (see `lease.rs`); the epoch's commit must reach disk
+/// the lock of a leader that vanished (see `election/lease.rs`); the epoch's commit must reach disk
 /// (and a synchronous standby, if there is one) even where the server's default is
 /// `synchronous_commit = off`.
 fn setup_sql(lease: &Lease, server_major: u32) -> String {
@@ -533,9 +519,7 @@ fn same_backend(expected: i32, seen: i32) -> Result<(), SessionError> {
     if expected == seen {
         Ok(())
     } else {
-        Err(SessionError::Pooler {
-            evidence: moved(expected, seen),
-        })
+        Err(SessionError::Unsafe(pooler(&moved(expected, seen))))
     }
 }
 
@@ -566,31 +550,6 @@ fn classify(err: tokio_postgres::Error) -> ConnectError {
     } else {
         ConnectError::Transient(message)
     }
-}
-
-/// One line describing a driver error: the server's own message and SQLSTATE when there is
-/// one, else the chain of causes.
-pub fn describe(err: &tokio_postgres::Error) -> String {
-    if let Some(db) = err.as_db_error() {
-        let mut line = format!(
-            "{}: {} (SQLSTATE {})",
-            db.severity(),
-            db.message(),
-            db.code().code()
-        );
-        if let Some(detail) = db.detail() {
-            line.push_str(&format!("; {}", detail.replace('\n', " ")));
-        }
-        return line;
-    }
-    let mut line = err.to_string();
-    let mut source = std::error::Error::source(err);
-    while let Some(cause) = source {
-        line.push_str(": ");
-        line.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    line.replace('\n', " ")
 }
 
 #[cfg(test)]

@@ -38,8 +38,8 @@ use tokio_postgres::{Client, Connection, Socket};
 use tokio_postgres_rustls::MakeRustlsConnect;
 use tracing::warn;
 
+use crate::election::ConnectError;
 use crate::postgres::conninfo::{ConnSettings, Host, SslMode, TlsSettings};
-use crate::postgres::session::ConnectError;
 
 /// The driver's connector: rustls under tokio-postgres.
 pub type Connector = MakeRustlsConnect;

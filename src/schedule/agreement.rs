@@ -7,8 +7,9 @@
 //!
 //! - the ledger's newest row, which says which definition ran last: the *established* one;
 //! - the sessions that hold or wait for the lock right now: each scheduled pgleader puts the
-//!   fingerprint of its definition, and of the ledger table it records runs in, in its
-//!   `application_name` (`pgleader#1a2b3c4d5e6f7a8b:<pid>@<host>`: schedule, then ledger).
+//!   fingerprint of its definition, and of the ledger it records runs in, in its session's name
+//!   (`pgleader#1a2b3c4d5e6f7a8b:<pid>@<host>`: schedule, then ledger; see
+//!   `election/participant.rs`), which the ledger's `participants` reads.
 //!
 //! The rules, applied by a leader before it claims an occurrence:
 //!
@@ -24,54 +25,9 @@
 
 use std::fmt::Write as _;
 
-use tokio_postgres::Client;
-use tokio_postgres::types::Type;
-
-use crate::election::lock::LockKey;
-use crate::postgres::ledger::{Entry, LedgerError};
-use crate::postgres::session::describe;
+use crate::election::ledger::Entry;
+use crate::election::participant::Participant;
 use crate::schedule::calendar::fingerprint_of;
-
-/// Another session on the lock, as `pg_stat_activity` shows it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Participant {
-    pub application_name: String,
-    pub backend_pid: i32,
-}
-
-impl Participant {
-    /// The schedule fingerprint the session announces, if it is a scheduled pgleader.
-    pub fn fingerprint(&self) -> Option<&str> {
-        fingerprint_in(&self.application_name).map(|(schedule, _)| schedule)
-    }
-
-    /// The ledger table's fingerprint it announces, once it has prepared its ledger.
-    pub fn ledger_fingerprint(&self) -> Option<&str> {
-        fingerprint_in(&self.application_name).and_then(|(_, ledger)| ledger)
-    }
-
-    pub fn describe(&self) -> String {
-        format!(
-            "{} (backend pid {})",
-            self.application_name, self.backend_pid
-        )
-    }
-}
-
-/// The fingerprints in an application name `<name>#<schedule>[<ledger>]:<pid>@<host>`: the
-/// schedule's eight hex digits, then the ledger table's once the session has prepared it.
-pub fn fingerprint_in(application_name: &str) -> Option<(&str, Option<&str>)> {
-    let (name, _) = application_name.rsplit_once(':')?;
-    let (_, fingerprint) = name.rsplit_once('#')?;
-    if !fingerprint.chars().all(|c| c.is_ascii_hexdigit()) {
-        return None;
-    }
-    match fingerprint.len() {
-        8 => Some((fingerprint, None)),
-        16 => Some((&fingerprint[..8], Some(&fingerprint[8..]))),
-        _ => None,
-    }
-}
 
 /// The live replicas that record this lock's runs in another ledger table than `own` (a
 /// table fingerprint): a configuration error, which would let an occurrence run once in each.
@@ -180,39 +136,9 @@ fn list(participants: &[&Participant]) -> String {
         if i > 0 {
             text.push_str(", ");
         }
-        let _ = write!(text, "{}", p.describe());
+        let _ = write!(text, "{}", p.describe_briefly());
     }
     text
-}
-
-const PARTICIPANTS_SQL: &str = "\
-SELECT COALESCE(a.application_name, ''), l.pid
-  FROM pg_catalog.pg_locks l
-  JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid
- WHERE l.locktype = 'advisory'
-   AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database())
-   AND l.classid = $1 AND l.objid = $2 AND l.objsubid = 1
-   AND l.pid <> pg_catalog.pg_backend_pid()";
-
-/// The other sessions that hold or wait for the lock.
-pub async fn participants(
-    client: &Client,
-    lock: &LockKey,
-) -> Result<Vec<Participant>, LedgerError> {
-    let rows = client
-        .query_typed(
-            PARTICIPANTS_SQL,
-            &[(&lock.classid(), Type::OID), (&lock.objid(), Type::OID)],
-        )
-        .await
-        .map_err(|err| LedgerError::Query(describe(&err)))?;
-    Ok(rows
-        .iter()
-        .map(|row| Participant {
-            application_name: row.get(0),
-            backend_pid: row.get(1),
-        })
-        .collect())
 }
 
 #[cfg(test)]
@@ -242,26 +168,13 @@ mod tests {
 
     fn replica(schedule: &str, timezone: &str, pid: i32) -> Participant {
         Participant {
-            application_name: format!(
+            application_name: Some(format!(
                 "pgleader#{}:{pid}@host-{pid}",
                 fingerprint_of(schedule, timezone)
-            ),
+            )),
             backend_pid: pid,
+            ..Participant::default()
         }
-    }
-
-    #[test]
-    fn reads_the_fingerprint_from_the_application_name() {
-        assert_eq!(
-            fingerprint_in("pgleader#0a1b2c3d:42@web-1"),
-            Some(("0a1b2c3d", None))
-        );
-        assert_eq!(
-            fingerprint_in("billing:x#0a1b2c3d99887766:42@web-1"),
-            Some(("0a1b2c3d", Some("99887766")))
-        );
-        assert_eq!(fingerprint_in("pgleader:42@web-1"), None);
-        assert_eq!(fingerprint_in("pgleader#xyz:42@web-1"), None);
     }
 
     #[test]

@@ -8,7 +8,7 @@
 //! a sleep on the monotonic clock, which neither the host's wall clock nor its corrections
 //! move. Every new sample replaces the mapping, so drift between the two clocks never
 //! accumulates beyond one check interval; and the claim itself refuses to run early on the
-//! server's own clock (see `ledger.rs`).
+//! server's own clock (see `election/ledger.rs`).
 
 use std::time::{Duration, SystemTime};
 

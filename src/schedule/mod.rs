@@ -4,9 +4,10 @@
 //!
 //! The supervisor still elects the leader and owns the command; this module answers its one
 //! question, "what is the next occurrence, and may I run it?", and records what became of
-//! each: [`calendar`] computes occurrences, [`clock`] follows the server's clock, [`ledger`]
-//! claims and records them in a table on the leader's own session, [`agreement`] checks that
-//! the replicas agree on the schedule, and [`runs`] puts these together for one leadership.
+//! each: [`calendar`] computes occurrences, [`clock`] follows the server's clock, [`agreement`]
+//! checks that the replicas agree on the schedule, and [`runs`] puts these together for one
+//! leadership. The ledger that claims and records occurrences is the backend's, behind the
+//! contract of `election/ledger.rs`, on the leader's own session; nothing here knows SQL.
 
 pub mod agreement;
 pub mod calendar;
@@ -14,19 +15,19 @@ pub mod clock;
 pub mod report;
 pub mod runs;
 
+use std::rc::Rc;
 use std::time::Duration;
 
+use chrono::{DateTime, Utc};
 use tokio::time::Instant;
-use tokio_postgres::Client;
-use tokio_postgres::types::Type;
 use tracing::warn;
 
+use crate::election::ledger::{Definition, LateFinish, Ledger, LedgerError};
 use crate::election::lock::LockKey;
-use crate::postgres::ledger::{LateFinish, Ledger, LedgerError, TableName, table_fingerprint};
-use crate::postgres::session::describe;
 use calendar::Schedule;
 
-/// Everything `--schedule` and its companion options configure.
+/// Everything `--schedule` and its companion options configure (where the ledger lives is the
+/// backend's business).
 #[derive(Clone, Debug)]
 pub struct Plan {
     pub schedule: Schedule,
@@ -34,39 +35,125 @@ pub struct Plan {
     pub catch_up: Duration,
     /// How many times an interrupted run is started again (`--retry-interrupted`).
     pub retry_interrupted: u32,
-    pub table: TableName,
     /// `--once`: a timer's single run, rather than a service's every run.
     pub once: bool,
-    /// How long a ledger statement may wait (for a lock on the table, a synchronous standby)
-    /// before it is rolled back and tried again: well under --check-timeout, so that the
-    /// leader's checks, which share its session, are not held up past their deadline.
-    pub statement_timeout: Duration,
+    /// How long to wait before trying again a ledger statement that was rolled back for
+    /// waiting too long (the backend bounds each statement by about as much).
+    pub busy_retry: Duration,
+}
+
+impl Plan {
+    /// The definition the ledger records.
+    pub fn definition(&self) -> Definition {
+        Definition {
+            expression: self.schedule.expression().to_owned(),
+            timezone: self.schedule.timezone().to_owned(),
+        }
+    }
+}
+
+/// What became of one occurrence of a schedule (`--schedule`): the `outcome` label of
+/// `pgleader_scheduled_runs_total`. All but `busy` are the outcomes the ledger records; each is
+/// counted by the instance that recorded it, so the sum over the fleet matches the ledger.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScheduledOutcome {
+    /// The command ran and exited 0.
+    Succeeded,
+    /// The command ran and exited otherwise.
+    Failed,
+    /// The run was stopped before it ended (shutdown, lost leadership), or its leader vanished
+    /// while it ran (recorded by the next leader).
+    Interrupted,
+    /// Its time came while the previous run still ran.
+    Skipped,
+    /// It came while no leader could run it, longer ago than --catch-up.
+    Missed,
+    /// A timer (--once) found its occurrence claimed by another replica and did not run it.
+    Busy,
+}
+
+impl ScheduledOutcome {
+    pub const ALL: [ScheduledOutcome; 6] = [
+        ScheduledOutcome::Succeeded,
+        ScheduledOutcome::Failed,
+        ScheduledOutcome::Interrupted,
+        ScheduledOutcome::Skipped,
+        ScheduledOutcome::Missed,
+        ScheduledOutcome::Busy,
+    ];
+
+    /// The outcome of a ledger row (`skipped`, `missed`, ...); `None` for `running`.
+    pub fn from_ledger(outcome: &str) -> Option<ScheduledOutcome> {
+        ScheduledOutcome::ALL
+            .into_iter()
+            .find(|known| known.as_str() == outcome)
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ScheduledOutcome::Succeeded => "succeeded",
+            ScheduledOutcome::Failed => "failed",
+            ScheduledOutcome::Interrupted => "interrupted",
+            ScheduledOutcome::Skipped => "skipped",
+            ScheduledOutcome::Missed => "missed",
+            ScheduledOutcome::Busy => "busy",
+        }
+    }
+}
+
+/// One occurrence of the schedule as this instance saw it recorded, for `/status`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunView {
+    pub scheduled_for: DateTime<Utc>,
+    /// `None` while it runs.
+    pub outcome: Option<ScheduledOutcome>,
+    pub exit_code: Option<i32>,
+    pub attempt: Option<i32>,
+    pub claimed_at: Option<DateTime<Utc>>,
+    pub ended_at: Option<DateTime<Utc>>,
+    /// The host of the pgleader that ran it.
+    pub host: Option<String>,
+}
+
+/// Where runs and outcomes go for the HTTP endpoint (the supervisor passes its telemetry's).
+#[derive(Clone)]
+pub struct Publish(pub Rc<dyn Fn(RunView)>);
+
+impl Publish {
+    pub fn run(&self, run: RunView) {
+        (self.0)(run);
+    }
+}
+
+impl std::fmt::Debug for Publish {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Publish")
+    }
 }
 
 /// What a new session learnt while preparing the ledger.
 #[derive(Debug, Default)]
 pub struct Prepared {
-    /// A live replica of the lock that records its runs in another ledger table.
+    /// A live replica of the lock that records its runs in another ledger.
     pub foreign_ledger: Option<String>,
-    /// The fingerprint of this replica's ledger table (schema-qualified).
+    /// The fingerprint of this replica's ledger (its location, schema-qualified on
+    /// PostgreSQL).
     pub ledger_fingerprint: String,
 }
 
-/// Prepares a new session, before it joins the election: makes sure the ledger table exists
-/// and may be used, records a run whose outcome the previous session could not (`late`),
-/// looks for replicas that record the lock's runs in another table, and announces this
-/// replica's schedule and ledger in its `application_name`.
-pub async fn prepare(
+/// Prepares a new session's ledger, before the session joins the election: makes sure the
+/// ledger can be used, records a run whose outcome the previous session could not (`late`),
+/// looks for replicas that record the lock's runs in another ledger, and announces this
+/// replica's schedule and ledger on its session.
+pub async fn prepare<L: Ledger>(
     plan: &Plan,
     lock: &LockKey,
-    client: &Client,
-    application_name: impl Fn(&str) -> String,
+    ledger: &L,
     late: Option<&LateFinish>,
 ) -> Result<Prepared, LedgerError> {
-    let ledger = Ledger::new(plan.table.clone(), lock.clone(), plan.schedule.clone());
-    let qualified = ledger.prepare(client).await?;
+    let location = ledger.prepare().await?;
     if let Some(late) = late {
-        let recorded = ledger.finish_late(client, late).await?;
+        let recorded = ledger.finish_late(late).await?;
         let at = calendar::rfc3339(late.at);
         if recorded {
             warn!(event = "scheduled_run_finished", occurrence = %at, outcome = late.outcome, "recorded the outcome of the run of {at} ({}) late: the previous session ended first", late.outcome);
@@ -74,40 +161,39 @@ pub async fn prepare(
             warn!(event = "ledger_conflict", occurrence = %at, "the run of {at} ended {} but could not be recorded: another leader has taken the occurrence over since", late.outcome);
         }
     }
-    let own = table_fingerprint(&qualified);
-    let live = agreement::participants(client, lock).await?;
+    let own = ledger_fingerprint(&location);
+    let live = ledger.participants().await?;
     let foreign = agreement::foreign_ledgers(&live, &own);
     let foreign_ledger = (!foreign.is_empty()).then(|| {
-        let who: Vec<String> = foreign.iter().map(|p| p.describe()).collect();
+        let who: Vec<String> = foreign.iter().map(|p| p.describe_briefly()).collect();
         let text = format!(
-            "{} record(s) this lock's runs in another ledger table than {qualified}; an occurrence could run once in each. Give every replica the same --ledger-table (and the same search_path)",
+            "{} record(s) this lock's runs in another ledger table than {location}; an occurrence could run once in each. Give every replica the same --ledger-table (and the same search_path)",
             who.join(", ")
         );
         warn!(event = "ledger_mismatch", lock = %lock, "{text}");
         text
     });
-    let name = application_name(&format!("{}{own}", plan.schedule.fingerprint()));
-    client
-        .query_typed(
-            "SELECT pg_catalog.set_config('application_name', $1, false)",
-            &[(&name, Type::TEXT)],
-        )
-        .await
-        .map_err(|err| LedgerError::Query(describe(&err)))?;
+    ledger
+        .announce(&format!("{}{own}", plan.schedule.fingerprint()))
+        .await?;
     Ok(Prepared {
         foreign_ledger,
         ledger_fingerprint: own,
     })
 }
 
+/// Eight hex digits that identify where a ledger lives (on PostgreSQL, its schema-qualified
+/// table), announced beside the schedule's fingerprint, so that replicas that would record one
+/// lock's runs in two places notice each other.
+pub fn ledger_fingerprint(location: &str) -> String {
+    let key = LockKey::from_name(&format!("ledger {location}")).key();
+    format!("{:08x}", (key as u64) as u32)
+}
+
 /// Why a timer (`--once`) that found the lock held does not run: another replica holds it to
 /// run (or record as skipped) the occurrence this timer fired for, or a service leads.
-pub async fn busy_reason(plan: &Plan, client: &Client) -> String {
-    let now = client
-        .query_typed_one("SELECT pg_catalog.clock_timestamp()", &[])
-        .await
-        .ok()
-        .map(|row| row.get::<_, chrono::DateTime<chrono::Utc>>(0));
+pub async fn busy_reason<L: Ledger>(plan: &Plan, ledger: &L) -> String {
+    let now: Option<DateTime<Utc>> = ledger.server_time().await.ok();
     match now.and_then(|now| plan.schedule.latest_at_or_before(now)) {
         Some(at) => format!(
             "the holder runs the occurrence of {}, or records it as skipped while an earlier run goes on",

@@ -9,10 +9,9 @@ use std::fmt::Write as _;
 
 use chrono::{DateTime, Utc};
 use serde_json::{Value, json};
-use tokio_postgres::Client;
 
-use crate::election::lock::LockKey;
-use crate::postgres::ledger::{self, Entry, LedgerError, TableName};
+use crate::election::Observer;
+use crate::election::ledger::{Entry, LedgerError};
 use crate::schedule::calendar::{Schedule, fingerprint_of, rfc3339};
 
 /// How many runs status shows.
@@ -28,15 +27,13 @@ pub struct ScheduleReport {
     pub runs: Vec<Entry>,
 }
 
-/// Reads the ledger of `lock`; `None` when there is no ledger table or no row for the lock.
-/// `holder` is the backend pid holding the lock now, if any.
-pub async fn read(
-    client: &Client,
-    table: &TableName,
-    lock: &LockKey,
+/// Reads the lock's ledger; `None` when there is no ledger or no row for the lock. `holder` is
+/// the id of the session holding the lock now, if any.
+pub async fn read<O: Observer>(
+    observer: &O,
     holder: Option<i32>,
 ) -> Result<Option<ScheduleReport>, LedgerError> {
-    let Some(mut runs) = ledger::read_recent(client, table, lock, RUNS_SHOWN).await? else {
+    let Some(mut runs) = observer.history(RUNS_SHOWN).await? else {
         return Ok(None);
     };
     let Some(newest) = runs.first().cloned() else {
@@ -48,11 +45,7 @@ pub async fn read(
             run.detail = Some("its leader no longer holds the lock".into());
         }
     }
-    let now: DateTime<Utc> = client
-        .query_typed_one("SELECT pg_catalog.clock_timestamp()", &[])
-        .await
-        .map_err(|err| LedgerError::Query(crate::postgres::session::describe(&err)))?
-        .get(0);
+    let now = observer.server_time().await?;
     let next_occurrence = Schedule::parse(&newest.schedule, &newest.timezone)
         .ok()
         .and_then(|schedule| schedule.next_after(now));

@@ -4,11 +4,12 @@
 //! The supervisor polls [`Runs::next`] in its event loop, next to its checks and signals, and
 //! acts on what comes out: start the command for an occurrence, hand the lock over, exit. It
 //! tells [`Runs`] when the command started and ended, and asks it to settle the ledger before
-//! it releases the lock. Everything here happens on the leader's own session, one ledger
-//! statement at a time, so the lock orders every claim. Each statement may wait at most
-//! `Plan::statement_timeout` (a lock held on the table, a synchronous standby away): the checks
-//! share the session and must not be held up past their deadline. A statement that times out
-//! was rolled back and is tried again a moment later, still leading.
+//! it releases the lock. Everything here happens through the backend's ledger on the leader's
+//! own session (`election/ledger.rs`), one statement at a time, and every claim succeeds only
+//! while that session leads. Each statement is bounded by the backend (a lock held on the
+//! table, a synchronous standby away): the checks share the session and must not be held up
+//! past their deadline. A statement that waited too long was rolled back ([`LedgerError::Busy`])
+//! and is tried again a moment later, still leading.
 //!
 //! The rules, in order of time:
 //!
@@ -26,23 +27,22 @@
 use std::collections::VecDeque;
 use std::fmt::Write as _;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use tokio::time::{Instant, sleep_until};
-use tokio_postgres::Client;
 use tracing::{debug, info, warn};
 
+use crate::election::ledger::{Claim, Claimant, LateFinish, Ledger, LedgerError};
 use crate::election::lock::LockKey;
 use crate::exit::ChildStatus;
-use crate::operate::logging::for_people;
-use crate::operate::telemetry::{RunView, ScheduledOutcome, Telemetry};
-use crate::postgres::ledger::{Claim, Claimant, LateFinish, Ledger, LedgerError};
 use crate::schedule::agreement::{self, Verdict};
 use crate::schedule::calendar::{Schedule, rfc3339};
 use crate::schedule::clock::ServerClock;
-use crate::schedule::{EARLY_WINDOW, Plan, foreign_ledger_blocks_catch_up};
+use crate::schedule::{
+    EARLY_WINDOW, Plan, Publish, RunView, ScheduledOutcome, foreign_ledger_blocks_catch_up,
+};
+use crate::time::for_people;
 
 /// Passed-over occurrences listed one by one in a log line; beyond, only the range.
 const LISTED: usize = 10;
@@ -118,11 +118,10 @@ struct Agreement {
 type Pending = Pin<Box<dyn Future<Output = Done>>>;
 
 /// The scheduled runs of one leadership.
-pub struct Runs {
+pub struct Runs<L: Ledger> {
     plan: Plan,
-    ledger: Ledger,
+    ledger: L,
     lock: LockKey,
-    client: Arc<Client>,
     claimant: Claimant,
     clock: ServerClock,
     /// The fingerprint of this replica's ledger table.
@@ -148,10 +147,10 @@ pub struct Runs {
     /// When a replica recording the lock's runs in another ledger table was last seen.
     foreign_ledger_seen: Option<Instant>,
     /// Where runs and outcomes are published for the HTTP endpoint.
-    telemetry: Telemetry,
+    publish: Publish,
 }
 
-impl std::fmt::Debug for Runs {
+impl<L: Ledger> std::fmt::Debug for Runs<L> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Runs")
             .field("due", &self.due)
@@ -173,13 +172,12 @@ pub struct Start {
     /// When this replica last saw another ledger table in use for the lock.
     pub foreign_ledger_seen: Option<Instant>,
     /// Where runs and outcomes are published for the HTTP endpoint.
-    pub telemetry: Telemetry,
+    pub publish: Publish,
 }
 
-impl Runs {
+impl<L: Ledger> Runs<L> {
     /// The runs of a leadership that has just begun.
-    pub fn new(plan: Plan, lock: LockKey, client: Arc<Client>, start: Start) -> Runs {
-        let ledger = Ledger::new(plan.table.clone(), lock.clone(), plan.schedule.clone());
+    pub fn new(plan: Plan, lock: LockKey, ledger: L, start: Start) -> Runs<L> {
         let offset = start.clock.host_offset_seconds();
         if offset.abs() >= 1.0 {
             info!(
@@ -194,7 +192,6 @@ impl Runs {
             plan,
             ledger,
             lock,
-            client,
             claimant: start.claimant,
             clock: start.clock,
             own_ledger: start.own_ledger,
@@ -210,7 +207,7 @@ impl Runs {
             probing: false,
             warned: None,
             foreign_ledger_seen: start.foreign_ledger_seen,
-            telemetry: start.telemetry,
+            publish: start.publish,
         }
     }
 
@@ -230,7 +227,7 @@ impl Runs {
     pub fn started(&mut self) {
         if let Some(run) = &mut self.running {
             run.started = true;
-            self.telemetry.scheduled_run(RunView {
+            self.publish.run(RunView {
                 scheduled_for: run.at,
                 outcome: None,
                 exit_code: None,
@@ -245,7 +242,7 @@ impl Runs {
     /// Publishes an outcome this leader decided for the occurrence of `at` (each is counted
     /// once, here, whenever the ledger gets it).
     fn publish(&self, at: DateTime<Utc>, outcome: &str, exit_code: Option<i32>) {
-        self.telemetry.scheduled_run(RunView {
+        self.publish.run(RunView {
             scheduled_for: at,
             outcome: ScheduledOutcome::from_ledger(outcome),
             exit_code,
@@ -394,7 +391,7 @@ impl Runs {
             for step in std::mem::take(&mut self.queue) {
                 match step {
                     Step::Finish(finish) => {
-                        let done = self.ledger.finish(&self.client, &finish, None).await;
+                        let done = self.ledger.finish(&finish, None).await;
                         if matches!(done, Ok(true)) {
                             self.finishing = None;
                         }
@@ -406,7 +403,7 @@ impl Runs {
                     } => {
                         let recorded = self
                             .ledger
-                            .record(&self.client, at, outcome, &detail, &self.claimant)
+                            .record(at, outcome, &detail, &self.claimant)
                             .await;
                         if matches!(recorded, Ok(true)) {
                             self.publish(at, outcome, None);
@@ -421,10 +418,7 @@ impl Runs {
             let at = rfc3339(run.at);
             if !run.started {
                 debug!(event = "unclaimed", occurrence = %at, "taking back the claim of {at}: its command never started");
-                let _ = self
-                    .ledger
-                    .unclaim(&self.client, run.at, self.claimant.epoch)
-                    .await;
+                let _ = self.ledger.unclaim(run.at, self.claimant.epoch).await;
                 return;
             }
             let (status, why) = stopped.unwrap_or((None, "its leader stepped down"));
@@ -437,7 +431,7 @@ impl Runs {
                 exit_code: status.map(|status| i32::from(status.exit_code())),
                 ended_at: self.clock.now(),
             };
-            match self.ledger.finish(&self.client, &finish, Some(why)).await {
+            match self.ledger.finish(&finish, Some(why)).await {
                 Ok(_) => self.publish(run.at, finish.outcome, finish.exit_code),
                 Err(err) => {
                     warn!(event = "ledger_failed", reason = %err, "cannot record the interrupted run; the next leader will")
@@ -536,25 +530,18 @@ impl Runs {
     }
 
     fn launch(&mut self, step: Step) -> Pending {
-        let (client, ledger) = (self.client.clone(), self.ledger.clone());
+        let ledger = self.ledger.clone();
         let claimant = self.claimant.clone();
-        let (lock, clock, once) = (self.lock.clone(), self.clock, self.plan.once);
+        let (clock, once) = (self.clock, self.plan.once);
         let own_ledger = self.own_ledger.clone();
         match step {
             Step::Begin => {
-                let timeout = self.plan.statement_timeout.as_millis().max(1);
-                let telemetry = self.telemetry.clone();
+                let publish = self.publish.clone();
+                let schedule = self.plan.schedule.clone();
                 Box::pin(async move {
                     let result = async {
-                        // Waiting for the lock needed no timeout; a leader's statements do.
-                        client
-                            .batch_execute(&format!(
-                                "SET statement_timeout = {timeout}; SET lock_timeout = {timeout}"
-                            ))
-                            .await
-                            .map_err(|err| LedgerError::Query(crate::postgres::session::describe(&err)))?;
-                        for (at, host, pid) in ledger.interrupt_stale(&client).await? {
-                            telemetry.scheduled_run(RunView {
+                        for (at, host, pid) in ledger.interrupt_stale().await? {
+                            publish.run(RunView {
                                 scheduled_for: at,
                                 outcome: Some(ScheduledOutcome::Interrupted),
                                 exit_code: None,
@@ -572,8 +559,8 @@ impl Runs {
                                 host.as_deref().unwrap_or("?")
                             );
                         }
-                        let newest = ledger.newest(&client).await?.map(|entry| entry.scheduled_for);
-                        let agreement = agree(&client, &ledger, &lock, &clock, once, &own_ledger).await?;
+                        let newest = ledger.recent(1).await?.first().map(|entry| entry.scheduled_for);
+                        let agreement = agree(&ledger, &schedule, &clock, once, &own_ledger).await?;
                         Ok(Began { agreement, newest })
                     }
                     .await;
@@ -582,15 +569,16 @@ impl Runs {
             }
             Step::Claim(at) => {
                 let retries = i32::try_from(self.plan.retry_interrupted).unwrap_or(i32::MAX);
+                let schedule = self.plan.schedule.clone();
                 Box::pin(async move {
                     let result = async {
                         let agreement =
-                            agree(&client, &ledger, &lock, &clock, once, &own_ledger).await?;
+                            agree(&ledger, &schedule, &clock, once, &own_ledger).await?;
                         if let Verdict::Disagree { reason } = agreement.verdict {
                             return Ok((ClaimResult::Disagree(reason), None));
                         }
                         let sent = Instant::now();
-                        let claim = ledger.claim(&client, at, &claimant, retries).await?;
+                        let claim = ledger.claim(at, &claimant, retries).await?;
                         let sample = match &claim {
                             Claim::Early { server_now } => {
                                 Some(ServerClock::sample(sent, Instant::now(), *server_now))
@@ -608,14 +596,10 @@ impl Runs {
                 outcome,
                 detail,
             } => Box::pin(async move {
-                Done::Recorded(
-                    ledger
-                        .record(&client, at, outcome, &detail, &claimant)
-                        .await,
-                )
+                Done::Recorded(ledger.record(at, outcome, &detail, &claimant).await)
             }),
             Step::Finish(finish) => {
-                Box::pin(async move { Done::Finished(ledger.finish(&client, &finish, None).await) })
+                Box::pin(async move { Done::Finished(ledger.finish(&finish, None).await) })
             }
         }
     }
@@ -630,7 +614,7 @@ impl Runs {
         };
         if let Some(LedgerError::Busy(reason)) = failed {
             // Rolled back: the same statement again, a moment later.
-            let retry = self.plan.statement_timeout.max(Duration::from_millis(100));
+            let retry = self.plan.busy_retry.max(Duration::from_millis(100));
             warn!(event = "ledger_busy", reason = %reason, "a ledger statement waited too long and was rolled back; trying again in {}", for_people(retry));
             self.queue.push_front(step);
             self.paused_until = Some(Instant::now() + retry);
@@ -722,6 +706,12 @@ impl Runs {
                 self.early_until = Some(Instant::now() + ahead.max(Duration::from_millis(1)));
                 self.due = Some(at);
                 None
+            }
+            Claim::NotLeader => {
+                warn!(event = "ledger_conflict", occurrence = %rfc3339(at), "the claim of {} was refused: this session no longer holds the lock", rfc3339(at));
+                Some(RunsEvent::Failed(LedgerError::Query(
+                    "the ledger refused a claim: this session no longer holds the lock".to_owned(),
+                )))
             }
             other => {
                 let why = match &other {
@@ -877,19 +867,18 @@ fn describe(passed: &[DateTime<Utc>], verb: &str) -> String {
 
 /// Checks the replicas' agreement on the schedule, and on the ledger table, on the leader's
 /// session.
-async fn agree(
-    client: &Client,
-    ledger: &Ledger,
-    lock: &LockKey,
+async fn agree<L: Ledger>(
+    ledger: &L,
+    schedule: &Schedule,
     clock: &ServerClock,
     once: bool,
     own_ledger: &str,
 ) -> Result<Agreement, LedgerError> {
-    let newest = ledger.newest(client).await?;
-    let live = agreement::participants(client, lock).await?;
+    let newest = ledger.recent(1).await?.into_iter().next();
+    let live = ledger.participants().await?;
     let foreign: Vec<String> = agreement::foreign_ledgers(&live, own_ledger)
         .iter()
-        .map(|p| p.describe())
+        .map(|p| p.describe_briefly())
         .collect();
     let foreign_ledger = (!foreign.is_empty()).then(|| {
         format!(
@@ -897,7 +886,6 @@ async fn agree(
             foreign.join(", ")
         )
     });
-    let schedule = ledger.schedule();
     let verdict = agreement::judge(
         schedule.expression(),
         schedule.timezone(),
@@ -909,7 +897,7 @@ async fn agree(
         Verdict::Undecided { established } => {
             let still_used = match Schedule::parse(&established.0, &established.1) {
                 Ok(old) => match old.latest_at_or_before(clock.now()) {
-                    Some(at) => ledger.has(client, at).await?,
+                    Some(at) => ledger.has(at).await?,
                     None => false,
                 },
                 // A definition this version cannot read is not one any replica of it runs.

@@ -1,0 +1,181 @@
+//! The ledger's boundary: what a backend must give scheduled jobs (`--schedule`) so that each
+//! occurrence starts at most once across the fleet.
+//!
+//! A ledger is a record of one lock's occurrences, kept by the backend that elects its leader,
+//! and reached through the leader's own session ([`crate::election::Session::ledger`]). The
+//! scheduler (`schedule/runs.rs`) decides what to claim and when; the ledger only has to
+//! remember, and to refuse what must be refused. Every backend's ledger must guarantee:
+//!
+//! 1. **A claim succeeds only while the claimant holds the leadership that its fencing token
+//!    names.** The check is part of the claim itself, on the server, in one atomic step (on
+//!    PostgreSQL: the claim's statement requires that its session holds the advisory lock; on
+//!    Redis: the claim's script requires that the lock's key still holds this leadership's
+//!    value). A leader that lost the lock a moment ago gets [`Claim::NotLeader`], never a claim.
+//! 2. An occurrence is claimed at most once (a retry of an interrupted run, within
+//!    `--retry-interrupted`, increments its attempt), never before the server's clock has
+//!    reached it ([`Claim::Early`]), and never at or before an occurrence already recorded
+//!    ([`Claim::Superseded`]): a clock that steps back, or pruning, cannot bring one back.
+//! 3. Outcomes are recorded only on the row of the leadership (epoch) that claimed it, so a
+//!    late writer cannot overwrite a newer leader's run.
+//! 4. History is readable (newest first) by anyone, leader or not, for `status`.
+//!
+//! Statements are bounded by the backend: none may hold up the leader's checks, which share the
+//! session, past their deadline. One that waited too long is rolled back and reported as
+//! [`LedgerError::Busy`], so that the scheduler tries it again, still leading.
+
+use chrono::{DateTime, Utc};
+use thiserror::Error;
+
+use crate::election::participant::Participant;
+
+/// How many rows of each lock a ledger keeps.
+pub const KEEP: i64 = 100;
+
+/// A ledger failure, sorted by what the leader does about it.
+#[derive(Debug, Error)]
+pub enum LedgerError {
+    /// Retrying cannot help: no permission, no table, a table of another shape. pgleader exits.
+    #[error("{0}")]
+    Fatal(String),
+    /// The statement waited too long (a lock held on the table, a statement timeout) or lost a
+    /// serialization race, and was rolled back: try again a little later, still leading.
+    #[error("{0}")]
+    Busy(String),
+    /// The session itself is in trouble: leadership is in doubt.
+    #[error("{0}")]
+    Query(String),
+}
+
+/// A schedule's definition as the ledger records it: the canonical expression and the IANA
+/// time zone.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Definition {
+    pub expression: String,
+    pub timezone: String,
+}
+
+/// Who claims: this pgleader, in the leadership its fencing token names.
+#[derive(Clone, Debug)]
+pub struct Claimant {
+    pub host: String,
+    pub pid: i32,
+    pub epoch: i64,
+}
+
+/// A row of the ledger, newest first when read.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Entry {
+    pub scheduled_for: DateTime<Utc>,
+    pub outcome: String,
+    pub exit_code: Option<i32>,
+    pub attempt: i32,
+    pub claimed_at: DateTime<Utc>,
+    pub ended_at: Option<DateTime<Utc>>,
+    pub host: Option<String>,
+    pub pid: Option<i32>,
+    /// The claiming session's id on the server (PostgreSQL's backend pid).
+    pub backend_pid: Option<i32>,
+    pub epoch: Option<i64>,
+    pub detail: Option<String>,
+    pub schedule: String,
+    pub timezone: String,
+}
+
+/// How a run ended, kept by a leader whose session ended before it could record it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LateFinish {
+    pub at: DateTime<Utc>,
+    pub epoch: i64,
+    pub attempt: i32,
+    pub outcome: &'static str,
+    pub exit_code: Option<i32>,
+    pub ended_at: DateTime<Utc>,
+}
+
+/// A run an earlier leader left `running`: its occurrence, and the host and pid of the pgleader
+/// that ran it.
+pub type StaleRun = (DateTime<Utc>, Option<String>, Option<i32>);
+
+/// What a claim found.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Claim {
+    /// The occurrence is ours to run; `attempt` is 1, or more for a retried interrupted run.
+    Claimed { attempt: i32 },
+    /// Already claimed (by anyone, this replica included): its outcome so far.
+    Taken { outcome: String },
+    /// A later occurrence is already recorded: this one will never run.
+    Superseded,
+    /// The server's clock has not reached the occurrence yet; it says `server_now`.
+    Early { server_now: DateTime<Utc> },
+    /// This session does not hold the lock (any more): nothing was written.
+    NotLeader,
+}
+
+/// The ledger of one lock and one schedule definition, reached through one session. Cheap to
+/// clone; the futures it returns own what they need, so a statement in flight survives the
+/// scheduler's select loop.
+pub trait Ledger: Clone + 'static {
+    /// Makes sure the ledger can be used by this replica (creating its storage when missing),
+    /// and says where it lives (PostgreSQL: the schema-qualified table), so that replicas
+    /// recording one lock's runs in two places notice each other.
+    fn prepare(&self) -> impl Future<Output = Result<String, LedgerError>>;
+
+    /// Announces this replica's schedule and ledger fingerprints (`<schedule><ledger>`, hex) on
+    /// its session, where the other replicas' [`Ledger::participants`] read them.
+    fn announce(&self, fingerprints: &str) -> impl Future<Output = Result<(), LedgerError>>;
+
+    /// The other sessions that hold or wait for the lock.
+    fn participants(&self) -> impl Future<Output = Result<Vec<Participant>, LedgerError>>;
+
+    /// The server's clock now.
+    fn server_time(&self) -> impl Future<Output = Result<DateTime<Utc>, LedgerError>>;
+
+    /// Marks the runs earlier leaders left `running` as interrupted (only the holder can be
+    /// running anything) and returns them: occurrence, host, pid.
+    fn interrupt_stale(&self) -> impl Future<Output = Result<Vec<StaleRun>, LedgerError>>;
+
+    /// The newest `limit` rows of this lock, whatever their definition.
+    fn recent(&self, limit: i64) -> impl Future<Output = Result<Vec<Entry>, LedgerError>>;
+
+    /// Whether a row exists for this occurrence.
+    fn has(&self, at: DateTime<Utc>) -> impl Future<Output = Result<bool, LedgerError>>;
+
+    /// Claims an occurrence for this leadership, or says why not. `retries` is how many times an
+    /// interrupted run may be started again.
+    fn claim(
+        &self,
+        at: DateTime<Utc>,
+        claimant: &Claimant,
+        retries: i32,
+    ) -> impl Future<Output = Result<Claim, LedgerError>>;
+
+    /// Records how a claimed run ended, and prunes old rows (keeping [`KEEP`]). False if the row
+    /// was no longer this leadership's to update.
+    fn finish(
+        &self,
+        finish: &LateFinish,
+        detail: Option<&str>,
+    ) -> impl Future<Output = Result<bool, LedgerError>>;
+
+    /// Records, on a later session (not necessarily leading), how a run ended whose leader lost
+    /// its session before it could. False if the row had moved on (retried by another leader).
+    fn finish_late(&self, late: &LateFinish) -> impl Future<Output = Result<bool, LedgerError>>;
+
+    /// Takes back a claim whose command never started, so that the next leader may still run
+    /// it.
+    fn unclaim(
+        &self,
+        at: DateTime<Utc>,
+        epoch: i64,
+    ) -> impl Future<Output = Result<(), LedgerError>>;
+
+    /// Records an occurrence that did not run (`skipped`, `missed`), unless it or a later one is
+    /// already recorded. True if recorded.
+    fn record(
+        &self,
+        at: DateTime<Utc>,
+        outcome: &str,
+        detail: &str,
+        claimant: &Claimant,
+    ) -> impl Future<Output = Result<bool, LedgerError>>;
+}

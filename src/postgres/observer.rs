@@ -1,0 +1,106 @@
+//! What `pgleader status` and `status --watch` read on PostgreSQL: who holds and who waits for
+//! the lock (`pg_locks` joined with `pg_stat_activity`), and the ledger's history.
+//!
+//! Waiters are listed in the order the server will grant them the lock: by
+//! `pg_locks.waitstart` (PostgreSQL 14+), by the start of their query before that.
+
+use chrono::{DateTime, Utc};
+use tokio_postgres::types::Type;
+
+use crate::election::ledger::{Entry, LedgerError};
+use crate::election::lock::LockKey;
+use crate::election::participant::{LockView, Participant};
+use crate::election::{ConnectError, Observer};
+use crate::postgres::conninfo::ConnSettings;
+use crate::postgres::describe::describe;
+use crate::postgres::ledger::{self, TableName};
+use crate::postgres::locks::{LOCK_ROWS, this_lock};
+use crate::postgres::session::{self, PlainClient};
+
+/// A connection that only reads, for one lock and its ledger table.
+#[derive(Debug)]
+pub struct PgObserver {
+    client: PlainClient,
+    lock: LockKey,
+    table: TableName,
+}
+
+impl PgObserver {
+    /// Connects as `name` (`pgleader-status:<pid>@<host>`).
+    pub async fn connect(
+        settings: &ConnSettings,
+        name: &str,
+        lock: LockKey,
+        table: TableName,
+    ) -> Result<PgObserver, ConnectError> {
+        Ok(PgObserver {
+            client: session::connect_plain(settings, name).await?,
+            lock,
+            table,
+        })
+    }
+}
+
+fn status_sql(server_major: u32) -> String {
+    let waitstart = if server_major >= 14 {
+        "l.waitstart"
+    } else {
+        "NULL::timestamptz"
+    };
+    format!(
+        "SELECT l.pid, l.granted, a.application_name, host(a.client_addr), a.client_port,
+                to_char(a.backend_start AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"'),
+                to_char(COALESCE({waitstart}, a.query_start) AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"')
+           FROM {LOCK_ROWS}
+           LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid
+          WHERE {}
+          ORDER BY l.granted DESC, COALESCE({waitstart}, a.query_start), l.pid",
+        this_lock("$1", "$2")
+    )
+}
+
+impl Observer for PgObserver {
+    async fn lock_view(&self) -> Result<LockView, String> {
+        let rows = self
+            .client
+            .client
+            .query_typed(
+                &status_sql(self.client.server_major),
+                &[
+                    (&self.lock.classid(), Type::OID),
+                    (&self.lock.objid(), Type::OID),
+                ],
+            )
+            .await
+            .map_err(|err| format!("cannot read pg_locks: {}", describe(&err)))?;
+        let mut view = LockView::default();
+        for row in rows {
+            let participant = Participant {
+                backend_pid: row.get(0),
+                granted: row.get(1),
+                application_name: row.get(2),
+                client_address: row.get(3),
+                client_port: row.get(4),
+                backend_start: row.get(5),
+                waiting_since: row.get(6),
+            };
+            if participant.granted {
+                view.holder = Some(Participant {
+                    waiting_since: None,
+                    ..participant
+                });
+            } else {
+                view.waiting.push(participant);
+            }
+        }
+        Ok(view)
+    }
+
+    async fn history(&self, limit: i64) -> Result<Option<Vec<Entry>>, LedgerError> {
+        ledger::read_recent(&self.client.client, &self.table, &self.lock, limit).await
+    }
+
+    async fn server_time(&self) -> Result<DateTime<Utc>, LedgerError> {
+        ledger::server_time(&self.client.client).await
+    }
+}

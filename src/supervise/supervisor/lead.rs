@@ -1,0 +1,477 @@
+//! The leading phase: fence, start the command when the duty says so, check the lock until
+//! something ends the leadership, then step down, the one way every path takes (stop the
+//! command's whole group, settle the ledger, release or close).
+
+use std::time::Duration;
+
+use anyhow::bail;
+use nix::sys::signal::Signal;
+use tokio::time::{Instant, sleep_until};
+use tracing::{debug, info, warn};
+
+use super::{CheckFuture, LeadEvent, Leave, Led, Supervisor};
+use crate::election::ledger::LedgerError;
+use crate::election::{Backend, Check, Confirmation, Session, SessionError};
+use crate::exit::ChildStatus;
+use crate::operate::metrics::LossReason;
+use crate::operate::notify;
+use crate::schedule::calendar::rfc3339;
+use crate::supervise::duty::{Next, Shift};
+use crate::supervise::inbox::status_of;
+use crate::supervise::job::{CommandError, Job};
+use crate::supervise::keeper::Report;
+use crate::supervise::signals::SignalEvent;
+use crate::time::for_people as fmt;
+
+impl<B: Backend> Supervisor<B> {
+    /// Leads: fences, starts the command when the duty says so, checks the lock until
+    /// something ends the leadership.
+    pub(super) async fn lead(&mut self, mut session: B::Session) -> anyhow::Result<Led> {
+        let lock = self.settings.lock.clone();
+        let (interval, timeout) = (self.settings.check_interval, self.settings.check_timeout);
+
+        // The fencing token. The server processes this request after it was sent, so the
+        // server keeps the lock at least a lease past `sent`: a safe base for the leader's own
+        // deadline.
+        let sent = Instant::now();
+        let fence = match tokio::time::timeout(timeout, session.fence()).await {
+            Ok(Ok(fence)) => fence,
+            Ok(Err(err)) => {
+                warn!(event = "leadership_lost", lock = %lock, reason = %err, "won the lock but cannot take a fencing token; giving it up");
+                return Ok(Led::Lost { status: None });
+            }
+            Err(_) => {
+                warn!(event = "leadership_lost", lock = %lock, reason = "the fencing token query timed out", "won the lock but the server stopped answering; giving it up");
+                return Ok(Led::Lost { status: None });
+            }
+        };
+        let fence_received = Instant::now();
+        let epoch = fence.epoch;
+        info!(
+            event = "leader",
+            lock = %lock,
+            backend_pid = session.id(),
+            epoch,
+            "became leader"
+        );
+        notify::leading(&lock, epoch, &self.settings.command.display());
+        self.inbox.telemetry.leading(epoch, session.id());
+        let delay = self.start_delay(fence.since_server_reset, session.age());
+        let mut shift = self.duty.begin(
+            &session,
+            &lock,
+            &fence,
+            (sent, fence_received),
+            Instant::now() + delay,
+        );
+
+        let mut deadline = sent + interval + timeout;
+        let mut next_check = sent + interval;
+        let mut check: Option<(Instant, CheckFuture)> = None;
+        let mut job: Option<Job> = None;
+        let relinquish_at = self.relinquish_at();
+        let mut last_status: Option<ChildStatus> = None;
+
+        loop {
+            // Biased: after a stall (SIGSTOP, a VM pause, a starved CPU) several arms are ready
+            // at once, and the end of the leadership must win over everything, starting the
+            // command above all.
+            let event = tokio::select! {
+                biased;
+                reason = session.ended() => LeadEvent::Ended(reason),
+                _ = sleep_until(deadline) => LeadEvent::Deadline,
+                result = async { match &mut check { Some((_, future)) => future.await, None => std::future::pending().await } } => LeadEvent::CheckDone(result),
+                event = self.inbox.signals.recv() => LeadEvent::Signal(event),
+                report = async { match &mut job { Some(job) => job.next_report().await, None => std::future::pending().await } } => LeadEvent::Report(report),
+                _ = sleep_until(next_check), if check.is_none() => LeadEvent::CheckDue,
+                _ = sleep_until(relinquish_at.map_or(deadline, |(at, _)| at)), if relinquish_at.is_some() => LeadEvent::Relinquish,
+                next = shift.next() => LeadEvent::Duty(next),
+            };
+            let (loss, lost_reason) = match event {
+                LeadEvent::Duty(Next::Start(_)) if Instant::now() >= deadline => (
+                    LossReason::CheckTimeout,
+                    "the leadership expired before the command could start".to_owned(),
+                ),
+                LeadEvent::Duty(Next::Start(scheduled)) => {
+                    let env = self.child_env(session.id(), epoch, scheduled);
+                    job = Some(self.spawn(&env)?);
+                    shift.started();
+                    continue;
+                }
+                LeadEvent::Duty(Next::Done) => {
+                    self.inbox
+                        .telemetry
+                        .leadership_lost(LossReason::CommandExited, "the timer's run is over");
+                    self.step_down(None, &mut shift, session, None, Leave::Release)
+                        .await;
+                    return Ok(Led::Exited(
+                        last_status.unwrap_or(ChildStatus::Signaled(Signal::SIGKILL)),
+                    ));
+                }
+                LeadEvent::Duty(Next::NothingToRun) => {
+                    self.inbox
+                        .telemetry
+                        .leadership_lost(LossReason::Relinquished, "nothing for this timer to run");
+                    self.step_down(None, &mut shift, session, None, Leave::Release)
+                        .await;
+                    return Ok(Led::NothingToRun);
+                }
+                LeadEvent::Duty(Next::Disagree(reason)) => {
+                    self.inbox
+                        .telemetry
+                        .leadership_lost(LossReason::Relinquished, &reason);
+                    let why = "its replica disagrees on the schedule";
+                    self.step_down(job.take(), &mut shift, session, Some(why), Leave::Release)
+                        .await;
+                    if self.settings.once {
+                        bail!("{reason}");
+                    }
+                    warn!(event = "schedule_mismatch", lock = %lock, "{reason}; handing the lock over");
+                    return Ok(Led::HandedOver);
+                }
+                LeadEvent::Duty(Next::Failed(LedgerError::Fatal(reason))) => {
+                    self.inbox
+                        .telemetry
+                        .leadership_lost(LossReason::LedgerFailed, &reason);
+                    let why = "the ledger cannot be used";
+                    self.step_down(job.take(), &mut shift, session, Some(why), Leave::Release)
+                        .await;
+                    bail!("{reason}");
+                }
+                LeadEvent::Duty(Next::Failed(
+                    LedgerError::Query(reason) | LedgerError::Busy(reason),
+                )) => (
+                    LossReason::LedgerFailed,
+                    format!("a ledger statement failed: {reason}"),
+                ),
+                LeadEvent::CheckDue => {
+                    check = Some((Instant::now(), Box::pin(session.confirm())));
+                    continue;
+                }
+                LeadEvent::CheckDone(result) => {
+                    let sent = check.take().map_or_else(Instant::now, |(sent, _)| sent);
+                    let held = matches!(
+                        &result,
+                        Ok(Check {
+                            confirmation: Confirmation::Held,
+                            ..
+                        })
+                    );
+                    self.inbox.telemetry.check_completed(sent.elapsed(), held);
+                    match result {
+                        Ok(Check {
+                            confirmation: Confirmation::Held,
+                            server_time,
+                        }) => {
+                            debug!(event = "confirmed", lock = %lock, "the session still holds the lock");
+                            shift.observe_check(sent, Instant::now(), server_time);
+                            deadline = sent + interval + timeout;
+                            next_check = sent + interval;
+                            continue;
+                        }
+                        Ok(Check {
+                            confirmation: Confirmation::NotHeld,
+                            ..
+                        }) => (
+                            LossReason::NotHeld,
+                            "the check found that this session no longer holds the lock".to_owned(),
+                        ),
+                        Err(err @ SessionError::Unsafe(_)) => {
+                            self.inbox
+                                .telemetry
+                                .leadership_lost(LossReason::CheckFailed, &err.to_string());
+                            let kill_signal = self.settings.kill_signal;
+                            let status = self.inbox.stop_if_running(job.take(), kill_signal).await;
+                            drop(session);
+                            log_final(status);
+                            return Err(err.into());
+                        }
+                        Err(SessionError::Query(reason)) => (
+                            LossReason::CheckFailed,
+                            format!("the check failed: {reason}"),
+                        ),
+                    }
+                }
+                LeadEvent::Deadline => (
+                    LossReason::CheckTimeout,
+                    format!(
+                        "no successful check for {} (--check-interval + --check-timeout)",
+                        fmt(interval + timeout)
+                    ),
+                ),
+                LeadEvent::Ended(reason) => (
+                    LossReason::ConnectionEnded,
+                    format!("the connection ended: {reason}"),
+                ),
+                LeadEvent::Relinquish => {
+                    let why = relinquish_at.map_or("", |(_, why)| why);
+                    info!(event = "relinquish", lock = %lock, "handing leadership over ({why})");
+                    notify::status(&format!("handing leadership over ({why})"));
+                    self.inbox.telemetry.leadership_lost(
+                        LossReason::Relinquished,
+                        &format!("handing over ({why})"),
+                    );
+                    let status = self
+                        .step_down(job.take(), &mut shift, session, Some(why), Leave::Release)
+                        .await;
+                    return Ok(Led::Relinquished(status));
+                }
+                LeadEvent::Signal(Some(SignalEvent::Shutdown(signal))) => {
+                    self.inbox.shutdown_requested = Some(Instant::now());
+                    info!(
+                        event = "shutdown",
+                        signal = signal.as_str(),
+                        "shutting down"
+                    );
+                    notify::stopping(
+                        "shutting down: stopping the command, then releasing the lock",
+                    );
+                    self.inbox
+                        .telemetry
+                        .leadership_lost(LossReason::Shutdown, "shutting down");
+                    let status = self.inbox.stop_if_running(job.take(), signal).await;
+                    shift
+                        .settle(Some((status, "pgleader was shut down")), timeout)
+                        .await;
+                    self.step_down(None, &mut shift, session, None, Leave::Release)
+                        .await;
+                    return Ok(Led::Shutdown(status));
+                }
+                LeadEvent::Signal(event) => {
+                    if self.inbox.handle_signal(event, job.as_mut())
+                        && let Some(status) = self.inbox.finish_vanished(job.as_mut())
+                    {
+                        if !shift.is_scheduled() {
+                            self.inbox
+                                .telemetry
+                                .leadership_lost(LossReason::CommandExited, "the command exited");
+                        }
+                        // The keeper is gone but what it left in its group may not be.
+                        if let Some(job) = job.take() {
+                            self.inbox.wait_until_group_gone(&job).await;
+                        }
+                        if shift.exited(status) {
+                            last_status = Some(status);
+                            continue;
+                        }
+                        self.release(session).await;
+                        return Ok(Led::Exited(status));
+                    }
+                    continue;
+                }
+                LeadEvent::Report(Report::Started(pid)) => {
+                    info!(event = "child_started", pid, command = %self.settings.command.display(), "started the command");
+                    self.inbox.telemetry.command_started(pid);
+                    continue;
+                }
+                LeadEvent::Report(Report::SpawnFailed(errno)) => {
+                    let err = CommandError::from_errno(
+                        self.settings.command.program().as_os_str(),
+                        errno,
+                    );
+                    self.inbox
+                        .telemetry
+                        .leadership_lost(LossReason::CommandExited, &err.to_string());
+                    let _ = self
+                        .inbox
+                        .stop_if_running(job.take(), Signal::SIGKILL)
+                        .await;
+                    // Recorded as failed, with 126 or 127, like a shell would report it.
+                    shift.exited(ChildStatus::Exited(i32::from(err.exit_code())));
+                    shift.settle(None, timeout).await;
+                    self.step_down(None, &mut shift, session, None, Leave::Release)
+                        .await;
+                    return Err(err.into());
+                }
+                LeadEvent::Report(report) => {
+                    let status = status_of(report);
+                    info!(event = "child_exited", status = %status, exit_code = status.exit_code(), "the command exited");
+                    self.inbox.telemetry.command_exited(status);
+                    let scheduled = shift.is_scheduled();
+                    if !scheduled {
+                        self.inbox.telemetry.leadership_lost(
+                            LossReason::CommandExited,
+                            &format!("the command exited ({status})"),
+                        );
+                    }
+                    notify::status(&if scheduled {
+                        format!("the command exited ({status}); waiting for the next occurrence")
+                    } else {
+                        format!("the command exited ({status}); releasing the lock")
+                    });
+                    // Whatever the command left behind in its process group goes too, before
+                    // the lock is released.
+                    if let Some(job) = job.take() {
+                        let kill_signal = self.settings.kill_signal;
+                        self.inbox.stop(job, kill_signal, Some(status), true).await;
+                    }
+                    // A scheduled leader keeps the lock between runs.
+                    if shift.exited(status) {
+                        last_status = Some(status);
+                        continue;
+                    }
+                    self.release(session).await;
+                    return Ok(Led::Exited(status));
+                }
+            };
+            warn!(event = "leadership_lost", lock = %lock, reason = %lost_reason, "leadership lost");
+            self.inbox.telemetry.leadership_lost(loss, &lost_reason);
+            self.last_disturbance = Some(Instant::now());
+            notify::status(&format!(
+                "leadership lost ({lost_reason}); stopping the command"
+            ));
+            // If the session still works, the ledger learns the truth now (a statement that
+            // succeeds on it runs while it holds the lock); else the next leader marks the run
+            // interrupted, and this replica records a finished run's outcome on its next
+            // session. The session is closed only then: until the command is gone, it keeps
+            // the lock (or the server has already freed it, in which case closing changes
+            // nothing).
+            let status = self
+                .step_down(
+                    job.take(),
+                    &mut shift,
+                    session,
+                    Some(&lost_reason),
+                    Leave::Close,
+                )
+                .await;
+            if status.is_none()
+                && self.duty.has_unrecorded()
+                && let Some(status) = last_status
+            {
+                return Ok(Led::Unrecorded(status));
+            }
+            return Ok(Led::Lost { status });
+        }
+    }
+
+    /// How long a new leader waits before its command may start: `--takeover-delay`, or what is
+    /// left of the restart fence when the server freed every lock a moment ago.
+    ///
+    /// A server restart, the crash of any server process (after which the postmaster ends every
+    /// session) and a failover to a promoted standby all free every lock at once, possibly
+    /// before the previous leader has noticed. Its command is gone at most --restart-fence
+    /// (check-interval + check-timeout + kill-timeout + margin) later. The server tells when it
+    /// last started or reset; a failover shows only on this side, as the loss of this
+    /// pgleader's previous session, after which every session of the new primary, this one
+    /// included, is younger than the failover.
+    fn start_delay(&self, since_server_reset: Duration, session_age: Duration) -> Duration {
+        let (fence, takeover) = (self.settings.restart_fence, self.settings.takeover_delay);
+        let mut since_reset = since_server_reset;
+        if self.last_disturbance.is_some_and(|at| at.elapsed() < fence) {
+            since_reset = since_reset.min(session_age);
+        }
+        let restart_fence = fence.saturating_sub(since_reset);
+        let delay = takeover.max(restart_fence);
+        if !restart_fence.is_zero() && restart_fence >= takeover {
+            info!(
+                event = "restart_fence",
+                since_reset = %fmt(since_reset),
+                "the server restarted, reset or failed over {} ago: starting the command in {} (--restart-fence), in case the previous leader's command still runs",
+                fmt(since_reset),
+                fmt(restart_fence)
+            );
+        } else if !delay.is_zero() {
+            info!(
+                event = "takeover_delay",
+                "starting the command in {} (--takeover-delay)",
+                fmt(delay)
+            );
+        }
+        delay
+    }
+
+    /// Ends a leadership on purpose or after its loss, the one way every path takes: stops the
+    /// command (if `job`), brings the ledger up to date (recording a stopped run as interrupted
+    /// for `why`), keeps what the next leadership needs, then releases the lock or closes the
+    /// session, never before the command's whole process group is gone.
+    async fn step_down(
+        &mut self,
+        job: Option<Job>,
+        shift: &mut Shift<B::Session>,
+        session: B::Session,
+        why: Option<&str>,
+        leave: Leave,
+    ) -> Option<ChildStatus> {
+        let status = self
+            .inbox
+            .stop_if_running(job, self.settings.kill_signal)
+            .await;
+        log_final(status);
+        if let Some(why) = why {
+            let timeout = match leave {
+                Leave::Release => self.settings.check_timeout,
+                // The session is in doubt: less time for the ledger.
+                Leave::Close => self.settings.check_timeout / 2,
+            };
+            shift.settle(Some((status, why)), timeout).await;
+        }
+        self.duty.end(shift);
+        match leave {
+            Leave::Release => self.release(session).await,
+            Leave::Close => drop(session),
+        }
+        status
+    }
+
+    /// When a leadership that starts now is to be handed over, and which option asked for it.
+    fn relinquish_at(&self) -> Option<(Instant, &'static str)> {
+        let after = self
+            .settings
+            .relinquish_after
+            .map(|after| (Instant::now() + after, "--relinquish-after"));
+        let scheduled = self
+            .settings
+            .relinquish_schedule
+            .as_ref()
+            .and_then(|schedule| {
+                let now = chrono::Local::now();
+                let next = schedule.find_next_occurrence(&now, false).ok()?;
+                let wait = (next - now).to_std().unwrap_or(Duration::ZERO);
+                Some((Instant::now() + wait, "--relinquish-schedule"))
+            });
+        match (after, scheduled) {
+            (Some(a), Some(b)) => Some(if a.0 <= b.0 { a } else { b }),
+            (one, other) => one.or(other),
+        }
+    }
+
+    fn child_env(
+        &self,
+        session_id: i32,
+        epoch: i64,
+        scheduled: Option<(chrono::DateTime<chrono::Utc>, i32)>,
+    ) -> Vec<(&'static str, String)> {
+        let lock = &self.settings.lock;
+        let mut env = vec![
+            ("PGLEADER_LOCK_ID", lock.key().to_string()),
+            ("PGLEADER_BACKEND_PID", session_id.to_string()),
+            ("PGLEADER_EPOCH", epoch.to_string()),
+        ];
+        if let Some(name) = lock.name() {
+            env.push(("PGLEADER_LOCK_NAME", name.to_owned()));
+        }
+        if let Some((occurrence, attempt)) = scheduled {
+            env.push(("PGLEADER_SCHEDULED_TIME", rfc3339(occurrence)));
+            env.push(("PGLEADER_ATTEMPT", attempt.to_string()));
+        }
+        env
+    }
+
+    /// Releases the lock explicitly so the next waiter is granted it at once, then closes.
+    async fn release(&mut self, session: B::Session) {
+        let lock = &self.settings.lock;
+        match session.release(self.settings.check_timeout).await {
+            Ok(()) => info!(event = "released", lock = %lock, "released the lock"),
+            Err(err) => {
+                warn!(event = "release_failed", lock = %lock, reason = %err, "cannot release the lock explicitly; closing the session frees it")
+            }
+        }
+    }
+}
+
+fn log_final(status: Option<ChildStatus>) {
+    if let Some(status) = status {
+        debug!(event = "stopped", status = %status, "the command was stopped");
+    }
+}
