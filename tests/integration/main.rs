@@ -4,6 +4,7 @@
 mod harness;
 
 mod containers;
+mod contract;
 mod docs;
 mod election;
 mod examples;

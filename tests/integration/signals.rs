@@ -60,7 +60,7 @@ fn a_second_sigterm_kills_the_command_without_waiting_for_the_kill_timeout() {
     a.signal(Signal::SIGTERM);
     a.wait_log("ignoring a repeated shutdown signal");
     // One that comes later is. The wait is the rule under test, not a synchronisation.
-    std::thread::sleep(pgleader::supervise::supervisor::REPEAT_WINDOW);
+    std::thread::sleep(pgleader::supervise::inbox::REPEAT_WINDOW);
     a.signal(Signal::SIGTERM);
     a.wait_log("second shutdown signal: sending SIGKILL");
     assert_eq!(a.wait_code(), 128 + 9);

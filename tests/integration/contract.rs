@@ -1,0 +1,440 @@
+//! The election's contract (`src/election/mod.rs`), written once and run against every backend,
+//! the way object_store's `integration.rs` runs one suite against every store: acquire, wait in
+//! order, confirm, lose by the connection's end, lose by a failed check, release, epochs that
+//! increase, a wait that is abandoned, and a ledger claim refused without leadership.
+//!
+//! A backend joins the suite by implementing [`Subject`] (how to make a backend for a fresh
+//! lock, and how the server ends a session) and one line of [`contract_suite!`]. PostgreSQL is
+//! the first; Redis and the Redlock quorum are to be added here, not given suites of their own.
+
+use std::future::Future;
+use std::time::Duration;
+
+use pgleader::election::ledger::{Claim, Claimant, Definition, Ledger};
+use pgleader::election::lock::LockKey;
+use pgleader::election::{Backend, Check, Confirmation, Observer, Session};
+
+use crate::harness::{Cluster, WAIT, unique_lock};
+
+/// A backend under test.
+pub trait Subject {
+    type Backend: Backend;
+
+    /// A backend for a lock no other test uses.
+    fn backend(&self) -> Self::Backend;
+
+    /// The server ends the session with this id, as an administrator would (PostgreSQL's
+    /// `pg_terminate_backend`, Redis' `CLIENT KILL`).
+    fn end_session(&self, id: i32);
+}
+
+/// PostgreSQL, through the harness's shared cluster.
+pub struct Postgres;
+
+impl Subject for Postgres {
+    type Backend = pgleader::postgres::PgBackend;
+
+    fn backend(&self) -> Self::Backend {
+        let url = Cluster::shared().url();
+        let lock = unique_lock();
+        let (settings, _) = pgleader::postgres::conninfo::resolve(Some(&url), &NoEnvironment)
+            .unwrap_or_else(|err| panic!("{url}: {err}"));
+        let table = pgleader::postgres::ledger::TableName::parse(&format!("contract_{lock}"))
+            .expect("a table name");
+        pgleader::postgres::PgBackend::new(
+            settings,
+            LockKey::from_id(lock),
+            pgleader::election::lease::Lease::new(Duration::from_secs(15)),
+            table,
+            Duration::from_secs(1),
+        )
+    }
+
+    fn end_session(&self, id: i32) {
+        // The harness's client is a blocking one: not on the runtime's thread.
+        std::thread::spawn(move || Cluster::shared().terminate_backend(id))
+            .join()
+            .expect("pg_terminate_backend");
+    }
+}
+
+/// No PG* variables, no ~/.pgpass: the URL says everything.
+struct NoEnvironment;
+
+impl pgleader::postgres::conninfo::Environment for NoEnvironment {
+    fn var(&self, _: &str) -> Option<String> {
+        None
+    }
+
+    fn home(&self) -> Option<std::path::PathBuf> {
+        None
+    }
+
+    fn os_user(&self) -> Option<String> {
+        None
+    }
+
+    fn socket_exists(&self, _: &std::path::Path) -> bool {
+        false
+    }
+}
+
+/// Runs one contract test on a runtime like pgleader's own (one thread). The shared cluster is
+/// started first, outside the runtime: the harness's own client blocks.
+fn block_on(test: impl Future<Output = ()>) {
+    let _ = Cluster::shared();
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime")
+        .block_on(test);
+}
+
+/// Every wait in the suite is bounded.
+async fn within<T>(what: &str, future: impl Future<Output = T>) -> T {
+    tokio::time::timeout(WAIT, future)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: nothing within {WAIT:?}"))
+}
+
+async fn connect<B: Backend>(backend: &B, name: &str) -> B::Session {
+    within(name, backend.connect(&format!("contract-{name}:1@test")))
+        .await
+        .unwrap_or_else(|err| panic!("{name} cannot connect: {err}"))
+}
+
+async fn try_acquire<S: Session>(session: &S) -> bool {
+    within("try_acquire", session.try_acquire())
+        .await
+        .expect("try_acquire answers")
+}
+
+async fn held<S: Session>(session: &S) -> bool {
+    matches!(
+        within("confirm", session.confirm()).await,
+        Ok(Check {
+            confirmation: Confirmation::Held,
+            ..
+        })
+    )
+}
+
+/// The ids of the sessions waiting, in the order the server will grant them the lock.
+async fn waiting<B: Backend>(backend: &B) -> Vec<i32> {
+    let observer = within("observe", backend.observe())
+        .await
+        .expect("an observer connects");
+    let view = within("lock_view", observer.lock_view())
+        .await
+        .expect("the lock can be read");
+    view.waiting.iter().map(|p| p.backend_pid).collect()
+}
+
+/// Waits until the server lists exactly `expected` as waiting, in that order.
+async fn until_waiting<B: Backend>(backend: &B, expected: &[i32]) {
+    within("the waiters to queue up", async {
+        while waiting(backend).await != expected {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+}
+
+pub async fn only_one_session_acquires<T: Subject>(subject: &T) {
+    let backend = subject.backend();
+    let a = connect(&backend, "a").await;
+    let b = connect(&backend, "b").await;
+    assert!(try_acquire(&a).await, "a free lock is taken");
+    assert!(!try_acquire(&b).await, "a held lock is not taken twice");
+    within("release", a.release(WAIT)).await.expect("released");
+    assert!(try_acquire(&b).await, "a released lock is free again");
+}
+
+pub async fn waiters_are_granted_the_lock_in_order<T: Subject>(subject: &T) {
+    let backend = subject.backend();
+    let (a, b, c) = (
+        connect(&backend, "a").await,
+        connect(&backend, "b").await,
+        connect(&backend, "c").await,
+    );
+    assert!(try_acquire(&a).await);
+    let b_waits = b.wait();
+    tokio::pin!(b_waits);
+    // The waits are sent when first polled: b's must reach the server before c's.
+    let pending = tokio::time::timeout(Duration::from_millis(1), &mut b_waits).await;
+    assert!(pending.is_err(), "b waits while a holds the lock");
+    until_waiting(&backend, &[b.id()]).await;
+    let c_waits = c.wait();
+    tokio::pin!(c_waits);
+    let pending = tokio::time::timeout(Duration::from_millis(1), &mut c_waits).await;
+    assert!(pending.is_err(), "c waits too");
+    until_waiting(&backend, &[b.id(), c.id()]).await;
+
+    within("release a", a.release(WAIT))
+        .await
+        .expect("released");
+    tokio::select! {
+        biased;
+        granted = &mut b_waits => granted.expect("b is granted the lock"),
+        _ = &mut c_waits => panic!("c was granted the lock before b, who asked first"),
+        () = tokio::time::sleep(WAIT) => panic!("nobody was granted the released lock"),
+    }
+    assert!(held(&b).await, "b leads");
+    // c still waits (a waiting session has its one statement in flight: ask the server).
+    until_waiting(&backend, &[c.id()]).await;
+    within("release b", b.release(WAIT))
+        .await
+        .expect("released");
+    within("c's grant", &mut c_waits)
+        .await
+        .expect("c is granted the lock");
+    assert!(held(&c).await, "c leads");
+}
+
+pub async fn a_check_confirms_only_the_holder<T: Subject>(subject: &T) {
+    let backend = subject.backend();
+    let (a, b) = (connect(&backend, "a").await, connect(&backend, "b").await);
+    assert!(!held(&a).await, "nobody leads yet");
+    assert!(try_acquire(&a).await);
+    assert!(held(&a).await, "the holder is confirmed");
+    assert!(!held(&b).await, "another session is not");
+}
+
+pub async fn the_end_of_the_connection_is_noticed_at_once<T: Subject>(subject: &T) {
+    let backend = subject.backend();
+    let mut a = connect(&backend, "a").await;
+    assert!(try_acquire(&a).await);
+    subject.end_session(a.id());
+    let reason = within("the connection's end", a.ended()).await;
+    assert!(!reason.is_empty(), "the end says why");
+    // And the lock is free for the next one.
+    let b = connect(&backend, "b").await;
+    within("b's grant after a's end", b.wait())
+        .await
+        .expect("b is granted the lock");
+}
+
+pub async fn a_check_fails_once_the_session_is_gone<T: Subject>(subject: &T) {
+    let backend = subject.backend();
+    let a = connect(&backend, "a").await;
+    assert!(try_acquire(&a).await);
+    assert!(held(&a).await);
+    subject.end_session(a.id());
+    assert!(
+        !held(&a).await,
+        "a check on an ended session must not confirm"
+    );
+}
+
+pub async fn a_release_wakes_the_next_waiter<T: Subject>(subject: &T) {
+    let backend = subject.backend();
+    let (a, b) = (connect(&backend, "a").await, connect(&backend, "b").await);
+    assert!(try_acquire(&a).await);
+    let b_waits = b.wait();
+    tokio::pin!(b_waits);
+    let pending = tokio::time::timeout(Duration::from_millis(1), &mut b_waits).await;
+    assert!(pending.is_err(), "b waits while a holds the lock");
+    within("release", a.release(WAIT)).await.expect("released");
+    within("b's grant", &mut b_waits)
+        .await
+        .expect("b is granted the lock");
+    assert!(held(&b).await);
+}
+
+pub async fn an_abandoned_wait_leaves_the_lock_free<T: Subject>(subject: &T) {
+    let backend = subject.backend();
+    let (a, b) = (connect(&backend, "a").await, connect(&backend, "b").await);
+    assert!(try_acquire(&a).await);
+    {
+        let b_waits = b.wait();
+        tokio::pin!(b_waits);
+        let pending = tokio::time::timeout(Duration::from_millis(1), &mut b_waits).await;
+        assert!(pending.is_err());
+        until_waiting(&backend, &[b.id()]).await;
+    }
+    // The contract: a session whose acquisition was abandoned is dropped, never reused.
+    drop(b);
+    within("release", a.release(WAIT)).await.expect("released");
+    let c = connect(&backend, "c").await;
+    assert!(
+        within("c's grant", c.wait()).await.is_ok(),
+        "the abandoned waiter holds nothing"
+    );
+}
+
+pub async fn epochs_increase_from_one_leadership_to_the_next<T: Subject>(subject: &T) {
+    let backend = subject.backend();
+    let mut last = None;
+    for name in ["a", "b", "a-again"] {
+        let session = connect(&backend, name).await;
+        assert!(try_acquire(&session).await);
+        let fence = within("fence", session.fence())
+            .await
+            .expect("a fencing token");
+        if let Some(last) = last {
+            assert!(
+                fence.epoch > last,
+                "epoch {} after {last}: tokens must strictly increase",
+                fence.epoch
+            );
+        }
+        last = Some(fence.epoch);
+        within("release", session.release(WAIT))
+            .await
+            .expect("released");
+    }
+}
+
+pub async fn the_ledger_claims_only_for_the_leader<T: Subject>(subject: &T) {
+    let backend = subject.backend();
+    let definition = Definition {
+        expression: "0 0 3 * * *".into(),
+        timezone: "UTC".into(),
+    };
+    let claimant = |epoch| Claimant {
+        host: "test".into(),
+        pid: 1,
+        epoch,
+    };
+    let (a, b) = (connect(&backend, "a").await, connect(&backend, "b").await);
+    let (ledger_a, ledger_b) = (a.ledger(&definition), b.ledger(&definition));
+    within("prepare", ledger_a.prepare())
+        .await
+        .expect("the ledger can be prepared");
+    let now = within("server time", ledger_a.server_time())
+        .await
+        .expect("the server's clock");
+    let occurrence = now - chrono::Duration::seconds(1);
+
+    let refused = within("claim", ledger_a.claim(occurrence, &claimant(1), 0)).await;
+    assert_eq!(
+        refused.expect("an answer"),
+        Claim::NotLeader,
+        "a session that does not lead claims nothing"
+    );
+    assert!(try_acquire(&a).await);
+    let epoch = within("fence", a.fence()).await.expect("a token").epoch;
+    let claimed = within("claim", ledger_a.claim(occurrence, &claimant(epoch), 0)).await;
+    assert_eq!(claimed.expect("an answer"), Claim::Claimed { attempt: 1 });
+    let other = within("claim", ledger_b.claim(occurrence, &claimant(epoch), 0)).await;
+    assert_eq!(
+        other.expect("an answer"),
+        Claim::NotLeader,
+        "a follower claims nothing, not even what is taken"
+    );
+
+    // The leader that lost the lock a moment ago claims nothing either.
+    let later = occurrence + chrono::Duration::milliseconds(500);
+    within("release", a.release(WAIT)).await.expect("released");
+    assert!(try_acquire(&b).await);
+    let stale = within("claim", ledger_a.claim(later, &claimant(epoch), 0)).await;
+    assert!(
+        !matches!(stale, Ok(Claim::Claimed { .. })),
+        "a released leadership cannot claim: {stale:?}"
+    );
+    let recent = within("history", ledger_b.recent(10))
+        .await
+        .expect("history");
+    assert_eq!(
+        recent.iter().map(|e| e.scheduled_for).collect::<Vec<_>>(),
+        vec![occurrence],
+        "only the leader's claim was written"
+    );
+}
+
+/// One `#[test]` per contract test, for one subject.
+macro_rules! contract_suite {
+    ($backend:ident, $subject:expr) => {
+        mod $backend {
+            use super::*;
+
+            #[test]
+            fn only_one_session_acquires() {
+                block_on(super::only_one_session_acquires(&$subject));
+            }
+
+            #[test]
+            fn waiters_are_granted_the_lock_in_order() {
+                block_on(super::waiters_are_granted_the_lock_in_order(&$subject));
+            }
+
+            #[test]
+            fn a_check_confirms_only_the_holder() {
+                block_on(super::a_check_confirms_only_the_holder(&$subject));
+            }
+
+            #[test]
+            fn the_end_of_the_connection_is_noticed_at_once() {
+                block_on(super::the_end_of_the_connection_is_noticed_at_once(
+                    &$subject,
+                ));
+            }
+
+            #[test]
+            fn a_check_fails_once_the_session_is_gone() {
+                block_on(super::a_check_fails_once_the_session_is_gone(&$subject));
+            }
+
+            #[test]
+            fn a_release_wakes_the_next_waiter() {
+                block_on(super::a_release_wakes_the_next_waiter(&$subject));
+            }
+
+            #[test]
+            fn an_abandoned_wait_leaves_the_lock_free() {
+                block_on(super::an_abandoned_wait_leaves_the_lock_free(&$subject));
+            }
+
+            #[test]
+            fn epochs_increase_from_one_leadership_to_the_next() {
+                block_on(super::epochs_increase_from_one_leadership_to_the_next(
+                    &$subject,
+                ));
+            }
+
+            #[test]
+            fn the_ledger_claims_only_for_the_leader() {
+                block_on(super::the_ledger_claims_only_for_the_leader(&$subject));
+            }
+        }
+    };
+}
+
+contract_suite!(postgres, Postgres);
+
+/// What only PostgreSQL's ledger needs: its statement bound (`SET LOCAL` in a transaction of
+/// the statement's own) must not outlive the statement on the session.
+mod postgres_only {
+    use super::*;
+
+    #[test]
+    fn a_ledger_statements_bound_does_not_outlive_it_on_the_session() {
+        block_on(async {
+            let mut backend = Postgres.backend();
+            backend.ledger.statement_timeout = Duration::from_millis(100);
+            let (a, b) = (connect(&backend, "a").await, connect(&backend, "b").await);
+            let definition = Definition {
+                expression: "0 0 3 * * *".into(),
+                timezone: "UTC".into(),
+            };
+            let ledger = a.ledger(&definition);
+            within("prepare", ledger.prepare()).await.expect("prepared");
+            within("a bounded read", ledger.recent(1))
+                .await
+                .expect("the ledger can be read");
+            // With the bound left on the session, this wait would be cancelled after 100 ms.
+            assert!(try_acquire(&b).await);
+            let a_waits = a.wait();
+            tokio::pin!(a_waits);
+            let early = tokio::time::timeout(Duration::from_millis(500), &mut a_waits).await;
+            assert!(
+                early.is_err(),
+                "the wait ended while the lock was held: {early:?}"
+            );
+            within("release", b.release(WAIT)).await.expect("released");
+            within("a's grant", &mut a_waits)
+                .await
+                .expect("a is granted the lock, never cancelled");
+        });
+    }
+}
