@@ -17,7 +17,7 @@ use chrono::{DateTime, SubsecRound, Utc};
 use nix::sys::signal::Signal;
 
 use crate::harness::{self, Journal, Stream};
-use crate::report::{Cost, Figures, Row};
+use crate::report::{Cost, Figures, Row, TimerCount};
 use crate::tools::{Candidate, Pgleader, SETUP_WAIT, Usage};
 
 /// The job: a line with the occurrence it runs for.
@@ -270,16 +270,6 @@ pub fn idle_cost(pg: &Pgleader, window: Duration) -> anyhow::Result<Cost> {
     })();
     pg.log_statements(false)?;
     measured
-}
-
-/// How many times a job ran per occurrence in one mode.
-#[derive(Debug)]
-pub struct TimerCount {
-    pub mode: &'static str,
-    pub occurrences: usize,
-    pub once: usize,
-    pub extra_runs: usize,
-    pub missed: usize,
 }
 
 /// Three hosts' timers fire for each occurrence of an every-ten-seconds schedule, 0, 0.5 and
