@@ -205,7 +205,15 @@ pub async fn the_end_of_the_connection_is_noticed_at_once<T: Subject>(subject: &
     let mut a = connect(&backend, "a").await;
     assert!(try_acquire(&a).await);
     subject.end_session(a.id());
+    // "At once": well before any check or keepalive could have noticed (WAIT is 20 s, longer
+    // than the 15 s lease, so `within` alone would not tell).
+    let noticed = tokio::time::Instant::now();
     let reason = within("the connection's end", a.ended()).await;
+    assert!(
+        noticed.elapsed() < Duration::from_secs(1),
+        "the end was noticed only after {:?}",
+        noticed.elapsed()
+    );
     assert!(!reason.is_empty(), "the end says why");
     // And the lock is free for the next one.
     let b = connect(&backend, "b").await;
@@ -254,6 +262,16 @@ pub async fn an_abandoned_wait_leaves_the_lock_free<T: Subject>(subject: &T) {
     }
     // The contract: a session whose acquisition was abandoned is dropped, never reused.
     drop(b);
+    // Dropping it gives up the wait on the server at once, not when it would be granted (and
+    // well before the 15 s lease could end a's idle session instead).
+    let dropped = tokio::time::Instant::now();
+    while !waiting(&backend).await.is_empty() {
+        assert!(
+            dropped.elapsed() < Duration::from_secs(2),
+            "the abandoned session still waits on the server"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     within("release", a.release(WAIT)).await.expect("released");
     let c = connect(&backend, "c").await;
     assert!(
@@ -327,9 +345,13 @@ pub async fn the_ledger_claims_only_for_the_leader<T: Subject>(subject: &T) {
     let later = occurrence + chrono::Duration::milliseconds(500);
     within("release", a.release(WAIT)).await.expect("released");
     assert!(try_acquire(&b).await);
+    // On PostgreSQL `release` closes a's session, so this claim fails on the closed connection
+    // whatever the ledger's guard does (`Err(Query("connection closed"))`): it exercises the
+    // guard only for a backend whose release keeps the connection. The follower's claim above
+    // is what proves PostgreSQL's guard.
     let stale = within("claim", ledger_a.claim(later, &claimant(epoch), 0)).await;
     assert!(
-        !matches!(stale, Ok(Claim::Claimed { .. })),
+        matches!(stale, Err(_) | Ok(Claim::NotLeader)),
         "a released leadership cannot claim: {stale:?}"
     );
     let recent = within("history", ledger_b.recent(10))
