@@ -348,7 +348,7 @@ fn parse_schedule(value: &str) -> Result<croner::Cron, String> {
         .parse(value.trim())
         .map_err(|err| format!("{err} (expected a cron expression such as \"0 0 * * *\")"))?;
     schedule
-        .find_next_occurrence(&chrono::Local::now(), false)
+        .find_next_occurrence(&jiff::Zoned::now(), false)
         .map_err(|_| "this schedule never matches a future time".to_owned())?;
     Ok(schedule)
 }

@@ -23,7 +23,7 @@
 //! session, past their deadline. One that waited too long is rolled back and reported as
 //! [`LedgerError::Busy`], so that the scheduler tries it again, still leading.
 
-use chrono::{DateTime, Utc};
+use jiff::Timestamp;
 use thiserror::Error;
 
 use crate::election::participant::Participant;
@@ -65,12 +65,12 @@ pub struct Claimant {
 /// A row of the ledger, newest first when read.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Entry {
-    pub scheduled_for: DateTime<Utc>,
+    pub scheduled_for: Timestamp,
     pub outcome: String,
     pub exit_code: Option<i32>,
     pub attempt: i32,
-    pub claimed_at: DateTime<Utc>,
-    pub ended_at: Option<DateTime<Utc>>,
+    pub claimed_at: Timestamp,
+    pub ended_at: Option<Timestamp>,
     pub host: Option<String>,
     pub pid: Option<i32>,
     /// The claiming session's id on the server (PostgreSQL's backend pid).
@@ -84,17 +84,17 @@ pub struct Entry {
 /// How a run ended, kept by a leader whose session ended before it could record it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LateFinish {
-    pub at: DateTime<Utc>,
+    pub at: Timestamp,
     pub epoch: i64,
     pub attempt: i32,
     pub outcome: &'static str,
     pub exit_code: Option<i32>,
-    pub ended_at: DateTime<Utc>,
+    pub ended_at: Timestamp,
 }
 
 /// A run an earlier leader left `running`: its occurrence, and the host and pid of the pgleader
 /// that ran it.
-pub type StaleRun = (DateTime<Utc>, Option<String>, Option<i32>);
+pub type StaleRun = (Timestamp, Option<String>, Option<i32>);
 
 /// What a claim found.
 #[derive(Clone, Debug, PartialEq)]
@@ -106,7 +106,7 @@ pub enum Claim {
     /// A later occurrence is already recorded: this one will never run.
     Superseded,
     /// The server's clock has not reached the occurrence yet; it says `server_now`.
-    Early { server_now: DateTime<Utc> },
+    Early { server_now: Timestamp },
     /// This session does not hold the lock (any more): nothing was written.
     NotLeader,
 }
@@ -128,7 +128,7 @@ pub trait Ledger: Clone + 'static {
     fn participants(&self) -> impl Future<Output = Result<Vec<Participant>, LedgerError>>;
 
     /// The server's clock now.
-    fn server_time(&self) -> impl Future<Output = Result<DateTime<Utc>, LedgerError>>;
+    fn server_time(&self) -> impl Future<Output = Result<Timestamp, LedgerError>>;
 
     /// Marks the runs earlier leaders left `running` as interrupted (only the holder can be
     /// running anything) and returns them: occurrence, host, pid.
@@ -138,13 +138,13 @@ pub trait Ledger: Clone + 'static {
     fn recent(&self, limit: i64) -> impl Future<Output = Result<Vec<Entry>, LedgerError>>;
 
     /// Whether a row exists for this occurrence.
-    fn has(&self, at: DateTime<Utc>) -> impl Future<Output = Result<bool, LedgerError>>;
+    fn has(&self, at: Timestamp) -> impl Future<Output = Result<bool, LedgerError>>;
 
     /// Claims an occurrence for this leadership, or says why not. `retries` is how many times an
     /// interrupted run may be started again.
     fn claim(
         &self,
-        at: DateTime<Utc>,
+        at: Timestamp,
         claimant: &Claimant,
         retries: i32,
     ) -> impl Future<Output = Result<Claim, LedgerError>>;
@@ -163,17 +163,13 @@ pub trait Ledger: Clone + 'static {
 
     /// Takes back a claim whose command never started, so that the next leader may still run
     /// it.
-    fn unclaim(
-        &self,
-        at: DateTime<Utc>,
-        epoch: i64,
-    ) -> impl Future<Output = Result<(), LedgerError>>;
+    fn unclaim(&self, at: Timestamp, epoch: i64) -> impl Future<Output = Result<(), LedgerError>>;
 
     /// Records an occurrence that did not run (`skipped`, `missed`), unless it or a later one is
     /// already recorded. True if recorded.
     fn record(
         &self,
-        at: DateTime<Utc>,
+        at: Timestamp,
         outcome: &str,
         detail: &str,
         claimant: &Claimant,

@@ -40,7 +40,7 @@ pub mod participant;
 use std::fmt::Display;
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
+use jiff::Timestamp;
 use thiserror::Error;
 
 use ledger::{Definition, Entry, Ledger, LedgerError};
@@ -78,7 +78,7 @@ pub struct Fence {
     /// earlier leadership's.
     pub epoch: i64,
     /// The server's clock when it handed out the token.
-    pub server_time: DateTime<Utc>,
+    pub server_time: Timestamp,
     /// How long ago the server last freed every lock at once (a restart, a crash reset): the
     /// restart fence waits out what is left of the old leader's worst-case stop time.
     pub since_server_reset: Duration,
@@ -96,7 +96,7 @@ pub enum Confirmation {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Check {
     pub confirmation: Confirmation,
-    pub server_time: DateTime<Utc>,
+    pub server_time: Timestamp,
 }
 
 /// A configured backend: the server, the lock, and how pgleader's sessions are set up. Its
@@ -165,5 +165,5 @@ pub trait Observer {
     fn history(&self, limit: i64) -> impl Future<Output = Result<Option<Vec<Entry>>, LedgerError>>;
 
     /// The server's clock now.
-    fn server_time(&self) -> impl Future<Output = Result<DateTime<Utc>, LedgerError>>;
+    fn server_time(&self) -> impl Future<Output = Result<Timestamp, LedgerError>>;
 }

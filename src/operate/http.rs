@@ -19,7 +19,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use chrono::Utc;
 use http_body_util::Full;
 use hyper::body::Bytes;
 use hyper::header::{ALLOW, CACHE_CONTROL, CONTENT_TYPE, HeaderValue};
@@ -27,6 +26,7 @@ use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
+use jiff::Timestamp;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tracing::{debug, info, warn};
@@ -123,13 +123,13 @@ fn answer<B>(telemetry: &Telemetry, request: &Request<B>) -> Response<Full<Bytes
             Ok(()) => plain(StatusCode::OK, "leader\n".to_owned()),
             Err(instead) => plain(StatusCode::SERVICE_UNAVAILABLE, format!("{instead}\n")),
         },
-        "/healthz" => match telemetry.health(&snapshot, Utc::now()) {
+        "/healthz" => match telemetry.health(&snapshot, Timestamp::now()) {
             Ok(()) => plain(StatusCode::OK, format!("ok: {}\n", snapshot.role.as_str())),
             Err(reason) => plain(StatusCode::SERVICE_UNAVAILABLE, format!("{reason}\n")),
         },
         "/status" => with_type(
             StatusCode::OK,
-            format!("{}\n", telemetry.status_json(&snapshot, Utc::now())),
+            format!("{}\n", telemetry.status_json(&snapshot, Timestamp::now())),
             "application/json",
         ),
         _ => with_type(

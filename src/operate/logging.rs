@@ -87,7 +87,7 @@ fn collect(event: &Event<'_>) -> Fields {
 }
 
 fn now() -> String {
-    humantime::format_rfc3339_millis(std::time::SystemTime::now()).to_string()
+    crate::time::rfc3339_millis(jiff::Timestamp::now())
 }
 
 /// `2026-11-21T07:44:00.123Z INFO  became leader lock=10 backend_pid=4242`

@@ -11,7 +11,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use chrono::{DateTime, SecondsFormat, Utc};
+use jiff::Timestamp;
 use serde_json::{Value, json};
 use tokio::sync::watch;
 
@@ -82,9 +82,9 @@ impl CommandState {
 pub struct CommandView {
     pub state: CommandState,
     pub pid: Option<i32>,
-    pub started_at: Option<DateTime<Utc>>,
+    pub started_at: Option<Timestamp>,
     /// How the last run ended, and when.
-    pub last_exit: Option<(ChildStatus, DateTime<Utc>)>,
+    pub last_exit: Option<(ChildStatus, Timestamp)>,
 }
 
 /// The published state: what `/leader`, `/healthz` and `/status` answer from.
@@ -92,7 +92,7 @@ pub struct CommandView {
 pub struct Snapshot {
     pub role: Role,
     /// When the current role began.
-    pub since: DateTime<Utc>,
+    pub since: Timestamp,
     /// Why this instance is not healthy (a failed connection, a lost leadership), if it is not.
     pub problem: Option<String>,
     /// The current session's server process.
@@ -100,7 +100,7 @@ pub struct Snapshot {
     /// The fencing token of the current leadership, or of the last one.
     pub epoch: Option<i64>,
     /// The last time the leader's session proved it holds the lock (winning it, or a check).
-    pub last_check: Option<DateTime<Utc>>,
+    pub last_check: Option<Timestamp>,
     pub command: CommandView,
     /// With a schedule: the runs this instance claimed or recorded, newest first.
     pub runs: Vec<RunView>,
@@ -153,7 +153,7 @@ impl Telemetry {
         let metrics = Metrics::new(&settings.lock, settings.schedule.is_some());
         let (state, _) = watch::channel(Snapshot {
             role: Role::Connecting,
-            since: Utc::now(),
+            since: Timestamp::now(),
             problem: None,
             backend_pid: None,
             epoch: None,
@@ -240,7 +240,7 @@ impl Telemetry {
         metrics.is_leader.set(1);
         metrics.epoch.set(epoch);
         metrics.acquired.inc();
-        let now = Utc::now();
+        let now = Timestamp::now();
         metrics.last_check.set(timestamp(now));
         let scheduled = self.inner.identity.schedule.is_some();
         self.update(|s| {
@@ -260,7 +260,7 @@ impl Telemetry {
         self.update(|s| {
             s.command.state = CommandState::Running;
             s.command.pid = Some(pid);
-            s.command.started_at = Some(Utc::now());
+            s.command.started_at = Some(Timestamp::now());
         });
     }
 
@@ -269,7 +269,7 @@ impl Telemetry {
         let metrics = &self.inner.metrics;
         metrics.check_duration.observe(took.as_secs_f64());
         if held {
-            let now = Utc::now();
+            let now = Timestamp::now();
             metrics.last_check.set(timestamp(now));
             self.update(|s| s.last_check = Some(now));
         }
@@ -307,7 +307,7 @@ impl Telemetry {
         self.update(|s| {
             s.command.state = CommandState::NotRunning;
             s.command.pid = None;
-            s.command.last_exit = Some((status, Utc::now()));
+            s.command.last_exit = Some((status, Timestamp::now()));
         });
     }
 
@@ -381,13 +381,13 @@ impl Telemetry {
 
     /// Whether this instance is healthy, for `/healthz`: following, leading with a recent
     /// successful check, or idle between leaderships. `Err` says why not.
-    pub fn health(&self, snapshot: &Snapshot, now: DateTime<Utc>) -> Result<(), String> {
+    pub fn health(&self, snapshot: &Snapshot, now: Timestamp) -> Result<(), String> {
         let deadline = self.inner.identity.check_deadline;
         match snapshot.role {
             Role::Follower | Role::Idle => Ok(()),
             Role::Leader => {
                 let since = snapshot.last_check.unwrap_or(snapshot.since);
-                let age = (now - since).to_std().unwrap_or(Duration::ZERO);
+                let age = crate::time::elapsed(since, now);
                 if age <= deadline {
                     Ok(())
                 } else {
@@ -409,7 +409,7 @@ impl Telemetry {
     }
 
     /// The body of `/status`.
-    pub fn status_json(&self, snapshot: &Snapshot, now: DateTime<Utc>) -> Value {
+    pub fn status_json(&self, snapshot: &Snapshot, now: Timestamp) -> Value {
         let identity = &self.inner.identity;
         let health = self.health(snapshot, now);
         let command = &snapshot.command;
@@ -446,7 +446,7 @@ impl Snapshot {
     fn enter(&mut self, role: Role) {
         if self.role != role {
             self.role = role;
-            self.since = Utc::now();
+            self.since = Timestamp::now();
         }
         if matches!(role, Role::Follower | Role::Leader | Role::Idle) {
             self.problem = None;
@@ -456,7 +456,7 @@ impl Snapshot {
 
 /// The schedule, its next occurrence after `now` on this host's clock (the leader starts it on
 /// the server's), and the runs this instance saw.
-fn schedule_json(schedule: &Schedule, runs: &[RunView], now: DateTime<Utc>) -> Value {
+fn schedule_json(schedule: &Schedule, runs: &[RunView], now: Timestamp) -> Value {
     json!({
         "expression": schedule.expression(),
         "timezone": schedule.timezone(),
@@ -474,13 +474,13 @@ fn schedule_json(schedule: &Schedule, runs: &[RunView], now: DateTime<Utc>) -> V
 }
 
 /// RFC 3339 in UTC, to the millisecond: `2026-11-21T07:58:38.088Z`.
-pub fn rfc3339(time: DateTime<Utc>) -> String {
-    time.to_rfc3339_opts(SecondsFormat::Millis, true)
+pub fn rfc3339(time: Timestamp) -> String {
+    crate::time::rfc3339_millis(time)
 }
 
 /// Seconds since the Unix epoch, as Prometheus timestamps are.
-fn timestamp(time: DateTime<Utc>) -> f64 {
-    time.timestamp_micros() as f64 / 1e6
+fn timestamp(time: Timestamp) -> f64 {
+    time.as_microsecond() as f64 / 1e6
 }
 
 #[cfg(test)]
@@ -524,7 +524,7 @@ mod tests {
     #[test]
     fn health_follows_the_role_and_the_last_check() {
         let t = telemetry(false);
-        let now = Utc::now();
+        let now = Timestamp::now();
         assert_eq!(t.health(&t.snapshot(), now), Err("connecting".to_owned()));
         t.connect_failed("connection refused", Duration::from_millis(400));
         let err = t.health(&t.snapshot(), now).expect_err("unhealthy");
@@ -533,18 +533,18 @@ mod tests {
             "{err}"
         );
         t.following(10);
-        assert_eq!(t.health(&t.snapshot(), Utc::now()), Ok(()));
+        assert_eq!(t.health(&t.snapshot(), Timestamp::now()), Ok(()));
         t.leading(7, 10);
         let snapshot = t.snapshot();
-        assert_eq!(t.health(&snapshot, Utc::now()), Ok(()));
-        let later = Utc::now() + chrono::Duration::seconds(5);
+        assert_eq!(t.health(&snapshot, Timestamp::now()), Ok(()));
+        let later = Timestamp::now() + jiff::SignedDuration::from_secs(5);
         let err = t.health(&snapshot, later).expect_err("stale check");
         assert!(err.starts_with("no successful check for"), "{err}");
         t.check_completed(Duration::from_millis(2), true);
         t.leadership_lost(LossReason::NotHeld, "not held");
-        assert!(t.health(&t.snapshot(), Utc::now()).is_err());
+        assert!(t.health(&t.snapshot(), Timestamp::now()).is_err());
         t.idle();
-        assert_eq!(t.health(&t.snapshot(), Utc::now()), Ok(()));
+        assert_eq!(t.health(&t.snapshot(), Timestamp::now()), Ok(()));
     }
 
     #[test]
@@ -553,7 +553,7 @@ mod tests {
         t.leading(7, 10);
         t.command_started(42);
         t.command_exited(ChildStatus::Signaled(Signal::SIGTERM));
-        let at = Utc::now();
+        let at = Timestamp::now();
         t.scheduled_run(RunView {
             scheduled_for: at,
             outcome: None,
@@ -572,7 +572,7 @@ mod tests {
             ended_at: Some(at),
             host: None,
         });
-        let status = t.status_json(&t.snapshot(), Utc::now());
+        let status = t.status_json(&t.snapshot(), Timestamp::now());
         assert_eq!(status["role"], "leader");
         assert_eq!(status["epoch"], 7);
         assert_eq!(status["lock"]["name"], "nightly");

@@ -13,7 +13,7 @@ use std::io::Write;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use chrono::Utc;
+use jiff::Timestamp;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::time::{MissedTickBehavior, interval, sleep, timeout};
 use tracing::warn;
@@ -87,10 +87,10 @@ async fn follow<B: Backend>(lock: &LockKey, backend: &B, json: bool) -> anyhow::
             if changed {
                 let line = if json {
                     let mut object = status.to_json();
-                    object["time"] = rfc3339(Utc::now()).into();
+                    object["time"] = rfc3339(Timestamp::now()).into();
                     object.to_string()
                 } else {
-                    format!("{} {}", rfc3339(Utc::now()), status.to_line())
+                    format!("{} {}", rfc3339(Timestamp::now()), status.to_line())
                 };
                 let mut stdout = std::io::stdout().lock();
                 if writeln!(stdout, "{line}")

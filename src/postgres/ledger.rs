@@ -17,7 +17,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
+use jiff::Timestamp;
 use tokio_postgres::Client;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
@@ -143,7 +143,8 @@ struct Statements {
 impl PgLedger {
     /// The ledger in `table`, on the session of `client`. Each statement a leader runs is
     /// bounded by `statement_timeout` (and waits at most as long for a lock on the table), in a
-    /// transaction of its own, so that the bound never outlives it on the session.
+    /// transaction of its own, so that the bound never outlives it on the session; `lease`
+    /// bounds how long the transaction may sit idle.
     pub fn new(
         client: Arc<Client>,
         table: TableName,
@@ -151,11 +152,16 @@ impl PgLedger {
         definition: Definition,
         user_name: Option<String>,
         statement_timeout: Duration,
+        lease: Duration,
     ) -> PgLedger {
         let t = table.sql();
         let bound = statement_timeout.as_millis().max(1);
+        // While the transaction is open, idle_session_timeout does not count; a leader that
+        // froze inside it must still lose its session within the lease.
+        let lease = lease.as_millis().max(1);
         let begin = format!(
-            "BEGIN; SET LOCAL statement_timeout = {bound}; SET LOCAL lock_timeout = {bound}"
+            "BEGIN; SET LOCAL statement_timeout = {bound}; SET LOCAL lock_timeout = {bound}; \
+             SET LOCAL idle_in_transaction_session_timeout = {lease}"
         );
         let leads_claim = leads("$10", "$11");
         let claim = format!(
@@ -264,7 +270,8 @@ impl PgLedger {
         let (begun, result, ended) = tokio::join!(biased; begin, statement, commit);
         begun.map_err(query_error)?;
         let value = result.map_err(|err| self.classify(err))?;
-        ended.map_err(query_error)?;
+        // A serialization failure can surface at COMMIT: rolled back, to be tried again.
+        ended.map_err(|err| self.classify(err))?;
         Ok(value)
     }
 
@@ -404,7 +411,7 @@ impl Ledger for PgLedger {
             .collect())
     }
 
-    async fn server_time(&self) -> Result<DateTime<Utc>, LedgerError> {
+    async fn server_time(&self) -> Result<Timestamp, LedgerError> {
         server_time(&self.client).await
     }
 
@@ -437,7 +444,7 @@ impl Ledger for PgLedger {
         Ok(rows.iter().map(entry).collect())
     }
 
-    async fn has(&self, at: DateTime<Utc>) -> Result<bool, LedgerError> {
+    async fn has(&self, at: Timestamp) -> Result<bool, LedgerError> {
         let key = self.inner.lock.key();
         let row = self
             .bounded(self.client.query_typed_one(
@@ -450,7 +457,7 @@ impl Ledger for PgLedger {
 
     async fn claim(
         &self,
-        at: DateTime<Utc>,
+        at: Timestamp,
         claimant: &Claimant,
         retries: i32,
     ) -> Result<Claim, LedgerError> {
@@ -477,7 +484,7 @@ impl Ledger for PgLedger {
         let attempt: Option<i32> = row.get(0);
         let existing: Option<String> = row.get(1);
         let newer: bool = row.get(2);
-        let server_now: DateTime<Utc> = row.get(3);
+        let server_now: Timestamp = row.get(3);
         let held: bool = row.get(4);
         Ok(match (attempt, existing) {
             (Some(attempt), _) => Claim::Claimed { attempt },
@@ -523,7 +530,7 @@ impl Ledger for PgLedger {
         Ok(updated > 0)
     }
 
-    async fn unclaim(&self, at: DateTime<Utc>, epoch: i64) -> Result<(), LedgerError> {
+    async fn unclaim(&self, at: Timestamp, epoch: i64) -> Result<(), LedgerError> {
         let key = self.inner.lock.key();
         self.bounded(self.client.execute_typed(
             &self.inner.unclaim,
@@ -539,7 +546,7 @@ impl Ledger for PgLedger {
 
     async fn record(
         &self,
-        at: DateTime<Utc>,
+        at: Timestamp,
         outcome: &str,
         detail: &str,
         claimant: &Claimant,
@@ -581,7 +588,7 @@ fn participants_sql() -> String {
 }
 
 /// The server's clock now.
-pub async fn server_time(client: &Client) -> Result<DateTime<Utc>, LedgerError> {
+pub async fn server_time(client: &Client) -> Result<Timestamp, LedgerError> {
     Ok(client
         .query_typed_one("SELECT pg_catalog.clock_timestamp()", &[])
         .await

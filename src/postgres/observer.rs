@@ -4,7 +4,7 @@
 //! Waiters are listed in the order the server will grant them the lock: by
 //! `pg_locks.waitstart` (PostgreSQL 14+), by the start of their query before that.
 
-use chrono::{DateTime, Utc};
+use jiff::Timestamp;
 use tokio_postgres::types::Type;
 
 use crate::election::ledger::{Entry, LedgerError};
@@ -100,7 +100,7 @@ impl Observer for PgObserver {
         ledger::read_recent(&self.client.client, &self.table, &self.lock, limit).await
     }
 
-    async fn server_time(&self) -> Result<DateTime<Utc>, LedgerError> {
+    async fn server_time(&self) -> Result<Timestamp, LedgerError> {
         ledger::server_time(&self.client.client).await
     }
 }

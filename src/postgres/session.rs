@@ -58,6 +58,7 @@ pub struct LedgerSettings {
 #[derive(Debug)]
 pub struct PgSession {
     lock: LockKey,
+    lease: Duration,
     /// Bounds `pg_try_advisory_lock` (`--no-wait`, timers).
     try_timeout: Duration,
     ledger: LedgerSettings,
@@ -115,6 +116,7 @@ impl PgSession {
         }
         let mut session = PgSession {
             lock,
+            lease: lease.duration(),
             try_timeout: settings.connect_timeout,
             ledger,
             client: Arc::new(client),
@@ -236,18 +238,30 @@ impl Session for PgSession {
     async fn try_acquire(&self) -> Result<bool, SessionError> {
         let key = self.lock.key();
         let params: [(&(dyn tokio_postgres::types::ToSql + Sync), Type); 1] = [(&key, Type::INT8)];
-        let attempt = self.client.query_typed(TRY_SQL, &params);
-        let rows = tokio::time::timeout(self.try_timeout, attempt)
-            .await
-            .map_err(|_| {
-                SessionError::Query("no answer from the server to pg_try_advisory_lock".into())
-            })?
-            .map_err(query_error)?;
-        let row = rows
-            .first()
-            .ok_or_else(|| SessionError::Query("pg_try_advisory_lock returned no row".into()))?;
-        same_backend(self.backend_pid, row.get(1))?;
-        Ok(row.get(0))
+        let attempt = async {
+            let rows = self
+                .client
+                .query_typed(TRY_SQL, &params)
+                .await
+                .map_err(query_error)?;
+            let row = rows.first().ok_or_else(|| {
+                SessionError::Query("pg_try_advisory_lock returned no row".into())
+            })?;
+            same_backend(self.backend_pid, row.get(1))?;
+            Ok(row.get(0))
+        };
+        match tokio::time::timeout(self.try_timeout, attempt).await {
+            Ok(Ok(held)) => Ok(held),
+            Ok(Err(SessionError::Query(reason))) => Err(SessionError::Query(format!(
+                "cannot try the lock: {reason}"
+            ))),
+            Ok(Err(SessionError::Unsafe(reason))) => Err(SessionError::Unsafe(format!(
+                "cannot try the lock: {reason}"
+            ))),
+            Err(_) => Err(SessionError::Query(
+                "no answer from the server to pg_try_advisory_lock".into(),
+            )),
+        }
     }
 
     /// Checks, on this session, that it still holds the lock: the right `pg_locks` row, held by
@@ -339,6 +353,7 @@ impl Session for PgSession {
             definition.clone(),
             self.ledger.user_name.clone(),
             self.ledger.statement_timeout,
+            self.lease,
         )
     }
 }

@@ -144,17 +144,17 @@ fn list(participants: &[&Participant]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use chrono::Utc;
+    use jiff::Timestamp;
 
     const EXPR: &str = "0 0 3 * * *";
 
     fn row(schedule: &str, timezone: &str) -> Entry {
         Entry {
-            scheduled_for: Utc::now(),
+            scheduled_for: Timestamp::now(),
             outcome: "succeeded".into(),
             exit_code: Some(0),
             attempt: 1,
-            claimed_at: Utc::now(),
+            claimed_at: Timestamp::now(),
             ended_at: None,
             host: None,
             pid: None,

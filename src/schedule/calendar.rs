@@ -13,13 +13,13 @@ use std::fmt;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
 use croner::Cron;
 use croner::parser::{CronParser, Seconds};
 use jiff::tz::{TimeZone, TimeZoneDatabase};
 use jiff::{Timestamp, Zoned};
 
 use crate::election::lock::LockKey;
+pub use crate::time::rfc3339;
 
 /// A schedule: when, and in which zone's wall clock.
 #[derive(Clone, Debug)]
@@ -69,7 +69,7 @@ impl Schedule {
             timezone,
             zone_name,
         };
-        if schedule.next_after(Utc::now()).is_none() {
+        if schedule.next_after(Timestamp::now()).is_none() {
             return Err("this schedule never matches a future time".into());
         }
         Ok(schedule)
@@ -94,33 +94,32 @@ impl Schedule {
     }
 
     /// The latest occurrence at or before `at`.
-    pub fn latest_at_or_before(&self, at: DateTime<Utc>) -> Option<DateTime<Utc>> {
+    pub fn latest_at_or_before(&self, at: Timestamp) -> Option<Timestamp> {
         self.cron
             .find_previous_occurrence(&self.local(at)?, true)
             .ok()
-            .and_then(|found| utc(&found))
+            .map(|found| found.timestamp())
             .filter(|found| *found <= at)
     }
 
     /// The first occurrence strictly after `at`.
-    pub fn next_after(&self, at: DateTime<Utc>) -> Option<DateTime<Utc>> {
+    pub fn next_after(&self, at: Timestamp) -> Option<Timestamp> {
         self.cron
             .find_next_occurrence(&self.local(at)?, false)
             .ok()
-            .and_then(|found| utc(&found))
+            .map(|found| found.timestamp())
             .filter(|found| *found > at)
     }
 
     /// An instant on this schedule's wall clock.
-    fn local(&self, at: DateTime<Utc>) -> Option<Zoned> {
-        let instant = Timestamp::new(at.timestamp(), at.timestamp_subsec_nanos() as i32).ok()?;
-        Some(instant.to_zoned(self.timezone.clone()))
+    fn local(&self, at: Timestamp) -> Option<Zoned> {
+        Some(at.to_zoned(self.timezone.clone()))
     }
 
     /// The time from `occurrence` to the one after it, if there is one.
-    pub fn gap_after(&self, occurrence: DateTime<Utc>) -> Option<Duration> {
+    pub fn gap_after(&self, occurrence: Timestamp) -> Option<Duration> {
         let next = self.next_after(occurrence)?;
-        (next - occurrence).to_std().ok()
+        Duration::try_from(next.duration_since(occurrence)).ok()
     }
 }
 
@@ -130,22 +129,10 @@ impl fmt::Display for Schedule {
     }
 }
 
-/// A wall-clock instant back on the absolute time line.
-fn utc(zoned: &Zoned) -> Option<DateTime<Utc>> {
-    let instant = zoned.timestamp();
-    DateTime::from_timestamp(instant.as_second(), instant.subsec_nanosecond() as u32)
-}
-
 /// The fingerprint of a definition as the ledger stores it; see [`Schedule::fingerprint`].
 pub fn fingerprint_of(expression: &str, timezone: &str) -> String {
     let key = LockKey::from_name(&format!("{expression} {timezone}")).key();
     format!("{:08x}", (key as u64) as u32)
-}
-
-/// An instant as the command and the ledger's readers see it: RFC 3339, UTC, whole seconds
-/// when it has no fraction (`2026-11-23T03:00:00Z`).
-pub fn rfc3339(at: DateTime<Utc>) -> String {
-    at.to_rfc3339_opts(chrono::SecondsFormat::AutoSi, true)
 }
 
 /// Six fields, seconds first, nicknames spelled out, single spaces, names in capitals.
@@ -187,10 +174,8 @@ fn canonical(expression: &str) -> Result<String, String> {
 mod tests {
     use super::*;
 
-    fn utc(text: &str) -> DateTime<Utc> {
-        DateTime::parse_from_rfc3339(text)
-            .expect("date")
-            .with_timezone(&Utc)
+    fn utc(text: &str) -> Timestamp {
+        text.parse().expect("date")
     }
 
     #[test]
@@ -257,16 +242,16 @@ mod tests {
         let on = utc("2026-11-23T02:00:00Z");
         assert_eq!(nightly.latest_at_or_before(on), Some(on));
         assert_eq!(
-            nightly.latest_at_or_before(on + chrono::Duration::milliseconds(400)),
+            nightly.latest_at_or_before(on + jiff::SignedDuration::from_millis(400)),
             Some(on)
         );
         assert_eq!(
-            nightly.latest_at_or_before(on - chrono::Duration::milliseconds(1)),
+            nightly.latest_at_or_before(on - jiff::SignedDuration::from_millis(1)),
             Some(utc("2026-11-22T02:00:00Z"))
         );
         assert_eq!(nightly.next_after(on), Some(utc("2026-11-24T02:00:00Z")));
         assert_eq!(
-            nightly.next_after(on - chrono::Duration::milliseconds(1)),
+            nightly.next_after(on - jiff::SignedDuration::from_millis(1)),
             Some(on)
         );
         assert_eq!(nightly.gap_after(on), Some(Duration::from_secs(86_400)));

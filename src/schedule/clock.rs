@@ -12,13 +12,13 @@
 
 use std::time::{Duration, SystemTime};
 
-use chrono::{DateTime, Utc};
+use jiff::{SignedDuration, Timestamp};
 use tokio::time::Instant;
 
 /// A mapping from this host's monotonic clock to the server's wall clock.
 #[derive(Clone, Copy, Debug)]
 pub struct ServerClock {
-    server: DateTime<Utc>,
+    server: Timestamp,
     local: Instant,
     /// The host's wall clock at `local`, to report its offset from the server's.
     wall: SystemTime,
@@ -28,7 +28,7 @@ pub struct ServerClock {
 impl ServerClock {
     /// A sample: the query was sent at `sent`, its answer arrived at `received`, and the
     /// server's clock said `server`.
-    pub fn sample(sent: Instant, received: Instant, server: DateTime<Utc>) -> ServerClock {
+    pub fn sample(sent: Instant, received: Instant, server: Timestamp) -> ServerClock {
         let round_trip = received.saturating_duration_since(sent);
         let local = sent + round_trip / 2;
         let wall = SystemTime::now()
@@ -43,26 +43,33 @@ impl ServerClock {
     }
 
     /// The server's time now.
-    pub fn now(&self) -> DateTime<Utc> {
+    pub fn now(&self) -> Timestamp {
         self.at(Instant::now())
     }
 
     /// The server's time at a local instant.
-    pub fn at(&self, instant: Instant) -> DateTime<Utc> {
+    pub fn at(&self, instant: Instant) -> Timestamp {
         let delta = if instant >= self.local {
-            chrono::Duration::from_std(instant - self.local).unwrap_or(chrono::Duration::MAX)
+            SignedDuration::try_from(instant - self.local).unwrap_or(SignedDuration::MAX)
         } else {
-            -chrono::Duration::from_std(self.local - instant).unwrap_or(chrono::Duration::MAX)
+            -SignedDuration::try_from(self.local - instant).unwrap_or(SignedDuration::MAX)
         };
-        self.server + delta
+        self.server
+            .checked_add(delta)
+            .unwrap_or(if delta.is_negative() {
+                Timestamp::MIN
+            } else {
+                Timestamp::MAX
+            })
     }
 
     /// The local instant at which the server's clock shows `at` (now, if that has passed).
-    pub fn instant_of(&self, at: DateTime<Utc>) -> Instant {
-        match (at - self.server).to_std() {
+    pub fn instant_of(&self, at: Timestamp) -> Instant {
+        match Duration::try_from(at.duration_since(self.server)) {
             Ok(ahead) => self.local + ahead,
             Err(_) => {
-                let behind = (self.server - at).to_std().unwrap_or(Duration::MAX);
+                let behind =
+                    Duration::try_from(self.server.duration_since(at)).unwrap_or(Duration::MAX);
                 self.local.checked_sub(behind).unwrap_or(self.local)
             }
         }
@@ -71,8 +78,8 @@ impl ServerClock {
     /// How far this host's wall clock is ahead of the server's (negative: behind), in
     /// seconds, to within half a round trip.
     pub fn host_offset_seconds(&self) -> f64 {
-        let host: DateTime<Utc> = self.wall.into();
-        (host - self.server).num_microseconds().unwrap_or(0) as f64 / 1e6
+        let host = Timestamp::try_from(self.wall).unwrap_or(self.server);
+        host.duration_since(self.server).as_micros() as f64 / 1e6
     }
 
     /// Whether this sample was taken after `other`.
@@ -97,13 +104,13 @@ mod tests {
         let clock = ServerClock::sample(
             sent,
             received,
-            DateTime::from_timestamp_micros(server).expect("time"),
+            Timestamp::from_microsecond(server).expect("time"),
         );
         let midpoint = sent + Duration::from_millis(5);
-        assert_eq!(clock.at(midpoint).timestamp_micros(), server);
-        let later = DateTime::from_timestamp_micros(server + 2_000_000).expect("time");
+        assert_eq!(clock.at(midpoint).as_microsecond(), server);
+        let later = Timestamp::from_microsecond(server + 2_000_000).expect("time");
         assert_eq!(clock.instant_of(later), midpoint + Duration::from_secs(2));
-        let earlier = DateTime::from_timestamp_micros(server - 1_000).expect("time");
+        let earlier = Timestamp::from_microsecond(server - 1_000).expect("time");
         assert_eq!(
             clock.instant_of(earlier),
             midpoint - Duration::from_millis(1)

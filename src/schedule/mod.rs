@@ -18,7 +18,7 @@ pub mod runs;
 use std::rc::Rc;
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
+use jiff::Timestamp;
 use tokio::time::Instant;
 use tracing::warn;
 
@@ -104,13 +104,13 @@ impl ScheduledOutcome {
 /// One occurrence of the schedule as this instance saw it recorded, for `/status`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RunView {
-    pub scheduled_for: DateTime<Utc>,
+    pub scheduled_for: Timestamp,
     /// `None` while it runs.
     pub outcome: Option<ScheduledOutcome>,
     pub exit_code: Option<i32>,
     pub attempt: Option<i32>,
-    pub claimed_at: Option<DateTime<Utc>>,
-    pub ended_at: Option<DateTime<Utc>>,
+    pub claimed_at: Option<Timestamp>,
+    pub ended_at: Option<Timestamp>,
     /// The host of the pgleader that ran it.
     pub host: Option<String>,
 }
@@ -193,7 +193,7 @@ pub fn ledger_fingerprint(location: &str) -> String {
 /// Why a timer (`--once`) that found the lock held does not run: another replica holds it to
 /// run (or record as skipped) the occurrence this timer fired for, or a service leads.
 pub async fn busy_reason<L: Ledger>(plan: &Plan, ledger: &L) -> String {
-    let now: Option<DateTime<Utc>> = ledger.server_time().await.ok();
+    let now: Option<Timestamp> = ledger.server_time().await.ok();
     match now.and_then(|now| plan.schedule.latest_at_or_before(now)) {
         Some(at) => format!(
             "the holder runs the occurrence of {}, or records it as skipped while an earlier run goes on",

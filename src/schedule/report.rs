@@ -7,7 +7,7 @@
 
 use std::fmt::Write as _;
 
-use chrono::{DateTime, Utc};
+use jiff::Timestamp;
 use serde_json::{Value, json};
 
 use crate::election::Observer;
@@ -22,7 +22,7 @@ pub const RUNS_SHOWN: i64 = 10;
 pub struct ScheduleReport {
     pub expression: String,
     pub timezone: String,
-    pub next_occurrence: Option<DateTime<Utc>>,
+    pub next_occurrence: Option<Timestamp>,
     /// Newest first.
     pub runs: Vec<Entry>,
 }
@@ -96,7 +96,7 @@ impl ScheduleReport {
             if let Some(ended) = run.ended_at
                 && matches!(run.outcome.as_str(), "succeeded" | "failed" | "interrupted")
             {
-                let took = (ended - run.claimed_at).num_milliseconds() as f64 / 1000.0;
+                let took = ended.duration_since(run.claimed_at).as_millis() as f64 / 1000.0;
                 let _ = write!(line, ", ran {took:.3} s");
             }
             if let Some(detail) = &run.detail {

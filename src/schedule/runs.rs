@@ -29,7 +29,7 @@ use std::fmt::Write as _;
 use std::pin::Pin;
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
+use jiff::Timestamp;
 use tokio::time::{Instant, sleep_until};
 use tracing::{debug, info, warn};
 
@@ -54,10 +54,7 @@ const COUNTED: usize = 10_000;
 #[derive(Debug)]
 pub enum RunsEvent {
     /// Start the command for this occurrence (`attempt` > 1 for a retried interrupted run).
-    Start {
-        occurrence: DateTime<Utc>,
-        attempt: i32,
-    },
+    Start { occurrence: Timestamp, attempt: i32 },
     /// `--once`: the run is over and recorded; exit with the command's status.
     Done,
     /// `--once`: there is nothing for this timer to run (claimed elsewhere, or nothing due);
@@ -72,7 +69,7 @@ pub enum RunsEvent {
 /// The occurrence a command runs for.
 #[derive(Clone, Copy, Debug)]
 struct Run {
-    at: DateTime<Utc>,
+    at: Timestamp,
     attempt: i32,
     /// Whether the command was started (a claim can be followed by a refusal to start).
     started: bool,
@@ -81,9 +78,9 @@ struct Run {
 #[derive(Clone, Debug)]
 enum Step {
     Begin,
-    Claim(DateTime<Utc>),
+    Claim(Timestamp),
     Record {
-        at: DateTime<Utc>,
+        at: Timestamp,
         outcome: &'static str,
         detail: String,
     },
@@ -100,7 +97,7 @@ enum Done {
 struct Began {
     agreement: Agreement,
     /// The newest occurrence the ledger records for the lock.
-    newest: Option<DateTime<Utc>>,
+    newest: Option<Timestamp>,
 }
 
 enum ClaimResult {
@@ -132,7 +129,7 @@ pub struct Runs<L: Ledger> {
     queue: VecDeque<Step>,
     /// The head of the queue waits until then: its statement timed out.
     paused_until: Option<Instant>,
-    due: Option<DateTime<Utc>>,
+    due: Option<Timestamp>,
     /// The claim of `due` waits until then: the server said it was early.
     early_until: Option<Instant>,
     running: Option<Run>,
@@ -213,7 +210,7 @@ impl<L: Ledger> Runs<L> {
 
     /// A check's sample of the server's clock: the query was sent at `sent`, its answer came
     /// at `received`, and the server's clock said `server`.
-    pub fn observe_check(&mut self, sent: Instant, received: Instant, server: DateTime<Utc>) {
+    pub fn observe_check(&mut self, sent: Instant, received: Instant, server: Timestamp) {
         self.observe_clock(ServerClock::sample(sent, received, server));
     }
 
@@ -241,7 +238,7 @@ impl<L: Ledger> Runs<L> {
 
     /// Publishes an outcome this leader decided for the occurrence of `at` (each is counted
     /// once, here, whenever the ledger gets it).
-    fn publish(&self, at: DateTime<Utc>, outcome: &str, exit_code: Option<i32>) {
+    fn publish(&self, at: Timestamp, outcome: &str, exit_code: Option<i32>) {
         self.publish.run(RunView {
             scheduled_for: at,
             outcome: ScheduledOutcome::from_ledger(outcome),
@@ -254,12 +251,12 @@ impl<L: Ledger> Runs<L> {
     }
 
     /// The occurrence the running command was started for.
-    pub fn running_occurrence(&self) -> Option<DateTime<Utc>> {
+    pub fn running_occurrence(&self) -> Option<Timestamp> {
         self.running.map(|run| run.at)
     }
 
     /// The next occurrence this leader waits for.
-    pub fn next_occurrence(&self) -> Option<DateTime<Utc>> {
+    pub fn next_occurrence(&self) -> Option<Timestamp> {
         self.due
     }
 
@@ -317,7 +314,7 @@ impl<L: Ledger> Runs<L> {
     }
 
     /// When to act on the occurrence `at`.
-    fn wake_for(&self, at: DateTime<Utc>) -> Instant {
+    fn wake_for(&self, at: Timestamp) -> Instant {
         let mut wake = self.clock.instant_of(at);
         if self.running.is_none() {
             wake = wake.max(self.not_before);
@@ -446,7 +443,7 @@ impl<L: Ledger> Runs<L> {
         }
     }
 
-    fn on_due(&mut self, at: DateTime<Utc>) {
+    fn on_due(&mut self, at: Timestamp) {
         self.due = None;
         let now = self.clock.now();
         // Held back (the restart fence, --takeover-delay) or stalled, this leader may wake
@@ -474,7 +471,7 @@ impl<L: Ledger> Runs<L> {
             latest,
             "while this leader could not start yet; only the most recent one",
         );
-        let age = (now - latest).to_std().unwrap_or(Duration::ZERO);
+        let age = crate::time::elapsed(latest, now);
         if age > self.plan.catch_up && !passed.is_empty() {
             self.record_missed(latest, age);
             self.due = self.schedule().next_after(now);
@@ -484,7 +481,7 @@ impl<L: Ledger> Runs<L> {
     }
 
     /// The occurrences from `from` (included) to `to` (excluded), at most [`COUNTED`].
-    fn between(&self, from: DateTime<Utc>, to: DateTime<Utc>) -> Vec<DateTime<Utc>> {
+    fn between(&self, from: Timestamp, to: Timestamp) -> Vec<Timestamp> {
         let mut found = Vec::new();
         let mut at = Some(from);
         while let Some(occurrence) = at.filter(|at| *at < to) {
@@ -499,7 +496,7 @@ impl<L: Ledger> Runs<L> {
 
     /// Records occurrences passed over on the way to `latest` as one `missed` row (the last of
     /// them) that says how many there were.
-    fn record_passed_over(&mut self, passed: &[DateTime<Utc>], latest: DateTime<Utc>, why: &str) {
+    fn record_passed_over(&mut self, passed: &[Timestamp], latest: Timestamp, why: &str) {
         if let Some(&last) = passed.last() {
             self.queue.push_back(Step::Record {
                 at: last,
@@ -513,7 +510,7 @@ impl<L: Ledger> Runs<L> {
         }
     }
 
-    fn record_missed(&mut self, at: DateTime<Utc>, age: Duration) {
+    fn record_missed(&mut self, at: Timestamp, age: Duration) {
         self.queue.push_back(Step::Record {
             at,
             outcome: "missed",
@@ -675,7 +672,7 @@ impl<L: Ledger> Runs<L> {
         }
     }
 
-    fn on_claim(&mut self, at: DateTime<Utc>, claim: Claim, probing: bool) -> Option<RunsEvent> {
+    fn on_claim(&mut self, at: Timestamp, claim: Claim, probing: bool) -> Option<RunsEvent> {
         match claim {
             Claim::Claimed { attempt } => {
                 self.early_until = None;
@@ -685,7 +682,7 @@ impl<L: Ledger> Runs<L> {
                     started: false,
                 });
                 self.due = self.after(at);
-                let late = (self.clock.now() - at).to_std().unwrap_or(Duration::ZERO);
+                let late = crate::time::elapsed(at, self.clock.now());
                 info!(
                     event = "scheduled_run",
                     occurrence = %rfc3339(at),
@@ -701,7 +698,7 @@ impl<L: Ledger> Runs<L> {
                 })
             }
             Claim::Early { server_now } => {
-                let ahead = (at - server_now).to_std().unwrap_or(Duration::ZERO);
+                let ahead = crate::time::elapsed(server_now, at);
                 debug!(event = "early", occurrence = %rfc3339(at), "the server's clock has not reached the occurrence yet; waiting {} more", for_people(ahead));
                 self.early_until = Some(Instant::now() + ahead.max(Duration::from_millis(1)));
                 self.due = Some(at);
@@ -743,7 +740,7 @@ impl<L: Ledger> Runs<L> {
 
     /// The next occurrence after `at`, and after now: a late run does not queue up the
     /// occurrences that passed meanwhile (they are recorded as they come due).
-    fn after(&self, at: DateTime<Utc>) -> Option<DateTime<Utc>> {
+    fn after(&self, at: Timestamp) -> Option<Timestamp> {
         self.schedule().next_after(at.max(self.clock.now()))
     }
 
@@ -779,19 +776,19 @@ impl<L: Ledger> Runs<L> {
     /// What a new leadership does first: catch up the latest occurrence if it may, or record
     /// it as missed, and record the ones passed over since the ledger's `newest`; then wait for
     /// the next one (a timer: only its own).
-    fn plan_first(&mut self, newest: Option<DateTime<Utc>>) {
+    fn plan_first(&mut self, newest: Option<Timestamp>) {
         let now = self.clock.now();
         let schedule = self.schedule();
         let latest = schedule.latest_at_or_before(now);
         let next = schedule.next_after(now);
-        let age = |at: DateTime<Utc>| (now - at).to_std().unwrap_or(Duration::ZERO);
+        let age = |at: Timestamp| crate::time::elapsed(at, now);
         let catch_up = self.plan.catch_up;
         if self.plan.once
             && let Some(next) = next
         {
-            let ahead = (next - now).to_std().unwrap_or(Duration::ZERO);
+            let ahead = crate::time::elapsed(now, next);
             let half_gap = latest
-                .and_then(|latest| (next - latest).to_std().ok())
+                .and_then(|latest| Duration::try_from(next.duration_since(latest)).ok())
                 .or_else(|| schedule.gap_after(next))
                 .map_or(EARLY_WINDOW, |gap| gap / 2);
             let nearer = latest.is_none_or(|latest| ahead < age(latest));
@@ -845,7 +842,7 @@ impl<L: Ledger> Runs<L> {
 }
 
 /// "3 occurrences (2026-11-22T03:00:00Z, ...) came", or a range beyond [`LISTED`].
-fn describe(passed: &[DateTime<Utc>], verb: &str) -> String {
+fn describe(passed: &[Timestamp], verb: &str) -> String {
     let n = passed.len();
     let plural = if n == 1 { "occurrence" } else { "occurrences" };
     let count = if n >= COUNTED {

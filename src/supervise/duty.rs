@@ -11,7 +11,7 @@
 use std::rc::Rc;
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
+use jiff::Timestamp;
 use tokio::time::{Instant, sleep_until};
 
 use crate::election::ledger::{Claimant, LateFinish, LedgerError};
@@ -43,7 +43,7 @@ pub struct Duty {
 #[derive(Debug)]
 pub enum Next {
     /// Start the command; for a scheduled run, its occurrence and attempt.
-    Start(Option<(DateTime<Utc>, i32)>),
+    Start(Option<(Timestamp, i32)>),
     /// `--schedule --once`: the run is over and recorded; exit with the command's status.
     Done,
     /// `--schedule --once`: nothing for this timer to run; exit with `--busy-exit-code`.
@@ -232,7 +232,7 @@ impl<S: Session> Shift<S> {
     }
 
     /// A successful check, sent at `sent`, answered at `received`, read the server's clock.
-    pub fn observe_check(&mut self, sent: Instant, received: Instant, server: DateTime<Utc>) {
+    pub fn observe_check(&mut self, sent: Instant, received: Instant, server: Timestamp) {
         if let Shift::Scheduled(runs) = self {
             runs.observe_check(sent, received, server);
         }

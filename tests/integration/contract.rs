@@ -37,13 +37,20 @@ impl Subject for Postgres {
     fn backend(&self) -> Self::Backend {
         let url = Cluster::shared().url();
         let lock = unique_lock();
+        // Keys with high bits set, half of them negative: a check that looked at pg_locks'
+        // objid alone would find the wrong lock, or none.
+        let key = if lock % 2 == 0 {
+            (lock << 32) | 0x5eed
+        } else {
+            -((lock << 32) | 0x5eed)
+        };
         let (settings, _) = pgleader::postgres::conninfo::resolve(Some(&url), &NoEnvironment)
             .unwrap_or_else(|err| panic!("{url}: {err}"));
         let table = pgleader::postgres::ledger::TableName::parse(&format!("contract_{lock}"))
             .expect("a table name");
         pgleader::postgres::PgBackend::new(
             settings,
-            LockKey::from_id(lock),
+            LockKey::from_id(key),
             pgleader::election::lease::Lease::new(Duration::from_secs(15)),
             table,
             Duration::from_secs(1),
@@ -51,10 +58,15 @@ impl Subject for Postgres {
     }
 
     fn end_session(&self, id: i32) {
-        // The harness's client is a blocking one: not on the runtime's thread.
-        std::thread::spawn(move || Cluster::shared().terminate_backend(id))
-            .join()
-            .expect("pg_terminate_backend");
+        // The harness's client is a blocking one: not on the runtime's thread, and bounded.
+        let (done, terminated) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            Cluster::shared().terminate_backend(id);
+            let _ = done.send(());
+        });
+        terminated.recv_timeout(WAIT).unwrap_or_else(|_| {
+            panic!("pg_terminate_backend({id}) did not return within {WAIT:?}")
+        });
     }
 }
 
@@ -322,7 +334,7 @@ pub async fn the_ledger_claims_only_for_the_leader<T: Subject>(subject: &T) {
     let now = within("server time", ledger_a.server_time())
         .await
         .expect("the server's clock");
-    let occurrence = now - chrono::Duration::seconds(1);
+    let occurrence = now - jiff::SignedDuration::from_secs(1);
 
     let refused = within("claim", ledger_a.claim(occurrence, &claimant(1), 0)).await;
     assert_eq!(
@@ -342,7 +354,7 @@ pub async fn the_ledger_claims_only_for_the_leader<T: Subject>(subject: &T) {
     );
 
     // The leader that lost the lock a moment ago claims nothing either.
-    let later = occurrence + chrono::Duration::milliseconds(500);
+    let later = occurrence + jiff::SignedDuration::from_millis(500);
     within("release", a.release(WAIT)).await.expect("released");
     assert!(try_acquire(&b).await);
     // On PostgreSQL `release` closes a's session, so this claim fails on the closed connection

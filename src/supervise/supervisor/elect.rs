@@ -1,7 +1,7 @@
 //! The electing phase: connect (retrying what can be retried, with backoff), then wait for the
 //! lock without polling, or try once (`--no-wait`, a timer).
 
-use anyhow::{Context, bail};
+use anyhow::bail;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
@@ -104,7 +104,8 @@ impl<B: Backend> Supervisor<B> {
                     );
                     Ok(Acquired::Busy)
                 }
-                Err(err) => Err(err).context("cannot try the lock"),
+                // The backend's message says what failed ("cannot try the lock: ...").
+                Err(err) => Err(err.into()),
             };
         }
 

@@ -425,9 +425,9 @@ impl<B: Backend> Supervisor<B> {
             .relinquish_schedule
             .as_ref()
             .and_then(|schedule| {
-                let now = chrono::Local::now();
+                let now = jiff::Zoned::now();
                 let next = schedule.find_next_occurrence(&now, false).ok()?;
-                let wait = (next - now).to_std().unwrap_or(Duration::ZERO);
+                let wait = crate::time::elapsed(now.timestamp(), next.timestamp());
                 Some((Instant::now() + wait, "--relinquish-schedule"))
             });
         match (after, scheduled) {
@@ -440,7 +440,7 @@ impl<B: Backend> Supervisor<B> {
         &self,
         session_id: i32,
         epoch: i64,
-        scheduled: Option<(chrono::DateTime<chrono::Utc>, i32)>,
+        scheduled: Option<(jiff::Timestamp, i32)>,
     ) -> Vec<(&'static str, String)> {
         let lock = &self.settings.lock;
         let mut env = vec![
