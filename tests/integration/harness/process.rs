@@ -1,12 +1,20 @@
 //! A pgleader process under test: its output collected line by line, waits on its lines and
 //! on its exit with hard timeouts, signals, and a dump of everything it printed when a test
 //! fails.
+//!
+//! Its exit counts only once everything it wrote before exiting has been collected, so a test
+//! may read its lines right after [`Proc::wait_exit`] and find them all.
 
-use std::io::{BufRead, BufReader, Read};
-use std::process::{Command, ExitStatus, Stdio};
+use std::fs::File;
+use std::io::{ErrorKind, Read};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use nix::errno::Errno;
+use nix::fcntl::{FcntlArg, OFlag, fcntl};
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
@@ -25,7 +33,10 @@ pub enum Stream {
 struct Shared {
     /// Each line with the moment it arrived on the pipe: the benchmarks time faults by it.
     lines: Vec<(Stream, String, Instant)>,
+    /// Set only once the lines written before the exit are in `lines`.
     exit: Option<ExitStatus>,
+    /// How many of the two pipes have reached their end (a process the command left behind
+    /// may hold them open after the exit).
     closed: usize,
 }
 
@@ -53,18 +64,24 @@ impl Proc {
         let mut child = spawner::spawn(command, Signal::SIGKILL)
             .unwrap_or_else(|err| panic!("cannot start {command_line}: {err}"));
         let output = Arc::new(Output::default());
-        let stdout = child.stdout.take().expect("stdout");
-        let stderr = child.stderr.take().expect("stderr");
-        collect(stdout, Stream::Stdout, output.clone());
-        collect(stderr, Stream::Stderr, output.clone());
         let pid = Pid::from_raw(child.id() as i32);
-        let waiter = output.clone();
-        std::thread::spawn(move || {
-            let status = child.wait().expect("wait for the process");
-            let mut state = waiter.state.lock().expect("output lock");
-            state.exit = Some(status);
-            waiter.changed.notify_all();
-        });
+        // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor or -1. The pid
+        // is our unreaped child's, so it cannot have been reused.
+        let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid.as_raw(), 0) } as i32;
+        if pidfd < 0 {
+            panic!(
+                "pidfd_open for {command_line}: {}",
+                std::io::Error::last_os_error()
+            );
+        }
+        // SAFETY: pidfd_open returned a new descriptor that nothing else owns.
+        let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd) };
+        let pipes = [
+            Pipe::new(child.stdout.take().expect("stdout"), Stream::Stdout),
+            Pipe::new(child.stderr.take().expect("stderr"), Stream::Stderr),
+        ];
+        let collector = output.clone();
+        std::thread::spawn(move || collect(child, pidfd, pipes, &collector));
         Proc {
             name: name.to_owned(),
             pid,
@@ -123,7 +140,8 @@ impl Proc {
         self.wait_for(Stream::Stderr, needle)
     }
 
-    /// Waits for the process to exit; returns its status.
+    /// Waits for the process to exit; returns its status. Every line it wrote before it exited
+    /// is in [`Proc::lines`] by then.
     pub fn wait_exit(&self) -> ExitStatus {
         self.wait_until(WAIT, |state| state.exit)
             .unwrap_or_else(|| {
@@ -143,6 +161,7 @@ impl Proc {
             .unwrap_or_else(|| panic!("{} died by a signal: {status}\n{}", self.name, self.dump()))
     }
 
+    /// Whether the process has exited (and what it wrote is collected, as for `wait_exit`).
     pub fn has_exited(&self) -> bool {
         self.output
             .state
@@ -235,29 +254,150 @@ impl Drop for Proc {
     }
 }
 
-fn collect(pipe: impl Read + Send + 'static, stream: Stream, output: Arc<Output>) {
-    std::thread::spawn(move || {
-        let mut reader = BufReader::new(pipe);
-        let mut line = Vec::new();
-        loop {
-            line.clear();
-            match reader.read_until(b'\n', &mut line) {
-                Ok(0) | Err(_) => break,
-                Ok(_) => {
-                    let arrived = Instant::now();
-                    let text = String::from_utf8_lossy(&line)
-                        .trim_end_matches('\n')
-                        .to_owned();
-                    let mut state = output.state.lock().expect("output lock");
-                    state.lines.push((stream, text, arrived));
-                    output.changed.notify_all();
+/// One output pipe of the process, read without blocking.
+struct Pipe {
+    file: File,
+    stream: Stream,
+    /// The start of a line whose end has not arrived yet.
+    partial: Vec<u8>,
+    open: bool,
+}
+
+impl Pipe {
+    fn new(pipe: impl Into<OwnedFd>, stream: Stream) -> Pipe {
+        let fd: OwnedFd = pipe.into();
+        let flags = fcntl(&fd, FcntlArg::F_GETFL).expect("pipe flags");
+        fcntl(
+            &fd,
+            FcntlArg::F_SETFL(OFlag::from_bits_truncate(flags) | OFlag::O_NONBLOCK),
+        )
+        .expect("a non-blocking pipe");
+        Pipe {
+            file: File::from(fd),
+            stream,
+            partial: Vec::new(),
+            open: true,
+        }
+    }
+
+    /// One read: the complete lines it finishes go to `output` (at the end of the pipe, the
+    /// last line too, newline or not). Returns how many bytes it took, or `None` if the pipe
+    /// was empty.
+    fn read_once(&mut self, output: &Output) -> Option<usize> {
+        let mut buffer = [0; 8192];
+        match self.file.read(&mut buffer) {
+            Ok(0) => {
+                self.close(output);
+                Some(0)
+            }
+            Ok(read) => {
+                let arrived = Instant::now();
+                self.partial.extend_from_slice(&buffer[..read]);
+                let mut state = output.state.lock().expect("output lock");
+                while let Some(end) = self.partial.iter().position(|&byte| byte == b'\n') {
+                    let line: Vec<u8> = self.partial.drain(..=end).collect();
+                    state.lines.push((self.stream, text_of(&line), arrived));
                 }
+                output.changed.notify_all();
+                Some(read)
+            }
+            Err(err) if err.kind() == ErrorKind::Interrupted => Some(0),
+            Err(err) if err.kind() == ErrorKind::WouldBlock => None,
+            Err(_) => {
+                self.close(output);
+                Some(0)
             }
         }
+    }
+
+    /// Takes what the pipe holds now, and no more: a writer that goes on cannot keep this
+    /// going.
+    fn drain(&mut self, output: &Output) {
+        let mut pending: libc::c_int = 0;
+        // SAFETY: FIONREAD stores one int through the pointer, which points to one.
+        if unsafe { libc::ioctl(self.file.as_raw_fd(), libc::FIONREAD, &mut pending) } < 0 {
+            panic!("FIONREAD: {}", std::io::Error::last_os_error());
+        }
+        let mut left = usize::try_from(pending).unwrap_or(0);
+        while self.open && left > 0 {
+            match self.read_once(output) {
+                Some(read) => left = left.saturating_sub(read),
+                None => break,
+            }
+        }
+    }
+
+    fn close(&mut self, output: &Output) {
+        let rest = std::mem::take(&mut self.partial);
         let mut state = output.state.lock().expect("output lock");
+        if !rest.is_empty() {
+            state
+                .lines
+                .push((self.stream, text_of(&rest), Instant::now()));
+        }
         state.closed += 1;
         output.changed.notify_all();
-    });
+        self.open = false;
+    }
+}
+
+fn text_of(line: &[u8]) -> String {
+    String::from_utf8_lossy(line)
+        .trim_end_matches('\n')
+        .to_owned()
+}
+
+/// Collects the process's output line by line until both pipes are closed, and records its
+/// exit.
+///
+/// The exit is recorded only once the pipes hold nothing more: whatever the process wrote
+/// before it exited was in a pipe by then, so a test that reads the output after
+/// [`Proc::wait_exit`] sees all of it. (Reading until the pipes close would not do: a process
+/// the command left behind may hold them open for much longer.)
+fn collect(mut child: Child, pidfd: OwnedFd, mut pipes: [Pipe; 2], output: &Output) {
+    let mut running = true;
+    loop {
+        let mut fds: Vec<PollFd> = pipes
+            .iter()
+            .filter(|pipe| pipe.open)
+            .map(|pipe| PollFd::new(pipe.file.as_fd(), PollFlags::POLLIN))
+            .collect();
+        if running {
+            fds.push(PollFd::new(pidfd.as_fd(), PollFlags::POLLIN));
+        }
+        if fds.is_empty() {
+            return;
+        }
+        match poll(&mut fds, PollTimeout::NONE) {
+            Ok(_) | Err(Errno::EINTR) => {}
+            Err(err) => panic!("poll the output: {err}"),
+        }
+        let ready = |fd: &PollFd| fd.revents().is_some_and(|events| !events.is_empty());
+        let exited = running && fds.last().is_some_and(ready);
+        let readable: Vec<bool> = {
+            let mut polled = fds.iter();
+            pipes
+                .iter()
+                .map(|pipe| pipe.open && polled.next().is_some_and(ready))
+                .collect()
+        };
+        drop(fds);
+        for (pipe, readable) in pipes.iter_mut().zip(readable) {
+            if readable {
+                pipe.read_once(output);
+            }
+        }
+        if exited {
+            running = false;
+            for pipe in &mut pipes {
+                pipe.drain(output);
+            }
+            let status = child.wait().expect("wait for the process");
+            let mut state = output.state.lock().expect("output lock");
+            state.exit = Some(status);
+            output.changed.notify_all();
+        }
+    }
 }
 
 /// Waits until a process that is not our child has exited (a pidfd becomes readable when it
