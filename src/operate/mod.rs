@@ -1,6 +1,8 @@
 //! What operators see and use around the supervisor: logs, systemd notifications, the HTTP
 //! endpoint and its metrics, `pgleader status`, and the generated manual page and completions.
-//! These read the supervisor's state; none of them drives it.
+//! These read the supervisor's state; none of them drives it. They sit below `supervise/`,
+//! which publishes into them, and above `election/` and `schedule/`: `status` and `status
+//! --watch` read any backend through the election's `Observer`, never a backend's own types.
 
 pub mod docs;
 pub mod http;
