@@ -36,9 +36,10 @@ pub fn rfc3339_millis(at: Timestamp) -> String {
     at.strftime("%Y-%m-%dT%H:%M:%S%.3fZ").to_string()
 }
 
-/// An instant to the second (`2026-11-23T03:00:00Z`), for certificates' validity.
-pub fn rfc3339_seconds(at: Timestamp) -> String {
-    at.strftime("%Y-%m-%dT%H:%M:%SZ").to_string()
+/// An instant to the second (`2026-11-23T03:00:00Z`), for certificates' validity, which may
+/// name 9999-12-31T23:59:59Z ("no expiry"), past jiff's last instant.
+pub fn rfc3339_seconds(at: std::time::SystemTime) -> String {
+    humantime::format_rfc3339_seconds(at).to_string()
 }
 
 /// The time from `earlier` to `later`, zero if `later` is not later.
@@ -75,10 +76,8 @@ mod tests {
             rfc3339_millis(at(second, 2_999_999)),
             "2026-11-23T03:00:00.002Z"
         );
-        assert_eq!(
-            rfc3339_seconds(at(second, 900_000_000)),
-            "2026-11-23T03:00:00Z"
-        );
+        let certificate = std::time::UNIX_EPOCH + Duration::from_secs(253_402_300_799);
+        assert_eq!(rfc3339_seconds(certificate), "9999-12-31T23:59:59Z");
         assert_eq!(
             elapsed(at(second, 0), at(second + 2, 0)),
             Duration::from_secs(2)

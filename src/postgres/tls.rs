@@ -288,9 +288,9 @@ fn names(presented: &[String]) -> String {
 }
 
 fn rfc3339(time: UnixTime) -> String {
-    let second = i64::try_from(time.as_secs()).unwrap_or(i64::MAX);
-    let at = jiff::Timestamp::from_second(second).unwrap_or(jiff::Timestamp::MAX);
-    crate::time::rfc3339_seconds(at)
+    crate::time::rfc3339_seconds(
+        std::time::UNIX_EPOCH + std::time::Duration::from_secs(time.as_secs()),
+    )
 }
 
 /// Where trust comes from, for messages: the file or the system's store.
