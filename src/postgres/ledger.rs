@@ -197,7 +197,7 @@ impl PgLedger {
              SELECT (SELECT count(*) FROM done), (SELECT count(*) FROM pruned)",
             offset = KEEP - 1
         );
-        let leads_record = leads_param(11);
+        let leads_record = leads("$11", "$12");
         let record = format!(
             "INSERT INTO {t} (lock_key, scheduled_for, lock_name, schedule, timezone, outcome, detail,
                               claimed_at, ended_at, host, pid, backend_pid, epoch)
@@ -325,11 +325,6 @@ impl PgLedger {
         };
         LedgerError::Fatal(format!("{what} {table}: {}{hint}", describe(err)))
     }
-}
-
-/// [`leads`] with the classid and objid at parameters `$first` and `$first + 1`.
-fn leads_param(first: usize) -> String {
-    leads(&format!("${first}"), &format!("${}", first + 1))
 }
 
 impl Ledger for PgLedger {

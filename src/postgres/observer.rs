@@ -21,6 +21,9 @@ use crate::postgres::session::{self, PlainClient};
 #[derive(Debug)]
 pub struct PgObserver {
     client: PlainClient,
+    /// Who holds and waits, for this server's version: written once, read at every poll of
+    /// `status --watch`.
+    status_sql: String,
     lock: LockKey,
     table: TableName,
 }
@@ -33,8 +36,10 @@ impl PgObserver {
         lock: LockKey,
         table: TableName,
     ) -> Result<PgObserver, ConnectError> {
+        let client = session::connect_plain(settings, name).await?;
         Ok(PgObserver {
-            client: session::connect_plain(settings, name).await?,
+            status_sql: status_sql(client.server_major),
+            client,
             lock,
             table,
         })
@@ -65,7 +70,7 @@ impl Observer for PgObserver {
             .client
             .client
             .query_typed(
-                &status_sql(self.client.server_major),
+                &self.status_sql,
                 &[
                     (&self.lock.classid(), Type::OID),
                     (&self.lock.objid(), Type::OID),

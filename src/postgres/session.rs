@@ -9,7 +9,7 @@
 //! Every query goes through `query_typed` (or the simple protocol): one round trip and no named
 //! prepared statements, which a pooler could leave behind on a server connection.
 
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
 use tokio::task::JoinHandle;
@@ -83,12 +83,13 @@ const TRY_SQL: &str = "SELECT pg_catalog.pg_try_advisory_lock($1), pg_catalog.pg
 const UNLOCK_SQL: &str = "SELECT pg_catalog.pg_advisory_unlock($1)";
 
 /// The leader's check: this backend (the same as ever) holds the lock, and the server's clock.
-fn confirm_sql() -> String {
+/// Written once: it runs every check interval.
+static CONFIRM_SQL: LazyLock<String> = LazyLock::new(|| {
     format!(
         "SELECT pg_catalog.pg_backend_pid(), pg_catalog.clock_timestamp(), {}",
         held_here("$1", "$2")
     )
-}
+});
 
 impl PgSession {
     /// Connects, applies the session settings, and checks the server is a primary.
@@ -271,10 +272,7 @@ impl Session for PgSession {
         let (expected, classid, objid) = (self.backend_pid, self.lock.classid(), self.lock.objid());
         async move {
             let rows = client
-                .query_typed(
-                    &confirm_sql(),
-                    &[(&classid, Type::OID), (&objid, Type::OID)],
-                )
+                .query_typed(&CONFIRM_SQL, &[(&classid, Type::OID), (&objid, Type::OID)])
                 .await
                 .map_err(query_error)?;
             let row = rows

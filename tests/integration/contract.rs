@@ -147,11 +147,14 @@ async fn held<S: Session>(session: &S) -> bool {
     )
 }
 
-/// The ids of the sessions waiting, in the order the server will grant them the lock.
-async fn waiting<B: Backend>(backend: &B) -> Vec<i32> {
-    let observer = within("observe", backend.observe())
+async fn observe<B: Backend>(backend: &B) -> B::Observer {
+    within("observe", backend.observe())
         .await
-        .expect("an observer connects");
+        .expect("an observer connects")
+}
+
+/// The ids of the sessions waiting, in the order the server will grant them the lock.
+async fn waiting<O: Observer>(observer: &O) -> Vec<i32> {
     let view = within("lock_view", observer.lock_view())
         .await
         .expect("the lock can be read");
@@ -160,8 +163,9 @@ async fn waiting<B: Backend>(backend: &B) -> Vec<i32> {
 
 /// Waits until the server lists exactly `expected` as waiting, in that order.
 async fn until_waiting<B: Backend>(backend: &B, expected: &[i32]) {
+    let observer = observe(backend).await;
     within("the waiters to queue up", async {
-        while waiting(backend).await != expected {
+        while waiting(&observer).await != expected {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     })
@@ -288,12 +292,13 @@ pub async fn an_abandoned_wait_leaves_the_lock_free<T: Subject>(subject: &T) {
         assert!(pending.is_err());
         until_waiting(&backend, &[b.id()]).await;
     }
+    let observer = observe(&backend).await;
     // The contract: a session whose acquisition was abandoned is dropped, never reused.
     drop(b);
     // Dropping it gives up the wait on the server at once, not when it would be granted (and
     // well before the 15 s lease could end a's idle session instead), where the server can tell.
     let dropped = tokio::time::Instant::now();
-    while subject.drops_dead_waiters() && !waiting(&backend).await.is_empty() {
+    while subject.drops_dead_waiters() && !waiting(&observer).await.is_empty() {
         assert!(
             dropped.elapsed() < Duration::from_secs(2),
             "the abandoned session still waits on the server"
