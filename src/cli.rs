@@ -98,21 +98,23 @@ pub enum LogFormat {
 #[derive(Debug, Args)]
 #[command(group(ArgGroup::new("lock").args(["lock_id", "lock_name"]).multiple(false)))]
 pub struct LockArgs {
-    /// The lock's key: a signed 64-bit integer, as pg_advisory_lock(bigint) takes it
-    /// [env: PGLEADER_LOCK_ID]
+    /// The lock's key: a signed 64-bit integer, as pg_advisory_lock(bigint) takes it (on
+    /// Redis: the key pgleader:{ID}) [env: PGLEADER_LOCK_ID]
     #[arg(long = "lock-id", value_name = "ID", allow_negative_numbers = true)]
     pub lock_id: Option<i64>,
 
-    /// The lock's name, hashed to a key with PostgreSQL's hashtextextended(NAME, 0)
-    /// [env: PGLEADER_LOCK]
+    /// The lock's name, hashed to a key with PostgreSQL's hashtextextended(NAME, 0) (on Redis:
+    /// the key pgleader:{NAME}) [env: PGLEADER_LOCK]
     #[arg(long = "lock", value_name = "NAME", value_parser = non_empty_name)]
     pub lock_name: Option<String>,
 }
 
 #[derive(Debug, Args)]
 pub struct ConnectionArgs {
-    /// PostgreSQL connection: a postgres:// URL or key=value pairs. Default: $DATABASE_URL, else
-    /// the PG* variables and psql's defaults. Passwords are best kept in ~/.pgpass
+    /// The server: a postgres:// URL or key=value pairs (default: $DATABASE_URL, else the PG*
+    /// variables and psql's defaults; passwords are best kept in ~/.pgpass), or a Redis server:
+    /// redis://[USER[:PASSWORD]@]HOST[:PORT][/DB], rediss:// for TLS (?cacert=FILE names a CA;
+    /// the password may come from $REDISCLI_AUTH)
     #[arg(
         short = 'd',
         long,
@@ -177,7 +179,8 @@ pub struct RunArgs {
 
     /// How long the server keeps the lock of a leader it no longer hears from (silent network
     /// partition, frozen host). Must exceed --check-interval + --check-timeout + --kill-timeout
-    /// by at least 1s, so that the old command is gone before anyone else can win
+    /// by at least 1s, so that the old command is gone before anyone else can win. On Redis it
+    /// is the key's TTL, and must also allow for the server's clock running 1% fast
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = positive_duration, env = "PGLEADER_LEASE")]
     pub lease: Duration,
 
@@ -270,16 +273,16 @@ pub struct RunArgs {
 /// Where scheduled runs are recorded.
 #[derive(Debug, Args)]
 pub struct LedgerArgs {
-    /// The table that records each scheduled occurrence (created when missing), optionally
-    /// with its schema: ops.pgleader_ledger
+    /// PostgreSQL: the table that records each scheduled occurrence (created when missing),
+    /// optionally with its schema: ops.pgleader_ledger [default: pgleader_ledger]. On Redis the
+    /// ledger lives in the lock's own keys, and this option is refused
     #[arg(
         long,
         value_name = "TABLE",
-        default_value = "pgleader_ledger",
         env = "PGLEADER_LEDGER_TABLE",
         help_heading = "Scheduled jobs"
     )]
-    pub ledger_table: String,
+    pub ledger_table: Option<String>,
 }
 
 #[derive(Debug, Args)]

@@ -13,6 +13,8 @@ use crate::election::participant;
 use crate::postgres::PgBackend;
 use crate::postgres::conninfo::{self, ConnSettings, Environment};
 use crate::postgres::ledger::TableName;
+use crate::redis::RedisBackend;
+use crate::redis::url::{RedisServer, is_redis_url};
 use crate::schedule::Plan;
 use crate::schedule::calendar::Schedule;
 use crate::supervise::Settings;
@@ -27,10 +29,27 @@ pub struct UsageError(pub String);
 /// and where the HTTP endpoint listens.
 #[derive(Debug, Clone)]
 pub struct RunConfig {
-    pub backend: PgBackend,
+    pub backend: Elector,
     pub supervision: Settings,
     /// Where to serve /leader, /healthz, /status and /metrics, if anywhere.
     pub http: Option<SocketAddr>,
+}
+
+/// The backend a URL's scheme chose, configured. `lib.rs` matches it once and runs the
+/// supervisor (generic over the backend) in each arm.
+#[derive(Debug, Clone)]
+pub enum Elector {
+    Postgres(PgBackend),
+    Redis(RedisBackend),
+}
+
+impl std::fmt::Display for Elector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Elector::Postgres(backend) => backend.fmt(f),
+            Elector::Redis(backend) => backend.fmt(f),
+        }
+    }
 }
 
 /// A resolved connection and the warnings its resolution produced.
@@ -40,6 +59,34 @@ pub struct Connection {
     pub warnings: Vec<String>,
 }
 
+/// The server a URL names: PostgreSQL (by default) or Redis (`redis://`, `rediss://`).
+#[derive(Debug)]
+pub enum Database {
+    Postgres(Connection),
+    Redis(RedisServer),
+}
+
+impl Database {
+    /// How long one step of connecting may take.
+    fn connect_timeout(&self) -> std::time::Duration {
+        match self {
+            Database::Postgres(connection) => connection.settings.connect_timeout,
+            Database::Redis(server) => server.connect_timeout,
+        }
+    }
+
+    /// The name the user gave pgleader's sessions (PostgreSQL's `application_name`).
+    fn application_name(&self) -> Option<&str> {
+        match self {
+            Database::Postgres(connection) => connection.settings.application_name.as_deref(),
+            Database::Redis(_) => None,
+        }
+    }
+}
+
+/// How long one step of connecting to Redis may take (TCP, TLS, the handshake).
+pub const REDIS_CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 impl RunConfig {
     /// Validates the arguments. The command is looked up last, so that a usage error is
     /// reported as one even when the command is also wrong.
@@ -48,11 +95,22 @@ impl RunConfig {
         env: &dyn Environment,
     ) -> anyhow::Result<(RunConfig, Vec<String>)> {
         let lock = lock_key(&args.lock, env)?;
-        let connection = connection(&args.connection, env)?;
+        let database = database(&args.connection, env)?;
         let lease = Lease::new(args.lease);
-        lease
-            .validate(args.check_interval, args.check_timeout, args.kill_timeout)
-            .map_err(UsageError)?;
+        let timings = (args.check_interval, args.check_timeout, args.kill_timeout);
+        match &database {
+            Database::Postgres(_) => lease.validate(timings.0, timings.1, timings.2),
+            Database::Redis(_) => lease.validate_ttl(timings.0, timings.1, timings.2),
+        }
+        .map_err(UsageError)?;
+        if matches!(database, Database::Redis(_)) && args.ledger.ledger_table.is_some() {
+            return Err(UsageError(
+                "--ledger-table has no meaning on Redis: the ledger lives in the lock's own keys \
+                 (pgleader:{NAME}:runs and :rows)"
+                    .into(),
+            )
+            .into());
+        }
         let schedule = match &args.schedule {
             Some(expression) => Some(Plan {
                 schedule: Schedule::parse(expression, &args.schedule_timezone)
@@ -71,13 +129,13 @@ impl RunConfig {
         };
         let command = CommandLine::resolve(args.command, std::env::var_os("PATH").as_deref())?;
         let session_name = participant::label(
-            connection.settings.application_name.as_deref(),
+            database.application_name(),
             schedule
                 .as_ref()
                 .map(|plan| plan.schedule.fingerprint())
                 .as_deref(),
         );
-        let connect_timeout = connection.settings.connect_timeout;
+        let connect_timeout = database.connect_timeout();
         // A leader's ledger statements share its session with the checks: well under
         // --check-timeout, so that a check is never held up past its deadline.
         let ledger_statement_timeout = args.check_timeout / 2;
@@ -108,18 +166,35 @@ impl RunConfig {
             },
             lock: lock.clone(),
         };
-        let config = RunConfig {
-            backend: PgBackend::new(
-                connection.settings,
-                lock,
-                lease,
-                table,
-                ledger_statement_timeout,
+        let (backend, warnings) = match database {
+            Database::Postgres(connection) => (
+                Elector::Postgres(PgBackend::new(
+                    connection.settings,
+                    lock,
+                    lease,
+                    table,
+                    ledger_statement_timeout,
+                )),
+                connection.warnings,
             ),
+            Database::Redis(server) => (
+                Elector::Redis(RedisBackend {
+                    server,
+                    lock,
+                    lease,
+                    poll: args.check_interval,
+                    ledger_timeout: ledger_statement_timeout,
+                    user_name: None,
+                }),
+                Vec::new(),
+            ),
+        };
+        let config = RunConfig {
+            backend,
             supervision,
             http: args.http,
         };
-        Ok((config, connection.warnings))
+        Ok((config, warnings))
     }
 }
 
@@ -151,9 +226,10 @@ pub fn lock_key(args: &LockArgs, env: &dyn Environment) -> Result<LockKey, Usage
     }
 }
 
-/// The connection from `--database-url` (or PGLEADER_DATABASE_URL), else DATABASE_URL, else
-/// the PG* variables alone.
-pub fn connection(args: &ConnectionArgs, env: &dyn Environment) -> Result<Connection, UsageError> {
+/// The server of `--database-url` (or PGLEADER_DATABASE_URL), else DATABASE_URL, else the PG*
+/// variables alone: Redis for a `redis://` or `rediss://` URL (with REDISCLI_AUTH as the
+/// password when the URL has none), PostgreSQL otherwise.
+pub fn database(args: &ConnectionArgs, env: &dyn Environment) -> Result<Database, UsageError> {
     let (text, source) = match &args.database_url {
         Some(url) => (Some(url.clone()), "--database-url"),
         None => match env.var("DATABASE_URL") {
@@ -161,12 +237,22 @@ pub fn connection(args: &ConnectionArgs, env: &dyn Environment) -> Result<Connec
             None => (None, "the PG* environment"),
         },
     };
+    if let Some(url) = text.as_deref().filter(|url| is_redis_url(url)) {
+        let server = RedisServer::parse(url, env.var("REDISCLI_AUTH"), REDIS_CONNECT_TIMEOUT)
+            .map_err(|err| UsageError(format!("{source}: {err}")))?;
+        return Ok(Database::Redis(server));
+    }
     let (settings, warnings) = conninfo::resolve(text.as_deref(), env)
         .map_err(|err| UsageError(format!("{source}: {err}")))?;
-    Ok(Connection { settings, warnings })
+    Ok(Database::Postgres(Connection { settings, warnings }))
 }
 
-/// The ledger table of `--ledger-table`.
+/// The ledger table of `--ledger-table` (pgleader_ledger when not given).
 pub fn ledger_table(args: &LedgerArgs) -> Result<TableName, UsageError> {
-    TableName::parse(&args.ledger_table).map_err(|err| UsageError(format!("--ledger-table: {err}")))
+    match &args.ledger_table {
+        Some(text) => {
+            TableName::parse(text).map_err(|err| UsageError(format!("--ledger-table: {err}")))
+        }
+        None => Ok(TableName::default()),
+    }
 }

@@ -9,7 +9,7 @@
 //! - [`election`]: the boundary every backend implements (traits, the lock's key, the lease
 //!   rule, backoff, participants, the ledger's contract);
 //! - [`schedule`]: cron on the server's clock, catch-up, agreement (no backend types);
-//! - [`postgres`]: the PostgreSQL backend (a Redis backend will be its sibling);
+//! - [`postgres`], [`redis`]: the backends, siblings that never import each other;
 //! - [`operate`]: logs, notify, telemetry, metrics, HTTP, `status`, docs;
 //! - [`supervise`]: the state machine, the leader's duty, the job and its keeper, signals;
 //! - [`config`]: validated settings, and which backend they name; then this file.
@@ -23,6 +23,7 @@ pub mod election;
 pub mod exit;
 pub mod operate;
 pub mod postgres;
+pub mod redis;
 pub mod schedule;
 pub mod supervise;
 pub mod time;
@@ -31,12 +32,14 @@ use anyhow::Context;
 use tracing::warn;
 
 use crate::cli::{Command, RunArgs, StatusArgs};
-use crate::config::{RunConfig, UsageError};
+use crate::config::{Database, Elector, RunConfig, UsageError};
 use crate::election::Backend;
+use crate::election::lock::LockKey;
 use crate::operate::telemetry::{self, Telemetry};
 use crate::operate::{http, notify, status, watch};
 use crate::postgres::PgBackend;
 use crate::postgres::conninfo::ProcessEnvironment;
+use crate::redis::RedisBackend;
 use crate::supervise::job::CommandError;
 use crate::supervise::{signals, supervisor};
 
@@ -68,26 +71,57 @@ async fn run(args: RunArgs) -> anyhow::Result<u8> {
         http::spawn(http::bind(address).await?, telemetry.clone());
     }
     notify::init();
-    let outcome = supervisor::run(config.backend, config.supervision, signals, telemetry).await?;
+    let outcome = match config.backend {
+        Elector::Postgres(backend) => {
+            supervisor::run(backend, config.supervision, signals, telemetry).await?
+        }
+        Elector::Redis(backend) => {
+            supervisor::run(backend, config.supervision, signals, telemetry).await?
+        }
+    };
     Ok(outcome.exit_code())
 }
 
 async fn status(args: StatusArgs) -> anyhow::Result<u8> {
     let lock = config::lock_key(&args.lock, &ProcessEnvironment)?;
-    let connection = config::connection(&args.connection, &ProcessEnvironment)?;
-    for warning in connection.warnings {
-        warn!(event = "config", "{warning}");
+    match config::database(&args.connection, &ProcessEnvironment)? {
+        Database::Postgres(connection) => {
+            for warning in connection.warnings {
+                warn!(event = "config", "{warning}");
+            }
+            let table = config::ledger_table(&args.ledger)?;
+            let backend = PgBackend::for_status(connection.settings, lock.clone(), table);
+            show_status(&lock, &backend, &args).await
+        }
+        Database::Redis(server) => {
+            if args.ledger.ledger_table.is_some() {
+                return Err(UsageError(
+                    "--ledger-table has no meaning on Redis: the ledger lives in the lock's own \
+                     keys"
+                        .into(),
+                )
+                .into());
+            }
+            let backend = RedisBackend::for_status(server, lock.clone());
+            show_status(&lock, &backend, &args).await
+        }
     }
-    let table = config::ledger_table(&args.ledger)?;
-    let backend = PgBackend::for_status(connection.settings, lock.clone(), table);
+}
+
+/// `status` or `status --watch` through one backend.
+async fn show_status<B: Backend>(
+    lock: &LockKey,
+    backend: &B,
+    args: &StatusArgs,
+) -> anyhow::Result<u8> {
     if args.watch {
-        return watch::watch(&lock, &backend, args.json).await;
+        return watch::watch(lock, backend, args.json).await;
     }
     let observer = backend
         .observe()
         .await
         .with_context(|| format!("cannot connect to {backend}"))?;
-    let status = status::read(&lock, &observer).await?;
+    let status = status::read(lock, &observer).await?;
     let text = if args.json {
         format!("{}\n", status.to_json())
     } else {

@@ -117,10 +117,10 @@ impl Etcd {
         };
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
-            if let Ok(body) = http(port, "GET", "/health", "") {
-                if body.contains("\"health\":\"true\"") {
-                    return Ok(started);
-                }
+            if let Ok(body) = http(port, "GET", "/health", "")
+                && body.contains("\"health\":\"true\"")
+            {
+                return Ok(started);
             }
             if let Some(status) = started.server.try_wait()? {
                 bail!("etcd exited at start-up ({status}):\n{}", started.log());

@@ -332,10 +332,10 @@ impl Pgleader {
             };
             // Simple-protocol statements log as `statement:`, extended-protocol ones (what
             // pgleader sends) as `execute <name>:`.
-            if message.starts_with("LOG:  statement:") || message.starts_with("LOG:  execute ") {
-                if let Ok(pid) = pid.parse() {
-                    *counts.entry(pid).or_default() += 1;
-                }
+            if (message.starts_with("LOG:  statement:") || message.starts_with("LOG:  execute "))
+                && let Ok(pid) = pid.parse()
+            {
+                *counts.entry(pid).or_default() += 1;
             }
         }
         counts

@@ -95,6 +95,42 @@ impl Lease {
     }
 }
 
+/// How much faster than a leader's clock a server's clock may run, in percent, when the lease is
+/// a TTL that the server counts itself (Redis): the key must outlive the leader's deadline by
+/// this much more.
+pub const CLOCK_DRIFT_PERCENT: u32 = 1;
+
+impl Lease {
+    /// [`Lease::validate`] for a lease that is a key's TTL on the server's clock: the key must
+    /// outlive the leader's deadline even if the server's clock runs
+    /// [`CLOCK_DRIFT_PERCENT`] faster than the leader's.
+    pub fn validate_ttl(
+        &self,
+        check_interval: Duration,
+        check_timeout: Duration,
+        kill_timeout: Duration,
+    ) -> Result<(), String> {
+        let deadline = check_interval + check_timeout + kill_timeout + MARGIN;
+        let needed = deadline * 100 / (100 - CLOCK_DRIFT_PERCENT);
+        if self.duration < needed {
+            return Err(format!(
+                "--lease {} is too short: it is the Redis key's TTL, and a leader cut off from \
+                 the server stops its command up to --check-interval + --check-timeout + \
+                 --kill-timeout = {} after its last successful check; the key must outlive that, \
+                 plus {} of margin, even if the server's clock runs {CLOCK_DRIFT_PERCENT}% fast. \
+                 Use --lease {} or more, or shorten the other timings",
+                fmt(self.duration),
+                fmt(check_interval + check_timeout + kill_timeout),
+                fmt(MARGIN),
+                fmt(Duration::from_millis(
+                    needed.as_millis().div_ceil(1000) as u64 * 1000
+                )),
+            ));
+        }
+        Ok(())
+    }
+}
+
 fn fmt(duration: Duration) -> humantime::FormattedDuration {
     humantime::format_duration(duration)
 }
@@ -131,6 +167,16 @@ mod tests {
         assert!(lease.validate(S(1), S(2), S(5)).is_ok());
         assert!(lease.validate(S(1), S(2), S(6)).is_ok());
         let err = lease.validate(S(1), S(2), S(7)).expect_err("too short");
+        assert!(err.contains("--lease 11s or more"), "{err}");
+    }
+
+    #[test]
+    fn a_ttl_allows_for_a_server_clock_that_runs_fast() {
+        let lease = Lease::new(S(10));
+        assert!(lease.validate_ttl(S(1), S(2), S(5)).is_ok());
+        // Exactly the deadline is enough for PostgreSQL, not for a TTL.
+        assert!(lease.validate(S(1), S(2), S(6)).is_ok());
+        let err = lease.validate_ttl(S(1), S(2), S(6)).expect_err("too short");
         assert!(err.contains("--lease 11s or more"), "{err}");
     }
 }

@@ -131,6 +131,12 @@ pub trait Session {
     /// How long ago the session was established.
     fn age(&self) -> Duration;
 
+    /// The descriptor of the connection's socket, if the backend can give it. The keeper holds
+    /// a copy of it until every process of the command's tree is gone, so that when pgleader
+    /// dies (kill -9, OOM) the server sees the connection close, and frees the lock, only
+    /// after the last of them.
+    fn socket(&self) -> Option<std::os::fd::RawFd>;
+
     /// Resolves when the connection, or the leadership it holds, has ended, with the reason.
     fn ended(&mut self) -> impl Future<Output = String>;
 

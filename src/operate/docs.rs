@@ -101,6 +101,10 @@ const SECTIONS: &[Section] = &[
                 "As for psql: they fill in what the connection string leaves out. Without any of them pgleader connects like psql: to the Unix socket in /var/run/postgresql if a server listens there, else to localhost, as the operating-system user, to the database of the same name.",
             ),
             Entry(
+                "REDISCLI_AUTH",
+                "The Redis password, when a redis:// URL has none (redis-cli's convention).",
+            ),
+            Entry(
                 "NOTIFY_SOCKET, WATCHDOG_USEC, WATCHDOG_PID",
                 "Set by systemd for a unit with Type=notify and WatchdogSec=; see SYSTEMD. The command does not inherit them.",
             ),
@@ -165,6 +169,20 @@ const SECTIONS: &[Section] = &[
             ),
             Para(
                 "sslrootcert=system trusts the system's certificate store and requires verify-full (the default with it). A certificate that does not verify, a server that refuses TLS under require, and a server that accepts this client only over TLS under sslmode=disable are permanent errors: pgleader exits 1 with a message that says which, without retrying. The certificate files are read again at each connection attempt, so a renewed certificate is used from the next reconnection.",
+            ),
+        ],
+    },
+    Section {
+        heading: "REDIS",
+        body: &[
+            Para(
+                "A redis:// or rediss:// URL elects through one Redis server (6 or later, a primary, not a Cluster node) instead of PostgreSQL; every option keeps its meaning, and --ledger-table, which has none there, is refused. The lock is the key pgleader:{NAME} (pgleader:{ID} for --lock-id), set only if absent with --lease as its TTL; its value names the holder: nonce, epoch, since, client id and session name (redis-cli GET shows who leads). PGLEADER_EPOCH is max(previous + 1, the server's clock in microseconds), so it keeps growing across a restart that kept nothing, as long as the server's clock does not go back.",
+            ),
+            Para(
+                "The leader renews its own key only (compare, then extend, never re-create) and is told at once, by client-side tracking, when anyone else deletes, overwrites or flushes it; its command is then stopped. Followers block on a wake list (BLPOP) and try again every --check-interval: a released lock is taken in milliseconds, and a holder whose connection is gone (each session subscribes to a channel of its own, and PUBSUB NUMSUB tells) is replaced within a check interval, long before its TTL. A killed pgleader's connection closes only when its keeper has killed its whole tree. A waiting follower costs the server two commands per check interval.",
+            ),
+            Para(
+                "The user needs: +@read +@write +@scripting +@pubsub +@blocking +time +info +client|id +client|setname +client|tracking on ~pgleader:* and &pgleader:*. A wrong password or an ACL that refuses TIME, INFO or SUBSCRIBE is a permanent error (exit status 1); without PUBSUB NUMSUB a crashed leader is replaced only when its key expires (logged once). One Redis server is a single point of failure, and a replica promoted after a failover may not have the key: PGLEADER_EPOCH is what a protected resource can check. Sentinel and Unix sockets are refused.",
             ),
         ],
     },

@@ -212,6 +212,12 @@ impl Session for PgSession {
         self.connected_at.elapsed()
     }
 
+    /// tokio-postgres owns its socket and does not lend it out: a kill -9 of pgleader frees the
+    /// lock as the keeper starts killing the tree, not after it (issue 18).
+    fn socket(&self) -> Option<std::os::fd::RawFd> {
+        None
+    }
+
     async fn ended(&mut self) -> String {
         match (&mut self.connection).await {
             Ok(Ok(())) => "the server closed the connection".to_owned(),

@@ -8,7 +8,7 @@
 
 use std::ffi::{OsStr, OsString};
 use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
@@ -157,10 +157,16 @@ pub struct Job {
 
 impl Job {
     /// Starts the keeper, which starts the command. `env` is added to the inherited environment.
+    /// The keeper inherits `hold` (the leader's connection socket, which must stay open during
+    /// this call) and keeps it open until the command's whole tree is gone.
     ///
     /// Call this from the thread that lives as long as pgleader (the runtime's thread): the
     /// keeper does not rely on a parent-death signal, but the rule costs nothing to keep.
-    pub fn spawn(command: &CommandLine, env: &[(&str, String)]) -> io::Result<Job> {
+    pub fn spawn(
+        command: &CommandLine,
+        env: &[(&str, String)],
+        hold: Option<RawFd>,
+    ) -> io::Result<Job> {
         let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
         let theirs_fd = theirs.as_raw_fd();
         let mut keeper_command = std::process::Command::new(keeper_executable());
@@ -168,6 +174,7 @@ impl Job {
             .arg0(keeper::ARGV0)
             .args(keeper::keeper_args(
                 theirs_fd,
+                hold,
                 &command.program.clone().into_os_string(),
                 &command.argv,
             ))
@@ -182,6 +189,14 @@ impl Job {
             keeper_command.pre_exec(move || {
                 let fd = BorrowedFd::borrow_raw(theirs_fd);
                 fcntl(fd, FcntlArg::F_SETFD(FdFlag::empty()))?;
+                // Descriptor flags belong to this (child) process's table: the parent's copy
+                // keeps its close-on-exec.
+                if let Some(hold) = hold {
+                    fcntl(
+                        BorrowedFd::borrow_raw(hold),
+                        FcntlArg::F_SETFD(FdFlag::empty()),
+                    )?;
+                }
                 // The keeper must not die of a signal meant for the command, even before it has
                 // run a single instruction: it starts with every signal blocked.
                 sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::all()), None)?;

@@ -20,7 +20,11 @@
 //!   tell when the whole tree is gone (even processes that left the process group with setsid),
 //!   and reaps them meanwhile;
 //! - reports over the socket: the command's pid once started, or why it could not start, and
-//!   the command's exit status once it ends. It exits when it has no children left.
+//!   the command's exit status once it ends. It exits when it has no children left;
+//! - holds a copy of the leader's connection socket (where the backend lends it: Redis) until
+//!   it exits. When pgleader is killed -9, the server sees that connection close only once the
+//!   keeper has killed and reaped the whole tree, so no follower can take over while any of it
+//!   still runs.
 //!
 //! Everything here runs in a single-threaded process that does nothing but wait, so plain
 //! blocking system calls are the simplest correct tool.
@@ -90,12 +94,30 @@ pub fn is_keeper_invocation() -> bool {
     std::env::args_os().next().is_some_and(|arg0| arg0 == ARGV0)
 }
 
-/// The arguments pgleader passes: the socket's descriptor, the program to execute, the
-/// command's `argv[0]` and its arguments.
-pub fn keeper_args(fd: RawFd, program: &OsString, argv: &[OsString]) -> Vec<OsString> {
-    let mut args = vec![OsString::from(fd.to_string()), program.clone()];
+/// The arguments pgleader passes: the channel's descriptor (and, after a comma, the one of the
+/// connection socket to hold), the program to execute, the command's `argv[0]` and its
+/// arguments.
+pub fn keeper_args(
+    fd: RawFd,
+    hold: Option<RawFd>,
+    program: &OsString,
+    argv: &[OsString],
+) -> Vec<OsString> {
+    let descriptors = match hold {
+        Some(hold) => format!("{fd},{hold}"),
+        None => fd.to_string(),
+    };
+    let mut args = vec![OsString::from(descriptors), program.clone()];
     args.extend(argv.iter().cloned());
     args
+}
+
+/// The descriptors of [`keeper_args`]' first argument.
+fn parse_descriptors(text: &str) -> Option<(RawFd, Option<RawFd>)> {
+    match text.split_once(',') {
+        Some((fd, hold)) => Some((fd.parse().ok()?, Some(hold.parse().ok()?))),
+        None => Some((text.parse().ok()?, None)),
+    }
 }
 
 /// Runs the keeper; never returns.
@@ -112,9 +134,9 @@ pub fn main() -> ! {
 
 fn run() -> io::Result<i32> {
     let mut args = std::env::args_os().skip(1);
-    let fd: RawFd = args
+    let (fd, hold) = args
         .next()
-        .and_then(|fd| fd.to_str()?.parse().ok())
+        .and_then(|fds| parse_descriptors(fds.to_str()?))
         .ok_or_else(|| io::Error::other("this program is started by pgleader, not by hand"))?;
     let program = args
         .next()
@@ -129,6 +151,13 @@ fn run() -> io::Result<i32> {
     let channel = unsafe { OwnedFd::from_raw_fd(fd) };
     fcntl(&channel, FcntlArg::F_SETFD(FdFlag::FD_CLOEXEC))?;
     let mut channel = UnixStream::from(channel);
+    // The leader's connection socket: held, never read or written, until this process exits,
+    // which it does only once every process of the job is gone. The command does not inherit it.
+    // SAFETY: as for the channel: a descriptor pgleader left open for us alone.
+    let _held_connection = hold.map(|hold| unsafe { OwnedFd::from_raw_fd(hold) });
+    if let Some(held) = &_held_connection {
+        fcntl(held, FcntlArg::F_SETFD(FdFlag::FD_CLOEXEC))?;
+    }
 
     // pgleader started us with every signal blocked already (see `job::spawn`), so a signal
     // sent to the group before this point cannot kill the keeper; block again in case we
@@ -288,6 +317,17 @@ impl Job {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_descriptors_survive_a_round_trip() {
+        let program = OsString::from("/bin/true");
+        for hold in [None, Some(7)] {
+            let args = keeper_args(3, hold, &program, &[]);
+            let first = args[0].to_str().expect("ASCII");
+            assert_eq!(parse_descriptors(first), Some((3, hold)));
+        }
+        assert_eq!(parse_descriptors("x"), None);
+    }
 
     #[test]
     fn reports_survive_a_round_trip() {

@@ -257,9 +257,15 @@ impl<B: Backend> Supervisor<B> {
     }
 
     /// Starts the command under its keeper.
-    fn spawn(&mut self, env: &[(&'static str, String)]) -> anyhow::Result<Job> {
-        let spawned =
-            Job::spawn(&self.settings.command, env).context("cannot start the keeper process")?;
+    /// Starts the job; the keeper holds `hold` (the session's socket) until the job's tree is
+    /// gone.
+    fn spawn(
+        &mut self,
+        env: &[(&'static str, String)],
+        hold: Option<std::os::fd::RawFd>,
+    ) -> anyhow::Result<Job> {
+        let spawned = Job::spawn(&self.settings.command, env, hold)
+            .context("cannot start the keeper process")?;
         self.backoff.reset();
         debug!(
             event = "spawned",

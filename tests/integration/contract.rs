@@ -4,8 +4,9 @@
 //! increase, a wait that is abandoned, and a ledger claim refused without leadership.
 //!
 //! A backend joins the suite by implementing [`Subject`] (how to make a backend for a fresh
-//! lock, and how the server ends a session) and one line of [`contract_suite!`]. PostgreSQL is
-//! the first; Redis and the Redlock quorum are to be added here, not given suites of their own.
+//! lock, and how the server ends a session) and one line of [`contract_suite!`]. PostgreSQL and one
+//! Redis server run it today; the Redlock quorum is to be added here, not given a suite of its
+//! own.
 
 use std::future::Future;
 use std::time::Duration;
@@ -14,7 +15,7 @@ use pgleader::election::ledger::{Claim, Claimant, Definition, Ledger};
 use pgleader::election::lock::LockKey;
 use pgleader::election::{Backend, Check, Confirmation, Observer, Session};
 
-use crate::harness::{Cluster, WAIT, unique_lock};
+use crate::harness::{Cluster, Redis, WAIT, unique_lock};
 
 /// A backend under test.
 pub trait Subject {
@@ -31,6 +32,9 @@ pub trait Subject {
     /// (PostgreSQL 13 has no `client_connection_check_interval`), an abandoned waiter leaves
     /// the queue only when it is granted the lock, and frees it at that moment.
     fn drops_dead_waiters(&self) -> bool;
+
+    /// Starts the server, outside the test's runtime (the harness's clients block).
+    fn prepare(&self);
 }
 
 /// PostgreSQL, through the harness's shared cluster.
@@ -74,11 +78,57 @@ impl Subject for Postgres {
         });
     }
 
+    fn prepare(&self) {
+        SERVER_MAJOR.get_or_init(|| Cluster::shared().server_major());
+    }
+
     fn drops_dead_waiters(&self) -> bool {
-        let major = *SERVER_MAJOR
-            .get()
-            .expect("block_on reads the server's version");
+        let major = *SERVER_MAJOR.get().expect("prepare reads it");
         major == 0 || major >= 14
+    }
+}
+
+/// One Redis server, the harness's shared one.
+pub struct OneRedis;
+
+impl Subject for OneRedis {
+    type Backend = pgleader::redis::RedisBackend;
+
+    fn backend(&self) -> Self::Backend {
+        let lock = unique_lock();
+        // Names with the characters a key could trip on, and numbers, half each.
+        let lock = if lock % 2 == 0 {
+            LockKey::from_name(&format!("contract: {lock}}}{{x"))
+        } else {
+            LockKey::from_id(-lock)
+        };
+        let server = pgleader::redis::url::RedisServer::parse(
+            &Redis::shared().url(),
+            None,
+            Duration::from_secs(5),
+        )
+        .expect("the harness's URL");
+        pgleader::redis::RedisBackend {
+            server,
+            lock,
+            lease: pgleader::election::lease::Lease::new(Duration::from_secs(15)),
+            poll: Duration::from_millis(500),
+            ledger_timeout: Duration::from_secs(1),
+            user_name: None,
+        }
+    }
+
+    fn end_session(&self, id: i32) {
+        let killed = Redis::shared().cli(&["CLIENT", "KILL", "ID", &id.to_string()]);
+        assert_eq!(killed, "1", "CLIENT KILL ID {id} killed no connection");
+    }
+
+    fn drops_dead_waiters(&self) -> bool {
+        true
+    }
+
+    fn prepare(&self) {
+        Redis::shared();
     }
 }
 
@@ -107,10 +157,9 @@ impl pgleader::postgres::conninfo::Environment for NoEnvironment {
     }
 }
 
-/// Runs one contract test on a runtime like pgleader's own (one thread). The shared cluster is
-/// started first, outside the runtime: the harness's own client blocks.
+/// Runs one contract test on a runtime like pgleader's own (one thread). The subject's server
+/// is started first ([`Subject::prepare`]), outside the runtime.
 fn block_on(test: impl Future<Output = ()>) {
-    SERVER_MAJOR.get_or_init(|| Cluster::shared().server_major());
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -405,21 +454,25 @@ macro_rules! contract_suite {
 
             #[test]
             fn only_one_session_acquires() {
+                $subject.prepare();
                 block_on(super::only_one_session_acquires(&$subject));
             }
 
             #[test]
             fn waiters_are_granted_the_lock_in_order() {
+                $subject.prepare();
                 block_on(super::waiters_are_granted_the_lock_in_order(&$subject));
             }
 
             #[test]
             fn a_check_confirms_only_the_holder() {
+                $subject.prepare();
                 block_on(super::a_check_confirms_only_the_holder(&$subject));
             }
 
             #[test]
             fn the_end_of_the_connection_is_noticed_at_once() {
+                $subject.prepare();
                 block_on(super::the_end_of_the_connection_is_noticed_at_once(
                     &$subject,
                 ));
@@ -427,21 +480,25 @@ macro_rules! contract_suite {
 
             #[test]
             fn a_check_fails_once_the_session_is_gone() {
+                $subject.prepare();
                 block_on(super::a_check_fails_once_the_session_is_gone(&$subject));
             }
 
             #[test]
             fn a_release_wakes_the_next_waiter() {
+                $subject.prepare();
                 block_on(super::a_release_wakes_the_next_waiter(&$subject));
             }
 
             #[test]
             fn an_abandoned_wait_leaves_the_lock_free() {
+                $subject.prepare();
                 block_on(super::an_abandoned_wait_leaves_the_lock_free(&$subject));
             }
 
             #[test]
             fn epochs_increase_from_one_leadership_to_the_next() {
+                $subject.prepare();
                 block_on(super::epochs_increase_from_one_leadership_to_the_next(
                     &$subject,
                 ));
@@ -449,6 +506,7 @@ macro_rules! contract_suite {
 
             #[test]
             fn the_ledger_claims_only_for_the_leader() {
+                $subject.prepare();
                 block_on(super::the_ledger_claims_only_for_the_leader(&$subject));
             }
         }
@@ -456,6 +514,7 @@ macro_rules! contract_suite {
 }
 
 contract_suite!(postgres, Postgres);
+contract_suite!(redis, OneRedis);
 
 /// What only PostgreSQL's ledger needs: its statement bound (`SET LOCAL` in a transaction of
 /// the statement's own) must not outlive the statement on the session.
@@ -464,6 +523,7 @@ mod postgres_only {
 
     #[test]
     fn a_ledger_statements_bound_does_not_outlive_it_on_the_session() {
+        Postgres.prepare();
         block_on(async {
             let mut backend = Postgres.backend();
             backend.ledger.statement_timeout = Duration::from_millis(100);

@@ -7,6 +7,7 @@ pub mod namespace;
 pub mod pgbouncer;
 pub mod process;
 pub mod proxy;
+pub mod redis;
 pub mod spawner;
 
 use std::path::PathBuf;
@@ -17,6 +18,7 @@ use std::sync::atomic::{AtomicI64, Ordering};
 pub use cluster::Cluster;
 pub use process::{Proc, Stream, WAIT, is_running, wait_gone};
 pub use proxy::Proxy;
+pub use redis::Redis;
 
 /// A lock key no other test uses.
 pub fn unique_lock() -> i64 {

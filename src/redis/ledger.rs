@@ -1,0 +1,557 @@
+//! The ledger of scheduled runs on Redis: Redis' implementation of the ledger's contract
+//! (`election/ledger.rs`), in the lock's own key space.
+//!
+//! - `pgleader:{NAME}:runs`, a sorted set of occurrences (microseconds since the epoch, as score
+//!   and member), newest last;
+//! - `pgleader:{NAME}:rows`, a hash from occurrence to its row, as JSON (every number a string,
+//!   so that Lua's doubles and cjson's 14 digits lose nothing).
+//!
+//! Every write is one script that first checks that the lock's key still holds this session's
+//! nonce, so a claim succeeds only while the claimant leads, atomically: nothing can change the
+//! key between the check and the write. Like PostgreSQL's ledger, a claim refuses an occurrence
+//! the server's clock (`TIME`) has not reached, and any occurrence at or before one already
+//! recorded; the newest [`KEEP`] rows are kept.
+//!
+//! One difference: a script that got no answer in time may still have run (Redis cannot roll it
+//! back), so a ledger statement that times out is reported as a failure of the session
+//! ([`LedgerError::Query`]: leadership in doubt), never as "busy, try again".
+
+use std::sync::LazyLock;
+use std::time::Duration;
+
+use jiff::Timestamp;
+use redis::Script;
+use redis::aio::MultiplexedConnection;
+
+use crate::election::ledger::{
+    Claim, Claimant, Definition, Entry, KEEP, LateFinish, Ledger, LedgerError, StaleRun,
+};
+use crate::election::participant::{self, Participant};
+use crate::redis::scripts::{self, VIEW_SCRIPT};
+use crate::redis::session::ScriptArgs;
+
+/// What every ledger script shares: KEYS[1] the lock, KEYS[2] the runs, KEYS[3] the rows;
+/// ARGV[1] this session's nonce.
+const PRELUDE: &str = r#"
+local me = ARGV[1]
+local t = redis.call('TIME')
+local now = string.format('%.0f', tonumber(t[1]) * 1000000 + tonumber(t[2]))
+local function leads()
+  local v = redis.call('GET', KEYS[1])
+  return v and string.match(v, '^nonce=(%x+) ') == me
+end
+local function newer(at)
+  return redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. at, '+inf', 'LIMIT', 0, 1)[1] ~= nil
+end
+local function row(at)
+  local text = redis.call('HGET', KEYS[3], at)
+  return text and cjson.decode(text)
+end
+local function put(at, r)
+  redis.call('HSET', KEYS[3], at, cjson.encode(r)); redis.call('ZADD', KEYS[2], at, at)
+end
+"#;
+
+/// ARGV[2] the occurrence, ARGV[3] the retries allowed, ARGV[4] the claimant's fields as JSON
+/// (host, pid, backend_pid, epoch, schedule, timezone, lock_name).
+const CLAIM: &str = r#"
+if not leads() then return {'notleader'} end
+local at, retries = ARGV[2], tonumber(ARGV[3])
+local who = cjson.decode(ARGV[4])
+local existing = row(at)
+local later = newer(at)
+local function fill(r)
+  r.outcome = 'running'; r.claimed_at = now; r.ended_at = nil; r.exit_code = nil; r.detail = nil
+  r.host = who.host; r.pid = who.pid; r.backend_pid = who.backend_pid; r.epoch = who.epoch
+  return r
+end
+if existing then
+  if existing.outcome == 'interrupted' and tonumber(existing.attempt) <= retries and not later then
+    existing.attempt = tostring(tonumber(existing.attempt) + 1)
+    put(at, fill(existing))
+    return {'claimed', existing.attempt}
+  end
+  if later then return {'superseded'} end
+  return {'taken', existing.outcome}
+end
+if later then return {'superseded'} end
+if tonumber(now) < tonumber(at) then return {'early', now} end
+local r = fill({scheduled_for = at, attempt = '1', schedule = who.schedule, timezone = who.timezone, lock_name = who.lock_name})
+put(at, r)
+return {'claimed', '1'}
+"#;
+
+/// ARGV[2] the occurrence, ARGV[3] the epoch, ARGV[4] the outcome, ARGV[5] the exit code or
+/// '', ARGV[6] the detail or ''. Returns how many rows were updated.
+const FINISH: &str = r#"
+local at = ARGV[2]
+local r = row(at)
+local done = 0
+if r and r.epoch == ARGV[3] and r.outcome == 'running' then
+  r.outcome = ARGV[4]; r.ended_at = now
+  if ARGV[5] ~= '' then r.exit_code = ARGV[5] end
+  if ARGV[6] ~= '' then r.detail = ARGV[6] end
+  put(at, r); done = 1
+end
+local extra = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[7])
+if extra > 0 then
+  for _, old in ipairs(redis.call('ZRANGE', KEYS[2], 0, extra - 1)) do
+    redis.call('HDEL', KEYS[3], old); redis.call('ZREM', KEYS[2], old)
+  end
+end
+return done
+"#;
+
+/// ARGV[2] the occurrence, ARGV[3] the epoch, ARGV[4] the outcome, ARGV[5] the exit code or
+/// '', ARGV[6] when it ended, ARGV[7] the attempt.
+const FINISH_LATE: &str = r#"
+local at = ARGV[2]
+local r = row(at)
+if r and r.epoch == ARGV[3] and r.attempt == ARGV[7] and (r.outcome == 'running' or r.outcome == 'interrupted') then
+  r.outcome = ARGV[4]; r.ended_at = ARGV[6]
+  if ARGV[5] ~= '' then r.exit_code = ARGV[5] end
+  r.detail = "recorded on the leader's next session: its session ended first"
+  put(at, r)
+  return 1
+end
+return 0
+"#;
+
+/// ARGV[2] the occurrence, ARGV[3] the epoch.
+const UNCLAIM: &str = r#"
+local at = ARGV[2]
+local r = row(at)
+if r and r.epoch == ARGV[3] and r.outcome == 'running' then
+  if r.attempt == '1' then
+    redis.call('HDEL', KEYS[3], at); redis.call('ZREM', KEYS[2], at)
+  else
+    r.outcome = 'interrupted'; r.attempt = tostring(tonumber(r.attempt) - 1); put(at, r)
+  end
+end
+return 0
+"#;
+
+/// ARGV[2] the occurrence, ARGV[3] the outcome, ARGV[4] the detail, ARGV[5] the claimant's
+/// fields as JSON.
+const RECORD: &str = r#"
+if not leads() then return 0 end
+local at = ARGV[2]
+if row(at) or newer(at) then return 0 end
+local who = cjson.decode(ARGV[5])
+put(at, {scheduled_for = at, outcome = ARGV[3], detail = ARGV[4], attempt = '1',
+  claimed_at = now, ended_at = now, host = who.host, pid = who.pid,
+  backend_pid = who.backend_pid, epoch = who.epoch, schedule = who.schedule,
+  timezone = who.timezone, lock_name = who.lock_name})
+return 1
+"#;
+
+/// Marks every `running` row interrupted, if this session leads; returns them as JSON rows.
+const INTERRUPT_STALE: &str = r#"
+if not leads() then return {} end
+local found = {}
+for _, at in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
+  local r = row(at)
+  if r and r.outcome == 'running' then
+    r.outcome = 'interrupted'; r.ended_at = now
+    if not r.detail then r.detail = 'its leader lost the lock while it ran' end
+    put(at, r); table.insert(found, cjson.encode(r))
+  end
+end
+return found
+"#;
+
+/// ARGV[2] how many: the newest rows, newest first, as JSON.
+const RECENT: &str = r#"
+local ids = redis.call('ZREVRANGE', KEYS[2], 0, tonumber(ARGV[2]) - 1)
+if #ids == 0 then return {} end
+return redis.call('HMGET', KEYS[3], unpack(ids))
+"#;
+
+fn script(body: &str) -> Script {
+    Script::new(&format!("{PRELUDE}{body}"))
+}
+
+static CLAIM_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(CLAIM));
+static FINISH_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(FINISH));
+static FINISH_LATE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(FINISH_LATE));
+static UNCLAIM_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(UNCLAIM));
+static RECORD_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(RECORD));
+static INTERRUPT_STALE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(INTERRUPT_STALE));
+pub static RECENT_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(RECENT));
+
+/// The ledger of one lock and one schedule definition, on one session's connection.
+#[derive(Clone, Debug)]
+pub struct RedisLedger {
+    conn: MultiplexedConnection,
+    args: ScriptArgs,
+    definition: Definition,
+    /// What the session's name starts with.
+    user_name: Option<String>,
+    client_id: i64,
+    /// Bounds each of a leader's ledger scripts.
+    timeout: Duration,
+}
+
+impl RedisLedger {
+    pub fn new(
+        conn: MultiplexedConnection,
+        args: ScriptArgs,
+        definition: Definition,
+        user_name: Option<String>,
+        client_id: i64,
+        timeout: Duration,
+    ) -> RedisLedger {
+        RedisLedger {
+            conn,
+            args,
+            definition,
+            user_name,
+            client_id,
+            timeout,
+        }
+    }
+
+    fn invocation<'a>(&self, script: &'a Script) -> redis::ScriptInvocation<'a> {
+        let mut invocation = script.prepare_invoke();
+        invocation
+            .key(&self.args.keys.lock)
+            .key(self.args.keys.runs())
+            .key(self.args.keys.rows())
+            .arg(&self.args.nonce);
+        invocation
+    }
+
+    async fn run<T: redis::FromRedisValue>(
+        &self,
+        invocation: &redis::ScriptInvocation<'_>,
+    ) -> Result<T, LedgerError> {
+        let mut conn = self.conn.clone();
+        match tokio::time::timeout(self.timeout, invocation.invoke_async(&mut conn)).await {
+            Ok(result) => result.map_err(ledger_error),
+            Err(_) => Err(LedgerError::Query(format!(
+                "no answer from the server to a ledger script within {}",
+                humantime::format_duration(self.timeout)
+            ))),
+        }
+    }
+
+    /// The claimant's fields, as the scripts take them.
+    fn who(&self, claimant: &Claimant) -> String {
+        serde_json::json!({
+            "host": claimant.host,
+            "pid": claimant.pid.to_string(),
+            "backend_pid": self.client_id.to_string(),
+            "epoch": claimant.epoch.to_string(),
+            "schedule": self.definition.expression,
+            "timezone": self.definition.timezone,
+            "lock_name": self.args.keys.lock,
+        })
+        .to_string()
+    }
+}
+
+/// Microseconds since the Unix epoch, the ledger's key for an instant.
+fn micros(at: Timestamp) -> String {
+    at.as_microsecond().to_string()
+}
+
+fn instant(text: &str) -> Option<Timestamp> {
+    Timestamp::from_microsecond(text.parse().ok()?).ok()
+}
+
+fn ledger_error(err: redis::RedisError) -> LedgerError {
+    match err.code() {
+        Some("NOPERM") => LedgerError::Fatal(format!(
+            "the Redis ACL does not authorize the ledger's scripts: {err}"
+        )),
+        Some("BUSY") => LedgerError::Busy(err.to_string()),
+        _ => LedgerError::Query(err.to_string()),
+    }
+}
+
+/// A row of the ledger, from its JSON.
+fn entry(json: &str) -> Option<Entry> {
+    let row: serde_json::Value = serde_json::from_str(json).ok()?;
+    let text = |name: &str| row.get(name).and_then(|v| v.as_str()).map(str::to_owned);
+    let number = |name: &str| text(name).and_then(|v| v.parse::<i64>().ok());
+    Some(Entry {
+        scheduled_for: instant(&text("scheduled_for")?)?,
+        outcome: text("outcome")?,
+        exit_code: number("exit_code").and_then(|v| i32::try_from(v).ok()),
+        attempt: number("attempt")
+            .and_then(|v| i32::try_from(v).ok())
+            .unwrap_or(1),
+        claimed_at: text("claimed_at").as_deref().and_then(instant)?,
+        ended_at: text("ended_at").as_deref().and_then(instant),
+        host: text("host"),
+        pid: number("pid").and_then(|v| i32::try_from(v).ok()),
+        backend_pid: number("backend_pid").and_then(|v| i32::try_from(v).ok()),
+        epoch: number("epoch"),
+        detail: text("detail"),
+        schedule: text("schedule").unwrap_or_default(),
+        timezone: text("timezone").unwrap_or_default(),
+    })
+}
+
+/// The newest `limit` rows of a lock, through any connection.
+pub async fn recent(
+    conn: &mut MultiplexedConnection,
+    keys: &scripts::Keys,
+    limit: i64,
+) -> Result<Vec<Entry>, LedgerError> {
+    let rows: Vec<Option<String>> = RECENT_SCRIPT
+        .key(&keys.lock)
+        .key(keys.runs())
+        .key(keys.rows())
+        .arg("")
+        .arg(limit)
+        .invoke_async(conn)
+        .await
+        .map_err(ledger_error)?;
+    Ok(rows
+        .iter()
+        .flatten()
+        .filter_map(|json| entry(json))
+        .collect())
+}
+
+/// The server's clock, through any connection.
+pub async fn server_time(conn: &mut MultiplexedConnection) -> Result<Timestamp, LedgerError> {
+    let (seconds, micros): (i64, i64) = redis::cmd("TIME")
+        .query_async(conn)
+        .await
+        .map_err(ledger_error)?;
+    Timestamp::from_microsecond(seconds * 1_000_000 + micros)
+        .map_err(|err| LedgerError::Query(err.to_string()))
+}
+
+/// Who holds and who waits, as the view script sees it: the lock's value, and the live
+/// waiters' nonces and cards.
+pub async fn view(
+    conn: &mut MultiplexedConnection,
+    keys: &scripts::Keys,
+    me: &str,
+    stale: Duration,
+) -> redis::RedisResult<(Option<String>, Vec<(String, String)>)> {
+    let mut invocation = VIEW_SCRIPT.prepare_invoke();
+    for key in keys.all() {
+        invocation.key(key);
+    }
+    let (value, _holder, waiting, _, _): (Option<String>, i64, Vec<String>, i64, i64) = invocation
+        .arg(&keys.lock)
+        .arg(me)
+        .arg(0)
+        .arg(u64::try_from(stale.as_millis()).unwrap_or(u64::MAX))
+        .invoke_async(conn)
+        .await?;
+    let waiting = waiting
+        .chunks(2)
+        .filter_map(|pair| match pair {
+            [nonce, card] => Some((nonce.clone(), card.clone())),
+            _ => None,
+        })
+        .collect();
+    Ok((value, waiting))
+}
+
+/// A participant, from its card (`client=<id> session=<name>`).
+pub fn participant(card: &str, granted: bool) -> Participant {
+    Participant {
+        backend_pid: scripts::field(card, "client")
+            .and_then(|id| id.parse().ok())
+            .unwrap_or(0),
+        granted,
+        application_name: scripts::field(card, "session").map(str::to_owned),
+        ..Participant::default()
+    }
+}
+
+impl Ledger for RedisLedger {
+    /// Nothing to create: the keys appear with the first row.
+    async fn prepare(&self) -> Result<String, LedgerError> {
+        Ok(format!("Redis keys {}:runs and :rows", self.args.keys.lock))
+    }
+
+    async fn announce(&self, fingerprints: &str) -> Result<(), LedgerError> {
+        let name = participant::label(self.user_name.as_deref(), Some(fingerprints));
+        let card = format!(
+            "client={} session={}",
+            self.client_id,
+            name.replace(' ', "_")
+        );
+        let mut conn = self.conn.clone();
+        redis::pipe()
+            .cmd("HSET")
+            .arg(self.args.keys.who())
+            .arg(&self.args.nonce)
+            .arg(card)
+            .ignore()
+            .cmd("CLIENT")
+            .arg("SETNAME")
+            .arg(name.replace(' ', "_"))
+            .ignore()
+            .query_async::<()>(&mut conn)
+            .await
+            .map_err(ledger_error)
+    }
+
+    async fn participants(&self) -> Result<Vec<Participant>, LedgerError> {
+        let mut conn = self.conn.clone();
+        let (value, waiting) = view(
+            &mut conn,
+            &self.args.keys,
+            &self.args.nonce,
+            self.args.stale,
+        )
+        .await
+        .map_err(ledger_error)?;
+        let mut found = Vec::new();
+        if let Some(value) = value
+            && let Some(holder) = scripts::holder_nonce(&value)
+            && holder != self.args.nonce
+        {
+            let card: Option<String> = redis::cmd("HGET")
+                .arg(self.args.keys.who())
+                .arg(holder)
+                .query_async(&mut conn)
+                .await
+                .map_err(ledger_error)?;
+            found.push(participant(card.as_deref().unwrap_or(&value), true));
+        }
+        found.extend(waiting.iter().map(|(_, card)| participant(card, false)));
+        Ok(found)
+    }
+
+    async fn server_time(&self) -> Result<Timestamp, LedgerError> {
+        server_time(&mut self.conn.clone()).await
+    }
+
+    async fn interrupt_stale(&self) -> Result<Vec<StaleRun>, LedgerError> {
+        let rows: Vec<String> = self.run(&self.invocation(&INTERRUPT_STALE_SCRIPT)).await?;
+        Ok(rows
+            .iter()
+            .filter_map(|json| entry(json))
+            .map(|entry| (entry.scheduled_for, entry.host, entry.pid))
+            .collect())
+    }
+
+    async fn recent(&self, limit: i64) -> Result<Vec<Entry>, LedgerError> {
+        let mut conn = self.conn.clone();
+        match tokio::time::timeout(self.timeout, recent(&mut conn, &self.args.keys, limit)).await {
+            Ok(result) => result,
+            Err(_) => Err(LedgerError::Busy(
+                "no answer from the server in time".into(),
+            )),
+        }
+    }
+
+    async fn has(&self, at: Timestamp) -> Result<bool, LedgerError> {
+        let mut conn = self.conn.clone();
+        redis::cmd("HEXISTS")
+            .arg(self.args.keys.rows())
+            .arg(micros(at))
+            .query_async(&mut conn)
+            .await
+            .map_err(ledger_error)
+    }
+
+    async fn claim(
+        &self,
+        at: Timestamp,
+        claimant: &Claimant,
+        retries: i32,
+    ) -> Result<Claim, LedgerError> {
+        let mut invocation = self.invocation(&CLAIM_SCRIPT);
+        invocation
+            .arg(micros(at))
+            .arg(retries)
+            .arg(self.who(claimant));
+        let answer: Vec<String> = self.run(&invocation).await?;
+        let detail = answer.get(1).map(String::as_str).unwrap_or_default();
+        Ok(match answer.first().map(String::as_str) {
+            Some("claimed") => Claim::Claimed {
+                attempt: detail.parse().unwrap_or(1),
+            },
+            Some("taken") => Claim::Taken {
+                outcome: detail.to_owned(),
+            },
+            Some("superseded") => Claim::Superseded,
+            Some("early") => Claim::Early {
+                server_now: instant(detail).unwrap_or(at),
+            },
+            Some("notleader") => Claim::NotLeader,
+            other => {
+                return Err(LedgerError::Query(format!(
+                    "the claim script answered {other:?}"
+                )));
+            }
+        })
+    }
+
+    async fn finish(&self, finish: &LateFinish, detail: Option<&str>) -> Result<bool, LedgerError> {
+        let mut invocation = self.invocation(&FINISH_SCRIPT);
+        invocation
+            .arg(micros(finish.at))
+            .arg(finish.epoch)
+            .arg(finish.outcome)
+            .arg(finish.exit_code.map(|c| c.to_string()).unwrap_or_default())
+            .arg(detail.unwrap_or_default())
+            .arg(KEEP);
+        let done: i64 = self.run(&invocation).await?;
+        Ok(done > 0)
+    }
+
+    async fn finish_late(&self, late: &LateFinish) -> Result<bool, LedgerError> {
+        let mut invocation = self.invocation(&FINISH_LATE_SCRIPT);
+        invocation
+            .arg(micros(late.at))
+            .arg(late.epoch)
+            .arg(late.outcome)
+            .arg(late.exit_code.map(|c| c.to_string()).unwrap_or_default())
+            .arg(micros(late.ended_at))
+            .arg(late.attempt);
+        let done: i64 = self.run(&invocation).await?;
+        Ok(done > 0)
+    }
+
+    async fn unclaim(&self, at: Timestamp, epoch: i64) -> Result<(), LedgerError> {
+        let mut invocation = self.invocation(&UNCLAIM_SCRIPT);
+        invocation.arg(micros(at)).arg(epoch);
+        self.run::<i64>(&invocation).await.map(|_| ())
+    }
+
+    async fn record(
+        &self,
+        at: Timestamp,
+        outcome: &str,
+        detail: &str,
+        claimant: &Claimant,
+    ) -> Result<bool, LedgerError> {
+        let mut invocation = self.invocation(&RECORD_SCRIPT);
+        invocation
+            .arg(micros(at))
+            .arg(outcome)
+            .arg(detail)
+            .arg(self.who(claimant));
+        let recorded: i64 = self.run(&invocation).await?;
+        Ok(recorded == 1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_row_survives_json() {
+        let json = r#"{"scheduled_for":"1795000000123456","outcome":"failed","exit_code":"3",
+            "attempt":"2","claimed_at":"1795000000200000","host":"web-1","pid":"42",
+            "backend_pid":"7","epoch":"1795000000000001","schedule":"0 0 3 * * *","timezone":"UTC"}"#;
+        let entry = entry(json).expect("a row");
+        assert_eq!(entry.scheduled_for.as_microsecond(), 1_795_000_000_123_456);
+        assert_eq!(entry.exit_code, Some(3));
+        assert_eq!(entry.attempt, 2);
+        assert_eq!(entry.epoch, Some(1_795_000_000_000_001));
+        assert_eq!(entry.ended_at, None);
+    }
+}

@@ -1,0 +1,65 @@
+//! What `pgleader status` reads on Redis: the lock's value (who leads), the live waiters in
+//! the order they will be served, and the ledger's history. It changes nothing.
+
+use std::time::Duration;
+
+use jiff::Timestamp;
+
+use crate::election::Observer;
+use crate::election::ledger::{Entry, LedgerError};
+use crate::election::participant::LockView;
+use crate::redis::connection::Connection;
+use crate::redis::ledger::{self, participant};
+use crate::redis::scripts::{self, Keys};
+
+/// A connection that only looks.
+#[derive(Debug)]
+pub struct RedisObserver {
+    pub(crate) connection: Connection,
+    pub(crate) keys: Keys,
+    /// How long a waiter counts as alive after it was last seen, where the ACL hides the
+    /// liveness channels.
+    pub(crate) stale: Duration,
+}
+
+impl Observer for RedisObserver {
+    async fn lock_view(&self) -> Result<LockView, String> {
+        let mut conn = self.connection.conn.clone();
+        let (value, waiting) = ledger::view(&mut conn, &self.keys, "", self.stale)
+            .await
+            .map_err(|err| err.to_string())?;
+        let holder = value.map(|value| {
+            // The value carries the holder's card at its end: `client=<id> session=<name>`.
+            let card = value
+                .find(" client=")
+                .map_or(value.as_str(), |at| &value[at + 1..]);
+            let mut holder = participant(card, true);
+            holder.backend_start = scripts::field(&value, "since")
+                .and_then(|since| since.split('.').next()?.parse::<i64>().ok())
+                .and_then(|seconds| Timestamp::from_second(seconds).ok())
+                .map(|at| crate::time::rfc3339_seconds(at.into()));
+            holder
+        });
+        Ok(LockView {
+            holder,
+            waiting: waiting
+                .iter()
+                .map(|(_, card)| participant(card, false))
+                .collect(),
+        })
+    }
+
+    async fn history(&self, limit: i64) -> Result<Option<Vec<Entry>>, LedgerError> {
+        let mut conn = self.connection.conn.clone();
+        let entries = ledger::recent(&mut conn, &self.keys, limit).await?;
+        Ok(if entries.is_empty() {
+            None
+        } else {
+            Some(entries)
+        })
+    }
+
+    async fn server_time(&self) -> Result<Timestamp, LedgerError> {
+        ledger::server_time(&mut self.connection.conn.clone()).await
+    }
+}

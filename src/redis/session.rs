@@ -1,0 +1,410 @@
+//! One Redis session: one connection, for one round of the election, thrown away afterwards.
+//!
+//! A session subscribes to its own liveness channel, so that others can tell (`PUBSUB NUMSUB`)
+//! that its connection is gone, and turns on client-side tracking (`CLIENT TRACKING ON
+//! NOLOOP`), so that once it leads, any change of the lock's key by someone else (DEL, a
+//! foreign SET, FLUSHALL, the key's expiry) is pushed to it at once. Its own renewals do not
+//! notify it (NOLOOP).
+//!
+//! Waiting blocks on the session's wake list (`BLPOP`), woken by the release of the holder
+//! before it. The wait wakes up once per `--check-interval` anyway, to try again: that is how a
+//! holder whose connection is gone, or whose key expired, is replaced. A waiting follower costs
+//! the server two commands per check interval.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use jiff::Timestamp;
+use redis::aio::MultiplexedConnection;
+use redis::{PushInfo, PushKind, Value};
+
+use crate::election::ledger::Definition;
+use crate::election::{Check, Confirmation, ConnectError, Fence, Session, SessionError};
+use crate::redis::RedisBackend;
+use crate::redis::connection::{self, Connection, Purpose, ServerInfo};
+use crate::redis::ledger::RedisLedger;
+use crate::redis::scripts::{self, ACQUIRE_SCRIPT, Keys, RELEASE_SCRIPT, RENEW_SCRIPT};
+
+/// An open session for one lock.
+#[derive(Debug)]
+pub struct RedisSession {
+    connection: Connection,
+    /// What every script of this session is given.
+    args: ScriptArgs,
+    /// How long a follower blocks before it tries again.
+    poll: Duration,
+    /// Bounds `try_acquire` and each round of a wait.
+    try_timeout: Duration,
+    /// Set once this session leads: from then on, a change of the key means the lock is lost.
+    leading: Arc<AtomicBool>,
+    connected_at: Instant,
+    /// What the session's name starts with, for the ledger's announcements.
+    user_name: Option<String>,
+    /// Bounds each of a leader's ledger scripts.
+    ledger_timeout: Duration,
+}
+
+/// The lock's keys and this session's identity, as the scripts take them.
+#[derive(Clone, Debug)]
+pub struct ScriptArgs {
+    pub keys: Keys,
+    /// Unique to this session, and so to the leadership it may win.
+    pub nonce: String,
+    /// How the session names itself to the others: `client=<id> session=<name>`.
+    pub card: String,
+    pub lease: Duration,
+    /// How long a waiter counts as alive after it was last seen, when the ACL hides the
+    /// liveness channels.
+    pub stale: Duration,
+}
+
+impl ScriptArgs {
+    fn invocation<'a>(&self, script: &'a redis::Script) -> redis::ScriptInvocation<'a> {
+        let mut invocation = script.prepare_invoke();
+        for key in self.keys.all() {
+            invocation.key(key);
+        }
+        invocation
+            .arg(&self.keys.lock)
+            .arg(&self.nonce)
+            .arg(millis(self.lease))
+            .arg(millis(self.stale));
+        invocation
+    }
+}
+
+fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// A fresh random nonce: 16 hex digits.
+fn nonce() -> String {
+    format!("{:016x}", fastrand::u64(..))
+}
+
+impl RedisSession {
+    pub async fn connect(backend: &RedisBackend, name: &str) -> Result<RedisSession, ConnectError> {
+        let mut connection =
+            connection::open(&backend.server, name, Some(&backend.lease), Purpose::Elect).await?;
+        let keys = scripts::Keys::of(&backend.lock);
+        let nonce = nonce();
+        let server = &backend.server;
+        let budget = server.connect_timeout;
+        let conn = &mut connection.conn;
+        let setup = async {
+            conn.subscribe(keys.alive(&nonce))
+                .await
+                .map_err(|err| match err.code() {
+                    Some("NOPERM") => ConnectError::Permanent(format!(
+                        "{server}: the Redis ACL does not authorize SUBSCRIBE, which a session \
+                         needs so that others can tell it is connected (grant +subscribe or \
+                         +@pubsub)"
+                    )),
+                    _ => connection::classify(server, &err),
+                })?;
+            let tracking: Result<(), _> = redis::cmd("CLIENT")
+                .arg("TRACKING")
+                .arg("ON")
+                .arg("NOLOOP")
+                .query_async(conn)
+                .await;
+            if let Err(err) = tracking {
+                static WARNED: std::sync::Once = std::sync::Once::new();
+                WARNED.call_once(|| {
+                    tracing::warn!(
+                        event = "redis_tracking",
+                        "{server}: cannot track the lock's key ({err}): a change of the key by \
+                         another client is noticed at the next check rather than at once"
+                    );
+                });
+            }
+            Ok::<_, ConnectError>(())
+        };
+        tokio::time::timeout(budget, setup).await.map_err(|_| {
+            ConnectError::Transient(format!(
+                "no answer from {server} within {}",
+                humantime::format_duration(budget)
+            ))
+        })??;
+        let card = format!(
+            "client={} session={}",
+            connection.client_id,
+            name.replace(' ', "_")
+        );
+        Ok(RedisSession {
+            args: ScriptArgs {
+                keys,
+                nonce,
+                card,
+                lease: backend.lease.duration(),
+                stale: backend.poll * 3 + Duration::from_secs(1),
+            },
+            connection,
+            poll: backend.poll,
+            try_timeout: server.connect_timeout,
+            leading: Arc::new(AtomicBool::new(false)),
+            connected_at: Instant::now(),
+            user_name: backend.user_name.clone(),
+            ledger_timeout: backend.ledger_timeout,
+        })
+    }
+}
+
+/// One try of the acquire script: true if this session now leads.
+async fn acquire(
+    conn: &mut MultiplexedConnection,
+    args: &ScriptArgs,
+    mode: &str,
+) -> Result<bool, SessionError> {
+    let (acquired, blind): (i64, i64) = args
+        .invocation(&ACQUIRE_SCRIPT)
+        .arg(mode)
+        .arg(&args.card)
+        .invoke_async(conn)
+        .await
+        .map_err(query_error)?;
+    if blind == 1 {
+        static WARNED: std::sync::Once = std::sync::Once::new();
+        WARNED.call_once(|| {
+            tracing::warn!(
+                event = "redis_liveness",
+                "the Redis ACL refuses PUBSUB NUMSUB: a crashed leader is replaced only when its \
+                 key expires (--lease), not as soon as its connection is gone"
+            );
+        });
+    }
+    Ok(acquired == 1)
+}
+
+fn query_error(err: redis::RedisError) -> SessionError {
+    SessionError::Query(err.to_string())
+}
+
+/// A server time from TIME's seconds and microseconds.
+fn timestamp(seconds: i64, micros: i64) -> Timestamp {
+    Timestamp::new(seconds, i32::try_from(micros * 1000).unwrap_or(0))
+        .unwrap_or(Timestamp::UNIX_EPOCH)
+}
+
+/// Whether an invalidation push names the lock's key (a null means every key: FLUSHALL).
+fn invalidates(push: &PushInfo, key: &str) -> bool {
+    match push.data.first() {
+        None | Some(Value::Nil) => true,
+        Some(Value::Array(keys)) => keys.iter().any(|k| match k {
+            Value::BulkString(bytes) => bytes == key.as_bytes(),
+            Value::SimpleString(text) => text == key,
+            _ => false,
+        }),
+        Some(_) => false,
+    }
+}
+
+impl Session for RedisSession {
+    type Ledger = RedisLedger;
+
+    /// The server's id for this connection (`CLIENT ID`).
+    fn id(&self) -> i32 {
+        i32::try_from(self.connection.client_id).unwrap_or(i32::MAX)
+    }
+
+    fn server_version(&self) -> u32 {
+        self.connection.server_major
+    }
+
+    fn age(&self) -> Duration {
+        self.connected_at.elapsed()
+    }
+
+    /// The TCP socket under the connection (under TLS too). While the keeper holds it, a
+    /// crashed pgleader's connection stays open, and its liveness channel subscribed, so no
+    /// follower takes over before the command's whole tree is gone.
+    fn socket(&self) -> Option<std::os::fd::RawFd> {
+        Some(self.connection.socket)
+    }
+
+    async fn ended(&mut self) -> String {
+        loop {
+            match self.connection.pushes.recv().await {
+                None => return "the connection was closed".into(),
+                Some(push) if push.kind == PushKind::Disconnection => {
+                    return "the server closed the connection".into();
+                }
+                Some(push)
+                    if push.kind == PushKind::Invalidate
+                        && self.leading.load(Ordering::Relaxed)
+                        && invalidates(&push, &self.args.keys.lock) =>
+                {
+                    return format!(
+                        "the lock's key {} was changed by another client (deleted, \
+                         overwritten, flushed) or expired",
+                        self.args.keys.lock
+                    );
+                }
+                Some(_) => {}
+            }
+        }
+    }
+
+    /// Tries, then blocks on the wake list until woken or a check interval has passed, and
+    /// tries again: no busy polling, and a dead holder is noticed within a check interval.
+    fn wait(&self) -> impl Future<Output = Result<(), SessionError>> + 'static {
+        let mut conn = self.connection.conn.clone();
+        let args = self.args.clone();
+        let leading = self.leading.clone();
+        let (poll, bound) = (self.poll, self.poll + self.try_timeout);
+        let wake = args.keys.wake(&args.nonce);
+        async move {
+            loop {
+                let attempt = tokio::time::timeout(bound, acquire(&mut conn, &args, "wait"));
+                if attempt.await.map_err(|_| no_answer(bound))?? {
+                    leading.store(true, Ordering::Relaxed);
+                    return Ok(());
+                }
+                let woken: redis::RedisResult<Option<(String, String)>> = tokio::time::timeout(
+                    bound,
+                    redis::cmd("BLPOP")
+                        .arg(&wake)
+                        .arg(poll.as_secs_f64())
+                        .query_async(&mut conn),
+                )
+                .await
+                .map_err(|_| no_answer(bound))?;
+                woken.map_err(query_error)?;
+            }
+        }
+    }
+
+    async fn try_acquire(&self) -> Result<bool, SessionError> {
+        let mut conn = self.connection.conn.clone();
+        match tokio::time::timeout(self.try_timeout, acquire(&mut conn, &self.args, "try")).await {
+            Ok(Ok(acquired)) => {
+                if acquired {
+                    self.leading.store(true, Ordering::Relaxed);
+                }
+                Ok(acquired)
+            }
+            Ok(Err(SessionError::Query(reason))) => Err(SessionError::Query(format!(
+                "cannot try the lock: {reason}"
+            ))),
+            Ok(Err(other)) => Err(other),
+            Err(_) => Err(SessionError::Query(format!(
+                "cannot try the lock: {}",
+                no_answer(self.try_timeout)
+            ))),
+        }
+    }
+
+    /// The epoch the acquire script wrote into the key, the server's clock, and its uptime
+    /// (the restart fence). Reading the key also arms tracking for it: from here on a change
+    /// by anyone else is pushed to this session.
+    async fn fence(&self) -> Result<Fence, SessionError> {
+        let mut conn = self.connection.conn.clone();
+        let (value, (seconds, micros), info): (Option<String>, (i64, i64), String) = redis::pipe()
+            .cmd("GET")
+            .arg(&self.args.keys.lock)
+            .cmd("TIME")
+            .cmd("INFO")
+            .arg("server")
+            .query_async(&mut conn)
+            .await
+            .map_err(query_error)?;
+        let value = value.unwrap_or_default();
+        if scripts::holder_nonce(&value) != Some(self.args.nonce.as_str()) {
+            return Err(SessionError::Query(format!(
+                "the lock's key {} is no longer this session's",
+                self.args.keys.lock
+            )));
+        }
+        let epoch = scripts::field(&value, "epoch")
+            .and_then(|epoch| epoch.parse().ok())
+            .ok_or_else(|| {
+                SessionError::Query(format!("no epoch in the lock's value {value:?}"))
+            })?;
+        let uptime = ServerInfo::parse(&info).uptime.unwrap_or(Duration::ZERO);
+        Ok(Fence {
+            epoch,
+            server_time: timestamp(seconds, micros),
+            since_server_reset: uptime,
+        })
+    }
+
+    /// Extends the key's TTL to a lease from now, only if it is still this session's.
+    fn confirm(&self) -> impl Future<Output = Result<Check, SessionError>> + 'static {
+        let mut conn = self.connection.conn.clone();
+        let args = self.args.clone();
+        async move {
+            let (held, seconds, micros): (i64, i64, i64) = args
+                .invocation(&RENEW_SCRIPT)
+                .invoke_async(&mut conn)
+                .await
+                .map_err(query_error)?;
+            Ok(Check {
+                confirmation: if held == 1 {
+                    Confirmation::Held
+                } else {
+                    Confirmation::NotHeld
+                },
+                server_time: timestamp(seconds, micros),
+            })
+        }
+    }
+
+    /// Deletes the key if it is still this session's and wakes the next waiter, then closes.
+    async fn release(self, timeout: Duration) -> Result<(), SessionError> {
+        let mut conn = self.connection.conn.clone();
+        let invocation = self.args.invocation(&RELEASE_SCRIPT);
+        let release = invocation.invoke_async::<i64>(&mut conn);
+        match tokio::time::timeout(timeout, release).await {
+            Ok(Ok(1)) => Ok(()),
+            Ok(Ok(_)) => Err(SessionError::Query(
+                "the lock's key was no longer this session's".into(),
+            )),
+            Ok(Err(err)) => Err(query_error(err)),
+            Err(_) => Err(no_answer(timeout)),
+        }
+    }
+
+    fn ledger(&self, definition: &Definition) -> RedisLedger {
+        RedisLedger::new(
+            self.connection.conn.clone(),
+            self.args.clone(),
+            definition.clone(),
+            self.user_name.clone(),
+            self.connection.client_id,
+            self.ledger_timeout,
+        )
+    }
+}
+
+fn no_answer(bound: Duration) -> SessionError {
+    SessionError::Query(format!(
+        "no answer from the server within {}",
+        humantime::format_duration(bound)
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_invalidation_names_the_key_or_everything() {
+        let push = |data| PushInfo {
+            kind: PushKind::Invalidate,
+            data,
+        };
+        let key = "pgleader:{a}";
+        assert!(invalidates(
+            &push(vec![Value::Array(vec![Value::BulkString(key.into())])]),
+            key
+        ));
+        assert!(!invalidates(
+            &push(vec![Value::Array(vec![Value::BulkString(
+                b"other".to_vec()
+            )])]),
+            key
+        ));
+        assert!(invalidates(&push(vec![Value::Nil]), key), "FLUSHALL");
+    }
+}

@@ -1,0 +1,372 @@
+//! The Redis backend end to end: the real binary against real `redis-server` processes, and
+//! what only Redis needs beyond the contract suite (`contract.rs`): a crashed leader replaced
+//! long before its key's TTL yet never while its tree runs, the key deleted or flushed under a
+//! leader, a killed connection, a frozen server, a restart that kept nothing, passwords, ACLs,
+//! replicas, and what a Redis URL refuses.
+
+use nix::sys::signal::Signal;
+
+use crate::harness::redis::SECRET_PASSWORD;
+use crate::harness::{Journal, Proc, Redis, Stream, field, patient_child, pgleader};
+
+/// `pgleader run --lock <lock> <args...> -- sh -c <script>` against a Redis URL.
+fn run(name: &str, url: &str, lock: &str, args: &[&str], script: &str) -> Proc {
+    let mut command = pgleader();
+    command
+        .env("PGLEADER_DATABASE_URL", url)
+        .arg("run")
+        .arg(format!("--lock={lock}"))
+        .args(args)
+        .args(["--", "sh", "-c", script]);
+    Proc::spawn(name, command)
+}
+
+/// A lock name no other test uses.
+fn lock(tag: &str) -> String {
+    format!("{tag}-{}", crate::harness::unique_lock())
+}
+
+/// Quick checks, and a lease long enough that only noticing the holder's dead connection (not
+/// its key's expiry) can explain a takeover within the test's waits.
+const QUICK: [&str; 3] = [
+    "--check-interval=200ms",
+    "--check-timeout=500ms",
+    "--lease=60s",
+];
+
+/// Checks a minute apart: only an event (a push, the connection's end) can stop a command
+/// within the test's waits.
+const SLOW_CHECKS: [&str; 2] = ["--check-interval=60s", "--lease=90s"];
+
+#[test]
+fn kill_9_of_the_leader_is_replaced_before_the_ttl_but_only_after_its_whole_tree_is_gone() {
+    let redis = Redis::shared();
+    let lock = lock("kill9");
+    let pids = std::env::temp_dir().join(format!("pgleader-redis-{lock}.pids"));
+    // The command's tree: itself, a grandchild, one that left the group with setsid, and one
+    // holding 2 GiB, whose death after SIGKILL (freeing it) takes about 100 to 170 ms: two or
+    // three of the follower's tries, 50 ms apart. Were the lock freed when pgleader died rather
+    // than when the keeper is done, the follower would start during that death.
+    let tree = format!(
+        "sleep 1000 & echo $! >> {p}; setsid sleep 1000 & echo $! >> {p}; \
+         python3 -c 'import time; b = b\"\\x01\" * (2 << 30); print(\"A big\", flush=True); time.sleep(1000)' & echo $! >> {p}; \
+         echo $$ >> {p}; echo A started; wait",
+        p = pids.display()
+    );
+    // The next leader's command looks for every one of them the moment it starts.
+    let check = format!(
+        "for pid in $(cat {p}); do if kill -0 $pid 2>/dev/null; then echo B overlap $pid; fi; done; \
+         echo B started; exec sleep 1000",
+        p = pids.display()
+    );
+    let timings = [
+        "--check-interval=50ms",
+        "--check-timeout=500ms",
+        "--lease=60s",
+    ];
+    for round in 0..3 {
+        let _ = std::fs::remove_file(&pids);
+        let a = run("A", &redis.url(), &lock, &timings, &tree);
+        a.wait_stdout("A started");
+        a.wait_stdout("A big");
+        let b = run("B", &redis.url(), &lock, &timings, &check);
+        b.wait_log("waiting for the lock");
+        a.signal(Signal::SIGKILL);
+        b.wait_stdout("B started");
+        let overlaps: Vec<String> = b
+            .lines(Stream::Stdout)
+            .into_iter()
+            .filter(|line| line.contains("overlap"))
+            .collect();
+        assert!(
+            overlaps.is_empty(),
+            "round {round}: the next command started while the old tree still ran: {overlaps:?}"
+        );
+        b.signal(Signal::SIGKILL);
+        b.wait_exit();
+    }
+    let _ = std::fs::remove_file(&pids);
+}
+
+#[test]
+fn sigterm_to_the_leader_hands_over_only_after_its_command_has_exited() {
+    let redis = Redis::shared();
+    let lock = lock("handover");
+    let journal = Journal::new("redis-handover");
+    let a = run("A", &redis.url(), &lock, &QUICK, &journal.child("A", "0.5"));
+    a.wait_stdout("A started");
+    let b = run("B", &redis.url(), &lock, &QUICK, &journal.quick_child("B"));
+    b.wait_log("waiting for the lock");
+    a.signal(Signal::SIGTERM);
+    b.wait_stdout("B started");
+    assert_eq!(a.wait_code(), 0, "{}", a.dump());
+    a.wait_log("released the lock");
+    assert_eq!(journal.lines(), ["A-started", "A-stopped", "B-started"]);
+}
+
+#[test]
+fn deleting_the_key_stops_the_command_at_once_not_at_the_next_check() {
+    let redis = Redis::shared();
+    let lock = lock("del");
+    let a = run("A", &redis.url(), &lock, &SLOW_CHECKS, &patient_child("A"));
+    a.wait_stdout("A started");
+    let key = format!("pgleader:{{{lock}}}");
+    assert!(
+        redis.cli(&["GET", &key]).contains("session=pgleader:"),
+        "the key's value names the holder"
+    );
+    assert_eq!(redis.cli(&["DEL", &key]), "1");
+    a.wait_stdout("A got TERM");
+    let lost = a.wait_log("leadership lost");
+    assert!(lost.contains("changed by another client"), "{lost}");
+    // Never re-created by the old leader: the next holder is a new leadership.
+    a.wait_log("became leader");
+}
+
+#[test]
+fn flushall_and_a_foreign_set_stop_the_command_at_once() {
+    let redis = Redis::new("flush");
+    let lock = lock("flush");
+    let key = format!("pgleader:{{{lock}}}");
+    let args = [SLOW_CHECKS[0], SLOW_CHECKS[1], "--restart-delay=60s"];
+    let a = run("A", &redis.url(), &lock, &args, &patient_child("A"));
+    a.wait_stdout("A started");
+    redis.cli(&["FLUSHALL"]);
+    a.wait_stdout("A got TERM");
+    a.wait_log("leadership lost");
+    a.signal(Signal::SIGKILL);
+
+    let b = run("B", &redis.url(), &lock, &args, &patient_child("B"));
+    b.wait_stdout("B started");
+    redis.cli(&["SET", &key, "nonce=0 someone else"]);
+    b.wait_stdout("B got TERM");
+    let lost = b.wait_log("leadership lost");
+    assert!(lost.contains("changed by another client"), "{lost}");
+}
+
+#[test]
+fn a_killed_connection_stops_the_command_at_once() {
+    let redis = Redis::shared();
+    let lock = lock("clientkill");
+    let a = run("A", &redis.url(), &lock, &SLOW_CHECKS, &patient_child("A"));
+    let started = a.wait_stdout("A started");
+    let id = field(&started, "backend");
+    assert_eq!(redis.cli(&["CLIENT", "KILL", "ID", &id]), "1");
+    a.wait_stdout("A got TERM");
+    let lost = a.wait_log("leadership lost");
+    assert!(lost.contains("closed"), "{lost}");
+}
+
+#[test]
+fn a_frozen_server_stops_the_command_within_the_check_bound() {
+    let redis = Redis::new("frozen");
+    let lock = lock("frozen");
+    let a = run("A", &redis.url(), &lock, &QUICK, &patient_child("A"));
+    a.wait_stdout("A started");
+    redis.freeze(true);
+    a.wait_stdout("A got TERM");
+    let lost = a.wait_log("leadership lost");
+    redis.freeze(false);
+    assert!(lost.contains("check"), "{lost}");
+}
+
+#[test]
+fn epochs_keep_growing_across_a_restart_that_kept_nothing() {
+    let redis = Redis::new("restart");
+    let lock = lock("restart");
+    let a = run(
+        "A",
+        &redis.url(),
+        &lock,
+        &["--check-interval=200ms", "--check-timeout=500ms"],
+        &patient_child("A"),
+    );
+    let first: i64 = field(&a.wait_stdout("A started"), "epoch")
+        .parse()
+        .expect("an epoch");
+    redis.crash();
+    a.wait_stdout("A got TERM");
+    redis.start();
+    let second: i64 = field(&a.wait_for_nth(Stream::Stdout, "A started", 2), "epoch")
+        .parse()
+        .expect("an epoch");
+    assert!(
+        second > first,
+        "epoch {second} after {first}: the server kept nothing, yet tokens must grow"
+    );
+}
+
+#[test]
+fn a_wrong_password_is_a_permanent_error_that_says_so_and_never_shows_it() {
+    let redis = Redis::start_with("auth", &["--requirepass", SECRET_PASSWORD]);
+    let url = format!("redis://:wrong-{SECRET_PASSWORD}@127.0.0.1:{}", redis.port);
+    let a = run("A", &url, &lock("auth"), &[], "true");
+    let (status, _, stderr) = a.finish();
+    assert_eq!(status.code(), Some(1), "{}", a.dump());
+    let text = stderr.join("\n");
+    assert!(text.contains("password"), "{text}");
+    assert!(
+        !text.contains(SECRET_PASSWORD),
+        "the password was printed: {text}"
+    );
+
+    // The right one, from REDISCLI_AUTH.
+    let mut command = pgleader();
+    command
+        .env(
+            "PGLEADER_DATABASE_URL",
+            format!("redis://127.0.0.1:{}", redis.port),
+        )
+        .env("REDISCLI_AUTH", SECRET_PASSWORD)
+        .args([
+            "run",
+            "--lock=auth-ok",
+            "--once",
+            "--",
+            "sh",
+            "-c",
+            "echo ran",
+        ]);
+    let ok = Proc::spawn("ok", command);
+    ok.wait_stdout("ran");
+    assert_eq!(ok.wait_code(), 0, "{}", ok.dump());
+}
+
+#[test]
+fn a_user_without_the_documented_acl_is_refused_and_one_with_it_leads() {
+    let redis = Redis::new("acl");
+    redis.cli(&[
+        "ACL",
+        "SETUSER",
+        "narrow",
+        "on",
+        ">narrow-pw",
+        "~*",
+        "&*",
+        "+@read",
+        "+@write",
+        "+@scripting",
+        "+@pubsub",
+        "+@blocking",
+    ]);
+    let url = format!("redis://narrow:narrow-pw@127.0.0.1:{}", redis.port);
+    let a = run("A", &url, &lock("acl"), &[], "true");
+    let (status, _, stderr) = a.finish();
+    assert_eq!(status.code(), Some(1), "{}", a.dump());
+    let text = stderr.join("\n");
+    assert!(
+        text.contains("ACL") && text.contains("+time +info"),
+        "{text}"
+    );
+
+    // The ACL README.md documents.
+    redis.cli(&[
+        "ACL",
+        "SETUSER",
+        "minimal",
+        "on",
+        ">minimal-pw",
+        "~pgleader:*",
+        "&pgleader:*",
+        "+@read",
+        "+@write",
+        "+@scripting",
+        "+@pubsub",
+        "+@blocking",
+        "+time",
+        "+info",
+        "+client|id",
+        "+client|setname",
+        "+client|tracking",
+    ]);
+    let url = format!("redis://minimal:minimal-pw@127.0.0.1:{}", redis.port);
+    let b = run("B", &url, &lock("acl"), &["--once"], "echo B ran");
+    b.wait_stdout("B ran");
+    assert_eq!(b.wait_code(), 0, "{}", b.dump());
+    assert!(
+        b.lines(Stream::Stderr)
+            .iter()
+            .all(|line| !line.contains("WARN")),
+        "the documented ACL is enough for everything: {}",
+        b.dump()
+    );
+}
+
+#[test]
+fn a_replica_is_never_led_through() {
+    let primary = Redis::new("primary");
+    let replica = Redis::start_with(
+        "replica",
+        &["--replicaof", "127.0.0.1", &primary.port.to_string()],
+    );
+    let a = run(
+        "A",
+        &replica.url(),
+        &lock("replica"),
+        &[],
+        &patient_child("A"),
+    );
+    let refused = a.wait_log("replica");
+    assert!(refused.contains("role:slave"), "{refused}");
+    a.signal(Signal::SIGTERM);
+    a.wait_exit();
+    assert!(
+        a.lines(Stream::Stdout).is_empty(),
+        "the command ran through a replica: {}",
+        a.dump()
+    );
+}
+
+#[test]
+fn what_a_redis_url_cannot_mean_is_a_usage_error() {
+    for (args, expected) in [
+        (
+            vec!["-d", "redis+sentinel://127.0.0.1:26379/mymaster"],
+            "Sentinel is not supported",
+        ),
+        (
+            vec!["-d", "redis://127.0.0.1", "--ledger-table=x"],
+            "--ledger-table has no meaning on Redis",
+        ),
+        (
+            vec![
+                "-d",
+                "redis://127.0.0.1",
+                "--check-interval=1s",
+                "--lease=9s",
+            ],
+            "server's clock runs 1% fast",
+        ),
+    ] {
+        let mut command = pgleader();
+        command
+            .arg("run")
+            .args(&args)
+            .args(["--lock=x", "--", "true"]);
+        let run = Proc::spawn("usage", command);
+        let (status, _, stderr) = run.finish();
+        assert_eq!(status.code(), Some(2), "{args:?}: {}", run.dump());
+        let text = stderr.join("\n");
+        assert!(text.contains(expected), "{args:?}: {text}");
+    }
+}
+
+#[test]
+fn status_shows_the_leader_and_the_waiters_in_order() {
+    let redis = Redis::shared();
+    let lock = lock("status");
+    let a = run("A", &redis.url(), &lock, &QUICK, &patient_child("A"));
+    a.wait_stdout("A started");
+    let b = run("B", &redis.url(), &lock, &QUICK, &patient_child("B"));
+    b.wait_log("waiting for the lock");
+    let mut command = pgleader();
+    command.args(["status", "-d", &redis.url(), "--lock", &lock, "--json"]);
+    let status = Proc::spawn("status", command);
+    let (exit, stdout, _) = status.finish();
+    assert_eq!(exit.code(), Some(0), "{}", status.dump());
+    let json: serde_json::Value =
+        serde_json::from_str(&stdout.join("\n")).expect("status --json prints JSON");
+    let text = json.to_string();
+    assert!(text.contains(&format!(":{}@", a.pid)), "{text}");
+    assert!(text.contains(&format!(":{}@", b.pid)), "{text}");
+}
