@@ -12,6 +12,13 @@
 //! the server's clock (`TIME`) has not reached, and any occurrence at or before one already
 //! recorded; the newest [`KEEP`] rows are kept.
 //!
+//! A Redis server that restarts without its data (no RDB, no AOF), or whose keys are flushed,
+//! forgets what ran. `pgleader:{NAME}:born` says since when the ledger remembers: the server's
+//! start, written by the first claim. A claim refuses an occurrence at or before it, so a
+//! restart can lose an occurrence but never run one twice. (FLUSHALL, or an eviction policy
+//! that evicts keys without a TTL, loses the ledger without a restart: keep the ledger's
+//! server on `noeviction` or a `volatile-*` policy, and do not flush it.)
+//!
 //! One difference: a script that got no answer in time may still have run (Redis cannot roll it
 //! back), so a ledger statement that times out is reported as a failure of the session
 //! ([`LedgerError::Query`]: leadership in doubt), never as "busy, try again".
@@ -30,8 +37,8 @@ use crate::election::participant::{self, Participant};
 use crate::redis::scripts::{self, VIEW_SCRIPT};
 use crate::redis::session::ScriptArgs;
 
-/// What every ledger script shares: KEYS[1] the lock, KEYS[2] the runs, KEYS[3] the rows;
-/// ARGV[1] this session's nonce.
+/// What every ledger script shares: KEYS[1] the lock, KEYS[2] the runs, KEYS[3] the rows,
+/// KEYS[4] when the ledger's memory begins; ARGV[1] this session's nonce.
 const PRELUDE: &str = r#"
 local me = ARGV[1]
 local t = redis.call('TIME')
@@ -76,6 +83,15 @@ if existing then
 end
 if later then return {'superseded'} end
 if tonumber(now) < tonumber(at) then return {'early', now} end
+-- A server that restarted without its data forgot what ran before: its ledger remembers from
+-- the server's start only (a server that kept its data keeps this key, with its older time).
+local born = redis.call('GET', KEYS[4])
+if not born then
+  local up = tonumber(string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%d+)'))
+  born = string.format('%.0f', tonumber(now) - up * 1000000)
+  redis.call('SET', KEYS[4], born)
+end
+if tonumber(at) <= tonumber(born) then return {'taken', 'unknown: the server restarted without its data after it'} end
 local r = fill({scheduled_for = at, attempt = '1', schedule = who.schedule, timezone = who.timezone, lock_name = who.lock_name})
 put(at, r)
 return {'claimed', '1'}
@@ -217,6 +233,7 @@ impl RedisLedger {
             .key(&self.args.keys.lock)
             .key(self.args.keys.runs())
             .key(self.args.keys.rows())
+            .key(self.args.keys.born())
             .arg(&self.args.nonce);
         invocation
     }

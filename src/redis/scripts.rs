@@ -73,6 +73,11 @@ impl Keys {
         format!("{}:rows", self.lock)
     }
 
+    /// Since when the ledger remembers (microseconds): see `redis/ledger.rs`.
+    pub fn born(&self) -> String {
+        format!("{}:born", self.lock)
+    }
+
     pub fn wake(&self, nonce: &str) -> String {
         format!("{}:wake:{nonce}", self.lock)
     }

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant, SystemTime};
 use chrono::{DateTime, SubsecRound, Utc};
 use nix::sys::signal::Signal;
 
-use crate::harness::{Cluster, Journal, Proc, Stream, WAIT, pgleader, unique_lock};
+use crate::harness::{Cluster, Journal, Proc, Redis, Stream, WAIT, pgleader, unique_lock};
 
 /// Every two seconds: fast enough for tests, slow enough for a 2-core machine under load.
 const EVERY_TWO_SECONDS: &str = "*/2 * * * * *";
@@ -1481,4 +1481,161 @@ fn a_ledger_table_named_like_a_keyword_works() {
             .get::<_, String>(0),
         "succeeded"
     );
+}
+
+/// `pgleader run --schedule ...` against a Redis server: the ledger lives in the lock's keys.
+fn scheduled_on_redis(
+    name: &str,
+    redis: &Redis,
+    lock: i64,
+    schedule: &str,
+    args: &[&str],
+    script: &str,
+) -> Proc {
+    let mut command = pgleader();
+    command
+        .env("PGLEADER_DATABASE_URL", redis.url())
+        .arg("run")
+        .arg(format!("--lock-id={lock}"))
+        .args(["--schedule", schedule])
+        .args(args)
+        .args(["--", "sh", "-c", script]);
+    Proc::spawn(name, command)
+}
+
+/// The ledger rows of a lock on Redis: occurrence → (outcome, attempt).
+fn redis_ledger(redis: &Redis, lock: i64) -> BTreeMap<String, (String, i32)> {
+    let rows = redis.cli(&["HVALS", &format!("pgleader:{{{lock}}}:rows")]);
+    rows.lines()
+        .filter(|line| !line.trim().is_empty())
+        .map(|line| {
+            let row: serde_json::Value =
+                serde_json::from_str(line).unwrap_or_else(|err| panic!("{line:?}: {err}"));
+            let text = |name: &str| {
+                row[name]
+                    .as_str()
+                    .unwrap_or_else(|| panic!("no {name} in {line}"))
+                    .to_owned()
+            };
+            let micros: i64 = text("scheduled_for").parse().expect("microseconds");
+            let at = DateTime::from_timestamp_micros(micros).expect("an instant");
+            (
+                rfc3339(at),
+                (text("outcome"), text("attempt").parse().expect("attempt")),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn on_redis_replicas_run_each_occurrence_once_through_kill_9_client_kill_and_restart() {
+    let redis = Redis::new("schedule");
+    let lock = unique_lock();
+    let journal = Journal::new("redis-schedule");
+    let timings = ["--check-interval=200ms", "--check-timeout=500ms"];
+    let mut replicas: Vec<Proc> = Vec::new();
+    let spawn = |replicas: &mut Vec<Proc>| {
+        let tag = format!("R{}", replicas.len());
+        let replica = scheduled_on_redis(
+            &tag,
+            &redis,
+            lock,
+            EVERY_TWO_SECONDS,
+            &timings,
+            &job(&journal, &tag, "1.2"),
+        );
+        replica.wait_log("connected");
+        replicas.push(replica);
+    };
+    for _ in 0..3 {
+        spawn(&mut replicas);
+    }
+    let seen = wait_starts(&journal, 2, WAIT);
+    // kill -9 of the leader during a run: that occurrence is interrupted, not run again.
+    let interrupted = seen.last().expect("a run").occurrence.clone();
+    runner(&replicas, &interrupted).signal(Signal::SIGKILL);
+    spawn(&mut replicas);
+    let seen = wait_starts(&journal, seen.len() + 2, WAIT);
+
+    // The server ends the leader's connection between runs.
+    let last = seen.last().expect("a run").occurrence.clone();
+    let leader = runner(&replicas, &last);
+    leader.wait_log(&format!("the run of {last} succeeded"));
+    let holder = redis.cli(&["GET", &format!("pgleader:{{{lock}}}")]);
+    let client = holder
+        .split_whitespace()
+        .find_map(|word| word.strip_prefix("client="))
+        .unwrap_or_else(|| panic!("no client id in {holder:?}"))
+        .to_owned();
+    redis.cli(&["CLIENT", "KILL", "ID", &client]);
+    let seen = wait_starts(&journal, seen.len() + 2, WAIT);
+
+    // A restart that keeps nothing: the ledger is gone with every key. The occurrences after
+    // it run once each, with epochs that still grow, and none from before it runs again.
+    redis.crash();
+    redis.start();
+    let seen = wait_starts(&journal, seen.len() + 3, WAIT);
+
+    assert_each_started_once(&seen);
+    let epochs: Vec<i64> = seen.iter().map(|start| start.epoch).collect();
+    assert!(
+        epochs.windows(2).all(|pair| pair[0] <= pair[1]),
+        "{epochs:?}"
+    );
+    let rows = redis_ledger(&redis, lock);
+    let after_restart = &seen[seen.len() - 3..seen.len() - 1];
+    for start in after_restart {
+        let (outcome, _) = rows
+            .get(&start.occurrence)
+            .unwrap_or_else(|| panic!("no ledger row for {start:?}: {rows:?}"));
+        assert_ne!(outcome, "running", "{rows:?}");
+    }
+    assert!(
+        !seen
+            .iter()
+            .skip(2)
+            .any(|start| start.occurrence == interrupted),
+        "the interrupted run was started again: {seen:?}"
+    );
+}
+
+#[test]
+fn on_redis_timers_run_an_occurrence_once() {
+    let redis = Redis::shared();
+    let lock = unique_lock();
+    let journal = Journal::new("redis-timers");
+    let occurrence = in_seconds(3);
+    let schedule = only_at(occurrence);
+    let fire = |name: &str, at: DateTime<Utc>| {
+        sleep_until(at);
+        scheduled_on_redis(
+            name,
+            redis,
+            lock,
+            &schedule,
+            &["--once", "--busy-exit-code=3"],
+            &job(&journal, name, "0.3"),
+        )
+    };
+    let first = occurrence + chrono::Duration::milliseconds(200);
+    let a = fire("A", first);
+    let b = fire("B", first + chrono::Duration::milliseconds(500));
+    let c = fire("C", first + chrono::Duration::milliseconds(2_500));
+    let codes = [a.wait_code(), b.wait_code(), c.wait_code()];
+    assert_eq!(codes, [0, 3, 3], "A runs, B and C find it taken");
+    let seen = starts(&journal);
+    assert_eq!(seen.len(), 1, "{seen:?}");
+    assert_eq!(seen[0].occurrence, rfc3339(occurrence));
+    c.wait_log("already claimed (succeeded)");
+    assert_eq!(
+        redis_ledger(redis, lock).get(&rfc3339(occurrence)),
+        Some(&("succeeded".to_owned(), 1))
+    );
+    // status reads the history from the lock's keys.
+    let mut command = pgleader();
+    command.args(["status", "-d", &redis.url(), &format!("--lock-id={lock}")]);
+    let status = Proc::spawn("status", command);
+    let (_, stdout, _) = status.finish();
+    let text = stdout.join("\n");
+    assert!(text.contains("succeeded"), "{text}");
 }
