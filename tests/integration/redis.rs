@@ -370,3 +370,83 @@ fn status_shows_the_leader_and_the_waiters_in_order() {
     assert!(text.contains(&format!(":{}@", a.pid)), "{text}");
     assert!(text.contains(&format!(":{}@", b.pid)), "{text}");
 }
+
+#[test]
+fn after_a_restart_that_kept_nothing_the_new_leader_waits_out_the_restart_fence() {
+    let redis = Redis::new("fence");
+    let lock = lock("fence");
+    let journal = Journal::new("redis-fence");
+    let timings = [
+        "--check-interval=200ms",
+        "--check-timeout=500ms",
+        "--kill-timeout=1s",
+        "--lease=3s",
+        "--restart-fence=auto",
+    ];
+    // The old command takes 0.8 s to stop: a new leader must not start before that has passed.
+    let a = run(
+        "A",
+        &redis.url(),
+        &lock,
+        &timings,
+        &journal.child("A", "0.8"),
+    );
+    // The server has just started: even the first leader waits out the fence.
+    a.wait_log("(--restart-fence)");
+    a.wait_stdout("A started");
+    redis.crash();
+    redis.start();
+    let fence = a.wait_for_nth(Stream::Stderr, "(--restart-fence)", 2);
+    assert!(fence.contains("starting the command in"), "{fence}");
+    a.wait_for_nth(Stream::Stdout, "A started", 2);
+    assert_eq!(journal.lines(), ["A-started", "A-stopped", "A-started"]);
+}
+
+#[test]
+fn without_pubsub_numsub_a_crashed_leader_is_replaced_when_its_key_expires_and_it_says_so() {
+    let redis = Redis::new("blind");
+    redis.cli(&[
+        "ACL",
+        "SETUSER",
+        "blind",
+        "on",
+        ">blind-pw",
+        "~pgleader:*",
+        "&pgleader:*",
+        "+@read",
+        "+@write",
+        "+@scripting",
+        "+@pubsub",
+        "-pubsub|numsub",
+        "+@blocking",
+        "+time",
+        "+info",
+        "+client|id",
+        "+client|setname",
+        "+client|tracking",
+    ]);
+    let url = format!("redis://blind:blind-pw@127.0.0.1:{}", redis.port);
+    let lock = lock("blind");
+    let timings = [
+        "--check-interval=200ms",
+        "--check-timeout=500ms",
+        "--kill-timeout=1s",
+        "--lease=3s",
+    ];
+    let a = run("A", &url, &lock, &timings, &patient_child("A"));
+    a.wait_stdout("A started");
+    let b = run("B", &url, &lock, &timings, &patient_child("B"));
+    let warning = b.wait_log("PUBSUB NUMSUB");
+    assert!(warning.contains("when its key expires"), "{warning}");
+    a.signal(Signal::SIGKILL);
+    b.wait_stdout("B started");
+    assert_eq!(
+        b.lines(Stream::Stderr)
+            .iter()
+            .filter(|line| line.contains("PUBSUB NUMSUB"))
+            .count(),
+        1,
+        "said once: {}",
+        b.dump()
+    );
+}
