@@ -131,11 +131,11 @@ pub trait Session {
     /// How long ago the session was established.
     fn age(&self) -> Duration;
 
-    /// The descriptor of the connection's socket, if the backend can give it. The keeper holds
-    /// a copy of it until every process of the command's tree is gone, so that when pgleader
-    /// dies (kill -9, OOM) the server sees the connection close, and frees the lock, only
-    /// after the last of them.
-    fn socket(&self) -> Option<std::os::fd::RawFd>;
+    /// The descriptors of the session's connection sockets, where the backend can give them.
+    /// The keeper holds copies of them until every process of the command's tree is gone, so
+    /// that when pgleader dies (kill -9, OOM) the server sees the connection close, and frees
+    /// the lock, only after the last of them.
+    fn sockets(&self) -> Vec<std::os::fd::RawFd>;
 
     /// Resolves when the connection, or the leadership it holds, has ended, with the reason.
     fn ended(&mut self) -> impl Future<Output = String>;

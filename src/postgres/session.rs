@@ -214,8 +214,8 @@ impl Session for PgSession {
 
     /// tokio-postgres owns its socket and does not lend it out: a kill -9 of pgleader frees the
     /// lock as the keeper starts killing the tree, not after it (issue 18).
-    fn socket(&self) -> Option<std::os::fd::RawFd> {
-        None
+    fn sockets(&self) -> Vec<std::os::fd::RawFd> {
+        Vec::new()
     }
 
     async fn ended(&mut self) -> String {

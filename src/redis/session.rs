@@ -219,8 +219,8 @@ impl Session for RedisSession {
     /// The TCP socket under the connection (under TLS too). While the keeper holds it, a
     /// crashed pgleader's connection stays open, and its liveness channel subscribed, so no
     /// follower takes over before the command's whole tree is gone.
-    fn socket(&self) -> Option<std::os::fd::RawFd> {
-        Some(self.connection.socket)
+    fn sockets(&self) -> Vec<std::os::fd::RawFd> {
+        vec![self.connection.socket]
     }
 
     async fn ended(&mut self) -> String {

@@ -157,16 +157,13 @@ pub struct Job {
 
 impl Job {
     /// Starts the keeper, which starts the command. `env` is added to the inherited environment.
-    /// The keeper inherits `hold` (the leader's connection socket, which must stay open during
-    /// this call) and keeps it open until the command's whole tree is gone.
+    /// The keeper inherits `hold` (the leader's connection sockets, which must stay open during
+    /// this call) and keeps them open until the command's whole tree is gone.
     ///
     /// Call this from the thread that lives as long as pgleader (the runtime's thread): the
     /// keeper does not rely on a parent-death signal, but the rule costs nothing to keep.
-    pub fn spawn(
-        command: &CommandLine,
-        env: &[(&str, String)],
-        hold: Option<RawFd>,
-    ) -> io::Result<Job> {
+    pub fn spawn(command: &CommandLine, env: &[(&str, String)], hold: &[RawFd]) -> io::Result<Job> {
+        let hold = hold.to_vec();
         let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
         let theirs_fd = theirs.as_raw_fd();
         let mut keeper_command = std::process::Command::new(keeper_executable());
@@ -174,7 +171,7 @@ impl Job {
             .arg0(keeper::ARGV0)
             .args(keeper::keeper_args(
                 theirs_fd,
-                hold,
+                &hold,
                 &command.program.clone().into_os_string(),
                 &command.argv,
             ))
@@ -191,9 +188,9 @@ impl Job {
                 fcntl(fd, FcntlArg::F_SETFD(FdFlag::empty()))?;
                 // Descriptor flags belong to this (child) process's table: the parent's copy
                 // keeps its close-on-exec.
-                if let Some(hold) = hold {
+                for fd in &hold {
                     fcntl(
-                        BorrowedFd::borrow_raw(hold),
+                        BorrowedFd::borrow_raw(*fd),
                         FcntlArg::F_SETFD(FdFlag::empty()),
                     )?;
                 }

@@ -94,30 +94,30 @@ pub fn is_keeper_invocation() -> bool {
     std::env::args_os().next().is_some_and(|arg0| arg0 == ARGV0)
 }
 
-/// The arguments pgleader passes: the channel's descriptor (and, after a comma, the one of the
-/// connection socket to hold), the program to execute, the command's `argv[0]` and its
+/// The arguments pgleader passes: the channel's descriptor (and, after commas, those of the
+/// connection sockets to hold), the program to execute, the command's `argv[0]` and its
 /// arguments.
 pub fn keeper_args(
     fd: RawFd,
-    hold: Option<RawFd>,
+    hold: &[RawFd],
     program: &OsString,
     argv: &[OsString],
 ) -> Vec<OsString> {
-    let descriptors = match hold {
-        Some(hold) => format!("{fd},{hold}"),
-        None => fd.to_string(),
-    };
+    let mut descriptors = fd.to_string();
+    for held in hold {
+        descriptors.push_str(&format!(",{held}"));
+    }
     let mut args = vec![OsString::from(descriptors), program.clone()];
     args.extend(argv.iter().cloned());
     args
 }
 
-/// The descriptors of [`keeper_args`]' first argument.
-fn parse_descriptors(text: &str) -> Option<(RawFd, Option<RawFd>)> {
-    match text.split_once(',') {
-        Some((fd, hold)) => Some((fd.parse().ok()?, Some(hold.parse().ok()?))),
-        None => Some((text.parse().ok()?, None)),
-    }
+/// The descriptors of [`keeper_args`]' first argument: the channel, and those to hold.
+fn parse_descriptors(text: &str) -> Option<(RawFd, Vec<RawFd>)> {
+    let mut fds = text.split(',').map(|fd| fd.parse().ok());
+    let channel = fds.next()??;
+    let hold = fds.collect::<Option<Vec<RawFd>>>()?;
+    Some((channel, hold))
 }
 
 /// Runs the keeper; never returns.
@@ -151,12 +151,15 @@ fn run() -> io::Result<i32> {
     let channel = unsafe { OwnedFd::from_raw_fd(fd) };
     fcntl(&channel, FcntlArg::F_SETFD(FdFlag::FD_CLOEXEC))?;
     let mut channel = UnixStream::from(channel);
-    // The leader's connection socket: held, never read or written, until this process exits,
-    // which it does only once every process of the job is gone. The command does not inherit it.
-    // SAFETY: as for the channel: a descriptor pgleader left open for us alone.
-    let _held_connection = hold.map(|hold| unsafe { OwnedFd::from_raw_fd(hold) });
-    if let Some(held) = &_held_connection {
-        fcntl(held, FcntlArg::F_SETFD(FdFlag::FD_CLOEXEC))?;
+    // The leader's connection sockets: held, never read or written, until this process exits,
+    // which it does only once every process of the job is gone. The command does not inherit
+    // them.
+    let mut held_connections = Vec::with_capacity(hold.len());
+    for fd in hold {
+        // SAFETY: as for the channel: a descriptor pgleader left open for us alone.
+        let held = unsafe { OwnedFd::from_raw_fd(fd) };
+        fcntl(&held, FcntlArg::F_SETFD(FdFlag::FD_CLOEXEC))?;
+        held_connections.push(held);
     }
 
     // pgleader started us with every signal blocked already (see `job::spawn`), so a signal
@@ -321,8 +324,8 @@ mod tests {
     #[test]
     fn the_descriptors_survive_a_round_trip() {
         let program = OsString::from("/bin/true");
-        for hold in [None, Some(7)] {
-            let args = keeper_args(3, hold, &program, &[]);
+        for hold in [vec![], vec![7], vec![7, 9, 11]] {
+            let args = keeper_args(3, &hold, &program, &[]);
             let first = args[0].to_str().expect("ASCII");
             assert_eq!(parse_descriptors(first), Some((3, hold)));
         }

@@ -257,12 +257,12 @@ impl<B: Backend> Supervisor<B> {
     }
 
     /// Starts the command under its keeper.
-    /// Starts the job; the keeper holds `hold` (the session's socket) until the job's tree is
+    /// Starts the job; the keeper holds `hold` (the session's sockets) until the job's tree is
     /// gone.
     fn spawn(
         &mut self,
         env: &[(&'static str, String)],
-        hold: Option<std::os::fd::RawFd>,
+        hold: &[std::os::fd::RawFd],
     ) -> anyhow::Result<Job> {
         let spawned = Job::spawn(&self.settings.command, env, hold)
             .context("cannot start the keeper process")?;

@@ -94,7 +94,7 @@ impl<B: Backend> Supervisor<B> {
                 ),
                 LeadEvent::Duty(Next::Start(scheduled)) => {
                     let env = self.child_env(session.id(), epoch, scheduled);
-                    job = Some(self.spawn(&env, session.socket())?);
+                    job = Some(self.spawn(&env, &session.sockets())?);
                     shift.started();
                     continue;
                 }
