@@ -17,6 +17,7 @@
 pub mod connection;
 pub mod ledger;
 pub mod observer;
+pub mod quorum;
 pub mod scripts;
 pub mod session;
 pub mod url;

@@ -82,6 +82,11 @@ impl Keys {
         format!("{}:wake:{nonce}", self.lock)
     }
 
+    /// The channel a release publishes on: what a quorum's followers wait for.
+    pub fn released(&self) -> String {
+        format!("{}:released", self.lock)
+    }
+
     pub fn alive(&self, nonce: &str) -> String {
         format!("{}:alive:{nonce}", self.lock)
     }
@@ -144,9 +149,16 @@ end
 
 /// Takes the lock if it is free, or if its holder's connection is gone, and if no live waiter
 /// is ahead; in "wait" mode a session that does not get it joins the queue. ARGV[5] is "wait"
-/// or "try", ARGV[6] the session's card (`client=<id> session=<name>`). Returns
-/// `{acquired (0/1), blind (1 if the ACL hid the liveness channels)}`.
+/// or "try", ARGV[6] the session's card (`client=<id> session=<name>`), ARGV[7] the uptime
+/// (milliseconds) under which this server refuses to take part: a member of a quorum that
+/// restarted without its data must not vote until a lease has passed (Redlock's delayed
+/// restart). Returns `{acquired (0/1), blind (1 if the ACL hid the liveness channels)}`.
 const ACQUIRE: &str = r#"
+local young = tonumber(ARGV[7] or '0')
+if young > 0 then
+  local up = tonumber(string.match(redis.call('INFO', 'server'), 'uptime_in_seconds:(%d+)'))
+  if up * 1000 < young then return {0, blind} end
+end
 local current = redis.call('GET', KEYS[1])
 local free = true
 if current then
@@ -194,6 +206,7 @@ if not v or holder_of(v) ~= me then return 0 end
 redis.call('DEL', KEYS[1]); forget(me)
 local head = first_waiter()
 if head then wake(head) end
+redis.call('PUBLISH', base .. ':released', '1')
 return 1
 "#;
 

@@ -25,6 +25,7 @@ use crate::redis::RedisBackend;
 use crate::redis::connection::{self, Connection, Purpose, ServerInfo};
 use crate::redis::ledger::RedisLedger;
 use crate::redis::scripts::{self, ACQUIRE_SCRIPT, Keys, RELEASE_SCRIPT, RENEW_SCRIPT};
+use crate::redis::url::RedisServer;
 
 /// An open session for one lock.
 #[derive(Debug)]
@@ -60,7 +61,7 @@ pub struct ScriptArgs {
 }
 
 impl ScriptArgs {
-    fn invocation<'a>(&self, script: &'a redis::Script) -> redis::ScriptInvocation<'a> {
+    pub(crate) fn invocation<'a>(&self, script: &'a redis::Script) -> redis::ScriptInvocation<'a> {
         let mut invocation = script.prepare_invoke();
         for key in self.keys.all() {
             invocation.key(key);
@@ -79,7 +80,7 @@ fn millis(duration: Duration) -> u64 {
 }
 
 /// A fresh random nonce: 16 hex digits.
-fn nonce() -> String {
+pub(crate) fn nonce() -> String {
     format!("{:016x}", fastrand::u64(..))
 }
 
@@ -90,43 +91,7 @@ impl RedisSession {
         let keys = scripts::Keys::of(&backend.lock);
         let nonce = nonce();
         let server = &backend.server;
-        let budget = server.connect_timeout;
-        let conn = &mut connection.conn;
-        let setup = async {
-            conn.subscribe(keys.alive(&nonce))
-                .await
-                .map_err(|err| match err.code() {
-                    Some("NOPERM") => ConnectError::Permanent(format!(
-                        "{server}: the Redis ACL does not authorize SUBSCRIBE, which a session \
-                         needs so that others can tell it is connected (grant +subscribe or \
-                         +@pubsub)"
-                    )),
-                    _ => connection::classify(server, &err),
-                })?;
-            let tracking: Result<(), _> = redis::cmd("CLIENT")
-                .arg("TRACKING")
-                .arg("ON")
-                .arg("NOLOOP")
-                .query_async(conn)
-                .await;
-            if let Err(err) = tracking {
-                static WARNED: std::sync::Once = std::sync::Once::new();
-                WARNED.call_once(|| {
-                    tracing::warn!(
-                        event = "redis_tracking",
-                        "{server}: cannot track the lock's key ({err}): a change of the key by \
-                         another client is noticed at the next check rather than at once"
-                    );
-                });
-            }
-            Ok::<_, ConnectError>(())
-        };
-        tokio::time::timeout(budget, setup).await.map_err(|_| {
-            ConnectError::Transient(format!(
-                "no answer from {server} within {}",
-                humantime::format_duration(budget)
-            ))
-        })??;
+        enlist(&mut connection, server, &keys, &nonce, &[]).await?;
         let card = format!(
             "client={} session={}",
             connection.client_id,
@@ -151,16 +116,68 @@ impl RedisSession {
     }
 }
 
-/// One try of the acquire script: true if this session now leads.
-async fn acquire(
+/// Makes a connection a session's: it subscribes to the session's liveness channel (and to
+/// `also`), and tracks the keys it reads, so that a change of the lock's key is pushed to it.
+pub(crate) async fn enlist(
+    connection: &mut Connection,
+    server: &RedisServer,
+    keys: &Keys,
+    nonce: &str,
+    also: &[String],
+) -> Result<(), ConnectError> {
+    let budget = server.connect_timeout;
+    let conn = &mut connection.conn;
+    let setup = async {
+        let refused = |err: redis::RedisError| match err.code() {
+            Some("NOPERM") => ConnectError::Permanent(format!(
+                "{server}: the Redis ACL does not authorize SUBSCRIBE, which a session needs so \
+                 that others can tell it is connected (grant +subscribe or +@pubsub)"
+            )),
+            _ => connection::classify(server, &err),
+        };
+        conn.subscribe(keys.alive(nonce)).await.map_err(refused)?;
+        for channel in also {
+            conn.subscribe(channel).await.map_err(refused)?;
+        }
+        let tracking: Result<(), _> = redis::cmd("CLIENT")
+            .arg("TRACKING")
+            .arg("ON")
+            .arg("NOLOOP")
+            .query_async(conn)
+            .await;
+        if let Err(err) = tracking {
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            WARNED.call_once(|| {
+                tracing::warn!(
+                    event = "redis_tracking",
+                    "{server}: cannot track the lock's key ({err}): a change of the key by \
+                     another client is noticed at the next check rather than at once"
+                );
+            });
+        }
+        Ok::<_, ConnectError>(())
+    };
+    tokio::time::timeout(budget, setup).await.map_err(|_| {
+        ConnectError::Transient(format!(
+            "no answer from {server} within {}",
+            humantime::format_duration(budget)
+        ))
+    })?
+}
+
+/// One try of the acquire script: true if this session now leads. `young` is the uptime under
+/// which a server refuses its vote (Redlock's delayed restart; zero for one server).
+pub(crate) async fn acquire(
     conn: &mut MultiplexedConnection,
     args: &ScriptArgs,
     mode: &str,
+    young: Duration,
 ) -> Result<bool, SessionError> {
     let (acquired, blind): (i64, i64) = args
         .invocation(&ACQUIRE_SCRIPT)
         .arg(mode)
         .arg(&args.card)
+        .arg(millis(young))
         .invoke_async(conn)
         .await
         .map_err(query_error)?;
@@ -177,18 +194,18 @@ async fn acquire(
     Ok(acquired == 1)
 }
 
-fn query_error(err: redis::RedisError) -> SessionError {
+pub(crate) fn query_error(err: redis::RedisError) -> SessionError {
     SessionError::Query(err.to_string())
 }
 
 /// A server time from TIME's seconds and microseconds.
-fn timestamp(seconds: i64, micros: i64) -> Timestamp {
+pub(crate) fn timestamp(seconds: i64, micros: i64) -> Timestamp {
     Timestamp::new(seconds, i32::try_from(micros * 1000).unwrap_or(0))
         .unwrap_or(Timestamp::UNIX_EPOCH)
 }
 
 /// Whether an invalidation push names the lock's key (a null means every key: FLUSHALL).
-fn invalidates(push: &PushInfo, key: &str) -> bool {
+pub(crate) fn invalidates(push: &PushInfo, key: &str) -> bool {
     match push.data.first() {
         None | Some(Value::Nil) => true,
         Some(Value::Array(keys)) => keys.iter().any(|k| match k {
@@ -256,7 +273,8 @@ impl Session for RedisSession {
         let wake = args.keys.wake(&args.nonce);
         async move {
             loop {
-                let attempt = tokio::time::timeout(bound, acquire(&mut conn, &args, "wait"));
+                let attempt =
+                    tokio::time::timeout(bound, acquire(&mut conn, &args, "wait", Duration::ZERO));
                 if attempt.await.map_err(|_| no_answer(bound))?? {
                     leading.store(true, Ordering::Relaxed);
                     return Ok(());
@@ -277,7 +295,12 @@ impl Session for RedisSession {
 
     async fn try_acquire(&self) -> Result<bool, SessionError> {
         let mut conn = self.connection.conn.clone();
-        match tokio::time::timeout(self.try_timeout, acquire(&mut conn, &self.args, "try")).await {
+        match tokio::time::timeout(
+            self.try_timeout,
+            acquire(&mut conn, &self.args, "try", Duration::ZERO),
+        )
+        .await
+        {
             Ok(Ok(acquired)) => {
                 if acquired {
                     self.leading.store(true, Ordering::Relaxed);
@@ -377,7 +400,7 @@ impl Session for RedisSession {
     }
 }
 
-fn no_answer(bound: Duration) -> SessionError {
+pub(crate) fn no_answer(bound: Duration) -> SessionError {
     SessionError::Query(format!(
         "no answer from the server within {}",
         humantime::format_duration(bound)

@@ -35,6 +35,17 @@ pub trait Subject {
 
     /// Starts the server, outside the test's runtime (the harness's clients block).
     fn prepare(&self);
+
+    /// Whether waiters queue up and are granted the lock in the order they asked (a Redlock
+    /// quorum hands a released lock to whichever waiter reaches a majority first).
+    fn queues_waiters(&self) -> bool {
+        true
+    }
+
+    /// Whether the backend keeps a ledger for scheduled jobs.
+    fn has_ledger(&self) -> bool {
+        true
+    }
 }
 
 /// PostgreSQL, through the harness's shared cluster.
@@ -142,6 +153,93 @@ impl Subject for OneRedis {
     }
 }
 
+/// A Redlock quorum of three Redis servers, shared by the quorum's contract tests. A server
+/// younger than the lease refuses its vote (the delayed restart), so the servers are let age
+/// a lease first.
+pub struct ThreeRedis;
+
+const QUORUM_LEASE: Duration = Duration::from_secs(4);
+
+fn trio() -> &'static [Redis; 3] {
+    static TRIO: std::sync::OnceLock<[Redis; 3]> = std::sync::OnceLock::new();
+    TRIO.get_or_init(|| {
+        [
+            Redis::new("quorum-a"),
+            Redis::new("quorum-b"),
+            Redis::new("quorum-c"),
+        ]
+    })
+}
+
+impl Subject for ThreeRedis {
+    type Backend = pgleader::redis::quorum::QuorumBackend;
+
+    fn backend(&self) -> Self::Backend {
+        let lock = unique_lock();
+        let servers = trio()
+            .iter()
+            .map(|redis| {
+                pgleader::redis::url::RedisServer::parse(&redis.url(), None, Duration::from_secs(5))
+                    .expect("the harness's URL")
+            })
+            .collect();
+        pgleader::redis::quorum::QuorumBackend {
+            servers,
+            lock: LockKey::from_name(&format!("quorum-{lock}")),
+            lease: pgleader::election::lease::Lease::new(QUORUM_LEASE),
+            poll: Duration::from_millis(500),
+            ledger_timeout: Duration::from_secs(1),
+            user_name: None,
+        }
+    }
+
+    /// Kills the session's connection on every server: the one with this id on the first
+    /// server, and those of the same name on the others.
+    fn end_session(&self, id: i32) {
+        let clients = trio()[0].cli(&["CLIENT", "LIST", "ID", &id.to_string()]);
+        let name = clients
+            .split_whitespace()
+            .find_map(|field| field.strip_prefix("name="))
+            .unwrap_or_else(|| panic!("no client {id}: {clients}"))
+            .to_owned();
+        for redis in trio() {
+            for client in redis.cli(&["CLIENT", "LIST"]).lines() {
+                let fields: Vec<&str> = client.split_whitespace().collect();
+                if fields.contains(&format!("name={name}").as_str())
+                    && let Some(id) = fields.iter().find_map(|f| f.strip_prefix("id="))
+                {
+                    redis.cli(&["CLIENT", "KILL", "ID", id]);
+                }
+            }
+        }
+    }
+
+    fn drops_dead_waiters(&self) -> bool {
+        true
+    }
+
+    fn prepare(&self) {
+        let deadline = std::time::Instant::now() + WAIT;
+        for redis in trio() {
+            while uptime(redis) <= QUORUM_LEASE.as_secs() {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the quorum's servers report no uptime"
+                );
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+
+    fn queues_waiters(&self) -> bool {
+        false
+    }
+
+    fn has_ledger(&self) -> bool {
+        false
+    }
+}
+
 /// A Redis server's uptime in whole seconds.
 fn uptime(redis: &Redis) -> u64 {
     redis
@@ -194,9 +292,14 @@ async fn within<T>(what: &str, future: impl Future<Output = T>) -> T {
 }
 
 async fn connect<B: Backend>(backend: &B, name: &str) -> B::Session {
-    within(name, backend.connect(&format!("contract-{name}:1@test")))
-        .await
-        .unwrap_or_else(|err| panic!("{name} cannot connect: {err}"))
+    // Unique across tests: the quorum's subject ends a session by its name on every server.
+    let unique = unique_lock();
+    within(
+        name,
+        backend.connect(&format!("contract-{name}-{unique}:1@test")),
+    )
+    .await
+    .unwrap_or_else(|err| panic!("{name} cannot connect: {err}"))
 }
 
 async fn try_acquire<S: Session>(session: &S) -> bool {
@@ -251,6 +354,9 @@ pub async fn only_one_session_acquires<T: Subject>(subject: &T) {
 }
 
 pub async fn waiters_are_granted_the_lock_in_order<T: Subject>(subject: &T) {
+    if !subject.queues_waiters() {
+        return;
+    }
     let backend = subject.backend();
     let (a, b, c) = (
         connect(&backend, "a").await,
@@ -358,7 +464,9 @@ pub async fn an_abandoned_wait_leaves_the_lock_free<T: Subject>(subject: &T) {
         tokio::pin!(b_waits);
         let pending = tokio::time::timeout(Duration::from_millis(1), &mut b_waits).await;
         assert!(pending.is_err());
-        until_waiting(&backend, &[b.id()]).await;
+        if subject.queues_waiters() {
+            until_waiting(&backend, &[b.id()]).await;
+        }
     }
     let observer = observe(&backend).await;
     // The contract: a session whose acquisition was abandoned is dropped, never reused.
@@ -405,6 +513,9 @@ pub async fn epochs_increase_from_one_leadership_to_the_next<T: Subject>(subject
 }
 
 pub async fn the_ledger_claims_only_for_the_leader<T: Subject>(subject: &T) {
+    if !subject.has_ledger() {
+        return;
+    }
     let backend = subject.backend();
     let definition = Definition {
         expression: "0 0 3 * * *".into(),
@@ -473,20 +584,23 @@ macro_rules! contract_suite {
 
             #[test]
             fn only_one_session_acquires() {
-                $subject.prepare();
-                block_on(super::only_one_session_acquires(&$subject));
+                let subject = $subject;
+                subject.prepare();
+                block_on(super::only_one_session_acquires(&subject));
             }
 
             #[test]
             fn waiters_are_granted_the_lock_in_order() {
-                $subject.prepare();
-                block_on(super::waiters_are_granted_the_lock_in_order(&$subject));
+                let subject = $subject;
+                subject.prepare();
+                block_on(super::waiters_are_granted_the_lock_in_order(&subject));
             }
 
             #[test]
             fn a_check_confirms_only_the_holder() {
-                $subject.prepare();
-                block_on(super::a_check_confirms_only_the_holder(&$subject));
+                let subject = $subject;
+                subject.prepare();
+                block_on(super::a_check_confirms_only_the_holder(&subject));
             }
 
             #[test]
@@ -499,20 +613,23 @@ macro_rules! contract_suite {
 
             #[test]
             fn a_check_fails_once_the_session_is_gone() {
-                $subject.prepare();
-                block_on(super::a_check_fails_once_the_session_is_gone(&$subject));
+                let subject = $subject;
+                subject.prepare();
+                block_on(super::a_check_fails_once_the_session_is_gone(&subject));
             }
 
             #[test]
             fn a_release_wakes_the_next_waiter() {
-                $subject.prepare();
-                block_on(super::a_release_wakes_the_next_waiter(&$subject));
+                let subject = $subject;
+                subject.prepare();
+                block_on(super::a_release_wakes_the_next_waiter(&subject));
             }
 
             #[test]
             fn an_abandoned_wait_leaves_the_lock_free() {
-                $subject.prepare();
-                block_on(super::an_abandoned_wait_leaves_the_lock_free(&$subject));
+                let subject = $subject;
+                subject.prepare();
+                block_on(super::an_abandoned_wait_leaves_the_lock_free(&subject));
             }
 
             #[test]
@@ -525,8 +642,9 @@ macro_rules! contract_suite {
 
             #[test]
             fn the_ledger_claims_only_for_the_leader() {
-                $subject.prepare();
-                block_on(super::the_ledger_claims_only_for_the_leader(&$subject));
+                let subject = $subject;
+                subject.prepare();
+                block_on(super::the_ledger_claims_only_for_the_leader(&subject));
             }
         }
     };
@@ -534,6 +652,7 @@ macro_rules! contract_suite {
 
 contract_suite!(postgres, Postgres);
 contract_suite!(redis, OneRedis);
+contract_suite!(quorum, ThreeRedis);
 
 /// What only PostgreSQL's ledger needs: its statement bound (`SET LOCAL` in a transaction of
 /// the statement's own) must not outlive the statement on the session.

@@ -1,0 +1,600 @@
+//! Redlock: one leader over a quorum of independent Redis servers, so that no single server is
+//! a point of failure. Each server runs the same scripts as a single one (`scripts.rs`); a
+//! leadership holds only while a majority of them hold this session's value.
+//!
+//! With the guards Redlock's critics ask for:
+//!
+//! - **Acquire** on every server at once, each bounded; leadership only if a majority accepted
+//!   and the time the round took, plus a drift allowance, leaves the lease some validity.
+//!   Otherwise the key is released wherever it was set.
+//! - **Renew** on every server (compare, then extend: never re-create); a check confirms the
+//!   leadership as soon as a majority renewed, and fails as soon as a majority no longer can.
+//!   The leader's deadline runs on its monotonic clock from when the check was sent.
+//! - **Delayed restart**: a server up for less than a lease refuses its vote, so a server that
+//!   restarted without its data cannot hand a live leader's lock to someone else.
+//! - **Epochs** from the majority: the largest epoch the majority handed out, written back to
+//!   every server before the command starts, so the next majority (which shares a server with
+//!   this one) starts above it.
+//! - **Loss by events**: a connection's end and a change of the key (tracking pushes) count
+//!   against the majority at once; the leadership ends when fewer than a majority still hold.
+//! - Followers wait for a release's message on any server (pub/sub), and try again every
+//!   `--check-interval`, with jitter, to replace a holder whose connections are gone.
+//!
+//! Unlike one server, a quorum does not queue its waiters: a released lock goes to whichever
+//! waiter reaches a majority first. Scheduled jobs (a ledger over a majority) are not built
+//! here yet.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use redis::aio::MultiplexedConnection;
+use redis::{PushInfo, PushKind};
+use tokio::sync::{Notify, mpsc};
+use tokio::task::{JoinHandle, JoinSet};
+
+use crate::election::lease::Lease;
+use crate::election::ledger::Definition;
+use crate::election::lock::LockKey;
+use crate::election::{Check, Confirmation, ConnectError, Fence, Session, SessionError};
+use crate::redis::connection::{self, Connection, Purpose, ServerInfo};
+use crate::redis::ledger::RedisLedger;
+use crate::redis::scripts::{self, Keys, RELEASE_SCRIPT, RENEW_SCRIPT};
+use crate::redis::session::{
+    ScriptArgs, acquire, enlist, invalidates, no_answer, nonce, query_error, timestamp,
+};
+use crate::redis::url::RedisServer;
+
+/// Raises a server's epoch counter to at least ARGV[1].
+const RAISE_EPOCH: &str = r#"
+local current = tonumber(redis.call('GET', KEYS[1]) or '0')
+if current < tonumber(ARGV[1]) then redis.call('SET', KEYS[1], ARGV[1]) end
+return 1
+"#;
+
+/// Several Redis servers, the lock, and the settings of pgleader's sessions.
+#[derive(Clone, Debug)]
+pub struct QuorumBackend {
+    pub servers: Vec<RedisServer>,
+    pub lock: LockKey,
+    pub lease: Lease,
+    /// How often a waiting follower tries again.
+    pub poll: Duration,
+    pub ledger_timeout: Duration,
+    pub user_name: Option<String>,
+}
+
+impl QuorumBackend {
+    /// How many servers make a majority.
+    pub fn quorum(&self) -> usize {
+        self.servers.len() / 2 + 1
+    }
+}
+
+impl std::fmt::Display for QuorumBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let servers: Vec<String> = self.servers.iter().map(ToString::to_string).collect();
+        write!(f, "a quorum of {}", servers.join(", "))
+    }
+}
+
+/// One server's connection in a quorum session.
+#[derive(Debug)]
+struct Member {
+    conn: MultiplexedConnection,
+    socket: std::os::fd::RawFd,
+    client_id: i64,
+    server_major: u32,
+    /// Forwards the connection's pushes (see [`forward`]).
+    forwarder: JoinHandle<()>,
+    /// Keeps the connection (and its driver) alive.
+    _connection: Connection,
+}
+
+impl Drop for Member {
+    fn drop(&mut self) {
+        self.forwarder.abort();
+    }
+}
+
+/// A session over a quorum: one connection per reachable server, the same nonce on each.
+#[derive(Debug)]
+pub struct QuorumSession {
+    members: Vec<Member>,
+    /// How many servers the quorum has, reachable or not.
+    total: usize,
+    args: ScriptArgs,
+    poll: Duration,
+    /// Bounds each server's answer in a round.
+    per_server: Duration,
+    leading: Arc<AtomicBool>,
+    /// A release was published on some server.
+    released: Arc<Notify>,
+    /// What the members' connections report: (member, push).
+    pushes: mpsc::UnboundedReceiver<(usize, PushInfo)>,
+    /// Members whose connection ended or whose key changed under the leadership.
+    lost: Vec<bool>,
+    connected_at: Instant,
+    user_name: Option<String>,
+    ledger_timeout: Duration,
+}
+
+/// Reads one member's pushes: a release's message wakes the waiters; everything else goes to
+/// the session's [`Session::ended`].
+async fn forward(
+    index: usize,
+    mut pushes: mpsc::UnboundedReceiver<PushInfo>,
+    released_channel: String,
+    released: Arc<Notify>,
+    out: mpsc::UnboundedSender<(usize, PushInfo)>,
+) {
+    while let Some(push) = pushes.recv().await {
+        let is_release = push.kind == PushKind::Message
+            && matches!(push.data.first(), Some(redis::Value::BulkString(channel)) if channel == released_channel.as_bytes());
+        if is_release {
+            released.notify_waiters();
+        } else if out.send((index, push)).is_err() {
+            return;
+        }
+    }
+    let _ = out.send((
+        index,
+        PushInfo {
+            kind: PushKind::Disconnection,
+            data: Vec::new(),
+        },
+    ));
+}
+
+impl QuorumSession {
+    pub async fn connect(
+        backend: &QuorumBackend,
+        name: &str,
+    ) -> Result<QuorumSession, ConnectError> {
+        let keys = Keys::of(&backend.lock);
+        let nonce = nonce();
+        let mut opening = JoinSet::new();
+        for (index, server) in backend.servers.iter().enumerate() {
+            let (server, name, lease) = (server.clone(), name.to_owned(), backend.lease);
+            let (keys, nonce) = (keys.clone(), nonce.clone());
+            opening.spawn(async move {
+                let mut connection =
+                    connection::open(&server, &name, Some(&lease), Purpose::Elect).await?;
+                enlist(&mut connection, &server, &keys, &nonce, &[keys.released()]).await?;
+                Ok::<_, ConnectError>((index, connection))
+            });
+        }
+        let mut opened = Vec::new();
+        let mut failures = Vec::new();
+        while let Some(joined) = opening.join_next().await {
+            match joined {
+                Ok(Ok(member)) => opened.push(member),
+                Ok(Err(ConnectError::Permanent(reason))) => {
+                    return Err(ConnectError::Permanent(reason));
+                }
+                Ok(Err(ConnectError::Transient(reason))) => failures.push(reason),
+                Err(err) => failures.push(err.to_string()),
+            }
+        }
+        if opened.len() < backend.quorum() {
+            return Err(ConnectError::Transient(format!(
+                "only {} of {} servers reachable, fewer than a majority: {}",
+                opened.len(),
+                backend.servers.len(),
+                failures.join("; ")
+            )));
+        }
+        opened.sort_by_key(|(index, _)| *index);
+        let released = Arc::new(Notify::new());
+        let (out, pushes) = mpsc::unbounded_channel();
+        let mut members = Vec::new();
+        for (index, (_, mut connection)) in opened.into_iter().enumerate() {
+            let (_, dummy) = mpsc::unbounded_channel();
+            let receiver = std::mem::replace(&mut connection.pushes, dummy);
+            members.push(Member {
+                conn: connection.conn.clone(),
+                socket: connection.socket,
+                client_id: connection.client_id,
+                server_major: connection.server_major,
+                forwarder: tokio::spawn(forward(
+                    index,
+                    receiver,
+                    keys.released(),
+                    released.clone(),
+                    out.clone(),
+                )),
+                _connection: connection,
+            });
+        }
+        let card = format!(
+            "client={} session={}",
+            members[0].client_id,
+            name.replace(' ', "_")
+        );
+        let lost = vec![false; members.len()];
+        Ok(QuorumSession {
+            total: backend.servers.len(),
+            args: ScriptArgs {
+                keys,
+                nonce,
+                card,
+                lease: backend.lease.duration(),
+                stale: backend.poll * 3 + Duration::from_secs(1),
+            },
+            poll: backend.poll,
+            per_server: backend
+                .servers
+                .iter()
+                .map(|server| server.connect_timeout)
+                .min()
+                .unwrap_or(Duration::from_secs(1))
+                .min(backend.lease.duration() / 10)
+                .max(Duration::from_millis(50)),
+            members,
+            leading: Arc::new(AtomicBool::new(false)),
+            released,
+            pushes,
+            lost,
+            connected_at: Instant::now(),
+            user_name: backend.user_name.clone(),
+            ledger_timeout: backend.ledger_timeout,
+        })
+    }
+
+    fn quorum(&self) -> usize {
+        self.total / 2 + 1
+    }
+
+    fn round(&self) -> Round {
+        Round {
+            conns: self.members.iter().map(|m| m.conn.clone()).collect(),
+            args: self.args.clone(),
+            quorum: self.quorum(),
+            per_server: self.per_server,
+            leading: self.leading.clone(),
+        }
+    }
+}
+
+/// What one acquisition round needs, owned, so that a wait's future is `'static`.
+#[derive(Clone)]
+struct Round {
+    conns: Vec<MultiplexedConnection>,
+    args: ScriptArgs,
+    quorum: usize,
+    per_server: Duration,
+    leading: Arc<AtomicBool>,
+}
+
+impl Round {
+    /// Tries every server at once. Leads if a majority accepted with validity left; otherwise
+    /// releases wherever the key was set. An error only when fewer than a majority answered.
+    async fn try_once(&self) -> Result<bool, SessionError> {
+        let started = Instant::now();
+        let lease = self.args.lease;
+        let mut tries = JoinSet::new();
+        for (index, conn) in self.conns.iter().enumerate() {
+            let (mut conn, args, bound) = (conn.clone(), self.args.clone(), self.per_server);
+            tries.spawn(async move {
+                let answer = tokio::time::timeout(bound, acquire(&mut conn, &args, "try", lease));
+                (index, matches!(answer.await, Ok(Ok(true))), true)
+            });
+        }
+        let mut granted = Vec::new();
+        while let Some(joined) = tries.join_next().await {
+            if let Ok((index, true, _)) = joined {
+                granted.push(index);
+            }
+        }
+        let drift = lease / 100 + Duration::from_millis(2);
+        if granted.len() >= self.quorum && started.elapsed() + drift < lease {
+            self.leading.store(true, Ordering::Relaxed);
+            return Ok(true);
+        }
+        self.release(&granted).await;
+        Ok(false)
+    }
+
+    /// Releases the key on these servers, each bounded; how many released it.
+    async fn release(&self, on: &[usize]) -> usize {
+        let mut releases = JoinSet::new();
+        for index in on {
+            let (mut conn, args, bound) = (
+                self.conns[*index].clone(),
+                self.args.clone(),
+                self.per_server,
+            );
+            releases.spawn(async move {
+                let invocation = args.invocation(&RELEASE_SCRIPT);
+                matches!(
+                    tokio::time::timeout(bound, invocation.invoke_async::<i64>(&mut conn)).await,
+                    Ok(Ok(1))
+                )
+            });
+        }
+        let mut released = 0;
+        while let Some(joined) = releases.join_next().await {
+            released += usize::from(matches!(joined, Ok(true)));
+        }
+        released
+    }
+}
+
+impl Session for QuorumSession {
+    type Ledger = RedisLedger;
+
+    fn id(&self) -> i32 {
+        i32::try_from(self.members[0].client_id).unwrap_or(i32::MAX)
+    }
+
+    fn server_version(&self) -> u32 {
+        self.members
+            .iter()
+            .map(|m| m.server_major)
+            .min()
+            .unwrap_or(0)
+    }
+
+    fn age(&self) -> Duration {
+        self.connected_at.elapsed()
+    }
+
+    fn sockets(&self) -> Vec<std::os::fd::RawFd> {
+        self.members.iter().map(|m| m.socket).collect()
+    }
+
+    /// Resolves once fewer than a majority of the servers still hold this session: their
+    /// connections ended, or (while leading) the key changed under it.
+    async fn ended(&mut self) -> String {
+        let unreachable = self.total - self.members.len();
+        let mut reasons = Vec::new();
+        loop {
+            let lost = self.lost.iter().filter(|lost| **lost).count() + unreachable;
+            if self.total - lost < self.quorum() {
+                return format!(
+                    "fewer than a majority of the servers still hold this session: {}",
+                    reasons.join("; ")
+                );
+            }
+            let Some((index, push)) = self.pushes.recv().await else {
+                return "the connections were closed".into();
+            };
+            let reason = match push.kind {
+                PushKind::Disconnection => "the connection ended",
+                PushKind::Invalidate
+                    if self.leading.load(Ordering::Relaxed)
+                        && invalidates(&push, &self.args.keys.lock) =>
+                {
+                    "the lock's key was changed by another client or expired"
+                }
+                _ => continue,
+            };
+            if !self.lost[index] {
+                self.lost[index] = true;
+                reasons.push(format!("server {}: {reason}", index + 1));
+            }
+        }
+    }
+
+    fn wait(&self) -> impl Future<Output = Result<(), SessionError>> + 'static {
+        let round = self.round();
+        let (released, poll) = (self.released.clone(), self.poll);
+        async move {
+            loop {
+                let woken = released.notified();
+                tokio::pin!(woken);
+                woken.as_mut().enable();
+                if round.try_once().await? {
+                    return Ok(());
+                }
+                // Jitter keeps followers that failed together from colliding again.
+                let jitter = poll.mul_f64(fastrand::f64() * 0.25);
+                tokio::select! {
+                    () = woken => tokio::time::sleep(jitter / 10).await,
+                    () = tokio::time::sleep(poll + jitter) => {}
+                }
+            }
+        }
+    }
+
+    async fn try_acquire(&self) -> Result<bool, SessionError> {
+        self.round().try_once().await
+    }
+
+    /// The largest epoch the majority handed out, written back to every server (a majority
+    /// must take it) before the command starts.
+    async fn fence(&self) -> Result<Fence, SessionError> {
+        let mut reads = JoinSet::new();
+        for member in &self.members {
+            let (mut conn, key, bound) = (
+                member.conn.clone(),
+                self.args.keys.lock.clone(),
+                self.per_server * 4,
+            );
+            reads.spawn(async move {
+                let mut pipe = redis::pipe();
+                pipe.cmd("GET")
+                    .arg(&key)
+                    .cmd("TIME")
+                    .cmd("INFO")
+                    .arg("server");
+                let read = pipe.query_async::<(Option<String>, (i64, i64), String)>(&mut conn);
+                tokio::time::timeout(bound, read).await.ok()?.ok()
+            });
+        }
+        let (mut epochs, mut uptime, mut time) = (Vec::new(), Duration::MAX, None);
+        while let Some(joined) = reads.join_next().await {
+            let Ok(Some((value, (seconds, micros), info))) = joined else {
+                continue;
+            };
+            let value = value.unwrap_or_default();
+            if scripts::holder_nonce(&value) != Some(self.args.nonce.as_str()) {
+                continue;
+            }
+            if let Some(epoch) = scripts::field(&value, "epoch").and_then(|e| e.parse::<i64>().ok())
+            {
+                epochs.push(epoch);
+            }
+            uptime = uptime.min(ServerInfo::parse(&info).uptime.unwrap_or(Duration::ZERO));
+            time.get_or_insert(timestamp(seconds, micros));
+        }
+        if epochs.len() < self.quorum() {
+            return Err(SessionError::Query(format!(
+                "only {} of {} servers hold this session's key",
+                epochs.len(),
+                self.total
+            )));
+        }
+        let epoch = epochs.iter().copied().max().unwrap_or(0);
+        let raise = redis::Script::new(RAISE_EPOCH);
+        let mut writes = JoinSet::new();
+        for member in &self.members {
+            let (mut conn, key, bound) = (
+                member.conn.clone(),
+                self.args.keys.epoch(),
+                self.per_server * 4,
+            );
+            let raise = raise.clone();
+            writes.spawn(async move {
+                let mut invocation = raise.prepare_invoke();
+                invocation.key(key).arg(epoch);
+                let write = invocation.invoke_async::<i64>(&mut conn);
+                matches!(tokio::time::timeout(bound, write).await, Ok(Ok(1)))
+            });
+        }
+        let mut written = 0;
+        while let Some(joined) = writes.join_next().await {
+            written += usize::from(matches!(joined, Ok(true)));
+        }
+        if written < self.quorum() {
+            return Err(SessionError::Query(format!(
+                "the epoch reached only {written} of {} servers",
+                self.total
+            )));
+        }
+        Ok(Fence {
+            epoch,
+            server_time: time.unwrap_or_else(jiff::Timestamp::now),
+            since_server_reset: uptime,
+        })
+    }
+
+    /// Renews on every server; answers as soon as a majority renewed, or can no longer.
+    fn confirm(&self) -> impl Future<Output = Result<Check, SessionError>> + 'static {
+        let conns: Vec<MultiplexedConnection> =
+            self.members.iter().map(|m| m.conn.clone()).collect();
+        let (args, quorum, total) = (self.args.clone(), self.quorum(), self.total);
+        async move {
+            let mut renewals = JoinSet::new();
+            for mut conn in conns.iter().cloned() {
+                let args = args.clone();
+                renewals.spawn(async move {
+                    args.invocation(&RENEW_SCRIPT)
+                        .invoke_async::<(i64, i64, i64)>(&mut conn)
+                        .await
+                });
+            }
+            let (mut held, mut refused) = (0, total - conns.len());
+            let mut server_time = None;
+            let mut last_error = None;
+            while let Some(joined) = renewals.join_next().await {
+                match joined {
+                    Ok(Ok((1, seconds, micros))) => {
+                        held += 1;
+                        server_time.get_or_insert(timestamp(seconds, micros));
+                    }
+                    Ok(Ok((_, seconds, micros))) => {
+                        refused += 1;
+                        server_time.get_or_insert(timestamp(seconds, micros));
+                    }
+                    Ok(Err(err)) => {
+                        refused += 1;
+                        last_error = Some(query_error(err));
+                    }
+                    Err(err) => {
+                        refused += 1;
+                        last_error = Some(SessionError::Query(err.to_string()));
+                    }
+                }
+                let now = server_time.unwrap_or_else(jiff::Timestamp::now);
+                if held >= quorum {
+                    return Ok(Check {
+                        confirmation: Confirmation::Held,
+                        server_time: now,
+                    });
+                }
+                if total - refused < quorum {
+                    if let (Some(err), None) = (last_error, server_time) {
+                        return Err(err);
+                    }
+                    return Ok(Check {
+                        confirmation: Confirmation::NotHeld,
+                        server_time: now,
+                    });
+                }
+            }
+            Err(no_answer(Duration::ZERO))
+        }
+    }
+
+    async fn release(self, timeout: Duration) -> Result<(), SessionError> {
+        let round = self.round();
+        let everywhere: Vec<usize> = (0..self.members.len()).collect();
+        let released = tokio::time::timeout(timeout, round.release(&everywhere))
+            .await
+            .map_err(|_| no_answer(timeout))?;
+        if released >= self.quorum() {
+            Ok(())
+        } else {
+            Err(SessionError::Query(format!(
+                "released on {released} of {} servers only",
+                self.total
+            )))
+        }
+    }
+
+    fn ledger(&self, definition: &Definition) -> RedisLedger {
+        // Scheduled jobs over a quorum are refused before any session exists (config.rs); this
+        // ledger, on the first server alone, is never used for claims.
+        RedisLedger::new(
+            self.members[0].conn.clone(),
+            self.args.clone(),
+            definition.clone(),
+            self.user_name.clone(),
+            self.members[0].client_id,
+            self.ledger_timeout,
+        )
+    }
+}
+
+impl crate::election::Backend for QuorumBackend {
+    type Session = QuorumSession;
+    type Observer = crate::redis::observer::RedisObserver;
+
+    async fn connect(&self, name: &str) -> Result<QuorumSession, ConnectError> {
+        QuorumSession::connect(self, name).await
+    }
+
+    /// What the first reachable server sees.
+    async fn observe(&self) -> Result<Self::Observer, ConnectError> {
+        let name = crate::election::participant::label(Some("pgleader-status"), None);
+        let mut last = None;
+        for server in &self.servers {
+            match connection::open(server, &name, None, Purpose::Observe).await {
+                Ok(connection) => {
+                    return Ok(crate::redis::observer::RedisObserver {
+                        connection,
+                        keys: Keys::of(&self.lock),
+                        stale: self.poll * 3 + Duration::from_secs(1),
+                    });
+                }
+                Err(err) => last = Some(err),
+            }
+        }
+        Err(last.unwrap_or_else(|| ConnectError::Permanent("no server given".into())))
+    }
+
+    fn password_hint(&self, _reason: &str) -> String {
+        String::new()
+    }
+}
