@@ -13,6 +13,7 @@ mod faults;
 mod nemesis;
 mod notify;
 mod observability;
+mod quorum;
 mod redis;
 mod schedule;
 mod signals;

@@ -1,0 +1,240 @@
+//! What only the Redlock quorum needs beyond the contract suite, tested on its sessions directly
+//! (the command line does not offer a quorum yet): losing one server of three changes nothing,
+//! losing two ends the leadership, and Kleppmann's scenario (a server of the leader's majority
+//! restarts empty, and a follower that reaches it and two others must not win) is refused by the
+//! delayed restart.
+
+use std::time::Duration;
+
+use pgleader::election::lease::Lease;
+use pgleader::election::lock::LockKey;
+use pgleader::election::{Backend, Check, Confirmation, Session};
+use pgleader::redis::quorum::QuorumBackend;
+use pgleader::redis::url::RedisServer;
+
+use crate::harness::cluster::free_port;
+use crate::harness::{Redis, WAIT, unique_lock};
+
+const LEASE: Duration = Duration::from_secs(3);
+
+/// A URL of a server that is not there: a server this replica is cut off from.
+fn unreachable() -> String {
+    format!("redis://127.0.0.1:{}", free_port())
+}
+
+fn backend(urls: &[String], lock: &str) -> QuorumBackend {
+    QuorumBackend {
+        servers: urls
+            .iter()
+            .map(|url| {
+                RedisServer::parse(url, None, Duration::from_millis(500)).expect("a Redis URL")
+            })
+            .collect(),
+        lock: LockKey::from_name(lock),
+        lease: Lease::new(LEASE),
+        poll: Duration::from_millis(200),
+        ledger_timeout: Duration::from_secs(1),
+        user_name: None,
+    }
+}
+
+/// Servers of the test's own, old enough to vote (a server younger than the lease refuses).
+fn servers(n: usize) -> Vec<Redis> {
+    let servers: Vec<Redis> = (0..n).map(|i| Redis::new(&format!("quorum-{i}"))).collect();
+    for redis in &servers {
+        wait_older_than_lease(redis);
+    }
+    servers
+}
+
+fn wait_older_than_lease(redis: &Redis) {
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let uptime: u64 = redis
+            .cli(&["INFO", "server"])
+            .lines()
+            .find_map(|line| line.trim().strip_prefix("uptime_in_seconds:")?.parse().ok())
+            .unwrap_or(0);
+        if uptime > LEASE.as_secs() {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the server does not age"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn block_on<T>(test: impl Future<Output = T>) -> T {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime")
+        .block_on(test)
+}
+
+async fn within<T>(what: &str, future: impl Future<Output = T>) -> T {
+    tokio::time::timeout(WAIT, future)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: nothing within {WAIT:?}"))
+}
+
+fn held(check: &Result<Check, pgleader::election::SessionError>) -> bool {
+    matches!(
+        check,
+        Ok(Check {
+            confirmation: Confirmation::Held,
+            ..
+        })
+    )
+}
+
+#[test]
+fn a_leader_keeps_leading_when_one_server_of_three_dies_and_stops_when_two_do() {
+    let servers = servers(3);
+    let urls: Vec<String> = servers.iter().map(Redis::url).collect();
+    let quorum = backend(&urls, &format!("lose-{}", unique_lock()));
+    block_on(async {
+        let mut leader = within("connect", quorum.connect("leader:1@test"))
+            .await
+            .expect("connects");
+        assert!(
+            within("acquire", leader.try_acquire())
+                .await
+                .expect("tries")
+        );
+        within("fence", leader.fence()).await.expect("a token");
+
+        servers[2].crash();
+        assert!(
+            held(&within("check", leader.confirm()).await),
+            "two of three still hold it"
+        );
+        let early = tokio::time::timeout(Duration::from_millis(300), leader.ended()).await;
+        assert!(
+            early.is_err(),
+            "the session ended with a majority left: {early:?}"
+        );
+
+        servers[1].crash();
+        let reason = within("the majority's loss", leader.ended()).await;
+        assert!(reason.contains("fewer than a majority"), "{reason}");
+        assert!(
+            !held(&within("check", leader.confirm()).await),
+            "one of three cannot hold it"
+        );
+    });
+}
+
+#[test]
+fn kleppmanns_scenario_a_server_restarted_empty_does_not_vote_for_a_second_leader() {
+    // Five servers: the leader reaches A, B and C (a majority); the follower is cut off from A
+    // and B and reaches C, D and E. C restarts without its data.
+    let servers = servers(5);
+    let url = |i: usize| servers[i].url();
+    let lock = format!("kleppmann-{}", unique_lock());
+    let leader_view = backend(
+        &[url(0), url(1), url(2), unreachable(), unreachable()],
+        &lock,
+    );
+    let follower_view = backend(
+        &[unreachable(), unreachable(), url(2), url(3), url(4)],
+        &lock,
+    );
+    block_on(async {
+        let leader = within("connect", leader_view.connect("leader:1@test"))
+            .await
+            .expect("the leader reaches a majority");
+        assert!(
+            within("acquire", leader.try_acquire())
+                .await
+                .expect("tries")
+        );
+        let follower = within("connect", follower_view.connect("follower:2@test"))
+            .await
+            .expect("the follower reaches a majority");
+        assert!(
+            !within("acquire", follower.try_acquire())
+                .await
+                .expect("tries"),
+            "C holds the leader's key: the follower has two votes of five"
+        );
+
+        // (The harness blocks this thread for the restart: the sessions just wait.)
+        servers[2].crash();
+        servers[2].start();
+        let follower = within("connect", follower_view.connect("follower:3@test"))
+            .await
+            .expect("the follower reaches a majority");
+        assert!(
+            !within("acquire", follower.try_acquire())
+                .await
+                .expect("tries"),
+            "C restarted empty and voted with D and E: a second leader while the first one's \
+             command may still run"
+        );
+        // The leader lost C's copy: two of five, and its next check says so (a renewal never
+        // re-creates a key), so it stops its command.
+        assert!(
+            !held(&within("check", leader.confirm()).await),
+            "two of five cannot hold it"
+        );
+        // Once C has been up for a lease, the old leader's command is long gone: C votes again.
+        wait_older_than_lease(&servers[2]);
+        assert!(
+            within("acquire", follower.try_acquire())
+                .await
+                .expect("tries"),
+            "after a lease, C votes again"
+        );
+    });
+}
+
+#[test]
+fn epochs_keep_growing_across_majorities_even_when_one_server_hands_out_larger_ones() {
+    // A's counter is a minute ahead (as if its clock ran fast, or it had served many more
+    // leaderships), so the epoch a majority with A hands out is above what B and C would; the
+    // next majority, without A, must still start above it. (libfaketime cannot skew
+    // redis-server's clock: it clashes with jemalloc.)
+    let servers = servers(3);
+    let (a, b, c) = (&servers[0], &servers[1], &servers[2]);
+    let lock = format!("skew-{}", unique_lock());
+    let ahead = (std::time::SystemTime::now() + Duration::from_secs(60))
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after 1970")
+        .as_micros()
+        .to_string();
+    a.cli(&["SET", &format!("pgleader:{{{lock}}}:epoch"), &ahead]);
+    let quorum = backend(&[a.url(), b.url(), c.url()], &lock);
+    let leadership = || {
+        block_on(async {
+            let session = within("connect", quorum.connect("leader:1@test"))
+                .await
+                .expect("a majority connects");
+            assert!(
+                within("acquire", session.try_acquire())
+                    .await
+                    .expect("tries")
+            );
+            let epoch = within("fence", session.fence())
+                .await
+                .expect("a token")
+                .epoch;
+            within("release", session.release(WAIT))
+                .await
+                .expect("released");
+            epoch
+        })
+    };
+    c.crash();
+    let first = leadership(); // A and B
+    a.crash();
+    c.start();
+    wait_older_than_lease(c);
+    let second = leadership(); // B and C
+    assert!(
+        second > first,
+        "epoch {second} after {first}: the majority's largest epoch was not written back"
+    );
+}
