@@ -114,15 +114,17 @@ pub struct ConnectionArgs {
     /// The server: a postgres:// URL or key=value pairs (default: $DATABASE_URL, else the PG*
     /// variables and psql's defaults; passwords are best kept in ~/.pgpass), or a Redis server:
     /// redis://[USER[:PASSWORD]@]HOST[:PORT][/DB], rediss:// for TLS (?cacert=FILE names a CA;
-    /// the password may come from $REDISCLI_AUTH)
+    /// the password may come from $REDISCLI_AUTH). Given three or more times with Redis URLs
+    /// (in PGLEADER_DATABASE_URL: separated by spaces), a Redlock quorum of independent servers
     #[arg(
         short = 'd',
         long,
         value_name = "URL",
         env = "PGLEADER_DATABASE_URL",
-        hide_env_values = true
+        hide_env_values = true,
+        action = clap::ArgAction::Append
     )]
-    pub database_url: Option<String>,
+    pub database_url: Vec<String>,
 }
 
 #[derive(Debug, Args)]

@@ -14,6 +14,7 @@ use crate::postgres::PgBackend;
 use crate::postgres::conninfo::{self, ConnSettings, Environment};
 use crate::postgres::ledger::TableName;
 use crate::redis::RedisBackend;
+use crate::redis::quorum::QuorumBackend;
 use crate::redis::url::{RedisServer, is_redis_url};
 use crate::schedule::Plan;
 use crate::schedule::calendar::Schedule;
@@ -41,6 +42,7 @@ pub struct RunConfig {
 pub enum Elector {
     Postgres(PgBackend),
     Redis(RedisBackend),
+    Quorum(QuorumBackend),
 }
 
 impl std::fmt::Display for Elector {
@@ -48,6 +50,7 @@ impl std::fmt::Display for Elector {
         match self {
             Elector::Postgres(backend) => backend.fmt(f),
             Elector::Redis(backend) => backend.fmt(f),
+            Elector::Quorum(backend) => backend.fmt(f),
         }
     }
 }
@@ -59,11 +62,13 @@ pub struct Connection {
     pub warnings: Vec<String>,
 }
 
-/// The server a URL names: PostgreSQL (by default) or Redis (`redis://`, `rediss://`).
+/// The server a URL names: PostgreSQL (by default) or Redis (`redis://`, `rediss://`), or the
+/// Redis servers of a quorum.
 #[derive(Debug)]
 pub enum Database {
     Postgres(Connection),
     Redis(RedisServer),
+    Quorum(Vec<RedisServer>),
 }
 
 impl Database {
@@ -72,6 +77,11 @@ impl Database {
         match self {
             Database::Postgres(connection) => connection.settings.connect_timeout,
             Database::Redis(server) => server.connect_timeout,
+            Database::Quorum(servers) => servers
+                .iter()
+                .map(|server| server.connect_timeout)
+                .max()
+                .unwrap_or(REDIS_CONNECT_TIMEOUT),
         }
     }
 
@@ -79,7 +89,7 @@ impl Database {
     fn application_name(&self) -> Option<&str> {
         match self {
             Database::Postgres(connection) => connection.settings.application_name.as_deref(),
-            Database::Redis(_) => None,
+            Database::Redis(_) | Database::Quorum(_) => None,
         }
     }
 }
@@ -100,10 +110,22 @@ impl RunConfig {
         let timings = (args.check_interval, args.check_timeout, args.kill_timeout);
         match &database {
             Database::Postgres(_) => lease.validate(timings.0, timings.1, timings.2),
-            Database::Redis(_) => lease.validate_ttl(timings.0, timings.1, timings.2),
+            Database::Redis(_) | Database::Quorum(_) => {
+                lease.validate_ttl(timings.0, timings.1, timings.2)
+            }
         }
         .map_err(UsageError)?;
-        if matches!(database, Database::Redis(_)) && args.ledger.ledger_table.is_some() {
+        if matches!(database, Database::Quorum(_)) && args.schedule.is_some() {
+            return Err(UsageError(
+                "--schedule is not available with a quorum of Redis servers yet: each \
+                 occurrence's claim would have to be accepted by a majority under the holder's \
+                 value, and its history read from a majority, which pgleader does not do yet. \
+                 Use one Redis server or PostgreSQL for scheduled jobs"
+                    .into(),
+            )
+            .into());
+        }
+        if !matches!(database, Database::Postgres(_)) && args.ledger.ledger_table.is_some() {
             return Err(UsageError(
                 "--ledger-table has no meaning on Redis: the ledger lives in the lock's own keys \
                  (pgleader:{NAME}:runs and :rows)"
@@ -188,6 +210,30 @@ impl RunConfig {
                 }),
                 Vec::new(),
             ),
+            Database::Quorum(servers) => {
+                let warnings = if servers.len() % 2 == 0 {
+                    vec![format!(
+                        "a quorum of {} servers needs {} of them, as many as one of {} would: \
+                         an even count adds a server without adding tolerance",
+                        servers.len(),
+                        servers.len() / 2 + 1,
+                        servers.len() + 1
+                    )]
+                } else {
+                    Vec::new()
+                };
+                (
+                    Elector::Quorum(QuorumBackend {
+                        servers,
+                        lock,
+                        lease,
+                        poll: args.check_interval,
+                        ledger_timeout: ledger_statement_timeout,
+                        user_name: None,
+                    }),
+                    warnings,
+                )
+            }
         };
         let config = RunConfig {
             backend,
@@ -230,8 +276,20 @@ pub fn lock_key(args: &LockArgs, env: &dyn Environment) -> Result<LockKey, Usage
 /// variables alone: Redis for a `redis://` or `rediss://` URL (with REDISCLI_AUTH as the
 /// password when the URL has none), PostgreSQL otherwise.
 pub fn database(args: &ConnectionArgs, env: &dyn Environment) -> Result<Database, UsageError> {
-    let (text, source) = match &args.database_url {
-        Some(url) => (Some(url.clone()), "--database-url"),
+    // PGLEADER_DATABASE_URL arrives as one value: several Redis URLs in it are separated by
+    // spaces (a PostgreSQL key=value string has spaces of its own, so only Redis URLs split).
+    let mut urls = args.database_url.clone();
+    if let [single] = urls.as_slice() {
+        let words: Vec<&str> = single.split_whitespace().collect();
+        if words.len() > 1 && words.iter().all(|word| is_redis_url(word)) {
+            urls = words.into_iter().map(str::to_owned).collect();
+        }
+    }
+    if urls.len() > 1 {
+        return quorum(&urls, env).map(Database::Quorum);
+    }
+    let (text, source) = match urls.pop() {
+        Some(url) => (Some(url), "--database-url"),
         None => match env.var("DATABASE_URL") {
             Some(url) => (Some(url), "DATABASE_URL"),
             None => (None, "the PG* environment"),
@@ -245,6 +303,42 @@ pub fn database(args: &ConnectionArgs, env: &dyn Environment) -> Result<Database
     let (settings, warnings) = conninfo::resolve(text.as_deref(), env)
         .map_err(|err| UsageError(format!("{source}: {err}")))?;
     Ok(Database::Postgres(Connection { settings, warnings }))
+}
+
+/// The servers of a Redlock quorum: three or more Redis URLs.
+fn quorum(urls: &[String], env: &dyn Environment) -> Result<Vec<RedisServer>, UsageError> {
+    if let Some(other) = urls.iter().find(|url| !is_redis_url(url)) {
+        let shown = if other.contains("://") {
+            other.split("://").next().unwrap_or_default().to_owned() + "://"
+        } else {
+            "a key=value string".to_owned()
+        };
+        return Err(UsageError(format!(
+            "--database-url given {} times names a quorum of Redis servers, and each must be a \
+             redis:// or rediss:// URL, not {shown}",
+            urls.len()
+        )));
+    }
+    if urls.len() < 3 {
+        return Err(UsageError(format!(
+            "a quorum needs at least three Redis servers, not {}: with two, losing either one \
+             stops every leader, which is worse than one server. Give one server, or three or more",
+            urls.len()
+        )));
+    }
+    let mut servers = Vec::with_capacity(urls.len());
+    for (number, url) in urls.iter().enumerate() {
+        let server = RedisServer::parse(url, env.var("REDISCLI_AUTH"), REDIS_CONNECT_TIMEOUT)
+            .map_err(|err| UsageError(format!("--database-url #{}: {err}", number + 1)))?;
+        if servers.contains(&server) {
+            return Err(UsageError(format!(
+                "--database-url #{}: {server} is given twice; a quorum needs independent servers",
+                number + 1
+            )));
+        }
+        servers.push(server);
+    }
+    Ok(servers)
 }
 
 /// The ledger table of `--ledger-table` (pgleader_ledger when not given).

@@ -40,6 +40,7 @@ use crate::operate::{http, notify, status, watch};
 use crate::postgres::PgBackend;
 use crate::postgres::conninfo::ProcessEnvironment;
 use crate::redis::RedisBackend;
+use crate::redis::quorum::QuorumBackend;
 use crate::supervise::job::CommandError;
 use crate::supervise::{signals, supervisor};
 
@@ -78,6 +79,9 @@ async fn run(args: RunArgs) -> anyhow::Result<u8> {
         Elector::Redis(backend) => {
             supervisor::run(backend, config.supervision, signals, telemetry).await?
         }
+        Elector::Quorum(backend) => {
+            supervisor::run(backend, config.supervision, signals, telemetry).await?
+        }
     };
     Ok(outcome.exit_code())
 }
@@ -93,16 +97,19 @@ async fn status(args: StatusArgs) -> anyhow::Result<u8> {
             let backend = PgBackend::for_status(connection.settings, lock.clone(), table);
             show_status(&lock, &backend, &args).await
         }
+        Database::Redis(_) | Database::Quorum(_) if args.ledger.ledger_table.is_some() => {
+            Err(UsageError(
+                "--ledger-table has no meaning on Redis: the ledger lives in the lock's own keys"
+                    .into(),
+            )
+            .into())
+        }
         Database::Redis(server) => {
-            if args.ledger.ledger_table.is_some() {
-                return Err(UsageError(
-                    "--ledger-table has no meaning on Redis: the ledger lives in the lock's own \
-                     keys"
-                        .into(),
-                )
-                .into());
-            }
             let backend = RedisBackend::for_status(server, lock.clone());
+            show_status(&lock, &backend, &args).await
+        }
+        Database::Quorum(servers) => {
+            let backend = QuorumBackend::for_status(servers, lock.clone());
             show_status(&lock, &backend, &args).await
         }
     }

@@ -184,6 +184,9 @@ const SECTIONS: &[Section] = &[
             Para(
                 "The user needs: +@read +@write +@scripting +@pubsub +@blocking +time +info +client|id +client|setname +client|tracking on ~pgleader:* and &pgleader:*. A wrong password or an ACL that refuses TIME, INFO or SUBSCRIBE is a permanent error (exit status 1); without PUBSUB NUMSUB a crashed leader is replaced only when its key expires (logged once). One Redis server is a single point of failure, and a replica promoted after a failover may not have the key: PGLEADER_EPOCH is what a protected resource can check. Sentinel and Unix sockets are refused.",
             ),
+            Para(
+                "Given -d three or more times with Redis URLs (or one PGLEADER_DATABASE_URL of space-separated URLs), pgleader runs Redlock over a quorum of independent servers: a leadership holds while a majority holds this session's value, acquired at once on every server with validity left after the round and a drift allowance, renewed on every server and confirmed by a majority; a server up for less than --lease refuses its vote (delayed restart), and epochs are the majority's largest, written back before the command starts. Two servers are refused, an even count is warned about, and --schedule is refused with a quorum.",
+            ),
         ],
     },
     Section {

@@ -65,6 +65,18 @@ pub struct QuorumBackend {
 }
 
 impl QuorumBackend {
+    /// A backend that only observes (`pgleader status`).
+    pub fn for_status(servers: Vec<RedisServer>, lock: LockKey) -> QuorumBackend {
+        QuorumBackend {
+            servers,
+            lock,
+            lease: Lease::new(Duration::ZERO),
+            poll: Duration::from_secs(1),
+            ledger_timeout: Duration::ZERO,
+            user_name: None,
+        }
+    }
+
     /// How many servers make a majority.
     pub fn quorum(&self) -> usize {
         self.servers.len() / 2 + 1

@@ -13,7 +13,7 @@ use pgleader::redis::quorum::QuorumBackend;
 use pgleader::redis::url::RedisServer;
 
 use crate::harness::cluster::free_port;
-use crate::harness::{Redis, WAIT, unique_lock};
+use crate::harness::{Proc, Redis, Stream, WAIT, patient_child, pgleader, unique_lock};
 
 const LEASE: Duration = Duration::from_secs(3);
 
@@ -236,5 +236,98 @@ fn epochs_keep_growing_across_majorities_even_when_one_server_hands_out_larger_o
     assert!(
         second > first,
         "epoch {second} after {first}: the majority's largest epoch was not written back"
+    );
+}
+
+/// `pgleader run` over a quorum, through repeated `-d`.
+fn run_on(name: &str, urls: &[String], lock: &str, args: &[&str], script: &str) -> Proc {
+    let mut command = pgleader();
+    command.arg("run");
+    for url in urls {
+        command.args(["-d", url]);
+    }
+    command
+        .arg(format!("--lock={lock}"))
+        .args(args)
+        .args(["--", "sh", "-c", script]);
+    Proc::spawn(name, command)
+}
+
+#[test]
+fn the_command_line_refuses_a_quorum_it_cannot_keep_and_warns_on_an_even_one() {
+    let redis = |port: u16| format!("redis://127.0.0.1:{port}");
+    for (urls, extra, expected) in [
+        (
+            vec![redis(1), redis(2)],
+            vec![],
+            "at least three Redis servers",
+        ),
+        (
+            vec![redis(1), redis(2), "postgres://x/y".to_owned()],
+            vec![],
+            "each must be a redis://",
+        ),
+        (vec![redis(1), redis(2), redis(1)], vec![], "given twice"),
+        (
+            vec![redis(1), redis(2), redis(3)],
+            vec!["--schedule", "@daily"],
+            "--schedule is not available with a quorum",
+        ),
+    ] {
+        let run = run_on("usage", &urls, "x", &extra, "true");
+        let (status, _, stderr) = run.finish();
+        assert_eq!(status.code(), Some(2), "{urls:?}: {}", run.dump());
+        let text = stderr.join("\n");
+        assert!(text.contains(expected), "{urls:?}: {text}");
+    }
+    let four: Vec<String> = (1..=4).map(|_| unreachable()).collect();
+    let run = run_on("even", &four, "x", &[], "true");
+    run.wait_log("an even count adds a server without adding tolerance");
+    run.signal(nix::sys::signal::Signal::SIGTERM);
+    run.wait_exit();
+}
+
+#[test]
+fn over_three_servers_the_leader_rides_out_one_servers_death_and_stops_at_the_seconds() {
+    let servers = servers(3);
+    let urls: Vec<String> = servers.iter().map(Redis::url).collect();
+    let lock = format!("cli-{}", unique_lock());
+    let timings = [
+        "--check-interval=200ms",
+        "--check-timeout=500ms",
+        "--kill-timeout=1s",
+        "--lease=3s",
+    ];
+    // One space-separated PGLEADER_DATABASE_URL for A, repeated -d for B.
+    let mut command = pgleader();
+    command
+        .env("PGLEADER_DATABASE_URL", urls.join(" "))
+        .arg("run")
+        .arg(format!("--lock={lock}"))
+        .args(timings)
+        .args(["--", "sh", "-c", &patient_child("A")]);
+    let a = Proc::spawn("A", command);
+    a.wait_stdout("A started");
+    let b = run_on("B", &urls, &lock, &timings, &patient_child("B"));
+    b.wait_log("waiting for the lock");
+
+    servers[0].crash();
+    // Seven check intervals later, A still leads and its command was never signalled: the
+    // window is the claim itself (nothing happens), not a stand-in for an event.
+    std::thread::sleep(Duration::from_millis(1_500));
+    assert!(
+        !a.lines(Stream::Stdout)
+            .iter()
+            .any(|line| line.contains("got")),
+        "the command was signalled with two servers of three left: {}",
+        a.dump()
+    );
+    servers[1].crash();
+    a.wait_stdout("A got TERM");
+    a.wait_log("leadership lost");
+    assert!(
+        b.lines(Stream::Stdout).is_empty(),
+        "B started without a majority: {}",
+        b.dump()
     );
 }
