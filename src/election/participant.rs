@@ -35,6 +35,17 @@ pub struct Participant {
 pub struct LockView {
     pub holder: Option<Participant>,
     pub waiting: Vec<Participant>,
+    /// For a backend of several servers (a quorum): what each of them shows.
+    pub servers: Vec<ServerView>,
+}
+
+/// What one server of a quorum shows: who holds the lock there, or why it cannot be asked.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServerView {
+    /// The server, as logs name it (never with a password).
+    pub server: String,
+    /// `Ok(None)`: the lock is free there; `Err`: the server could not be asked.
+    pub holder: Result<Option<Participant>, String>,
 }
 
 impl Participant {

@@ -13,7 +13,7 @@ use serde_json::{Value, json};
 
 use crate::election::Observer;
 use crate::election::lock::LockKey;
-use crate::election::participant::Participant;
+use crate::election::participant::{Participant, ServerView};
 use crate::schedule::report::{self, ScheduleReport};
 
 /// What the server knows about the lock.
@@ -22,6 +22,8 @@ pub struct LockStatus {
     pub lock: LockKey,
     pub holder: Option<Participant>,
     pub waiting: Vec<Participant>,
+    /// For a quorum: what each server shows.
+    pub servers: Vec<ServerView>,
     /// For a scheduled lock: its schedule and last runs, from the ledger.
     pub schedule: Option<ScheduleReport>,
 }
@@ -44,6 +46,7 @@ pub async fn query<O: Observer>(lock: &LockKey, observer: &O) -> anyhow::Result<
         lock: lock.clone(),
         holder: view.holder,
         waiting: view.waiting,
+        servers: view.servers,
         schedule: None,
     })
 }
@@ -82,6 +85,12 @@ impl LockStatus {
             "held": self.is_held(),
             "holder": self.holder.as_ref().map(participant_json),
             "waiting": self.waiting.iter().map(participant_json).collect::<Vec<_>>(),
+            "servers": self.servers.iter().map(|view| json!({
+                "server": view.server,
+                "reachable": view.holder.is_ok(),
+                "holder": view.holder.as_ref().ok().and_then(Option::as_ref).map(participant_json),
+                "error": view.holder.as_ref().err(),
+            })).collect::<Vec<_>>(),
             "schedule": self.schedule.as_ref().map(ScheduleReport::to_json),
         })
     }
@@ -134,6 +143,14 @@ impl LockStatus {
         }
         if self.waiting.is_empty() {
             let _ = writeln!(text, "  nobody is waiting");
+        }
+        for view in &self.servers {
+            let seen = match &view.holder {
+                Ok(Some(holder)) => format!("held by {}", holder.short()),
+                Ok(None) => "free".to_owned(),
+                Err(reason) => format!("unreachable: {reason}"),
+            };
+            let _ = writeln!(text, "  server {}: {seen}", view.server);
         }
         if let Some(schedule) = &self.schedule {
             schedule.write_text(&mut text);

@@ -7,7 +7,7 @@ use jiff::Timestamp;
 
 use crate::election::Observer;
 use crate::election::ledger::{Entry, LedgerError};
-use crate::election::participant::LockView;
+use crate::election::participant::{LockView, Participant};
 use crate::redis::connection::Connection;
 use crate::redis::ledger::{self, participant};
 use crate::redis::scripts::{self, Keys};
@@ -22,30 +22,31 @@ pub struct RedisObserver {
     pub(crate) stale: Duration,
 }
 
+/// The holder a lock's value names.
+pub(crate) fn holder(value: &str) -> Participant {
+    // The value carries the holder's card at its end: `client=<id> session=<name>`.
+    let card = value.find(" client=").map_or(value, |at| &value[at + 1..]);
+    let mut holder = participant(card, true);
+    holder.backend_start = scripts::field(value, "since")
+        .and_then(|since| since.split('.').next()?.parse::<i64>().ok())
+        .and_then(|seconds| Timestamp::from_second(seconds).ok())
+        .map(|at| crate::time::rfc3339_seconds(at.into()));
+    holder
+}
+
 impl Observer for RedisObserver {
     async fn lock_view(&self) -> Result<LockView, String> {
         let mut conn = self.connection.conn.clone();
         let (value, waiting) = ledger::view(&mut conn, &self.keys, "", self.stale)
             .await
             .map_err(|err| err.to_string())?;
-        let holder = value.map(|value| {
-            // The value carries the holder's card at its end: `client=<id> session=<name>`.
-            let card = value
-                .find(" client=")
-                .map_or(value.as_str(), |at| &value[at + 1..]);
-            let mut holder = participant(card, true);
-            holder.backend_start = scripts::field(&value, "since")
-                .and_then(|since| since.split('.').next()?.parse::<i64>().ok())
-                .and_then(|seconds| Timestamp::from_second(seconds).ok())
-                .map(|at| crate::time::rfc3339_seconds(at.into()));
-            holder
-        });
         Ok(LockView {
-            holder,
+            holder: value.as_deref().map(holder),
             waiting: waiting
                 .iter()
                 .map(|(_, card)| participant(card, false))
                 .collect(),
+            servers: Vec::new(),
         })
     }
 

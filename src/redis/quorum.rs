@@ -579,31 +579,146 @@ impl Session for QuorumSession {
     }
 }
 
+/// What `status` reads from a quorum: each server's view, and the holder a majority shows.
+#[derive(Debug)]
+pub struct QuorumObserver {
+    /// Each server, as logs name it, and its connection or why there is none.
+    members: Vec<(String, Result<Connection, String>)>,
+    keys: Keys,
+    stale: Duration,
+    quorum: usize,
+}
+
+impl crate::election::Observer for QuorumObserver {
+    async fn lock_view(&self) -> Result<crate::election::participant::LockView, String> {
+        let mut views = JoinSet::new();
+        for (index, (_, member)) in self.members.iter().enumerate() {
+            let Ok(connection) = member else { continue };
+            let (mut conn, keys, stale) = (connection.conn.clone(), self.keys.clone(), self.stale);
+            views.spawn(async move {
+                let view = crate::redis::ledger::view(&mut conn, &keys, "", stale);
+                let answer = tokio::time::timeout(Duration::from_secs(5), view).await;
+                (index, answer)
+            });
+        }
+        let mut seen: Vec<Result<Option<String>, String>> = self
+            .members
+            .iter()
+            .map(|(_, member)| member.as_ref().map(|_| None).map_err(Clone::clone))
+            .collect();
+        while let Some(joined) = views.join_next().await {
+            let Ok((index, answer)) = joined else {
+                continue;
+            };
+            seen[index] = match answer {
+                Ok(Ok((value, _))) => Ok(value),
+                Ok(Err(err)) => Err(err.to_string()),
+                Err(_) => Err("no answer within 5s".into()),
+            };
+        }
+        if seen.iter().all(Result::is_err) {
+            return Err("no server of the quorum could be asked".into());
+        }
+        let nonces: Vec<&str> = seen
+            .iter()
+            .filter_map(|value| scripts::holder_nonce(value.as_ref().ok()?.as_deref()?))
+            .collect();
+        let majority = nonces
+            .iter()
+            .find(|nonce| nonces.iter().filter(|other| other == nonce).count() >= self.quorum);
+        let holder = majority.and_then(|nonce| {
+            seen.iter()
+                .filter_map(|value| value.as_ref().ok()?.as_deref())
+                .find(|value| scripts::holder_nonce(value) == Some(*nonce))
+                .map(crate::redis::observer::holder)
+        });
+        Ok(crate::election::participant::LockView {
+            holder,
+            waiting: Vec::new(),
+            servers: self
+                .members
+                .iter()
+                .zip(seen)
+                .map(
+                    |((server, _), value)| crate::election::participant::ServerView {
+                        server: server.clone(),
+                        holder: value
+                            .map(|value| value.as_deref().map(crate::redis::observer::holder)),
+                    },
+                )
+                .collect(),
+        })
+    }
+
+    /// A quorum keeps no ledger yet (`--schedule` is refused with one).
+    async fn history(
+        &self,
+        _limit: i64,
+    ) -> Result<Option<Vec<crate::election::ledger::Entry>>, crate::election::ledger::LedgerError>
+    {
+        Ok(None)
+    }
+
+    async fn server_time(&self) -> Result<jiff::Timestamp, crate::election::ledger::LedgerError> {
+        let first = self
+            .members
+            .iter()
+            .find_map(|(_, member)| member.as_ref().ok());
+        match first {
+            Some(connection) => {
+                crate::redis::ledger::server_time(&mut connection.conn.clone()).await
+            }
+            None => Err(crate::election::ledger::LedgerError::Query(
+                "no server of the quorum is reachable".into(),
+            )),
+        }
+    }
+}
+
 impl crate::election::Backend for QuorumBackend {
     type Session = QuorumSession;
-    type Observer = crate::redis::observer::RedisObserver;
+    type Observer = QuorumObserver;
 
     async fn connect(&self, name: &str) -> Result<QuorumSession, ConnectError> {
         QuorumSession::connect(self, name).await
     }
 
-    /// What the first reachable server sees.
-    async fn observe(&self) -> Result<Self::Observer, ConnectError> {
+    /// Every server's view; fails only if none can be reached.
+    async fn observe(&self) -> Result<QuorumObserver, ConnectError> {
         let name = crate::election::participant::label(Some("pgleader-status"), None);
-        let mut last = None;
-        for server in &self.servers {
-            match connection::open(server, &name, None, Purpose::Observe).await {
-                Ok(connection) => {
-                    return Ok(crate::redis::observer::RedisObserver {
-                        connection,
-                        keys: Keys::of(&self.lock),
-                        stale: self.poll * 3 + Duration::from_secs(1),
-                    });
-                }
-                Err(err) => last = Some(err),
+        let mut opening = JoinSet::new();
+        for (index, server) in self.servers.iter().enumerate() {
+            let (server, name) = (server.clone(), name.clone());
+            opening.spawn(async move {
+                let opened = connection::open(&server, &name, None, Purpose::Observe).await;
+                (index, opened.map_err(|err| err.to_string()))
+            });
+        }
+        let mut members: Vec<(String, Result<Connection, String>)> = self
+            .servers
+            .iter()
+            .map(|server| (server.to_string(), Err("not asked".to_owned())))
+            .collect();
+        while let Some(joined) = opening.join_next().await {
+            if let Ok((index, opened)) = joined {
+                members[index].1 = opened;
             }
         }
-        Err(last.unwrap_or_else(|| ConnectError::Permanent("no server given".into())))
+        if members.iter().all(|(_, member)| member.is_err()) {
+            let reasons: Vec<String> = members
+                .iter()
+                .filter_map(|(server, member)| {
+                    Some(format!("{server}: {}", member.as_ref().err()?))
+                })
+                .collect();
+            return Err(ConnectError::Transient(reasons.join("; ")));
+        }
+        Ok(QuorumObserver {
+            members,
+            keys: Keys::of(&self.lock),
+            stale: self.poll * 3 + Duration::from_secs(1),
+            quorum: self.quorum(),
+        })
     }
 
     fn password_hint(&self, _reason: &str) -> String {

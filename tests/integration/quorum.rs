@@ -322,6 +322,21 @@ fn over_three_servers_the_leader_rides_out_one_servers_death_and_stops_at_the_se
         "the command was signalled with two servers of three left: {}",
         a.dump()
     );
+    // status shows each server's view, and the holder a majority shows.
+    let mut command = pgleader();
+    command.arg("status");
+    for url in &urls {
+        command.args(["-d", url]);
+    }
+    command.arg(format!("--lock={lock}"));
+    let status = Proc::spawn("status", command);
+    let (exit, stdout, _) = status.finish();
+    assert_eq!(exit.code(), Some(0), "held: {}", status.dump());
+    let text = stdout.join("\n");
+    assert_eq!(text.matches("held by pgleader").count(), 2, "{text}");
+    assert_eq!(text.matches("unreachable").count(), 1, "{text}");
+    assert!(text.contains(&format!("{}@", a.pid)), "{text}");
+
     servers[1].crash();
     a.wait_stdout("A got TERM");
     a.wait_log("leadership lost");
