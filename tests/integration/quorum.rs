@@ -13,7 +13,9 @@ use pgleader::redis::quorum::QuorumBackend;
 use pgleader::redis::url::RedisServer;
 
 use crate::harness::cluster::free_port;
-use crate::harness::{Proc, Redis, Stream, WAIT, patient_child, pgleader, unique_lock};
+use crate::harness::{
+    Journal, Proc, Proxy, Redis, Stream, WAIT, patient_child, pgleader, unique_lock,
+};
 
 const LEASE: Duration = Duration::from_secs(3);
 
@@ -345,4 +347,109 @@ fn over_three_servers_the_leader_rides_out_one_servers_death_and_stops_at_the_se
         "B started without a majority: {}",
         b.dump()
     );
+}
+
+#[test]
+fn a_leader_cut_from_two_servers_stops_before_a_follower_that_reaches_them_can_start() {
+    let servers = servers(3);
+    let lock = format!("partition-{}", unique_lock());
+    let journal = Journal::new("quorum-partition");
+    // The leader reaches B and C through proxies that will freeze (no FIN, no RST: its
+    // connections stay open on the servers, so only the keys' TTL can free them).
+    let (to_b, to_c) = (Proxy::start(servers[1].port), Proxy::start(servers[2].port));
+    let leader_urls = [
+        servers[0].url(),
+        format!("redis://127.0.0.1:{}", to_b.port()),
+        format!("redis://127.0.0.1:{}", to_c.port()),
+    ];
+    let follower_urls: Vec<String> = servers.iter().map(Redis::url).collect();
+    let timings = [
+        "--check-interval=200ms",
+        "--check-timeout=500ms",
+        "--kill-timeout=1s",
+        "--lease=3s",
+    ];
+    // A takes 0.8 s to stop after TERM; B must not start before A has stopped.
+    let a = run_on(
+        "A",
+        &leader_urls,
+        &lock,
+        &timings,
+        &journal.child("A", "0.8"),
+    );
+    a.wait_stdout("A started");
+    let b = run_on(
+        "B",
+        &follower_urls,
+        &lock,
+        &timings,
+        &journal.quick_child("B"),
+    );
+    b.wait_log("waiting for the lock");
+    to_b.freeze();
+    to_c.freeze();
+    a.wait_log("leadership lost");
+    b.wait_stdout("B started");
+    assert_eq!(journal.lines(), ["A-started", "A-stopped", "B-started"]);
+}
+
+#[test]
+fn a_jump_of_a_replicas_wall_clock_changes_nothing() {
+    let library = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1";
+    assert!(
+        std::path::Path::new(library).is_file(),
+        "{library} is missing: this test jumps pgleader's wall clock with libfaketime (apt-get install faketime)"
+    );
+    let servers = servers(3);
+    let urls: Vec<String> = servers.iter().map(Redis::url).collect();
+    let lock = format!("jump-{}", unique_lock());
+    let clock = std::env::temp_dir().join(format!("pgleader-clock-{lock}"));
+    std::fs::write(&clock, "+0\n").expect("write the clock file");
+    let timings = [
+        "--check-interval=200ms",
+        "--check-timeout=500ms",
+        "--kill-timeout=1s",
+        "--lease=3s",
+    ];
+    // Both replicas read their wall-clock offset from the file at every call; their monotonic
+    // clocks are left alone, as a wall-clock step (NTP, a VM resumed) leaves them.
+    let under_faketime = |name: &str, script: &str| {
+        let mut command = pgleader();
+        command
+            .env("LD_PRELOAD", library)
+            .env("FAKETIME_TIMESTAMP_FILE", &clock)
+            .env("FAKETIME_NO_CACHE", "1")
+            .env("DONT_FAKE_MONOTONIC", "1")
+            .arg("run");
+        for url in &urls {
+            command.args(["-d", url]);
+        }
+        command
+            .arg(format!("--lock={lock}"))
+            .args(timings)
+            .args(["--", "sh", "-c", script]);
+        Proc::spawn(name, command)
+    };
+    let a = under_faketime("A", &patient_child("A"));
+    a.wait_stdout("A started");
+    let b = under_faketime("B", &patient_child("B"));
+    b.wait_log("waiting for the lock");
+    for jump in ["+1h", "-2h", "+30m"] {
+        std::fs::write(&clock, format!("{jump}\n")).expect("jump the clock");
+        // Seven check intervals of nothing happening: the claim itself, not a stand-in.
+        std::thread::sleep(Duration::from_millis(1_500));
+    }
+    assert!(
+        !a.lines(Stream::Stdout)
+            .iter()
+            .any(|line| line.contains("got")),
+        "a wall-clock jump stopped the leader's command: {}",
+        a.dump()
+    );
+    assert!(
+        b.lines(Stream::Stdout).is_empty(),
+        "a wall-clock jump let a follower in: {}",
+        b.dump()
+    );
+    let _ = std::fs::remove_file(&clock);
 }
