@@ -172,10 +172,16 @@ return {1, blind}
 
 /// The leader's check: extends the lock's TTL only if the value is still this session's
 /// (never re-creates it). Returns `{held (0/1), seconds, microseconds}` of the server's clock.
+///
+/// The second GET is not redundant: any write to a tracked key, the leader's own PEXPIRE
+/// included (NOLOOP only keeps it from being pushed), drops the key from the server's tracking
+/// table. Reading it again re-arms tracking, so that a foreign change after this renewal is
+/// still pushed at once.
 const RENEW: &str = r#"
 local v = redis.call('GET', KEYS[1])
 if v and holder_of(v) == me then
   redis.call('PEXPIRE', KEYS[1], lease)
+  redis.call('GET', KEYS[1])
   return {1, t[1], t[2]}
 end
 return {0, t[1], t[2]}

@@ -124,6 +124,32 @@ fn deleting_the_key_stops_the_command_at_once_not_at_the_next_check() {
 }
 
 #[test]
+fn deleting_the_key_after_renewals_still_stops_the_command_at_once() {
+    // A leader's own renewal (PEXPIRE) drops the key from the server's tracking table, NOLOOP
+    // or not: unless the leader reads the key again, a later DEL is no longer pushed to it.
+    let redis = Redis::shared();
+    let lock = lock("del-renewed");
+    let args = [
+        "--check-interval=1s",
+        "--check-timeout=500ms",
+        "--kill-timeout=1s",
+        "--lease=60s",
+    ];
+    let a = run("A", &redis.url(), &lock, &args, &patient_child("A"));
+    a.wait_stdout("A started");
+    // Two or three renewals.
+    std::thread::sleep(std::time::Duration::from_millis(2500));
+    let key = format!("pgleader:{{{lock}}}");
+    assert_eq!(redis.cli(&["DEL", &key]), "1");
+    a.wait_stdout("A got TERM");
+    let lost = a.wait_log("leadership lost");
+    assert!(
+        lost.contains("changed by another client"),
+        "noticed by the next check, not by the push: {lost}"
+    );
+}
+
+#[test]
 fn flushall_and_a_foreign_set_stop_the_command_at_once() {
     let redis = Redis::new("flush");
     let lock = lock("flush");
