@@ -221,6 +221,9 @@ fn script(body: &str) -> Script {
     Script::new(&format!("{PRELUDE}{body}"))
 }
 
+/// The renew script's whole text, for an `EVAL` inside a pipeline (the fence's).
+pub static RENEW_SOURCE: LazyLock<String> = LazyLock::new(|| format!("{PRELUDE}{RENEW}"));
+
 pub static ACQUIRE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(ACQUIRE));
 pub static RENEW_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(RENEW));
 pub static RELEASE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(RELEASE));

@@ -74,6 +74,21 @@ impl ScriptArgs {
     }
 }
 
+impl ScriptArgs {
+    /// `EVAL` of a lock script's whole text with this session's keys and arguments: one round
+    /// trip even on a server that has not cached the script, and usable inside a pipeline.
+    fn eval(&self, source: &str) -> redis::Cmd {
+        let keys = self.keys.all();
+        let mut cmd = redis::cmd("EVAL");
+        cmd.arg(source).arg(keys.len()).arg(&keys[..]);
+        cmd.arg(&self.keys.lock)
+            .arg(&self.nonce)
+            .arg(millis(self.lease))
+            .arg(millis(self.stale));
+        cmd
+    }
+}
+
 fn millis(duration: Duration) -> u64 {
     u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
 }
@@ -298,19 +313,25 @@ impl Session for RedisSession {
     /// The epoch the acquire script wrote into the key, the server's clock, and its uptime
     /// (the restart fence). Reading the key also arms tracking for it: from here on a change
     /// by anyone else is pushed to this session.
+    ///
+    /// It renews the key first. The key's TTL ran from when the acquire script ran, but the
+    /// leader's deadline runs from when this request was sent, which can be much later (a slow
+    /// answer to the acquire, a stalled pgleader): without the renewal the key could expire,
+    /// and a follower start, before this leader has stopped its command.
     async fn fence(&self) -> Result<Fence, SessionError> {
         let mut conn = self.connection.conn.clone();
-        let (value, (seconds, micros), info): (Option<String>, (i64, i64), String) = redis::pipe()
-            .cmd("GET")
-            .arg(&self.args.keys.lock)
-            .cmd("TIME")
-            .cmd("INFO")
-            .arg("server")
-            .query_async(&mut conn)
-            .await
-            .map_err(query_error)?;
+        let ((held, seconds, micros), value, info): ((i64, i64, i64), Option<String>, String) =
+            redis::pipe()
+                .add_command(self.args.eval(&scripts::RENEW_SOURCE))
+                .cmd("GET")
+                .arg(&self.args.keys.lock)
+                .cmd("INFO")
+                .arg("server")
+                .query_async(&mut conn)
+                .await
+                .map_err(query_error)?;
         let value = value.unwrap_or_default();
-        if scripts::holder_nonce(&value) != Some(self.args.nonce.as_str()) {
+        if held != 1 || scripts::holder_nonce(&value) != Some(self.args.nonce.as_str()) {
             return Err(SessionError::Query(format!(
                 "the lock's key {} is no longer this session's",
                 self.args.keys.lock

@@ -7,7 +7,7 @@
 use nix::sys::signal::Signal;
 
 use crate::harness::redis::SECRET_PASSWORD;
-use crate::harness::{Journal, Proc, Redis, Stream, field, patient_child, pgleader};
+use crate::harness::{Journal, Proc, Proxy, Redis, Stream, field, patient_child, pgleader};
 
 /// `pgleader run --lock <lock> <args...> -- sh -c <script>` against a Redis URL.
 fn run(name: &str, url: &str, lock: &str, args: &[&str], script: &str) -> Proc {
@@ -86,6 +86,63 @@ fn kill_9_of_the_leader_is_replaced_before_the_ttl_but_only_after_its_whole_tree
         b.wait_exit();
     }
     let _ = std::fs::remove_file(&pids);
+}
+
+#[test]
+fn a_late_answer_to_the_acquire_never_lets_the_key_expire_before_the_leaders_deadline() {
+    // The key's TTL starts when the acquire script runs; the leader's deadline must not start
+    // later. B's answers come back 2.2 s late (a slow path back); once it leads, B is cut off
+    // for good. B stops its command by its deadline, counted from when it asked for its fencing
+    // token; the key must outlive that, or C takes over while B's command still runs.
+    let redis = Redis::new("late-answer");
+    let proxy = Proxy::start(redis.port);
+    let through_proxy = format!("redis://127.0.0.1:{}", proxy.port());
+    let lock = lock("late-answer");
+    let journal = Journal::new("redis-late-answer");
+    let lease = "--lease=9100ms";
+    let a = run(
+        "A",
+        &redis.url(),
+        &lock,
+        &["--check-interval=200ms", "--kill-timeout=1s", lease],
+        &journal.quick_child("A"),
+    );
+    a.wait_stdout("A started");
+    // Four seconds between checks, so B's first renewal comes well after it has started, and
+    // a check timeout that the late answers fit in.
+    let b = run(
+        "B",
+        &through_proxy,
+        &lock,
+        &[
+            "--check-interval=4s",
+            "--check-timeout=3s",
+            "--kill-timeout=1s",
+            lease,
+        ],
+        &journal.child("B", "0.9"),
+    );
+    b.wait_log("waiting for the lock");
+    let c = run(
+        "C",
+        &redis.url(),
+        &lock,
+        &["--check-interval=100ms", "--kill-timeout=1s", lease],
+        &journal.quick_child("C"),
+    );
+    c.wait_log("waiting for the lock");
+    proxy.delay_replies(std::time::Duration::from_millis(2200));
+    a.signal(Signal::SIGTERM);
+    b.wait_stdout("B started");
+    proxy.freeze();
+    c.wait_stdout("C started");
+    let lines = journal.lines();
+    let at = |tag: &str| lines.iter().position(|line| line == tag);
+    assert!(
+        at("B-stopped").is_some_and(|stopped| at("C-started").is_some_and(|c| stopped < c)),
+        "C started while B's command still ran: {lines:?}\n{}",
+        b.dump()
+    );
 }
 
 #[test]
