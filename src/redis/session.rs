@@ -38,6 +38,9 @@ pub struct RedisSession {
     try_timeout: Duration,
     /// Set once this session leads: from then on, a change of the key means the lock is lost.
     leading: Arc<AtomicBool>,
+    /// An invalidation named the lock's key (or everything) and the key has not been read
+    /// since. Kept here rather than in `ended`'s future, which a `select!` may drop mid-read.
+    suspect: bool,
     connected_at: Instant,
     /// What the session's name starts with, for the ledger's announcements.
     user_name: Option<String>,
@@ -159,6 +162,7 @@ impl RedisSession {
             poll: backend.poll,
             try_timeout: server.connect_timeout,
             leading: Arc::new(AtomicBool::new(false)),
+            suspect: false,
             connected_at: Instant::now(),
             user_name: backend.user_name.clone(),
             ledger_timeout: backend.ledger_timeout,
@@ -238,8 +242,37 @@ impl Session for RedisSession {
         Some(self.connection.socket)
     }
 
+    /// An invalidation of the lock's key is a suspicion, not yet a loss: the server's tracking
+    /// table knows key names, not databases, so FLUSHDB of any database, or a write to a key of
+    /// the same name in another one, is pushed too. The key is read again (which also re-arms
+    /// tracking) and the leadership ends only if it is no longer this session's.
     async fn ended(&mut self) -> String {
         loop {
+            if self.suspect {
+                let mut conn = self.connection.conn.clone();
+                let value: Option<String> = match redis::cmd("GET")
+                    .arg(&self.args.keys.lock)
+                    .query_async(&mut conn)
+                    .await
+                {
+                    Ok(value) => value,
+                    Err(err) => {
+                        return format!(
+                            "cannot read the lock's key after it was invalidated: {err}"
+                        );
+                    }
+                };
+                if value.as_deref().and_then(scripts::holder_nonce)
+                    != Some(self.args.nonce.as_str())
+                {
+                    return format!(
+                        "the lock's key {} was changed by another client (deleted, \
+                         overwritten, flushed) or expired",
+                        self.args.keys.lock
+                    );
+                }
+                self.suspect = false;
+            }
             match self.connection.pushes.recv().await {
                 None => return "the connection was closed".into(),
                 Some(push) if push.kind == PushKind::Disconnection => {
@@ -250,11 +283,7 @@ impl Session for RedisSession {
                         && self.leading.load(Ordering::Relaxed)
                         && invalidates(&push, &self.args.keys.lock) =>
                 {
-                    return format!(
-                        "the lock's key {} was changed by another client (deleted, \
-                         overwritten, flushed) or expired",
-                        self.args.keys.lock
-                    );
+                    self.suspect = true;
                 }
                 Some(_) => {}
             }

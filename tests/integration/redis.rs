@@ -228,6 +228,38 @@ fn flushall_and_a_foreign_set_stop_the_command_at_once() {
 }
 
 #[test]
+fn another_databases_flushdb_or_key_leaves_the_leader_alone() {
+    // The server's tracking table knows key names, not databases: FLUSHDB of any database
+    // pushes "everything changed" to every tracking client, and a write to a key of the same
+    // name in another database pushes that name. Neither touches this leader's key.
+    let redis = Redis::new("otherdb");
+    let lock = lock("otherdb");
+    let key = format!("pgleader:{{{lock}}}");
+    let a = run("A", &redis.url(), &lock, &SLOW_CHECKS, &patient_child("A"));
+    a.wait_stdout("A started");
+    redis.cli(&["-n", "5", "SET", "cache", "1"]);
+    redis.cli(&["-n", "5", "FLUSHDB"]);
+    redis.cli(&["-n", "5", "SET", &key, "an unrelated value"]);
+    let stopped = a.wait_line(
+        Stream::Stdout,
+        "A got TERM",
+        1,
+        None,
+        std::time::Duration::from_secs(2),
+    );
+    assert!(
+        stopped.is_none(),
+        "a change in another database stopped the command: {}",
+        a.dump()
+    );
+    // Its own key is still noticed at once.
+    assert_eq!(redis.cli(&["DEL", &key]), "1");
+    a.wait_stdout("A got TERM");
+    let lost = a.wait_log("leadership lost");
+    assert!(lost.contains("changed by another client"), "{lost}");
+}
+
+#[test]
 fn a_killed_connection_stops_the_command_at_once() {
     let redis = Redis::shared();
     let lock = lock("clientkill");
