@@ -165,7 +165,18 @@ local epoch = string.format('%.0f', math.max(tonumber(redis.call('GET', KEYS[2])
 redis.call('SET', KEYS[2], epoch)
 local since = t[1] .. '.' .. string.sub(string.format('%06d', tonumber(t[2])), 1, 3)
 redis.call('SET', KEYS[1], 'nonce=' .. me .. ' epoch=' .. epoch .. ' since=' .. since .. ' ' .. ARGV[6], 'PX', lease)
-redis.call('HSET', KEYS[4], me, ARGV[6]); redis.call('HDEL', KEYS[5], me)
+-- Whoever neither waits nor now holds has no business in :who and :seen: a leader whose key
+-- was deleted or expired under it never took its own entry out (its release found the key
+-- gone), and without this the hashes would grow with every such loss.
+local queued = {}
+for _, n in ipairs(redis.call('LRANGE', KEYS[3], 0, -1)) do queued[n] = true end
+for _, n in ipairs(redis.call('HKEYS', KEYS[4])) do
+  if not queued[n] then redis.call('HDEL', KEYS[4], n) end
+end
+for _, n in ipairs(redis.call('HKEYS', KEYS[5])) do
+  if not queued[n] then redis.call('HDEL', KEYS[5], n) end
+end
+redis.call('HSET', KEYS[4], me, ARGV[6])
 redis.call('DEL', base .. ':wake:' .. me)
 return {1, blind}
 "#;

@@ -207,6 +207,30 @@ fn deleting_the_key_after_renewals_still_stops_the_command_at_once() {
 }
 
 #[test]
+fn a_leadership_lost_to_a_deleted_key_leaves_nothing_behind() {
+    // Each session names itself in the lock's :who hash; a leader that lost its key must still
+    // take its entry out when it steps down, or the hash grows with every loss.
+    let redis = Redis::shared();
+    let lock = lock("who-leak");
+    let key = format!("pgleader:{{{lock}}}");
+    let who = format!("{key}:who");
+    let args = [SLOW_CHECKS[0], SLOW_CHECKS[1], "--restart-delay=0s"];
+    let a = run("A", &redis.url(), &lock, &args, &patient_child("A"));
+    for round in 1..=3 {
+        a.wait_for_nth(Stream::Stdout, "A started", round);
+        assert_eq!(redis.cli(&["DEL", &key]), "1");
+        a.wait_for_nth(Stream::Stdout, "A got TERM", round);
+    }
+    a.wait_for_nth(Stream::Stdout, "A started", 4);
+    assert_eq!(
+        redis.cli(&["HLEN", &who]),
+        "1",
+        "entries of lost leaderships: {}",
+        redis.cli(&["HGETALL", &who])
+    );
+}
+
+#[test]
 fn flushall_and_a_foreign_set_stop_the_command_at_once() {
     let redis = Redis::new("flush");
     let lock = lock("flush");
