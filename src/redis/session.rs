@@ -196,7 +196,17 @@ async fn acquire(
     Ok(acquired == 1)
 }
 
+/// A failed command of a session. The ACL's refusal is permanent: retrying cannot help, so it
+/// ends pgleader (as a transaction pooler does on PostgreSQL) rather than loop. Inside a script,
+/// Redis 7.0 reports it as ERR "The user executing the script can't ...", not NOPERM.
 fn query_error(err: redis::RedisError) -> SessionError {
+    let refused_in_script = err.to_string().contains("user executing the script can't");
+    if err.code() == Some("NOPERM") || refused_in_script {
+        return SessionError::Unsafe(format!(
+            "the Redis ACL does not authorize what pgleader needs ({err}); README.md, \
+             \"Redis\", lists the whole ACL"
+        ));
+    }
     SessionError::Query(err.to_string())
 }
 

@@ -432,6 +432,48 @@ fn a_user_without_the_documented_acl_is_refused_and_one_with_it_leads() {
 }
 
 #[test]
+fn an_acl_that_refuses_the_lock_scripts_is_a_permanent_error_not_a_retry_loop() {
+    // Connecting needs only what every user has here; the first script is the first refusal.
+    let redis = Redis::new("acl-scripts");
+    let lock = lock("acl-scripts");
+    redis.cli(&[
+        "ACL",
+        "SETUSER",
+        "noscript",
+        "on",
+        ">pw",
+        "~*",
+        "&*",
+        "+@all",
+        "-@scripting",
+    ]);
+    let only_the_lock = format!("~pgleader:{{{lock}}}");
+    redis.cli(&[
+        "ACL",
+        "SETUSER",
+        "onekey",
+        "on",
+        ">pw",
+        &only_the_lock,
+        "&*",
+        "+@all",
+    ]);
+    for user in ["noscript", "onekey"] {
+        let url = format!("redis://{user}:pw@127.0.0.1:{}", redis.port);
+        let a = run(user, &url, &lock, &QUICK, "echo ran");
+        let (status, stdout, stderr) = a.finish();
+        assert_eq!(status.code(), Some(1), "{}", a.dump());
+        assert!(stdout.is_empty(), "{}", a.dump());
+        let text = stderr.join("\n");
+        assert!(text.contains("ACL"), "{user}: {text}");
+        assert!(
+            !text.contains("retrying") && text.matches("waiting for the lock").count() == 1,
+            "{user}: retried what cannot succeed: {text}"
+        );
+    }
+}
+
+#[test]
 fn a_replica_is_never_led_through() {
     let primary = Redis::new("primary");
     let replica = Redis::start_with(
