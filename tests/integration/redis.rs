@@ -123,6 +123,17 @@ fn a_late_answer_to_the_acquire_never_lets_the_key_expire_before_the_leaders_dea
         &journal.child("B", "0.9"),
     );
     b.wait_log("waiting for the lock");
+    // B is first in the queue before C arrives: the release wakes B, not C.
+    let queue = format!("pgleader:{{{lock}}}:queue");
+    let queued = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while redis.cli(&["LLEN", &queue]) != "1" {
+        assert!(
+            std::time::Instant::now() < queued,
+            "B never queued: {}",
+            b.dump()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
     let c = run(
         "C",
         &redis.url(),
