@@ -485,6 +485,24 @@ fn an_acl_that_refuses_the_lock_scripts_is_a_permanent_error_not_a_retry_loop() 
 }
 
 #[test]
+fn a_database_the_server_does_not_have_is_a_permanent_error() {
+    // DESIGN.md's failure model: a missing database is permanent, like bad credentials. A
+    // Redis server has `databases` (16 by default) numbered from 0, fixed until it restarts.
+    let redis = Redis::shared();
+    let url = format!("{}/99", redis.url());
+    let a = run("A", &url, &lock("nodb"), &[], "echo ran");
+    let (status, stdout, stderr) = a.finish();
+    assert_eq!(status.code(), Some(1), "{}", a.dump());
+    assert!(stdout.is_empty(), "{}", a.dump());
+    let text = stderr.join("\n");
+    assert!(text.contains("database 99"), "{text}");
+    assert!(
+        !text.contains("retrying"),
+        "retried what cannot succeed: {text}"
+    );
+}
+
+#[test]
 fn a_replica_is_never_led_through() {
     let primary = Redis::new("primary");
     let replica = Redis::start_with(
