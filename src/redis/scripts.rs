@@ -151,7 +151,15 @@ if current then
 end
 local function queue_up()
   if ARGV[5] == 'wait' then
-    if not redis.call('LPOS', KEYS[3], me) then redis.call('RPUSH', KEYS[3], me) end
+    if not redis.call('LPOS', KEYS[3], me) then
+      -- A newcomer clears out the waiters that are gone. Otherwise sessions that died while
+      -- the lock was held would stay queued until they reached the head at a handoff, and a
+      -- lock held for months would grow a queue that every status and release walks through.
+      for _, n in ipairs(redis.call('LRANGE', KEYS[3], 0, -1)) do
+        if not waiter_alive(n) then redis.call('LREM', KEYS[3], 0, n); forget(n) end
+      end
+      redis.call('RPUSH', KEYS[3], me)
+    end
     redis.call('HSET', KEYS[4], me, ARGV[6]); redis.call('HSET', KEYS[5], me, now)
   end
   return {0, blind}

@@ -242,6 +242,46 @@ fn a_leadership_lost_to_a_deleted_key_leaves_nothing_behind() {
 }
 
 #[test]
+fn waiters_that_died_while_the_lock_was_held_do_not_pile_up_in_the_queue() {
+    // Dead waiters used to leave the queue only when they reached its head at a handoff: a
+    // lock held for months, with followers restarted or reconnecting meanwhile, grew a queue
+    // that every `status` and the next release walk through, NUMSUB by NUMSUB.
+    let redis = Redis::shared();
+    let lock = lock("dead-waiters");
+    let queue = format!("pgleader:{{{lock}}}:queue");
+    let a = run("A", &redis.url(), &lock, &QUICK, &patient_child("A"));
+    a.wait_stdout("A started");
+    let queued = |n: &str| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while redis.cli(&["LLEN", &queue]) != n {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the queue never held {n}: {:?}",
+                redis.cli(&["LRANGE", &queue, "0", "-1"])
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    };
+    let who = format!("pgleader:{{{lock}}}:who");
+    for tag in ["B", "C", "D"] {
+        let follower = run(tag, &redis.url(), &lock, &QUICK, "true");
+        follower.wait_log("waiting for the lock");
+        // Queued: its card is written in the same script that queues it.
+        let card = format!(":{}@", follower.pid);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !redis.cli(&["HVALS", &who]).contains(&card) {
+            assert!(std::time::Instant::now() < deadline, "{tag} never queued");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        follower.signal(Signal::SIGKILL);
+        follower.wait_exit();
+    }
+    let e = run("E", &redis.url(), &lock, &QUICK, "true");
+    e.wait_log("waiting for the lock");
+    queued("1");
+}
+
+#[test]
 fn flushall_and_a_foreign_set_stop_the_command_at_once() {
     let redis = Redis::new("flush");
     let lock = lock("flush");
