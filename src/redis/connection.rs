@@ -255,6 +255,17 @@ pub fn classify(server: &RedisServer, err: &RedisError) -> ConnectError {
                 password_hint(server)
             ))
         }
+        // SELECT failed: the database number is out of range (the server's `databases`,
+        // fixed until it restarts) or the ACL refuses SELECT. Like a missing PostgreSQL
+        // database, waiting does not help.
+        _ if err.to_string().contains("refused to switch database") => {
+            ConnectError::Permanent(format!(
+                "{server}: the server refused to select database {} ({}): it has databases 0 \
+                 to `databases` - 1 (16 by default)",
+                server.db,
+                err.detail().unwrap_or("no reason given")
+            ))
+        }
         _ if err.kind() == redis::ErrorKind::RESP3NotSupported => ConnectError::Permanent(format!(
             "{server} does not speak RESP3: pgleader needs Redis 6 or later"
         )),

@@ -124,8 +124,11 @@ pub struct QuorumSession {
     released: Arc<Notify>,
     /// What the members' connections report: (member, push).
     pushes: mpsc::UnboundedReceiver<(usize, PushInfo)>,
-    /// Members whose connection ended or whose key changed under the leadership.
-    lost: Vec<bool>,
+    /// Members whose connection ended or whose key changed under the leadership, and why.
+    lost: Vec<Option<String>>,
+    /// Members whose key was invalidated and must be read again: tracking knows key names, not
+    /// databases, so a change in another database is pushed too.
+    suspect: Vec<bool>,
     connected_at: Instant,
     user_name: Option<String>,
     ledger_timeout: Duration,
@@ -223,7 +226,7 @@ impl QuorumSession {
             members[0].client_id,
             name.replace(' ', "_")
         );
-        let lost = vec![false; members.len()];
+        let (lost, suspect) = (vec![None; members.len()], vec![false; members.len()]);
         Ok(QuorumSession {
             total: backend.servers.len(),
             args: ScriptArgs {
@@ -247,6 +250,7 @@ impl QuorumSession {
             released,
             pushes,
             lost,
+            suspect,
             connected_at: Instant::now(),
             user_name: backend.user_name.clone(),
             ledger_timeout: backend.ledger_timeout,
@@ -359,31 +363,50 @@ impl Session for QuorumSession {
     /// connections ended, or (while leading) the key changed under it.
     async fn ended(&mut self) -> String {
         let unreachable = self.total - self.members.len();
-        let mut reasons = Vec::new();
         loop {
-            let lost = self.lost.iter().filter(|lost| **lost).count() + unreachable;
+            let lost = self.lost.iter().flatten().count() + unreachable;
             if self.total - lost < self.quorum() {
+                let reasons: Vec<&str> = self.lost.iter().flatten().map(String::as_str).collect();
                 return format!(
                     "fewer than a majority of the servers still hold this session: {}",
                     reasons.join("; ")
                 );
             }
+            if let Some(index) = self.suspect.iter().position(|suspect| *suspect) {
+                let mut conn = self.members[index].conn.clone();
+                let value: redis::RedisResult<Option<String>> = redis::cmd("GET")
+                    .arg(&self.args.keys.lock)
+                    .query_async(&mut conn)
+                    .await;
+                self.suspect[index] = false;
+                let ours = matches!(&value, Ok(Some(value))
+                    if scripts::holder_nonce(value) == Some(self.args.nonce.as_str()));
+                if !ours {
+                    self.lost[index].get_or_insert_with(|| {
+                        format!(
+                            "server {}: the lock's key was changed by another client or expired",
+                            index + 1
+                        )
+                    });
+                }
+                continue;
+            }
             let Some((index, push)) = self.pushes.recv().await else {
                 return "the connections were closed".into();
             };
-            let reason = match push.kind {
-                PushKind::Disconnection => "the connection ended",
+            match push.kind {
+                PushKind::Disconnection => {
+                    self.lost[index].get_or_insert_with(|| {
+                        format!("server {}: the connection ended", index + 1)
+                    });
+                }
                 PushKind::Invalidate
                     if self.leading.load(Ordering::Relaxed)
                         && invalidates(&push, &self.args.keys.lock) =>
                 {
-                    "the lock's key was changed by another client or expired"
+                    self.suspect[index] = true;
                 }
-                _ => continue,
-            };
-            if !self.lost[index] {
-                self.lost[index] = true;
-                reasons.push(format!("server {}: {reason}", index + 1));
+                _ => {}
             }
         }
     }
@@ -417,30 +440,30 @@ impl Session for QuorumSession {
     /// must take it) before the command starts.
     async fn fence(&self) -> Result<Fence, SessionError> {
         let mut reads = JoinSet::new();
+        // The renewal comes first: each server's TTL started when its acquire ran, before the
+        // leader's deadline starts counting (when this is sent), so the key is extended again
+        // here, as on one server.
         for member in &self.members {
-            let (mut conn, key, bound) = (
-                member.conn.clone(),
-                self.args.keys.lock.clone(),
-                self.per_server * 4,
-            );
+            let (mut conn, args, bound) =
+                (member.conn.clone(), self.args.clone(), self.per_server * 4);
             reads.spawn(async move {
                 let mut pipe = redis::pipe();
-                pipe.cmd("GET")
-                    .arg(&key)
-                    .cmd("TIME")
+                pipe.add_command(args.eval(&scripts::RENEW_SOURCE))
+                    .cmd("GET")
+                    .arg(&args.keys.lock)
                     .cmd("INFO")
                     .arg("server");
-                let read = pipe.query_async::<(Option<String>, (i64, i64), String)>(&mut conn);
+                let read = pipe.query_async::<((i64, i64, i64), Option<String>, String)>(&mut conn);
                 tokio::time::timeout(bound, read).await.ok()?.ok()
             });
         }
         let (mut epochs, mut uptime, mut time) = (Vec::new(), Duration::MAX, None);
         while let Some(joined) = reads.join_next().await {
-            let Ok(Some((value, (seconds, micros), info))) = joined else {
+            let Ok(Some(((held, seconds, micros), value, info))) = joined else {
                 continue;
             };
             let value = value.unwrap_or_default();
-            if scripts::holder_nonce(&value) != Some(self.args.nonce.as_str()) {
+            if held != 1 || scripts::holder_nonce(&value) != Some(self.args.nonce.as_str()) {
                 continue;
             }
             if let Some(epoch) = scripts::field(&value, "epoch").and_then(|e| e.parse::<i64>().ok())

@@ -168,7 +168,15 @@ if current then
 end
 local function queue_up()
   if ARGV[5] == 'wait' then
-    if not redis.call('LPOS', KEYS[3], me) then redis.call('RPUSH', KEYS[3], me) end
+    if not redis.call('LPOS', KEYS[3], me) then
+      -- A newcomer clears out the waiters that are gone. Otherwise sessions that died while
+      -- the lock was held would stay queued until they reached the head at a handoff, and a
+      -- lock held for months would grow a queue that every status and release walks through.
+      for _, n in ipairs(redis.call('LRANGE', KEYS[3], 0, -1)) do
+        if not waiter_alive(n) then redis.call('LREM', KEYS[3], 0, n); forget(n) end
+      end
+      redis.call('RPUSH', KEYS[3], me)
+    end
     redis.call('HSET', KEYS[4], me, ARGV[6]); redis.call('HSET', KEYS[5], me, now)
   end
   return {0, blind}
@@ -182,17 +190,34 @@ local epoch = string.format('%.0f', math.max(tonumber(redis.call('GET', KEYS[2])
 redis.call('SET', KEYS[2], epoch)
 local since = t[1] .. '.' .. string.sub(string.format('%06d', tonumber(t[2])), 1, 3)
 redis.call('SET', KEYS[1], 'nonce=' .. me .. ' epoch=' .. epoch .. ' since=' .. since .. ' ' .. ARGV[6], 'PX', lease)
-redis.call('HSET', KEYS[4], me, ARGV[6]); redis.call('HDEL', KEYS[5], me)
+-- Whoever neither waits nor now holds has no business in :who and :seen: a leader whose key
+-- was deleted or expired under it never took its own entry out (its release found the key
+-- gone), and without this the hashes would grow with every such loss.
+local queued = {}
+for _, n in ipairs(redis.call('LRANGE', KEYS[3], 0, -1)) do queued[n] = true end
+for _, n in ipairs(redis.call('HKEYS', KEYS[4])) do
+  if not queued[n] then redis.call('HDEL', KEYS[4], n) end
+end
+for _, n in ipairs(redis.call('HKEYS', KEYS[5])) do
+  if not queued[n] then redis.call('HDEL', KEYS[5], n) end
+end
+redis.call('HSET', KEYS[4], me, ARGV[6])
 redis.call('DEL', base .. ':wake:' .. me)
 return {1, blind}
 "#;
 
 /// The leader's check: extends the lock's TTL only if the value is still this session's
 /// (never re-creates it). Returns `{held (0/1), seconds, microseconds}` of the server's clock.
+///
+/// The second GET is not redundant: any write to a tracked key, the leader's own PEXPIRE
+/// included (NOLOOP only keeps it from being pushed), drops the key from the server's tracking
+/// table. Reading it again re-arms tracking, so that a foreign change after this renewal is
+/// still pushed at once.
 const RENEW: &str = r#"
 local v = redis.call('GET', KEYS[1])
 if v and holder_of(v) == me then
   redis.call('PEXPIRE', KEYS[1], lease)
+  redis.call('GET', KEYS[1])
   return {1, t[1], t[2]}
 end
 return {0, t[1], t[2]}
@@ -232,6 +257,9 @@ return {current, holder, waiting, t[1], t[2]}
 fn script(body: &str) -> Script {
     Script::new(&format!("{PRELUDE}{body}"))
 }
+
+/// The renew script's whole text, for an `EVAL` inside a pipeline (the fence's).
+pub static RENEW_SOURCE: LazyLock<String> = LazyLock::new(|| format!("{PRELUDE}{RENEW}"));
 
 pub static ACQUIRE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(ACQUIRE));
 pub static RENEW_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(RENEW));

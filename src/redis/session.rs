@@ -39,6 +39,9 @@ pub struct RedisSession {
     try_timeout: Duration,
     /// Set once this session leads: from then on, a change of the key means the lock is lost.
     leading: Arc<AtomicBool>,
+    /// An invalidation named the lock's key (or everything) and the key has not been read
+    /// since. Kept here rather than in `ended`'s future, which a `select!` may drop mid-read.
+    suspect: bool,
     connected_at: Instant,
     /// What the session's name starts with, for the ledger's announcements.
     user_name: Option<String>,
@@ -72,6 +75,21 @@ impl ScriptArgs {
             .arg(millis(self.lease))
             .arg(millis(self.stale));
         invocation
+    }
+}
+
+impl ScriptArgs {
+    /// `EVAL` of a lock script's whole text with this session's keys and arguments: one round
+    /// trip even on a server that has not cached the script, and usable inside a pipeline.
+    pub(crate) fn eval(&self, source: &str) -> redis::Cmd {
+        let keys = self.keys.all();
+        let mut cmd = redis::cmd("EVAL");
+        cmd.arg(source).arg(keys.len()).arg(&keys[..]);
+        cmd.arg(&self.keys.lock)
+            .arg(&self.nonce)
+            .arg(millis(self.lease))
+            .arg(millis(self.stale));
+        cmd
     }
 }
 
@@ -109,6 +127,7 @@ impl RedisSession {
             poll: backend.poll,
             try_timeout: server.connect_timeout,
             leading: Arc::new(AtomicBool::new(false)),
+            suspect: false,
             connected_at: Instant::now(),
             user_name: backend.user_name.clone(),
             ledger_timeout: backend.ledger_timeout,
@@ -194,7 +213,17 @@ pub(crate) async fn acquire(
     Ok(acquired == 1)
 }
 
+/// A failed command of a session. The ACL's refusal is permanent: retrying cannot help, so it
+/// ends pgleader (as a transaction pooler does on PostgreSQL) rather than loop. Inside a script,
+/// Redis 7.0 reports it as ERR "The user executing the script can't ...", not NOPERM.
 pub(crate) fn query_error(err: redis::RedisError) -> SessionError {
+    let refused_in_script = err.to_string().contains("user executing the script can't");
+    if err.code() == Some("NOPERM") || refused_in_script {
+        return SessionError::Unsafe(format!(
+            "the Redis ACL does not authorize what pgleader needs ({err}); README.md, \
+             \"Redis\", lists the whole ACL"
+        ));
+    }
     SessionError::Query(err.to_string())
 }
 
@@ -240,8 +269,37 @@ impl Session for RedisSession {
         vec![self.connection.socket]
     }
 
+    /// An invalidation of the lock's key is a suspicion, not yet a loss: the server's tracking
+    /// table knows key names, not databases, so FLUSHDB of any database, or a write to a key of
+    /// the same name in another one, is pushed too. The key is read again (which also re-arms
+    /// tracking) and the leadership ends only if it is no longer this session's.
     async fn ended(&mut self) -> String {
         loop {
+            if self.suspect {
+                let mut conn = self.connection.conn.clone();
+                let value: Option<String> = match redis::cmd("GET")
+                    .arg(&self.args.keys.lock)
+                    .query_async(&mut conn)
+                    .await
+                {
+                    Ok(value) => value,
+                    Err(err) => {
+                        return format!(
+                            "cannot read the lock's key after it was invalidated: {err}"
+                        );
+                    }
+                };
+                if value.as_deref().and_then(scripts::holder_nonce)
+                    != Some(self.args.nonce.as_str())
+                {
+                    return format!(
+                        "the lock's key {} was changed by another client (deleted, \
+                         overwritten, flushed) or expired",
+                        self.args.keys.lock
+                    );
+                }
+                self.suspect = false;
+            }
             match self.connection.pushes.recv().await {
                 None => return "the connection was closed".into(),
                 Some(push) if push.kind == PushKind::Disconnection => {
@@ -252,11 +310,7 @@ impl Session for RedisSession {
                         && self.leading.load(Ordering::Relaxed)
                         && invalidates(&push, &self.args.keys.lock) =>
                 {
-                    return format!(
-                        "the lock's key {} was changed by another client (deleted, \
-                         overwritten, flushed) or expired",
-                        self.args.keys.lock
-                    );
+                    self.suspect = true;
                 }
                 Some(_) => {}
             }
@@ -321,19 +375,25 @@ impl Session for RedisSession {
     /// The epoch the acquire script wrote into the key, the server's clock, and its uptime
     /// (the restart fence). Reading the key also arms tracking for it: from here on a change
     /// by anyone else is pushed to this session.
+    ///
+    /// It renews the key first. The key's TTL ran from when the acquire script ran, but the
+    /// leader's deadline runs from when this request was sent, which can be much later (a slow
+    /// answer to the acquire, a stalled pgleader): without the renewal the key could expire,
+    /// and a follower start, before this leader has stopped its command.
     async fn fence(&self) -> Result<Fence, SessionError> {
         let mut conn = self.connection.conn.clone();
-        let (value, (seconds, micros), info): (Option<String>, (i64, i64), String) = redis::pipe()
-            .cmd("GET")
-            .arg(&self.args.keys.lock)
-            .cmd("TIME")
-            .cmd("INFO")
-            .arg("server")
-            .query_async(&mut conn)
-            .await
-            .map_err(query_error)?;
+        let ((held, seconds, micros), value, info): ((i64, i64, i64), Option<String>, String) =
+            redis::pipe()
+                .add_command(self.args.eval(&scripts::RENEW_SOURCE))
+                .cmd("GET")
+                .arg(&self.args.keys.lock)
+                .cmd("INFO")
+                .arg("server")
+                .query_async(&mut conn)
+                .await
+                .map_err(query_error)?;
         let value = value.unwrap_or_default();
-        if scripts::holder_nonce(&value) != Some(self.args.nonce.as_str()) {
+        if held != 1 || scripts::holder_nonce(&value) != Some(self.args.nonce.as_str()) {
             return Err(SessionError::Query(format!(
                 "the lock's key {} is no longer this session's",
                 self.args.keys.lock

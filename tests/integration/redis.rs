@@ -7,7 +7,7 @@
 use nix::sys::signal::Signal;
 
 use crate::harness::redis::SECRET_PASSWORD;
-use crate::harness::{Journal, Proc, Redis, Stream, field, patient_child, pgleader};
+use crate::harness::{Journal, Proc, Proxy, Redis, Stream, field, patient_child, pgleader};
 
 /// `pgleader run --lock <lock> <args...> -- sh -c <script>` against a Redis URL.
 fn run(name: &str, url: &str, lock: &str, args: &[&str], script: &str) -> Proc {
@@ -89,6 +89,74 @@ fn kill_9_of_the_leader_is_replaced_before_the_ttl_but_only_after_its_whole_tree
 }
 
 #[test]
+fn a_late_answer_to_the_acquire_never_lets_the_key_expire_before_the_leaders_deadline() {
+    // The key's TTL starts when the acquire script runs; the leader's deadline must not start
+    // later. B's answers come back 2.2 s late (a slow path back); once it leads, B is cut off
+    // for good. B stops its command by its deadline, counted from when it asked for its fencing
+    // token; the key must outlive that, or C takes over while B's command still runs.
+    let redis = Redis::new("late-answer");
+    let proxy = Proxy::start(redis.port);
+    let through_proxy = format!("redis://127.0.0.1:{}", proxy.port());
+    let lock = lock("late-answer");
+    let journal = Journal::new("redis-late-answer");
+    let lease = "--lease=9100ms";
+    let a = run(
+        "A",
+        &redis.url(),
+        &lock,
+        &["--check-interval=200ms", "--kill-timeout=1s", lease],
+        &journal.quick_child("A"),
+    );
+    a.wait_stdout("A started");
+    // Four seconds between checks, so B's first renewal comes well after it has started, and
+    // a check timeout that the late answers fit in.
+    let b = run(
+        "B",
+        &through_proxy,
+        &lock,
+        &[
+            "--check-interval=4s",
+            "--check-timeout=3s",
+            "--kill-timeout=1s",
+            lease,
+        ],
+        &journal.child("B", "0.9"),
+    );
+    b.wait_log("waiting for the lock");
+    // B is first in the queue before C arrives: the release wakes B, not C.
+    let queue = format!("pgleader:{{{lock}}}:queue");
+    let queued = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while redis.cli(&["LLEN", &queue]) != "1" {
+        assert!(
+            std::time::Instant::now() < queued,
+            "B never queued: {}",
+            b.dump()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let c = run(
+        "C",
+        &redis.url(),
+        &lock,
+        &["--check-interval=100ms", "--kill-timeout=1s", lease],
+        &journal.quick_child("C"),
+    );
+    c.wait_log("waiting for the lock");
+    proxy.delay_replies(std::time::Duration::from_millis(2200));
+    a.signal(Signal::SIGTERM);
+    b.wait_stdout("B started");
+    proxy.freeze();
+    c.wait_stdout("C started");
+    let lines = journal.lines();
+    let at = |tag: &str| lines.iter().position(|line| line == tag);
+    assert!(
+        at("B-stopped").is_some_and(|stopped| at("C-started").is_some_and(|c| stopped < c)),
+        "C started while B's command still ran: {lines:?}\n{}",
+        b.dump()
+    );
+}
+
+#[test]
 fn sigterm_to_the_leader_hands_over_only_after_its_command_has_exited() {
     let redis = Redis::shared();
     let lock = lock("handover");
@@ -124,6 +192,96 @@ fn deleting_the_key_stops_the_command_at_once_not_at_the_next_check() {
 }
 
 #[test]
+fn deleting_the_key_after_renewals_still_stops_the_command_at_once() {
+    // A leader's own renewal (PEXPIRE) drops the key from the server's tracking table, NOLOOP
+    // or not: unless the leader reads the key again, a later DEL is no longer pushed to it.
+    let redis = Redis::shared();
+    let lock = lock("del-renewed");
+    let args = [
+        "--check-interval=1s",
+        "--check-timeout=500ms",
+        "--kill-timeout=1s",
+        "--lease=60s",
+    ];
+    let a = run("A", &redis.url(), &lock, &args, &patient_child("A"));
+    a.wait_stdout("A started");
+    // Two or three renewals.
+    std::thread::sleep(std::time::Duration::from_millis(2500));
+    let key = format!("pgleader:{{{lock}}}");
+    assert_eq!(redis.cli(&["DEL", &key]), "1");
+    a.wait_stdout("A got TERM");
+    let lost = a.wait_log("leadership lost");
+    assert!(
+        lost.contains("changed by another client"),
+        "noticed by the next check, not by the push: {lost}"
+    );
+}
+
+#[test]
+fn a_leadership_lost_to_a_deleted_key_leaves_nothing_behind() {
+    // Each session names itself in the lock's :who hash; a leader that lost its key must still
+    // take its entry out when it steps down, or the hash grows with every loss.
+    let redis = Redis::shared();
+    let lock = lock("who-leak");
+    let key = format!("pgleader:{{{lock}}}");
+    let who = format!("{key}:who");
+    let args = [SLOW_CHECKS[0], SLOW_CHECKS[1], "--restart-delay=0s"];
+    let a = run("A", &redis.url(), &lock, &args, &patient_child("A"));
+    for round in 1..=3 {
+        a.wait_for_nth(Stream::Stdout, "A started", round);
+        assert_eq!(redis.cli(&["DEL", &key]), "1");
+        a.wait_for_nth(Stream::Stdout, "A got TERM", round);
+    }
+    a.wait_for_nth(Stream::Stdout, "A started", 4);
+    assert_eq!(
+        redis.cli(&["HLEN", &who]),
+        "1",
+        "entries of lost leaderships: {}",
+        redis.cli(&["HGETALL", &who])
+    );
+}
+
+#[test]
+fn waiters_that_died_while_the_lock_was_held_do_not_pile_up_in_the_queue() {
+    // Dead waiters used to leave the queue only when they reached its head at a handoff: a
+    // lock held for months, with followers restarted or reconnecting meanwhile, grew a queue
+    // that every `status` and the next release walk through, NUMSUB by NUMSUB.
+    let redis = Redis::shared();
+    let lock = lock("dead-waiters");
+    let queue = format!("pgleader:{{{lock}}}:queue");
+    let a = run("A", &redis.url(), &lock, &QUICK, &patient_child("A"));
+    a.wait_stdout("A started");
+    let queued = |n: &str| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while redis.cli(&["LLEN", &queue]) != n {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the queue never held {n}: {:?}",
+                redis.cli(&["LRANGE", &queue, "0", "-1"])
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    };
+    let who = format!("pgleader:{{{lock}}}:who");
+    for tag in ["B", "C", "D"] {
+        let follower = run(tag, &redis.url(), &lock, &QUICK, "true");
+        follower.wait_log("waiting for the lock");
+        // Queued: its card is written in the same script that queues it.
+        let card = format!(":{}@", follower.pid);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !redis.cli(&["HVALS", &who]).contains(&card) {
+            assert!(std::time::Instant::now() < deadline, "{tag} never queued");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        follower.signal(Signal::SIGKILL);
+        follower.wait_exit();
+    }
+    let e = run("E", &redis.url(), &lock, &QUICK, "true");
+    e.wait_log("waiting for the lock");
+    queued("1");
+}
+
+#[test]
 fn flushall_and_a_foreign_set_stop_the_command_at_once() {
     let redis = Redis::new("flush");
     let lock = lock("flush");
@@ -141,6 +299,38 @@ fn flushall_and_a_foreign_set_stop_the_command_at_once() {
     redis.cli(&["SET", &key, "nonce=0 someone else"]);
     b.wait_stdout("B got TERM");
     let lost = b.wait_log("leadership lost");
+    assert!(lost.contains("changed by another client"), "{lost}");
+}
+
+#[test]
+fn another_databases_flushdb_or_key_leaves_the_leader_alone() {
+    // The server's tracking table knows key names, not databases: FLUSHDB of any database
+    // pushes "everything changed" to every tracking client, and a write to a key of the same
+    // name in another database pushes that name. Neither touches this leader's key.
+    let redis = Redis::new("otherdb");
+    let lock = lock("otherdb");
+    let key = format!("pgleader:{{{lock}}}");
+    let a = run("A", &redis.url(), &lock, &SLOW_CHECKS, &patient_child("A"));
+    a.wait_stdout("A started");
+    redis.cli(&["-n", "5", "SET", "cache", "1"]);
+    redis.cli(&["-n", "5", "FLUSHDB"]);
+    redis.cli(&["-n", "5", "SET", &key, "an unrelated value"]);
+    let stopped = a.wait_line(
+        Stream::Stdout,
+        "A got TERM",
+        1,
+        None,
+        std::time::Duration::from_secs(2),
+    );
+    assert!(
+        stopped.is_none(),
+        "a change in another database stopped the command: {}",
+        a.dump()
+    );
+    // Its own key is still noticed at once.
+    assert_eq!(redis.cli(&["DEL", &key]), "1");
+    a.wait_stdout("A got TERM");
+    let lost = a.wait_log("leadership lost");
     assert!(lost.contains("changed by another client"), "{lost}");
 }
 
@@ -289,6 +479,66 @@ fn a_user_without_the_documented_acl_is_refused_and_one_with_it_leads() {
             .all(|line| !line.contains("WARN")),
         "the documented ACL is enough for everything: {}",
         b.dump()
+    );
+}
+
+#[test]
+fn an_acl_that_refuses_the_lock_scripts_is_a_permanent_error_not_a_retry_loop() {
+    // Connecting needs only what every user has here; the first script is the first refusal.
+    let redis = Redis::new("acl-scripts");
+    let lock = lock("acl-scripts");
+    redis.cli(&[
+        "ACL",
+        "SETUSER",
+        "noscript",
+        "on",
+        ">pw",
+        "~*",
+        "&*",
+        "+@all",
+        "-@scripting",
+    ]);
+    let only_the_lock = format!("~pgleader:{{{lock}}}");
+    redis.cli(&[
+        "ACL",
+        "SETUSER",
+        "onekey",
+        "on",
+        ">pw",
+        &only_the_lock,
+        "&*",
+        "+@all",
+    ]);
+    for user in ["noscript", "onekey"] {
+        let url = format!("redis://{user}:pw@127.0.0.1:{}", redis.port);
+        let a = run(user, &url, &lock, &QUICK, "echo ran");
+        let (status, stdout, stderr) = a.finish();
+        assert_eq!(status.code(), Some(1), "{}", a.dump());
+        assert!(stdout.is_empty(), "{}", a.dump());
+        let text = stderr.join("\n");
+        assert!(text.contains("ACL"), "{user}: {text}");
+        assert!(
+            !text.contains("retrying") && text.matches("waiting for the lock").count() == 1,
+            "{user}: retried what cannot succeed: {text}"
+        );
+    }
+}
+
+#[test]
+fn a_database_the_server_does_not_have_is_a_permanent_error() {
+    // DESIGN.md's failure model: a missing database is permanent, like bad credentials. A
+    // Redis server has `databases` (16 by default) numbered from 0, fixed until it restarts.
+    let redis = Redis::shared();
+    let url = format!("{}/99", redis.url());
+    let a = run("A", &url, &lock("nodb"), &[], "echo ran");
+    let (status, stdout, stderr) = a.finish();
+    assert_eq!(status.code(), Some(1), "{}", a.dump());
+    assert!(stdout.is_empty(), "{}", a.dump());
+    let text = stderr.join("\n");
+    assert!(text.contains("database 99"), "{text}");
+    assert!(
+        !text.contains("retrying"),
+        "retried what cannot succeed: {text}"
     );
 }
 

@@ -1,5 +1,7 @@
 //! A TCP proxy between one pgleader and the server, that can freeze traffic (a partition
-//! without RST or FIN: bytes simply stop flowing, both ways) and cut every connection.
+//! without RST or FIN: bytes simply stop flowing, both ways), delay the server's answers (a
+//! slow path back: what the server did, it did at once; the client learns it late), and cut
+//! every connection.
 //!
 //! Note what a user-space proxy cannot do: while frozen, its own kernel still acknowledges
 //! the server's TCP keepalives, so the server never sees the partition at the TCP level. The
@@ -8,8 +10,9 @@
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, mpsc};
 use std::thread;
+use std::time::{Duration, Instant};
 
 #[derive(Default)]
 struct State {
@@ -17,6 +20,8 @@ struct State {
     /// Bumped by `cut`: pumps of an older generation stop.
     generation: u64,
     connections: Vec<TcpStream>,
+    /// How long each chunk from the server is held before it is passed on.
+    reply_delay: Duration,
 }
 
 #[derive(Default)]
@@ -51,8 +56,8 @@ impl Proxy {
                     state.connections.push(server.try_clone().expect("clone"));
                     state.generation
                 };
-                pump(&client, &server, generation, accept_shared.clone());
-                pump(&server, &client, generation, accept_shared.clone());
+                pump(&client, &server, generation, accept_shared.clone(), false);
+                pump(&server, &client, generation, accept_shared.clone(), true);
             }
         });
         Proxy { port, shared }
@@ -80,6 +85,12 @@ impl Proxy {
         self.shared.changed.notify_all();
     }
 
+    /// Holds every chunk the server sends for `delay` before passing it on, in order (0: at
+    /// once). What the client sends still reaches the server at once.
+    pub fn delay_replies(&self, delay: Duration) {
+        self.shared.state.lock().expect("proxy lock").reply_delay = delay;
+    }
+
     /// Resets every connection open now (RST to both sides). New connections still work.
     pub fn cut(&self) {
         let mut state = self.shared.state.lock().expect("proxy lock");
@@ -98,10 +109,25 @@ impl Drop for Proxy {
     }
 }
 
-/// Copies `from` to `to` until either side closes, holding data back while frozen.
-fn pump(from: &TcpStream, to: &TcpStream, generation: u64, shared: Arc<Shared>) {
+/// Copies `from` to `to` until either side closes, holding data back while frozen, and, when
+/// it comes from the server (`replies`), for the reply delay.
+fn pump(from: &TcpStream, to: &TcpStream, generation: u64, shared: Arc<Shared>, replies: bool) {
     let mut from = from.try_clone().expect("clone");
     let mut to = to.try_clone().expect("clone");
+    let to_reset = to.try_clone().expect("clone");
+    // The reader stamps each chunk with when it may go on; the writer keeps the order.
+    let (chunks, queued) = mpsc::channel::<(Instant, Vec<u8>)>();
+    let writer_shared = shared.clone();
+    thread::spawn(move || {
+        for (due, chunk) in queued {
+            thread::sleep(due.saturating_duration_since(Instant::now()));
+            // Data that arrived just as the proxy froze is held until it thaws.
+            if !wait_while_frozen(&writer_shared, generation) || to.write_all(&chunk).is_err() {
+                return;
+            }
+        }
+        let _ = to.shutdown(Shutdown::Write);
+    });
     thread::spawn(move || {
         let mut buf = [0u8; 16 * 1024];
         loop {
@@ -109,19 +135,23 @@ fn pump(from: &TcpStream, to: &TcpStream, generation: u64, shared: Arc<Shared>) 
                 return;
             }
             let n = match from.read(&mut buf) {
-                Ok(0) => {
-                    let _ = to.shutdown(Shutdown::Write);
-                    return;
-                }
+                Ok(0) => return,
                 Ok(n) => n,
                 Err(err) if err.kind() == ErrorKind::Interrupted => continue,
                 Err(_) => {
-                    reset(&to);
+                    reset(&to_reset);
                     return;
                 }
             };
-            // Data that arrived just as the proxy froze is held until it thaws.
-            if !wait_while_frozen(&shared, generation) || to.write_all(&buf[..n]).is_err() {
+            let delay = if replies {
+                shared.state.lock().expect("proxy lock").reply_delay
+            } else {
+                Duration::ZERO
+            };
+            if chunks
+                .send((Instant::now() + delay, buf[..n].to_vec()))
+                .is_err()
+            {
                 return;
             }
         }
