@@ -29,9 +29,13 @@ pub fn init(format: LogFormat, verbosity: i8) {
         1 => Level::DEBUG,
         _ => Level::TRACE,
     };
+    // A log reader that went away (`2>&1 | head`) is no reason to die: without this, the
+    // subscriber reports the failed write with eprintln!, which panics on the same closed pipe,
+    // and pgleader would exit 101 with its command orphaned to the keeper's cleanup.
     let builder = tracing_subscriber::fmt()
         .with_max_level(level)
         .with_writer(io::stderr)
+        .log_internal_errors(false)
         .with_ansi(false);
     let result = match format {
         LogFormat::Text => builder.event_format(TextFormat).try_init(),

@@ -700,3 +700,44 @@ fn without_pubsub_numsub_a_crashed_leader_is_replaced_when_its_key_expires_and_i
         b.dump()
     );
 }
+
+#[test]
+fn a_log_reader_that_went_away_does_not_kill_pgleader() {
+    // `pgleader run ... 2>&1 | head -1`: stderr becomes a pipe nobody reads.
+    let redis = Redis::shared();
+    let marker = std::env::temp_dir().join(format!("pgleader-{}.ran", lock("stderr")));
+    let mut command = pgleader();
+    command
+        .args([
+            "run",
+            "-d",
+            &redis.url(),
+            "--lock",
+            &lock("stderr"),
+            "--once",
+            "--",
+        ])
+        .args([
+            "sh",
+            "-c",
+            &format!("sleep 0.3; echo ran > {}", marker.display()),
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped());
+    let mut child = command.spawn().expect("start pgleader");
+    drop(child.stderr.take());
+    let deadline = std::time::Instant::now() + crate::harness::WAIT;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break status;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "pgleader did not exit"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    assert_eq!(status.code(), Some(0), "pgleader died of its closed stderr");
+    assert!(marker.exists(), "the command did not run to its end");
+    let _ = std::fs::remove_file(&marker);
+}
