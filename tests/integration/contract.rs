@@ -4,9 +4,9 @@
 //! increase, a wait that is abandoned, and a ledger claim refused without leadership.
 //!
 //! A backend joins the suite by implementing [`Subject`] (how to make a backend for a fresh
-//! lock, and how the server ends a session) and one line of [`contract_suite!`]. PostgreSQL and one
-//! Redis server run it today; the Redlock quorum is to be added here, not given a suite of its
-//! own.
+//! lock, and how the server ends a session) and one line of [`contract_suite!`]. PostgreSQL, one
+//! Redis server and a Redlock quorum of three run it; a backend says what it does not promise
+//! (a quorum does not queue its waiters and keeps no ledger yet) through [`Subject`].
 
 use std::future::Future;
 use std::time::Duration;
