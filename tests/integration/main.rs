@@ -14,6 +14,7 @@ mod nemesis;
 mod notify;
 mod observability;
 mod redis;
+mod redis_nemesis;
 mod schedule;
 mod signals;
 mod tls;
