@@ -15,6 +15,7 @@ mod notify;
 mod observability;
 mod redis;
 mod redis_nemesis;
+mod redis_tls;
 mod schedule;
 mod signals;
 mod tls;
