@@ -3,7 +3,7 @@
 //! the faults Redis can suffer: kill -9 and SIGTERM of a pgleader, `CLIENT KILL` of the leader's
 //! connection, `DEL` and `FLUSHALL` of the key, the server frozen by SIGSTOP and by
 //! `DEBUG SLEEP`, a restart that kept nothing, and a partition of the leader (its proxy stops
-//! forwarding).
+//! forwarding), healed after a new leader runs or, briefly, before its key expires.
 //!
 //! Every command records its start on the monotonic clock; the test records its death. No two
 //! run intervals may overlap, fencing tokens must grow from each run to the next, and a new
@@ -19,7 +19,7 @@
 //!
 //! Seeded: the seed is printed on failure and can be replayed with PGLEADER_NEMESIS_SEED (the
 //! same faults in the same order; the machine's timing differs). The number of rounds is
-//! PGLEADER_NEMESIS_ROUNDS (12 by default: the first nine are every fault once, in a seeded
+//! PGLEADER_NEMESIS_ROUNDS (12 by default: the first ten are every fault once, in a seeded
 //! order).
 
 use std::collections::BTreeMap;
@@ -94,11 +94,16 @@ enum Fault {
     DebugSleep,
     /// The server killed and started again, empty (no RDB, no AOF).
     Restart,
-    /// The leader's proxy stops forwarding (a follower's, when the leader has none).
+    /// The leader's proxy stops forwarding (a follower's, when the leader has none) until a
+    /// new leader runs.
     Partition,
+    /// The leader's proxy stops forwarding for less than the lease, long enough for the leader
+    /// to give up: its renewals, held in the proxy, reach the server after it has stopped its
+    /// command, while its key still lives.
+    BriefPartition,
 }
 
-const FAULTS: [Fault; 9] = [
+const FAULTS: [Fault; 10] = [
     Fault::Kill9,
     Fault::Term,
     Fault::ClientKill,
@@ -108,6 +113,7 @@ const FAULTS: [Fault; 9] = [
     Fault::DebugSleep,
     Fault::Restart,
     Fault::Partition,
+    Fault::BriefPartition,
 ];
 
 /// How many pgleaders compete; slot 0 talks to the server directly, the others through proxies.
@@ -386,7 +392,7 @@ fn no_two_commands_ever_run_at_once_under_random_redis_faults() {
         // proxy when the leader has none.
         let target = match fault {
             Fault::Kill9 | Fault::Term if rng.u8(..5) == 0 => rng.usize(..INSTANCES),
-            Fault::Partition if !behind_proxy => rng.usize(1..INSTANCES),
+            Fault::Partition | Fault::BriefPartition if !behind_proxy => rng.usize(1..INSTANCES),
             _ => leader.slot,
         };
         let server_wide = matches!(fault, Fault::Sigstop | Fault::DebugSleep | Fault::Restart);
@@ -459,6 +465,17 @@ fn no_two_commands_ever_run_at_once_under_random_redis_faults() {
                     .as_ref()
                     .expect("a proxied instance")
                     .freeze();
+            }
+            Fault::BriefPartition => {
+                // Above check-interval + check-timeout, below the lease.
+                let length = Duration::from_millis(rng.u64(600..1500));
+                nemesis.log.push(format!("  cut off for {length:?}"));
+                let proxy = nemesis.proxies[target]
+                    .as_ref()
+                    .expect("a proxied instance");
+                proxy.freeze();
+                nemesis.pause(length);
+                proxy.thaw();
             }
         }
         if hits_leader {
