@@ -20,7 +20,7 @@
 //! Seeded: the seed is printed on failure and can be replayed with PGLEADER_NEMESIS_SEED (the
 //! same faults in the same order; the machine's timing differs). The number of rounds is
 //! PGLEADER_NEMESIS_ROUNDS (12 by default: the first ten are every fault once, in a seeded
-//! order).
+//! order). PGLEADER_NEMESIS_FAULTS=Partition,Del (the names below) draws from those only.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -354,8 +354,21 @@ fn no_two_commands_ever_run_at_once_under_random_redis_faults() {
         .and_then(|rounds| rounds.parse().ok())
         .unwrap_or(12);
     let mut rng = fastrand::Rng::with_seed(seed);
+    // Only the faults PGLEADER_NEMESIS_FAULTS names (Debug names, comma-separated), if set.
+    let faults: Vec<Fault> = match std::env::var("PGLEADER_NEMESIS_FAULTS") {
+        Ok(names) => names
+            .split(',')
+            .map(|name| {
+                *FAULTS
+                    .iter()
+                    .find(|fault| format!("{fault:?}") == name.trim())
+                    .unwrap_or_else(|| panic!("no fault {name:?}; the faults: {FAULTS:?}"))
+            })
+            .collect(),
+        Err(_) => FAULTS.to_vec(),
+    };
     // Every fault once, in a seeded order, then any.
-    let mut plan = FAULTS.to_vec();
+    let mut plan = faults.clone();
     rng.shuffle(&mut plan);
     let redis = Redis::new("nemesis");
     let proxies = (0..INSTANCES)
@@ -385,7 +398,7 @@ fn no_two_commands_ever_run_at_once_under_random_redis_faults() {
         let fault = plan
             .get(round)
             .copied()
-            .unwrap_or_else(|| FAULTS[rng.usize(..FAULTS.len())]);
+            .unwrap_or_else(|| faults[rng.usize(..faults.len())]);
         let leader = nemesis.leader();
         let behind_proxy = nemesis.proxies[leader.slot].is_some();
         // Mostly the leader; now and then a follower, for kill -9 and SIGTERM; a follower's
