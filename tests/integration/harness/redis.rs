@@ -1,7 +1,7 @@
 //! Real `redis-server` processes for the Redis backend's tests, each on a free port, keeping
 //! nothing on disk (`--save '' --appendonly no`, so a restart loses every key), with `DEBUG`
-//! allowed from localhost (`DEBUG SLEEP` freezes the server). Commands go through the real
-//! `redis-cli`.
+//! allowed from localhost (`DEBUG SLEEP` freezes the server), or speaking only TLS with a
+//! certificate the test made. Commands go through the real `redis-cli`.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
@@ -184,7 +184,8 @@ impl Redis {
         kill(Pid::from_raw(self.pid()), signal).expect("signal redis-server");
     }
 
-    /// The server's URL (`rediss://` with the CA file for a TLS server).
+    /// The server's URL, by address (`rediss://` with the CA file for a TLS server, which
+    /// verifies only if its certificate names 127.0.0.1).
     pub fn url(&self) -> String {
         match &self.tls_ca {
             Some(ca) => format!("rediss://127.0.0.1:{}?cacert={}", self.port, ca.display()),
