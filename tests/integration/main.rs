@@ -15,6 +15,8 @@ mod notify;
 mod observability;
 mod quorum;
 mod redis;
+mod redis_nemesis;
+mod redis_tls;
 mod schedule;
 mod signals;
 mod tls;

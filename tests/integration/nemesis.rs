@@ -18,7 +18,7 @@ use nix::sys::signal::Signal;
 use crate::harness::{Cluster, Proc, Proxy, Stream, WAIT, pgleader, unique_lock, wait_gone};
 
 /// CLOCK_MONOTONIC in nanoseconds: the same clock in every process of the machine.
-fn monotonic_ns() -> u64 {
+pub(crate) fn monotonic_ns() -> u64 {
     let mut now = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,

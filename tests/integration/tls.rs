@@ -92,7 +92,7 @@ fn server() -> &'static TlsServer {
 }
 
 /// A self-signed CA: its certificate in PEM, and what signs with it.
-fn authority(name: &str) -> (String, Issuer<'static, KeyPair>) {
+pub(crate) fn authority(name: &str) -> (String, Issuer<'static, KeyPair>) {
     let key = KeyPair::generate().expect("key");
     let mut params = CertificateParams::new(Vec::<String>::new()).expect("params");
     params.distinguished_name.push(DnType::CommonName, name);

@@ -1,9 +1,9 @@
 //! Real `redis-server` processes for the Redis backend's tests, each on a free port, keeping
 //! nothing on disk (`--save '' --appendonly no`, so a restart loses every key), with `DEBUG`
-//! allowed from localhost (`DEBUG SLEEP` freezes the server). Commands go through the real
-//! `redis-cli`.
+//! allowed from localhost (`DEBUG SLEEP` freezes the server), or speaking only TLS with a
+//! certificate the test made. Commands go through the real `redis-cli`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -28,7 +28,18 @@ pub struct Redis {
     extra: Vec<String>,
     /// The default user's password (`--requirepass`), for redis-cli.
     password: Option<String>,
+    /// For a server that speaks only TLS: the CA file that verifies its certificate.
+    tls_ca: Option<PathBuf>,
     server: Mutex<Option<Child>>,
+}
+
+/// What a server that speaks only TLS is given: its certificate and key, and the CA that
+/// signed it, all PEM.
+#[derive(Debug)]
+pub struct ServerTls {
+    pub cert_pem: String,
+    pub key_pem: String,
+    pub ca_pem: String,
 }
 
 impl Redis {
@@ -45,6 +56,48 @@ impl Redis {
 
     /// A server with extra `redis-server` arguments.
     pub fn start_with(name: &str, extra: &[&str]) -> Redis {
+        let redis = Redis::prepare(name, extra);
+        redis.start();
+        redis
+    }
+
+    /// A server that accepts only TLS (`--port 0 --tls-port`), with `tls`'s certificate, and
+    /// does not ask clients for one (`--tls-auth-clients no`).
+    pub fn start_tls(name: &str, tls: &ServerTls) -> Redis {
+        let mut redis = Redis::prepare(name, &[]);
+        let file = |file: &str, pem: &str| {
+            let path = redis.dir.join(file);
+            std::fs::write(&path, pem).expect("write a certificate file");
+            path.to_string_lossy().into_owned()
+        };
+        let (cert, key, ca) = (
+            file("server.crt", &tls.cert_pem),
+            file("server.key", &tls.key_pem),
+            file("ca.crt", &tls.ca_pem),
+        );
+        redis.extra = [
+            "--port",
+            "0",
+            "--tls-port",
+            &redis.port.to_string(),
+            "--tls-cert-file",
+            &cert,
+            "--tls-key-file",
+            &key,
+            "--tls-ca-cert-file",
+            &ca,
+            "--tls-auth-clients",
+            "no",
+        ]
+        .map(str::to_owned)
+        .to_vec();
+        redis.tls_ca = Some(PathBuf::from(ca));
+        redis.start();
+        redis
+    }
+
+    /// A server not started yet, with its directory and port.
+    fn prepare(name: &str, extra: &[&str]) -> Redis {
         super::require_tool("redis-server", INSTALL_HINT);
         super::require_tool("redis-cli", INSTALL_HINT);
         let dir = std::env::temp_dir().join(format!(
@@ -58,15 +111,14 @@ impl Redis {
             .position(|arg| *arg == "--requirepass")
             .and_then(|at| extra.get(at + 1))
             .map(|password| (*password).to_owned());
-        let redis = Redis {
+        Redis {
             port: free_port(),
             dir,
             password,
             extra: extra.iter().map(|arg| (*arg).to_owned()).collect(),
+            tls_ca: None,
             server: Mutex::new(None),
-        };
-        redis.start();
-        redis
+        }
     }
 
     /// Starts the server (again, after [`Redis::crash`]), empty.
@@ -74,8 +126,12 @@ impl Redis {
         let mut server = self.server.lock().expect("server lock");
         assert!(server.is_none(), "the server already runs");
         let mut command = Command::new("redis-server");
+        // A TLS server listens on the port with --tls-port (its extra arguments), on no other.
+        if self.tls_ca.is_none() {
+            command.args(["--port", &self.port.to_string()]);
+        }
         command
-            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--bind", "127.0.0.1"])
             .args(["--save", "", "--appendonly", "no"])
             .args(["--enable-debug-command", "local"])
             .args(["--dir", &self.dir.to_string_lossy()])
@@ -89,8 +145,14 @@ impl Redis {
         while self.try_cli(&["PING"]).as_deref() != Ok("PONG") {
             assert!(
                 Instant::now() < deadline,
-                "redis-server on port {} did not answer PING within 20 s; its log:\n{}",
+                "redis-server on port {} did not answer PING within 20 s{}; its log:\n{}",
                 self.port,
+                if self.tls_ca.is_some() {
+                    " (over TLS: redis-server and redis-cli must be built with TLS, as \
+                     Debian's are)"
+                } else {
+                    ""
+                },
                 std::fs::read_to_string(self.dir.join("log")).unwrap_or_default()
             );
             std::thread::sleep(Duration::from_millis(20));
@@ -122,8 +184,18 @@ impl Redis {
         kill(Pid::from_raw(self.pid()), signal).expect("signal redis-server");
     }
 
+    /// The server's URL, by address (`rediss://` with the CA file for a TLS server, which
+    /// verifies only if its certificate names 127.0.0.1).
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
+        match &self.tls_ca {
+            Some(ca) => format!("rediss://127.0.0.1:{}?cacert={}", self.port, ca.display()),
+            None => format!("redis://127.0.0.1:{}", self.port),
+        }
+    }
+
+    /// The CA file that verifies a TLS server's certificate.
+    pub fn ca_file(&self) -> Option<&Path> {
+        self.tls_ca.as_deref()
     }
 
     /// Runs one command through redis-cli and returns its output, trimmed; panics on failure.
@@ -136,6 +208,10 @@ impl Redis {
     pub fn try_cli(&self, args: &[&str]) -> Result<String, String> {
         let mut command = Command::new("redis-cli");
         command.args(["-h", "127.0.0.1", "-p", &self.port.to_string()]);
+        // redis-cli checks the certificate against the CA but not the host name.
+        if let Some(ca) = &self.tls_ca {
+            command.arg("--tls").arg("--cacert").arg(ca);
+        }
         if let Some(password) = &self.password {
             command.env("REDISCLI_AUTH", password);
         }

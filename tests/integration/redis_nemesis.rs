@@ -1,0 +1,563 @@
+//! The Redis nemesis: three pgleaders compete for one key on one `redis-server` (two of them
+//! through proxies that can freeze traffic) while the test injects a seeded random sequence of
+//! the faults Redis can suffer: kill -9 and SIGTERM of a pgleader, `CLIENT KILL` of the leader's
+//! connection, `DEL` and `FLUSHALL` of the key, the server frozen by SIGSTOP and by
+//! `DEBUG SLEEP`, a restart that kept nothing, and a partition of the leader (its proxy stops
+//! forwarding), healed after a new leader runs or, briefly, before its key expires.
+//!
+//! Every command records its start on the monotonic clock; the test records its death. No two
+//! run intervals may overlap, fencing tokens must grow from each run to the next, and a new
+//! leader must appear after every fault that removed the old one.
+//!
+//! Where the server ends a session whose pgleader lives on (CLIENT KILL, DEL, FLUSHALL, a
+//! restart), the lock is free before the old command has stopped: --takeover-delay, above the
+//! kill timeout, is what keeps those apart, so the nemesis sets it. Half the commands ignore
+//! SIGTERM, so that stopping them takes the whole kill timeout. A frozen proxy does not make the
+//! server drop the leader's connection (the proxy's kernel still holds it open), so nothing but
+//! the key's TTL (--lease) frees the lock: the partitioned leader must have stopped its command
+//! before then on its own clock. That is exactly what the partition fault checks.
+//!
+//! Seeded: the seed is printed on failure and can be replayed with PGLEADER_NEMESIS_SEED (the
+//! same faults in the same order; the machine's timing differs). The number of rounds is
+//! PGLEADER_NEMESIS_ROUNDS (12 by default: the first ten are every fault once, in a seeded
+//! order). PGLEADER_NEMESIS_FAULTS=Partition,Del (the names below) draws from those only.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+
+use crate::harness::{Proc, Proxy, Redis, Stream, WAIT, pgleader, unique_lock, wait_gone};
+use crate::nemesis::monotonic_ns;
+
+/// Not a test of its own: the command the nemesis's pgleaders run is this test binary,
+/// re-executed to run only this function with PGLEADER_REDIS_NEMESIS_SLOT set. It prints its
+/// start (with the monotonic time, the session's client id and the fencing token), ignores
+/// SIGTERM if PGLEADER_REDIS_NEMESIS_STUBBORN=1 (so only the SIGKILL after --kill-timeout ends
+/// it), and waits to be killed. In a normal test run it does nothing.
+#[test]
+fn child_mode() {
+    let Ok(slot) = std::env::var("PGLEADER_REDIS_NEMESIS_SLOT") else {
+        return;
+    };
+    let stubborn = std::env::var("PGLEADER_REDIS_NEMESIS_STUBBORN").is_ok_and(|v| v == "1");
+    if stubborn {
+        // SAFETY: SIG_IGN is a valid disposition for SIGTERM; no handler code runs.
+        unsafe { libc::signal(libc::SIGTERM, libc::SIG_IGN) };
+    }
+    let started = monotonic_ns();
+    let backend = std::env::var("PGLEADER_BACKEND_PID").unwrap_or_default();
+    let epoch = std::env::var("PGLEADER_EPOCH").unwrap_or_default();
+    let mut stdout = std::io::stdout().lock();
+    let _ = writeln!(
+        stdout,
+        "redis-nemesis-child slot={slot} pid={} started={started} backend={backend} epoch={epoch} stubborn={stubborn}",
+        std::process::id()
+    );
+    let _ = stdout.flush();
+    drop(stdout);
+    loop {
+        std::thread::park();
+    }
+}
+
+/// One run of the command, as the test saw it.
+#[derive(Debug, Clone)]
+struct Run {
+    slot: usize,
+    pid: i32,
+    /// The leader session's client id (`CLIENT KILL ID` takes it).
+    backend: String,
+    epoch: i64,
+    started: u64,
+    died: Option<u64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    /// kill -9 of a pgleader (mostly the leader's).
+    Kill9,
+    /// SIGTERM of a pgleader (mostly the leader's): a graceful handover.
+    Term,
+    /// `CLIENT KILL ID` of the leader's connection: the server ends it, pgleader lives on.
+    ClientKill,
+    /// `DEL` of the key under the leader.
+    Del,
+    /// `FLUSHALL`: the key, the wake lists, everything.
+    FlushAll,
+    /// The server stopped with SIGSTOP, then continued.
+    Sigstop,
+    /// The server busy in `DEBUG SLEEP`: it answers nothing, yet its sockets look alive.
+    DebugSleep,
+    /// The server killed and started again, empty (no RDB, no AOF).
+    Restart,
+    /// The leader's proxy stops forwarding (a follower's, when the leader has none) until a
+    /// new leader runs.
+    Partition,
+    /// The leader's proxy stops forwarding for less than the lease, long enough for the leader
+    /// to give up: its renewals, held in the proxy, reach the server after it has stopped its
+    /// command, while its key still lives.
+    BriefPartition,
+}
+
+const FAULTS: [Fault; 10] = [
+    Fault::Kill9,
+    Fault::Term,
+    Fault::ClientKill,
+    Fault::Del,
+    Fault::FlushAll,
+    Fault::Sigstop,
+    Fault::DebugSleep,
+    Fault::Restart,
+    Fault::Partition,
+    Fault::BriefPartition,
+];
+
+/// How many pgleaders compete; slot 0 talks to the server directly, the others through proxies.
+const INSTANCES: usize = 3;
+
+/// The lease is the shortest pgleader accepts (check-interval + check-timeout + kill-timeout +
+/// 1 s, plus 1 % for a fast server clock: 1616 ms), so a partitioned leader has no more slack
+/// than the documented rule gives it. The takeover delay is above the kill timeout.
+const TIMINGS: [&str; 7] = [
+    "--check-interval=100ms",
+    "--check-timeout=200ms",
+    "--kill-timeout=300ms",
+    "--lease=1700ms",
+    "--takeover-delay=500ms",
+    "--restart-fence=auto",
+    "--restart-delay=0s",
+];
+
+/// How long a server freeze lasts: always well above check-interval + check-timeout (so the
+/// leader surely loses), sometimes below the lease (the key survives the freeze), sometimes
+/// above it (the key expires while the server is stopped).
+fn freeze_for(rng: &mut fastrand::Rng) -> Duration {
+    Duration::from_millis(rng.u64(700..3000))
+}
+
+struct Nemesis {
+    redis: Redis,
+    lock: String,
+    /// `proxies[slot]` is the proxy of that instance, if it has one.
+    proxies: Vec<Option<Proxy>>,
+    instances: Vec<Option<Proc>>,
+    /// Instances stopped by a fault: their output still counts and goes into the report.
+    retired: Vec<Proc>,
+    /// Every command run seen so far, by pid; deaths are filled in by watcher threads.
+    runs: Arc<Mutex<BTreeMap<i32, Run>>>,
+    /// (stopped, answering again) monotonic times of the server's downtimes and freezes.
+    downtime: Vec<(u64, u64)>,
+    log: Vec<String>,
+    seed: u64,
+}
+
+impl Nemesis {
+    fn url(&self, slot: usize) -> String {
+        match &self.proxies[slot] {
+            Some(proxy) => format!("redis://127.0.0.1:{}", proxy.port()),
+            None => self.redis.url(),
+        }
+    }
+
+    fn key(&self) -> String {
+        format!("pgleader:{{{}}}", self.lock)
+    }
+
+    fn spawn(&mut self, slot: usize, stubborn: bool) {
+        let mut command: Command = pgleader();
+        command
+            .env("PGLEADER_DATABASE_URL", self.url(slot))
+            .env("PGLEADER_REDIS_NEMESIS_SLOT", slot.to_string())
+            .env(
+                "PGLEADER_REDIS_NEMESIS_STUBBORN",
+                if stubborn { "1" } else { "0" },
+            )
+            .arg("run")
+            .arg(format!("--lock={}", self.lock))
+            .args(TIMINGS)
+            .arg("--")
+            .arg(std::env::current_exe().expect("the test binary"))
+            .args([
+                "--exact",
+                "redis_nemesis::child_mode",
+                "--nocapture",
+                "--test-threads=1",
+                "-q",
+            ]);
+        self.instances[slot] = Some(Proc::spawn(&format!("instance {slot}"), command));
+    }
+
+    /// Records runs that have appeared on the instances' output since the last call, and
+    /// starts a watcher for each new command's death. Returns how many runs are known.
+    fn collect(&self) -> usize {
+        for instance in self.retired.iter().chain(self.instances.iter().flatten()) {
+            for line in instance.lines(Stream::Stdout) {
+                let Some(rest) = line.strip_prefix("redis-nemesis-child ") else {
+                    continue;
+                };
+                let field = |key: &str| -> String {
+                    rest.split_whitespace()
+                        .find_map(|word| word.strip_prefix(&format!("{key}=")))
+                        .unwrap_or_default()
+                        .to_owned()
+                };
+                let pid: i32 = field("pid").parse().expect("pid");
+                let mut runs = self.runs.lock().expect("runs");
+                if runs.contains_key(&pid) {
+                    continue;
+                }
+                runs.insert(
+                    pid,
+                    Run {
+                        slot: field("slot").parse().expect("slot"),
+                        pid,
+                        backend: field("backend"),
+                        epoch: field("epoch").parse().unwrap_or_else(|_| {
+                            panic!("seed {}: no PGLEADER_EPOCH in {line:?}", self.seed)
+                        }),
+                        started: field("started").parse().expect("started"),
+                        died: None,
+                    },
+                );
+                // A pidfd turns readable the moment the process exits (not when it is reaped).
+                // One opened after the exit fails with ESRCH, and the death is then recorded
+                // late: never earlier than it was, so it can only make an overlap look bigger.
+                let watched = self.runs.clone();
+                std::thread::spawn(move || {
+                    if wait_gone(pid, Duration::from_secs(3600)) {
+                        let died = monotonic_ns();
+                        if let Some(run) = watched.lock().expect("runs").get_mut(&pid) {
+                            run.died = Some(died);
+                        }
+                    }
+                });
+            }
+        }
+        self.runs.lock().expect("runs").len()
+    }
+
+    /// Keeps collecting runs (every 10 ms, so that a death is watched from the start) until
+    /// `done` says so; fails the test after `timeout`, saying `what` was awaited.
+    fn collect_until(&self, what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            self.collect();
+            if done() {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "seed {}: {what} not within {timeout:?}\n{}",
+                self.seed,
+                self.report()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// The experiment's own pace (how long a leader runs, how long a freeze lasts), not a
+    /// stand-in for an event: runs are collected meanwhile.
+    fn pause(&self, length: Duration) {
+        let end = Instant::now() + length;
+        self.collect_until("a pause", length + WAIT, || Instant::now() >= end);
+    }
+
+    /// Runs a blocking fault (`DEBUG SLEEP`) on another thread, collecting runs meanwhile.
+    fn during<T: Send>(&self, fault: impl FnOnce() -> T + Send) -> T {
+        std::thread::scope(|scope| {
+            let handle = scope.spawn(fault);
+            self.collect_until("a blocking fault's end", WAIT, || handle.is_finished());
+            handle.join().expect("the fault's thread")
+        })
+    }
+
+    /// The newest run whose command still runs, waiting for one if there is none.
+    fn leader(&self) -> Run {
+        let mut found = None;
+        self.collect_until("a running command", WAIT, || {
+            found = self
+                .runs
+                .lock()
+                .expect("runs")
+                .values()
+                .filter(|run| run.died.is_none())
+                .max_by_key(|run| run.started)
+                .cloned();
+            found.is_some()
+        });
+        found.expect("a run")
+    }
+
+    /// Waits until a run beyond the first `known` has started; returns the newest run.
+    fn wait_for_new_run(&self, known: usize) -> Run {
+        self.collect_until("a new leader's command after the fault", WAIT, || {
+            self.runs.lock().expect("runs").len() > known
+        });
+        self.runs
+            .lock()
+            .expect("runs")
+            .values()
+            .max_by_key(|run| run.started)
+            .cloned()
+            .expect("a run")
+    }
+
+    /// Stops an instance with `signal` and waits for it to exit.
+    fn stop(&mut self, slot: usize, signal: Signal) {
+        let Some(instance) = self.instances[slot].take() else {
+            return;
+        };
+        instance.signal(signal);
+        // Retired first, so that what it prints while it stops is still collected.
+        self.retired.push(instance);
+        let instance = self.retired.last().expect("just retired");
+        self.collect_until(&format!("the exit of instance {slot}"), WAIT, || {
+            instance.has_exited()
+        });
+        let status = instance.wait_exit();
+        self.log.push(format!("  instance {slot}: {status}"));
+    }
+
+    fn report(&self) -> String {
+        let mut text = String::from("faults:\n");
+        for line in &self.log {
+            text.push_str(&format!("  {line}\n"));
+        }
+        text.push_str("runs (slot, pid, client, epoch, started, died):\n");
+        let mut runs: Vec<Run> = self.runs.lock().expect("runs").values().cloned().collect();
+        runs.sort_by_key(|run| run.started);
+        for run in runs {
+            text.push_str(&format!(
+                "  {} {} {} {} {} {:?}\n",
+                run.slot, run.pid, run.backend, run.epoch, run.started, run.died
+            ));
+        }
+        for instance in self.retired.iter().chain(self.instances.iter().flatten()) {
+            text.push_str(&instance.dump());
+        }
+        text
+    }
+}
+
+#[test]
+fn no_two_commands_ever_run_at_once_under_random_redis_faults() {
+    let seed: u64 = std::env::var("PGLEADER_NEMESIS_SEED")
+        .ok()
+        .and_then(|seed| seed.parse().ok())
+        .unwrap_or_else(|| fastrand::u64(..));
+    let rounds: usize = std::env::var("PGLEADER_NEMESIS_ROUNDS")
+        .ok()
+        .and_then(|rounds| rounds.parse().ok())
+        .unwrap_or(12);
+    let mut rng = fastrand::Rng::with_seed(seed);
+    // Only the faults PGLEADER_NEMESIS_FAULTS names (Debug names, comma-separated), if set.
+    let faults: Vec<Fault> = match std::env::var("PGLEADER_NEMESIS_FAULTS") {
+        Ok(names) => names
+            .split(',')
+            .map(|name| {
+                *FAULTS
+                    .iter()
+                    .find(|fault| format!("{fault:?}") == name.trim())
+                    .unwrap_or_else(|| panic!("no fault {name:?}; the faults: {FAULTS:?}"))
+            })
+            .collect(),
+        Err(_) => FAULTS.to_vec(),
+    };
+    // Every fault once, in a seeded order, then any.
+    let mut plan = faults.clone();
+    rng.shuffle(&mut plan);
+    let redis = Redis::new("nemesis");
+    let proxies = (0..INSTANCES)
+        .map(|slot| (slot > 0).then(|| Proxy::start(redis.port)))
+        .collect();
+    let mut nemesis = Nemesis {
+        lock: format!("nemesis-{}", unique_lock()),
+        redis,
+        proxies,
+        instances: (0..INSTANCES).map(|_| None).collect(),
+        retired: Vec::new(),
+        runs: Arc::new(Mutex::new(BTreeMap::new())),
+        downtime: Vec::new(),
+        log: vec![format!(
+            "seed {seed}, {INSTANCES} instances (1 and 2 through proxies), {rounds} rounds"
+        )],
+        seed,
+    };
+    let began = monotonic_ns();
+    for slot in 0..INSTANCES {
+        let stubborn = rng.bool();
+        nemesis.spawn(slot, stubborn);
+    }
+    nemesis.wait_for_new_run(0);
+
+    for round in 0..rounds {
+        let fault = plan
+            .get(round)
+            .copied()
+            .unwrap_or_else(|| faults[rng.usize(..faults.len())]);
+        let leader = nemesis.leader();
+        let behind_proxy = nemesis.proxies[leader.slot].is_some();
+        // Mostly the leader; now and then a follower, for kill -9 and SIGTERM; a follower's
+        // proxy when the leader has none.
+        let target = match fault {
+            Fault::Kill9 | Fault::Term if rng.u8(..5) == 0 => rng.usize(..INSTANCES),
+            Fault::Partition | Fault::BriefPartition if !behind_proxy => rng.usize(1..INSTANCES),
+            _ => leader.slot,
+        };
+        let server_wide = matches!(fault, Fault::Sigstop | Fault::DebugSleep | Fault::Restart);
+        let hits_leader = server_wide || target == leader.slot;
+        nemesis.log.push(format!(
+            "round {round}: {fault:?} on instance {target} (leader {}, client {}, epoch {})",
+            leader.slot, leader.backend, leader.epoch
+        ));
+        let known = nemesis.collect();
+        match fault {
+            Fault::Kill9 | Fault::Term => {
+                let signal = if fault == Fault::Kill9 {
+                    Signal::SIGKILL
+                } else {
+                    Signal::SIGTERM
+                };
+                nemesis.stop(target, signal);
+                let stubborn = rng.bool();
+                nemesis.spawn(target, stubborn);
+            }
+            Fault::ClientKill => {
+                let answer = nemesis
+                    .redis
+                    .try_cli(&["CLIENT", "KILL", "ID", &leader.backend]);
+                nemesis.log.push(format!("  CLIENT KILL: {answer:?}"));
+            }
+            Fault::Del => {
+                let answer = nemesis.redis.try_cli(&["DEL", &nemesis.key()]);
+                nemesis.log.push(format!("  DEL: {answer:?}"));
+            }
+            Fault::FlushAll => {
+                let answer = nemesis.redis.try_cli(&["FLUSHALL"]);
+                nemesis.log.push(format!("  FLUSHALL: {answer:?}"));
+            }
+            Fault::Sigstop => {
+                let length = freeze_for(&mut rng);
+                nemesis.log.push(format!("  stopped for {length:?}"));
+                let stopped = monotonic_ns();
+                nemesis.redis.freeze(true);
+                nemesis.pause(length);
+                nemesis.redis.freeze(false);
+                nemesis.downtime.push((stopped, monotonic_ns()));
+            }
+            Fault::DebugSleep => {
+                let length = freeze_for(&mut rng);
+                nemesis.log.push(format!("  DEBUG SLEEP {length:?}"));
+                let stopped = monotonic_ns();
+                let redis = &nemesis.redis;
+                let seconds = format!("{:.3}", length.as_secs_f64());
+                let answer = nemesis.during(|| redis.try_cli(&["DEBUG", "SLEEP", &seconds]));
+                assert_eq!(
+                    answer.as_deref(),
+                    Ok("OK"),
+                    "seed {seed}: DEBUG SLEEP (the harness starts redis-server with \
+                     --enable-debug-command local)"
+                );
+                nemesis.downtime.push((stopped, monotonic_ns()));
+            }
+            Fault::Restart => {
+                let length = Duration::from_millis(rng.u64(200..1500));
+                nemesis.log.push(format!("  down for {length:?}"));
+                let stopped = monotonic_ns();
+                nemesis.redis.crash();
+                nemesis.pause(length);
+                nemesis.redis.start();
+                nemesis.downtime.push((stopped, monotonic_ns()));
+            }
+            Fault::Partition => {
+                nemesis.proxies[target]
+                    .as_ref()
+                    .expect("a proxied instance")
+                    .freeze();
+            }
+            Fault::BriefPartition => {
+                // Above check-interval + check-timeout, below the lease.
+                let length = Duration::from_millis(rng.u64(600..1500));
+                nemesis.log.push(format!("  cut off for {length:?}"));
+                let proxy = nemesis.proxies[target]
+                    .as_ref()
+                    .expect("a proxied instance");
+                proxy.freeze();
+                nemesis.pause(length);
+                proxy.thaw();
+            }
+        }
+        if hits_leader {
+            let next = nemesis.wait_for_new_run(known);
+            nemesis.log.push(format!(
+                "  new leader: instance {} (client {}, epoch {})",
+                next.slot, next.backend, next.epoch
+            ));
+        }
+        // Let the leader run a while: the experiment's own pace, not a synchronisation. A
+        // partitioned follower stays cut off meanwhile, and its stale commands arrive after.
+        nemesis.pause(Duration::from_millis(rng.u64(500..1500)));
+        if fault == Fault::Partition {
+            nemesis.proxies[target]
+                .as_ref()
+                .expect("a proxied instance")
+                .thaw();
+        }
+    }
+
+    let ended = monotonic_ns();
+    nemesis.collect();
+    let mut runs: Vec<Run> = nemesis
+        .runs
+        .lock()
+        .expect("runs")
+        .values()
+        .cloned()
+        .collect();
+    runs.sort_by_key(|run| run.started);
+    let report = nemesis.report();
+    for pair in runs.windows(2) {
+        let (before, after) = (&pair[0], &pair[1]);
+        let before_ended = before.died.unwrap_or(ended);
+        assert!(
+            after.started > before_ended,
+            "seed {seed}: the command of instance {} (pid {}) started {} µs before the one of instance {} (pid {}) died\n{report}",
+            after.slot,
+            after.pid,
+            (before_ended - after.started) / 1000,
+            before.slot,
+            before.pid,
+        );
+        assert!(
+            after.epoch > before.epoch,
+            "seed {seed}: fencing token {} (instance {}, pid {}) after {} (instance {}, pid {})\n{report}",
+            after.epoch,
+            after.slot,
+            after.pid,
+            before.epoch,
+            before.slot,
+            before.pid,
+        );
+    }
+    let running: u64 = runs
+        .iter()
+        .map(|run| run.died.unwrap_or(ended).min(ended) - run.started)
+        .sum();
+    let down: u64 = nemesis
+        .downtime
+        .iter()
+        .map(|(stop, start)| start - stop)
+        .sum();
+    let up = ended - began - down;
+    let share = running as f64 / up as f64;
+    eprintln!("{}", nemesis.log.join("\n"));
+    eprintln!(
+        "redis nemesis: seed {seed}, {rounds} rounds, {} runs, a command ran {:.0}% of the time the server answered",
+        runs.len(),
+        share * 100.0
+    );
+}
