@@ -70,7 +70,7 @@ pub async fn open(
     let bounded = |what: &'static str| {
         move |_| {
             ConnectError::Transient(format!(
-                "no answer from {server} within {} ({what})",
+                "no answer within {} ({what})",
                 humantime::format_duration(budget)
             ))
         }
@@ -81,7 +81,7 @@ pub async fn open(
     )
     .await
     .map_err(bounded("connecting"))?
-    .map_err(|err| ConnectError::Transient(format!("cannot connect to {server}: {err}")))?;
+    .map_err(|err| ConnectError::Transient(format!("{err}")))?;
     let _ = tcp.set_nodelay(true);
     if let Some(lease) = lease {
         keepalives(&tcp, lease);
@@ -96,7 +96,7 @@ pub async fn open(
             let tls_stream = tokio::time::timeout(budget, connector.connect(name, tcp))
                 .await
                 .map_err(bounded("the TLS handshake"))?
-                .map_err(|err| tls_error(server, tls, &err))?;
+                .map_err(|err| tls_error(tls, &err))?;
             Box::new(tls_stream)
         }
     };
@@ -154,15 +154,17 @@ pub async fn open(
             .map_err(|err| refused(server, "TIME", &err))?;
         let facts = ServerInfo::parse(&info);
         if facts.cluster_enabled {
-            return Err(ConnectError::Permanent(format!(
-                "{server} is a Redis Cluster node: a lock on one shard is not a lock across the \
+            return Err(ConnectError::Permanent(
+                "the server is a Redis Cluster node: a lock on one shard is not a lock across the \
                  cluster. Give pgleader a standalone Redis server (or several, for a quorum)"
-            )));
+                    .to_string(),
+            ));
         }
         if purpose == Purpose::Elect && facts.role.as_deref() == Some("slave") {
-            return Err(ConnectError::Transient(format!(
-                "{server} is a replica (role:slave); pgleader leads only through a primary"
-            )));
+            return Err(ConnectError::Transient(
+                "the server is a replica (role:slave); pgleader leads only through a primary"
+                    .to_string(),
+            ));
         }
         Ok::<_, ConnectError>(facts.major)
     };
@@ -242,34 +244,31 @@ fn keepalives(tcp: &TcpStream, lease: &Lease) {
 pub fn classify(server: &RedisServer, err: &RedisError) -> ConnectError {
     match err.code() {
         Some("WRONGPASS" | "NOAUTH") => ConnectError::Permanent(format!(
-            "{server}: authentication failed: the user name or password is wrong{}",
+            "authentication failed: the user name or password is wrong{}",
             password_hint(server)
         )),
         Some("NOPERM") => ConnectError::Permanent(format!(
-            "{server}: the Redis ACL does not authorize what pgleader needs: {}",
+            "the Redis ACL does not authorize what pgleader needs: {}",
             err.detail().unwrap_or("permission denied")
         )),
-        _ if err.kind() == redis::ErrorKind::AuthenticationFailed => {
-            ConnectError::Permanent(format!(
-                "{server}: authentication failed ({err}){}",
-                password_hint(server)
-            ))
-        }
+        _ if err.kind() == redis::ErrorKind::AuthenticationFailed => ConnectError::Permanent(
+            format!("authentication failed ({err}){}", password_hint(server)),
+        ),
         // SELECT failed: the database number is out of range (the server's `databases`,
         // fixed until it restarts) or the ACL refuses SELECT. Like a missing PostgreSQL
         // database, waiting does not help.
         _ if err.to_string().contains("refused to switch database") => {
             ConnectError::Permanent(format!(
-                "{server}: the server refused to select database {} ({}): it has databases 0 \
+                "the server refused to select database {} ({}): it has databases 0 \
                  to `databases` - 1 (16 by default)",
                 server.db,
                 err.detail().unwrap_or("no reason given")
             ))
         }
-        _ if err.kind() == redis::ErrorKind::RESP3NotSupported => ConnectError::Permanent(format!(
-            "{server} does not speak RESP3: pgleader needs Redis 6 or later"
-        )),
-        _ => ConnectError::Transient(format!("{server}: {err}")),
+        _ if err.kind() == redis::ErrorKind::RESP3NotSupported => ConnectError::Permanent(
+            "the server does not speak RESP3: pgleader needs Redis 6 or later".to_string(),
+        ),
+        _ => ConnectError::Transient(format!("{err}")),
     }
 }
 
@@ -279,7 +278,7 @@ fn refused(server: &RedisServer, command: &str, err: &RedisError) -> ConnectErro
     if err.code() == Some("NOPERM") {
         let user = server.user.as_deref().unwrap_or("default");
         return ConnectError::Permanent(format!(
-            "{server}: the Redis ACL does not authorize {command} for user {user:?}; pgleader \
+            "the Redis ACL does not authorize {command} for user {user:?}; pgleader \
              needs it (ACL SETUSER {user} +time +info; README, \"Redis\", lists the whole ACL)"
         ));
     }
@@ -337,7 +336,7 @@ fn tls_connector(settings: &TlsSettings) -> Result<tokio_rustls::TlsConnector, S
 }
 
 /// A failed TLS handshake: a certificate that does not verify is permanent.
-fn tls_error(server: &RedisServer, settings: &TlsSettings, err: &std::io::Error) -> ConnectError {
+fn tls_error(settings: &TlsSettings, err: &std::io::Error) -> ConnectError {
     let against = match &settings.ca_file {
         Some(path) => format!("the CA file {}", path.display()),
         None => "the system's trusted certificates".into(),
@@ -353,10 +352,10 @@ fn tls_error(server: &RedisServer, settings: &TlsSettings, err: &std::io::Error)
         });
     if certificate {
         ConnectError::Permanent(format!(
-            "{server}: the server's TLS certificate does not verify against {against}: {err}"
+            "the server's TLS certificate does not verify against {against}: {err}"
         ))
     } else {
-        ConnectError::Transient(format!("{server}: the TLS handshake failed: {err}"))
+        ConnectError::Transient(format!("the TLS handshake failed: {err}"))
     }
 }
 

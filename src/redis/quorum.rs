@@ -173,10 +173,22 @@ impl QuorumSession {
             let (server, name, lease) = (server.clone(), name.to_owned(), backend.lease);
             let (keys, nonce) = (keys.clone(), nonce.clone());
             opening.spawn(async move {
-                let mut connection =
-                    connection::open(&server, &name, Some(&lease), Purpose::Elect).await?;
-                enlist(&mut connection, &server, &keys, &nonce, &[keys.released()]).await?;
-                Ok::<_, ConnectError>((index, connection))
+                let opened = async {
+                    let mut connection =
+                        connection::open(&server, &name, Some(&lease), Purpose::Elect).await?;
+                    enlist(&mut connection, &server, &keys, &nonce, &[keys.released()]).await?;
+                    Ok::<_, ConnectError>(connection)
+                };
+                // Each server's failure names it: the quorum's message lists several.
+                match opened.await {
+                    Ok(connection) => Ok((index, connection)),
+                    Err(ConnectError::Permanent(reason)) => {
+                        Err(ConnectError::Permanent(format!("{server}: {reason}")))
+                    }
+                    Err(ConnectError::Transient(reason)) => {
+                        Err(ConnectError::Transient(format!("{server}: {reason}")))
+                    }
+                }
             });
         }
         let mut opened = Vec::new();

@@ -148,10 +148,11 @@ pub(crate) async fn enlist(
     let conn = &mut connection.conn;
     let setup = async {
         let refused = |err: redis::RedisError| match err.code() {
-            Some("NOPERM") => ConnectError::Permanent(format!(
-                "{server}: the Redis ACL does not authorize SUBSCRIBE, which a session needs so \
+            Some("NOPERM") => ConnectError::Permanent(
+                "the Redis ACL does not authorize SUBSCRIBE, which a session needs so \
                  that others can tell it is connected (grant +subscribe or +@pubsub)"
-            )),
+                    .to_string(),
+            ),
             _ => connection::classify(server, &err),
         };
         conn.subscribe(keys.alive(nonce)).await.map_err(refused)?;
@@ -169,7 +170,7 @@ pub(crate) async fn enlist(
             WARNED.call_once(|| {
                 tracing::warn!(
                     event = "redis_tracking",
-                    "{server}: cannot track the lock's key ({err}): a change of the key by \
+                    "cannot track the lock's key ({err}): a change of the key by \
                      another client is noticed at the next check rather than at once"
                 );
             });
@@ -178,7 +179,7 @@ pub(crate) async fn enlist(
     };
     tokio::time::timeout(budget, setup).await.map_err(|_| {
         ConnectError::Transient(format!(
-            "no answer from {server} within {}",
+            "no answer within {}",
             humantime::format_duration(budget)
         ))
     })?
