@@ -20,6 +20,7 @@ mod harness;
 mod etcd;
 mod http;
 mod procfs;
+mod redis_lock;
 mod report;
 mod scenarios;
 mod scheduled;
@@ -34,13 +35,16 @@ use anyhow::Context;
 
 use crate::etcd::Etcd;
 use crate::harness::Cluster;
+use crate::redis_lock::{PgleaderRedis, RedisPy};
 use crate::report::Report;
 use crate::tools::{PARTITION_ARGS, Pgleader, Tool};
 
-const USAGE: &str = "usage: cargo bench --bench failover [-- [--quick] [--only http] [--runs N] [--out PATH] [--static PATH]]
+const USAGE: &str = "usage: cargo bench --bench failover [-- [--quick] [--only http|redis] [--runs N] [--out PATH] [--static PATH]]
   --quick        a few runs per scenario and short windows (CI); the report goes under target/
   --only http    only scenario 9 (the HTTP endpoint) and the idle cost with --http; the report
                  goes under target/ (BENCHMARKS.md is written by full runs only)
+  --only redis   only the Redis rows: pgleader on Redis beside redis-py's Lock; the report goes
+                 under target/
   --runs N       runs per scenario (default 20, or 3 with --quick)
   --out PATH     where to write the report (default BENCHMARKS.md, or target/.../BENCHMARKS.quick.md)
   --static PATH  also run pgleader's failover, start-up and cost scenarios with this binary (the
@@ -52,6 +56,8 @@ struct Plan {
     quick: bool,
     /// Only the HTTP endpoint's scenarios (`--only http`).
     only_http: bool,
+    /// Only the Redis rows (`--only redis`).
+    only_redis: bool,
     /// Runs of each scenario whose runs take milliseconds.
     runs: usize,
     /// Runs of each scenario bound by a lease (seconds per run): the partition, and every
@@ -71,6 +77,7 @@ impl Plan {
         let mut quick = false;
         let mut static_binary = None;
         let mut only_http = false;
+        let mut only_redis = false;
         let mut runs = None;
         let mut out = None;
         let mut args = std::env::args().skip(1);
@@ -79,7 +86,10 @@ impl Plan {
                 "--quick" => quick = true,
                 "--only" => match args.next().as_deref() {
                     Some("http") => only_http = true,
-                    other => return Err(format!("--only {other:?}: the one group is http")),
+                    Some("redis") => only_redis = true,
+                    other => {
+                        return Err(format!("--only {other:?}: the groups are http and redis"));
+                    }
                 },
                 "--runs" => {
                     let value = args.next().ok_or("--runs needs a number")?;
@@ -113,6 +123,7 @@ impl Plan {
             static_binary,
             quick,
             only_http,
+            only_redis,
             runs,
             lease_runs: if quick { 2 } else { runs },
             never_runs: if quick { 1 } else { 5.min(runs) },
@@ -121,6 +132,8 @@ impl Plan {
             out: out.unwrap_or_else(|| {
                 if only_http {
                     PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("BENCHMARKS.http.md")
+                } else if only_redis {
+                    PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("BENCHMARKS.redis.md")
                 } else if quick {
                     PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("BENCHMARKS.quick.md")
                 } else {
@@ -171,10 +184,14 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
     if plan.only_http {
         return run_http_only(plan);
     }
+    if plan.only_redis {
+        return run_redis_only(plan);
+    }
     let began = Instant::now();
     let started = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
     etcd::ensure_installed()?;
-    eprintln!("bench: starting PostgreSQL and etcd");
+    redis_lock::ensure_redis_py()?;
+    eprintln!("bench: starting PostgreSQL, etcd and Redis");
     let cluster = Arc::new(Cluster::new("bench"));
     let pgleader = Pgleader::new(cluster.clone());
     let static_pgleader = plan
@@ -182,6 +199,7 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
         .clone()
         .map(|binary| Pgleader::with_binary(cluster, binary, STATIC_LABEL));
     let etcd = Etcd::start()?;
+    let redis_server = Arc::new(redis_lock::Server::start()?);
     // pgleader's default restart fence is 1 + 2 + 5 + 1 = 9 s.
     eprintln!("bench: waiting until the server has been up 10 s, past pgleader's restart fence");
     pgleader.wait_until_server_is(Duration::from_secs(10))?;
@@ -230,6 +248,8 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
     for &tool in &tools {
         rows.extend(scenarios::start(tool, plan.runs));
     }
+    let (redis_rows, redis_costs) = redis_scenarios(&redis_server, plan)?;
+    rows.extend(redis_rows);
     sort_by_scenario(&mut rows);
 
     let mut costs = Vec::new();
@@ -242,6 +262,7 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
         }
     }
     costs.extend(http_cost(&pgleader, plan));
+    costs.extend(redis_costs);
 
     let mut scales = Vec::new();
     // At scale, the server's work dominates: cargo's binary only.
@@ -274,7 +295,12 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
         only: None,
         started,
         took: began.elapsed(),
-        environment: environment(&pgleader, Some(&etcd), plan.static_binary.as_deref()),
+        environment: environment(
+            &pgleader,
+            Some(&etcd),
+            Some(&redis_server),
+            plan.static_binary.as_deref(),
+        ),
         settings: settings(plan),
         rows,
         costs,
@@ -308,7 +334,74 @@ fn run_http_only(plan: &Plan) -> anyhow::Result<Report> {
         only: Some("9 and the idle cost with --http"),
         started,
         took: began.elapsed(),
-        environment: environment(&pgleader, None, None),
+        environment: environment(&pgleader, None, None, None),
+        settings: settings(plan),
+        rows,
+        costs,
+        scales: Vec::new(),
+        timers: Vec::new(),
+    };
+    report
+        .write(&plan.out)
+        .with_context(|| format!("cannot write {}", plan.out.display()))?;
+    Ok(report)
+}
+
+/// The Redis rows (issue 16): pgleader on Redis beside redis-py's Lock on one server, and what
+/// an idle candidate of each costs.
+fn redis_scenarios(
+    server: &Arc<redis_lock::Server>,
+    plan: &Plan,
+) -> anyhow::Result<(Vec<report::Row>, Vec<report::Cost>)> {
+    let on_redis = PgleaderRedis {
+        server: server.clone(),
+    };
+    let redis_py = RedisPy {
+        server: server.clone(),
+    };
+    let tools = [&on_redis as &dyn Tool, &redis_py];
+    server.wait_until_up(Duration::from_secs(10))?;
+    let mut rows = Vec::new();
+    rows.extend(scenarios::kill9(&on_redis, plan.runs));
+    rows.extend(scenarios::kill9(&redis_py, plan.lease_runs));
+    for tool in tools {
+        rows.extend(scenarios::sigterm(tool, plan.runs, false));
+    }
+    for tool in tools {
+        rows.extend(scenarios::key_deleted(tool, plan.runs));
+    }
+    for tool in tools {
+        rows.extend(scenarios::start(tool, plan.runs));
+    }
+    let mut costs = Vec::new();
+    for tool in tools {
+        eprintln!("bench: 6. cost of an idle candidate ({})", tool.label());
+        match tool.cost(plan.cost_window) {
+            Ok(figures) => costs.extend(figures),
+            Err(err) => eprintln!("bench:   failed: {err:#}"),
+        }
+    }
+    Ok((rows, costs))
+}
+
+/// The Redis rows alone (`--only redis`), with a PostgreSQL server for the environment's
+/// versions only.
+fn run_redis_only(plan: &Plan) -> anyhow::Result<Report> {
+    let began = Instant::now();
+    let started = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
+    redis_lock::ensure_redis_py()?;
+    eprintln!("bench: starting Redis");
+    let server = Arc::new(redis_lock::Server::start()?);
+    let (mut rows, costs) = redis_scenarios(&server, plan)?;
+    sort_by_scenario(&mut rows);
+    let mut environment = environment_of_machine();
+    environment.extend(redis_environment(&server));
+    let report = Report {
+        quick: plan.quick,
+        only: Some(report::ONLY_REDIS),
+        started,
+        took: began.elapsed(),
+        environment,
         settings: settings(plan),
         rows,
         costs,
@@ -421,8 +514,48 @@ fn sizes(static_binary: Option<&Path>) -> Vec<(&'static str, String)> {
 fn environment(
     pgleader: &Pgleader,
     etcd: Option<&Etcd>,
+    redis: Option<&redis_lock::Server>,
     static_binary: Option<&Path>,
 ) -> Vec<(&'static str, String)> {
+    let mut environment = environment_of_machine();
+    environment.push((
+        "PostgreSQL",
+        pgleader
+            .server_version()
+            .unwrap_or_else(|err| format!("unknown ({err})")),
+    ));
+    if let Some(etcd) = etcd {
+        let etcdctl = first_line(
+            Command::new("etcdctl")
+                .env("ETCDCTL_API", "3")
+                .arg("version"),
+        );
+        environment.push(("etcd", format!("{} ({etcdctl})", etcd.version)));
+    }
+    if let Some(redis) = redis {
+        environment.extend(redis_environment(redis));
+    }
+    environment.extend(sizes(static_binary));
+    environment
+}
+
+/// The Redis server's and the peer's versions.
+fn redis_environment(redis: &redis_lock::Server) -> Vec<(&'static str, String)> {
+    vec![
+        ("Redis", redis.version()),
+        (
+            "redis-py",
+            format!(
+                "{} (pip, into the target directory), {}",
+                redis_lock::REDIS_PY_VERSION,
+                RedisPy::python_version()
+            ),
+        ),
+    ]
+}
+
+/// The machine and pgleader's build.
+fn environment_of_machine() -> Vec<(&'static str, String)> {
     let machine = procfs::Machine::read();
     let commit = Command::new("git")
         .args([
@@ -439,7 +572,7 @@ fn environment(
             || "unknown".into(),
             |out| String::from_utf8_lossy(&out.stdout).trim().to_owned(),
         );
-    let mut environment = vec![
+    vec![
         ("CPU", machine.cpu),
         ("cores", machine.cores.to_string()),
         ("memory", machine.memory),
@@ -449,23 +582,7 @@ fn environment(
             "pgleader",
             format!("{} at {commit}, release build", env!("CARGO_PKG_VERSION")),
         ),
-        (
-            "PostgreSQL",
-            pgleader
-                .server_version()
-                .unwrap_or_else(|err| format!("unknown ({err})")),
-        ),
-    ];
-    if let Some(etcd) = etcd {
-        let etcdctl = first_line(
-            Command::new("etcdctl")
-                .env("ETCDCTL_API", "3")
-                .arg("version"),
-        );
-        environment.push(("etcd", format!("{} ({etcdctl})", etcd.version)));
-    }
-    environment.extend(sizes(static_binary));
-    environment
+    ]
 }
 
 /// The first line a command prints, empty if it cannot run.
@@ -487,7 +604,7 @@ fn settings(plan: &Plan) -> Vec<(&'static str, String)> {
         (
             "mode",
             format!(
-                "{}: {} runs per scenario ({} for the partition, the failovers at scale and the etcdctl scenarios bound by its TTL; {} where etcdctl is expected never to hand over); cost windows of {}; server CPU at scale over {}",
+                "{}: {} runs per scenario ({} for the partition, the failovers at scale and the peers' scenarios bound by their TTL; {} where etcdctl is expected never to hand over); cost windows of {}; server CPU at scale over {}",
                 if plan.quick { "quick" } else { "full" },
                 plan.runs,
                 plan.lease_runs,
@@ -511,6 +628,25 @@ fn settings(plan: &Plan) -> Vec<(&'static str, String)> {
             ),
         ),
         (
+            "pgleader on Redis",
+            format!(
+                "`-d redis://127.0.0.1:PORT --lock-id N {}`, its defaults otherwise (--check-timeout 2s, --kill-timeout 5s, --lease 10s, which is the key's TTL, --restart-fence auto, which a server up for 10 s before the first run does not trigger); the idle cost also with the default --check-interval (1s)",
+                redis_lock::CHECK_INTERVAL.replace('=', " ")
+            ),
+        ),
+        (
+            "redis-py Lock",
+            format!(
+                "redis-py {}'s `Lock(timeout={} s, sleep=0.1 s (its default), thread_local=False)` in the benchmark's leader loop (benches/failover/redis_py_leader.py): a blocking acquire, then `Lock.extend` every TTL/3; it sends SIGTERM to its command when an extension fails, and on SIGTERM stops its command and releases the key; nothing acts after a kill -9",
+                redis_lock::REDIS_PY_VERSION,
+                redis_lock::PEER_TTL_SECONDS
+            ),
+        ),
+        (
+            "Redis server",
+            "redis-server of the benchmark's own on 127.0.0.1 (a free port), --save '' --appendonly no, its defaults otherwise; up for 10 s before its first run".into(),
+        ),
+        (
             "the child",
             "`sh -c`: prints a line when it starts and another when it gets TERM, then exits at once; otherwise waits".into(),
         ),
@@ -527,7 +663,7 @@ fn settings(plan: &Plan) -> Vec<(&'static str, String)> {
         ),
         (
             "timing",
-            "from just before the fault (kill(2), the pg_terminate_backend query or lease-revoke request on an open connection, the proxy freezing) to the moment a reader thread of the benchmark got the child's line from its pipe (Instant, monotonic); start: from just before spawning the tool".into(),
+            "from just before the fault (kill(2), the pg_terminate_backend query or lease-revoke request on an open connection, the proxy freezing) to the moment a reader thread of the benchmark got the child's line from its pipe (Instant, monotonic); start: from just before spawning the tool; for the tools that poll (pgleader on Redis, redis-py's Lock) the fault comes after a random pause within the longest period they poll or renew on (200 ms; 1 s), so that the fixed pauses of the benchmark do not pick the fault's phase".into(),
         ),
         ("CPU time", procfs::cpu_time_source().into()),
         (
@@ -536,7 +672,7 @@ fn settings(plan: &Plan) -> Vec<(&'static str, String)> {
         ),
         (
             "faults at the server",
-            "pgleader: pg_terminate_backend(leader's backend); etcd: revoking the leader's lease over the JSON gateway (etcd's way to end a client's session)".into(),
+            "pgleader: pg_terminate_backend(leader's backend); etcd: revoking the leader's lease over the JSON gateway (etcd's way to end a client's session); Redis: DEL of the lock's key on an open connection (scenario 3b)".into(),
         ),
         (
             "partition",

@@ -19,6 +19,9 @@ pub struct TimerCount {
     pub missed: usize,
 }
 
+/// What `--only redis` runs, for the report's title.
+pub const ONLY_REDIS: &str = "1, 2, 3b, 5 and 6 on Redis";
+
 /// The cost row of scenario 8's idle scheduled leader.
 pub const SCHEDULED_ROLE: &str = "scheduled leader, idle";
 
@@ -208,7 +211,12 @@ impl Report {
                 missing.push(format!("6. cost ({}, {})", cost.tool, cost.role));
             }
         }
-        for (tool, scenario) in [("pgleader", "6. cost"), ("etcdctl lock", "6. cost")] {
+        for (tool, scenario) in [
+            ("pgleader", "6. cost"),
+            ("etcdctl lock", "6. cost"),
+            (crate::redis_lock::LABEL, "6. cost"),
+            (crate::redis_lock::PEER_LABEL, "6. cost"),
+        ] {
             if self.only.is_none() && !self.costs.iter().any(|cost| cost.tool == tool) {
                 missing.push(format!("{scenario} ({tool})"));
             }
@@ -223,9 +231,13 @@ impl Report {
     }
 
     fn median(&self, id: &str) -> Option<f64> {
+        self.median_of("pgleader", id)
+    }
+
+    fn median_of(&self, tool: &str, id: &str) -> Option<f64> {
         self.rows
             .iter()
-            .find(|row| row.id == id && row.tool == "pgleader")
+            .find(|row| row.id == id && row.tool == tool)
             .and_then(|row| row.figures.median())
     }
 
@@ -326,6 +338,64 @@ impl Report {
             met: follower.map(|r| r == 0.0),
         });
         verdicts.extend(self.http_verdicts());
+        verdicts.extend(self.redis_verdicts());
+        verdicts
+    }
+
+    /// Issue 16's targets for pgleader on Redis (`--check-interval 200ms`).
+    fn redis_verdicts(&self) -> Vec<Verdict> {
+        let tool = crate::redis_lock::LABEL;
+        let mut verdicts = Vec::new();
+        for (target, id, limit) in [
+            (
+                "R1. Redis, kill -9 (--check-interval 200ms): next leader's child runs ≤ 250 ms",
+                "kill9.next",
+                250.0,
+            ),
+            (
+                "R2. Redis, SIGTERM: next leader's child runs ≤ 5 ms (the child exits at once)",
+                "sigterm.next",
+                5.0,
+            ),
+            (
+                "R3. Redis, DEL of the key: the child is signalled ≤ check-interval + check-timeout (2.2 s)",
+                "key_deleted.signal",
+                2200.0,
+            ),
+        ] {
+            let median = self.median_of(tool, id);
+            verdicts.push(Verdict {
+                target,
+                measured: median.map_or_else(|| "no figures".into(), |m| format!("p50 {}", ms(m))),
+                met: median.map(|m| m <= limit),
+            });
+        }
+        for (target, role) in [
+            ("R4. Redis, idle leader: RSS ≤ 10 MiB", "leader"),
+            ("R4. Redis, idle follower: RSS ≤ 10 MiB", "follower"),
+        ] {
+            let rss = self
+                .costs
+                .iter()
+                .find(|c| c.tool == tool && c.role == role)
+                .and_then(|c| c.rss_kib);
+            verdicts.push(Verdict {
+                target,
+                measured: rss.map_or_else(|| "no figures".into(), mib),
+                met: rss.map(|kib| kib <= 10 * 1024),
+            });
+        }
+        // README: "A waiting follower costs the server two commands per check interval".
+        let follower = self
+            .costs
+            .iter()
+            .find(|c| c.tool == tool && c.role == "follower")
+            .and_then(|c| c.requests_per_second);
+        verdicts.push(Verdict {
+            target: "R5. Redis, idle follower: ≤ 2 commands per check interval (10/s at 200 ms)",
+            measured: follower.map_or_else(|| "no figures".into(), |r| format!("{r:.2}/s")),
+            met: follower.map(|r| r <= 10.5),
+        });
         verdicts
     }
 
@@ -404,7 +474,12 @@ impl Report {
         let _ = writeln!(out, "\n### Targets (pgleader, medians on loopback)\n");
         let _ = writeln!(out, "| target | measured | |\n|---|---|---|");
         for verdict in self.verdicts() {
-            if self.only.is_some() && !verdict.target.starts_with("9.") {
+            let group = if self.only == Some(ONLY_REDIS) {
+                "R"
+            } else {
+                "9."
+            };
+            if self.only.is_some() && !verdict.target.starts_with(group) {
                 continue;
             }
             let mark = match verdict.met {

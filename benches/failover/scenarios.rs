@@ -13,7 +13,7 @@ use nix::sys::signal::Signal;
 use crate::harness::{Proxy, is_running, pid_in, unique_lock, wait_gone};
 use crate::procfs::CpuMeter;
 use crate::report::{Figures, Row, Scale};
-use crate::tools::{Candidate, SETTLE, SETUP_WAIT, Tool, wait_queued};
+use crate::tools::{Candidate, SETTLE, SETUP_WAIT, Tool, random_phase, wait_queued};
 
 /// After the next leader started (or the handoff bound passed), how much longer the old child
 /// is given to report a signal or to be gone, before the answer counts as "never".
@@ -52,7 +52,7 @@ impl Pair {
             .ok_or_else(|| anyhow!("the first candidate never led\n{}", leader.dump()))?;
         let follower = tool.candidate("B", lock, None);
         wait_queued(tool, lock, 2, SETUP_WAIT).with_context(|| follower.dump())?;
-        sleep(SETTLE);
+        sleep(SETTLE + random_phase(tool.poll_period()));
         Ok(Pair {
             child: pid_in(&leader_line),
             leader,
@@ -247,19 +247,30 @@ pub fn sigterm(tool: &dyn Tool, runs: usize, to_group: bool) -> Vec<Row> {
 /// revocation of the leader's lease.
 pub fn end_session(tool: &dyn Tool, runs: usize, how: &str) -> Vec<Row> {
     let scenario = format!("3. the server ends the leader's session ({how})");
+    at_server(tool, runs, "end_session", &scenario)
+}
+
+/// Scenario 3b, on Redis: someone deletes the lock's key (`DEL`), as a `FLUSHALL`, an eviction
+/// or an operator's mistake would.
+pub fn key_deleted(tool: &dyn Tool, runs: usize) -> Vec<Row> {
+    at_server(
+        tool,
+        runs,
+        "key_deleted",
+        "3b. the lock's key is deleted (Redis: DEL)",
+    )
+}
+
+/// A fault at the server ([`Tool::end_session`]): when the old child is signalled, and when
+/// the next leader's runs.
+fn at_server(tool: &dyn Tool, runs: usize, id: &str, scenario: &str) -> Vec<Row> {
     eprintln!("bench: {scenario} ({})", tool.label());
     let results = repeat(tool.label(), runs, || {
         let pair = Pair::start(tool, false)?;
         let fault = tool.end_session(&pair.leader_line)?;
         Ok(pair.observe(fault, tool.handoff_bound(), true))
     });
-    handoff_rows(
-        "end_session",
-        &scenario,
-        tool,
-        &results,
-        tool.handoff_bound(),
-    )
+    handoff_rows(id, scenario, tool, &results, tool.handoff_bound())
 }
 
 /// Scenario 4: the leader's traffic is frozen by a proxy (no RST, no FIN): its tool must stop the

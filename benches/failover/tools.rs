@@ -1,6 +1,6 @@
 //! The tools under test, behind one trait so that every scenario is written once and run
 //! against each: pgleader against the benchmark's PostgreSQL here, `etcdctl lock` against its
-//! etcd in `etcd.rs`. A candidate is one running instance of a tool, in a process group of its
+//! etcd in `etcd.rs`, pgleader on Redis and redis-py's `Lock` in `redis_lock.rs`. A candidate is one running instance of a tool, in a process group of its
 //! own, whose child prints a line when it starts and another when it gets SIGTERM.
 
 use std::collections::HashMap;
@@ -44,7 +44,8 @@ pub trait Tool {
     fn queued(&self, lock: i64) -> anyhow::Result<usize>;
 
     /// Ends the session of the leader whose child printed `leader_line`, from the server's
-    /// side. Returns the moment just before the request left.
+    /// side (on Redis, which has no lock bound to a session: deletes the lock's key). Returns
+    /// the moment just before the request left.
     fn end_session(&self, leader_line: &str) -> anyhow::Result<Instant>;
 
     /// The server's processes, for its CPU time.
@@ -55,6 +56,13 @@ pub trait Tool {
 
     /// A handoff that has not happened after this long (from the fault) is not coming.
     fn handoff_bound(&self) -> Duration;
+
+    /// The longest period on which the tool polls or renews when nothing happens (zero for a
+    /// tool that waits for events). A fault then comes at a random phase of it, so that a
+    /// run's figure does not depend on where the benchmark's fixed pauses put the fault.
+    fn poll_period(&self) -> Duration {
+        Duration::ZERO
+    }
 
     /// Why this tool may never do what a scenario waits for, for the report.
     fn why_never(&self) -> &'static str;
@@ -68,7 +76,8 @@ pub trait Tool {
 pub fn child_script(tag: &str) -> String {
     format!(
         "trap 'echo {tag} got TERM; exit 0' TERM; \
-         echo {tag} started $$ backend=$PGLEADER_BACKEND_PID etcd_key=$ETCD_LOCK_KEY; \
+         echo {tag} started $$ backend=$PGLEADER_BACKEND_PID etcd_key=$ETCD_LOCK_KEY \
+         redis_key=$BENCH_REDIS_KEY; \
          while :; do sleep 1000 & wait $!; done"
     )
 }
@@ -146,6 +155,18 @@ impl Drop for Candidate {
         // The group, not just the tool: a peer's child outlives a peer that was killed.
         let _ = killpg(self.proc.pid, Signal::SIGKILL);
     }
+}
+
+/// A random pause in `[0, period)`, from the standard library's hasher seeds.
+pub fn random_phase(period: Duration) -> Duration {
+    use std::hash::{BuildHasher, Hasher};
+    if period.is_zero() {
+        return Duration::ZERO;
+    }
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u128(Instant::now().elapsed().as_nanos());
+    let fraction = (hasher.finish() >> 11) as f64 / (1u64 << 53) as f64;
+    period.mul_f64(fraction)
 }
 
 /// Waits until the server sees `n` sessions holding or waiting for `lock`.
