@@ -50,6 +50,12 @@ fn servers(n: usize) -> Vec<Redis> {
 }
 
 fn wait_older_than_lease(redis: &Redis) {
+    wait_older_than(redis, LEASE);
+}
+
+/// Waits until the server has been up for more than `lease` (by its own `uptime_in_seconds`,
+/// which is what the acquire script reads), so that it votes.
+pub(crate) fn wait_older_than(redis: &Redis, lease: Duration) {
     let deadline = std::time::Instant::now() + WAIT;
     loop {
         let uptime: u64 = redis
@@ -57,7 +63,7 @@ fn wait_older_than_lease(redis: &Redis) {
             .lines()
             .find_map(|line| line.trim().strip_prefix("uptime_in_seconds:")?.parse().ok())
             .unwrap_or(0);
-        if uptime > LEASE.as_secs() {
+        if Duration::from_secs(uptime) > lease {
             return;
         }
         assert!(
