@@ -11,7 +11,7 @@
 //!   user means by a lock;
 //! - unreachable, loading its data, no answer: retried with backoff.
 
-use std::os::fd::{AsFd, AsRawFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -45,6 +45,26 @@ pub struct Connection {
     pub server_major: u32,
     /// The socket's descriptor, owned by the driver task: valid while `driver` runs.
     pub socket: RawFd,
+    /// The socket's device and inode: what tells it from a later descriptor of the same number.
+    pub socket_id: (u64, u64),
+}
+
+impl Connection {
+    /// The socket's descriptor if it still is this connection's socket. When the connection
+    /// ends (the server closed it), the driver closes the socket and its number goes to the next
+    /// descriptor opened: in a quorum the session lives on with its other servers, and the
+    /// keeper of a command started then would be handed that number, which is typically
+    /// pgleader's own end of the keeper's channel (opened just before the keeper starts). The
+    /// keeper would then hold both ends, never see pgleader die, and keep the command running
+    /// after a kill -9 of pgleader, into the next leader's run (the quorum nemesis, seed
+    /// 13746908687529957116).
+    pub fn open_socket(&self) -> Option<RawFd> {
+        // SAFETY: the borrow lasts only for this fstat, which merely inspects whatever the number
+        // names now (nothing, or another file: both are what this checks for).
+        let fd = unsafe { BorrowedFd::borrow_raw(self.socket) };
+        let stat = nix::sys::stat::fstat(fd).ok()?;
+        ((stat.st_dev, stat.st_ino) == self.socket_id).then_some(self.socket)
+    }
 }
 
 impl Drop for Connection {
@@ -87,6 +107,9 @@ pub async fn open(
         keepalives(&tcp, lease);
     }
     let socket = tcp.as_raw_fd();
+    let socket_id = nix::sys::stat::fstat(tcp.as_fd())
+        .map(|stat| (stat.st_dev, stat.st_ino))
+        .map_err(|err| ConnectError::Transient(format!("fstat of the socket: {err}")))?;
     let stream: Box<dyn Stream> = match &server.tls {
         None => Box::new(tcp),
         Some(tls) => {
@@ -130,6 +153,7 @@ pub async fn open(
         client_id: 0,
         server_major: 0,
         socket,
+        socket_id,
     };
     let checks = async {
         let mut setup = redis::pipe();

@@ -94,13 +94,12 @@ impl std::fmt::Display for QuorumBackend {
 #[derive(Debug)]
 struct Member {
     conn: MultiplexedConnection,
-    socket: std::os::fd::RawFd,
     client_id: i64,
     server_major: u32,
     /// Forwards the connection's pushes (see [`forward`]).
     forwarder: JoinHandle<()>,
     /// Keeps the connection (and its driver) alive.
-    _connection: Connection,
+    connection: Connection,
 }
 
 impl Drop for Member {
@@ -220,7 +219,6 @@ impl QuorumSession {
             let receiver = std::mem::replace(&mut connection.pushes, dummy);
             members.push(Member {
                 conn: connection.conn.clone(),
-                socket: connection.socket,
                 client_id: connection.client_id,
                 server_major: connection.server_major,
                 forwarder: tokio::spawn(forward(
@@ -230,7 +228,7 @@ impl QuorumSession {
                     released.clone(),
                     out.clone(),
                 )),
-                _connection: connection,
+                connection,
             });
         }
         let card = format!(
@@ -367,8 +365,13 @@ impl Session for QuorumSession {
         self.connected_at.elapsed()
     }
 
+    /// Only the sockets still open: a member whose connection ended lives on in the session,
+    /// and its old descriptor number may now be another file's (see `open_socket`).
     fn sockets(&self) -> Vec<std::os::fd::RawFd> {
-        self.members.iter().map(|m| m.socket).collect()
+        self.members
+            .iter()
+            .filter_map(|m| m.connection.open_socket())
+            .collect()
     }
 
     /// Resolves once fewer than a majority of the servers still hold this session: their

@@ -267,7 +267,7 @@ impl Session for RedisSession {
     /// crashed pgleader's connection stays open, and its liveness channel subscribed, so no
     /// follower takes over before the command's whole tree is gone.
     fn sockets(&self) -> Vec<std::os::fd::RawFd> {
-        vec![self.connection.socket]
+        self.connection.open_socket().into_iter().collect()
     }
 
     /// An invalidation of the lock's key is a suspicion, not yet a loss: the server's tracking

@@ -14,6 +14,7 @@ mod nemesis;
 mod notify;
 mod observability;
 mod quorum;
+mod quorum_nemesis;
 mod redis;
 mod redis_nemesis;
 mod redis_tls;

@@ -14,7 +14,7 @@ use pgleader::redis::url::RedisServer;
 
 use crate::harness::cluster::free_port;
 use crate::harness::{
-    Journal, Proc, Proxy, Redis, Stream, WAIT, patient_child, pgleader, unique_lock,
+    Journal, Proc, Proxy, Redis, Stream, WAIT, patient_child, pgleader, unique_lock, wait_gone,
 };
 
 const LEASE: Duration = Duration::from_secs(3);
@@ -50,6 +50,12 @@ fn servers(n: usize) -> Vec<Redis> {
 }
 
 fn wait_older_than_lease(redis: &Redis) {
+    wait_older_than(redis, LEASE);
+}
+
+/// Waits until the server has been up for more than `lease` (by its own `uptime_in_seconds`,
+/// which is what the acquire script reads), so that it votes.
+pub(crate) fn wait_older_than(redis: &Redis, lease: Duration) {
     let deadline = std::time::Instant::now() + WAIT;
     loop {
         let uptime: u64 = redis
@@ -57,7 +63,7 @@ fn wait_older_than_lease(redis: &Redis) {
             .lines()
             .find_map(|line| line.trim().strip_prefix("uptime_in_seconds:")?.parse().ok())
             .unwrap_or(0);
-        if uptime > LEASE.as_secs() {
+        if Duration::from_secs(uptime) > lease {
             return;
         }
         assert!(
@@ -452,4 +458,54 @@ fn a_jump_of_a_replicas_wall_clock_changes_nothing() {
         b.dump()
     );
     let _ = std::fs::remove_file(&clock);
+}
+
+#[test]
+fn a_leader_that_lost_one_servers_connection_before_its_command_started_leaves_nothing_behind_when_killed()
+ {
+    // Two of three still hold the session after the server ends one connection, so it lives
+    // on; that socket's number went to the next descriptor pgleader opened, its own end of the
+    // keeper's channel. Handed to the keeper as a connection to hold, it kept the channel open,
+    // so the keeper never saw pgleader die and the command outlived a kill -9 of pgleader.
+    let servers = servers(3);
+    let urls: Vec<String> = servers.iter().map(Redis::url).collect();
+    let lock = format!("stale-socket-{}", unique_lock());
+    let a = run_on(
+        "A",
+        &urls,
+        &lock,
+        &["--takeover-delay=2s"],
+        "echo \"A started $$\"; exec sleep 1000",
+    );
+    a.wait_log("starting the command in 2s");
+    let needle = format!(":{}@", a.pid);
+    let list = servers[2].cli(&["CLIENT", "LIST"]);
+    let ids: Vec<&str> = list
+        .lines()
+        .filter(|line| line.contains(&needle))
+        .filter_map(|line| line.split_whitespace().next()?.strip_prefix("id="))
+        .collect();
+    assert!(!ids.is_empty(), "no connection of A on C: {list}");
+    for id in ids {
+        servers[2].cli(&["CLIENT", "KILL", "ID", id]);
+    }
+    let started = a.wait_stdout("A started");
+    assert!(
+        !a.lines(Stream::Stderr)
+            .iter()
+            .any(|line| line.contains("leadership lost")),
+        "two of three still hold it: {}",
+        a.dump()
+    );
+    let command: i32 = started
+        .rsplit(' ')
+        .next()
+        .and_then(|pid| pid.parse().ok())
+        .expect("the command's pid");
+    a.signal(nix::sys::signal::Signal::SIGKILL);
+    assert!(
+        wait_gone(command, WAIT),
+        "the command outlived a kill -9 of pgleader: {}",
+        a.dump()
+    );
 }

@@ -64,16 +64,113 @@ fn child_mode() {
     }
 }
 
+/// The arguments that make this test binary run [`child_mode`] only (the quorum nemesis runs
+/// the same command).
+pub(crate) const CHILD_ARGS: [&str; 5] = [
+    "--exact",
+    "redis_nemesis::child_mode",
+    "--nocapture",
+    "--test-threads=1",
+    "-q",
+];
+
 /// One run of the command, as the test saw it.
 #[derive(Debug, Clone)]
-struct Run {
-    slot: usize,
-    pid: i32,
+pub(crate) struct Run {
+    pub(crate) slot: usize,
+    pub(crate) pid: i32,
     /// The leader session's client id (`CLIENT KILL ID` takes it).
-    backend: String,
-    epoch: i64,
-    started: u64,
-    died: Option<u64>,
+    pub(crate) backend: String,
+    pub(crate) epoch: i64,
+    pub(crate) started: u64,
+    pub(crate) died: Option<u64>,
+}
+
+/// Every command run seen so far, by pid; deaths are filled in by watcher threads.
+pub(crate) type Runs = Arc<Mutex<BTreeMap<i32, Run>>>;
+
+/// Records the runs that have appeared on these instances' output since the last call, and
+/// starts a watcher for each new command's death. Returns how many runs are known.
+pub(crate) fn collect_runs<'a>(
+    instances: impl Iterator<Item = &'a Proc>,
+    runs: &Runs,
+    seed: u64,
+) -> usize {
+    for instance in instances {
+        for line in instance.lines(Stream::Stdout) {
+            let Some(rest) = line.strip_prefix("redis-nemesis-child ") else {
+                continue;
+            };
+            let field = |key: &str| -> String {
+                rest.split_whitespace()
+                    .find_map(|word| word.strip_prefix(&format!("{key}=")))
+                    .unwrap_or_default()
+                    .to_owned()
+            };
+            let pid: i32 = field("pid").parse().expect("pid");
+            let mut known = runs.lock().expect("runs");
+            if known.contains_key(&pid) {
+                continue;
+            }
+            known.insert(
+                pid,
+                Run {
+                    slot: field("slot").parse().expect("slot"),
+                    pid,
+                    backend: field("backend"),
+                    epoch: field("epoch")
+                        .parse()
+                        .unwrap_or_else(|_| panic!("seed {seed}: no PGLEADER_EPOCH in {line:?}")),
+                    started: field("started").parse().expect("started"),
+                    died: None,
+                },
+            );
+            // A pidfd turns readable the moment the process exits (not when it is reaped).
+            // One opened after the exit fails with ESRCH, and the death is then recorded
+            // late: never earlier than it was, so it can only make an overlap look bigger.
+            let watched = runs.clone();
+            std::thread::spawn(move || {
+                if wait_gone(pid, Duration::from_secs(3600)) {
+                    let died = monotonic_ns();
+                    if let Some(run) = watched.lock().expect("runs").get_mut(&pid) {
+                        run.died = Some(died);
+                    }
+                }
+            });
+        }
+    }
+    runs.lock().expect("runs").len()
+}
+
+/// The runs, by start: fails the test if two overlap (a run still going at `ended` counts as
+/// running until then) or if a fencing token does not grow from one run to the next.
+pub(crate) fn assert_one_at_a_time(runs: &Runs, ended: u64, seed: u64, report: &str) -> Vec<Run> {
+    let mut runs: Vec<Run> = runs.lock().expect("runs").values().cloned().collect();
+    runs.sort_by_key(|run| run.started);
+    for pair in runs.windows(2) {
+        let (before, after) = (&pair[0], &pair[1]);
+        let before_ended = before.died.unwrap_or(ended);
+        assert!(
+            after.started > before_ended,
+            "seed {seed}: the command of instance {} (pid {}) started {} µs before the one of instance {} (pid {}) died\n{report}",
+            after.slot,
+            after.pid,
+            (before_ended - after.started) / 1000,
+            before.slot,
+            before.pid,
+        );
+        assert!(
+            after.epoch > before.epoch,
+            "seed {seed}: fencing token {} (instance {}, pid {}) after {} (instance {}, pid {})\n{report}",
+            after.epoch,
+            after.slot,
+            after.pid,
+            before.epoch,
+            before.slot,
+            before.pid,
+        );
+    }
+    runs
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -147,8 +244,7 @@ struct Nemesis {
     instances: Vec<Option<Proc>>,
     /// Instances stopped by a fault: their output still counts and goes into the report.
     retired: Vec<Proc>,
-    /// Every command run seen so far, by pid; deaths are filled in by watcher threads.
-    runs: Arc<Mutex<BTreeMap<i32, Run>>>,
+    runs: Runs,
     /// (stopped, answering again) monotonic times of the server's downtimes and freezes.
     downtime: Vec<(u64, u64)>,
     log: Vec<String>,
@@ -181,63 +277,18 @@ impl Nemesis {
             .args(TIMINGS)
             .arg("--")
             .arg(std::env::current_exe().expect("the test binary"))
-            .args([
-                "--exact",
-                "redis_nemesis::child_mode",
-                "--nocapture",
-                "--test-threads=1",
-                "-q",
-            ]);
+            .args(CHILD_ARGS);
         self.instances[slot] = Some(Proc::spawn(&format!("instance {slot}"), command));
     }
 
     /// Records runs that have appeared on the instances' output since the last call, and
     /// starts a watcher for each new command's death. Returns how many runs are known.
     fn collect(&self) -> usize {
-        for instance in self.retired.iter().chain(self.instances.iter().flatten()) {
-            for line in instance.lines(Stream::Stdout) {
-                let Some(rest) = line.strip_prefix("redis-nemesis-child ") else {
-                    continue;
-                };
-                let field = |key: &str| -> String {
-                    rest.split_whitespace()
-                        .find_map(|word| word.strip_prefix(&format!("{key}=")))
-                        .unwrap_or_default()
-                        .to_owned()
-                };
-                let pid: i32 = field("pid").parse().expect("pid");
-                let mut runs = self.runs.lock().expect("runs");
-                if runs.contains_key(&pid) {
-                    continue;
-                }
-                runs.insert(
-                    pid,
-                    Run {
-                        slot: field("slot").parse().expect("slot"),
-                        pid,
-                        backend: field("backend"),
-                        epoch: field("epoch").parse().unwrap_or_else(|_| {
-                            panic!("seed {}: no PGLEADER_EPOCH in {line:?}", self.seed)
-                        }),
-                        started: field("started").parse().expect("started"),
-                        died: None,
-                    },
-                );
-                // A pidfd turns readable the moment the process exits (not when it is reaped).
-                // One opened after the exit fails with ESRCH, and the death is then recorded
-                // late: never earlier than it was, so it can only make an overlap look bigger.
-                let watched = self.runs.clone();
-                std::thread::spawn(move || {
-                    if wait_gone(pid, Duration::from_secs(3600)) {
-                        let died = monotonic_ns();
-                        if let Some(run) = watched.lock().expect("runs").get_mut(&pid) {
-                            run.died = Some(died);
-                        }
-                    }
-                });
-            }
-        }
-        self.runs.lock().expect("runs").len()
+        collect_runs(
+            self.retired.iter().chain(self.instances.iter().flatten()),
+            &self.runs,
+            self.seed,
+        )
     }
 
     /// Keeps collecting runs (every 10 ms, so that a death is watched from the start) until
@@ -511,38 +562,8 @@ fn no_two_commands_ever_run_at_once_under_random_redis_faults() {
 
     let ended = monotonic_ns();
     nemesis.collect();
-    let mut runs: Vec<Run> = nemesis
-        .runs
-        .lock()
-        .expect("runs")
-        .values()
-        .cloned()
-        .collect();
-    runs.sort_by_key(|run| run.started);
     let report = nemesis.report();
-    for pair in runs.windows(2) {
-        let (before, after) = (&pair[0], &pair[1]);
-        let before_ended = before.died.unwrap_or(ended);
-        assert!(
-            after.started > before_ended,
-            "seed {seed}: the command of instance {} (pid {}) started {} µs before the one of instance {} (pid {}) died\n{report}",
-            after.slot,
-            after.pid,
-            (before_ended - after.started) / 1000,
-            before.slot,
-            before.pid,
-        );
-        assert!(
-            after.epoch > before.epoch,
-            "seed {seed}: fencing token {} (instance {}, pid {}) after {} (instance {}, pid {})\n{report}",
-            after.epoch,
-            after.slot,
-            after.pid,
-            before.epoch,
-            before.slot,
-            before.pid,
-        );
-    }
+    let runs = assert_one_at_a_time(&nemesis.runs, ended, seed, &report);
     let running: u64 = runs
         .iter()
         .map(|run| run.died.unwrap_or(ended).min(ended) - run.started)

@@ -1,0 +1,641 @@
+//! The quorum nemesis: three pgleaders elect over three (or five) independent `redis-server`s
+//! with Redlock, each pgleader reaching each server either directly or through a proxy of its
+//! own that can freeze traffic, while the test injects a seeded random sequence of faults: kill -9
+//! and SIGTERM of a pgleader, `CLIENT KILL` of a pgleader's connections on some servers, `DEL`
+//! and `FLUSHALL` of the key on one server, one server killed and restarted empty, one server
+//! frozen by SIGSTOP or by `DEBUG SLEEP`, a pgleader cut by its frozen proxies from enough
+//! servers to lose its majority, and rounds where a majority of the servers is lost (killed, or
+//! stopped) for a while. The wall clock is left alone: `quorum.rs` jumps it.
+//!
+//! The commands are the Redis nemesis's (`redis_nemesis::child_mode`): each records its start on
+//! the monotonic clock and its fencing token; the test records its death. No two run intervals
+//! may overlap, and the fencing token must grow from each run to the next. After every fault
+//! that removed the leader while a majority of the servers could vote, a new leader's command
+//! must run within [`NEW_LEADER`]; at the start of every round some command must run within the
+//! same bound. In a majority-lost round the leader's command must stop within [`STOP`] and no
+//! command may start until the majority is back.
+//!
+//! At most one server is down, frozen or restarted at a time, except in the majority-lost rounds:
+//! a server restarted less than a lease ago refuses its vote (the delayed restart), so before the
+//! test hits a server it waits until every other server votes again. Where the servers end the
+//! session of a pgleader that lives on (`CLIENT KILL`, `DEL`, `FLUSHALL`, a restart), the lock is
+//! free before the old command has stopped: --takeover-delay, above the kill timeout, keeps those
+//! apart, as in the Redis nemesis. Half the commands ignore SIGTERM.
+//!
+//! Seeded: the seed is printed at the start and on failure, and PGLEADER_NEMESIS_SEED replays it
+//! (the same faults in the same order; the machine's timing differs). PGLEADER_NEMESIS_ROUNDS
+//! sets the number of rounds (by default every fault once over three servers, and six rounds
+//! over five), and PGLEADER_NEMESIS_FAULTS=Partition,MajorityLost draws from those only.
+
+use std::collections::BTreeMap;
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+
+use crate::harness::{Proc, Proxy, Redis, WAIT, pgleader, unique_lock};
+use crate::nemesis::monotonic_ns;
+use crate::quorum::wait_older_than;
+use crate::redis_nemesis::{CHILD_ARGS, Run, Runs, assert_one_at_a_time, collect_runs};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    /// kill -9 of a pgleader (mostly the leader's).
+    Kill9,
+    /// SIGTERM of a pgleader (mostly the leader's): a graceful handover.
+    Term,
+    /// `CLIENT KILL` of a pgleader's connections (mostly the leader's) on one or more servers.
+    ClientKill,
+    /// `DEL` of the key on one server.
+    Del,
+    /// `FLUSHALL` on one server: the key, the epoch counter, the wake lists, everything.
+    FlushAll,
+    /// One server killed and started again, empty (no RDB, no AOF): it refuses its vote for a
+    /// lease.
+    Restart,
+    /// One server stopped with SIGSTOP, then continued.
+    Sigstop,
+    /// One server busy in `DEBUG SLEEP`: it answers nothing, yet its sockets look alive.
+    DebugSleep,
+    /// A pgleader (mostly the leader) cut from enough servers to lose its majority by freezing
+    /// its proxies to them (no FIN, no RST: its connections stay open on the servers, so only
+    /// the keys' TTL frees them), until a new leader runs.
+    Partition,
+    /// A majority of the servers killed (and restarted empty) or stopped (and continued): the
+    /// leader's command must stop and no other may start until the majority is back.
+    MajorityLost,
+}
+
+const FAULTS: [Fault; 10] = [
+    Fault::Kill9,
+    Fault::Term,
+    Fault::ClientKill,
+    Fault::Del,
+    Fault::FlushAll,
+    Fault::Restart,
+    Fault::Sigstop,
+    Fault::DebugSleep,
+    Fault::Partition,
+    Fault::MajorityLost,
+];
+
+/// How many pgleaders compete. Instance `s` reaches server `s` directly and every other server
+/// through a proxy of its own, so that each can be cut from a majority.
+const INSTANCES: usize = 3;
+
+/// As in the Redis nemesis: the shortest lease pgleader accepts for these checks (1616 ms), and a
+/// takeover delay above the kill timeout.
+const TIMINGS: [&str; 7] = [
+    "--check-interval=100ms",
+    "--check-timeout=200ms",
+    "--kill-timeout=300ms",
+    "--lease=1700ms",
+    "--takeover-delay=500ms",
+    "--restart-fence=auto",
+    "--restart-delay=0s",
+];
+const LEASE: Duration = Duration::from_millis(1700);
+
+/// How soon the leader's command must be gone once the majority is lost: check-interval +
+/// check-timeout + kill-timeout (600 ms), with room for a loaded machine, and still below the
+/// time a cut-off leader's keys take to expire elsewhere (the lease) plus the takeover delay.
+const STOP: Duration = Duration::from_millis(2_000);
+
+/// How soon a new leader's command must run after a fault that removed the old one, counted from
+/// when a majority can vote again: the lease (a cut-off leader's keys expire), a restarted
+/// server's refusal (a lease, in whole seconds of its uptime), the reconnection backoff's cap
+/// (2 s) and the takeover delay, with room for a loaded machine.
+const NEW_LEADER: Duration = Duration::from_secs(10);
+
+/// How long a server freeze lasts: above check-interval + check-timeout, sometimes below the
+/// lease (the key survives it), sometimes above (the key expires while the server is stopped).
+fn freeze_for(rng: &mut fastrand::Rng) -> Duration {
+    Duration::from_millis(rng.u64(700..3000))
+}
+
+struct Nemesis {
+    servers: Vec<Redis>,
+    lock: String,
+    /// `proxies[slot][server]`: that instance's proxy to that server, if it has one.
+    proxies: Vec<Vec<Option<Proxy>>>,
+    instances: Vec<Option<Proc>>,
+    /// Instances stopped by a fault: their output still counts and goes into the report.
+    retired: Vec<Proc>,
+    runs: Runs,
+    log: Vec<String>,
+    seed: u64,
+}
+
+impl Nemesis {
+    fn quorum(&self) -> usize {
+        self.servers.len() / 2 + 1
+    }
+
+    /// How many servers an instance must lose to lose its majority.
+    fn to_lose(&self) -> usize {
+        self.servers.len() - self.quorum() + 1
+    }
+
+    fn url(&self, slot: usize, server: usize) -> String {
+        match &self.proxies[slot][server] {
+            Some(proxy) => format!("redis://127.0.0.1:{}", proxy.port()),
+            None => self.servers[server].url(),
+        }
+    }
+
+    fn key(&self) -> String {
+        format!("pgleader:{{{}}}", self.lock)
+    }
+
+    fn spawn(&mut self, slot: usize, stubborn: bool) {
+        let mut command: Command = pgleader();
+        command
+            .env("PGLEADER_REDIS_NEMESIS_SLOT", slot.to_string())
+            .env(
+                "PGLEADER_REDIS_NEMESIS_STUBBORN",
+                if stubborn { "1" } else { "0" },
+            )
+            .arg("run");
+        for server in 0..self.servers.len() {
+            command.args(["-d", &self.url(slot, server)]);
+        }
+        command
+            .arg(format!("--lock={}", self.lock))
+            .args(TIMINGS)
+            .arg("--")
+            .arg(std::env::current_exe().expect("the test binary"))
+            .args(CHILD_ARGS);
+        self.instances[slot] = Some(Proc::spawn(&format!("instance {slot}"), command));
+    }
+
+    fn collect(&self) -> usize {
+        collect_runs(
+            self.retired.iter().chain(self.instances.iter().flatten()),
+            &self.runs,
+            self.seed,
+        )
+    }
+
+    /// Keeps collecting runs (every 10 ms, so that a death is watched from the start) until
+    /// `done` says so; fails the test after `timeout`, saying `what` was awaited.
+    fn collect_until(&self, what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            self.collect();
+            if done() {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "seed {}: {what} not within {timeout:?}\n{}",
+                self.seed,
+                self.report()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// The experiment's own pace (how long a leader runs, how long a freeze lasts), not a
+    /// stand-in for an event: runs are collected meanwhile.
+    fn pause(&self, length: Duration) {
+        let end = Instant::now() + length;
+        self.collect_until("a pause", length + WAIT, || Instant::now() >= end);
+    }
+
+    /// Runs a blocking step (`DEBUG SLEEP`, a server's restart) on another thread, collecting
+    /// runs meanwhile.
+    fn during<T: Send>(&self, step: impl FnOnce() -> T + Send) -> T {
+        std::thread::scope(|scope| {
+            let handle = scope.spawn(step);
+            self.collect_until("a blocking step's end", WAIT, || handle.is_finished());
+            handle.join().expect("the step's thread")
+        })
+    }
+
+    /// The newest run whose command still runs, waiting up to [`NEW_LEADER`] for one.
+    fn leader(&self) -> Run {
+        let mut found = None;
+        self.collect_until("a running command", NEW_LEADER, || {
+            found = self
+                .runs
+                .lock()
+                .expect("runs")
+                .values()
+                .filter(|run| run.died.is_none())
+                .max_by_key(|run| run.started)
+                .cloned();
+            found.is_some()
+        });
+        found.expect("a run")
+    }
+
+    /// Waits up to [`NEW_LEADER`] until a run beyond the first `known` has started; returns the
+    /// newest run.
+    fn wait_for_new_run(&self, known: usize) -> Run {
+        self.collect_until("a new leader's command after the fault", NEW_LEADER, || {
+            self.runs.lock().expect("runs").len() > known
+        });
+        self.newest()
+    }
+
+    fn newest(&self) -> Run {
+        self.runs
+            .lock()
+            .expect("runs")
+            .values()
+            .max_by_key(|run| run.started)
+            .cloned()
+            .expect("a run")
+    }
+
+    /// Stops an instance with `signal` and waits for it to exit.
+    fn stop(&mut self, slot: usize, signal: Signal) {
+        let Some(instance) = self.instances[slot].take() else {
+            return;
+        };
+        instance.signal(signal);
+        // Retired first, so that what it prints while it stops is still collected.
+        self.retired.push(instance);
+        let instance = self.retired.last().expect("just retired");
+        self.collect_until(&format!("the exit of instance {slot}"), WAIT, || {
+            instance.has_exited()
+        });
+        let status = instance.wait_exit();
+        self.log.push(format!("  instance {slot}: {status}"));
+    }
+
+    /// Whether a server votes: up for more than the lease (by the uptime the acquire script
+    /// reads). A stopped or dead server does not.
+    fn votes(&self, server: usize) -> bool {
+        self.servers[server]
+            .try_cli(&["INFO", "server"])
+            .ok()
+            .and_then(|info| {
+                info.lines().find_map(|line| {
+                    line.trim()
+                        .strip_prefix("uptime_in_seconds:")?
+                        .parse::<u64>()
+                        .ok()
+                })
+            })
+            .is_some_and(|uptime| Duration::from_secs(uptime) > LEASE)
+    }
+
+    /// Waits until every server but `except` votes, so that hitting `except` leaves a majority
+    /// (at most one server of three down or restarted at a time).
+    fn settle(&self, except: &[usize]) {
+        let others: Vec<usize> = (0..self.servers.len())
+            .filter(|server| !except.contains(server))
+            .collect();
+        self.collect_until("the other servers' votes", WAIT, || {
+            others.iter().all(|server| self.votes(*server))
+        });
+    }
+
+    /// `CLIENT KILL` of every connection of the pgleader with this pid on this server (they
+    /// are named `<label>:<pid>@<host>`); how many were killed.
+    fn client_kill(&self, server: usize, pid: i32) -> usize {
+        let Ok(list) = self.servers[server].try_cli(&["CLIENT", "LIST"]) else {
+            return 0;
+        };
+        let needle = format!(":{pid}@");
+        let ids: Vec<String> = list
+            .lines()
+            .filter(|line| {
+                line.split_whitespace()
+                    .any(|field| field.starts_with("name=") && field.contains(&needle))
+            })
+            .filter_map(|line| {
+                line.split_whitespace()
+                    .find_map(|field| field.strip_prefix("id="))
+                    .map(str::to_owned)
+            })
+            .collect();
+        ids.iter()
+            .filter(|id| {
+                self.servers[server]
+                    .try_cli(&["CLIENT", "KILL", "ID", id])
+                    .is_ok()
+            })
+            .count()
+    }
+
+    fn instance_pid(&self, slot: usize) -> i32 {
+        self.instances[slot]
+            .as_ref()
+            .expect("a running instance")
+            .pid
+            .as_raw()
+    }
+
+    fn report(&self) -> String {
+        let mut text = String::from("faults:\n");
+        for line in &self.log {
+            text.push_str(&format!("  {line}\n"));
+        }
+        text.push_str("runs (slot, pid, client, epoch, started, died):\n");
+        let mut runs: Vec<Run> = self.runs.lock().expect("runs").values().cloned().collect();
+        runs.sort_by_key(|run| run.started);
+        for run in runs {
+            text.push_str(&format!(
+                "  {} {} {} {} {} {:?}\n",
+                run.slot, run.pid, run.backend, run.epoch, run.started, run.died
+            ));
+        }
+        for instance in self.retired.iter().chain(self.instances.iter().flatten()) {
+            text.push_str(&instance.dump());
+        }
+        text
+    }
+}
+
+/// Up to `n` distinct items of `from`, in a seeded order.
+fn pick(rng: &mut fastrand::Rng, from: &[usize], n: usize) -> Vec<usize> {
+    let mut from = from.to_vec();
+    rng.shuffle(&mut from);
+    from.truncate(n);
+    from.sort_unstable();
+    from
+}
+
+fn env_number<T: std::str::FromStr>(name: &str) -> Option<T> {
+    std::env::var(name)
+        .ok()
+        .and_then(|value| value.parse().ok())
+}
+
+fn nemesis(server_count: usize, default_rounds: usize) {
+    let seed: u64 = env_number("PGLEADER_NEMESIS_SEED").unwrap_or_else(|| fastrand::u64(..));
+    let rounds: usize = env_number("PGLEADER_NEMESIS_ROUNDS").unwrap_or(default_rounds);
+    eprintln!(
+        "quorum nemesis over {server_count} servers: seed {seed} (PGLEADER_NEMESIS_SEED={seed} replays it), {rounds} rounds"
+    );
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let faults: Vec<Fault> = match std::env::var("PGLEADER_NEMESIS_FAULTS") {
+        Ok(names) => names
+            .split(',')
+            .map(|name| {
+                *FAULTS
+                    .iter()
+                    .find(|fault| format!("{fault:?}") == name.trim())
+                    .unwrap_or_else(|| panic!("no fault {name:?}; the faults: {FAULTS:?}"))
+            })
+            .collect(),
+        Err(_) => FAULTS.to_vec(),
+    };
+    // Every fault once, in a seeded order, then any.
+    let mut plan = faults.clone();
+    rng.shuffle(&mut plan);
+
+    let servers: Vec<Redis> = (0..server_count)
+        .map(|i| Redis::new(&format!("quorum-nemesis-{i}")))
+        .collect();
+    let proxies = (0..INSTANCES)
+        .map(|slot| {
+            servers
+                .iter()
+                .enumerate()
+                .map(|(server, redis)| (server != slot).then(|| Proxy::start(redis.port)))
+                .collect()
+        })
+        .collect();
+    let mut nemesis = Nemesis {
+        lock: format!("quorum-nemesis-{}", unique_lock()),
+        servers,
+        proxies,
+        instances: (0..INSTANCES).map(|_| None).collect(),
+        retired: Vec::new(),
+        runs: Arc::new(Mutex::new(BTreeMap::new())),
+        log: vec![format!(
+            "seed {seed}, {INSTANCES} instances over {server_count} servers (instance s reaches \
+             server s directly, the others through its proxies), {rounds} rounds"
+        )],
+        seed,
+    };
+    let all: Vec<usize> = (0..server_count).collect();
+    // A server younger than the lease refuses its vote: the first leader needs old servers.
+    for redis in &nemesis.servers {
+        wait_older_than(redis, LEASE);
+    }
+    for slot in 0..INSTANCES {
+        let stubborn = rng.bool();
+        nemesis.spawn(slot, stubborn);
+    }
+    nemesis.wait_for_new_run(0);
+
+    for round in 0..rounds {
+        let fault = plan
+            .get(round)
+            .copied()
+            .unwrap_or_else(|| faults[rng.usize(..faults.len())]);
+        let leader = nemesis.leader();
+        // Mostly the leader; now and then a follower.
+        let target = match fault {
+            Fault::Kill9 | Fault::Term | Fault::ClientKill | Fault::Partition
+                if rng.u8(..5) == 0 =>
+            {
+                rng.usize(..INSTANCES)
+            }
+            _ => leader.slot,
+        };
+        let server = rng.usize(..server_count);
+        nemesis.log.push(format!(
+            "round {round}: {fault:?} (leader: instance {}, client {}, epoch {})",
+            leader.slot, leader.backend, leader.epoch
+        ));
+        let known = nemesis.collect();
+        // Whether the fault surely ends the leader's leadership (it may end it in other rounds
+        // too, when an earlier fault left it with a bare majority: that is allowed).
+        let mut hits_leader = false;
+        // Proxies to thaw once a new leader runs.
+        let mut frozen: Vec<(usize, usize)> = Vec::new();
+        match fault {
+            Fault::Kill9 | Fault::Term => {
+                let signal = if fault == Fault::Kill9 {
+                    Signal::SIGKILL
+                } else {
+                    Signal::SIGTERM
+                };
+                nemesis.log.push(format!("  on instance {target}"));
+                nemesis.stop(target, signal);
+                let stubborn = rng.bool();
+                nemesis.spawn(target, stubborn);
+                hits_leader = target == leader.slot;
+            }
+            Fault::ClientKill => {
+                let count = rng.usize(1..=server_count);
+                let on = pick(&mut rng, &all, count);
+                let pid = nemesis.instance_pid(target);
+                let killed: Vec<usize> = on
+                    .iter()
+                    .map(|server| nemesis.client_kill(*server, pid))
+                    .collect();
+                nemesis.log.push(format!(
+                    "  instance {target}'s connections on servers {on:?}: {killed:?} killed"
+                ));
+                hits_leader = target == leader.slot && count >= nemesis.to_lose();
+            }
+            Fault::Del => {
+                let answer = nemesis.servers[server].try_cli(&["DEL", &nemesis.key()]);
+                nemesis
+                    .log
+                    .push(format!("  DEL on server {server}: {answer:?}"));
+            }
+            Fault::FlushAll => {
+                let answer = nemesis.servers[server].try_cli(&["FLUSHALL"]);
+                nemesis
+                    .log
+                    .push(format!("  FLUSHALL on server {server}: {answer:?}"));
+            }
+            Fault::Restart => {
+                nemesis.settle(&[server]);
+                let length = Duration::from_millis(rng.u64(200..1500));
+                nemesis
+                    .log
+                    .push(format!("  server {server} down for {length:?}"));
+                nemesis.servers[server].crash();
+                nemesis.pause(length);
+                let redis = &nemesis.servers[server];
+                nemesis.during(|| redis.start());
+            }
+            Fault::Sigstop => {
+                nemesis.settle(&[server]);
+                let length = freeze_for(&mut rng);
+                nemesis
+                    .log
+                    .push(format!("  server {server} stopped for {length:?}"));
+                nemesis.servers[server].freeze(true);
+                nemesis.pause(length);
+                nemesis.servers[server].freeze(false);
+            }
+            Fault::DebugSleep => {
+                nemesis.settle(&[server]);
+                let length = freeze_for(&mut rng);
+                nemesis
+                    .log
+                    .push(format!("  DEBUG SLEEP {length:?} on server {server}"));
+                let redis = &nemesis.servers[server];
+                let seconds = format!("{:.3}", length.as_secs_f64());
+                let answer = nemesis.during(|| redis.try_cli(&["DEBUG", "SLEEP", &seconds]));
+                assert_eq!(
+                    answer.as_deref(),
+                    Ok("OK"),
+                    "seed {seed}: DEBUG SLEEP (the harness starts redis-server with \
+                     --enable-debug-command local)"
+                );
+            }
+            Fault::Partition => {
+                let proxied: Vec<usize> = all.iter().copied().filter(|s| *s != target).collect();
+                let cut = pick(&mut rng, &proxied, nemesis.to_lose());
+                nemesis
+                    .log
+                    .push(format!("  instance {target} cut from servers {cut:?}"));
+                for server in &cut {
+                    nemesis.proxies[target][*server]
+                        .as_ref()
+                        .expect("a proxy")
+                        .freeze();
+                    frozen.push((target, *server));
+                }
+                hits_leader = target == leader.slot;
+            }
+            Fault::MajorityLost => {
+                nemesis.settle(&[]);
+                let lost = pick(&mut rng, &all, nemesis.to_lose());
+                let crash = rng.bool();
+                let length = Duration::from_millis(rng.u64(300..1500));
+                nemesis.log.push(format!(
+                    "  servers {lost:?} {} ({length:?} after the command's end)",
+                    if crash { "killed" } else { "stopped" }
+                ));
+                let lost_at = monotonic_ns();
+                for server in &lost {
+                    if crash {
+                        nemesis.servers[*server].crash();
+                    } else {
+                        nemesis.servers[*server].freeze(true);
+                    }
+                }
+                let pid = leader.pid;
+                nemesis.collect_until(
+                    "the end of the leader's command once the majority was lost",
+                    STOP,
+                    || {
+                        nemesis
+                            .runs
+                            .lock()
+                            .expect("runs")
+                            .get(&pid)
+                            .is_some_and(|run| run.died.is_some())
+                    },
+                );
+                nemesis.pause(length);
+                let started: Vec<Run> = nemesis
+                    .runs
+                    .lock()
+                    .expect("runs")
+                    .values()
+                    .filter(|run| run.started > lost_at)
+                    .cloned()
+                    .collect();
+                assert!(
+                    started.is_empty(),
+                    "seed {seed}: a command started without a majority: {started:?}\n{}",
+                    nemesis.report()
+                );
+                for server in &lost {
+                    if crash {
+                        let redis = &nemesis.servers[*server];
+                        nemesis.during(|| redis.start());
+                    } else {
+                        nemesis.servers[*server].freeze(false);
+                    }
+                }
+                hits_leader = true;
+            }
+        }
+        if hits_leader {
+            let next = nemesis.wait_for_new_run(known);
+            nemesis.log.push(format!(
+                "  new leader: instance {} (client {}, epoch {})",
+                next.slot, next.backend, next.epoch
+            ));
+        } else if nemesis.collect() > known {
+            let next = nemesis.newest();
+            nemesis.log.push(format!(
+                "  leader now: instance {} (epoch {})",
+                next.slot, next.epoch
+            ));
+        }
+        // Let the leader run a while: the experiment's own pace, not a synchronisation. A
+        // cut-off pgleader stays cut off meanwhile, and its held commands arrive after.
+        nemesis.pause(Duration::from_millis(rng.u64(500..1500)));
+        for (slot, server) in frozen {
+            nemesis.proxies[slot][server]
+                .as_ref()
+                .expect("a proxy")
+                .thaw();
+        }
+    }
+
+    let ended = monotonic_ns();
+    nemesis.collect();
+    let report = nemesis.report();
+    let runs = assert_one_at_a_time(&nemesis.runs, ended, seed, &report);
+    eprintln!("{}", nemesis.log.join("\n"));
+    eprintln!(
+        "quorum nemesis: seed {seed}, {server_count} servers, {rounds} rounds, {} runs, no overlap",
+        runs.len()
+    );
+}
+
+#[test]
+fn no_two_commands_ever_run_at_once_over_three_servers_under_random_faults() {
+    nemesis(3, FAULTS.len());
+}
+
+#[test]
+fn no_two_commands_ever_run_at_once_over_five_servers_under_random_faults() {
+    nemesis(5, 6);
+}
