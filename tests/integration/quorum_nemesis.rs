@@ -30,14 +30,14 @@
 use std::collections::BTreeMap;
 use std::process::Command;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use nix::sys::signal::Signal;
 
 use crate::harness::{Proc, Proxy, Redis, WAIT, pgleader, unique_lock};
 use crate::nemesis::monotonic_ns;
 use crate::quorum::wait_older_than;
-use crate::redis_nemesis::{CHILD_ARGS, Run, Runs, assert_one_at_a_time, collect_runs};
+use crate::redis_nemesis::{CHILD_ARGS, Run, Runs, Watch, assert_one_at_a_time, collect_runs};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Fault {
@@ -127,6 +127,49 @@ struct Nemesis {
     seed: u64,
 }
 
+impl Watch for Nemesis {
+    fn collect(&self) -> usize {
+        collect_runs(
+            self.retired.iter().chain(self.instances.iter().flatten()),
+            &self.runs,
+            self.seed,
+        )
+    }
+
+    fn runs(&self) -> &Runs {
+        &self.runs
+    }
+
+    fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    fn report(&self) -> String {
+        let mut text = String::from("faults:\n");
+        for line in &self.log {
+            text.push_str(&format!("  {line}\n"));
+        }
+        text.push_str("runs (slot, pid, client, epoch, started, died):\n");
+        let mut runs: Vec<Run> = self.runs.lock().expect("runs").values().cloned().collect();
+        runs.sort_by_key(|run| run.started);
+        for run in runs {
+            text.push_str(&format!(
+                "  {} {} {} {} {} {:?}\n",
+                run.slot, run.pid, run.backend, run.epoch, run.started, run.died
+            ));
+        }
+        for instance in self.retired.iter().chain(self.instances.iter().flatten()) {
+            text.push_str(&instance.dump());
+        }
+        text
+    }
+
+    /// Long enough for a majority to come back and a lease to pass.
+    fn new_leader_bound(&self) -> Duration {
+        NEW_LEADER
+    }
+}
+
 impl Nemesis {
     fn quorum(&self) -> usize {
         self.servers.len() / 2 + 1
@@ -167,86 +210,6 @@ impl Nemesis {
             .arg(std::env::current_exe().expect("the test binary"))
             .args(CHILD_ARGS);
         self.instances[slot] = Some(Proc::spawn(&format!("instance {slot}"), command));
-    }
-
-    fn collect(&self) -> usize {
-        collect_runs(
-            self.retired.iter().chain(self.instances.iter().flatten()),
-            &self.runs,
-            self.seed,
-        )
-    }
-
-    /// Keeps collecting runs (every 10 ms, so that a death is watched from the start) until
-    /// `done` says so; fails the test after `timeout`, saying `what` was awaited.
-    fn collect_until(&self, what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
-        let deadline = Instant::now() + timeout;
-        loop {
-            self.collect();
-            if done() {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "seed {}: {what} not within {timeout:?}\n{}",
-                self.seed,
-                self.report()
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
-    /// The experiment's own pace (how long a leader runs, how long a freeze lasts), not a
-    /// stand-in for an event: runs are collected meanwhile.
-    fn pause(&self, length: Duration) {
-        let end = Instant::now() + length;
-        self.collect_until("a pause", length + WAIT, || Instant::now() >= end);
-    }
-
-    /// Runs a blocking step (`DEBUG SLEEP`, a server's restart) on another thread, collecting
-    /// runs meanwhile.
-    fn during<T: Send>(&self, step: impl FnOnce() -> T + Send) -> T {
-        std::thread::scope(|scope| {
-            let handle = scope.spawn(step);
-            self.collect_until("a blocking step's end", WAIT, || handle.is_finished());
-            handle.join().expect("the step's thread")
-        })
-    }
-
-    /// The newest run whose command still runs, waiting up to [`NEW_LEADER`] for one.
-    fn leader(&self) -> Run {
-        let mut found = None;
-        self.collect_until("a running command", NEW_LEADER, || {
-            found = self
-                .runs
-                .lock()
-                .expect("runs")
-                .values()
-                .filter(|run| run.died.is_none())
-                .max_by_key(|run| run.started)
-                .cloned();
-            found.is_some()
-        });
-        found.expect("a run")
-    }
-
-    /// Waits up to [`NEW_LEADER`] until a run beyond the first `known` has started; returns the
-    /// newest run.
-    fn wait_for_new_run(&self, known: usize) -> Run {
-        self.collect_until("a new leader's command after the fault", NEW_LEADER, || {
-            self.runs.lock().expect("runs").len() > known
-        });
-        self.newest()
-    }
-
-    fn newest(&self) -> Run {
-        self.runs
-            .lock()
-            .expect("runs")
-            .values()
-            .max_by_key(|run| run.started)
-            .cloned()
-            .expect("a run")
     }
 
     /// Stops an instance with `signal` and waits for it to exit.
@@ -327,26 +290,6 @@ impl Nemesis {
             .expect("a running instance")
             .pid
             .as_raw()
-    }
-
-    fn report(&self) -> String {
-        let mut text = String::from("faults:\n");
-        for line in &self.log {
-            text.push_str(&format!("  {line}\n"));
-        }
-        text.push_str("runs (slot, pid, client, epoch, started, died):\n");
-        let mut runs: Vec<Run> = self.runs.lock().expect("runs").values().cloned().collect();
-        runs.sort_by_key(|run| run.started);
-        for run in runs {
-            text.push_str(&format!(
-                "  {} {} {} {} {} {:?}\n",
-                run.slot, run.pid, run.backend, run.epoch, run.started, run.died
-            ));
-        }
-        for instance in self.retired.iter().chain(self.instances.iter().flatten()) {
-            text.push_str(&instance.dump());
-        }
-        text
     }
 }
 

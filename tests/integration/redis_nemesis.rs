@@ -236,6 +236,99 @@ fn freeze_for(rng: &mut fastrand::Rng) -> Duration {
     Duration::from_millis(rng.u64(700..3000))
 }
 
+/// What both Redis nemeses (one server, and a quorum) do while their experiment goes on:
+/// collect the instances' runs, wait for what a step needs, and name the leader. Each nemesis
+/// says how it collects, reports, and how long a new leader may take.
+pub(crate) trait Watch {
+    /// Records runs that have appeared on the instances' output since the last call, and
+    /// starts a watcher for each new command's death. Returns how many runs are known.
+    fn collect(&self) -> usize;
+    fn runs(&self) -> &Runs;
+    fn seed(&self) -> u64;
+    fn report(&self) -> String;
+    /// How long a new leader's command may take to appear after a fault.
+    fn new_leader_bound(&self) -> Duration;
+
+    /// Keeps collecting runs (every 10 ms, so that a death is watched from the start) until
+    /// `done` says so; fails the test after `timeout`, saying `what` was awaited.
+    fn collect_until(&self, what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            self.collect();
+            if done() {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "seed {}: {what} not within {timeout:?}\n{}",
+                self.seed(),
+                self.report()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// The experiment's own pace (how long a leader runs, how long a freeze lasts), not a
+    /// stand-in for an event: runs are collected meanwhile.
+    fn pause(&self, length: Duration) {
+        let end = Instant::now() + length;
+        self.collect_until("a pause", length + WAIT, || Instant::now() >= end);
+    }
+
+    /// Runs a blocking step (`DEBUG SLEEP`, a server's restart) on another thread, collecting
+    /// runs meanwhile.
+    fn during<T: Send>(&self, step: impl FnOnce() -> T + Send) -> T
+    where
+        Self: Sync,
+    {
+        std::thread::scope(|scope| {
+            let handle = scope.spawn(step);
+            self.collect_until("a blocking step's end", WAIT, || handle.is_finished());
+            handle.join().expect("the step's thread")
+        })
+    }
+
+    /// The newest run whose command still runs, waiting up to [`Watch::new_leader_bound`]
+    /// for one.
+    fn leader(&self) -> Run {
+        let mut found = None;
+        self.collect_until("a running command", self.new_leader_bound(), || {
+            found = self
+                .runs()
+                .lock()
+                .expect("runs")
+                .values()
+                .filter(|run| run.died.is_none())
+                .max_by_key(|run| run.started)
+                .cloned();
+            found.is_some()
+        });
+        found.expect("a run")
+    }
+
+    /// Waits up to [`Watch::new_leader_bound`] until a run beyond the first `known` has
+    /// started; returns the newest run.
+    fn wait_for_new_run(&self, known: usize) -> Run {
+        self.collect_until(
+            "a new leader's command after the fault",
+            self.new_leader_bound(),
+            || self.runs().lock().expect("runs").len() > known,
+        );
+        self.newest()
+    }
+
+    /// The run that started last.
+    fn newest(&self) -> Run {
+        self.runs()
+            .lock()
+            .expect("runs")
+            .values()
+            .max_by_key(|run| run.started)
+            .cloned()
+            .expect("a run")
+    }
+}
+
 struct Nemesis {
     redis: Redis,
     lock: String,
@@ -249,6 +342,48 @@ struct Nemesis {
     downtime: Vec<(u64, u64)>,
     log: Vec<String>,
     seed: u64,
+}
+
+impl Watch for Nemesis {
+    fn collect(&self) -> usize {
+        collect_runs(
+            self.retired.iter().chain(self.instances.iter().flatten()),
+            &self.runs,
+            self.seed,
+        )
+    }
+
+    fn runs(&self) -> &Runs {
+        &self.runs
+    }
+
+    fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    fn report(&self) -> String {
+        let mut text = String::from("faults:\n");
+        for line in &self.log {
+            text.push_str(&format!("  {line}\n"));
+        }
+        text.push_str("runs (slot, pid, client, epoch, started, died):\n");
+        let mut runs: Vec<Run> = self.runs.lock().expect("runs").values().cloned().collect();
+        runs.sort_by_key(|run| run.started);
+        for run in runs {
+            text.push_str(&format!(
+                "  {} {} {} {} {} {:?}\n",
+                run.slot, run.pid, run.backend, run.epoch, run.started, run.died
+            ));
+        }
+        for instance in self.retired.iter().chain(self.instances.iter().flatten()) {
+            text.push_str(&instance.dump());
+        }
+        text
+    }
+
+    fn new_leader_bound(&self) -> Duration {
+        WAIT
+    }
 }
 
 impl Nemesis {
@@ -281,82 +416,6 @@ impl Nemesis {
         self.instances[slot] = Some(Proc::spawn(&format!("instance {slot}"), command));
     }
 
-    /// Records runs that have appeared on the instances' output since the last call, and
-    /// starts a watcher for each new command's death. Returns how many runs are known.
-    fn collect(&self) -> usize {
-        collect_runs(
-            self.retired.iter().chain(self.instances.iter().flatten()),
-            &self.runs,
-            self.seed,
-        )
-    }
-
-    /// Keeps collecting runs (every 10 ms, so that a death is watched from the start) until
-    /// `done` says so; fails the test after `timeout`, saying `what` was awaited.
-    fn collect_until(&self, what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
-        let deadline = Instant::now() + timeout;
-        loop {
-            self.collect();
-            if done() {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "seed {}: {what} not within {timeout:?}\n{}",
-                self.seed,
-                self.report()
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
-    /// The experiment's own pace (how long a leader runs, how long a freeze lasts), not a
-    /// stand-in for an event: runs are collected meanwhile.
-    fn pause(&self, length: Duration) {
-        let end = Instant::now() + length;
-        self.collect_until("a pause", length + WAIT, || Instant::now() >= end);
-    }
-
-    /// Runs a blocking fault (`DEBUG SLEEP`) on another thread, collecting runs meanwhile.
-    fn during<T: Send>(&self, fault: impl FnOnce() -> T + Send) -> T {
-        std::thread::scope(|scope| {
-            let handle = scope.spawn(fault);
-            self.collect_until("a blocking fault's end", WAIT, || handle.is_finished());
-            handle.join().expect("the fault's thread")
-        })
-    }
-
-    /// The newest run whose command still runs, waiting for one if there is none.
-    fn leader(&self) -> Run {
-        let mut found = None;
-        self.collect_until("a running command", WAIT, || {
-            found = self
-                .runs
-                .lock()
-                .expect("runs")
-                .values()
-                .filter(|run| run.died.is_none())
-                .max_by_key(|run| run.started)
-                .cloned();
-            found.is_some()
-        });
-        found.expect("a run")
-    }
-
-    /// Waits until a run beyond the first `known` has started; returns the newest run.
-    fn wait_for_new_run(&self, known: usize) -> Run {
-        self.collect_until("a new leader's command after the fault", WAIT, || {
-            self.runs.lock().expect("runs").len() > known
-        });
-        self.runs
-            .lock()
-            .expect("runs")
-            .values()
-            .max_by_key(|run| run.started)
-            .cloned()
-            .expect("a run")
-    }
-
     /// Stops an instance with `signal` and waits for it to exit.
     fn stop(&mut self, slot: usize, signal: Signal) {
         let Some(instance) = self.instances[slot].take() else {
@@ -371,26 +430,6 @@ impl Nemesis {
         });
         let status = instance.wait_exit();
         self.log.push(format!("  instance {slot}: {status}"));
-    }
-
-    fn report(&self) -> String {
-        let mut text = String::from("faults:\n");
-        for line in &self.log {
-            text.push_str(&format!("  {line}\n"));
-        }
-        text.push_str("runs (slot, pid, client, epoch, started, died):\n");
-        let mut runs: Vec<Run> = self.runs.lock().expect("runs").values().cloned().collect();
-        runs.sort_by_key(|run| run.started);
-        for run in runs {
-            text.push_str(&format!(
-                "  {} {} {} {} {} {:?}\n",
-                run.slot, run.pid, run.backend, run.epoch, run.started, run.died
-            ));
-        }
-        for instance in self.retired.iter().chain(self.instances.iter().flatten()) {
-            text.push_str(&instance.dump());
-        }
-        text
     }
 }
 
