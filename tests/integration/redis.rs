@@ -7,19 +7,8 @@
 use nix::sys::signal::Signal;
 
 use crate::harness::redis::SECRET_PASSWORD;
+use crate::harness::run_named as run;
 use crate::harness::{Journal, Proc, Proxy, Redis, Stream, field, patient_child, pgleader};
-
-/// `pgleader run --lock <lock> <args...> -- sh -c <script>` against a Redis URL.
-fn run(name: &str, url: &str, lock: &str, args: &[&str], script: &str) -> Proc {
-    let mut command = pgleader();
-    command
-        .env("PGLEADER_DATABASE_URL", url)
-        .arg("run")
-        .arg(format!("--lock={lock}"))
-        .args(args)
-        .args(["--", "sh", "-c", script]);
-    Proc::spawn(name, command)
-}
 
 /// A lock name no other test uses.
 fn lock(tag: &str) -> String {

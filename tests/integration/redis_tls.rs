@@ -13,7 +13,8 @@ use nix::sys::signal::Signal;
 use rcgen::{CertificateParams, KeyPair};
 
 use crate::harness::redis::ServerTls;
-use crate::harness::{Proc, Redis, patient_child, pgleader, unique_lock};
+use crate::harness::run_named as run;
+use crate::harness::{Redis, patient_child, unique_lock};
 use crate::tls::authority;
 
 /// The only name the server's certificate is for: not 127.0.0.1, the address it listens on.
@@ -71,18 +72,6 @@ fn server() -> &'static TlsRedis {
             wrong_ca: wrong_ca.display().to_string(),
         }
     })
-}
-
-/// `pgleader run --lock <lock> <args...> -- sh -c <script>` against `url`.
-fn run(name: &str, url: &str, lock: &str, args: &[&str], script: &str) -> Proc {
-    let mut command = pgleader();
-    command
-        .env("PGLEADER_DATABASE_URL", url)
-        .arg("run")
-        .arg(format!("--lock={lock}"))
-        .args(args)
-        .args(["--", "sh", "-c", script]);
-    Proc::spawn(name, command)
 }
 
 fn lock(tag: &str) -> String {

@@ -147,6 +147,19 @@ pub fn run_with_url(name: &str, url: &str, lock: i64, args: &[&str], script: &st
     Proc::spawn(name, command)
 }
 
+/// `pgleader run --lock <lock> <args...> -- sh -c <script>` against `url` (Redis locks are
+/// named in their keys, so the Redis tests name theirs).
+pub fn run_named(name: &str, url: &str, lock: &str, args: &[&str], script: &str) -> Proc {
+    let mut command = pgleader();
+    command
+        .env("PGLEADER_DATABASE_URL", url)
+        .arg("run")
+        .arg(format!("--lock={lock}"))
+        .args(args)
+        .args(["--", "sh", "-c", script]);
+    Proc::spawn(name, command)
+}
+
 /// A file the children of one test append to, to prove the order of their runs.
 pub struct Journal {
     pub path: PathBuf,
