@@ -125,14 +125,7 @@ impl RunConfig {
             )
             .into());
         }
-        if !matches!(database, Database::Postgres(_)) && args.ledger.ledger_table.is_some() {
-            return Err(UsageError(
-                "--ledger-table has no meaning on Redis: the ledger lives in the lock's own keys \
-                 (pgleader:{NAME}:runs and :rows)"
-                    .into(),
-            )
-            .into());
-        }
+        no_ledger_table_on_redis(&args.ledger, &database)?;
         let schedule = match &args.schedule {
             Some(expression) => Some(Plan {
                 schedule: Schedule::parse(expression, &args.schedule_timezone)
@@ -339,6 +332,18 @@ fn quorum(urls: &[String], env: &dyn Environment) -> Result<Vec<RedisServer>, Us
         servers.push(server);
     }
     Ok(servers)
+}
+
+/// Refuses `--ledger-table` on Redis, where it has no meaning.
+pub fn no_ledger_table_on_redis(args: &LedgerArgs, database: &Database) -> Result<(), UsageError> {
+    if matches!(database, Database::Postgres(_)) || args.ledger_table.is_none() {
+        return Ok(());
+    }
+    Err(UsageError(
+        "--ledger-table has no meaning on Redis: the ledger lives in the lock's own keys \
+         (pgleader:{NAME}:runs and :rows)"
+            .into(),
+    ))
 }
 
 /// The ledger table of `--ledger-table` (pgleader_ledger when not given).

@@ -88,7 +88,9 @@ async fn run(args: RunArgs) -> anyhow::Result<u8> {
 
 async fn status(args: StatusArgs) -> anyhow::Result<u8> {
     let lock = config::lock_key(&args.lock, &ProcessEnvironment)?;
-    match config::database(&args.connection, &ProcessEnvironment)? {
+    let database = config::database(&args.connection, &ProcessEnvironment)?;
+    config::no_ledger_table_on_redis(&args.ledger, &database)?;
+    match database {
         Database::Postgres(connection) => {
             for warning in connection.warnings {
                 warn!(event = "config", "{warning}");
@@ -96,13 +98,6 @@ async fn status(args: StatusArgs) -> anyhow::Result<u8> {
             let table = config::ledger_table(&args.ledger)?;
             let backend = PgBackend::for_status(connection.settings, lock.clone(), table);
             show_status(&lock, &backend, &args).await
-        }
-        Database::Redis(_) | Database::Quorum(_) if args.ledger.ledger_table.is_some() => {
-            Err(UsageError(
-                "--ledger-table has no meaning on Redis: the ledger lives in the lock's own keys"
-                    .into(),
-            )
-            .into())
         }
         Database::Redis(server) => {
             let backend = RedisBackend::for_status(server, lock.clone());
