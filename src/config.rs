@@ -115,16 +115,6 @@ impl RunConfig {
             }
         }
         .map_err(UsageError)?;
-        if matches!(database, Database::Quorum(_)) && args.schedule.is_some() {
-            return Err(UsageError(
-                "--schedule is not available with a quorum of Redis servers yet: each \
-                 occurrence's claim would have to be accepted by a majority under the holder's \
-                 value, and its history read from a majority, which pgleader does not do yet. \
-                 Use one Redis server or PostgreSQL for scheduled jobs"
-                    .into(),
-            )
-            .into());
-        }
         no_ledger_table_on_redis(&args.ledger, &database)?;
         let schedule = match &args.schedule {
             Some(expression) => Some(Plan {

@@ -36,6 +36,7 @@ pub mod lease;
 pub mod ledger;
 pub mod lock;
 pub mod participant;
+pub mod socket;
 
 use std::fmt::Display;
 use std::time::Duration;

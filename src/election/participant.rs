@@ -13,11 +13,41 @@ use std::fmt::Write as _;
 /// The longest name every backend keeps whole (PostgreSQL cuts `application_name` at 63 bytes).
 pub const MAX_LABEL: usize = 63;
 
+/// What a session's id on the server is, so that `status` names it as the server does.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum SessionId {
+    /// PostgreSQL's backend pid.
+    #[default]
+    BackendPid,
+    /// Redis' client id (`CLIENT ID`).
+    ClientId,
+}
+
+impl SessionId {
+    /// The id's name in a full description: `backend pid`, `client id`.
+    pub fn name(self) -> &'static str {
+        match self {
+            SessionId::BackendPid => "backend pid",
+            SessionId::ClientId => "client id",
+        }
+    }
+
+    /// Its name in a short one: `backend`, `client`.
+    pub fn short_name(self) -> &'static str {
+        match self {
+            SessionId::BackendPid => "backend",
+            SessionId::ClientId => "client",
+        }
+    }
+}
+
 /// A session that holds or waits for a lock.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Participant {
-    /// The session's id on the server (PostgreSQL's backend pid).
+    /// The session's id on the server (PostgreSQL's backend pid, Redis' client id).
     pub backend_pid: i32,
+    /// Which of the two `backend_pid` is.
+    pub id_kind: SessionId,
     /// Whether it holds the lock (else it waits).
     pub granted: bool,
     /// The name the session gave itself.
@@ -35,6 +65,9 @@ pub struct Participant {
 pub struct LockView {
     pub holder: Option<Participant>,
     pub waiting: Vec<Participant>,
+    /// The key the lock is on, where the backend names it (Redis: `pgleader:{NAME}`); `None`
+    /// for PostgreSQL's advisory lock, whose key is the lock's number.
+    pub key_name: Option<String>,
     /// For a backend of several servers (a quorum): what each of them shows.
     pub servers: Vec<ServerView>,
 }
@@ -77,28 +110,30 @@ impl Participant {
     /// `pgleader#1a2b3c4d:42@web-1 (backend pid 8581)`, for messages about disagreements.
     pub fn describe_briefly(&self) -> String {
         format!(
-            "{} (backend pid {})",
+            "{} ({} {})",
             self.application_name.as_deref().unwrap_or(""),
+            self.id_kind.name(),
             self.backend_pid
         )
     }
 
     /// A short name for one line: `pgleader 4242@web-1 (backend 8581)`.
     pub fn short(&self) -> String {
+        let id = self.id_kind.short_name();
         match (self.pgleader_process(), &self.application_name) {
             (Some((pid, host)), _) => {
-                format!("pgleader {pid}@{host} (backend {})", self.backend_pid)
+                format!("pgleader {pid}@{host} ({id} {})", self.backend_pid)
             }
             (None, Some(name)) if !name.is_empty() => {
-                format!("backend {} ({name:?})", self.backend_pid)
+                format!("{id} {} ({name:?})", self.backend_pid)
             }
-            _ => format!("backend {}", self.backend_pid),
+            _ => format!("{id} {}", self.backend_pid),
         }
     }
 
     /// Everything known of it on one line, for `pgleader status`.
     pub fn describe(&self) -> String {
-        let mut line = format!("backend pid {}", self.backend_pid);
+        let mut line = format!("{} {}", self.id_kind.name(), self.backend_pid);
         if let Some((pid, host)) = self.pgleader_process() {
             let _ = write!(line, ", pgleader pid {pid} on {host}");
             if let Some((schedule, ledger)) = self.fingerprints() {
@@ -119,7 +154,10 @@ impl Participant {
             (Some(addr), _) => {
                 let _ = write!(line, ", client {addr}");
             }
-            (None, Some(-1)) | (None, None) => line.push_str(", local socket"),
+            // PostgreSQL shows no address for a Unix-socket session; Redis shows none at all.
+            (None, Some(-1)) | (None, None) if self.id_kind == SessionId::BackendPid => {
+                line.push_str(", local socket");
+            }
             _ => {}
         }
         if let Some(since) = &self.waiting_since {

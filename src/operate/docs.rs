@@ -74,7 +74,7 @@ const SECTIONS: &[Section] = &[
             ),
             Entry(
                 "PGLEADER_EPOCH",
-                "A fencing token: a number that strictly increases from one leadership of the lock to the next (a transaction id taken right after winning). A resource the command writes to can refuse writes that carry an older epoch than one it has already seen.",
+                "A fencing token: a number that strictly increases from one leadership of the lock to the next (a transaction id taken right after winning). A resource the command writes to can refuse writes that carry an older epoch than one it has already seen. On PostgreSQL the new leader waits until the transaction's commit is flushed to the WAL (its session sets synchronous_commit on), so that a crash cannot hand the same id out again.",
             ),
             Entry(
                 "PGLEADER_SCHEDULED_TIME",
@@ -182,10 +182,10 @@ const SECTIONS: &[Section] = &[
                 "The leader renews its own key only (compare, then extend, never re-create) and is told at once, by client-side tracking, when anyone else deletes, overwrites or flushes it; its command is then stopped. Followers block on a wake list (BLPOP) and try again every --check-interval: a released lock is taken in milliseconds, and a holder whose connection is gone (each session subscribes to a channel of its own, and PUBSUB NUMSUB tells) is replaced within a check interval, long before its TTL. A killed pgleader's connection closes only when its keeper has killed its whole tree. A waiting follower costs the server two commands per check interval. Scheduled jobs keep their ledger in the lock's keys (pgleader:{NAME}:runs and :rows); after a restart that kept nothing, an occurrence at or before the server's start is never claimed, since its record may be lost.",
             ),
             Para(
-                "The user needs: +@read +@write +@scripting +@pubsub +@blocking +time +info +client|id +client|setname +client|tracking on ~pgleader:* and &pgleader:*. A wrong password or an ACL that refuses TIME, INFO or SUBSCRIBE is a permanent error (exit status 1); without PUBSUB NUMSUB a crashed leader is replaced only when its key expires (logged once). One Redis server is a single point of failure, and a replica promoted after a failover may not have the key: PGLEADER_EPOCH is what a protected resource can check. Sentinel and Unix sockets are refused.",
+                "The user needs: +@read +@write +@scripting +@pubsub +@blocking +time +info +client|id +client|setname +client|tracking on ~pgleader:* and &pgleader:*. A wrong password or an ACL that refuses TIME, INFO or SUBSCRIBE is a permanent error (exit status 1); without PUBSUB NUMSUB a crashed leader is replaced only when its key expires (logged once). One Redis server is a single point of failure, and a replica promoted after a failover may not have the key: PGLEADER_EPOCH is what a protected resource can check. Sentinel and Unix sockets are refused. status names the key (pgleader:{NAME}) and each session by its Redis client id.",
             ),
             Para(
-                "Given -d three or more times with Redis URLs (or one PGLEADER_DATABASE_URL of space-separated URLs), pgleader runs Redlock over a quorum of independent servers: a leadership holds while a majority holds this session's value, acquired at once on every server with validity left after the round and a drift allowance, renewed on every server and confirmed by a majority; a server up for less than --lease refuses its vote (delayed restart), and epochs are the majority's largest, written back before the command starts. Two servers are refused, an even count is warned about, and --schedule is refused with a quorum.",
+                "Given -d three or more times with Redis URLs (or one PGLEADER_DATABASE_URL of space-separated URLs), pgleader runs Redlock over a quorum of independent servers: a leadership holds while a majority holds this session's value, acquired at once on every server with validity left after the round and a drift allowance, renewed on every server and confirmed by a majority; a server up for less than --lease refuses its vote (delayed restart), and epochs are the majority's largest, written back before the command starts. A leader connects again to a server it lost and sets its key there where it is free, so a rolling restart of the servers never stops the command. A waiting follower costs each server one command per try (every --check-interval, with jitter), the leader one per check. Use it when the lock must outlive any one Redis server: the servers must be independent primaries (not replicas of each other) whose clocks do not jump. It protects against a server's death, its restart without data and a partition, not against a paused leader process: PGLEADER_EPOCH, checked by the protected resource, is what does. Two servers are refused and an even count is warned about. With --schedule, each server keeps the ledger, and an occurrence runs only if a majority of the servers accepted its claim under this leadership's value (a claim that reached only a minority is taken back); outcomes count when a majority recorded them, and status reads the history from a majority.",
             ),
         ],
     },
@@ -244,7 +244,7 @@ const SECTIONS: &[Section] = &[
         heading: "SIGNALS",
         body: &[
             Para(
-                "The command runs in a process group of its own, led by a small keeper process of pgleader's. pgleader passes HUP, QUIT, USR1, USR2 and WINCH on to that process group, and TERM and INT too. TERM and INT also shut pgleader down: it waits for the command to exit (up to --kill-timeout, then SIGKILL), releases the lock and exits. A second TERM or INT sends SIGKILL at once.",
+                "The command runs in a process group of its own, led by a small keeper process of pgleader's. pgleader passes HUP, QUIT, USR1, USR2 and WINCH on to that process group, and TERM and INT too. TERM and INT also shut pgleader down: it waits for the command to exit (up to --kill-timeout, then SIGKILL), releases the lock and exits. A second TERM or INT sends SIGKILL at once. A replica waiting for the lock keeps a keeper ready, parked, so that winning costs one fork and exec, the command's; the parked keeper exits with pgleader, having started nothing.",
             ),
             Para(
                 "The stop signal is followed by SIGCONT, so that a stopped command can act on it. When --kill-timeout runs out, the keeper SIGKILLs every process the command started, including those that left its process group with setsid (the keeper is a child subreaper, so they come back to it). If pgleader itself dies, even by SIGKILL, the keeper notices and does the same, so no part of the command outlives pgleader. Processes the command leaves behind when it exits are stopped too, and the lock is released only once no member of the command's process group is alive.",
@@ -256,7 +256,7 @@ const SECTIONS: &[Section] = &[
         body: &[
             Entry(
                 "pgleader killed (kill -9, OOM)",
-                "The kernel closes its connection, the server frees the lock at once, the keeper kills the command's process group. A waiting replica starts its command within milliseconds.",
+                "The keeper kills everything the command started. It holds a copy of pgleader's connection socket, so the server sees the connection close, and frees the lock, only once all of it is dead. A waiting replica starts its command within milliseconds of that, never before.",
             ),
             Entry(
                 "graceful stop (SIGTERM)",
@@ -264,7 +264,7 @@ const SECTIONS: &[Section] = &[
             ),
             Entry(
                 "the leader's session terminated by the server",
-                "Noticed the moment the connection ends, not at the next check; the command is signalled within milliseconds. The lock is free at once, so the next replica may start while the old command is still stopping: --takeover-delay closes that window.",
+                "pg_terminate_backend, idle_session_timeout or a restart: noticed the moment the connection ends, not at the next check; the command is signalled within milliseconds. The lock is free at once (pgleader lives on, so nothing holds it back), and the next replica may start while the old command is still stopping: --takeover-delay closes that window.",
             ),
             Entry(
                 "database restart or crash",

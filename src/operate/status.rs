@@ -24,6 +24,8 @@ pub struct LockStatus {
     pub waiting: Vec<Participant>,
     /// For a quorum: what each server shows.
     pub servers: Vec<ServerView>,
+    /// The key the lock is on, where the backend names it (Redis).
+    pub key_name: Option<String>,
     /// For a scheduled lock: its schedule and last runs, from the ledger.
     pub schedule: Option<ScheduleReport>,
 }
@@ -47,6 +49,7 @@ pub async fn query<O: Observer>(lock: &LockKey, observer: &O) -> anyhow::Result<
         holder: view.holder,
         waiting: view.waiting,
         servers: view.servers,
+        key_name: view.key_name,
         schedule: None,
     })
 }
@@ -74,10 +77,21 @@ impl LockStatus {
         self.holder.is_some()
     }
 
+    /// The lock as its server knows it: `"nightly" (key 2774890235012722556)` on PostgreSQL,
+    /// `"nightly" (key pgleader:{nightly})` on Redis.
+    fn lock_label(&self) -> String {
+        match (&self.key_name, self.lock.name()) {
+            (Some(key), Some(name)) => format!("{name:?} (key {key})"),
+            (Some(key), None) => format!("{} (key {key})", self.lock.key()),
+            (None, _) => self.lock.to_string(),
+        }
+    }
+
     pub fn to_json(&self) -> Value {
         json!({
             "lock": {
                 "key": self.lock.key(),
+                "redis_key": self.key_name,
                 "name": self.lock.name(),
                 "classid": self.lock.classid(),
                 "objid": self.lock.objid(),
@@ -111,7 +125,7 @@ impl LockStatus {
 
     /// The state on one line, for `status --watch`.
     pub fn to_line(&self) -> String {
-        let mut line = format!("lock {}: ", self.lock);
+        let mut line = format!("lock {}: ", self.lock_label());
         match &self.holder {
             Some(holder) => {
                 let _ = write!(line, "leader {}", holder.short());
@@ -132,7 +146,7 @@ impl LockStatus {
         let _ = writeln!(
             text,
             "lock {}: {}",
-            self.lock,
+            self.lock_label(),
             if self.is_held() { "held" } else { "free" }
         );
         if let Some(holder) = &self.holder {

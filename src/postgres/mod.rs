@@ -3,11 +3,13 @@
 //! keepalives and `idle_session_timeout` on pgleader's session, and the ledger a table.
 //!
 //! What only PostgreSQL needs lives here: connection settings read the way libpq reads them
-//! ([`conninfo`], `.pgpass` included), TLS through rustls ([`tls`]), the session and its
-//! set-up, standby and pooler checks ([`session`]), the oldest supported server
+//! ([`conninfo`], `.pgpass` included), connecting over a socket pgleader opens itself, so that
+//! a leader's keeper can hold it ([`connect`]), TLS through rustls ([`tls`]), the session and
+//! its set-up, standby and pooler checks ([`session`]), the oldest supported server
 //! ([`version`]), how statements name the lock in `pg_locks` ([`locks`]), the ledger table
 //! ([`ledger`]) and what `status` reads ([`observer`]).
 
+pub mod connect;
 pub mod conninfo;
 pub mod describe;
 pub mod ledger;

@@ -88,6 +88,7 @@ impl Observer for PgObserver {
                 client_port: row.get(4),
                 backend_start: row.get(5),
                 waiting_since: row.get(6),
+                ..Participant::default()
             };
             if participant.granted {
                 view.holder = Some(Participant {

@@ -33,19 +33,14 @@ use rustls::{
     AlertDescription, CertificateError, ClientConfig, DigitallySignedStruct, RootCertStore,
     SignatureScheme,
 };
-use tokio_postgres::tls::MakeTlsConnect;
-use tokio_postgres::{Client, Connection, Socket};
 use tokio_postgres_rustls::MakeRustlsConnect;
 use tracing::warn;
 
 use crate::election::ConnectError;
-use crate::postgres::conninfo::{ConnSettings, Host, SslMode, TlsSettings};
+use crate::postgres::conninfo::{SslMode, TlsSettings};
 
 /// The driver's connector: rustls under tokio-postgres.
 pub type Connector = MakeRustlsConnect;
-
-/// A connection whose socket may be wrapped in TLS.
-pub type TlsConnection = Connection<Socket, <Connector as MakeTlsConnect<Socket>>::Stream>;
 
 /// How much of the server's certificate to check.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -58,17 +53,16 @@ enum Check {
     ChainAndName,
 }
 
-/// The sslmode to give the driver. The driver would send its TLS request over a Unix socket
-/// too, where the server always declines, so `require` would fail; libpq ignores sslmode on
-/// Unix sockets, and so does pgleader when every host is one.
-pub fn driver_mode(settings: &ConnSettings) -> tokio_postgres::config::SslMode {
+/// The sslmode to give the driver for one connection. The driver would send its TLS request
+/// over a Unix socket too, where the server always declines, so `require` would fail; libpq
+/// ignores sslmode on Unix sockets, and so does pgleader.
+pub fn driver_mode(
+    settings: &TlsSettings,
+    over_unix_socket: bool,
+) -> tokio_postgres::config::SslMode {
     use tokio_postgres::config::SslMode as Driver;
-    let only_sockets = settings
-        .endpoints
-        .iter()
-        .all(|endpoint| matches!(endpoint.host, Host::Socket(_)));
-    match settings.tls.mode {
-        _ if only_sockets => Driver::Disable,
+    match settings.mode {
+        _ if over_unix_socket => Driver::Disable,
         SslMode::Disable => Driver::Disable,
         // The driver has no "allow" (plaintext first, TLS if the server insists); TLS first
         // with a fallback reaches a server either way.
@@ -109,30 +103,22 @@ pub fn connector(settings: &TlsSettings) -> Result<Connector, String> {
     Ok(MakeRustlsConnect::new(config))
 }
 
-/// Connects; under `sslmode=prefer` or `allow`, a failed TLS handshake is followed by one
-/// attempt without TLS, as libpq does.
-pub async fn connect(
-    config: &tokio_postgres::Config,
-    settings: &TlsSettings,
-    connector: Connector,
-) -> Result<(Client, TlsConnection), tokio_postgres::Error> {
-    match config.connect(connector.clone()).await {
-        Err(err)
-            if matches!(settings.mode, SslMode::Allow | SslMode::Prefer)
-                && rustls_error(&err).is_some() =>
-        {
-            warn!(
-                event = "tls_fallback",
-                reason = %describe_rustls(rustls_error(&err).expect("checked above"), settings),
-                "the TLS handshake failed; connecting without TLS (sslmode={})",
-                settings.mode.as_str()
-            );
-            let mut plain = config.clone();
-            plain.ssl_mode(tokio_postgres::config::SslMode::Disable);
-            plain.connect(connector).await
-        }
-        result => result,
-    }
+/// Whether to try the same server again without TLS: under `sslmode=prefer` or `allow`, a
+/// failed TLS handshake is followed by one attempt without TLS, as libpq does. Says so in the
+/// log when it is.
+pub fn falls_back_to_plaintext(err: &tokio_postgres::Error, settings: &TlsSettings) -> bool {
+    let Some(tls) =
+        rustls_error(err).filter(|_| matches!(settings.mode, SslMode::Allow | SslMode::Prefer))
+    else {
+        return false;
+    };
+    warn!(
+        event = "tls_fallback",
+        reason = %describe_rustls(tls, settings),
+        "the TLS handshake failed; connecting without TLS (sslmode={})",
+        settings.mode.as_str()
+    );
+    true
 }
 
 /// Sorts a connection error that has to do with TLS, with a message that says what is wrong.

@@ -11,7 +11,7 @@
 //!   user means by a lock;
 //! - unreachable, loading its data, no answer: retried with backoff.
 
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::os::fd::{AsFd, RawFd};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -24,6 +24,7 @@ use tokio::task::JoinHandle;
 
 use crate::election::ConnectError;
 use crate::election::lease::Lease;
+use crate::election::socket::{LentSocket, keepalives};
 use crate::redis::url::{RedisServer, TlsSettings};
 
 /// What a connection is for: a session may lead, so it must reach a primary.
@@ -43,27 +44,15 @@ pub struct Connection {
     /// The server's id for this connection (`CLIENT ID`), 0 if the ACL hides it.
     pub client_id: i64,
     pub server_major: u32,
-    /// The socket's descriptor, owned by the driver task: valid while `driver` runs.
-    pub socket: RawFd,
-    /// The socket's device and inode: what tells it from a later descriptor of the same number.
-    pub socket_id: (u64, u64),
+    /// The socket, owned by the driver task: lent to the keeper while it is still open.
+    pub socket: LentSocket,
 }
 
 impl Connection {
-    /// The socket's descriptor if it still is this connection's socket. When the connection
-    /// ends (the server closed it), the driver closes the socket and its number goes to the next
-    /// descriptor opened: in a quorum the session lives on with its other servers, and the
-    /// keeper of a command started then would be handed that number, which is typically
-    /// pgleader's own end of the keeper's channel (opened just before the keeper starts). The
-    /// keeper would then hold both ends, never see pgleader die, and keep the command running
-    /// after a kill -9 of pgleader, into the next leader's run (the quorum nemesis, seed
-    /// 13746908687529957116).
+    /// The socket's descriptor if it still is this connection's socket: in a quorum the session
+    /// lives on with its other servers after one connection ended (see [`LentSocket::open`]).
     pub fn open_socket(&self) -> Option<RawFd> {
-        // SAFETY: the borrow lasts only for this fstat, which merely inspects whatever the number
-        // names now (nothing, or another file: both are what this checks for).
-        let fd = unsafe { BorrowedFd::borrow_raw(self.socket) };
-        let stat = nix::sys::stat::fstat(fd).ok()?;
-        ((stat.st_dev, stat.st_ino) == self.socket_id).then_some(self.socket)
+        self.socket.open()
     }
 }
 
@@ -104,11 +93,9 @@ pub async fn open(
     .map_err(|err| ConnectError::Transient(format!("{err}")))?;
     let _ = tcp.set_nodelay(true);
     if let Some(lease) = lease {
-        keepalives(&tcp, lease);
+        keepalives(tcp.as_fd(), lease);
     }
-    let socket = tcp.as_raw_fd();
-    let socket_id = nix::sys::stat::fstat(tcp.as_fd())
-        .map(|stat| (stat.st_dev, stat.st_ino))
+    let socket = LentSocket::of(&tcp)
         .map_err(|err| ConnectError::Transient(format!("fstat of the socket: {err}")))?;
     let stream: Box<dyn Stream> = match &server.tls {
         None => Box::new(tcp),
@@ -153,7 +140,6 @@ pub async fn open(
         client_id: 0,
         server_major: 0,
         socket,
-        socket_id,
     };
     let checks = async {
         let mut setup = redis::pipe();
@@ -241,27 +227,6 @@ impl ServerInfo {
         }
         facts
     }
-}
-
-/// Keepalives that give up on a silent server within about a lease, as on PostgreSQL, and a
-/// user timeout for unacknowledged data.
-fn keepalives(tcp: &TcpStream, lease: &Lease) {
-    use nix::sys::socket::{setsockopt, sockopt};
-    let fd = tcp.as_fd();
-    let seconds = |duration: Duration| u32::try_from(duration.as_secs()).unwrap_or(u32::MAX);
-    let _ = setsockopt(&fd, sockopt::KeepAlive, &true);
-    let _ = setsockopt(&fd, sockopt::TcpKeepIdle, &seconds(lease.keepalive_idle()));
-    let _ = setsockopt(
-        &fd,
-        sockopt::TcpKeepInterval,
-        &seconds(lease.keepalive_interval()),
-    );
-    let _ = setsockopt(&fd, sockopt::TcpKeepCount, &lease.keepalive_count());
-    let _ = setsockopt(
-        &fd,
-        sockopt::TcpUserTimeout,
-        &u32::try_from(lease.duration().as_millis()).unwrap_or(u32::MAX),
-    );
 }
 
 /// Sorts a failure of the handshake or of a command by whether retrying can help.

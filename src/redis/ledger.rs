@@ -377,6 +377,7 @@ pub fn participant(card: &str, granted: bool) -> Participant {
         backend_pid: scripts::field(card, "client")
             .and_then(|id| id.parse().ok())
             .unwrap_or(0),
+        id_kind: participant::SessionId::ClientId,
         granted,
         application_name: scripts::field(card, "session").map(str::to_owned),
         ..Participant::default()

@@ -12,12 +12,14 @@
 //!
 //! The parts: the URL ([`url`]), one connection with its checks and TLS ([`connection`]),
 //! the keys and scripts ([`scripts`]), a session ([`session`]), the ledger ([`ledger`]) and
-//! what `status` reads ([`observer`]).
+//! what `status` reads ([`observer`]); and the Redlock quorum over several servers
+//! ([`quorum`]) with its ledger ([`quorum_ledger`]).
 
 pub mod connection;
 pub mod ledger;
 pub mod observer;
 pub mod quorum;
+pub mod quorum_ledger;
 pub mod scripts;
 pub mod session;
 pub mod url;

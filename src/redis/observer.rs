@@ -47,6 +47,7 @@ impl Observer for RedisObserver {
                 .map(|(_, card)| participant(card, false))
                 .collect(),
             servers: Vec::new(),
+            key_name: Some(self.keys.lock.clone()),
         })
     }
 

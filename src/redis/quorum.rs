@@ -21,11 +21,11 @@
 //!   `--check-interval`, with jitter, to replace a holder whose connections are gone.
 //!
 //! Unlike one server, a quorum does not queue its waiters: a released lock goes to whichever
-//! waiter reaches a majority first. Scheduled jobs (a ledger over a majority) are not built
-//! here yet.
+//! waiter reaches a majority first. Scheduled jobs keep their ledger on every server, and an
+//! answer counts only from a majority (`quorum_ledger.rs`).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::time::{Duration, Instant};
 
 use redis::aio::MultiplexedConnection;
@@ -39,6 +39,7 @@ use crate::election::lock::LockKey;
 use crate::election::{Check, Confirmation, ConnectError, Fence, Session, SessionError};
 use crate::redis::connection::{self, Connection, Purpose, ServerInfo};
 use crate::redis::ledger::RedisLedger;
+use crate::redis::quorum_ledger::{self, QuorumLedger};
 use crate::redis::scripts::{self, Keys, RELEASE_SCRIPT, RENEW_SCRIPT};
 use crate::redis::session::{
     ScriptArgs, acquire, enlist, invalidates, no_answer, nonce, query_error, timestamp,
@@ -90,9 +91,15 @@ impl std::fmt::Display for QuorumBackend {
     }
 }
 
+/// What a member's connection reports, through its forwarder: (slot, generation, push).
+type Pushes = mpsc::UnboundedSender<(usize, u64, PushInfo)>;
+
 /// One server's connection in a quorum session.
 #[derive(Debug)]
 struct Member {
+    server: RedisServer,
+    /// Tells this connection's pushes from those of the connection it replaced.
+    generation: u64,
     conn: MultiplexedConnection,
     client_id: i64,
     server_major: u32,
@@ -100,6 +107,35 @@ struct Member {
     forwarder: JoinHandle<()>,
     /// Keeps the connection (and its driver) alive.
     connection: Connection,
+}
+
+impl Member {
+    /// A member over a connection; its pushes are forwarded, tagged with its slot and
+    /// generation, to the session.
+    fn new(
+        server: RedisServer,
+        mut connection: Connection,
+        (index, generation): (usize, u64),
+        (keys, released, out): (&Keys, &Arc<Notify>, &Pushes),
+    ) -> Member {
+        let (_, dummy) = mpsc::unbounded_channel();
+        let receiver = std::mem::replace(&mut connection.pushes, dummy);
+        Member {
+            server,
+            generation,
+            conn: connection.conn.clone(),
+            client_id: connection.client_id,
+            server_major: connection.server_major,
+            forwarder: tokio::spawn(forward(
+                (index, generation),
+                receiver,
+                keys.released(),
+                released.clone(),
+                out.clone(),
+            )),
+            connection,
+        }
+    }
 }
 
 impl Drop for Member {
@@ -121,10 +157,24 @@ pub struct QuorumSession {
     leading: Arc<AtomicBool>,
     /// A release was published on some server.
     released: Arc<Notify>,
-    /// What the members' connections report: (member, push).
-    pushes: mpsc::UnboundedReceiver<(usize, PushInfo)>,
+    /// What the members' connections report: (member, generation, push).
+    pushes: mpsc::UnboundedReceiver<(usize, u64, PushInfo)>,
+    /// Where new members' forwarders send.
+    out: Pushes,
     /// Members whose connection ended or whose key changed under the leadership, and why.
     lost: Vec<Option<String>>,
+    /// Members whose connection ended: a leader connects to them again (see [`Rejoined`]).
+    gone: Vec<bool>,
+    /// Servers not reachable when the session connected (`None` once a leader reached them).
+    absent: Vec<Option<RedisServer>>,
+    /// Reconnections under way, and when to try the next ones.
+    rejoins: JoinSet<Rejoined>,
+    next_rejoin: Instant,
+    generations: u64,
+    /// What a reconnection needs: the session's name, its lease, and the epoch it fenced.
+    name: String,
+    lease: Lease,
+    epoch: Arc<AtomicI64>,
     /// Members whose key was invalidated and must be read again: tracking knows key names, not
     /// databases, so a change in another database is pushed too.
     suspect: Vec<bool>,
@@ -133,26 +183,48 @@ pub struct QuorumSession {
     ledger_timeout: Duration,
 }
 
+/// A leader's new connection to a server it had lost (its connection ended, or it was not
+/// reachable at first), with this leadership's key set there again.
+///
+/// Without it, a leader over three servers that saw one restart and then another (a rolling
+/// restart) would step down at the second, though a majority is up all along. Setting the key
+/// again is an acquire on that server, as at the start, and safe for the same reason: the
+/// script sets it only where it is free (or already this session's), and this session leads
+/// through a majority that holds it meanwhile. A server restarted within the lease may take it
+/// too: the delayed restart keeps a young server from voting for a *new* holder, and this
+/// leader is the holder the majority confirms. The keeper is not given the new socket: a kill -9
+/// of pgleader frees the key there at once, but the keeper still holds the majority it started
+/// with until the command's tree is dead.
+#[derive(Debug)]
+struct Rejoined {
+    /// The member's slot, or the server's place among the absent.
+    slot: Result<usize, usize>,
+    server: RedisServer,
+    /// The connection, with the key set to this session's value, or why not.
+    connection: Result<Connection, String>,
+}
+
 /// Reads one member's pushes: a release's message wakes the waiters; everything else goes to
 /// the session's [`Session::ended`].
 async fn forward(
-    index: usize,
+    (index, generation): (usize, u64),
     mut pushes: mpsc::UnboundedReceiver<PushInfo>,
     released_channel: String,
     released: Arc<Notify>,
-    out: mpsc::UnboundedSender<(usize, PushInfo)>,
+    out: Pushes,
 ) {
     while let Some(push) = pushes.recv().await {
         let is_release = push.kind == PushKind::Message
             && matches!(push.data.first(), Some(redis::Value::BulkString(channel)) if channel == released_channel.as_bytes());
         if is_release {
             released.notify_waiters();
-        } else if out.send((index, push)).is_err() {
+        } else if out.send((index, generation, push)).is_err() {
             return;
         }
     }
     let _ = out.send((
         index,
+        generation,
         PushInfo {
             kind: PushKind::Disconnection,
             data: Vec::new(),
@@ -211,25 +283,20 @@ impl QuorumSession {
             )));
         }
         opened.sort_by_key(|(index, _)| *index);
+        let absent: Vec<Option<RedisServer>> = backend
+            .servers
+            .iter()
+            .enumerate()
+            .filter(|(index, _)| !opened.iter().any(|(opened, _)| opened == index))
+            .map(|(_, server)| Some(server.clone()))
+            .collect();
         let released = Arc::new(Notify::new());
         let (out, pushes) = mpsc::unbounded_channel();
         let mut members = Vec::new();
-        for (index, (_, mut connection)) in opened.into_iter().enumerate() {
-            let (_, dummy) = mpsc::unbounded_channel();
-            let receiver = std::mem::replace(&mut connection.pushes, dummy);
-            members.push(Member {
-                conn: connection.conn.clone(),
-                client_id: connection.client_id,
-                server_major: connection.server_major,
-                forwarder: tokio::spawn(forward(
-                    index,
-                    receiver,
-                    keys.released(),
-                    released.clone(),
-                    out.clone(),
-                )),
-                connection,
-            });
+        for (index, (server_index, connection)) in opened.into_iter().enumerate() {
+            let server = backend.servers[server_index].clone();
+            let forwarding = (&keys, &released, &out);
+            members.push(Member::new(server, connection, (index, 0), forwarding));
         }
         let card = format!(
             "client={} session={}",
@@ -237,6 +304,7 @@ impl QuorumSession {
             name.replace(' ', "_")
         );
         let (lost, suspect) = (vec![None; members.len()], vec![false; members.len()]);
+        let gone = vec![false; members.len()];
         Ok(QuorumSession {
             total: backend.servers.len(),
             args: ScriptArgs {
@@ -259,7 +327,16 @@ impl QuorumSession {
             leading: Arc::new(AtomicBool::new(false)),
             released,
             pushes,
+            out,
             lost,
+            gone,
+            absent,
+            rejoins: JoinSet::new(),
+            next_rejoin: Instant::now(),
+            generations: 0,
+            name: name.to_owned(),
+            lease: backend.lease,
+            epoch: Arc::new(AtomicI64::new(0)),
             suspect,
             connected_at: Instant::now(),
             user_name: backend.user_name.clone(),
@@ -269,6 +346,101 @@ impl QuorumSession {
 
     fn quorum(&self) -> usize {
         self.total / 2 + 1
+    }
+
+    /// While leading, connects again to the servers this session lost or never reached (see
+    /// [`Rejoined`]), at most once per check interval.
+    fn start_rejoins(&mut self) {
+        self.next_rejoin = Instant::now() + self.poll;
+        let gone = self
+            .members
+            .iter()
+            .enumerate()
+            .filter(|(index, _)| self.gone[*index]);
+        let mut targets: Vec<(Result<usize, usize>, RedisServer)> = gone
+            .map(|(index, member)| (Ok(index), member.server.clone()))
+            .collect();
+        for (index, server) in self.absent.iter().enumerate() {
+            if let Some(server) = server {
+                targets.push((Err(index), server.clone()));
+            }
+        }
+        for (slot, server) in targets {
+            let (name, lease, args) = (self.name.clone(), self.lease, self.args.clone());
+            let epoch = self.epoch.load(Ordering::Relaxed);
+            let bound = server.connect_timeout * 2;
+            self.rejoins.spawn(async move {
+                let rejoin = async {
+                    let mut connection =
+                        connection::open(&server, &name, Some(&lease), Purpose::Elect).await?;
+                    let also = [args.keys.released()];
+                    enlist(&mut connection, &server, &args.keys, &args.nonce, &also).await?;
+                    let mut conn = connection.conn.clone();
+                    if !acquire(&mut conn, &args, "try", Duration::ZERO).await? {
+                        return Err("the key there is another session's".into());
+                    }
+                    let script = redis::Script::new(RAISE_EPOCH);
+                    let mut raise = script.prepare_invoke();
+                    raise.key(args.keys.epoch()).arg(epoch);
+                    raise
+                        .invoke_async::<i64>(&mut conn)
+                        .await
+                        .map_err(query_error)?;
+                    Ok::<_, Box<dyn std::error::Error + Send + Sync>>(connection)
+                };
+                let connection = match tokio::time::timeout(bound, rejoin).await {
+                    Ok(result) => result.map_err(|err| err.to_string()),
+                    Err(_) => Err("no answer in time".into()),
+                };
+                Rejoined {
+                    slot,
+                    server,
+                    connection,
+                }
+            });
+        }
+    }
+
+    /// Makes a reconnection a member, if this session still leads.
+    fn install(&mut self, rejoined: Rejoined) {
+        let connection = match rejoined.connection {
+            Ok(connection) if self.leading.load(Ordering::Relaxed) => connection,
+            Ok(_) => return,
+            Err(reason) => {
+                tracing::debug!(server = %rejoined.server, %reason, "not connected again yet");
+                return;
+            }
+        };
+        self.generations += 1;
+        let index = match rejoined.slot {
+            Ok(index) => index,
+            Err(absent) => {
+                self.absent[absent] = None;
+                self.lost.push(None);
+                self.gone.push(false);
+                self.suspect.push(false);
+                self.members.len()
+            }
+        };
+        tracing::info!(
+            event = "redis_server_rejoined",
+            server = %rejoined.server,
+            "connected to {} again, and this leadership's key is set there",
+            rejoined.server
+        );
+        let forwarding = (&self.args.keys, &self.released, &self.out);
+        let member = Member::new(
+            rejoined.server,
+            connection,
+            (index, self.generations),
+            forwarding,
+        );
+        if index == self.members.len() {
+            self.members.push(member);
+        } else {
+            self.members[index] = member;
+        }
+        (self.lost[index], self.gone[index], self.suspect[index]) = (None, false, false);
     }
 
     fn round(&self) -> Round {
@@ -347,7 +519,7 @@ impl Round {
 }
 
 impl Session for QuorumSession {
-    type Ledger = RedisLedger;
+    type Ledger = QuorumLedger;
 
     fn id(&self) -> i32 {
         i32::try_from(self.members[0].client_id).unwrap_or(i32::MAX)
@@ -377,8 +549,8 @@ impl Session for QuorumSession {
     /// Resolves once fewer than a majority of the servers still hold this session: their
     /// connections ended, or (while leading) the key changed under it.
     async fn ended(&mut self) -> String {
-        let unreachable = self.total - self.members.len();
         loop {
+            let unreachable = self.absent.iter().flatten().count();
             let lost = self.lost.iter().flatten().count() + unreachable;
             if self.total - lost < self.quorum() {
                 let reasons: Vec<&str> = self.lost.iter().flatten().map(String::as_str).collect();
@@ -399,29 +571,51 @@ impl Session for QuorumSession {
                 if !ours {
                     self.lost[index].get_or_insert_with(|| {
                         format!(
-                            "server {}: the lock's key was changed by another client or expired",
-                            index + 1
+                            "{}: the lock's key was changed by another client or expired",
+                            self.members[index].server
                         )
                     });
                 }
                 continue;
             }
-            let Some((index, push)) = self.pushes.recv().await else {
-                return "the connections were closed".into();
-            };
-            match push.kind {
-                PushKind::Disconnection => {
-                    self.lost[index].get_or_insert_with(|| {
-                        format!("server {}: the connection ended", index + 1)
-                    });
+            let leading = self.leading.load(Ordering::Relaxed);
+            let missing = unreachable > 0 || self.gone.iter().any(|gone| *gone);
+            let rejoin = leading && missing && self.rejoins.is_empty();
+            if rejoin && Instant::now() >= self.next_rejoin {
+                self.start_rejoins();
+                continue;
+            }
+            let next_rejoin = self.next_rejoin;
+            tokio::select! {
+                received = self.pushes.recv() => {
+                    let Some((index, generation, push)) = received else {
+                        return "the connections were closed".into();
+                    };
+                    // A push of a connection since replaced says nothing of its successor.
+                    if self.members[index].generation != generation {
+                        continue;
+                    }
+                    match push.kind {
+                        PushKind::Disconnection => {
+                            self.gone[index] = true;
+                            self.lost[index].get_or_insert_with(|| {
+                                format!("{}: the connection ended", self.members[index].server)
+                            });
+                        }
+                        PushKind::Invalidate
+                            if leading && invalidates(&push, &self.args.keys.lock) =>
+                        {
+                            self.suspect[index] = true;
+                        }
+                        _ => {}
+                    }
                 }
-                PushKind::Invalidate
-                    if self.leading.load(Ordering::Relaxed)
-                        && invalidates(&push, &self.args.keys.lock) =>
-                {
-                    self.suspect[index] = true;
+                Some(joined) = self.rejoins.join_next(), if !self.rejoins.is_empty() => {
+                    if let Ok(rejoined) = joined {
+                        self.install(rejoined);
+                    }
                 }
-                _ => {}
+                () = tokio::time::sleep_until(next_rejoin.into()), if rejoin => {}
             }
         }
     }
@@ -496,6 +690,7 @@ impl Session for QuorumSession {
             )));
         }
         let epoch = epochs.iter().copied().max().unwrap_or(0);
+        self.epoch.store(epoch, Ordering::Relaxed);
         let raise = redis::Script::new(RAISE_EPOCH);
         let mut writes = JoinSet::new();
         for member in &self.members {
@@ -603,17 +798,22 @@ impl Session for QuorumSession {
         }
     }
 
-    fn ledger(&self, definition: &Definition) -> RedisLedger {
-        // Scheduled jobs over a quorum are refused before any session exists (config.rs); this
-        // ledger, on the first server alone, is never used for claims.
-        RedisLedger::new(
-            self.members[0].conn.clone(),
-            self.args.clone(),
-            definition.clone(),
-            self.user_name.clone(),
-            self.members[0].client_id,
-            self.ledger_timeout,
-        )
+    fn ledger(&self, definition: &Definition) -> QuorumLedger {
+        let members = self
+            .members
+            .iter()
+            .map(|member| {
+                RedisLedger::new(
+                    member.conn.clone(),
+                    self.args.clone(),
+                    definition.clone(),
+                    self.user_name.clone(),
+                    member.client_id,
+                    self.ledger_timeout,
+                )
+            })
+            .collect();
+        QuorumLedger::new(members, self.total, self.ledger_timeout)
     }
 }
 
@@ -673,6 +873,7 @@ impl crate::election::Observer for QuorumObserver {
         Ok(crate::election::participant::LockView {
             holder,
             waiting: Vec::new(),
+            key_name: Some(self.keys.lock.clone()),
             servers: self
                 .members
                 .iter()
@@ -688,13 +889,38 @@ impl crate::election::Observer for QuorumObserver {
         })
     }
 
-    /// A quorum keeps no ledger yet (`--schedule` is refused with one).
+    /// The history a majority of the servers tells (see [`quorum_ledger::merge`]).
     async fn history(
         &self,
-        _limit: i64,
+        limit: i64,
     ) -> Result<Option<Vec<crate::election::ledger::Entry>>, crate::election::ledger::LedgerError>
     {
-        Ok(None)
+        let mut reads = JoinSet::new();
+        for (_, member) in &self.members {
+            let Ok(connection) = member else { continue };
+            let (mut conn, keys) = (connection.conn.clone(), self.keys.clone());
+            reads.spawn(async move {
+                let read = crate::redis::ledger::recent(&mut conn, &keys, limit);
+                tokio::time::timeout(Duration::from_secs(5), read)
+                    .await
+                    .ok()?
+                    .ok()
+            });
+        }
+        let mut histories = Vec::new();
+        while let Some(joined) = reads.join_next().await {
+            if let Ok(Some(history)) = joined {
+                histories.push(history);
+            }
+        }
+        if histories.len() < self.quorum {
+            return Err(crate::election::ledger::LedgerError::Query(format!(
+                "only {} of {} servers could tell the history, fewer than a majority",
+                histories.len(),
+                self.members.len()
+            )));
+        }
+        Ok(Some(quorum_ledger::merge(histories, limit)))
     }
 
     async fn server_time(&self) -> Result<jiff::Timestamp, crate::election::ledger::LedgerError> {

@@ -190,7 +190,11 @@ impl<S: Session> Shift<S> {
         match self {
             Shift::Command { start_at } => match *start_at {
                 Some(at) => {
-                    sleep_until(at).await;
+                    // A timer, even one already due, fires on the runtime's next millisecond
+                    // tick: without a delay to wait out, start now.
+                    if at > Instant::now() {
+                        sleep_until(at).await;
+                    }
                     *start_at = None;
                     Next::Start(None)
                 }

@@ -1,5 +1,6 @@
-//! The command pgleader runs, seen from pgleader: checking it before the election, starting it
-//! under a keeper in its own process group, signalling that group, and learning how it ended.
+//! The command pgleader runs, seen from pgleader: checking it before the election, parking a
+//! keeper for it while following, starting it under that keeper in its own process group once
+//! leading, signalling that group, and learning how it ended.
 //!
 //! pgleader never waits for a specific child with a blocking call. Every SIGCHLD leads to
 //! [`reap_all`], which collects every exited child: the job's keeper, and, when pgleader is
@@ -7,8 +8,8 @@
 //! a socket read without blocking the runtime.
 
 use std::ffi::{OsStr, OsString};
-use std::io;
-use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
+use std::io::{self, IoSlice};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::process::CommandExt;
@@ -16,7 +17,9 @@ use std::path::{Path, PathBuf};
 
 use nix::errno::Errno;
 use nix::fcntl::{FcntlArg, FdFlag, fcntl};
+use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::signal::{SigSet, SigmaskHow, Signal, killpg, sigprocmask};
+use nix::sys::socket::{ControlMessage, MsgFlags, send, sendmsg};
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::{AccessFlags, Pid, access};
 use thiserror::Error;
@@ -145,6 +148,122 @@ fn check_executable(path: &Path) -> Result<(), Option<&'static str>> {
     Ok(())
 }
 
+/// A keeper started ahead of time, parked until pgleader wins: it has set itself up and waits
+/// for the command's environment and the sockets to hold (see `keeper.rs`). Dropping it closes
+/// its channel, and the keeper exits without having started anything.
+#[derive(Debug)]
+pub struct Parked {
+    keeper: Pid,
+    channel: std::os::unix::net::UnixStream,
+}
+
+impl Parked {
+    /// Starts a keeper for `command` in a process group of its own, parked. The keeper's
+    /// environment is pgleader's, without what only pgleader may use ([`notify::PRIVATE_ENV`]).
+    ///
+    /// Call this from the thread that lives as long as pgleader (the runtime's thread): the
+    /// keeper does not rely on a parent-death signal, but the rule costs nothing to keep.
+    ///
+    /// [`notify::PRIVATE_ENV`]: crate::operate::notify::PRIVATE_ENV
+    pub fn spawn(command: &CommandLine) -> io::Result<Parked> {
+        let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
+        let theirs_fd = theirs.as_raw_fd();
+        let mut keeper_command = std::process::Command::new(keeper_executable());
+        keeper_command
+            .arg0(keeper::ARGV0)
+            .args(keeper::keeper_args(
+                theirs_fd,
+                &command.program.clone().into_os_string(),
+                &command.argv,
+            ))
+            .process_group(0);
+        for name in crate::operate::notify::PRIVATE_ENV {
+            keeper_command.env_remove(name);
+        }
+        // SAFETY: runs between fork and exec; fcntl and sigprocmask are async-signal-safe and
+        // nothing is allocated. The descriptor is open: `theirs` outlives the spawn call.
+        unsafe {
+            keeper_command.pre_exec(move || {
+                let fd = BorrowedFd::borrow_raw(theirs_fd);
+                // Descriptor flags belong to this (child) process's table: the parent's copy
+                // keeps its close-on-exec.
+                fcntl(fd, FcntlArg::F_SETFD(FdFlag::empty()))?;
+                // The keeper must not die of a signal meant for the command, even before it has
+                // run a single instruction: it starts with every signal blocked.
+                sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::all()), None)?;
+                Ok(())
+            });
+        }
+        let child = keeper_command.spawn()?;
+        drop(theirs);
+        Ok(Parked {
+            keeper: Pid::from_raw(child.id() as i32),
+            channel: ours,
+        })
+    }
+
+    /// The keeper's pid.
+    pub fn pid(&self) -> Pid {
+        self.keeper
+    }
+
+    /// Whether the keeper still waits: a parked keeper never writes, so a readable channel
+    /// means it has closed its end (it was killed from outside).
+    pub fn is_waiting(&self) -> bool {
+        let mut fds = [PollFd::new(self.channel.as_fd(), PollFlags::POLLIN)];
+        matches!(poll(&mut fds, PollTimeout::ZERO), Ok(0))
+    }
+
+    /// Starts the command: sends the keeper `env` (added to its environment) and copies of
+    /// `hold` (the leader's connection sockets), which it keeps open until the command's whole
+    /// tree is gone. An error means the keeper is gone; nothing was started.
+    pub fn start(self, env: &[(&str, String)], hold: &[RawFd]) -> io::Result<Job> {
+        let message = keeper::start_message(env);
+        if hold.len() > keeper::MAX_HELD {
+            return Err(io::Error::other(format!(
+                "{} connection sockets to hand to the keeper, at most {} fit in one message",
+                hold.len(),
+                keeper::MAX_HELD
+            )));
+        }
+        let rights = [ControlMessage::ScmRights(hold)];
+        let cmsgs: &[ControlMessage] = if hold.is_empty() { &[] } else { &rights };
+        // A blocking socket: the message is small, the keeper reads it at once.
+        let mut sent = loop {
+            match sendmsg::<()>(
+                self.channel.as_raw_fd(),
+                &[IoSlice::new(&message)],
+                cmsgs,
+                MsgFlags::MSG_NOSIGNAL,
+                None,
+            ) {
+                Ok(sent) => break sent,
+                Err(Errno::EINTR) => continue,
+                Err(err) => return Err(err.into()),
+            }
+        };
+        while sent < message.len() {
+            match send(
+                self.channel.as_raw_fd(),
+                &message[sent..],
+                MsgFlags::MSG_NOSIGNAL,
+            ) {
+                Ok(n) => sent += n,
+                Err(Errno::EINTR) => {}
+                Err(err) => return Err(err.into()),
+            }
+        }
+        self.channel.set_nonblocking(true)?;
+        Ok(Job {
+            keeper: self.keeper,
+            channel: tokio::net::UnixStream::from_std(self.channel)?,
+            pending: Vec::new(),
+            channel_closed: false,
+            keeper_status: None,
+        })
+    }
+}
+
 /// A running job: the keeper (leader of the process group) and what it has reported.
 #[derive(Debug)]
 pub struct Job {
@@ -156,62 +275,6 @@ pub struct Job {
 }
 
 impl Job {
-    /// Starts the keeper, which starts the command. `env` is added to the inherited environment.
-    /// The keeper inherits `hold` (the leader's connection sockets, which must stay open during
-    /// this call) and keeps them open until the command's whole tree is gone.
-    ///
-    /// Call this from the thread that lives as long as pgleader (the runtime's thread): the
-    /// keeper does not rely on a parent-death signal, but the rule costs nothing to keep.
-    pub fn spawn(command: &CommandLine, env: &[(&str, String)], hold: &[RawFd]) -> io::Result<Job> {
-        let hold = hold.to_vec();
-        let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
-        let theirs_fd = theirs.as_raw_fd();
-        let mut keeper_command = std::process::Command::new(keeper_executable());
-        keeper_command
-            .arg0(keeper::ARGV0)
-            .args(keeper::keeper_args(
-                theirs_fd,
-                &hold,
-                &command.program.clone().into_os_string(),
-                &command.argv,
-            ))
-            .envs(env.iter().map(|(key, value)| (key, value)))
-            .process_group(0);
-        for name in crate::operate::notify::PRIVATE_ENV {
-            keeper_command.env_remove(name);
-        }
-        // SAFETY: runs between fork and exec; fcntl and sigprocmask are async-signal-safe and
-        // nothing is allocated. The descriptor is open: `theirs` outlives the spawn call.
-        unsafe {
-            keeper_command.pre_exec(move || {
-                let fd = BorrowedFd::borrow_raw(theirs_fd);
-                fcntl(fd, FcntlArg::F_SETFD(FdFlag::empty()))?;
-                // Descriptor flags belong to this (child) process's table: the parent's copy
-                // keeps its close-on-exec.
-                for fd in &hold {
-                    fcntl(
-                        BorrowedFd::borrow_raw(*fd),
-                        FcntlArg::F_SETFD(FdFlag::empty()),
-                    )?;
-                }
-                // The keeper must not die of a signal meant for the command, even before it has
-                // run a single instruction: it starts with every signal blocked.
-                sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::all()), None)?;
-                Ok(())
-            });
-        }
-        let child = keeper_command.spawn()?;
-        drop(theirs);
-        ours.set_nonblocking(true)?;
-        Ok(Job {
-            keeper: Pid::from_raw(child.id() as i32),
-            channel: tokio::net::UnixStream::from_std(ours)?,
-            pending: Vec::new(),
-            channel_closed: false,
-            keeper_status: None,
-        })
-    }
-
     /// The process group of the job (the keeper's pid).
     pub fn pgid(&self) -> Pid {
         self.keeper

@@ -5,7 +5,16 @@
 //! `pg_dump` it started would live on after a `kill -9` of pgleader and overlap with the next
 //! leader's run. So pgleader does not start the command itself: it starts this keeper (its own
 //! binary, re-executed under the name `pgleader-keeper`) as the leader of a new process group,
-//! and the keeper starts the command inside that group. The keeper:
+//! and the keeper starts the command inside that group.
+//!
+//! The keeper is started before it is needed: pgleader parks one while it waits for the lock,
+//! so that winning costs one fork and exec (the command's), not two. A parked keeper has set
+//! itself up (signals blocked, subreaper) and waits on its channel for the one message that
+//! only the new leader can send: the command's environment (`PGLEADER_EPOCH` and the rest,
+//! known once the fencing token is taken) and, by `SCM_RIGHTS`, the leader's connection sockets
+//! to hold. End-of-file instead (pgleader died while following, or dropped it) makes it exit:
+//! it has started nothing. A parked keeper serves one command, then exits with it; the next
+//! leadership or occurrence gets a fresh one. The keeper:
 //!
 //! - holds one end of a socket pair whose other end only pgleader holds. When pgleader dies, by
 //!   any means, the kernel closes its end, the keeper reads end-of-file and SIGKILLs every
@@ -13,25 +22,27 @@
 //!   on which thread of pgleader did the spawning. pgleader uses the same path, by sending one
 //!   byte, when its kill timeout runs out;
 //! - gives the command a parent-death signal (SIGKILL) of its own, in case the keeper itself is
-//!   killed;
+//!   killed (the keeper is single-threaded, so the thread that spawns is the one that lives);
 //! - keeps every signal blocked, so the signals pgleader sends to the group reach the command
 //!   and its descendants but not the keeper (SIGKILL, which cannot be blocked, takes it too);
 //! - is a child subreaper: descendants orphaned inside the job are reparented to it, so it can
 //!   tell when the whole tree is gone (even processes that left the process group with setsid),
 //!   and reaps them meanwhile;
-//! - reports over the socket: the command's pid once started, or why it could not start, and
+//! - reports over the socket: the command's pid once it has been executed (the standard
+//!   library's spawn returns only after `execve` succeeded), or why it could not start, and
 //!   the command's exit status once it ends. It exits when it has no children left;
-//! - holds a copy of the leader's connection socket (where the backend lends it: Redis) until
-//!   it exits. When pgleader is killed -9, the server sees that connection close only once the
+//! - holds copies of the leader's connection sockets (where the backend lends them) until it
+//!   exits. When pgleader is killed -9, the server sees that connection close only once the
 //!   keeper has killed and reaped the whole tree, so no follower can take over while any of it
 //!   still runs.
 //!
 //! Everything here runs in a single-threaded process that does nothing but wait, so plain
 //! blocking system calls are the simplest correct tool.
 
-use std::ffi::OsString;
-use std::io::{self, Read, Write};
-use std::os::fd::{AsFd, FromRawFd, OwnedFd, RawFd};
+use std::ffi::{OsStr, OsString};
+use std::io::{self, IoSliceMut, Read, Write};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::CommandExt;
 use std::process::Command;
@@ -42,6 +53,7 @@ use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::prctl;
 use nix::sys::signal::{SigSet, SigmaskHow, Signal, kill, raise, sigprocmask};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
+use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::{Pid, getpid, getppid};
 
@@ -94,30 +106,108 @@ pub fn is_keeper_invocation() -> bool {
     std::env::args_os().next().is_some_and(|arg0| arg0 == ARGV0)
 }
 
-/// The arguments pgleader passes: the channel's descriptor (and, after commas, those of the
-/// connection sockets to hold), the program to execute, the command's `argv[0]` and its
-/// arguments.
-pub fn keeper_args(
-    fd: RawFd,
-    hold: &[RawFd],
-    program: &OsString,
-    argv: &[OsString],
-) -> Vec<OsString> {
-    let mut descriptors = fd.to_string();
-    for held in hold {
-        descriptors.push_str(&format!(",{held}"));
-    }
-    let mut args = vec![OsString::from(descriptors), program.clone()];
+/// The arguments pgleader passes: the channel's descriptor, the program to execute, the
+/// command's `argv[0]` and its arguments.
+pub fn keeper_args(fd: RawFd, program: &OsString, argv: &[OsString]) -> Vec<OsString> {
+    let mut args = vec![OsString::from(fd.to_string()), program.clone()];
     args.extend(argv.iter().cloned());
     args
 }
 
-/// The descriptors of [`keeper_args`]' first argument: the channel, and those to hold.
-fn parse_descriptors(text: &str) -> Option<(RawFd, Vec<RawFd>)> {
-    let mut fds = text.split(',').map(|fd| fd.parse().ok());
-    let channel = fds.next()??;
-    let hold = fds.collect::<Option<Vec<RawFd>>>()?;
-    Some((channel, hold))
+/// The tag of the message that starts the command: then a little-endian 32-bit length and
+/// that many bytes of `KEY=VALUE\0` entries; the sockets to hold travel with it (SCM_RIGHTS).
+pub const START: u8 = b'G';
+
+/// The most connection sockets one start message carries (a Redlock quorum lends one per
+/// server).
+pub const MAX_HELD: usize = 64;
+
+/// The start message for `env`, without its sockets.
+pub fn start_message(env: &[(&str, String)]) -> Vec<u8> {
+    let mut entries = Vec::new();
+    for (key, value) in env {
+        entries.extend_from_slice(key.as_bytes());
+        entries.push(b'=');
+        entries.extend_from_slice(value.as_bytes());
+        entries.push(0);
+    }
+    let mut message = vec![START];
+    message.extend_from_slice(&(entries.len() as u32).to_le_bytes());
+    message.extend_from_slice(&entries);
+    message
+}
+
+/// The environment entries of a start message's body.
+fn parse_env(body: &[u8]) -> Vec<(OsString, OsString)> {
+    body.split(|b| *b == 0)
+        .filter(|entry| !entry.is_empty())
+        .filter_map(|entry| {
+            let at = entry.iter().position(|b| *b == b'=')?;
+            Some((
+                OsStr::from_bytes(&entry[..at]).to_owned(),
+                OsStr::from_bytes(&entry[at + 1..]).to_owned(),
+            ))
+        })
+        .collect()
+}
+
+/// What a parked keeper receives: the command's environment and the sockets to hold, or
+/// nothing (end-of-file: pgleader is gone or no longer needs it).
+struct Start {
+    env: Vec<(OsString, OsString)>,
+    hold: Vec<OwnedFd>,
+    /// pgleader asked for the end right after the start, before the keeper read either.
+    kill_now: bool,
+}
+
+/// Waits, parked, for the start message.
+fn wait_for_start(channel: &UnixStream) -> io::Result<Option<Start>> {
+    let mut received = Vec::new();
+    let mut hold = Vec::new();
+    loop {
+        let mut buf = [0u8; 4096];
+        let mut cmsg = nix::cmsg_space!([RawFd; MAX_HELD]);
+        let mut iov = [IoSliceMut::new(&mut buf)];
+        let message = match recvmsg::<()>(
+            channel.as_raw_fd(),
+            &mut iov,
+            Some(&mut cmsg),
+            MsgFlags::MSG_CMSG_CLOEXEC,
+        ) {
+            Ok(message) => message,
+            Err(Errno::EINTR) => continue,
+            Err(err) => return Err(err.into()),
+        };
+        let n = message.bytes;
+        for cmsg in message.cmsgs()? {
+            if let ControlMessageOwned::ScmRights(fds) = cmsg {
+                // SAFETY: the kernel has just installed these descriptors in this process
+                // for us alone (close-on-exec, so the command does not inherit them).
+                hold.extend(
+                    fds.into_iter()
+                        .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
+                );
+            }
+        }
+        if n == 0 {
+            return Ok(None);
+        }
+        received.extend_from_slice(&buf[..n]);
+        if received[0] != START {
+            return Err(io::Error::other("unexpected message from pgleader"));
+        }
+        if received.len() >= 5 {
+            let len = u32::from_le_bytes([received[1], received[2], received[3], received[4]]);
+            let end = 5 + len as usize;
+            if received.len() >= end {
+                return Ok(Some(Start {
+                    env: parse_env(&received[5..end]),
+                    hold,
+                    kill_now: received[end..].contains(&KILL_EVERYTHING),
+                }));
+            }
+        }
+    }
 }
 
 /// Runs the keeper; never returns.
@@ -134,9 +224,9 @@ pub fn main() -> ! {
 
 fn run() -> io::Result<i32> {
     let mut args = std::env::args_os().skip(1);
-    let (fd, hold) = args
+    let fd: RawFd = args
         .next()
-        .and_then(|fds| parse_descriptors(fds.to_str()?))
+        .and_then(|fd| fd.to_str()?.parse().ok())
         .ok_or_else(|| io::Error::other("this program is started by pgleader, not by hand"))?;
     let program = args
         .next()
@@ -151,29 +241,31 @@ fn run() -> io::Result<i32> {
     let channel = unsafe { OwnedFd::from_raw_fd(fd) };
     fcntl(&channel, FcntlArg::F_SETFD(FdFlag::FD_CLOEXEC))?;
     let mut channel = UnixStream::from(channel);
-    // The leader's connection sockets: held, never read or written, until this process exits,
-    // which it does only once every process of the job is gone. The command does not inherit
-    // them.
-    let mut held_connections = Vec::with_capacity(hold.len());
-    for fd in hold {
-        // SAFETY: as for the channel: a descriptor pgleader left open for us alone.
-        let held = unsafe { OwnedFd::from_raw_fd(fd) };
-        fcntl(&held, FcntlArg::F_SETFD(FdFlag::FD_CLOEXEC))?;
-        held_connections.push(held);
-    }
 
-    // pgleader started us with every signal blocked already (see `job::spawn`), so a signal
-    // sent to the group before this point cannot kill the keeper; block again in case we
-    // were started some other way.
+    // pgleader started us with every signal blocked already (see `job::Parked::spawn`), so a
+    // signal sent to the group before this point cannot kill the keeper; block again in case
+    // we were started some other way.
     sigprocmask(SigmaskHow::SIG_BLOCK, Some(&SigSet::all()), None)?;
     prctl::set_child_subreaper(true)?;
     let mut children = SigSet::empty();
     children.add(Signal::SIGCHLD);
     let signalfd = SignalFd::with_flags(&children, SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK)?;
 
+    // Parked until pgleader wins, or gone with it.
+    let Some(start) = wait_for_start(&channel)? else {
+        return Ok(0);
+    };
+    if start.kill_now {
+        return Ok(0);
+    }
+    // The leader's connection sockets: held, never read or written, until this process exits,
+    // which it does only once every process of the job is gone. The command does not inherit
+    // them (they arrived close-on-exec).
+    let _held_connections = start.hold;
+
     let keeper = getpid();
     let mut command = Command::new(&program);
-    command.arg0(argv0).args(rest);
+    command.arg0(argv0).args(rest).envs(start.env);
     // SAFETY: the closure runs between fork and exec and calls only async-signal-safe system
     // calls (sigprocmask, prctl, getppid, kill); it allocates nothing.
     unsafe {
@@ -322,14 +414,30 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_descriptors_survive_a_round_trip() {
-        let program = OsString::from("/bin/true");
-        for hold in [vec![], vec![7], vec![7, 9, 11]] {
-            let args = keeper_args(3, &hold, &program, &[]);
-            let first = args[0].to_str().expect("ASCII");
-            assert_eq!(parse_descriptors(first), Some((3, hold)));
-        }
-        assert_eq!(parse_descriptors("x"), None);
+    fn the_environment_survives_a_round_trip() {
+        let env = [
+            ("PGLEADER_EPOCH", "42".to_owned()),
+            ("PGLEADER_LOCK_NAME", "a=b c".to_owned()),
+            ("EMPTY", String::new()),
+        ];
+        let message = start_message(&env);
+        assert_eq!(message[0], START);
+        let len = u32::from_le_bytes([message[1], message[2], message[3], message[4]]);
+        assert_eq!(len as usize, message.len() - 5);
+        let parsed: Vec<(String, String)> = parse_env(&message[5..])
+            .into_iter()
+            .map(|(k, v)| {
+                (
+                    k.into_string().expect("UTF-8"),
+                    v.into_string().expect("UTF-8"),
+                )
+            })
+            .collect();
+        let expected: Vec<(String, String)> = env
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), v.clone()))
+            .collect();
+        assert_eq!(parsed, expected);
     }
 
     #[test]

@@ -19,7 +19,10 @@
 //!   connection ended, is already stopping its command;
 //! - stopping is: signal to the process group, `kill-timeout`, SIGKILL to the group, wait for
 //!   the keeper to be reaped; the session is closed or the lock released only after that;
-//! - a session whose acquisition was abandoned is closed, never reused.
+//! - a session whose acquisition was abandoned is closed, never reused;
+//! - a keeper is parked (started, waiting) before the election, and again between a schedule's
+//!   runs, so that winning costs the command's fork and exec only; a parked keeper exits by
+//!   itself when pgleader does.
 
 mod elect;
 mod lead;
@@ -39,7 +42,7 @@ use crate::operate::telemetry::Telemetry;
 use crate::supervise::Settings;
 use crate::supervise::duty::{Duty, Next};
 use crate::supervise::inbox::Inbox;
-use crate::supervise::job::Job;
+use crate::supervise::job::{Job, Parked};
 use crate::supervise::keeper::Report;
 use crate::supervise::signals::SignalEvent;
 use crate::time::for_people as fmt;
@@ -55,7 +58,7 @@ pub async fn run<B: Backend>(
     telemetry: Telemetry,
 ) -> anyhow::Result<Outcome> {
     let duty = Duty::new(settings.schedule.clone(), telemetry.clone());
-    Supervisor {
+    let mut supervisor = Supervisor {
         connect_deadline: duty.connect_deadline(),
         duty,
         inbox: Inbox {
@@ -68,9 +71,11 @@ pub async fn run<B: Backend>(
         settings,
         backoff: Backoff::default(),
         last_disturbance: None,
-    }
-    .run()
-    .await
+        parked: None,
+    };
+    let outcome = supervisor.run().await;
+    supervisor.dismiss_keeper().await;
+    outcome
 }
 
 struct Supervisor<B: Backend> {
@@ -86,6 +91,8 @@ struct Supervisor<B: Backend> {
     last_disturbance: Option<Instant>,
     /// When to stop retrying a connection (a scheduled --once).
     connect_deadline: Option<Instant>,
+    /// The keeper started ahead of the next command, waiting (see `job::Parked`).
+    parked: Option<Parked>,
 }
 
 /// How waiting for the lock ended.
@@ -188,8 +195,10 @@ impl<B: Backend> Supervisor<B> {
                     continue;
                 }
             }
-            let session = match self.acquire(session).await? {
-                Acquired::Won(session) => session,
+            // Ready before it is needed: winning then costs the command's fork and exec only.
+            self.park_keeper();
+            let (session, granted) = match self.acquire(session).await? {
+                Acquired::Won(session) => (session, Instant::now()),
                 Acquired::Busy => return Ok(Outcome::Busy(self.settings.busy_exit_code)),
                 Acquired::Shutdown => return Ok(Outcome::Shutdown),
                 Acquired::Lost { stable } => {
@@ -197,7 +206,7 @@ impl<B: Backend> Supervisor<B> {
                     continue;
                 }
             };
-            let led = self.lead(session).await?;
+            let led = self.lead(session, granted).await?;
             let once = self.settings.once;
             if once && matches!(led, Led::Lost { status: Some(_) }) {
                 return Ok(Outcome::LostLeadership);
@@ -256,16 +265,44 @@ impl<B: Backend> Supervisor<B> {
         self.backoff.next_delay()
     }
 
-    /// Starts the command under its keeper.
-    /// Starts the job; the keeper holds `hold` (the session's sockets) until the job's tree is
-    /// gone.
+    /// Makes sure a keeper waits, parked, for the next command. A failure here is not fatal:
+    /// starting the command tries again, and reports the error if it fails then.
+    fn park_keeper(&mut self) {
+        if self.parked.as_ref().is_some_and(Parked::is_waiting) {
+            return;
+        }
+        match Parked::spawn(&self.settings.command) {
+            Ok(parked) => {
+                debug!(
+                    event = "keeper_parked",
+                    pid = parked.pid().as_raw(),
+                    "started a keeper for the next command"
+                );
+                self.parked = Some(parked);
+            }
+            Err(err) => {
+                self.parked = None;
+                warn!(event = "keeper_failed", reason = %err, "cannot start a keeper ahead of time; trying again when the command starts");
+            }
+        }
+    }
+
+    /// Starts the command under the parked keeper (or a fresh one if none waits); the keeper
+    /// holds `hold` (the session's sockets) until the job's tree is gone.
     fn spawn(
         &mut self,
         env: &[(&'static str, String)],
         hold: &[std::os::fd::RawFd],
     ) -> anyhow::Result<Job> {
-        let spawned = Job::spawn(&self.settings.command, env, hold)
-            .context("cannot start the keeper process")?;
+        let command = &self.settings.command;
+        let started = match self.parked.take().filter(Parked::is_waiting) {
+            // A keeper killed since it was checked fails here; a fresh one is the fallback.
+            Some(parked) => parked
+                .start(env, hold)
+                .or_else(|_| Parked::spawn(command)?.start(env, hold)),
+            None => Parked::spawn(command).and_then(|parked| parked.start(env, hold)),
+        };
+        let spawned = started.context("cannot start the keeper process")?;
         self.backoff.reset();
         debug!(
             event = "spawned",
@@ -273,5 +310,25 @@ impl<B: Backend> Supervisor<B> {
             "started the keeper"
         );
         Ok(spawned)
+    }
+
+    /// Lets the parked keeper go (it exits on end-of-file) and waits a moment for it, so that
+    /// pgleader leaves nothing behind when it exits.
+    async fn dismiss_keeper(&mut self) {
+        let Some(parked) = self.parked.take() else {
+            return;
+        };
+        let pid = parked.pid();
+        drop(parked);
+        let deadline = Instant::now() + Duration::from_secs(1);
+        while Instant::now() < deadline {
+            match nix::sys::wait::waitpid(pid, Some(nix::sys::wait::WaitPidFlag::WNOHANG)) {
+                Ok(nix::sys::wait::WaitStatus::StillAlive) | Err(nix::errno::Errno::EINTR) => {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+                // Exited, or reaped already by a SIGCHLD handled meanwhile.
+                _ => return,
+            }
+        }
     }
 }

@@ -236,7 +236,7 @@ impl Subject for ThreeRedis {
     }
 
     fn has_ledger(&self) -> bool {
-        false
+        true
     }
 }
 

@@ -1,11 +1,13 @@
 //! Losing the leader: kill -9 of pgleader, a graceful SIGTERM, the server terminating the
 //! leader's session, a command that will not stop.
 
+use std::os::fd::AsRawFd;
+
 use nix::sys::signal::Signal;
 
 use crate::harness::{
-    Cluster, Journal, Stream, WAIT, field, is_running, patient_child, pid_in, run, unique_lock,
-    wait_gone,
+    Cluster, Journal, Stream, WAIT, field, is_running, keepers_of,
+    kill_9_never_overlaps_the_dying_tree, patient_child, pid_in, run, unique_lock, wait_gone,
 };
 
 #[test]
@@ -27,6 +29,12 @@ fn kill_9_of_the_leader_takes_its_command_and_grandchild_down_and_a_follower_tak
     b.wait_log("waiting for the lock");
 
     a.signal(Signal::SIGKILL);
+    assert_tree_gone(child, grandchild, keeper);
+    b.wait_stdout("B started");
+}
+
+/// Asserts that a killed pgleader's command, its grandchild and its keeper are all gone.
+fn assert_tree_gone(child: i32, grandchild: i32, keeper: i32) {
     for (what, pid) in [
         ("command", child),
         ("grandchild", grandchild),
@@ -37,7 +45,158 @@ fn kill_9_of_the_leader_takes_its_command_and_grandchild_down_and_a_follower_tak
             "the {what} (pid {pid}) outlived pgleader"
         );
     }
-    b.wait_stdout("B started");
+}
+
+#[test]
+fn a_follower_parks_a_keeper_that_dies_with_it() {
+    let cluster = Cluster::shared();
+    let lock = unique_lock();
+    let a = run("A", cluster, lock, &[], &patient_child("A"));
+    a.wait_stdout("A started");
+    let b = run("B", cluster, lock, &[], &patient_child("B"));
+    b.wait_log("waiting for the lock");
+    // Parked before the follower queues up: winning then costs one fork and exec.
+    let parked = keepers_of(b.pid.as_raw());
+    assert_eq!(
+        parked.len(),
+        1,
+        "the follower has no parked keeper\n{}",
+        b.dump()
+    );
+
+    b.signal(Signal::SIGKILL);
+    assert!(
+        wait_gone(parked[0], WAIT),
+        "the parked keeper (pid {}) outlived its follower",
+        parked[0]
+    );
+}
+
+#[test]
+fn kill_9_of_a_leader_that_won_with_a_parked_keeper_takes_its_whole_tree_down() {
+    let cluster = Cluster::shared();
+    let lock = unique_lock();
+    let a = run("A", cluster, lock, &[], &patient_child("A"));
+    a.wait_stdout("A started");
+    let b = run(
+        "B",
+        cluster,
+        lock,
+        &[],
+        "sh -c 'sleep 1000' & echo B grandchild $!; echo B started $$ keeper=$PPID; wait",
+    );
+    b.wait_log("waiting for the lock");
+    let parked = keepers_of(b.pid.as_raw());
+    assert_eq!(
+        parked.len(),
+        1,
+        "the follower has no parked keeper\n{}",
+        b.dump()
+    );
+
+    a.signal(Signal::SIGTERM);
+    let started = b.wait_stdout("B started");
+    let keeper: i32 = field(&started, "keeper").parse().expect("keeper pid");
+    assert_eq!(
+        keeper, parked[0],
+        "the command did not start under the parked keeper"
+    );
+    let child = pid_in(&started);
+    let grandchild = pid_in(&b.wait_stdout("B grandchild"));
+    let c = run("C", cluster, lock, &[], &patient_child("C"));
+    c.wait_log("waiting for the lock");
+
+    b.signal(Signal::SIGKILL);
+    assert_tree_gone(child, grandchild, keeper);
+    c.wait_stdout("C started");
+}
+
+#[test]
+fn kill_9_of_the_leader_frees_the_lock_only_after_its_whole_tree_is_gone() {
+    let cluster = Cluster::shared();
+    let lock = unique_lock();
+    // A lease of a minute: only the keeper letting go of the leader's socket, not the server's
+    // idle_session_timeout, can free the lock within the test's waits.
+    kill_9_never_overlaps_the_dying_tree("pg", 5, |name, script| {
+        run(name, cluster, lock, &["--lease=60s"], script)
+    });
+}
+
+#[test]
+fn the_keeper_holds_the_leaders_database_socket_with_the_leases_keepalives() {
+    use nix::sys::socket::{SockaddrIn, getpeername, getsockopt, sockopt};
+    let cluster = Cluster::shared();
+    let a = run(
+        "A",
+        cluster,
+        unique_lock(),
+        &["--lease=15s"],
+        "echo A started keeper=$PPID; exec sleep 1000",
+    );
+    let keeper: i32 = field(&a.wait_stdout("A started"), "keeper")
+        .parse()
+        .expect("keeper pid");
+    // The keeper gets the sockets to hold over its channel: among its descriptors, exactly one
+    // is a TCP connection, and it is the one to the server.
+    let tcp: Vec<(std::os::fd::OwnedFd, SockaddrIn)> =
+        std::fs::read_dir(format!("/proc/{keeper}/fd"))
+            .expect("the keeper's descriptors")
+            .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<i32>().ok())
+            .filter_map(|fd| {
+                let socket = descriptor_of(keeper, fd);
+                let peer: SockaddrIn = getpeername(socket.as_raw_fd()).ok()?;
+                Some((socket, peer))
+            })
+            .collect();
+    assert_eq!(
+        tcp.len(),
+        1,
+        "the keeper holds {} TCP connections",
+        tcp.len()
+    );
+    let (socket, peer) = tcp.into_iter().next().expect("one");
+    assert_eq!(
+        peer.port(),
+        cluster.port,
+        "the keeper holds {peer}, not the server's connection"
+    );
+    // The lease's keepalives, set on pgleader's own socket: idle + interval x count covers the
+    // lease, and unacknowledged data is given up on after it.
+    assert!(getsockopt(&socket, sockopt::KeepAlive).expect("SO_KEEPALIVE"));
+    let idle = getsockopt(&socket, sockopt::TcpKeepIdle).expect("TCP_KEEPIDLE");
+    let interval = getsockopt(&socket, sockopt::TcpKeepInterval).expect("TCP_KEEPINTVL");
+    let count = getsockopt(&socket, sockopt::TcpKeepCount).expect("TCP_KEEPCNT");
+    assert!(
+        idle + interval * count >= 15 && idle < 15,
+        "keepalives {idle} s + {interval} s x {count}"
+    );
+    assert_eq!(
+        getsockopt(&socket, sockopt::TcpUserTimeout).expect("TCP_USER_TIMEOUT"),
+        15_000
+    );
+}
+
+/// A copy of descriptor `fd` of process `pid` (pidfd_getfd, Linux 5.6).
+fn descriptor_of(pid: i32, fd: i32) -> std::os::fd::OwnedFd {
+    use std::os::fd::FromRawFd;
+    // SAFETY: plain system calls on integers; a negative result is an error, checked below.
+    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    assert!(
+        pidfd >= 0,
+        "pidfd_open({pid}): {}",
+        std::io::Error::last_os_error()
+    );
+    // SAFETY: pidfd_open returned a new descriptor that nothing else owns.
+    let pidfd = unsafe { std::os::fd::OwnedFd::from_raw_fd(pidfd as i32) };
+    // SAFETY: as above; the pidfd is open for the length of the call.
+    let copy = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0) };
+    assert!(
+        copy >= 0,
+        "pidfd_getfd({pid}, {fd}): {}",
+        std::io::Error::last_os_error()
+    );
+    // SAFETY: pidfd_getfd returned a new descriptor that nothing else owns.
+    unsafe { std::os::fd::OwnedFd::from_raw_fd(copy as i32) }
 }
 
 #[test]

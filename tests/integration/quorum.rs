@@ -1,8 +1,8 @@
 //! What only the Redlock quorum needs beyond the contract suite, tested on its sessions directly
-//! (the command line does not offer a quorum yet): losing one server of three changes nothing,
-//! losing two ends the leadership, and Kleppmann's scenario (a server of the leader's majority
-//! restarts empty, and a follower that reaches it and two others must not win) is refused by the
-//! delayed restart.
+//! and through the command line: losing one server of three changes nothing, losing two ends
+//! the leadership, Kleppmann's scenario (a server of the leader's majority restarts empty, and a
+//! follower that reaches it and two others must not win) is refused by the delayed restart, and
+//! a scheduled job's claim counts only when a majority of the servers accepts it.
 
 use std::time::Duration;
 
@@ -86,6 +86,23 @@ async fn within<T>(what: &str, future: impl Future<Output = T>) -> T {
     tokio::time::timeout(WAIT, future)
         .await
         .unwrap_or_else(|_| panic!("{what}: nothing within {WAIT:?}"))
+}
+
+/// A session that connected to a majority, acquired the lock and took its fencing token.
+async fn lead(quorum: &QuorumBackend) -> (pgleader::redis::quorum::QuorumSession, i64) {
+    let session = within("connect", quorum.connect("leader:1@test"))
+        .await
+        .expect("a majority connects");
+    assert!(
+        within("acquire", session.try_acquire())
+            .await
+            .expect("tries")
+    );
+    let epoch = within("fence", session.fence())
+        .await
+        .expect("a token")
+        .epoch;
+    (session, epoch)
 }
 
 fn held(check: &Result<Check, pgleader::election::SessionError>) -> bool {
@@ -217,18 +234,7 @@ fn epochs_keep_growing_across_majorities_even_when_one_server_hands_out_larger_o
     let quorum = backend(&[a.url(), b.url(), c.url()], &lock);
     let leadership = || {
         block_on(async {
-            let session = within("connect", quorum.connect("leader:1@test"))
-                .await
-                .expect("a majority connects");
-            assert!(
-                within("acquire", session.try_acquire())
-                    .await
-                    .expect("tries")
-            );
-            let epoch = within("fence", session.fence())
-                .await
-                .expect("a token")
-                .epoch;
+            let (session, epoch) = lead(&quorum).await;
             within("release", session.release(WAIT))
                 .await
                 .expect("released");
@@ -276,11 +282,6 @@ fn the_command_line_refuses_a_quorum_it_cannot_keep_and_warns_on_an_even_one() {
             "each must be a redis://",
         ),
         (vec![redis(1), redis(2), redis(1)], vec![], "given twice"),
-        (
-            vec![redis(1), redis(2), redis(3)],
-            vec!["--schedule", "@daily"],
-            "--schedule is not available with a quorum",
-        ),
     ] {
         let run = run_on("usage", &urls, "x", &extra, "true");
         let (status, _, stderr) = run.finish();
@@ -508,4 +509,135 @@ fn a_leader_that_lost_one_servers_connection_before_its_command_started_leaves_n
         "the command outlived a kill -9 of pgleader: {}",
         a.dump()
     );
+}
+
+/// A ledger row as pgleader writes it on one server: a run of `at` that already succeeded.
+fn write_row(redis: &Redis, lock: &str, at: jiff::Timestamp) {
+    let micros = at.as_microsecond().to_string();
+    let row = serde_json::json!({
+        "scheduled_for": micros, "outcome": "succeeded", "attempt": "1",
+        "claimed_at": micros, "ended_at": micros, "epoch": "1",
+        "host": "elsewhere", "pid": "1", "schedule": "* * * * * *", "timezone": "UTC",
+    });
+    redis.cli(&[
+        "HSET",
+        &format!("pgleader:{{{lock}}}:rows"),
+        &micros,
+        &row.to_string(),
+    ]);
+    redis.cli(&[
+        "ZADD",
+        &format!("pgleader:{{{lock}}}:runs"),
+        &micros,
+        &micros,
+    ]);
+}
+
+fn has_row(redis: &Redis, lock: &str, at: jiff::Timestamp) -> bool {
+    let micros = at.as_microsecond().to_string();
+    redis.cli(&["HEXISTS", &format!("pgleader:{{{lock}}}:rows"), &micros]) == "1"
+}
+
+#[test]
+fn a_claim_counts_only_when_a_majority_of_the_servers_accepts_it() {
+    use pgleader::election::ledger::{Claim, Claimant, Definition, Ledger};
+    let servers = servers(3);
+    let urls: Vec<String> = servers.iter().map(Redis::url).collect();
+    let lock = format!("claims-{}", unique_lock());
+    let quorum = backend(&urls, &lock);
+    // Occurrences after the servers started (a server refuses those before its start: it may
+    // have lost their rows), and already due.
+    let now = jiff::Timestamp::now();
+    let ago = |millis: i64| now - jiff::SignedDuration::from_millis(millis);
+    let (both, one, none) = (ago(1500), ago(1000), ago(500));
+    // Two of three servers already recorded the first; one server the second.
+    write_row(&servers[1], &lock, both);
+    write_row(&servers[2], &lock, both);
+    write_row(&servers[2], &lock, one);
+    block_on(async {
+        let (session, epoch) = lead(&quorum).await;
+        let ledger = session.ledger(&Definition {
+            expression: "* * * * * *".into(),
+            timezone: "UTC".into(),
+        });
+        let claimant = Claimant {
+            host: "test".into(),
+            pid: 1,
+            epoch,
+        };
+        // The first server alone would accept it; two of three refuse: not a claim, and the
+        // first server's claim is taken back.
+        let claim = within("claim", ledger.claim(both, &claimant, 0))
+            .await
+            .expect("answers");
+        assert_eq!(
+            claim,
+            Claim::Taken {
+                outcome: "succeeded".into()
+            }
+        );
+        assert!(
+            !has_row(&servers[0], &lock, both),
+            "the minority's claim was not taken back"
+        );
+        // The third server already recorded `one`; the other two accept it: a majority, so a
+        // claim.
+        let claim = within("claim", ledger.claim(one, &claimant, 0))
+            .await
+            .expect("answers");
+        assert_eq!(claim, Claim::Claimed { attempt: 1 });
+        assert!(has_row(&servers[0], &lock, one) && has_row(&servers[1], &lock, one));
+        // With two servers gone, nothing can be claimed: the one left accepts, but alone.
+        servers[1].crash();
+        servers[2].crash();
+        let claim = within("claim", ledger.claim(none, &claimant, 0)).await;
+        assert!(claim.is_err(), "a claim without a majority: {claim:?}");
+        assert!(
+            !has_row(&servers[0], &lock, none),
+            "the lone server kept a claim no majority accepted"
+        );
+    });
+}
+
+#[test]
+fn a_leader_sets_its_key_again_on_a_server_that_came_back_and_rides_out_a_rolling_restart() {
+    let servers = servers(3);
+    let urls: Vec<String> = servers.iter().map(Redis::url).collect();
+    let lock = format!("rolling-{}", unique_lock());
+    let quorum = backend(&urls, &lock);
+    let key = format!("pgleader:{{{lock}}}");
+    block_on(async {
+        let (mut leader, _) = lead(&quorum).await;
+        let ours = servers[1].cli(&["GET", &key]);
+        // Each server in turn restarts empty; the leader, which keeps watching its session and
+        // checking (as the supervisor does), sets its key there again before the next one goes
+        // down.
+        for (down, next) in [(0, 1), (1, 2)] {
+            servers[down].crash();
+            servers[down].start();
+            let deadline = std::time::Instant::now() + WAIT;
+            loop {
+                let early = tokio::time::timeout(Duration::from_millis(50), leader.ended()).await;
+                assert!(early.is_err(), "the session ended: {early:?}");
+                // Renewed as the supervisor's checks renew it.
+                assert!(held(&within("check", leader.confirm()).await));
+                let value = servers[down].cli(&["GET", &key]);
+                if value.split(' ').next() == ours.split(' ').next() {
+                    break;
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the leader never set its key on server {down} again: {value:?}"
+                );
+            }
+            assert!(
+                held(&within("check", leader.confirm()).await),
+                "after server {down}'s restart, before server {next}'s"
+            );
+        }
+        servers[2].crash();
+        servers[1].crash();
+        let reason = within("the majority's loss", leader.ended()).await;
+        assert!(reason.contains("fewer than a majority"), "{reason}");
+    });
 }

@@ -5,7 +5,9 @@
 //! and `FLUSHALL` of the key on one server, one server killed and restarted empty, one server
 //! frozen by SIGSTOP or by `DEBUG SLEEP`, a pgleader cut by its frozen proxies from enough
 //! servers to lose its majority, and rounds where a majority of the servers is lost (killed, or
-//! stopped) for a while. The wall clock is left alone: `quorum.rs` jumps it.
+//! stopped) for a while, and a pgleader's wall clock jumped forwards or backwards by up to two
+//! hours (every pgleader runs under libfaketime, its monotonic clock left alone, as a wall-clock
+//! step by NTP or a resumed VM leaves it).
 //!
 //! The commands are the Redis nemesis's (`redis_nemesis::child_mode`): each records its start on
 //! the monotonic clock and its fencing token; the test records its death. No two run intervals
@@ -65,9 +67,11 @@ enum Fault {
     /// A majority of the servers killed (and restarted empty) or stopped (and continued): the
     /// leader's command must stop and no other may start until the majority is back.
     MajorityLost,
+    /// A pgleader's (mostly the leader's) wall clock jumps, forwards or backwards.
+    ClockJump,
 }
 
-const FAULTS: [Fault; 10] = [
+const FAULTS: [Fault; 11] = [
     Fault::Kill9,
     Fault::Term,
     Fault::ClientKill,
@@ -78,7 +82,11 @@ const FAULTS: [Fault; 10] = [
     Fault::DebugSleep,
     Fault::Partition,
     Fault::MajorityLost,
+    Fault::ClockJump,
 ];
+
+/// libfaketime, which moves each pgleader's wall clock by the offset in a file of its own.
+const FAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1";
 
 /// How many pgleaders compete. Instance `s` reaches server `s` directly and every other server
 /// through a proxy of its own, so that each can be cut from a majority.
@@ -120,6 +128,8 @@ struct Nemesis {
     /// `proxies[slot][server]`: that instance's proxy to that server, if it has one.
     proxies: Vec<Vec<Option<Proxy>>>,
     instances: Vec<Option<Proc>>,
+    /// `clocks[slot]`: the file that holds that instance's wall-clock offset.
+    clocks: Vec<std::path::PathBuf>,
     /// Instances stopped by a fault: their output still counts and goes into the report.
     retired: Vec<Proc>,
     runs: Runs,
@@ -194,6 +204,10 @@ impl Nemesis {
     fn spawn(&mut self, slot: usize, stubborn: bool) {
         let mut command: Command = pgleader();
         command
+            .env("LD_PRELOAD", FAKETIME)
+            .env("FAKETIME_TIMESTAMP_FILE", &self.clocks[slot])
+            .env("FAKETIME_NO_CACHE", "1")
+            .env("DONT_FAKE_MONOTONIC", "1")
             .env("PGLEADER_REDIS_NEMESIS_SLOT", slot.to_string())
             .env(
                 "PGLEADER_REDIS_NEMESIS_STUBBORN",
@@ -314,6 +328,11 @@ fn nemesis(server_count: usize, default_rounds: usize) {
     eprintln!(
         "quorum nemesis over {server_count} servers: seed {seed} (PGLEADER_NEMESIS_SEED={seed} replays it), {rounds} rounds"
     );
+    assert!(
+        std::path::Path::new(FAKETIME).is_file(),
+        "{FAKETIME} is missing: the quorum nemesis jumps pgleaders' wall clocks with libfaketime \
+         (apt-get install faketime)"
+    );
     let mut rng = fastrand::Rng::with_seed(seed);
     let faults: Vec<Fault> = match std::env::var("PGLEADER_NEMESIS_FAULTS") {
         Ok(names) => names
@@ -343,8 +362,17 @@ fn nemesis(server_count: usize, default_rounds: usize) {
                 .collect()
         })
         .collect();
+    let lock = format!("quorum-nemesis-{}", unique_lock());
+    let clocks: Vec<std::path::PathBuf> = (0..INSTANCES)
+        .map(|slot| {
+            let clock = std::env::temp_dir().join(format!("pgleader-clock-{lock}-{slot}"));
+            std::fs::write(&clock, "+0\n").expect("write a clock file");
+            clock
+        })
+        .collect();
     let mut nemesis = Nemesis {
-        lock: format!("quorum-nemesis-{}", unique_lock()),
+        clocks,
+        lock,
         servers,
         proxies,
         instances: (0..INSTANCES).map(|_| None).collect(),
@@ -375,7 +403,11 @@ fn nemesis(server_count: usize, default_rounds: usize) {
         let leader = nemesis.leader();
         // Mostly the leader; now and then a follower.
         let target = match fault {
-            Fault::Kill9 | Fault::Term | Fault::ClientKill | Fault::Partition
+            Fault::Kill9
+            | Fault::Term
+            | Fault::ClientKill
+            | Fault::Partition
+            | Fault::ClockJump
                 if rng.u8(..5) == 0 =>
             {
                 rng.usize(..INSTANCES)
@@ -417,7 +449,10 @@ fn nemesis(server_count: usize, default_rounds: usize) {
                 nemesis.log.push(format!(
                     "  instance {target}'s connections on servers {on:?}: {killed:?} killed"
                 ));
-                hits_leader = target == leader.slot && count >= nemesis.to_lose();
+                // Not surely a loss even when a majority of its connections is killed: a leader
+                // connects again and sets its key again where it is still its own, and may do so
+                // before the last kill lands. Either way is fine; the next round's start checks
+                // that someone leads.
             }
             Fault::Del => {
                 let answer = nemesis.servers[server].try_cli(&["DEL", &nemesis.key()]);
@@ -482,6 +517,15 @@ fn nemesis(server_count: usize, default_rounds: usize) {
                     frozen.push((target, *server));
                 }
                 hits_leader = target == leader.slot;
+            }
+            Fault::ClockJump => {
+                // Minutes, up to two hours, either way: far beyond the lease and the checks.
+                let minutes = rng.i64(1..=120) * if rng.bool() { 1 } else { -1 };
+                nemesis.log.push(format!(
+                    "  instance {target}'s wall clock set {minutes:+} min from the real one"
+                ));
+                std::fs::write(&nemesis.clocks[target], format!("{minutes:+}m\n"))
+                    .expect("jump the clock");
             }
             Fault::MajorityLost => {
                 nemesis.settle(&[]);
@@ -564,6 +608,9 @@ fn nemesis(server_count: usize, default_rounds: usize) {
 
     let ended = monotonic_ns();
     nemesis.collect();
+    for clock in &nemesis.clocks {
+        let _ = std::fs::remove_file(clock);
+    }
     let report = nemesis.report();
     let runs = assert_one_at_a_time(&nemesis.runs, ended, seed, &report);
     eprintln!("{}", nemesis.log.join("\n"));

@@ -8,7 +8,10 @@ use nix::sys::signal::Signal;
 
 use crate::harness::redis::SECRET_PASSWORD;
 use crate::harness::run_named as run;
-use crate::harness::{Journal, Proc, Proxy, Redis, Stream, field, patient_child, pgleader};
+use crate::harness::{
+    Journal, Proc, Proxy, Redis, Stream, field, kill_9_never_overlaps_the_dying_tree,
+    patient_child, pgleader,
+};
 
 /// A lock name no other test uses.
 fn lock(tag: &str) -> String {
@@ -31,50 +34,15 @@ const SLOW_CHECKS: [&str; 2] = ["--check-interval=60s", "--lease=90s"];
 fn kill_9_of_the_leader_is_replaced_before_the_ttl_but_only_after_its_whole_tree_is_gone() {
     let redis = Redis::shared();
     let lock = lock("kill9");
-    let pids = std::env::temp_dir().join(format!("pgleader-redis-{lock}.pids"));
-    // The command's tree: itself, a grandchild, one that left the group with setsid, and one
-    // holding 2 GiB, whose death after SIGKILL (freeing it) takes about 100 to 170 ms: two or
-    // three of the follower's tries, 50 ms apart. Were the lock freed when pgleader died rather
-    // than when the keeper is done, the follower would start during that death.
-    let tree = format!(
-        "sleep 1000 & echo $! >> {p}; setsid sleep 1000 & echo $! >> {p}; \
-         python3 -c 'import time; b = b\"\\x01\" * (2 << 30); print(\"A big\", flush=True); time.sleep(1000)' & echo $! >> {p}; \
-         echo $$ >> {p}; echo A started; wait",
-        p = pids.display()
-    );
-    // The next leader's command looks for every one of them the moment it starts.
-    let check = format!(
-        "for pid in $(cat {p}); do if kill -0 $pid 2>/dev/null; then echo B overlap $pid; fi; done; \
-         echo B started; exec sleep 1000",
-        p = pids.display()
-    );
     let timings = [
         "--check-interval=50ms",
         "--check-timeout=500ms",
         "--lease=60s",
     ];
-    for round in 0..3 {
-        let _ = std::fs::remove_file(&pids);
-        let a = run("A", &redis.url(), &lock, &timings, &tree);
-        a.wait_stdout("A started");
-        a.wait_stdout("A big");
-        let b = run("B", &redis.url(), &lock, &timings, &check);
-        b.wait_log("waiting for the lock");
-        a.signal(Signal::SIGKILL);
-        b.wait_stdout("B started");
-        let overlaps: Vec<String> = b
-            .lines(Stream::Stdout)
-            .into_iter()
-            .filter(|line| line.contains("overlap"))
-            .collect();
-        assert!(
-            overlaps.is_empty(),
-            "round {round}: the next command started while the old tree still ran: {overlaps:?}"
-        );
-        b.signal(Signal::SIGKILL);
-        b.wait_exit();
-    }
-    let _ = std::fs::remove_file(&pids);
+    // Followers try every 50 ms: two or three tries during the 2 GiB process' death.
+    kill_9_never_overlaps_the_dying_tree("redis", 3, |name, script| {
+        run(name, &redis.url(), &lock, &timings, script)
+    });
 }
 
 #[test]
@@ -595,9 +563,10 @@ fn status_shows_the_leader_and_the_waiters_in_order() {
     let redis = Redis::shared();
     let lock = lock("status");
     let a = run("A", &redis.url(), &lock, &QUICK, &patient_child("A"));
+    let a_client = field(&a.wait_log("became leader"), "backend_pid");
     a.wait_stdout("A started");
     let b = run("B", &redis.url(), &lock, &QUICK, &patient_child("B"));
-    b.wait_log("waiting for the lock");
+    let b_client = field(&b.wait_log("waiting for the lock"), "backend_pid");
     let mut command = pgleader();
     command.args(["status", "-d", &redis.url(), "--lock", &lock, "--json"]);
     let status = Proc::spawn("status", command);
@@ -608,6 +577,29 @@ fn status_shows_the_leader_and_the_waiters_in_order() {
     let text = json.to_string();
     assert!(text.contains(&format!(":{}@", a.pid)), "{text}");
     assert!(text.contains(&format!(":{}@", b.pid)), "{text}");
+    assert_eq!(json["lock"]["redis_key"], format!("pgleader:{{{lock}}}"));
+    // The text names what Redis knows: the key, and client ids (not PostgreSQL's backend
+    // pids, and no "local socket": Redis tells no address here).
+    let mut command = pgleader();
+    command.args(["status", "-d", &redis.url(), "--lock", &lock]);
+    let status = Proc::spawn("status", command);
+    let (exit, stdout, _) = status.finish();
+    assert_eq!(exit.code(), Some(0), "{}", status.dump());
+    let text = stdout.join("\n");
+    assert!(
+        text.starts_with(&format!("lock {lock:?} (key pgleader:{{{lock}}}): held")),
+        "{text}"
+    );
+    let leader = format!("leader:  client id {a_client}, pgleader pid {}", a.pid);
+    assert!(text.contains(&leader), "{text}");
+    assert!(
+        text.contains(&format!("waiting #1: client id {b_client}")),
+        "{text}"
+    );
+    assert!(
+        !text.contains("backend") && !text.contains("local socket"),
+        "{text}"
+    );
 }
 
 #[test]

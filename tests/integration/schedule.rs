@@ -1639,3 +1639,101 @@ fn on_redis_timers_run_an_occurrence_once() {
     let text = stdout.join("\n");
     assert!(text.contains("succeeded"), "{text}");
 }
+
+/// A scheduled replica over a quorum of Redis servers (one space-separated URL).
+fn scheduled_on_quorum(
+    name: &str,
+    servers: &[Redis],
+    lock: i64,
+    args: &[&str],
+    script: &str,
+) -> Proc {
+    let urls: Vec<String> = servers.iter().map(Redis::url).collect();
+    let mut command = pgleader();
+    command
+        .env("PGLEADER_DATABASE_URL", urls.join(" "))
+        .arg("run")
+        .arg(format!("--lock-id={lock}"))
+        .args(["--schedule", EVERY_TWO_SECONDS])
+        .args(args)
+        .args(["--", "sh", "-c", script]);
+    Proc::spawn(name, command)
+}
+
+#[test]
+fn on_a_quorum_replicas_run_each_occurrence_once_through_kill_9_a_servers_death_and_empty_restart()
+{
+    let lease = Duration::from_secs(3);
+    let servers: Vec<Redis> = (0..3)
+        .map(|i| Redis::new(&format!("schedule-quorum-{i}")))
+        .collect();
+    for server in &servers {
+        crate::quorum::wait_older_than(server, lease);
+    }
+    let lock = unique_lock();
+    let journal = Journal::new("quorum-schedule");
+    let timings = [
+        "--check-interval=200ms",
+        "--check-timeout=500ms",
+        "--kill-timeout=1s",
+        "--lease=3s",
+    ];
+    let mut replicas: Vec<Proc> = Vec::new();
+    let spawn = |replicas: &mut Vec<Proc>| {
+        let tag = format!("Q{}", replicas.len());
+        let replica =
+            scheduled_on_quorum(&tag, &servers, lock, &timings, &job(&journal, &tag, "1.2"));
+        replica.wait_log("connected");
+        replicas.push(replica);
+    };
+    for _ in 0..3 {
+        spawn(&mut replicas);
+    }
+    let seen = wait_starts(&journal, 2, WAIT);
+    // kill -9 of the leader during a run: that occurrence is interrupted, not run again.
+    let interrupted = seen.last().expect("a run").occurrence.clone();
+    runner(&replicas, &interrupted).signal(Signal::SIGKILL);
+    spawn(&mut replicas);
+    let seen = wait_starts(&journal, seen.len() + 2, WAIT);
+
+    // One server of three dies: the runs go on, claimed by the other two.
+    servers[0].crash();
+    let seen = wait_starts(&journal, seen.len() + 2, WAIT);
+
+    // It comes back empty, and another dies: the leader loses its majority; the next one leads
+    // over the empty server (once it is older than the lease) and the survivor, whose ledger
+    // alone remembers the earlier runs. The empty server refuses every occurrence from before
+    // its start, so none of them runs again.
+    servers[0].start();
+    servers[1].crash();
+    let seen = wait_starts(&journal, seen.len() + 2, WAIT);
+
+    assert_each_started_once(&seen);
+    let epochs: Vec<i64> = seen.iter().map(|start| start.epoch).collect();
+    assert!(
+        epochs.windows(2).all(|pair| pair[0] <= pair[1]),
+        "{epochs:?}"
+    );
+    assert!(
+        !seen
+            .iter()
+            .skip(2)
+            .any(|start| start.occurrence == interrupted),
+        "the interrupted run was started again: {seen:?}"
+    );
+    // status reads the history from a majority (the survivor and the restarted server).
+    let last = &seen[seen.len() - 2].occurrence;
+    runner(&replicas, last).wait_log(&format!("the run of {last} succeeded"));
+    let urls: Vec<String> = servers.iter().map(Redis::url).collect();
+    let mut command = pgleader();
+    command
+        .env("PGLEADER_DATABASE_URL", urls.join(" "))
+        .args(["status", &format!("--lock-id={lock}")]);
+    let (_, stdout, _) = Proc::spawn("status", command).finish();
+    let text = stdout.join("\n");
+    assert!(
+        text.lines()
+            .any(|line| line.contains(last.as_str()) && line.contains("succeeded")),
+        "{text}"
+    );
+}

@@ -25,8 +25,12 @@ use crate::time::for_people as fmt;
 
 impl<B: Backend> Supervisor<B> {
     /// Leads: fences, starts the command when the duty says so, checks the lock until
-    /// something ends the leadership.
-    pub(super) async fn lead(&mut self, mut session: B::Session) -> anyhow::Result<Led> {
+    /// something ends the leadership. `granted` is when the lock was won.
+    pub(super) async fn lead(
+        &mut self,
+        mut session: B::Session,
+        granted: Instant,
+    ) -> anyhow::Result<Led> {
         let lock = self.settings.lock.clone();
         let (interval, timeout) = (self.settings.check_interval, self.settings.check_timeout);
 
@@ -71,6 +75,12 @@ impl<B: Backend> Supervisor<B> {
         let mut job: Option<Job> = None;
         let relinquish_at = self.relinquish_at();
         let mut last_status: Option<ChildStatus> = None;
+        // The first command's way from the grant to its exec, for the debug log.
+        let mut timeline = Some(Timeline {
+            granted,
+            fenced: fence_received,
+            handed: None,
+        });
 
         loop {
             // Biased: after a stall (SIGSTOP, a VM pause, a starved CPU) several arms are ready
@@ -95,6 +105,9 @@ impl<B: Backend> Supervisor<B> {
                 LeadEvent::Duty(Next::Start(scheduled)) => {
                     let env = self.child_env(session.id(), epoch, scheduled);
                     job = Some(self.spawn(&env, &session.sockets())?);
+                    if let Some(timeline) = &mut timeline {
+                        timeline.handed.get_or_insert_with(Instant::now);
+                    }
                     shift.started();
                     continue;
                 }
@@ -252,6 +265,7 @@ impl<B: Backend> Supervisor<B> {
                         }
                         if shift.exited(status) {
                             last_status = Some(status);
+                            self.park_keeper();
                             continue;
                         }
                         self.release(session).await;
@@ -260,6 +274,9 @@ impl<B: Backend> Supervisor<B> {
                     continue;
                 }
                 LeadEvent::Report(Report::Started(pid)) => {
+                    if let Some(timeline) = timeline.take() {
+                        timeline.log(Instant::now());
+                    }
                     info!(event = "child_started", pid, command = %self.settings.command.display(), "started the command");
                     self.inbox.telemetry.command_started(pid);
                     continue;
@@ -305,9 +322,11 @@ impl<B: Backend> Supervisor<B> {
                         let kill_signal = self.settings.kill_signal;
                         self.inbox.stop(job, kill_signal, Some(status), true).await;
                     }
-                    // A scheduled leader keeps the lock between runs.
+                    // A scheduled leader keeps the lock between runs, and parks a fresh keeper
+                    // for the next occurrence.
                     if shift.exited(status) {
                         last_status = Some(status);
+                        self.park_keeper();
                         continue;
                     }
                     self.release(session).await;
@@ -467,6 +486,35 @@ impl<B: Backend> Supervisor<B> {
                 warn!(event = "release_failed", lock = %lock, reason = %err, "cannot release the lock explicitly; closing the session frees it")
             }
         }
+    }
+}
+
+/// When the first command of a leadership got past each step: the lock granted, the fencing
+/// token taken (durable on the server), the keeper handed what it needs, and (when logged) the
+/// keeper's report that the command was executed. Under a takeover delay, a restart fence or a
+/// schedule, the wait shows between the fence and the keeper.
+struct Timeline {
+    granted: Instant,
+    fenced: Instant,
+    handed: Option<Instant>,
+}
+
+impl Timeline {
+    /// Logs the steps at debug level.
+    fn log(self, executed: Instant) {
+        let Some(handed) = self.handed else {
+            return;
+        };
+        let ms =
+            |from: Instant, to: Instant| to.saturating_duration_since(from).as_secs_f64() * 1e3;
+        debug!(
+            event = "start_timeline",
+            fence_ms = ms(self.granted, self.fenced),
+            keeper_ms = ms(self.fenced, handed),
+            exec_ms = ms(handed, executed),
+            total_ms = ms(self.granted, executed),
+            "from the lock granted to the command executed"
+        );
     }
 }
 

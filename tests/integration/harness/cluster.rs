@@ -34,6 +34,10 @@ pub struct Options {
     pub hba: Option<String>,
     /// Extra postgresql.conf settings, such as `wal_writer_delay = '10s'`.
     pub settings: Vec<String>,
+    /// Durable as users run PostgreSQL: `fsync`, `synchronous_commit` and `full_page_writes` at
+    /// their defaults (on), for the benchmark, where a commit's WAL flush is part of what is
+    /// measured. The tests leave them off, for speed.
+    pub durable: bool,
 }
 
 /// The server's side of TLS, in PEM.
@@ -55,6 +59,7 @@ pub struct Cluster {
     bindir: PathBuf,
     owner: Option<User>,
     server: Mutex<Option<Child>>,
+    durable: bool,
 }
 
 static COUNTER: AtomicUsize = AtomicUsize::new(0);
@@ -73,7 +78,8 @@ impl Cluster {
 
     /// A cluster of the test's own, configured differently from the default one.
     pub fn with_options(name: &str, options: Options) -> Cluster {
-        let cluster = Cluster::prepare(name);
+        let mut cluster = Cluster::prepare(name);
+        cluster.durable = options.durable;
         cluster.initdb();
         cluster.configure(&options);
         cluster.start();
@@ -218,6 +224,7 @@ impl Cluster {
             bindir,
             owner,
             server: Mutex::new(None),
+            durable: false,
         }
     }
 
@@ -325,15 +332,19 @@ impl Cluster {
             .args(["-p", &self.port.to_string()])
             .arg("-k")
             .arg(&self.socket_dir)
-            .args([
-                "-c",
-                "listen_addresses=127.0.0.1",
+            .args(["-c", "listen_addresses=127.0.0.1"]);
+        if !self.durable {
+            command.args([
                 "-c",
                 "fsync=off",
                 "-c",
                 "synchronous_commit=off",
                 "-c",
                 "full_page_writes=off",
+            ]);
+        }
+        command
+            .args([
                 "-c",
                 "max_connections=300",
                 "-c",

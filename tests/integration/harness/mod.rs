@@ -16,7 +16,7 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicI64, Ordering};
 
 pub use cluster::Cluster;
-pub use process::{Proc, Stream, WAIT, is_running, wait_gone};
+pub use process::{Proc, Stream, WAIT, is_running, keepers_of, wait_gone};
 pub use proxy::Proxy;
 pub use redis::Redis;
 
@@ -102,6 +102,59 @@ pub fn patient_child(tag: &str) -> String {
          echo {tag} started $$ lock=$PGLEADER_LOCK_ID name=$PGLEADER_LOCK_NAME backend=$PGLEADER_BACKEND_PID epoch=$PGLEADER_EPOCH; \
          while :; do sleep 1000 & wait $!; done"
     )
+}
+
+/// Kills a leading pgleader -9, `rounds` times, while its command's tree takes a moment to die,
+/// and asserts that the next leader's command never starts before the last of that tree is
+/// gone. `start(name, script)` starts a pgleader running `script` on the test's lock.
+///
+/// The tree: the command, a grandchild, one that left the group with setsid, and one holding
+/// 2 GiB, whose death after SIGKILL (freeing it) takes about 100 to 170 ms. The next leader's
+/// command looks for every one of them the moment it starts. Were the lock freed when pgleader
+/// died rather than when its keeper is done, the next command would start during that death.
+pub fn kill_9_never_overlaps_the_dying_tree(
+    tag: &str,
+    rounds: usize,
+    start: impl Fn(&str, &str) -> Proc,
+) {
+    let pids = std::env::temp_dir().join(format!(
+        "pgleader-{tag}-{}-{}.pids",
+        std::process::id(),
+        unique_lock()
+    ));
+    let tree = format!(
+        "sleep 1000 & echo $! >> {p}; setsid sleep 1000 & echo $! >> {p}; \
+         python3 -c 'import time; b = b\"\\x01\" * (2 << 30); print(\"A big\", flush=True); time.sleep(1000)' & echo $! >> {p}; \
+         echo $$ >> {p}; echo A started; wait",
+        p = pids.display()
+    );
+    let check = format!(
+        "for pid in $(cat {p}); do if kill -0 $pid 2>/dev/null; then echo B overlap $pid; fi; done; \
+         echo B started; exec sleep 1000",
+        p = pids.display()
+    );
+    for round in 0..rounds {
+        let _ = std::fs::remove_file(&pids);
+        let a = start("A", &tree);
+        a.wait_stdout("A started");
+        a.wait_stdout("A big");
+        let b = start("B", &check);
+        b.wait_log("waiting for the lock");
+        a.signal(nix::sys::signal::Signal::SIGKILL);
+        b.wait_stdout("B started");
+        let overlaps: Vec<String> = b
+            .lines(Stream::Stdout)
+            .into_iter()
+            .filter(|line| line.contains("overlap"))
+            .collect();
+        assert!(
+            overlaps.is_empty(),
+            "round {round}: the next command started while the old tree still ran: {overlaps:?}"
+        );
+        b.signal(nix::sys::signal::Signal::SIGKILL);
+        b.wait_exit();
+    }
+    let _ = std::fs::remove_file(&pids);
 }
 
 /// The values of `key=` lines in a systemd unit file.

@@ -420,6 +420,29 @@ pub fn wait_gone(pid: i32, timeout: Duration) -> bool {
     ready == 1
 }
 
+/// The living keepers (`pgleader-keeper`, see `src/supervise/keeper.rs`) whose parent is `pid`.
+pub fn keepers_of(pid: i32) -> Vec<i32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|entry| entry.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|child| {
+            let parent = std::fs::read_to_string(format!("/proc/{child}/stat"))
+                .ok()
+                .and_then(|stat| {
+                    let (_, rest) = stat.rsplit_once(") ")?;
+                    rest.split_whitespace().nth(1)?.parse::<i32>().ok()
+                });
+            let argv0 = std::fs::read(format!("/proc/{child}/cmdline")).unwrap_or_default();
+            parent == Some(pid)
+                && argv0.split(|b| *b == 0).next() == Some(b"pgleader-keeper".as_slice())
+                && is_running(*child)
+        })
+        .collect()
+}
+
 /// Whether a process exists and has not exited (zombies count as gone).
 pub fn is_running(pid: i32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
