@@ -2,6 +2,8 @@
 //! idle candidate costs, and how it scales, side by side with `etcdctl lock` in the same run on
 //! the same machine. It starts its own PostgreSQL (with the integration tests' harness) and its
 //! own etcd, runs every scenario with real processes and real faults, and writes BENCHMARKS.md.
+//! On Redis it compares pgleader with redis-py's `Lock` on one server (`redis_lock.rs`) and,
+//! over a Redlock quorum of three servers, with npm `redlock` (`redlock.rs`).
 //!
 //! `cargo bench --bench failover` runs the full benchmark (20 runs per scenario, 60 s cost
 //! windows, about a quarter of an hour) and updates BENCHMARKS.md at the repository's root.
@@ -21,6 +23,7 @@ mod etcd;
 mod http;
 mod procfs;
 mod redis_lock;
+mod redlock;
 mod report;
 mod scenarios;
 mod scheduled;
@@ -39,16 +42,23 @@ use crate::redis_lock::{PgleaderRedis, RedisPy};
 use crate::report::Report;
 use crate::tools::{PARTITION_ARGS, Pgleader, Tool};
 
-const USAGE: &str = "usage: cargo bench --bench failover [-- [--quick] [--only http|redis] [--runs N] [--out PATH] [--static PATH]]
+const USAGE: &str = "usage: cargo bench --bench failover [-- [--quick] [--only http|redis|quorum|failover] [--runs N] [--out PATH] [--static PATH] [--previous PATH]]
   --quick        a few runs per scenario and short windows (CI); the report goes under target/
   --only http    only scenario 9 (the HTTP endpoint) and the idle cost with --http; the report
                  goes under target/ (BENCHMARKS.md is written by full runs only)
   --only redis   only the Redis rows: pgleader on Redis beside redis-py's Lock; the report goes
                  under target/
+  --only quorum  only the Redlock rows: pgleader over three Redis servers beside npm redlock,
+                 and pgleader on one server for comparison; the report goes under target/
+  --only failover  only pgleader's kill -9, SIGTERM and start scenarios, the new leader's steps
+                 and the idle cost (with --previous, beside that build); the report goes under
+                 target/
   --runs N       runs per scenario (default 20, or 3 with --quick)
   --out PATH     where to write the report (default BENCHMARKS.md, or target/.../BENCHMARKS.quick.md)
   --static PATH  also run pgleader's failover, start-up and cost scenarios with this binary (the
-                 release's static one, dist/pgleader-<version>-x86_64-linux), beside cargo's";
+                 release's static one, dist/pgleader-<version>-x86_64-linux), beside cargo's
+  --previous PATH  the same with a previous build of pgleader (a release build of an earlier
+                 commit), to compare in one run";
 
 /// How much to run.
 #[derive(Debug)]
@@ -58,6 +68,10 @@ struct Plan {
     only_http: bool,
     /// Only the Redis rows (`--only redis`).
     only_redis: bool,
+    /// Only the quorum's rows (`--only quorum`).
+    only_quorum: bool,
+    /// Only pgleader's failover, start and cost (`--only failover`).
+    only_failover: bool,
     /// Runs of each scenario whose runs take milliseconds.
     runs: usize,
     /// Runs of each scenario bound by a lease (seconds per run): the partition, and every
@@ -65,11 +79,16 @@ struct Plan {
     lease_runs: usize,
     /// Runs of a peer scenario where nothing is expected to happen (each waits out a bound).
     never_runs: usize,
+    /// Runs of pgleader's scenario that kills two of a quorum's three servers: each run after
+    /// the first waits a lease (11 s) until the restarted servers vote again.
+    restart_runs: usize,
     cost_window: Duration,
     scale_window: Duration,
     out: PathBuf,
     /// A second pgleader binary to measure beside cargo's (`--static`).
     static_binary: Option<PathBuf>,
+    /// A previous build to measure beside cargo's (`--previous`).
+    previous_binary: Option<PathBuf>,
 }
 
 impl Plan {
@@ -78,6 +97,9 @@ impl Plan {
         let mut static_binary = None;
         let mut only_http = false;
         let mut only_redis = false;
+        let mut only_failover = false;
+        let mut previous_binary = None;
+        let mut only_quorum = false;
         let mut runs = None;
         let mut out = None;
         let mut args = std::env::args().skip(1);
@@ -87,8 +109,12 @@ impl Plan {
                 "--only" => match args.next().as_deref() {
                     Some("http") => only_http = true,
                     Some("redis") => only_redis = true,
+                    Some("quorum") => only_quorum = true,
+                    Some("failover") => only_failover = true,
                     other => {
-                        return Err(format!("--only {other:?}: the groups are http and redis"));
+                        return Err(format!(
+                            "--only {other:?}: the groups are http, redis, quorum and failover"
+                        ));
                     }
                 },
                 "--runs" => {
@@ -112,6 +138,13 @@ impl Plan {
                     }
                     static_binary = Some(path);
                 }
+                "--previous" => {
+                    let path = PathBuf::from(args.next().ok_or("--previous needs a path")?);
+                    if !path.is_file() {
+                        return Err(format!("--previous {}: no such file", path.display()));
+                    }
+                    previous_binary = Some(path);
+                }
                 // cargo bench passes --bench to every benchmark binary.
                 "--bench" => {}
                 "-h" | "--help" => return Err(String::new()),
@@ -121,12 +154,16 @@ impl Plan {
         let runs = runs.unwrap_or(if quick { 3 } else { 20 });
         Ok(Plan {
             static_binary,
+            previous_binary,
             quick,
             only_http,
             only_redis,
+            only_failover,
+            only_quorum,
             runs,
             lease_runs: if quick { 2 } else { runs },
             never_runs: if quick { 1 } else { 5.min(runs) },
+            restart_runs: if quick { 1 } else { runs },
             cost_window: Duration::from_secs(if quick { 5 } else { 60 }),
             scale_window: Duration::from_secs(if quick { 2 } else { 10 }),
             out: out.unwrap_or_else(|| {
@@ -134,6 +171,10 @@ impl Plan {
                     PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("BENCHMARKS.http.md")
                 } else if only_redis {
                     PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("BENCHMARKS.redis.md")
+                } else if only_quorum {
+                    PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("BENCHMARKS.quorum.md")
+                } else if only_failover {
+                    PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("BENCHMARKS.failover.md")
                 } else if quick {
                     PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("BENCHMARKS.quick.md")
                 } else {
@@ -187,25 +228,38 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
     if plan.only_redis {
         return run_redis_only(plan);
     }
+    if plan.only_failover {
+        return run_failover_only(plan);
+    }
+    if plan.only_quorum {
+        return run_quorum_only(plan);
+    }
     let began = Instant::now();
     let started = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
     etcd::ensure_installed()?;
     redis_lock::ensure_redis_py()?;
-    eprintln!("bench: starting PostgreSQL, etcd and Redis");
-    let cluster = Arc::new(Cluster::new("bench"));
+    redlock::ensure_redlock()?;
+    eprintln!("bench: starting PostgreSQL, etcd and Redis (one server, and a quorum of three)");
+    let cluster = bench_cluster("bench");
     let pgleader = Pgleader::new(cluster.clone());
     let static_pgleader = plan
         .static_binary
         .clone()
-        .map(|binary| Pgleader::with_binary(cluster, binary, STATIC_LABEL));
+        .map(|binary| Pgleader::with_binary(cluster.clone(), binary, STATIC_LABEL));
+    let previous_pgleader = plan
+        .previous_binary
+        .clone()
+        .map(|binary| Pgleader::with_binary(cluster.clone(), binary, PREVIOUS_LABEL));
     let etcd = Etcd::start()?;
     let redis_server = Arc::new(redis_lock::Server::start()?);
+    let quorum = redlock::Quorum::start()?;
     // pgleader's default restart fence is 1 + 2 + 5 + 1 = 9 s.
     eprintln!("bench: waiting until the server has been up 10 s, past pgleader's restart fence");
     pgleader.wait_until_server_is(Duration::from_secs(10))?;
-    // The static binary's rows come right after the dynamic one's, in the same run.
+    // The other binaries' rows come right after cargo's, in the same run.
     let mut pgleaders: Vec<&Pgleader> = vec![&pgleader];
     pgleaders.extend(static_pgleader.as_ref());
+    pgleaders.extend(previous_pgleader.as_ref());
     let mut tools: Vec<&dyn Tool> = pgleaders.iter().map(|p| *p as &dyn Tool).collect();
     tools.push(&etcd);
 
@@ -219,6 +273,10 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
         };
         rows.extend(scenarios::kill9(tool, runs));
     }
+    rows.extend(scenarios::breakdown(
+        &pgleader.with_extra(&["-v"]),
+        plan.runs,
+    ));
     for &tool in &tools {
         let runs = if is_peer(tool) {
             plan.never_runs
@@ -250,19 +308,13 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
     }
     let (redis_rows, redis_costs) = redis_scenarios(&redis_server, plan)?;
     rows.extend(redis_rows);
-    sort_by_scenario(&mut rows);
+    let (quorum_rows, quorum_costs) = quorum_scenarios(&quorum, plan)?;
+    rows.extend(quorum_rows);
 
-    let mut costs = Vec::new();
-    for &tool in &tools {
-        eprintln!("bench: 6. cost of an idle candidate ({})", tool.label());
-        // A failure leaves the tool without cost figures, which the final check reports.
-        match tool.cost(plan.cost_window) {
-            Ok(figures) => costs.extend(figures),
-            Err(err) => eprintln!("bench:   failed: {err:#}"),
-        }
-    }
+    let mut costs = tools::idle_costs(&tools, plan.cost_window);
     costs.extend(http_cost(&pgleader, plan));
     costs.extend(redis_costs);
+    costs.extend(quorum_costs);
 
     let mut scales = Vec::new();
     // At scale, the server's work dominates: cargo's binary only.
@@ -289,6 +341,7 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
     });
     rows.extend(http::scrape(&pgleader, plan.runs * 10));
     rows.extend(http::leader_after_kill9(&pgleader, plan.runs));
+    sort_by_scenario(&mut rows);
 
     let report = Report {
         quick: plan.quick,
@@ -300,6 +353,7 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
             Some(&etcd),
             Some(&redis_server),
             plan.static_binary.as_deref(),
+            plan.previous_binary.as_deref(),
         ),
         settings: settings(plan),
         rows,
@@ -307,10 +361,7 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
         scales,
         timers,
     };
-    report
-        .write(&plan.out)
-        .with_context(|| format!("cannot write {}", plan.out.display()))?;
-    Ok(report)
+    written(report, plan)
 }
 
 /// Scenario 9 and the idle cost with `--http` alone, against a server of its own.
@@ -318,7 +369,7 @@ fn run_http_only(plan: &Plan) -> anyhow::Result<Report> {
     let began = Instant::now();
     let started = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
     eprintln!("bench: starting PostgreSQL");
-    let pgleader = Pgleader::new(Arc::new(Cluster::new("bench-http")));
+    let pgleader = Pgleader::new(bench_cluster("bench-http"));
     pgleader.wait_until_server_is(Duration::from_secs(10))?;
     let mut rows = http::scrape(&pgleader, plan.runs * 10);
     rows.extend(http::leader_after_kill9(&pgleader, plan.runs));
@@ -330,17 +381,18 @@ fn run_http_only(plan: &Plan) -> anyhow::Result<Report> {
     });
     costs.extend(http_cost(&pgleader, plan));
     let report = Report {
-        quick: plan.quick,
         only: Some("9 and the idle cost with --http"),
-        started,
         took: began.elapsed(),
-        environment: environment(&pgleader, None, None, None),
-        settings: settings(plan),
+        environment: environment(&pgleader, None, None, None, None),
         rows,
         costs,
-        scales: Vec::new(),
-        timers: Vec::new(),
+        ..partial_report(plan, started)
     };
+    written(report, plan)
+}
+
+/// Writes the report where the plan says, and returns it.
+fn written(report: Report, plan: &Plan) -> anyhow::Result<Report> {
     report
         .write(&plan.out)
         .with_context(|| format!("cannot write {}", plan.out.display()))?;
@@ -373,15 +425,7 @@ fn redis_scenarios(
     for tool in tools {
         rows.extend(scenarios::start(tool, plan.runs));
     }
-    let mut costs = Vec::new();
-    for tool in tools {
-        eprintln!("bench: 6. cost of an idle candidate ({})", tool.label());
-        match tool.cost(plan.cost_window) {
-            Ok(figures) => costs.extend(figures),
-            Err(err) => eprintln!("bench:   failed: {err:#}"),
-        }
-    }
-    Ok((rows, costs))
+    Ok((rows, tools::idle_costs(&tools, plan.cost_window)))
 }
 
 /// The Redis rows alone (`--only redis`), with a PostgreSQL server for the environment's
@@ -397,11 +441,142 @@ fn run_redis_only(plan: &Plan) -> anyhow::Result<Report> {
     let mut environment = environment_of_machine();
     environment.extend(redis_environment(&server));
     let report = Report {
-        quick: plan.quick,
         only: Some(report::ONLY_REDIS),
-        started,
         took: began.elapsed(),
         environment,
+        rows,
+        costs,
+        ..partial_report(plan, started)
+    };
+    report
+        .write(&plan.out)
+        .with_context(|| format!("cannot write {}", plan.out.display()))?;
+    Ok(report)
+}
+
+/// A report of some scenarios only (`--only`), without scale or timers: the caller fills in
+/// what it measured.
+fn partial_report(plan: &Plan, started: String) -> Report {
+    Report {
+        quick: plan.quick,
+        only: None,
+        started,
+        took: Duration::ZERO,
+        environment: Vec::new(),
+        settings: settings(plan),
+        rows: Vec::new(),
+        costs: Vec::new(),
+        scales: Vec::new(),
+        timers: Vec::new(),
+    }
+}
+
+/// The quorum's rows (issue 17), once its servers have been up long enough to vote.
+fn quorum_scenarios(
+    quorum: &redlock::Quorum,
+    plan: &Plan,
+) -> anyhow::Result<(Vec<report::Row>, Vec<report::Cost>)> {
+    quorum.wait_until_up(Duration::from_secs(10))?;
+    Ok(redlock::scenarios(
+        quorum,
+        plan.runs,
+        plan.lease_runs,
+        &redlock::LossRuns {
+            freeze: plan.lease_runs,
+            kill: plan.restart_runs,
+            peer: plan.never_runs,
+        },
+        plan.cost_window,
+    ))
+}
+
+/// The quorum's rows alone (`--only quorum`), with pgleader on one server beside them in the
+/// same run for the rows that compare one server with three (start, graceful handoff).
+fn run_quorum_only(plan: &Plan) -> anyhow::Result<Report> {
+    let began = Instant::now();
+    let started = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
+    redlock::ensure_redlock()?;
+    eprintln!("bench: starting Redis (one server, and a quorum of three)");
+    let server = Arc::new(redis_lock::Server::start()?);
+    let quorum = redlock::Quorum::start()?;
+    server.wait_until_up(Duration::from_secs(10))?;
+    let on_one = PgleaderRedis {
+        server: server.clone(),
+    };
+    let mut rows = scenarios::start(&on_one, plan.runs);
+    rows.extend(scenarios::sigterm(&on_one, plan.runs, false));
+    let (quorum_rows, costs) = quorum_scenarios(&quorum, plan)?;
+    rows.extend(quorum_rows);
+    sort_by_scenario(&mut rows);
+    let mut environment = environment_of_machine();
+    environment.push(("Redis", server.version()));
+    environment.extend(redlock_environment());
+    let report = Report {
+        only: Some(report::ONLY_QUORUM),
+        took: began.elapsed(),
+        environment,
+        rows,
+        costs,
+        ..partial_report(plan, started)
+    };
+    written(report, plan)
+}
+
+/// pgleader's kill -9, SIGTERM and start scenarios, the new leader's steps and the idle cost
+/// (issue 18), beside a previous build (`--previous`) and the static binary (`--static`).
+fn run_failover_only(plan: &Plan) -> anyhow::Result<Report> {
+    let began = Instant::now();
+    let started = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
+    eprintln!("bench: starting PostgreSQL");
+    let cluster = bench_cluster("bench-failover");
+    let pgleader = Pgleader::new(cluster.clone());
+    let others: Vec<Pgleader> = [
+        (plan.previous_binary.clone(), PREVIOUS_LABEL),
+        (plan.static_binary.clone(), STATIC_LABEL),
+    ]
+    .into_iter()
+    .filter_map(|(binary, label)| Some(Pgleader::with_binary(cluster.clone(), binary?, label)))
+    .collect();
+    pgleader.wait_until_server_is(Duration::from_secs(10))?;
+    let mut pgleaders = vec![&pgleader];
+    pgleaders.extend(&others);
+    let mut rows = Vec::new();
+    // Interleaved by scenario, so that a slow moment of a shared machine does not fall on one
+    // binary's rows only.
+    for pgleader in &pgleaders {
+        rows.extend(scenarios::kill9(*pgleader, plan.runs));
+    }
+    rows.extend(scenarios::breakdown(
+        &pgleader.with_extra(&["-v"]),
+        plan.runs,
+    ));
+    for pgleader in &pgleaders {
+        rows.extend(scenarios::sigterm(*pgleader, plan.runs, false));
+    }
+    for pgleader in &pgleaders {
+        rows.extend(scenarios::start(*pgleader, plan.runs));
+    }
+    sort_by_scenario(&mut rows);
+    let mut costs = Vec::new();
+    for pgleader in &pgleaders {
+        eprintln!("bench: 6. cost of an idle candidate ({})", pgleader.label());
+        match pgleader.cost(plan.cost_window) {
+            Ok(figures) => costs.extend(figures),
+            Err(err) => eprintln!("bench:   failed: {err:#}"),
+        }
+    }
+    let report = Report {
+        quick: plan.quick,
+        only: Some(report::ONLY_FAILOVER),
+        started,
+        took: began.elapsed(),
+        environment: environment(
+            &pgleader,
+            None,
+            None,
+            plan.static_binary.as_deref(),
+            plan.previous_binary.as_deref(),
+        ),
         settings: settings(plan),
         rows,
         costs,
@@ -412,6 +587,18 @@ fn run_redis_only(plan: &Plan) -> anyhow::Result<Report> {
         .write(&plan.out)
         .with_context(|| format!("cannot write {}", plan.out.display()))?;
     Ok(report)
+}
+
+/// The benchmark's PostgreSQL, durable as users run it (fsync and synchronous commits on): a
+/// new leader's fencing token waits for a WAL flush, which is part of every takeover.
+fn bench_cluster(name: &str) -> Arc<Cluster> {
+    Arc::new(Cluster::with_options(
+        name,
+        harness::cluster::Options {
+            durable: true,
+            ..Default::default()
+        },
+    ))
 }
 
 /// An idle leader and follower with `--http` on and nobody asking.
@@ -429,22 +616,23 @@ fn http_cost(pgleader: &Pgleader, plan: &Plan) -> Vec<report::Cost> {
         })
 }
 
-/// Scenario by scenario, pgleader first: the rows were produced tool by tool.
+/// Scenario by scenario (by number: 2 before 10), pgleader first: the rows were produced tool
+/// by tool, and the sort keeps their order within a scenario.
 fn sort_by_scenario(rows: &mut [report::Row]) {
-    rows.sort_by(|a, b| {
-        let number = |row: &report::Row| {
-            row.scenario
-                .split('.')
-                .next()
-                .unwrap_or_default()
-                .to_owned()
-        };
-        number(a).cmp(&number(b))
+    rows.sort_by_key(|row| {
+        let id = row.scenario.split('.').next().unwrap_or_default();
+        let digits = id.find(|c: char| !c.is_ascii_digit()).unwrap_or(id.len());
+        (
+            id[..digits].parse::<u32>().unwrap_or(u32::MAX),
+            id[digits..].to_owned(),
+        )
     });
 }
 
 /// The report's label for the rows of the `--static` binary.
 const STATIC_LABEL: &str = "pgleader static";
+/// The report's label for the rows of the `--previous` binary.
+pub const PREVIOUS_LABEL: &str = "pgleader previous";
 
 /// A file's size in bytes, with MB beside it.
 fn size(path: &Path) -> String {
@@ -516,6 +704,7 @@ fn environment(
     etcd: Option<&Etcd>,
     redis: Option<&redis_lock::Server>,
     static_binary: Option<&Path>,
+    previous_binary: Option<&Path>,
 ) -> Vec<(&'static str, String)> {
     let mut environment = environment_of_machine();
     environment.push((
@@ -524,6 +713,18 @@ fn environment(
             .server_version()
             .unwrap_or_else(|err| format!("unknown ({err})")),
     ));
+    environment.push((
+        "PostgreSQL durability",
+        pgleader
+            .durability()
+            .unwrap_or_else(|err| format!("unknown ({err})")),
+    ));
+    if let Some(previous) = previous_binary {
+        environment.push((
+            "previous build",
+            format!("{} ({})", previous.display(), size(previous)),
+        ));
+    }
     if let Some(etcd) = etcd {
         let etcdctl = first_line(
             Command::new("etcdctl")
@@ -534,6 +735,7 @@ fn environment(
     }
     if let Some(redis) = redis {
         environment.extend(redis_environment(redis));
+        environment.extend(redlock_environment());
     }
     environment.extend(sizes(static_binary));
     environment
@@ -552,6 +754,19 @@ fn redis_environment(redis: &redis_lock::Server) -> Vec<(&'static str, String)> 
             ),
         ),
     ]
+}
+
+/// The Redlock peer's versions.
+fn redlock_environment() -> Vec<(&'static str, String)> {
+    vec![(
+        "npm redlock",
+        format!(
+            "{} with ioredis {} (npm, into the target directory), Node.js {}",
+            redlock::REDLOCK_VERSION,
+            redlock::IOREDIS_VERSION,
+            redlock::node_version()
+        ),
+    )]
 }
 
 /// The machine and pgleader's build.
@@ -604,11 +819,12 @@ fn settings(plan: &Plan) -> Vec<(&'static str, String)> {
         (
             "mode",
             format!(
-                "{}: {} runs per scenario ({} for the partition, the failovers at scale and the peers' scenarios bound by their TTL; {} where etcdctl is expected never to hand over); cost windows of {}; server CPU at scale over {}",
+                "{}: {} runs per scenario ({} for the partition, the failovers at scale and the peers' scenarios bound by their TTL, and pgleader's with two quorum servers frozen; {} where a peer is expected never to act; {} of pgleader's with two quorum servers killed, each waiting a lease for them to vote again); cost windows of {}; server CPU at scale over {}",
                 if plan.quick { "quick" } else { "full" },
                 plan.runs,
                 plan.lease_runs,
                 plan.never_runs,
+                plan.restart_runs,
                 report::secs(plan.cost_window),
                 report::secs(plan.scale_window),
             ),
@@ -646,13 +862,17 @@ fn settings(plan: &Plan) -> Vec<(&'static str, String)> {
             "Redis server",
             "redis-server of the benchmark's own on 127.0.0.1 (a free port), --save '' --appendonly no, its defaults otherwise; up for 10 s before its first run".into(),
         ),
+    ]
+    .into_iter()
+    .chain(redlock::settings())
+    .chain([
         (
             "the child",
             "`sh -c`: prints a line when it starts and another when it gets TERM, then exits at once; otherwise waits".into(),
         ),
         (
             "PostgreSQL server",
-            "the test harness's throwaway cluster on 127.0.0.1: fsync=off, synchronous_commit=off, shared_buffers=32MB, max_connections=300; log_statement=all only during the cost window".into(),
+            "the test harness's throwaway cluster on 127.0.0.1, durable as users run it (fsync, synchronous_commit and full_page_writes at their default, on: a new leader's fencing token waits for a WAL flush), shared_buffers=32MB, max_connections=300; log_statement=all only during the cost window".into(),
         ),
         (
             "etcd server",
@@ -663,7 +883,7 @@ fn settings(plan: &Plan) -> Vec<(&'static str, String)> {
         ),
         (
             "timing",
-            "from just before the fault (kill(2), the pg_terminate_backend query or lease-revoke request on an open connection, the proxy freezing) to the moment a reader thread of the benchmark got the child's line from its pipe (Instant, monotonic); start: from just before spawning the tool; for the tools that poll (pgleader on Redis, redis-py's Lock) the fault comes after a random pause within the longest period they poll or renew on (200 ms; 1 s), so that the fixed pauses of the benchmark do not pick the fault's phase".into(),
+            "from just before the fault (kill(2), the pg_terminate_backend query or lease-revoke request on an open connection, the proxy freezing) to the moment a reader thread of the benchmark got the child's line from its pipe (Instant, monotonic); start: from just before spawning the tool; for the tools that poll (pgleader on Redis, redis-py's Lock, npm redlock) the fault comes after a random pause within the longest period they poll or renew on (200 ms; 1 s; 2.5 s), so that the fixed pauses of the benchmark do not pick the fault's phase".into(),
         ),
         ("CPU time", procfs::cpu_time_source().into()),
         (
@@ -678,5 +898,6 @@ fn settings(plan: &Plan) -> Vec<(&'static str, String)> {
             "partition",
             "a user-space TCP proxy between the leader and its server stops forwarding both ways (no RST, no FIN); the follower connects directly".into(),
         ),
-    ]
+    ])
+    .collect()
 }

@@ -71,6 +71,38 @@ pub fn children(parent: i32) -> Vec<i32> {
         .collect()
 }
 
+/// The local ports of the IPv4 TCP sockets `pid` has open: what a server's `MONITOR` shows as
+/// the client's address, so that each command can be put down to the process that sent it.
+pub fn tcp_ports(pid: i32) -> Vec<u16> {
+    let Ok(fds) = fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return Vec::new();
+    };
+    let inodes: Vec<String> = fds
+        .flatten()
+        .filter_map(|fd| {
+            let link = fs::read_link(fd.path()).ok()?;
+            let inode = link.to_str()?.strip_prefix("socket:[")?.strip_suffix(']')?;
+            Some(inode.to_owned())
+        })
+        .collect();
+    // `sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode ...`, the
+    // address as hex `0100007F:9C40`.
+    let table = fs::read_to_string(format!("/proc/{pid}/net/tcp")).unwrap_or_default();
+    table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let inode = fields.get(9)?;
+            if !inodes.iter().any(|ours| ours == inode) {
+                return None;
+            }
+            let (_, port) = fields.get(1)?.split_once(':')?;
+            u16::from_str_radix(port, 16).ok()
+        })
+        .collect()
+}
+
 fn parent_of(pid: i32) -> Option<i32> {
     let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let (_, rest) = stat.rsplit_once(") ")?;

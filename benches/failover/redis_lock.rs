@@ -158,9 +158,14 @@ impl Server {
         let port = self.port();
         let monitor = std::thread::spawn(move || monitor(port, window));
         let usage = Usage::measure(pids, keeper, window);
-        let (requests, in_scripts) = monitor
+        let by_client = monitor
             .join()
             .map_err(|_| anyhow::anyhow!("the MONITOR thread panicked"))??;
+        let (mut requests, mut in_scripts) = (BTreeMap::new(), BTreeMap::new());
+        for (sent, ran) in by_client.into_values() {
+            add_counts(&mut requests, sent);
+            add_counts(&mut in_scripts, ran);
+        }
         let per_second = |counts: BTreeMap<String, u64>| {
             counts
                 .into_iter()
@@ -200,16 +205,20 @@ impl Server {
     }
 }
 
-/// Counts `MONITOR` lines for `window`: the commands clients sent, and those scripts ran, by
-/// name.
-type Counts = (BTreeMap<String, u64>, BTreeMap<String, u64>);
+/// What one client sent over a window, by command name: its requests, and the commands its
+/// scripts ran inside the server.
+pub type Counts = (BTreeMap<String, u64>, BTreeMap<String, u64>);
 
-fn monitor(port: u16, window: Duration) -> anyhow::Result<Counts> {
+/// Counts `MONITOR` lines for `window`, by the client's port: the commands each client sent,
+/// and those its scripts ran (`MONITOR` names them `lua` and prints them right after the
+/// script's own line, so they belong to the client of the line before).
+pub fn monitor(port: u16, window: Duration) -> anyhow::Result<BTreeMap<u16, Counts>> {
     let stream = TcpStream::connect(("127.0.0.1", port)).context("cannot reach Redis")?;
     stream.set_read_timeout(Some(Duration::from_millis(50)))?;
     (&stream).write_all(b"MONITOR\r\n")?;
     let mut reader = BufReader::new(&stream);
-    let (mut requests, mut in_scripts) = (BTreeMap::new(), BTreeMap::new());
+    let mut by_client: BTreeMap<u16, Counts> = BTreeMap::new();
+    let mut last_client = None;
     let mut line = String::new();
     let deadline = Instant::now() + window;
     while Instant::now() < deadline {
@@ -222,12 +231,17 @@ fn monitor(port: u16, window: Duration) -> anyhow::Result<Counts> {
                     .and_then(|(_, rest)| rest.split_once("] \""))
                 {
                     let name = rest.split('"').next().unwrap_or_default().to_lowercase();
-                    let counts = if source.ends_with(" lua") {
-                        &mut in_scripts
-                    } else {
-                        &mut requests
-                    };
-                    *counts.entry(name).or_insert(0) += 1;
+                    let in_script = source.ends_with(" lua");
+                    if !in_script {
+                        last_client = source
+                            .rsplit_once(':')
+                            .and_then(|(_, port)| port.parse::<u16>().ok());
+                    }
+                    if let Some(client) = last_client {
+                        let (requests, in_scripts) = by_client.entry(client).or_default();
+                        let counts = if in_script { in_scripts } else { requests };
+                        *counts.entry(name).or_insert(0) += 1;
+                    }
                 }
                 line.clear();
             }
@@ -241,7 +255,14 @@ fn monitor(port: u16, window: Duration) -> anyhow::Result<Counts> {
             Err(err) => return Err(err.into()),
         }
     }
-    Ok((requests, in_scripts))
+    Ok(by_client)
+}
+
+/// Adds `more` to `total`, name by name.
+pub fn add_counts(total: &mut BTreeMap<String, u64>, more: BTreeMap<String, u64>) {
+    for (name, n) in more {
+        *total.entry(name).or_insert(0) += n;
+    }
 }
 
 /// Commands per second by name.
@@ -435,6 +456,16 @@ impl Tool for PgleaderRedis {
     }
 }
 
+/// How many connections in a `CLIENT LIST` answer are named `<key>:…`: a peer names each of
+/// its connections after the key and its pid.
+pub fn named_clients(client_list: &str, key: &str) -> usize {
+    let prefix = format!("name={key}:");
+    client_list
+        .lines()
+        .filter(|line| line.split(' ').any(|kv| kv.starts_with(&prefix)))
+        .count()
+}
+
 /// The label of the peer's rows.
 pub const PEER_LABEL: &str = "redis-py Lock";
 
@@ -479,12 +510,8 @@ impl Tool for RedisPy {
     fn queued(&self, lock: i64) -> anyhow::Result<usize> {
         // Each instance names its connection `bench-peer:<key>:<pid>`; it connects with its
         // first try of the key, so a named connection is a candidate trying.
-        let prefix = format!("name={}:", RedisPy::key(lock));
         let clients: String = self.server.query(redis::cmd("CLIENT").arg("LIST"))?;
-        Ok(clients
-            .lines()
-            .filter(|line| line.split(' ').any(|kv| kv.starts_with(&prefix)))
-            .count())
+        Ok(named_clients(&clients, &RedisPy::key(lock)))
     }
 
     fn end_session(&self, leader_line: &str) -> anyhow::Result<Instant> {

@@ -22,6 +22,12 @@ pub struct TimerCount {
 /// What `--only redis` runs, for the report's title.
 pub const ONLY_REDIS: &str = "1, 2, 3b, 5 and 6 on Redis";
 
+/// What `--only quorum` runs, for the report's title.
+pub const ONLY_QUORUM: &str = "1, 2, 5, 6, 10 and 10b over a Redis quorum";
+
+/// `--only failover`'s scenarios.
+pub const ONLY_FAILOVER: &str = "1, 1c, 2, 5 and 6 of pgleader";
+
 /// The cost row of scenario 8's idle scheduled leader.
 pub const SCHEDULED_ROLE: &str = "scheduled leader, idle";
 
@@ -147,7 +153,8 @@ pub struct Cost {
     pub role: &'static str,
     pub window: Duration,
     pub rss_kib: Option<u64>,
-    /// pgleader's keeper (leaders only); `None` where there is none.
+    /// pgleader's keeper (a leader's runs the command, a follower's waits parked); `None`
+    /// where there is none.
     pub keeper_rss_kib: Option<u64>,
     pub cpu: Duration,
     pub keeper_cpu: Option<Duration>,
@@ -216,8 +223,12 @@ impl Report {
             ("etcdctl lock", "6. cost"),
             (crate::redis_lock::LABEL, "6. cost"),
             (crate::redis_lock::PEER_LABEL, "6. cost"),
+            (crate::redlock::LABEL, "6. cost"),
+            (crate::redlock::PEER_LABEL, "6. cost"),
         ] {
-            if self.only.is_none() && !self.costs.iter().any(|cost| cost.tool == tool) {
+            let quorum = tool == crate::redlock::LABEL || tool == crate::redlock::PEER_LABEL;
+            let expected = self.only.is_none() || (quorum && self.only == Some(ONLY_QUORUM));
+            if expected && !self.costs.iter().any(|cost| cost.tool == tool) {
                 missing.push(format!("{scenario} ({tool})"));
             }
         }
@@ -268,6 +279,33 @@ impl Report {
             ),
             timed("5. start: the child runs ≤ 50 ms", "start", 50.0),
         ];
+        // Issue 18's targets, with fsync on, beside the previous build when it ran too.
+        for (target, id, limit) in [
+            (
+                "18. kill -9: next leader's child runs ≤ 4 ms",
+                "kill9.next",
+                4.0,
+            ),
+            (
+                "18. SIGTERM: next leader's child runs ≤ 4 ms",
+                "sigterm.next",
+                4.0,
+            ),
+            ("18. start: the child runs ≤ 10 ms", "start", 10.0),
+        ] {
+            let median = self.median(id);
+            let previous = self
+                .median_of(crate::PREVIOUS_LABEL, id)
+                .map_or_else(String::new, |m| format!(" (previous build: p50 {})", ms(m)));
+            verdicts.push(Verdict {
+                target,
+                measured: median.map_or_else(
+                    || "no figures".into(),
+                    |m| format!("p50 {}{previous}", ms(m)),
+                ),
+                met: median.map(|m| m <= limit),
+            });
+        }
         let at_100 = self
             .scales
             .iter()
@@ -339,6 +377,7 @@ impl Report {
         });
         verdicts.extend(self.http_verdicts());
         verdicts.extend(self.redis_verdicts());
+        verdicts.extend(self.quorum_verdicts());
         verdicts
     }
 
@@ -363,27 +402,13 @@ impl Report {
                 2200.0,
             ),
         ] {
-            let median = self.median_of(tool, id);
-            verdicts.push(Verdict {
-                target,
-                measured: median.map_or_else(|| "no figures".into(), |m| format!("p50 {}", ms(m))),
-                met: median.map(|m| m <= limit),
-            });
+            verdicts.push(self.median_verdict(tool, target, id, limit));
         }
         for (target, role) in [
             ("R4. Redis, idle leader: RSS ≤ 10 MiB", "leader"),
             ("R4. Redis, idle follower: RSS ≤ 10 MiB", "follower"),
         ] {
-            let rss = self
-                .costs
-                .iter()
-                .find(|c| c.tool == tool && c.role == role)
-                .and_then(|c| c.rss_kib);
-            verdicts.push(Verdict {
-                target,
-                measured: rss.map_or_else(|| "no figures".into(), mib),
-                met: rss.map(|kib| kib <= 10 * 1024),
-            });
+            verdicts.push(self.rss_verdict(tool, target, role));
         }
         // README: "A waiting follower costs the server two commands per check interval".
         let follower = self
@@ -397,6 +422,55 @@ impl Report {
             met: follower.map(|r| r <= 10.5),
         });
         verdicts
+    }
+
+    /// Issue 17's bounds for pgleader over a quorum (`--check-interval 200ms`).
+    fn quorum_verdicts(&self) -> Vec<Verdict> {
+        let tool = crate::redlock::LABEL;
+        let mut verdicts = Vec::new();
+        for (target, id) in [
+            (
+                "Q1. quorum, two of three servers killed: the child is signalled ≤ check-interval + check-timeout (2.2 s)",
+                "majority_killed.signal",
+            ),
+            (
+                "Q1. quorum, two of three servers frozen: the child is signalled ≤ check-interval + check-timeout (2.2 s)",
+                "majority_frozen.signal",
+            ),
+        ] {
+            verdicts.push(self.median_verdict(tool, target, id, 2200.0));
+        }
+        for (target, role) in [
+            ("Q2. quorum, idle leader: RSS ≤ 10 MiB", "leader"),
+            ("Q2. quorum, idle follower: RSS ≤ 10 MiB", "follower"),
+        ] {
+            verdicts.push(self.rss_verdict(tool, target, role));
+        }
+        verdicts
+    }
+
+    /// Whether `tool`'s median of row `id` is within `limit` milliseconds.
+    fn median_verdict(&self, tool: &str, target: &'static str, id: &str, limit: f64) -> Verdict {
+        let median = self.median_of(tool, id);
+        Verdict {
+            target,
+            measured: median.map_or_else(|| "no figures".into(), |m| format!("p50 {}", ms(m))),
+            met: median.map(|m| m <= limit),
+        }
+    }
+
+    /// Whether an idle `role` of `tool` stays within 10 MiB of RSS.
+    fn rss_verdict(&self, tool: &str, target: &'static str, role: &str) -> Verdict {
+        let rss = self
+            .costs
+            .iter()
+            .find(|c| c.tool == tool && c.role == role)
+            .and_then(|c| c.rss_kib);
+        Verdict {
+            target,
+            measured: rss.map_or_else(|| "no figures".into(), mib),
+            met: rss.map(|kib| kib <= 10 * 1024),
+        }
     }
 
     /// Issue 10's targets for the HTTP endpoint (scenario 9).
@@ -474,10 +548,11 @@ impl Report {
         let _ = writeln!(out, "\n### Targets (pgleader, medians on loopback)\n");
         let _ = writeln!(out, "| target | measured | |\n|---|---|---|");
         for verdict in self.verdicts() {
-            let group = if self.only == Some(ONLY_REDIS) {
-                "R"
-            } else {
-                "9."
+            let group = match self.only {
+                Some(ONLY_REDIS) => "R",
+                Some(ONLY_QUORUM) => "Q",
+                Some(ONLY_FAILOVER) => "18.",
+                _ => "9.",
             };
             if self.only.is_some() && !verdict.target.starts_with(group) {
                 continue;

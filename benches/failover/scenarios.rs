@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, anyhow};
 use nix::sys::signal::Signal;
 
-use crate::harness::{Proxy, is_running, pid_in, unique_lock, wait_gone};
+use crate::harness::{Proxy, Stream, field, is_running, pid_in, unique_lock, wait_gone};
 use crate::procfs::CpuMeter;
 use crate::report::{Figures, Row, Scale};
 use crate::tools::{Candidate, SETTLE, SETUP_WAIT, Tool, random_phase, wait_queued};
@@ -220,6 +220,110 @@ pub fn kill9(tool: &dyn Tool, runs: usize) -> Vec<Row> {
     )]
 }
 
+/// Scenario 1c: where the time of a kill -9 failover goes, as the new leader logs it at debug
+/// level (`start_timeline`; `tool` must run pgleader with `-v`): the lock granted → the fencing
+/// token taken (its WAL flushed) → the keeper handed the environment and the sockets → the
+/// keeper's report that the command was executed.
+pub fn breakdown(tool: &dyn Tool, runs: usize) -> Vec<Row> {
+    let scenario = "1c. kill -9 of the leader: the new leader's steps (its debug log)";
+    eprintln!("bench: {scenario} ({})", tool.label());
+    const STEPS: [(&str, &str, &str); 5] = [
+        (
+            "breakdown.fence",
+            "fence_ms",
+            "lock granted → fence taken (WAL flushed)",
+        ),
+        (
+            "breakdown.keeper",
+            "keeper_ms",
+            "fence taken → parked keeper handed the environment",
+        ),
+        (
+            "breakdown.exec",
+            "exec_ms",
+            "keeper handed → command executed (its report read)",
+        ),
+        (
+            "breakdown.total",
+            "total_ms",
+            "lock granted → command executed",
+        ),
+        (
+            "breakdown.next",
+            "",
+            "kill → next leader's child runs (this scenario's runs)",
+        ),
+    ];
+    let mut figures: Vec<Figures> = STEPS.iter().map(|_| Figures::default()).collect();
+    for i in 0..runs {
+        let run = || -> anyhow::Result<Vec<f64>> {
+            let pair = Pair::start(tool, false)?;
+            let fault = Instant::now();
+            pair.leader.signal(Signal::SIGKILL);
+            let (_, at) = pair
+                .follower
+                .started(Some(fault), tool.handoff_bound())
+                .ok_or_else(|| anyhow!("no handoff\n{}", pair.follower.dump()))?;
+            let (line, _) = pair
+                .follower
+                .line(Stream::Stderr, "from the lock granted", 1, None, GRACE)
+                .ok_or_else(|| anyhow!("no start_timeline in the new leader's log (-v)"))?;
+            let mut values = Vec::new();
+            for (_, key, _) in &STEPS[..4] {
+                values.push(
+                    field(&line, key)
+                        .parse::<f64>()
+                        .with_context(|| format!("no {key} in {line:?}"))?,
+                );
+            }
+            values.push((at - fault).as_secs_f64() * 1000.0);
+            Ok(values)
+        };
+        match catch_unwind(AssertUnwindSafe(run))
+            .unwrap_or_else(|_| Err(anyhow!("the run panicked (see above)")))
+        {
+            Ok(values) => {
+                eprintln!(
+                    "bench:   {} run {}/{runs}: {}",
+                    tool.label(),
+                    i + 1,
+                    values
+                        .iter()
+                        .map(|v| format!("{v:.2}"))
+                        .collect::<Vec<_>>()
+                        .join(" / ")
+                );
+                for (figure, value) in figures.iter_mut().zip(values) {
+                    figure.sample_ms(value);
+                }
+            }
+            Err(err) => {
+                eprintln!(
+                    "bench:   {} run {}/{runs} failed: {err:#}",
+                    tool.label(),
+                    i + 1
+                );
+                for figure in &mut figures {
+                    figure.failure(format!("{err:#}").replace('\n', " "));
+                }
+            }
+        }
+    }
+    STEPS
+        .iter()
+        .zip(figures)
+        .map(|((id, _, measure), figures)| Row {
+            id: (*id).to_owned(),
+            scenario: scenario.to_owned(),
+            tool: tool.label(),
+            measure,
+            figures,
+            old_child_stopped: None,
+            note: String::new(),
+        })
+        .collect()
+}
+
 /// Scenario 2: the leader is stopped with SIGTERM, sent to the tool's own process, or
 /// (`to_group`) to its whole process group. The child exits as soon as it gets TERM.
 pub fn sigterm(tool: &dyn Tool, runs: usize, to_group: bool) -> Vec<Row> {
@@ -271,6 +375,66 @@ fn at_server(tool: &dyn Tool, runs: usize, id: &str, scenario: &str) -> Vec<Row>
         Ok(pair.observe(fault, tool.handoff_bound(), true))
     });
     handoff_rows(id, scenario, tool, &results, tool.handoff_bound())
+}
+
+/// A fault at the servers themselves, for [`majority_lost`].
+pub trait ServerFault {
+    /// Before each run: waits until the servers can elect again.
+    fn prepare(&self) -> anyhow::Result<()>;
+
+    /// Injects the fault; returns the moment just before it.
+    fn inject(&self) -> anyhow::Result<Instant>;
+
+    /// Undoes it after the run, whatever happened in the run.
+    fn restore(&self);
+}
+
+/// Restores the servers when a run ends, also when it fails or panics.
+struct Restore<'a>(&'a dyn ServerFault);
+
+impl Drop for Restore<'_> {
+    fn drop(&mut self) {
+        self.0.restore();
+    }
+}
+
+/// Scenario 10: a quorum loses its majority under a leader (no follower): the leader must stop
+/// its child on its own, within `bound`.
+pub fn majority_lost(
+    tool: &dyn Tool,
+    runs: usize,
+    id: &str,
+    scenario: &str,
+    bound: Duration,
+    fault: &dyn ServerFault,
+) -> Vec<Row> {
+    eprintln!("bench: {scenario} ({})", tool.label());
+    let results = repeat(tool.label(), runs, || {
+        fault.prepare()?;
+        let leader = tool.candidate("A", unique_lock(), None);
+        let (line, _) = leader
+            .started(None, SETUP_WAIT)
+            .ok_or_else(|| anyhow!("the leader never started\n{}", leader.dump()))?;
+        sleep(SETTLE + random_phase(tool.poll_period()));
+        let child = pid_in(&line);
+        let _restore = Restore(fault);
+        let at = fault.inject()?;
+        let signal = leader.signalled(at, bound);
+        Ok(Observed {
+            signal: signal.map(|signalled| signalled - at),
+            stopped: Some(wait_gone(child, GRACE)),
+            ..Observed::default()
+        })
+    });
+    vec![row(
+        &format!("{id}.signal"),
+        scenario,
+        tool,
+        "old child gets SIGTERM",
+        &results,
+        bound,
+        |o| millis(o.signal),
+    )]
 }
 
 /// Scenario 4: the leader's traffic is frozen by a proxy (no RST, no FIN): its tool must stop the

@@ -157,6 +157,20 @@ impl Drop for Candidate {
     }
 }
 
+/// Scenario 6 for each tool in turn; a tool that fails is left without figures, which the final
+/// check reports.
+pub fn idle_costs(tools: &[&dyn Tool], window: Duration) -> Vec<Cost> {
+    let mut costs = Vec::new();
+    for tool in tools {
+        eprintln!("bench: 6. cost of an idle candidate ({})", tool.label());
+        match tool.cost(window) {
+            Ok(figures) => costs.extend(figures),
+            Err(err) => eprintln!("bench:   failed: {err:#}"),
+        }
+    }
+    costs
+}
+
 /// A random pause in `[0, period)`, from the standard library's hasher seeds.
 pub fn random_phase(period: Duration) -> Duration {
     use std::hash::{BuildHasher, Hasher};
@@ -196,6 +210,8 @@ pub struct Pgleader {
     /// Which binary: cargo's build (None), or another one such as the release's static binary.
     binary: Option<PathBuf>,
     label: &'static str,
+    /// Options every candidate gets (such as `-v`).
+    extra: &'static [&'static str],
 }
 
 impl Pgleader {
@@ -207,6 +223,18 @@ impl Pgleader {
             admin,
             binary: None,
             label: "pgleader",
+            extra: &[],
+        }
+    }
+
+    /// The same binary against the same server, its candidates started with `extra` too.
+    pub fn with_extra(&self, extra: &'static [&'static str]) -> Pgleader {
+        Pgleader {
+            admin: Mutex::new(self.cluster.client()),
+            cluster: self.cluster.clone(),
+            binary: self.binary.clone(),
+            label: self.label,
+            extra,
         }
     }
 
@@ -262,7 +290,7 @@ impl Pgleader {
         if proxy.is_some() {
             command.args(PARTITION_ARGS);
         }
-        command.args(extra);
+        command.args(self.extra).args(extra);
         command.args(["--", "sh", "-c", &child_script(tag)]);
         Candidate::spawn(tag, command)
     }
@@ -293,8 +321,12 @@ impl Pgleader {
             // window.
             sleep(SETTLE * 3);
             let log_mark = self.cluster.log().len();
-            let keeper = procfs::children(leader.pid()).first().copied();
-            let usage = Usage::measure(&[leader.pid(), follower.pid()], keeper, window);
+            // pgleader's only children are keepers: the leader's runs the command, the
+            // follower's is parked, waiting for the leadership.
+            let keepers =
+                [leader.pid(), follower.pid()].map(|pid| procfs::children(pid).first().copied());
+            let usage =
+                Usage::measure_with_keepers(&[leader.pid(), follower.pid()], &keepers, window);
             let statements = self.statements_since(log_mark);
             let per_second = |backend: i32| {
                 statements.get(&backend).copied().unwrap_or(0) as f64 / window.as_secs_f64()
@@ -307,6 +339,21 @@ impl Pgleader {
         })();
         self.log_statements(false)?;
         measured
+    }
+
+    /// The server's settings that decide what a commit waits for, as it reports them.
+    pub fn durability(&self) -> anyhow::Result<String> {
+        let row = self.admin().query_one(
+            "SELECT current_setting('fsync'), current_setting('synchronous_commit'), \
+             current_setting('full_page_writes')",
+            &[],
+        )?;
+        Ok(format!(
+            "fsync={}, synchronous_commit={}, full_page_writes={}",
+            row.get::<_, String>(0),
+            row.get::<_, String>(1),
+            row.get::<_, String>(2)
+        ))
     }
 
     pub fn server_version(&self) -> anyhow::Result<String> {
@@ -432,16 +479,30 @@ pub struct Usage {
     window: Duration,
     rss: Vec<Option<u64>>,
     cpu: Vec<Duration>,
-    /// The keeper belongs to the first process measured.
-    keeper_rss: Option<u64>,
-    keeper_cpu: Option<Duration>,
+    /// Each process's keeper, if it has one: a leader's runs its command, a follower's waits,
+    /// parked.
+    keeper_rss: Vec<Option<u64>>,
+    keeper_cpu: Vec<Option<Duration>>,
 }
 
 impl Usage {
-    /// Sleeps through `window`, measuring `pids` (and a keeper, measured on its own).
+    /// Sleeps through `window`, measuring `pids` (and a keeper of the first, measured on its
+    /// own).
     pub fn measure(pids: &[i32], keeper: Option<i32>, window: Duration) -> Usage {
+        let mut keepers = vec![None; pids.len()];
+        if let Some(first) = keepers.first_mut() {
+            *first = keeper;
+        }
+        Usage::measure_with_keepers(pids, &keepers, window)
+    }
+
+    /// Sleeps through `window`, measuring `pids` and, on their own, each one's keeper.
+    pub fn measure_with_keepers(pids: &[i32], keepers: &[Option<i32>], window: Duration) -> Usage {
         let meters: Vec<CpuMeter> = pids.iter().map(|pid| CpuMeter::start(&[*pid])).collect();
-        let keeper_meter = keeper.map(|pid| CpuMeter::start(&[pid]));
+        let keeper_meters: Vec<Option<CpuMeter>> = keepers
+            .iter()
+            .map(|keeper| keeper.map(|pid| CpuMeter::start(&[pid])))
+            .collect();
         sleep(window);
         Usage {
             window,
@@ -451,10 +512,15 @@ impl Usage {
                 .zip(&meters)
                 .map(|(pid, meter)| meter.used(&[*pid]))
                 .collect(),
-            keeper_rss: keeper.and_then(procfs::rss_kib),
-            keeper_cpu: keeper
-                .zip(keeper_meter)
-                .map(|(pid, meter)| meter.used(&[pid])),
+            keeper_rss: keepers
+                .iter()
+                .map(|keeper| keeper.and_then(procfs::rss_kib))
+                .collect(),
+            keeper_cpu: keepers
+                .iter()
+                .zip(&keeper_meters)
+                .map(|(keeper, meter)| Some(meter.as_ref()?.used(&[(*keeper)?])))
+                .collect(),
         }
     }
 
@@ -467,15 +533,14 @@ impl Usage {
         requests_per_second: f64,
         requests_how: &'static str,
     ) -> Cost {
-        let first = index == 0;
         Cost {
             tool,
             role,
             window: self.window,
             rss_kib: self.rss[index],
-            keeper_rss_kib: self.keeper_rss.filter(|_| first),
+            keeper_rss_kib: self.keeper_rss.get(index).copied().flatten(),
             cpu: self.cpu[index],
-            keeper_cpu: self.keeper_cpu.filter(|_| first),
+            keeper_cpu: self.keeper_cpu.get(index).copied().flatten(),
             requests_per_second: Some(requests_per_second),
             requests_how,
         }
