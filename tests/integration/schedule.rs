@@ -465,7 +465,18 @@ fn replicas_with_clocks_30_seconds_off_run_each_occurrence_once_at_the_servers_t
         )
     };
     let ahead = skewed("ahead", "+30s");
-    ahead.wait_log("this host's clock is 30");
+    // The offset is measured over a round trip, so it reads 29.999 as often as 30.001.
+    let offset_line = ahead.wait_log("this host's clock is");
+    let offset: f64 = offset_line
+        .split("offset_seconds=")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|value| value.parse().ok())
+        .unwrap_or_else(|| panic!("no offset_seconds in {offset_line:?}"));
+    assert!(
+        (offset - 30.0).abs() < 1.0,
+        "the ahead replica measured its clock {offset} s off, not about +30 s: {offset_line}"
+    );
     let behind = skewed("behind", "-30s");
     behind.wait_log("waiting for the lock");
     let seen = wait_starts(&journal, 2, WAIT);
