@@ -43,8 +43,53 @@ fn parse_stat(pid: i32, stat: &str) -> Option<Process> {
     })
 }
 
-/// The living descendants of `root`, parents before their children.
+/// The descendants of `root`, parents before their children. Each process's own children are
+/// read from `/proc/<pid>/task/<tid>/children`, so only the tree is read: the keeper calls this
+/// on the way to releasing the lock after a kill -9, and reading the whole process table takes
+/// milliseconds on a busy host. A kernel without those files (built without
+/// CONFIG_PROC_CHILDREN) gets the whole table read instead. A zombie may be listed (signalling
+/// it is harmless); a process forked while this runs may be missed, so the keeper repeats until
+/// it has no children left.
 pub fn descendants(root: i32) -> Vec<i32> {
+    let Some(mut found) = children(root) else {
+        return descendants_from_table(root);
+    };
+    let mut i = 0;
+    while i < found.len() {
+        let grandchildren = children(found[i]).unwrap_or_default();
+        found.extend(grandchildren);
+        i += 1;
+    }
+    found
+}
+
+/// The children of `pid`, from the children file of each of its threads (a child belongs to
+/// the thread that forked it); `None` when the kernel has no such files.
+fn children(pid: i32) -> Option<Vec<i32>> {
+    let tasks = match fs::read_dir(format!("/proc/{pid}/task")) {
+        Ok(tasks) => tasks,
+        // Gone already: it has no children left to find.
+        Err(_) => return Some(Vec::new()),
+    };
+    let mut found = Vec::new();
+    for task in tasks.flatten() {
+        match fs::read_to_string(task.path().join("children")) {
+            Ok(list) => found.extend(
+                list.split_whitespace()
+                    .filter_map(|pid| pid.parse::<i32>().ok()),
+            ),
+            Err(err) if err.kind() == std::io::ErrorKind::NotFound && task.path().exists() => {
+                return None;
+            }
+            // The thread ended while being read.
+            Err(_) => {}
+        }
+    }
+    Some(found)
+}
+
+/// The living descendants of `root`, parents before their children, from the whole table.
+fn descendants_from_table(root: i32) -> Vec<i32> {
     let table = processes();
     let mut found = vec![root];
     let mut i = 0;
@@ -100,6 +145,38 @@ mod tests {
     }
 
     #[test]
+    fn finds_a_grandchild_among_the_descendants_by_the_children_files_and_by_the_table() {
+        use std::io::BufRead;
+        let me = std::process::id() as i32;
+        let mut child = std::process::Command::new("sh")
+            .args(["-c", "sleep 30 & echo $!; wait"])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("spawn sh");
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().expect("stdout"))
+            .read_line(&mut line)
+            .expect("the grandchild's pid");
+        let grandchild: i32 = line.trim().parse().expect("a pid");
+        let child_pid = child.id() as i32;
+        for (how, found) in [
+            ("children files", descendants(me)),
+            ("table", descendants_from_table(me)),
+        ] {
+            let at = |pid| found.iter().position(|p| *p == pid);
+            assert!(
+                matches!((at(child_pid), at(grandchild)), (Some(c), Some(g)) if c < g),
+                "by the {how}: {found:?} lacks sh {child_pid} before its sleep {grandchild}"
+            );
+        }
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(grandchild),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+        child.wait().expect("wait");
+    }
+
+    #[test]
     fn finds_this_process_in_its_group_and_a_child_among_its_descendants() {
         let me = std::process::id() as i32;
         let group = nix::unistd::getpgrp().as_raw();
@@ -109,6 +186,7 @@ mod tests {
             .spawn()
             .expect("spawn sleep");
         assert!(descendants(me).contains(&(child.id() as i32)));
+        assert!(descendants_from_table(me).contains(&(child.id() as i32)));
         child.kill().expect("kill");
         child.wait().expect("wait");
     }
