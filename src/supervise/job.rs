@@ -161,8 +161,9 @@ impl Parked {
     /// Starts a keeper for `command` in a process group of its own, parked. The keeper's
     /// environment is pgleader's, without what only pgleader may use ([`notify::PRIVATE_ENV`]).
     ///
-    /// Call this from the thread that lives as long as pgleader (the runtime's thread): the
-    /// keeper does not rely on a parent-death signal, but the rule costs nothing to keep.
+    /// Any thread may call this (pgleader calls it on a blocking thread, so that the keeper's
+    /// exec overlaps with connecting): the keeper notices pgleader's death by the end of its
+    /// channel, not by a parent-death signal, which would fire when the spawning thread exits.
     ///
     /// [`notify::PRIVATE_ENV`]: crate::operate::notify::PRIVATE_ENV
     pub fn spawn(command: &CommandLine) -> io::Result<Parked> {

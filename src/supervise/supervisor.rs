@@ -92,7 +92,14 @@ struct Supervisor<B: Backend> {
     /// When to stop retrying a connection (a scheduled --once).
     connect_deadline: Option<Instant>,
     /// The keeper started ahead of the next command, waiting (see `job::Parked`).
-    parked: Option<Parked>,
+    parked: Option<Ahead>,
+}
+
+/// A keeper started ahead of the next command: still being spawned, on a blocking thread so
+/// that its fork and exec overlap with connecting and waiting for the lock, or parked.
+enum Ahead {
+    Spawning(tokio::task::JoinHandle<std::io::Result<Parked>>),
+    Parked(Parked),
 }
 
 /// How waiting for the lock ended.
@@ -178,6 +185,9 @@ impl<B: Backend> Supervisor<B> {
                     return Ok(Outcome::Shutdown);
                 }
             }
+            // Ready before it is needed: winning then costs the command's fork and exec only.
+            // Its spawn runs while connecting.
+            self.park_keeper().await;
             let Some(session) = self.connect().await? else {
                 return Ok(Outcome::Shutdown);
             };
@@ -195,8 +205,6 @@ impl<B: Backend> Supervisor<B> {
                     continue;
                 }
             }
-            // Ready before it is needed: winning then costs the command's fork and exec only.
-            self.park_keeper();
             let (session, granted) = match self.acquire(session).await? {
                 Acquired::Won(session) => (session, Instant::now()),
                 Acquired::Busy => return Ok(Outcome::Busy(self.settings.busy_exit_code)),
@@ -265,37 +273,61 @@ impl<B: Backend> Supervisor<B> {
         self.backoff.next_delay()
     }
 
-    /// Makes sure a keeper waits, parked, for the next command. A failure here is not fatal:
-    /// starting the command tries again, and reports the error if it fails then.
-    fn park_keeper(&mut self) {
-        if self.parked.as_ref().is_some_and(Parked::is_waiting) {
+    /// Makes sure a keeper waits, parked, for the next command, or is being started. A failure
+    /// here is not fatal: starting the command tries again, and reports the error if it fails
+    /// then.
+    async fn park_keeper(&mut self) {
+        if let Some(Ahead::Spawning(spawning)) = &self.parked
+            && !spawning.is_finished()
+        {
             return;
         }
-        match Parked::spawn(&self.settings.command) {
-            Ok(parked) => {
-                debug!(
-                    event = "keeper_parked",
-                    pid = parked.pid().as_raw(),
-                    "started a keeper for the next command"
-                );
-                self.parked = Some(parked);
-            }
-            Err(err) => {
-                self.parked = None;
-                warn!(event = "keeper_failed", reason = %err, "cannot start a keeper ahead of time; trying again when the command starts");
-            }
+        if let Some(parked) = self.take_parked().await {
+            self.parked = Some(Ahead::Parked(parked));
+            return;
         }
+        let command = self.settings.command.clone();
+        self.parked = Some(Ahead::Spawning(tokio::task::spawn_blocking(move || {
+            Parked::spawn(&command)
+        })));
+    }
+
+    /// The parked keeper, once its spawn is over, if it still waits.
+    async fn take_parked(&mut self) -> Option<Parked> {
+        let parked = match self.parked.take()? {
+            Ahead::Parked(parked) => parked,
+            Ahead::Spawning(spawning) => match spawning.await {
+                Ok(Ok(parked)) => {
+                    debug!(
+                        event = "keeper_parked",
+                        pid = parked.pid().as_raw(),
+                        "started a keeper for the next command"
+                    );
+                    parked
+                }
+                Ok(Err(err)) => {
+                    warn!(event = "keeper_failed", reason = %err, "cannot start a keeper ahead of time; trying again when the command starts");
+                    return None;
+                }
+                Err(err) => {
+                    warn!(event = "keeper_failed", reason = %err, "cannot start a keeper ahead of time; trying again when the command starts");
+                    return None;
+                }
+            },
+        };
+        Some(parked).filter(Parked::is_waiting)
     }
 
     /// Starts the command under the parked keeper (or a fresh one if none waits); the keeper
     /// holds `hold` (the session's sockets) until the job's tree is gone.
-    fn spawn(
+    async fn spawn(
         &mut self,
         env: &[(&'static str, String)],
         hold: &[std::os::fd::RawFd],
     ) -> anyhow::Result<Job> {
+        let parked = self.take_parked().await;
         let command = &self.settings.command;
-        let started = match self.parked.take().filter(Parked::is_waiting) {
+        let started = match parked {
             // A keeper killed since it was checked fails here; a fresh one is the fallback.
             Some(parked) => parked
                 .start(env, hold)
@@ -315,7 +347,7 @@ impl<B: Backend> Supervisor<B> {
     /// Lets the parked keeper go (it exits on end-of-file) and waits a moment for it, so that
     /// pgleader leaves nothing behind when it exits.
     async fn dismiss_keeper(&mut self) {
-        let Some(parked) = self.parked.take() else {
+        let Some(parked) = self.take_parked().await else {
             return;
         };
         let pid = parked.pid();

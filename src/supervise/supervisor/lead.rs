@@ -104,7 +104,7 @@ impl<B: Backend> Supervisor<B> {
                 ),
                 LeadEvent::Duty(Next::Start(scheduled)) => {
                     let env = self.child_env(session.id(), epoch, scheduled);
-                    job = Some(self.spawn(&env, &session.sockets())?);
+                    job = Some(self.spawn(&env, &session.sockets()).await?);
                     if let Some(timeline) = &mut timeline {
                         timeline.handed.get_or_insert_with(Instant::now);
                     }
@@ -265,7 +265,7 @@ impl<B: Backend> Supervisor<B> {
                         }
                         if shift.exited(status) {
                             last_status = Some(status);
-                            self.park_keeper();
+                            self.park_keeper().await;
                             continue;
                         }
                         self.release(session).await;
@@ -326,7 +326,7 @@ impl<B: Backend> Supervisor<B> {
                     // for the next occurrence.
                     if shift.exited(status) {
                         last_status = Some(status);
-                        self.park_keeper();
+                        self.park_keeper().await;
                         continue;
                     }
                     self.release(session).await;
