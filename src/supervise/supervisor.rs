@@ -205,6 +205,9 @@ impl<B: Backend> Supervisor<B> {
                     continue;
                 }
             }
+            // Parked before queueing (started again if it died meanwhile).
+            self.park_keeper().await;
+            self.keeper_ready().await;
             let (session, granted) = match self.acquire(session).await? {
                 Acquired::Won(session) => (session, Instant::now()),
                 Acquired::Busy => return Ok(Outcome::Busy(self.settings.busy_exit_code)),
@@ -282,14 +285,22 @@ impl<B: Backend> Supervisor<B> {
         {
             return;
         }
-        if let Some(parked) = self.take_parked().await {
-            self.parked = Some(Ahead::Parked(parked));
+        self.keeper_ready().await;
+        if self.parked.is_some() {
             return;
         }
         let command = self.settings.command.clone();
         self.parked = Some(Ahead::Spawning(tokio::task::spawn_blocking(move || {
             Parked::spawn(&command)
         })));
+    }
+
+    /// Waits until the keeper started ahead of time is parked (or known gone), so that a
+    /// follower holds one before it queues: its spawn has overlapped with connecting by then.
+    async fn keeper_ready(&mut self) {
+        if let Some(parked) = self.take_parked().await {
+            self.parked = Some(Ahead::Parked(parked));
+        }
     }
 
     /// The parked keeper, once its spawn is over, if it still waits.
