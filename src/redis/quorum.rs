@@ -24,8 +24,8 @@
 //! waiter reaches a majority first. Scheduled jobs keep their ledger on every server, and an
 //! answer counts only from a majority (`quorum_ledger.rs`).
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
 use redis::aio::MultiplexedConnection;
@@ -47,11 +47,27 @@ use crate::redis::session::{
 use crate::redis::url::RedisServer;
 
 /// Raises a server's epoch counter to at least ARGV[1].
-const RAISE_EPOCH: &str = r#"
+static RAISE_EPOCH: LazyLock<redis::Script> = LazyLock::new(|| {
+    redis::Script::new(
+        r#"
 local current = tonumber(redis.call('GET', KEYS[1]) or '0')
 if current < tonumber(ARGV[1]) then redis.call('SET', KEYS[1], ARGV[1]) end
 return 1
-"#;
+"#,
+    )
+});
+
+/// Raises the epoch counter `key` on one server to at least `epoch`, for the fence and for a
+/// server the leader rejoins.
+async fn raise_epoch(
+    conn: &mut MultiplexedConnection,
+    key: String,
+    epoch: i64,
+) -> redis::RedisResult<i64> {
+    let mut invocation = RAISE_EPOCH.prepare_invoke();
+    invocation.key(key).arg(epoch);
+    invocation.invoke_async::<i64>(conn).await
+}
 
 /// Several Redis servers, the lock, and the settings of pgleader's sessions.
 #[derive(Clone, Debug)]
@@ -379,11 +395,7 @@ impl QuorumSession {
                     if !acquire(&mut conn, &args, "try", Duration::ZERO).await? {
                         return Err("the key there is another session's".into());
                     }
-                    let script = redis::Script::new(RAISE_EPOCH);
-                    let mut raise = script.prepare_invoke();
-                    raise.key(args.keys.epoch()).arg(epoch);
-                    raise
-                        .invoke_async::<i64>(&mut conn)
+                    raise_epoch(&mut conn, args.keys.epoch(), epoch)
                         .await
                         .map_err(query_error)?;
                     Ok::<_, Box<dyn std::error::Error + Send + Sync>>(connection)
@@ -691,7 +703,6 @@ impl Session for QuorumSession {
         }
         let epoch = epochs.iter().copied().max().unwrap_or(0);
         self.epoch.store(epoch, Ordering::Relaxed);
-        let raise = redis::Script::new(RAISE_EPOCH);
         let mut writes = JoinSet::new();
         for member in &self.members {
             let (mut conn, key, bound) = (
@@ -699,11 +710,8 @@ impl Session for QuorumSession {
                 self.args.keys.epoch(),
                 self.per_server * 4,
             );
-            let raise = raise.clone();
             writes.spawn(async move {
-                let mut invocation = raise.prepare_invoke();
-                invocation.key(key).arg(epoch);
-                let write = invocation.invoke_async::<i64>(&mut conn);
+                let write = raise_epoch(&mut conn, key, epoch);
                 matches!(tokio::time::timeout(bound, write).await, Ok(Ok(1)))
             });
         }

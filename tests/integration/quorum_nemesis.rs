@@ -154,24 +154,15 @@ impl Watch for Nemesis {
         self.seed
     }
 
-    fn report(&self) -> String {
-        let mut text = String::from("faults:\n");
-        for line in &self.log {
-            text.push_str(&format!("  {line}\n"));
-        }
-        text.push_str("runs (slot, pid, client, epoch, started, died):\n");
-        let mut runs: Vec<Run> = self.runs.lock().expect("runs").values().cloned().collect();
-        runs.sort_by_key(|run| run.started);
-        for run in runs {
-            text.push_str(&format!(
-                "  {} {} {} {} {} {:?}\n",
-                run.slot, run.pid, run.backend, run.epoch, run.started, run.died
-            ));
-        }
-        for instance in self.retired.iter().chain(self.instances.iter().flatten()) {
-            text.push_str(&instance.dump());
-        }
-        text
+    fn faults(&self) -> &[String] {
+        &self.log
+    }
+
+    fn instances(&self) -> Vec<&Proc> {
+        self.retired
+            .iter()
+            .chain(self.instances.iter().flatten())
+            .collect()
     }
 
     /// Long enough for a majority to come back and a lease to pass.

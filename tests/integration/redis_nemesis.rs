@@ -245,9 +245,39 @@ pub(crate) trait Watch {
     fn collect(&self) -> usize;
     fn runs(&self) -> &Runs;
     fn seed(&self) -> u64;
-    fn report(&self) -> String;
+    /// What the nemesis did, in order.
+    fn faults(&self) -> &[String];
+    /// Every pgleader it started, the retired ones first.
+    fn instances(&self) -> Vec<&Proc>;
     /// How long a new leader's command may take to appear after a fault.
     fn new_leader_bound(&self) -> Duration;
+
+    /// The faults, the runs and every instance's output, for a failure message.
+    fn report(&self) -> String {
+        let mut text = String::from("faults:\n");
+        for line in self.faults() {
+            text.push_str(&format!("  {line}\n"));
+        }
+        text.push_str("runs (slot, pid, client, epoch, started, died):\n");
+        let mut runs: Vec<Run> = self
+            .runs()
+            .lock()
+            .expect("runs")
+            .values()
+            .cloned()
+            .collect();
+        runs.sort_by_key(|run| run.started);
+        for run in runs {
+            text.push_str(&format!(
+                "  {} {} {} {} {} {:?}\n",
+                run.slot, run.pid, run.backend, run.epoch, run.started, run.died
+            ));
+        }
+        for instance in self.instances() {
+            text.push_str(&instance.dump());
+        }
+        text
+    }
 
     /// Keeps collecting runs (every 10 ms, so that a death is watched from the start) until
     /// `done` says so; fails the test after `timeout`, saying `what` was awaited.
@@ -361,24 +391,15 @@ impl Watch for Nemesis {
         self.seed
     }
 
-    fn report(&self) -> String {
-        let mut text = String::from("faults:\n");
-        for line in &self.log {
-            text.push_str(&format!("  {line}\n"));
-        }
-        text.push_str("runs (slot, pid, client, epoch, started, died):\n");
-        let mut runs: Vec<Run> = self.runs.lock().expect("runs").values().cloned().collect();
-        runs.sort_by_key(|run| run.started);
-        for run in runs {
-            text.push_str(&format!(
-                "  {} {} {} {} {} {:?}\n",
-                run.slot, run.pid, run.backend, run.epoch, run.started, run.died
-            ));
-        }
-        for instance in self.retired.iter().chain(self.instances.iter().flatten()) {
-            text.push_str(&instance.dump());
-        }
-        text
+    fn faults(&self) -> &[String] {
+        &self.log
+    }
+
+    fn instances(&self) -> Vec<&Proc> {
+        self.retired
+            .iter()
+            .chain(self.instances.iter().flatten())
+            .collect()
     }
 
     fn new_leader_bound(&self) -> Duration {
