@@ -115,7 +115,9 @@ pub struct ConnectionArgs {
     /// variables and psql's defaults; passwords are best kept in ~/.pgpass), or a Redis server:
     /// redis://[USER[:PASSWORD]@]HOST[:PORT][/DB], rediss:// for TLS (?cacert=FILE names a CA;
     /// the password may come from $REDISCLI_AUTH). Given three or more times with Redis URLs
-    /// (in PGLEADER_DATABASE_URL: separated by spaces), a Redlock quorum of independent servers
+    /// (in PGLEADER_DATABASE_URL: separated by spaces), a Redlock quorum of independent servers.
+    /// On PostgreSQL, best a database of pgleader's own: a waiting replica holds back VACUUM in
+    /// the database it connects to
     #[arg(
         short = 'd',
         long,

@@ -283,6 +283,10 @@ const SECTIONS: &[Section] = &[
                 "pgleader never leads through a server in recovery; it logs why and retries. With several hosts listed it looks for the read-write one (target_session_attrs=read-write is the default then), so it follows a failover to a promoted standby. The restart fence covers a promotion too: no pgleader session existed on the standby before it.",
             ),
             Entry(
+                "followers waiting for days, and VACUUM",
+                "A follower waits inside one long SELECT pg_advisory_lock(...), which holds a snapshot: while any replica waits, VACUUM cannot remove rows deleted or updated in that database after the wait began. Other databases of the server are not held back, so give pgleader a database of its own (CREATE DATABASE pgleader; -d postgres://.../pgleader).",
+            ),
+            Entry(
                 "transaction-mode pooler",
                 "Refused at connection time with exit status 1: a probe connection that is handed this session's server process, or a session whose statements run on different server processes, means the lock would not belong to pgleader's session. Connect directly or through a session-mode pool. The probe relies on the pooler reusing server connections last-in-first-out (PgBouncer's default); the leader's checks keep comparing backend pids in any case.",
             ),
