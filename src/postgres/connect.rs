@@ -48,6 +48,18 @@ pub struct Opened {
     /// The server's `server_version` parameter, as it reported it at start-up.
     pub server_version: Option<String>,
     pub socket: LentSocket,
+    /// A TCP connection's two ends; `None` over a Unix socket.
+    pub tcp_ends: Option<TcpEnds>,
+}
+
+/// A TCP connection's two ends as this host sees them, to compare with the server's view of
+/// the same connection (see `PgSession::connect`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TcpEnds {
+    /// This host's address and port.
+    pub local: SocketAddr,
+    /// The address and port dialled.
+    pub peer: SocketAddr,
 }
 
 /// A TCP or Unix-socket stream, for the driver.
@@ -169,7 +181,7 @@ impl Attempt<'_> {
     ) -> Result<Opened, Failure> {
         let timeout = self.settings.connect_timeout;
         let deadline = Instant::now() + timeout;
-        let (stream, socket) = tokio::time::timeout_at(deadline, self.dial(target))
+        let (stream, socket, tcp_ends) = tokio::time::timeout_at(deadline, self.dial(target))
             .await
             .map_err(|_| {
                 Failure::Other(ConnectError::Transient(
@@ -201,11 +213,15 @@ impl Attempt<'_> {
             connection,
             server_version,
             socket,
+            tcp_ends,
         })
     }
 
     /// Opens the socket, with keepalives on TCP.
-    async fn dial(&self, target: &Target) -> Result<(Stream, LentSocket), ConnectError> {
+    async fn dial(
+        &self,
+        target: &Target,
+    ) -> Result<(Stream, LentSocket, Option<TcpEnds>), ConnectError> {
         let refused = |err: std::io::Error| {
             ConnectError::Transient(format!("error connecting to server: {err}"))
         };
@@ -221,12 +237,16 @@ impl Attempt<'_> {
                     }
                 }
                 let socket = lend(&tcp)?;
-                Ok((Box::new(tcp), socket))
+                let ends = match (tcp.local_addr(), tcp.peer_addr()) {
+                    (Ok(local), Ok(peer)) => Some(TcpEnds { local, peer }),
+                    _ => None,
+                };
+                Ok((Box::new(tcp), socket, ends))
             }
             Target::Unix(path) => {
                 let unix = UnixStream::connect(path).await.map_err(refused)?;
                 let socket = lend(&unix)?;
-                Ok((Box::new(unix), socket))
+                Ok((Box::new(unix), socket, None))
             }
         }
     }

@@ -9,7 +9,8 @@
 //! Every query goes through `query_typed` (or the simple protocol): one round trip and no named
 //! prepared statements, which a pooler could leave behind on a server connection.
 
-use std::sync::{Arc, LazyLock};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, LazyLock, OnceLock};
 use std::time::{Duration, Instant};
 
 use tokio_postgres::Client;
@@ -20,7 +21,7 @@ use crate::election::ledger::Definition;
 use crate::election::lock::LockKey;
 use crate::election::socket::LentSocket;
 use crate::election::{Check, Confirmation, ConnectError, Fence, Session, SessionError};
-use crate::postgres::connect::{self, ConnectionTask, Opened, classify};
+use crate::postgres::connect::{self, ConnectionTask, Opened, TcpEnds, classify};
 use crate::postgres::conninfo::{ChannelBinding, ConnSettings};
 use crate::postgres::describe::describe;
 use crate::postgres::ledger::{PgLedger, TableName};
@@ -63,6 +64,8 @@ pub struct PgSession {
     connection: ConnectionTask,
     /// The connection's socket, owned by the connection task; lent to a leader's keeper.
     socket: LentSocket,
+    /// The fence that came with the lock, once `wait` won it.
+    granted: Arc<OnceLock<Fence>>,
     backend_pid: i32,
     server_major: u32,
     connected_at: Instant,
@@ -76,9 +79,13 @@ impl Drop for PgSession {
     }
 }
 
-const SETUP_IDENTITY: &str = "SELECT pg_catalog.pg_backend_pid(), pg_catalog.pg_is_in_recovery()";
-const WAIT_SQL: &str = "SELECT pg_catalog.pg_advisory_lock($1), pg_catalog.pg_backend_pid()";
+/// The session's server process, whether the server is a standby, and the server's view of the
+/// connection's two ends (the client's, then its own; null over a Unix socket).
+const SETUP_IDENTITY: &str = "SELECT pg_catalog.pg_backend_pid(), pg_catalog.pg_is_in_recovery(), \
+    pg_catalog.host(pg_catalog.inet_client_addr()), pg_catalog.inet_client_port(), \
+    pg_catalog.host(pg_catalog.inet_server_addr()), pg_catalog.inet_server_port()";
 const TRY_SQL: &str = "SELECT pg_catalog.pg_try_advisory_lock($1), pg_catalog.pg_backend_pid()";
+const BACKEND_PID_SQL: &str = "SELECT pg_catalog.pg_backend_pid()";
 const UNLOCK_SQL: &str = "SELECT pg_catalog.pg_advisory_unlock($1)";
 
 /// Seconds since the server last freed every lock at once (see `fence`).
@@ -86,27 +93,30 @@ const SINCE_RESET_SQL: &str = "extract(epoch FROM pg_catalog.clock_timestamp() -
     pg_catalog.pg_postmaster_start_time(), \
     (SELECT stats_reset FROM pg_catalog.pg_stat_bgwriter)))::float8";
 
-/// A new leader's fencing token, the restart fence's figure and the server's clock.
-/// pg_current_xact_id: PostgreSQL 13 or later, which `version` already demands.
-static FENCE_SQL: LazyLock<String> = LazyLock::new(|| {
+/// A new leader's fencing token, the restart fence's figure and the server's clock (see
+/// `fence`). pg_current_xact_id: PostgreSQL 13 or later, which `version` already demands.
+static FENCE_COLUMNS: LazyLock<String> = LazyLock::new(|| {
     format!(
-        "SELECT pg_catalog.pg_current_xact_id()::text::int8, \
+        "pg_catalog.pg_current_xact_id()::text::int8, \
          pg_catalog.pg_logical_emit_message(true, 'pgleader', 'epoch') IS NOT NULL, \
          {SINCE_RESET_SQL}, pg_catalog.clock_timestamp()"
     )
 });
 
-/// Sent just before a follower's wait for the lock, in the same round trip, so that the fence
-/// finds this server process's caches warm when it wins: the first run of the fence in a new server process cost about 2.5 ms where a
-/// later one costs 0.7 ms (local PostgreSQL 15, fsync on), most of it catalog lookups (the
-/// statistics view, the functions), not the WAL flush. Planning the fence without running it
-/// and reading the statistics view bring that down to about 1 ms, and change nothing: EXPLAIN
-/// does not execute, so no transaction id is taken and nothing is written. A session that wins
-/// at once (an uncontested start) skips it: there it would only move the cost.
-static FENCE_WARM_UP: LazyLock<String> = LazyLock::new(|| {
+/// The fence alone, after `pg_try_advisory_lock` won.
+static FENCE_SQL: LazyLock<String> = LazyLock::new(|| format!("SELECT {}", *FENCE_COLUMNS));
+
+/// A follower's wait, with the fence in the same statement: the lock first (OFFSET 0 keeps the
+/// subquery, and so the lock, ahead of the outer columns), then the fence at the moment the
+/// lock is granted, with no round trip between. The server plans the whole statement before it
+/// waits, so the fence's catalog look-ups (about 2 ms in a new server process, most of a cold
+/// fence) are done by then too. The transaction id is taken only once the lock is granted: a
+/// follower that waits for days holds none.
+static WAIT_SQL: LazyLock<String> = LazyLock::new(|| {
     format!(
-        "EXPLAIN (COSTS OFF) {}; SELECT {SINCE_RESET_SQL}",
-        *FENCE_SQL
+        "SELECT granted.pid, {} FROM (SELECT pg_catalog.pg_advisory_lock($1), \
+         pg_catalog.pg_backend_pid() AS pid OFFSET 0) AS granted",
+        *FENCE_COLUMNS
     )
 });
 
@@ -120,7 +130,11 @@ static CONFIRM_SQL: LazyLock<String> = LazyLock::new(|| {
 });
 
 impl PgSession {
-    /// Connects, applies the session settings, and checks the server is a primary.
+    /// Connects, applies the session settings, and checks the server is a primary and that no
+    /// transaction pooler stands between. On a direct TCP connection the server's own view of
+    /// it is the evidence, in the set-up's round trip; otherwise a second connection probes
+    /// (`check_not_transaction_pooled`), which costs a server process's start-up (about 3 ms
+    /// on a local server, more on a busy one) and two round trips.
     pub async fn connect(
         settings: &ConnSettings,
         application_name: &str,
@@ -129,28 +143,31 @@ impl PgSession {
         ledger: LedgerSettings,
     ) -> Result<PgSession, ConnectError> {
         let budget = connect_budget(settings);
-        // The pooler probe's connection is opened alongside the session's, which takes a
-        // server process's start-up off a new session's critical path (about 3 ms on a local
-        // server). What the probe sees is unchanged: a transaction pooler hands a client a
-        // server process at its first statement, not at login, and the probe's first
-        // statement still comes only after the session's set-up.
-        let probe = async {
-            tokio::time::timeout(budget, connect_plain(settings, application_name))
-                .await
-                .map_err(|_| {
-                    ConnectError::Transient("the connection-pooler probe timed out".into())
-                })?
-        };
-        let (session, probe) = tokio::try_join!(
-            Self::open_and_set_up(settings, application_name, lease, lock, ledger, budget),
-            probe
-        )?;
+        let (session, direct) =
+            Self::open_and_set_up(settings, application_name, lease, lock, ledger, budget).await?;
+        if direct {
+            tracing::debug!(
+                event = "direct",
+                "the server sees this connection's own two ends: nothing stands between, no pooler probe needed"
+            );
+            return Ok(session);
+        }
+        tracing::debug!(
+            event = "pooler_probe",
+            "the server sees other ends than this host's: something stands between; probing for a transaction pooler"
+        );
+        let probe = tokio::time::timeout(budget, connect_plain(settings, application_name))
+            .await
+            .map_err(|_| {
+                ConnectError::Transient("the connection-pooler probe timed out".into())
+            })??;
         session.check_not_transaction_pooled(probe, budget).await?;
         Ok(session)
     }
 
     /// Opens the session's connection, applies the session settings, and checks the server
-    /// is a primary.
+    /// is a primary. True when the server sees the very TCP connection this host opened, so
+    /// that no proxy, and so no pooler, stands between (see [`same_connection`]).
     async fn open_and_set_up(
         settings: &ConnSettings,
         application_name: &str,
@@ -158,8 +175,9 @@ impl PgSession {
         lock: LockKey,
         ledger: LedgerSettings,
         budget: Duration,
-    ) -> Result<PgSession, ConnectError> {
+    ) -> Result<(PgSession, bool), ConnectError> {
         let (opened, server_major) = open(settings, application_name, Some(lease), budget).await?;
+        let tcp_ends = opened.tcp_ends;
         if Support::of(server_major) == Support::NoIdleSessionTimeout {
             // Once per process: a warning at every reconnection would drown the log.
             static WARNED: std::sync::Once = std::sync::Once::new();
@@ -180,6 +198,7 @@ impl PgSession {
             client: Arc::new(opened.client),
             connection: opened.connection,
             socket: opened.socket,
+            granted: Arc::default(),
             backend_pid: 0,
             server_major,
             connected_at: Instant::now(),
@@ -202,7 +221,12 @@ impl PgSession {
             return Err(ConnectError::Transient(STANDBY.to_owned()));
         }
         session.backend_pid = row.get(0);
-        Ok(session)
+        let seen = (
+            seen_end(row.get(2), row.get(3)),
+            seen_end(row.get(4), row.get(5)),
+        );
+        let direct = tcp_ends.is_some_and(|ends| same_connection(ends, seen));
+        Ok((session, direct))
     }
 
     /// Refuses a session behind a transaction-mode pooler, where the server process that holds
@@ -232,7 +256,7 @@ impl PgSession {
             });
             let again: i32 = self
                 .client
-                .query_typed_one("SELECT pg_catalog.pg_backend_pid()", &[])
+                .query_typed_one(BACKEND_PID_SQL, &[])
                 .await
                 .map_err(classify)?
                 .get(0);
@@ -284,24 +308,24 @@ impl Session for PgSession {
         }
     }
 
-    /// Blocks until the lock is granted (no polling: the server queues waiters in order).
+    /// Blocks until the lock is granted (no polling: the server queues waiters in order), and
+    /// takes the fence in the same statement (see `WAIT_SQL`).
     fn wait(&self) -> impl Future<Output = Result<(), SessionError>> + 'static {
-        let client = self.client.clone();
+        let (client, granted) = (self.client.clone(), self.granted.clone());
         let (expected, key) = (self.backend_pid, self.lock.key());
         async move {
-            // The warm-up is sent first; its outcome does not matter (the fence reports its own).
             let params: [(&(dyn tokio_postgres::types::ToSql + Sync), Type); 1] =
                 [(&key, Type::INT8)];
-            let (_, rows) = tokio::join!(
-                client.batch_execute(&FENCE_WARM_UP),
-                client.query_typed(WAIT_SQL, &params)
-            );
-            let row = rows
+            let row = client
+                .query_typed(&WAIT_SQL, &params)
+                .await
                 .map_err(query_error)?
                 .into_iter()
                 .next()
                 .ok_or_else(|| SessionError::Query("pg_advisory_lock returned no row".into()))?;
-            same_backend(expected, row.get(1))
+            same_backend(expected, row.get(0))?;
+            let _ = granted.set(fence_of(&row, 1));
+            Ok(())
         }
     }
 
@@ -360,16 +384,16 @@ impl Session for PgSession {
     }
 
     /// What a new leader learns before starting its command: a fencing token, and how long
-    /// ago the server last freed every lock at once.
+    /// ago the server last freed every lock at once. After `wait` it came with the lock; after
+    /// `try_acquire` it is taken now.
     ///
-    /// The token is a transaction id assigned now. Transaction ids only grow, and each leader
-    /// takes its own after the previous leader lost the lock, so tokens strictly increase from
-    /// one leadership to the next. Assigning one fails on a read-only server, which also proves
-    /// the session is on a writable primary.
+    /// The token is a transaction id assigned once the lock is held. Transaction ids only grow,
+    /// and each leader takes its own after the previous leader lost the lock, so tokens
+    /// strictly increase from one leadership to the next. Assigning one fails on a read-only
+    /// server, which also proves the session is on a writable primary.
     ///
     /// The flush this costs (one WAL write and sync: about 0.2 ms on a local disk, more on a
-    /// network one; see `FENCE_WARM_UP` for the rest of the fence's first run) is what makes
-    /// the token survive a crash. After a crash the server counts
+    /// network one) is what makes the token survive a crash. After a crash the server counts
     /// transaction ids on from the last one its flushed WAL mentions, so an id handed out
     /// without a flushed record is handed out again: measured on PostgreSQL 15 with `pg_ctl
     /// stop -m immediate`, an id taken alone came back after the restart, every time. A
@@ -377,24 +401,35 @@ impl Session for PgSession {
     /// without flushing: the (transactional) logical message makes the commit wait for its WAL
     /// to be flushed. A server configured with `synchronous_commit = off` would commit even that
     /// without waiting (measured too: the id came back), which is why the session sets it `on`
-    /// (see `setup_sql`). Nothing of the fence can overlap with the command's start: the token
-    /// exists only once the commit is flushed, and the command needs it in its environment.
+    /// (see `setup_sql`). The command cannot start before the commit is flushed: the token
+    /// exists only then, and the command needs it in its environment.
     ///
     /// The server freed every lock when it last started, or when it last reset after the crash
     /// of one of its processes, which also resets the shared statistics (the bgwriter's
     /// `stats_reset`, readable by any role).
+    ///
+    /// A fence that came with the lock still costs one round trip, on a statement that this
+    /// server process has run before (about 0.1 ms): the leader's deadline counts from when
+    /// this call was made (see `lead`), and only an answer to a request sent now proves that the
+    /// server heard from this session since. A grant can arrive late (held up by a frozen
+    /// proxy, say) when the server may already have given up on the session.
     async fn fence(&self) -> Result<Fence, SessionError> {
+        if let Some(fence) = self.granted.get() {
+            let pid: i32 = self
+                .client
+                .query_typed_one(BACKEND_PID_SQL, &[])
+                .await
+                .map_err(query_error)?
+                .get(0);
+            same_backend(self.backend_pid, pid)?;
+            return Ok(*fence);
+        }
         let row = self
             .client
             .query_typed_one(&FENCE_SQL, &[])
             .await
             .map_err(query_error)?;
-        let since_reset: f64 = row.get(2);
-        Ok(Fence {
-            epoch: row.get(0),
-            server_time: row.get(3),
-            since_server_reset: Duration::try_from_secs_f64(since_reset).unwrap_or(Duration::ZERO),
-        })
+        Ok(fence_of(&row, 0))
     }
 
     /// Releases the lock explicitly (so the next waiter is granted it now), then closes.
@@ -555,6 +590,38 @@ fn parse_major_version(version: &str) -> Option<u32> {
     digits.parse().ok()
 }
 
+/// The fence's columns (`FENCE_COLUMNS`), from the `first` of `row`'s.
+fn fence_of(row: &tokio_postgres::Row, first: usize) -> Fence {
+    let since_reset: f64 = row.get(first + 2);
+    Fence {
+        epoch: row.get(first),
+        server_time: row.get(first + 3),
+        since_server_reset: Duration::try_from_secs_f64(since_reset).unwrap_or(Duration::ZERO),
+    }
+}
+
+/// One end of the connection as the server reports it (`host(inet_client_addr())`, then
+/// `inet_client_port()`, or the server's own).
+fn seen_end(host: Option<&str>, port: Option<i32>) -> Option<SocketAddr> {
+    let ip: IpAddr = host?.parse().ok()?;
+    Some(SocketAddr::new(ip, u16::try_from(port?).ok()?))
+}
+
+/// Whether the server's view of the connection (the client's end, then its own) is this
+/// host's TCP connection, both ends alike. Anything between (PgBouncer, a TCP proxy, NAT) ends
+/// this host's connection and opens its own, so the server would see another address or port
+/// on one side at least; one TCP connection's four figures cannot belong to two live
+/// connections of one network. The pooler probe is then needless. A match could only be faked by
+/// a middlebox that spoofs both ends of every connection it opens, which no pooler does.
+fn same_connection(
+    ends: TcpEnds,
+    (client, server): (Option<SocketAddr>, Option<SocketAddr>),
+) -> bool {
+    let canonical = |addr: SocketAddr| (addr.ip().to_canonical(), addr.port());
+    client.is_some_and(|client| canonical(client) == canonical(ends.local))
+        && server.is_some_and(|server| canonical(server) == canonical(ends.peer))
+}
+
 fn same_backend(expected: i32, seen: i32) -> Result<(), SessionError> {
     if expected == seen {
         Ok(())
@@ -576,6 +643,46 @@ fn query_error(err: tokio_postgres::Error) -> SessionError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_the_servers_view_of_this_very_connection_is_direct() {
+        let at = |text: &str| text.parse::<SocketAddr>().expect("an address");
+        let ends = TcpEnds {
+            local: at("127.0.0.1:40000"),
+            peer: at("127.0.0.1:5432"),
+        };
+        let seen = |client: &str, server: &str| (Some(at(client)), Some(at(server)));
+        assert!(same_connection(
+            ends,
+            seen("127.0.0.1:40000", "127.0.0.1:5432")
+        ));
+        // An IPv4 client on a dual-stack server's socket.
+        assert!(same_connection(
+            ends,
+            seen("[::ffff:127.0.0.1]:40000", "[::ffff:127.0.0.1]:5432")
+        ));
+        // PgBouncer on this host: its own port towards the server, the server's own port.
+        assert!(!same_connection(
+            ends,
+            seen("127.0.0.1:40001", "127.0.0.1:5432")
+        ));
+        assert!(!same_connection(
+            TcpEnds {
+                peer: at("127.0.0.1:6432"),
+                ..ends
+            },
+            seen("127.0.0.1:40000", "127.0.0.1:5432")
+        ));
+        // NAT or a proxy on another host.
+        assert!(!same_connection(
+            ends,
+            seen("10.0.0.7:40000", "127.0.0.1:5432")
+        ));
+        // A Unix socket on the server's side.
+        assert!(!same_connection(ends, (None, None)));
+        assert_eq!(seen_end(None, None), None);
+        assert_eq!(seen_end(Some("::1"), Some(5432)), Some(at("[::1]:5432")));
+    }
 
     #[test]
     fn reads_the_major_version() {

@@ -113,6 +113,59 @@ fn the_command_learns_the_lock_its_session_and_a_fencing_epoch() {
 }
 
 #[test]
+fn a_waiting_follower_holds_no_transaction_id_and_takes_its_epoch_after_the_grant() {
+    let cluster = Cluster::shared();
+    let lock = unique_lock();
+    let a = run("A", cluster, lock, &[], &patient_child("A"));
+    let a_line = a.wait_stdout("A started");
+    let b = run("B", cluster, lock, &[], &patient_child("B"));
+    let waiting = b.wait_log("waiting for the lock");
+    let b_backend: i32 = field(&waiting, "backend_pid").parse().expect("backend pid");
+
+    // B's statement waits for the lock and takes the fence once granted: while it waits, the
+    // server shows it waiting on a lock, with no transaction id of its own.
+    let mut client = cluster.client();
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let row = client
+            .query_opt(
+                "SELECT backend_xid IS NULL FROM pg_stat_activity \
+                 WHERE pid = $1 AND wait_event_type = 'Lock' AND wait_event = 'advisory'",
+                &[&b_backend],
+            )
+            .expect("read pg_stat_activity");
+        if let Some(row) = row {
+            assert!(
+                row.get::<_, bool>(0),
+                "a waiting follower holds a transaction id"
+            );
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "B never waited on the server\n{}",
+            b.dump()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // A transaction id handed out while B waits: B's epoch, taken after the grant, is larger.
+    let during_wait: i64 = client
+        .query_one("SELECT pg_current_xact_id()::text::int8", &[])
+        .expect("take a transaction id")
+        .get(0);
+
+    a.signal(Signal::SIGKILL);
+    let b_line = b.wait_stdout("B started");
+    let epoch = |line: &str| field(line, "epoch").parse::<i64>().expect("epoch");
+    assert!(epoch(&a_line) < during_wait, "{a_line}");
+    assert!(
+        epoch(&b_line) > during_wait,
+        "B's epoch {} was taken before its grant (a transaction id {during_wait} was handed out while it waited)",
+        epoch(&b_line)
+    );
+}
+
+#[test]
 fn sessions_show_host_and_pid_in_pg_stat_activity() {
     let cluster = Cluster::shared();
     let lock = unique_lock();

@@ -135,6 +135,41 @@ fn a_transaction_mode_pooler_is_refused_with_a_clear_message() {
 }
 
 #[test]
+fn only_a_connection_through_something_else_is_probed_for_a_transaction_pooler() {
+    let cluster = Cluster::shared();
+    // Direct: the server sees this very connection's two ends, so no probe connection.
+    let direct = run(
+        "direct",
+        cluster,
+        unique_lock(),
+        &["--once", "-v"],
+        "echo direct ran",
+    );
+    assert_eq!(direct.wait_code(), 0, "{}", direct.dump());
+    direct.wait_log("nothing stands between, no pooler probe needed");
+    assert!(
+        !direct
+            .lines(Stream::Stderr)
+            .iter()
+            .any(|line| line.contains("probing for")),
+        "{}",
+        direct.dump()
+    );
+    // Through a TCP proxy the server sees the proxy's ends: probed, and not a pooler.
+    let proxy = Proxy::start(cluster.port);
+    let proxied = run_with_url(
+        "proxied",
+        &proxy.url(),
+        unique_lock(),
+        &["--once", "-v"],
+        "echo proxied ran",
+    );
+    assert_eq!(proxied.wait_code(), 0, "{}", proxied.dump());
+    proxied.wait_log("something stands between; probing for a transaction pooler");
+    proxied.wait_stdout("proxied ran");
+}
+
+#[test]
 fn a_session_mode_pool_works_and_frees_the_lock_of_a_killed_leader() {
     let cluster = Cluster::shared();
     let pooler = PgBouncer::start(cluster, "session");
