@@ -292,6 +292,11 @@ impl Report {
                 4.0,
             ),
             ("18. start: the child runs ≤ 10 ms", "start", 10.0),
+            (
+                "18. start, from pgleader's exec (without the benchmark's own fork): the child runs ≤ 10 ms",
+                "start.exec",
+                10.0,
+            ),
         ] {
             let median = self.median(id);
             let previous = self
