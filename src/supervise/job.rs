@@ -7,18 +7,17 @@
 //! PID 1 in a container, any orphan the kernel reparented to it. The keeper's reports arrive on
 //! a socket read without blocking the runtime.
 
-use std::ffi::{OsStr, OsString};
+use std::ffi::{CString, OsStr, OsString};
 use std::io::{self, IoSlice};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
-use std::os::unix::ffi::OsStrExt;
+use std::os::fd::{AsFd, AsRawFd, RawFd};
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::os::unix::fs::PermissionsExt;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 
 use nix::errno::Errno;
-use nix::fcntl::{FcntlArg, FdFlag, fcntl};
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
-use nix::sys::signal::{SigSet, SigmaskHow, Signal, killpg, sigprocmask};
+use nix::spawn::{PosixSpawnAttr, PosixSpawnFileActions, PosixSpawnFlags, posix_spawn};
+use nix::sys::signal::{SigSet, Signal, killpg};
 use nix::sys::socket::{ControlMessage, MsgFlags, send, sendmsg};
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::{AccessFlags, Pid, access};
@@ -165,40 +164,52 @@ impl Parked {
     /// exec overlaps with connecting): the keeper notices pgleader's death by the end of its
     /// channel, not by a parent-death signal, which would fire when the spawning thread exits.
     ///
+    /// Spawned with `posix_spawn`, which the C library does with a vfork-style clone: no copy
+    /// of pgleader's page tables for a child that execs at once (a fork, with the copy undone
+    /// by the exec, cost about as much CPU as the keeper's own start-up, on the cores a
+    /// starting pgleader shares with the server). What the keeper needs from the spawn is an
+    /// attribute: its own process group, every signal blocked from its first instruction (it
+    /// must not die of a signal meant for the command), and its end of the channel inherited,
+    /// which a dup2 onto itself does (it clears close-on-exec: POSIX.1-2024, glibc 2.29 and
+    /// musl 1.1.24 or later).
+    ///
     /// [`notify::PRIVATE_ENV`]: crate::operate::notify::PRIVATE_ENV
     pub fn spawn(command: &CommandLine) -> io::Result<Parked> {
         let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
         let theirs_fd = theirs.as_raw_fd();
-        let mut keeper_command = std::process::Command::new(keeper_executable());
-        keeper_command
-            .arg0(keeper::ARGV0)
-            .args(keeper::keeper_args(
-                theirs_fd,
-                &command.program.clone().into_os_string(),
-                &command.argv,
-            ))
-            .process_group(0);
-        for name in crate::operate::notify::PRIVATE_ENV {
-            keeper_command.env_remove(name);
+        let mut args = vec![c_string(keeper::ARGV0.as_bytes())?];
+        for arg in keeper::keeper_args(
+            theirs_fd,
+            &command.program.clone().into_os_string(),
+            &command.argv,
+        ) {
+            args.push(c_string(arg.as_bytes())?);
         }
-        // SAFETY: runs between fork and exec; fcntl and sigprocmask are async-signal-safe and
-        // nothing is allocated. The descriptor is open: `theirs` outlives the spawn call.
-        unsafe {
-            keeper_command.pre_exec(move || {
-                let fd = BorrowedFd::borrow_raw(theirs_fd);
-                // Descriptor flags belong to this (child) process's table: the parent's copy
-                // keeps its close-on-exec.
-                fcntl(fd, FcntlArg::F_SETFD(FdFlag::empty()))?;
-                // The keeper must not die of a signal meant for the command, even before it has
-                // run a single instruction: it starts with every signal blocked.
-                sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::all()), None)?;
-                Ok(())
-            });
+        let mut env = Vec::new();
+        for (name, value) in std::env::vars_os() {
+            if crate::operate::notify::PRIVATE_ENV
+                .iter()
+                .any(|private| name == *private)
+            {
+                continue;
+            }
+            let mut entry = name.into_vec();
+            entry.push(b'=');
+            entry.extend_from_slice(value.as_bytes());
+            env.push(c_string(&entry)?);
         }
-        let child = keeper_command.spawn()?;
+        let mut actions = PosixSpawnFileActions::init()?;
+        actions.add_dup2(theirs_fd, theirs_fd)?;
+        let mut attr = PosixSpawnAttr::init()?;
+        attr.set_pgroup(Pid::from_raw(0))?;
+        attr.set_sigmask(&SigSet::all())?;
+        attr.set_flags(
+            PosixSpawnFlags::POSIX_SPAWN_SETPGROUP | PosixSpawnFlags::POSIX_SPAWN_SETSIGMASK,
+        )?;
+        let keeper = posix_spawn(keeper_executable().as_path(), &actions, &attr, &args, &env)?;
         drop(theirs);
         Ok(Parked {
-            keeper: Pid::from_raw(child.id() as i32),
+            keeper,
             channel: ours,
         })
     }
@@ -405,6 +416,13 @@ fn keeper_executable() -> PathBuf {
     } else {
         std::env::current_exe().unwrap_or(proc_exe)
     }
+}
+
+/// `bytes` for an argument or environment entry of an exec; the system never hands pgleader
+/// one with a NUL byte inside.
+fn c_string(bytes: &[u8]) -> io::Result<CString> {
+    CString::new(bytes)
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL byte in an argument"))
 }
 
 /// Reaps every child that has exited, without blocking.
