@@ -225,8 +225,10 @@ pub fn kill9(tool: &dyn Tool, runs: usize) -> Vec<Row> {
 
 /// Scenario 1c: where the time of a kill -9 failover goes, as the new leader logs it at debug
 /// level (`start_timeline`; `tool` must run pgleader with `-v`): the lock granted → the fencing
-/// token taken (its WAL flushed) → the keeper handed the environment and the sockets → the
-/// keeper's report that the command was executed.
+/// token in hand → the keeper handed the environment and the sockets → the keeper's report that
+/// the command was executed. On PostgreSQL a follower's grant brings the token with it (taken
+/// and flushed by the same statement), so the fence step is the one round trip that gives the
+/// leader's deadline its base.
 pub fn breakdown(tool: &dyn Tool, runs: usize) -> Vec<Row> {
     let scenario = "1c. kill -9 of the leader: the new leader's steps (its debug log)";
     eprintln!("bench: {scenario} ({})", tool.label());
@@ -234,12 +236,12 @@ pub fn breakdown(tool: &dyn Tool, runs: usize) -> Vec<Row> {
         (
             "breakdown.fence",
             "fence_ms",
-            "lock granted → fence taken (WAL flushed)",
+            "lock granted (the token with it) → fence done (one round trip)",
         ),
         (
             "breakdown.keeper",
             "keeper_ms",
-            "fence taken → parked keeper handed the environment",
+            "fence done → parked keeper handed the environment",
         ),
         (
             "breakdown.exec",

@@ -133,7 +133,7 @@ impl PgSession {
     /// Connects, applies the session settings, and checks the server is a primary and that no
     /// transaction pooler stands between. On a direct TCP connection the server's own view of
     /// it is the evidence, in the set-up's round trip; otherwise a second connection probes
-    /// (`check_not_transaction_pooled`), which costs a server process's start-up (about 3 ms
+    /// (`check_not_transaction_pooled`), which costs a server process's start-up (about 2 ms
     /// on a local server, more on a busy one) and two round trips.
     pub async fn connect(
         settings: &ConnSettings,
