@@ -288,7 +288,7 @@ const SECTIONS: &[Section] = &[
             ),
             Entry(
                 "transaction-mode pooler",
-                "Refused at connection time with exit status 1: a probe connection that is handed this session's server process, or a session whose statements run on different server processes, means the lock would not belong to pgleader's session. Connect directly or through a session-mode pool. The probe runs unless the server reports this very TCP connection's two ends (inet_client_addr and port, inet_server_addr and port), which nothing standing between can show; it relies on the pooler reusing server connections last-in-first-out (PgBouncer's default). The leader's checks keep comparing backend pids in any case.",
+                "Refused at connection time with exit status 1: a probe connection that is handed this session's server process, or a session whose statements run on different server processes, means the lock would not belong to pgleader's session. Connect directly or through a session-mode pool. The probe runs unless the server reports this very TCP connection's two ends (inet_client_addr and port, inet_server_addr and port), which a pooler or proxy in between does not show, since it opens connections of its own; it relies on the pooler reusing server connections last-in-first-out (PgBouncer's default). The leader's checks keep comparing backend pids in any case.",
             ),
         ],
     },

@@ -22,7 +22,7 @@ use crate::election::lock::LockKey;
 use crate::election::socket::LentSocket;
 use crate::election::{Check, Confirmation, ConnectError, Fence, Session, SessionError};
 use crate::postgres::connect::{self, ConnectionTask, Opened, TcpEnds, classify};
-use crate::postgres::conninfo::{ChannelBinding, ConnSettings};
+use crate::postgres::conninfo::{ChannelBinding, ConnSettings, Host};
 use crate::postgres::describe::describe;
 use crate::postgres::ledger::{PgLedger, TableName};
 use crate::postgres::locks::held_here;
@@ -86,6 +86,7 @@ const SETUP_IDENTITY: &str = "SELECT pg_catalog.pg_backend_pid(), pg_catalog.pg_
     pg_catalog.host(pg_catalog.inet_server_addr()), pg_catalog.inet_server_port()";
 const TRY_SQL: &str = "SELECT pg_catalog.pg_try_advisory_lock($1), pg_catalog.pg_backend_pid()";
 const BACKEND_PID_SQL: &str = "SELECT pg_catalog.pg_backend_pid()";
+const PING_SQL: &str = "SELECT pg_catalog.pg_backend_pid(), pg_catalog.clock_timestamp()";
 const UNLOCK_SQL: &str = "SELECT pg_catalog.pg_advisory_unlock($1)";
 
 /// Seconds since the server last freed every lock at once (see `fence`).
@@ -143,24 +144,45 @@ impl PgSession {
         ledger: LedgerSettings,
     ) -> Result<PgSession, ConnectError> {
         let budget = connect_budget(settings);
-        let (session, direct) =
-            Self::open_and_set_up(settings, application_name, lease, lock, ledger, budget).await?;
-        if direct {
+        let probe = || async {
+            tokio::time::timeout(budget, connect_plain(settings, application_name))
+                .await
+                .map_err(|_| {
+                    ConnectError::Transient("the connection-pooler probe timed out".into())
+                })?
+        };
+        let set_up = Self::open_and_set_up(settings, application_name, lease, lock, ledger, budget);
+        // Over Unix sockets only, the probe is certain: its connection opens alongside the
+        // session's, which takes a server process's start-up off the critical path. What it
+        // sees is unchanged: a transaction pooler hands a client a server process at its first
+        // statement, not at login, and the probe's comes only after the session's set-up.
+        let unix_only = settings
+            .endpoints
+            .iter()
+            .all(|endpoint| matches!(endpoint.host, Host::Socket(_)));
+        let (session, probe) = if unix_only {
             tracing::debug!(
-                event = "direct",
-                "the server sees this connection's own two ends: nothing stands between, no pooler probe needed"
+                event = "pooler_probe",
+                "a Unix socket: probing for a transaction pooler"
             );
-            return Ok(session);
-        }
-        tracing::debug!(
-            event = "pooler_probe",
-            "the server sees other ends than this host's: something stands between; probing for a transaction pooler"
-        );
-        let probe = tokio::time::timeout(budget, connect_plain(settings, application_name))
-            .await
-            .map_err(|_| {
-                ConnectError::Transient("the connection-pooler probe timed out".into())
-            })??;
+            let ((session, _), probe) = tokio::try_join!(set_up, probe())?;
+            (session, probe)
+        } else {
+            let (session, direct) = set_up.await?;
+            if direct {
+                tracing::debug!(
+                    event = "direct",
+                    "the server sees this connection's own two ends: nothing stands between, no pooler probe needed"
+                );
+                return Ok(session);
+            }
+            tracing::debug!(
+                event = "pooler_probe",
+                "the server does not see this host's TCP connection (a proxy, NAT or a Unix socket): probing for a transaction pooler"
+            );
+            let probe = probe().await?;
+            (session, probe)
+        };
         session.check_not_transaction_pooled(probe, budget).await?;
         Ok(session)
     }
@@ -408,21 +430,31 @@ impl Session for PgSession {
     /// of one of its processes, which also resets the shared statistics (the bgwriter's
     /// `stats_reset`, readable by any role).
     ///
-    /// A fence that came with the lock still costs one round trip, on a statement that this
-    /// server process has run before (about 0.1 ms): the leader's deadline counts from when
-    /// this call was made (see `lead`), and only an answer to a request sent now proves that the
-    /// server heard from this session since. A grant can arrive late (held up by a frozen
-    /// proxy, say) when the server may already have given up on the session.
+    /// A fence that came with the lock still costs one round trip (about 0.1 ms), which also
+    /// reads the server's clock: the leader's deadline counts from when this call was made (see
+    /// `lead`), and only an answer to a request sent now proves that the server heard from this
+    /// session since. A grant can arrive late (held up by a frozen proxy, say) when the server
+    /// may already have given up on the session.
+    ///
+    /// The fence's commit now happens inside the wait, which has no timeout: a commit that
+    /// cannot complete (a synchronous standby gone, a hung WAL disk) leaves this session
+    /// holding the lock while it still looks like a waiting follower. Nothing runs meanwhile,
+    /// as before, when the separate fence timed out and the lock went round the replicas, each
+    /// of them stuck the same way.
     async fn fence(&self) -> Result<Fence, SessionError> {
         if let Some(fence) = self.granted.get() {
-            let pid: i32 = self
+            let row = self
                 .client
-                .query_typed_one(BACKEND_PID_SQL, &[])
+                .query_typed_one(PING_SQL, &[])
                 .await
-                .map_err(query_error)?
-                .get(0);
-            same_backend(self.backend_pid, pid)?;
-            return Ok(*fence);
+                .map_err(query_error)?;
+            same_backend(self.backend_pid, row.get(0))?;
+            // The server's clock as of this round trip, which the leader pairs with its own
+            // send and receive times (a schedule follows the server's clock from it).
+            return Ok(Fence {
+                server_time: row.get(1),
+                ..*fence
+            });
         }
         let row = self
             .client
@@ -611,8 +643,11 @@ fn seen_end(host: Option<&str>, port: Option<i32>) -> Option<SocketAddr> {
 /// host's TCP connection, both ends alike. Anything between (PgBouncer, a TCP proxy, NAT) ends
 /// this host's connection and opens its own, so the server would see another address or port
 /// on one side at least; one TCP connection's four figures cannot belong to two live
-/// connections of one network. The pooler probe is then needless. A match could only be faked by
-/// a middlebox that spoofs both ends of every connection it opens, which no pooler does.
+/// connections of one network. The pooler probe is then needless. What else could show a
+/// match: a transparent proxy that keeps both ends (HAProxy's `usesrc client` under TPROXY),
+/// which relays one server connection per client and so pools nothing, or two network
+/// namespaces with the same addresses and a pooler between them that keeps the client's port
+/// too, which no pooler does. The leader's checks compare backend pids in any case.
 fn same_connection(
     ends: TcpEnds,
     (client, server): (Option<SocketAddr>, Option<SocketAddr>),

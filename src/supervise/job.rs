@@ -203,8 +203,14 @@ impl Parked {
         let mut attr = PosixSpawnAttr::init()?;
         attr.set_pgroup(Pid::from_raw(0))?;
         attr.set_sigmask(&SigSet::all())?;
+        // As std's spawn did: SIGPIPE back to its default (Rust ignores it in pgleader).
+        let mut pipe = SigSet::empty();
+        pipe.add(Signal::SIGPIPE);
+        attr.set_sigdefault(&pipe)?;
         attr.set_flags(
-            PosixSpawnFlags::POSIX_SPAWN_SETPGROUP | PosixSpawnFlags::POSIX_SPAWN_SETSIGMASK,
+            PosixSpawnFlags::POSIX_SPAWN_SETPGROUP
+                | PosixSpawnFlags::POSIX_SPAWN_SETSIGMASK
+                | PosixSpawnFlags::POSIX_SPAWN_SETSIGDEF,
         )?;
         let keeper = posix_spawn(keeper_executable().as_path(), &actions, &attr, &args, &env)?;
         drop(theirs);

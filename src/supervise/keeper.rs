@@ -239,7 +239,12 @@ fn run() -> io::Result<i32> {
     // SAFETY: pgleader passes the number of a descriptor it left open for us (and that nothing
     // else in this process owns); a wrong number fails the checks below rather than aliasing.
     let channel = unsafe { OwnedFd::from_raw_fd(fd) };
-    fcntl(&channel, FcntlArg::F_SETFD(FdFlag::FD_CLOEXEC))?;
+    fcntl(&channel, FcntlArg::F_SETFD(FdFlag::FD_CLOEXEC)).map_err(|err| {
+        io::Error::other(format!(
+            "the channel from pgleader (descriptor {fd}) was not inherited: {err} (posix_spawn \
+             keeps it only with glibc 2.29, musl 1.1.24 or later)"
+        ))
+    })?;
     let mut channel = UnixStream::from(channel);
 
     // pgleader started us with every signal blocked already (see `job::Parked::spawn`), so a

@@ -165,8 +165,26 @@ fn only_a_connection_through_something_else_is_probed_for_a_transaction_pooler()
         "echo proxied ran",
     );
     assert_eq!(proxied.wait_code(), 0, "{}", proxied.dump());
-    proxied.wait_log("something stands between; probing for a transaction pooler");
+    proxied.wait_log(
+        "does not see this host's TCP connection (a proxy, NAT or a Unix socket): probing",
+    );
     proxied.wait_stdout("proxied ran");
+    // A Unix socket tells nothing of the kind: probed, the probe's connection opened alongside.
+    let socket = format!(
+        "host={} port={} user=postgres dbname=postgres",
+        cluster.socket_dir.display(),
+        cluster.port
+    );
+    let local = run_with_url(
+        "local",
+        &socket,
+        unique_lock(),
+        &["--once", "-v"],
+        "echo local ran",
+    );
+    assert_eq!(local.wait_code(), 0, "{}", local.dump());
+    local.wait_log("a Unix socket: probing for a transaction pooler");
+    local.wait_stdout("local ran");
 }
 
 #[test]
