@@ -492,8 +492,8 @@ impl<B: Backend> Supervisor<B> {
 /// When the first command of a leadership got past each step: the lock granted, the fencing
 /// token in hand (durable on the server; on PostgreSQL a follower's grant brings it, and the
 /// step is the round trip that bases the leader's deadline), the keeper handed what it needs,
-/// and (when logged) the keeper's report that the command was executed. Under a takeover delay, a restart fence or a
-/// schedule, the wait shows between the fence and the keeper.
+/// and (when logged) the keeper's report that the command was executed. Under a takeover
+/// delay, a restart fence or a schedule, the wait shows between the fence and the keeper.
 struct Timeline {
     granted: Instant,
     fenced: Instant,
