@@ -63,7 +63,9 @@ impl Inbox {
 
     /// Stops a job: `signal` (and SIGCONT, for a stopped command) to its process group; once
     /// the kill timeout runs out, or on a second TERM/INT, the keeper SIGKILLs everything the
-    /// command started. Returns once the keeper is reaped and no member of the group is left.
+    /// command started. Returns once the keeper has reported that nothing is left or, without
+    /// that report (it was killed from outside), once it is reaped and no member of the group
+    /// is left.
     /// `leftovers_only` when the command itself has exited already and only what it left
     /// behind is being stopped.
     pub async fn stop(
@@ -172,6 +174,8 @@ impl Inbox {
                         // The keeper exits with 126/127 right after; its status stands for
                         // the command's.
                         Report::SpawnFailed(_) => {}
+                        // `job.is_finished()` now says so.
+                        Report::Done(_) => {}
                         Report::Started(pid) => {
                             debug!(
                                 event = "child_started",
@@ -197,7 +201,11 @@ impl Inbox {
                 status.get_or_insert(status_of(report));
             }
         }
-        self.wait_until_group_gone(&job).await;
+        // The keeper's own word that nothing is left is enough; without it (the keeper was
+        // killed from outside), the process table is read until the group is gone.
+        if !job.reported_done() {
+            self.wait_until_group_gone(&job).await;
+        }
         debug!(event = "group_stopped", pgid, "the process group is gone");
         let status = status
             .or_else(|| job.keeper_status())
@@ -344,6 +352,6 @@ pub fn status_of(report: Report) -> ChildStatus {
             .map(ChildStatus::Signaled)
             .unwrap_or(ChildStatus::Exited(128 + signal)),
         Report::Exited(code) => ChildStatus::Exited(code),
-        Report::Started(_) | Report::SpawnFailed(_) => ChildStatus::Exited(0),
+        Report::Started(_) | Report::SpawnFailed(_) | Report::Done(_) => ChildStatus::Exited(0),
     }
 }

@@ -278,6 +278,7 @@ impl Parked {
             pending: Vec::new(),
             channel_closed: false,
             keeper_status: None,
+            done: false,
         })
     }
 }
@@ -290,6 +291,8 @@ pub struct Job {
     pending: Vec<u8>,
     channel_closed: bool,
     keeper_status: Option<WaitStatus>,
+    /// The keeper reported that nothing of the job is left (it exits next).
+    done: bool,
 }
 
 impl Job {
@@ -350,9 +353,17 @@ impl Job {
         }
     }
 
-    /// Whether the keeper has exited and been reaped: the whole job is gone.
+    /// Whether the whole job is gone: the keeper reported that nothing is left, or it has
+    /// exited and been reaped.
     pub fn is_finished(&self) -> bool {
-        self.keeper_status.is_some()
+        self.done || self.keeper_status.is_some()
+    }
+
+    /// Whether the keeper itself reported that nothing of the job is left. It reports so only
+    /// once it has reaped every child; as a subreaper it inherits every orphan of the tree, so
+    /// nothing the command started can be left, in the process group or out of it.
+    pub fn reported_done(&self) -> bool {
+        self.done
     }
 
     /// Once the keeper is reaped, the reports it sent but pgleader has not read yet.
@@ -385,6 +396,7 @@ impl Job {
             bytes.copy_from_slice(&self.pending[..Report::LEN]);
             self.pending.drain(..Report::LEN);
             if let Some(report) = Report::decode(bytes) {
+                self.done |= matches!(report, Report::Done(_));
                 return Some(report);
             }
         }

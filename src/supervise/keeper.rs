@@ -28,9 +28,14 @@
 //! - is a child subreaper: descendants orphaned inside the job are reparented to it, so it can
 //!   tell when the whole tree is gone (even processes that left the process group with setsid),
 //!   and reaps them meanwhile;
-//! - reports over the socket: the command's pid once it has been executed (the standard
-//!   library's spawn returns only after `execve` succeeded), or why it could not start, and
-//!   the command's exit status once it ends. It exits when it has no children left;
+//! - starts the command with a child that shares its memory until `execve` (see [`spawn`]),
+//!   so that starting costs no copy of the keeper;
+//! - reports over the socket: the command's pid once it has been executed (the keeper resumes
+//!   only after `execve` succeeded or failed), or why it could not start, and
+//!   the command's exit status once it ends, and that nothing is left (then it exits) once it
+//!   has no children left: being a subreaper, it has then outlived every descendant, so
+//!   pgleader can release the lock without waiting for the keeper's own exit or reading the
+//!   process table;
 //! - holds copies of the leader's connection sockets (where the backend lends them) until it
 //!   exits. When pgleader is killed -9, the server sees that connection close only once the
 //!   keeper has killed and reaped the whole tree, so no follower can take over while any of it
@@ -44,20 +49,18 @@ use std::io::{self, IoSliceMut, Read, Write};
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::net::UnixStream;
-use std::os::unix::process::CommandExt;
-use std::process::Command;
 
 use nix::errno::Errno;
 use nix::fcntl::{FcntlArg, FdFlag, fcntl};
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::prctl;
-use nix::sys::signal::{SigSet, SigmaskHow, Signal, kill, raise, sigprocmask};
+use nix::sys::signal::{SigSet, SigmaskHow, Signal, kill, sigprocmask};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
-use nix::unistd::{Pid, getpid, getppid};
+use nix::unistd::{Pid, getpid};
 
-use crate::supervise::procfs;
+use crate::supervise::{procfs, spawn};
 
 /// The name the keeper runs under; `main` checks `argv[0]` for it.
 pub const ARGV0: &str = "pgleader-keeper";
@@ -73,6 +76,9 @@ pub enum Report {
     Exited(i32),
     /// The command was killed by this signal number.
     Killed(i32),
+    /// Nothing of the job is left: the command and every process it started are dead and
+    /// reaped. The keeper exits right after; the value is 0.
+    Done(i32),
 }
 
 impl Report {
@@ -84,6 +90,7 @@ impl Report {
             Report::SpawnFailed(errno) => (b'E', errno),
             Report::Exited(code) => (b'X', code),
             Report::Killed(signal) => (b'K', signal),
+            Report::Done(value) => (b'D', value),
         };
         let [a, b, c, d] = value.to_le_bytes();
         [tag, a, b, c, d]
@@ -96,6 +103,7 @@ impl Report {
             b'E' => Report::SpawnFailed(value),
             b'X' => Report::Exited(value),
             b'K' => Report::Killed(value),
+            b'D' => Report::Done(value),
             _ => return None,
         })
     }
@@ -256,6 +264,11 @@ fn run() -> io::Result<i32> {
     children.add(Signal::SIGCHLD);
     let signalfd = SignalFd::with_flags(&children, SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK)?;
 
+    // Everything the command's start needs but its added environment, ready before the win.
+    let mut argv = vec![argv0.clone()];
+    argv.extend(rest.iter().cloned());
+    let mut prepared = spawn::Prepared::new(&program, &argv);
+
     // Parked until pgleader wins, or gone with it.
     let Some(start) = wait_for_start(&channel)? else {
         return Ok(0);
@@ -268,33 +281,15 @@ fn run() -> io::Result<i32> {
     // them (they arrived close-on-exec).
     let _held_connections = start.hold;
 
-    let keeper = getpid();
-    let mut command = Command::new(&program);
-    command.arg0(argv0).args(rest).envs(start.env);
-    // SAFETY: the closure runs between fork and exec and calls only async-signal-safe system
-    // calls (sigprocmask, prctl, getppid, kill); it allocates nothing.
-    unsafe {
-        command.pre_exec(move || {
-            sigprocmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None)?;
-            prctl::set_pdeathsig(Signal::SIGKILL)?;
-            // The keeper may have died between fork and prctl: then nobody would deliver the
-            // death signal, so deliver it now.
-            if getppid() != keeper {
-                raise(Signal::SIGKILL)?;
-            }
-            Ok(())
-        });
-    }
-    let main_pid = match command.spawn() {
-        Ok(child) => Pid::from_raw(child.id() as i32),
-        Err(err) => {
-            let errno = err.raw_os_error().unwrap_or(Errno::ENOEXEC as i32);
-            let _ = channel.write_all(&Report::SpawnFailed(errno).encode());
-            return Ok(if errno == Errno::ENOENT as i32 {
-                127
-            } else {
-                126
-            });
+    let spawned = prepared
+        .as_mut()
+        .map_err(|err| Errno::from_raw(err.raw_os_error().unwrap_or(Errno::EINVAL as i32)))
+        .and_then(|prepared| prepared.spawn(&start.env));
+    let main_pid = match spawned {
+        Ok(pid) => pid,
+        Err(errno) => {
+            let _ = channel.write_all(&Report::SpawnFailed(errno as i32).encode());
+            return Ok(if errno == Errno::ENOENT { 127 } else { 126 });
         }
     };
     // A failed write means pgleader is gone; the poll loop below notices and cleans up.
@@ -330,11 +325,13 @@ fn run() -> io::Result<i32> {
                 // stopping us: nothing of the job may outlive this moment.
                 Request::KillEverything | Request::PgleaderGone => {
                     job.kill_everything();
+                    job.report_done();
                     return Ok(0);
                 }
             }
         }
         if children_ready && job.reap() == Reaped::NoChildrenLeft && job.main_done {
+            job.report_done();
             return Ok(0);
         }
     }
@@ -395,10 +392,18 @@ impl Job {
         }
     }
 
+    /// Tells pgleader that nothing of the job is left. A failed write means pgleader is gone.
+    fn report_done(&mut self) {
+        let _ = self.channel.write_all(&Report::Done(0).encode());
+    }
+
     /// SIGKILLs every descendant, including those that left the process group, until none is
     /// left. Being a subreaper, the keeper inherits whatever a killed process leaves behind, so
     /// repeating until it has no children reaches everything the command ever started.
     fn kill_everything(&mut self) {
+        // The whole tree is read before anything is killed: a process killed first would hand
+        // its children to the keeper while the walk reads their lists, and one missed that way
+        // would be found only after the poll below times out.
         loop {
             for pid in procfs::descendants(getpid().as_raw()) {
                 let _ = kill(Pid::from_raw(pid), Signal::SIGKILL);
@@ -406,10 +411,13 @@ impl Job {
             if self.reap() == Reaped::NoChildrenLeft {
                 return;
             }
-            // Wait for the next child to be reaped, or look again shortly for processes forked
-            // while this pass was killing their parents.
+            // Wait for the next child to be reaped, then look again, for processes forked
+            // while this pass was killing their parents (or shortly, if none is reaped).
             let mut fds = [PollFd::new(self.signalfd.as_fd(), PollFlags::POLLIN)];
             let _ = poll(&mut fds, PollTimeout::from(10u8));
+            if self.reap() == Reaped::NoChildrenLeft {
+                return;
+            }
         }
     }
 }
@@ -452,6 +460,7 @@ mod tests {
             Report::SpawnFailed(2),
             Report::Exited(-1),
             Report::Killed(9),
+            Report::Done(0),
         ] {
             assert_eq!(Report::decode(report.encode()), Some(report));
         }

@@ -11,6 +11,7 @@ pub mod job;
 pub mod keeper;
 pub mod procfs;
 pub mod signals;
+pub mod spawn;
 pub mod supervisor;
 
 use std::time::Duration;

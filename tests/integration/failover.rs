@@ -7,7 +7,8 @@ use nix::sys::signal::Signal;
 
 use crate::harness::{
     Cluster, Journal, Stream, WAIT, field, is_running, keepers_of,
-    kill_9_never_overlaps_the_dying_tree, patient_child, pid_in, run, unique_lock, wait_gone,
+    kill_9_never_overlaps_the_dying_tree, overlaps_seen, patient_child, pid_in, run, unique_lock,
+    wait_gone,
 };
 
 #[test]
@@ -314,6 +315,56 @@ fn processes_that_left_the_process_group_are_killed_after_the_kill_timeout() {
         !is_running(escaped),
         "a process that left the group outlived the leadership"
     );
+}
+
+#[test]
+fn the_lock_goes_to_the_next_leader_only_once_processes_that_left_the_group_are_gone() {
+    // The keeper says "nothing left" only once it has reaped every descendant, and pgleader
+    // releases the lock on that word alone. A's command exits and leaves behind a process that
+    // left the group (out of reach of the group's signal) holding 2 GiB, which the kill
+    // timeout ends and whose death takes about 100 ms; B's command looks for it the moment it
+    // starts. A stays up (no --once), so only that kill, not A's exit, can end it.
+    let cluster = Cluster::shared();
+    let lock = unique_lock();
+    let base = std::env::temp_dir().join(format!("pgleader-left-{}-{lock}", std::process::id()));
+    let (pids, go) = (base.with_extension("pids"), base.with_extension("go"));
+    let _ = std::fs::remove_file(&go);
+    let a = run(
+        "A",
+        cluster,
+        lock,
+        &["--kill-timeout=300ms"],
+        &format!(
+            "setsid python3 -c 'import time; b = b\"\\x01\" * (2 << 30); print(\"A big\", flush=True); time.sleep(1000)' & \
+             echo $! > {pids}; echo A started; while [ ! -e {go} ]; do sleep 0.05; done",
+            pids = pids.display(),
+            go = go.display()
+        ),
+    );
+    a.wait_stdout("A started");
+    a.wait_stdout("A big");
+    let b = run(
+        "B",
+        cluster,
+        lock,
+        &[],
+        &format!(
+            "for pid in $(cat {}); do if kill -0 $pid 2>/dev/null; then echo B overlap $pid; fi; done; \
+             echo B started; exec sleep 1000",
+            pids.display()
+        ),
+    );
+    b.wait_log("waiting for the lock");
+
+    std::fs::write(&go, b"").expect("the go file");
+    b.wait_stdout("B started");
+    let _ = (std::fs::remove_file(&go), std::fs::remove_file(&pids));
+    let overlaps = overlaps_seen(&b);
+    assert!(
+        overlaps.is_empty(),
+        "the next command started while the old tree still ran: {overlaps:?}"
+    );
+    a.wait_log("sending SIGKILL to everything it started");
 }
 
 #[test]

@@ -300,6 +300,8 @@ impl<B: Backend> Supervisor<B> {
                         .await;
                     return Err(err.into());
                 }
+                // Comes after the command's end, which `Inbox::stop` below reads it after.
+                LeadEvent::Report(Report::Done(_)) => continue,
                 LeadEvent::Report(report) => {
                     let status = status_of(report);
                     info!(event = "child_exited", status = %status, exit_code = status.exit_code(), "the command exited");

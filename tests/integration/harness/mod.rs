@@ -142,11 +142,7 @@ pub fn kill_9_never_overlaps_the_dying_tree(
         b.wait_log("waiting for the lock");
         a.signal(nix::sys::signal::Signal::SIGKILL);
         b.wait_stdout("B started");
-        let overlaps: Vec<String> = b
-            .lines(Stream::Stdout)
-            .into_iter()
-            .filter(|line| line.contains("overlap"))
-            .collect();
+        let overlaps = overlaps_seen(&b);
         assert!(
             overlaps.is_empty(),
             "round {round}: the next command started while the old tree still ran: {overlaps:?}"
@@ -155,6 +151,15 @@ pub fn kill_9_never_overlaps_the_dying_tree(
         b.wait_exit();
     }
     let _ = std::fs::remove_file(&pids);
+}
+
+/// The lines in which a command that checked the old leader's tree at its start named a
+/// process of that tree still alive (`B overlap PID`).
+pub fn overlaps_seen(next: &Proc) -> Vec<String> {
+    next.lines(Stream::Stdout)
+        .into_iter()
+        .filter(|line| line.contains("overlap"))
+        .collect()
 }
 
 /// The values of `key=` lines in a systemd unit file.
