@@ -76,6 +76,11 @@ impl Inbox {
         leftovers_only: bool,
     ) -> ChildStatus {
         let pgid = job.pgid().as_raw();
+        // What the command should have received by now; sent again if it starts only now (a
+        // signal sent to the group before it existed reached just the keeper). Sent before the
+        // log line: the next leader waits for this command's end.
+        let mut current = signal;
+        send_stop_signal(&job, current);
         if !leftovers_only {
             info!(
                 event = "stopping",
@@ -85,10 +90,6 @@ impl Inbox {
                 signal.as_str()
             );
         }
-        // What the command should have received by now; sent again if it starts only now (a
-        // signal sent to the group before it existed reached just the keeper).
-        let mut current = signal;
-        send_stop_signal(&job, current);
         let grace = sleep(self.kill_timeout);
         tokio::pin!(grace);
         let keeper_grace = sleep(Duration::MAX);
