@@ -37,9 +37,9 @@
 //!   pgleader can release the lock without waiting for the keeper's own exit or reading the
 //!   process table;
 //! - holds copies of the leader's connection sockets (where the backend lends them) until it
-//!   exits. When pgleader is killed -9, the server sees that connection close only once the
-//!   keeper has killed and reaped the whole tree, so no follower can take over while any of it
-//!   still runs.
+//!   has reaped its last child, and closes them then, before its own exit. When pgleader is
+//!   killed -9, the server sees that connection close only once the keeper has killed and
+//!   reaped the whole tree, so no follower can take over while any of it still runs.
 //!
 //! Everything here runs in a single-threaded process that does nothing but wait, so plain
 //! blocking system calls are the simplest correct tool.
@@ -276,10 +276,10 @@ fn run() -> io::Result<i32> {
     if start.kill_now {
         return Ok(0);
     }
-    // The leader's connection sockets: held, never read or written, until this process exits,
-    // which it does only once every process of the job is gone. The command does not inherit
-    // them (they arrived close-on-exec).
-    let _held_connections = start.hold;
+    // The leader's connection sockets: held, never read or written, until every process of the
+    // job is gone (`Job::finish`). The command does not inherit them (they arrived
+    // close-on-exec).
+    let held_connections = start.hold;
 
     let spawned = prepared
         .as_mut()
@@ -300,6 +300,7 @@ fn run() -> io::Result<i32> {
         main_done: false,
         channel,
         signalfd,
+        held_connections,
     };
     loop {
         let mut fds = [
@@ -325,13 +326,13 @@ fn run() -> io::Result<i32> {
                 // stopping us: nothing of the job may outlive this moment.
                 Request::KillEverything | Request::PgleaderGone => {
                     job.kill_everything();
-                    job.report_done();
+                    job.finish();
                     return Ok(0);
                 }
             }
         }
         if children_ready && job.reap() == Reaped::NoChildrenLeft && job.main_done {
-            job.report_done();
+            job.finish();
             return Ok(0);
         }
     }
@@ -370,6 +371,7 @@ struct Job {
     main_done: bool,
     channel: UnixStream,
     signalfd: SignalFd,
+    held_connections: Vec<OwnedFd>,
 }
 
 impl Job {
@@ -392,8 +394,15 @@ impl Job {
         }
     }
 
-    /// Tells pgleader that nothing of the job is left. A failed write means pgleader is gone.
-    fn report_done(&mut self) {
+    /// Called once nothing of the job is left: lets go of the leader's connections and tells
+    /// pgleader so (a failed write means pgleader is gone).
+    ///
+    /// The sockets are closed here rather than by the exit that follows: the kernel tears down
+    /// an exiting process's memory before it closes its files, and when pgleader was killed
+    /// these copies are the last, so closing them is what ends the server's session and frees
+    /// the lock for the next leader.
+    fn finish(&mut self) {
+        self.held_connections.clear();
         let _ = self.channel.write_all(&Report::Done(0).encode());
     }
 
