@@ -115,9 +115,7 @@ pub struct ConnectionArgs {
     /// variables and psql's defaults; passwords are best kept in ~/.pgpass), or a Redis server:
     /// redis://[USER[:PASSWORD]@]HOST[:PORT][/DB], rediss:// for TLS (?cacert=FILE names a CA;
     /// the password may come from $REDISCLI_AUTH). Given three or more times with Redis URLs
-    /// (in PGLEADER_DATABASE_URL: separated by spaces), a Redlock quorum of independent servers.
-    /// On PostgreSQL, best a database of pgleader's own: a waiting replica holds back VACUUM in
-    /// the database it connects to
+    /// (in PGLEADER_DATABASE_URL: separated by spaces), a Redlock quorum of independent servers
     #[arg(
         short = 'd',
         long,
@@ -254,6 +252,14 @@ pub struct RunArgs {
     #[arg(long, value_name = "DURATION", default_value = "auto", value_parser = auto_or_duration, env = "PGLEADER_RESTART_FENCE")]
     pub restart_fence: RestartFence,
 
+    /// PostgreSQL: a waiting replica queues for the lock again this often, in a new
+    /// transaction, so that its snapshot never holds back VACUUM or CREATE INDEX CONCURRENTLY in
+    /// the database for longer. A released lock is still taken at once. 0 waits in one
+    /// statement, first come first served, holding its snapshot until it wins (for a database of
+    /// pgleader's own). No effect on Redis
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = wait_refresh, env = "PGLEADER_WAIT_REFRESH")]
+    pub wait_refresh: Duration,
+
     /// Serve /leader, /healthz, /status and /metrics (Prometheus) over HTTP on this address
     /// and port: 127.0.0.1:9187 for this host only, 0.0.0.0:9187 or [::]:9187 for every
     /// interface (port 0: any free port, which the log names). Off unless given
@@ -345,6 +351,21 @@ fn positive_duration(value: &str) -> Result<Duration, String> {
         positive => Ok(positive),
     }
 }
+
+/// `--wait-refresh`: 0, or often enough to matter and not so often that the server does little
+/// else for the followers.
+fn wait_refresh(value: &str) -> Result<Duration, String> {
+    match duration(value)? {
+        refresh if !refresh.is_zero() && refresh < MIN_WAIT_REFRESH => Err(format!(
+            "must be 0 or at least {}",
+            humantime::format_duration(MIN_WAIT_REFRESH)
+        )),
+        refresh => Ok(refresh),
+    }
+}
+
+/// The shortest `--wait-refresh`: ten turns a second for each waiting replica.
+const MIN_WAIT_REFRESH: Duration = Duration::from_millis(100);
 
 /// A cron expression with five fields, or six with seconds first; it must match some time in
 /// the future.

@@ -179,6 +179,7 @@ impl RunConfig {
                     lease,
                     table,
                     ledger_statement_timeout,
+                    args.wait_refresh,
                 )),
                 connection.warnings,
             ),

@@ -284,7 +284,7 @@ const SECTIONS: &[Section] = &[
             ),
             Entry(
                 "followers waiting for days, and VACUUM",
-                "A follower waits inside one long SELECT pg_advisory_lock(...), which holds a snapshot: while any replica waits, VACUUM cannot remove rows deleted or updated in that database after the wait began. Other databases of the server are not held back, so give pgleader a database of its own (CREATE DATABASE pgleader; -d postgres://.../pgleader).",
+                "A statement holds a snapshot, which holds back VACUUM and CREATE INDEX CONCURRENTLY in its database. A follower waits in turns, on the server, without a round trip: it asks for the lock with a lock_timeout a little under --wait-refresh (10 s), catches the timeout (nothing is logged at ERROR) and asks again in a new transaction, so that no snapshot of a waiting follower is older than --wait-refresh. A released lock is still granted at once; followers are granted in the order they last queued. --wait-refresh 0 waits in one statement, first come first served, holding its snapshot until it wins: for a database of pgleader's own.",
             ),
             Entry(
                 "transaction-mode pooler",

@@ -20,6 +20,7 @@ pub mod tls;
 pub mod version;
 
 use std::fmt;
+use std::time::Duration;
 
 use crate::election::lease::Lease;
 use crate::election::lock::LockKey;
@@ -38,6 +39,9 @@ pub struct PgBackend {
     pub lock: LockKey,
     pub lease: Lease,
     pub ledger: LedgerSettings,
+    /// How often a waiting follower queues again with a new snapshot, so that it holds back
+    /// VACUUM no longer than this (`--wait-refresh`; zero: never).
+    pub wait_refresh: Duration,
 }
 
 impl PgBackend {
@@ -48,7 +52,8 @@ impl PgBackend {
         lock: LockKey,
         lease: Lease,
         table: TableName,
-        ledger_statement_timeout: std::time::Duration,
+        ledger_statement_timeout: Duration,
+        wait_refresh: Duration,
     ) -> PgBackend {
         let user_name = settings.application_name.clone();
         PgBackend {
@@ -60,20 +65,22 @@ impl PgBackend {
                 user_name,
                 statement_timeout: ledger_statement_timeout,
             },
+            wait_refresh,
         }
     }
 }
 
 impl PgBackend {
     /// A backend that only observes (`pgleader status`): it opens no election session, so its
-    /// lease and statement bound are never used.
+    /// lease, statement bound and wait refresh are never used.
     pub fn for_status(settings: ConnSettings, lock: LockKey, table: TableName) -> PgBackend {
         PgBackend::new(
             settings,
             lock,
-            Lease::new(std::time::Duration::ZERO),
+            Lease::new(Duration::ZERO),
             table,
-            std::time::Duration::ZERO,
+            Duration::ZERO,
+            Duration::ZERO,
         )
     }
 }
@@ -95,6 +102,7 @@ impl Backend for PgBackend {
             &self.lease,
             self.lock.clone(),
             self.ledger.clone(),
+            self.wait_refresh,
         )
         .await
     }

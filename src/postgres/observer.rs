@@ -2,7 +2,10 @@
 //! the lock (`pg_locks` joined with `pg_stat_activity`), and the ledger's history.
 //!
 //! Waiters are listed in the order the server will grant them the lock: by
-//! `pg_locks.waitstart` (PostgreSQL 14+), by the start of their query before that.
+//! `pg_locks.waitstart` (PostgreSQL 14+), by the start of their query before that. A follower
+//! queues again at every turn of its wait (see `session::wait_sql`), so `waitstart` is when it
+//! last queued; it has waited since its statement began (`query_start`), which is what status
+//! shows.
 
 use jiff::Timestamp;
 use tokio_postgres::types::Type;
@@ -55,7 +58,7 @@ fn status_sql(server_major: u32) -> String {
     format!(
         "SELECT l.pid, l.granted, a.application_name, host(a.client_addr), a.client_port,
                 to_char(a.backend_start AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"'),
-                to_char(COALESCE({waitstart}, a.query_start) AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"')
+                to_char(a.query_start AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"')
            FROM {LOCK_ROWS}
            LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid
           WHERE {}

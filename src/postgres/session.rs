@@ -10,7 +10,8 @@
 //! prepared statements, which a pooler could leave behind on a server connection.
 
 use std::net::{IpAddr, SocketAddr};
-use std::sync::{Arc, LazyLock, OnceLock};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
 use tokio_postgres::Client;
@@ -64,8 +65,10 @@ pub struct PgSession {
     connection: ConnectionTask,
     /// The connection's socket, owned by the connection task; lent to a leader's keeper.
     socket: LentSocket,
-    /// The fence that came with the lock, once `wait` won it.
-    granted: Arc<OnceLock<Fence>>,
+    /// How often a waiting follower queues again, with a new snapshot (see `wait_sql`).
+    refresh: Duration,
+    /// Whether `wait` won the lock, and so left the fence in `FENCE_SETTING`.
+    waited: Arc<AtomicBool>,
     backend_pid: i32,
     server_major: u32,
     connected_at: Instant,
@@ -86,7 +89,6 @@ const SETUP_IDENTITY: &str = "SELECT pg_catalog.pg_backend_pid(), pg_catalog.pg_
     pg_catalog.host(pg_catalog.inet_server_addr()), pg_catalog.inet_server_port()";
 const TRY_SQL: &str = "SELECT pg_catalog.pg_try_advisory_lock($1), pg_catalog.pg_backend_pid()";
 const BACKEND_PID_SQL: &str = "SELECT pg_catalog.pg_backend_pid()";
-const PING_SQL: &str = "SELECT pg_catalog.pg_backend_pid(), pg_catalog.clock_timestamp()";
 const UNLOCK_SQL: &str = "SELECT pg_catalog.pg_advisory_unlock($1)";
 
 /// Seconds since the server last freed every lock at once (see `fence`).
@@ -107,19 +109,63 @@ static FENCE_COLUMNS: LazyLock<String> = LazyLock::new(|| {
 /// The fence alone, after `pg_try_advisory_lock` won.
 static FENCE_SQL: LazyLock<String> = LazyLock::new(|| format!("SELECT {}", *FENCE_COLUMNS));
 
-/// A follower's wait, with the fence in the same statement: the lock first (OFFSET 0 keeps the
-/// subquery, and so the lock, ahead of the outer columns), then the fence at the moment the
-/// lock is granted, with no round trip between. The server plans the whole statement before it
-/// waits, so the fence's catalog look-ups (about 2 ms in a new server process, most of a cold
-/// fence) are done by then too. The transaction id is taken only once the lock is granted: a
-/// follower that waits for days holds none.
-static WAIT_SQL: LazyLock<String> = LazyLock::new(|| {
+/// Where a follower's wait leaves the fence it took at the grant, for `fence` to read: a
+/// setting of the session's own (a placeholder variable, which any role may set).
+const FENCE_SETTING: &str = "pgleader.fence";
+
+/// What `fence` reads after a wait won: the backend, the server's clock, and the fence the
+/// wait left in `FENCE_SETTING` ("TOKEN SECONDS_SINCE_RESET").
+static WON_SQL: LazyLock<String> = LazyLock::new(|| {
     format!(
-        "SELECT granted.pid, {} FROM (SELECT pg_catalog.pg_advisory_lock($1), \
-         pg_catalog.pg_backend_pid() AS pid OFFSET 0) AS granted",
-        *FENCE_COLUMNS
+        "SELECT pg_catalog.pg_backend_pid(), pg_catalog.clock_timestamp(), \
+         pg_catalog.current_setting('{FENCE_SETTING}')"
     )
 });
+
+/// A follower's wait: a loop on the server, in one `DO` statement, so that no client round
+/// trip is spent on it.
+///
+/// A running statement holds a snapshot, and a snapshot holds back VACUUM (and `CREATE INDEX
+/// CONCURRENTLY`) in the whole database. So each turn waits for the lock at most a little less
+/// than `refresh` (`lock_timeout`, set for that transaction alone), catches the timeout inside
+/// the block (a caught error is not logged by the server, where one sent to the client would be
+/// logged at ERROR), commits, and queues again in a new transaction with a new snapshot. The
+/// server grants a released lock at once to whoever is queued; between two turns a follower is
+/// out of the queue for the few microseconds the commit takes, and comes back behind those who
+/// queued meanwhile: followers are served in the order they last queued, not the order they
+/// came. `refresh` zero waits in one turn, holding its snapshot for the whole wait.
+///
+/// The fence comes with the lock, in the statement that waits (OFFSET 0 keeps the subquery, and
+/// so the lock, ahead of the fence's columns): planned before the first wait, so that the
+/// fence's catalog look-ups (about 2 ms in a new server process) are done by the grant, and run
+/// at the grant with no round trip between. The transaction id is taken only once the lock is
+/// granted, so a waiting follower holds none; the statement ends by committing it, flushed,
+/// before the server reports the statement done.
+fn wait_sql(key: i64, refresh: Duration) -> String {
+    // A little under `refresh`: the turn's snapshot is taken just before it queues, and is let
+    // go a moment after the timeout, so that no snapshot outlives `refresh`.
+    let lock_timeout = if refresh.is_zero() {
+        0
+    } else {
+        (refresh.as_millis() * 19 / 20).max(1)
+    };
+    format!(
+        "DO $pgleader$ DECLARE v_token int8; v_flushed bool; v_since float8; v_at timestamptz; \
+         BEGIN LOOP \
+           BEGIN \
+             PERFORM pg_catalog.set_config('lock_timeout', '{lock_timeout}', true); \
+             SELECT {} INTO v_token, v_flushed, v_since, v_at \
+               FROM (SELECT pg_catalog.pg_advisory_lock({key}) OFFSET 0) AS granted; \
+             PERFORM pg_catalog.set_config('{FENCE_SETTING}', \
+               pg_catalog.concat_ws(' ', v_token, v_since), false); \
+             EXIT; \
+           EXCEPTION WHEN lock_not_available THEN NULL; \
+           END; \
+           COMMIT; \
+         END LOOP; END $pgleader$",
+        *FENCE_COLUMNS
+    )
+}
 
 /// The leader's check: this backend (the same as ever) holds the lock, and the server's clock.
 /// Written once: it runs every check interval.
@@ -142,6 +188,7 @@ impl PgSession {
         lease: &Lease,
         lock: LockKey,
         ledger: LedgerSettings,
+        refresh: Duration,
     ) -> Result<PgSession, ConnectError> {
         let budget = connect_budget(settings);
         let probe = || async {
@@ -151,7 +198,15 @@ impl PgSession {
                     ConnectError::Transient("the connection-pooler probe timed out".into())
                 })?
         };
-        let set_up = Self::open_and_set_up(settings, application_name, lease, lock, ledger, budget);
+        let set_up = Self::open_and_set_up(
+            settings,
+            application_name,
+            lease,
+            lock,
+            ledger,
+            refresh,
+            budget,
+        );
         // Over Unix sockets only, the probe is certain: its connection opens alongside the
         // session's, which takes a server process's start-up off the critical path. What it
         // sees is unchanged: a transaction pooler hands a client a server process at its first
@@ -196,6 +251,7 @@ impl PgSession {
         lease: &Lease,
         lock: LockKey,
         ledger: LedgerSettings,
+        refresh: Duration,
         budget: Duration,
     ) -> Result<(PgSession, bool), ConnectError> {
         let (opened, server_major) = open(settings, application_name, Some(lease), budget).await?;
@@ -220,7 +276,8 @@ impl PgSession {
             client: Arc::new(opened.client),
             connection: opened.connection,
             socket: opened.socket,
-            granted: Arc::default(),
+            refresh,
+            waited: Arc::default(),
             backend_pid: 0,
             server_major,
             connected_at: Instant::now(),
@@ -330,23 +387,15 @@ impl Session for PgSession {
         }
     }
 
-    /// Blocks until the lock is granted (no polling: the server queues waiters in order), and
-    /// takes the fence in the same statement (see `WAIT_SQL`).
+    /// Blocks until the lock is granted (no polling: the server queues waiters, and grants a
+    /// released lock at once), and takes the fence in the same statement (see `wait_sql`).
     fn wait(&self) -> impl Future<Output = Result<(), SessionError>> + 'static {
-        let (client, granted) = (self.client.clone(), self.granted.clone());
-        let (expected, key) = (self.backend_pid, self.lock.key());
+        let (client, waited) = (self.client.clone(), self.waited.clone());
+        let sql = wait_sql(self.lock.key(), self.refresh);
         async move {
-            let params: [(&(dyn tokio_postgres::types::ToSql + Sync), Type); 1] =
-                [(&key, Type::INT8)];
-            let row = client
-                .query_typed(&WAIT_SQL, &params)
-                .await
-                .map_err(query_error)?
-                .into_iter()
-                .next()
-                .ok_or_else(|| SessionError::Query("pg_advisory_lock returned no row".into()))?;
-            same_backend(expected, row.get(0))?;
-            let _ = granted.set(fence_of(&row, 1));
+            // The simple protocol: a DO that commits must be a statement of its own.
+            client.batch_execute(&sql).await.map_err(query_error)?;
+            waited.store(true, Ordering::Release);
             Ok(())
         }
     }
@@ -442,26 +491,23 @@ impl Session for PgSession {
     /// as before, when the separate fence timed out and the lock went round the replicas, each
     /// of them stuck the same way.
     async fn fence(&self) -> Result<Fence, SessionError> {
-        if let Some(fence) = self.granted.get() {
+        if self.waited.load(Ordering::Acquire) {
             let row = self
                 .client
-                .query_typed_one(PING_SQL, &[])
+                .query_typed_one(&WON_SQL, &[])
                 .await
                 .map_err(query_error)?;
             same_backend(self.backend_pid, row.get(0))?;
             // The server's clock as of this round trip, which the leader pairs with its own
             // send and receive times (a schedule follows the server's clock from it).
-            return Ok(Fence {
-                server_time: row.get(1),
-                ..*fence
-            });
+            return left_fence(row.get(2), row.get(1));
         }
         let row = self
             .client
             .query_typed_one(&FENCE_SQL, &[])
             .await
             .map_err(query_error)?;
-        Ok(fence_of(&row, 0))
+        Ok(fence_of(&row))
     }
 
     /// Releases the lock explicitly (so the next waiter is granted it now), then closes.
@@ -622,14 +668,34 @@ fn parse_major_version(version: &str) -> Option<u32> {
     digits.parse().ok()
 }
 
-/// The fence's columns (`FENCE_COLUMNS`), from the `first` of `row`'s.
-fn fence_of(row: &tokio_postgres::Row, first: usize) -> Fence {
-    let since_reset: f64 = row.get(first + 2);
+/// The fence's columns (`FENCE_COLUMNS`).
+fn fence_of(row: &tokio_postgres::Row) -> Fence {
     Fence {
-        epoch: row.get(first),
-        server_time: row.get(first + 3),
-        since_server_reset: Duration::try_from_secs_f64(since_reset).unwrap_or(Duration::ZERO),
+        epoch: row.get(0),
+        server_time: row.get(3),
+        since_server_reset: since_reset(row.get(2)),
     }
+}
+
+/// The fence a won wait left in `FENCE_SETTING` ("TOKEN SECONDS"), with the server's clock.
+fn left_fence(setting: &str, server_time: jiff::Timestamp) -> Result<Fence, SessionError> {
+    let parsed = setting
+        .split_once(' ')
+        .and_then(|(token, since)| Some((token.parse::<i64>().ok()?, since.parse::<f64>().ok()?)));
+    let (epoch, since) = parsed.ok_or_else(|| {
+        SessionError::Query(format!(
+            "the wait left no fence that can be read ({FENCE_SETTING} = '{setting}')"
+        ))
+    })?;
+    Ok(Fence {
+        epoch,
+        server_time,
+        since_server_reset: since_reset(since),
+    })
+}
+
+fn since_reset(seconds: f64) -> Duration {
+    Duration::try_from_secs_f64(seconds).unwrap_or(Duration::ZERO)
 }
 
 /// One end of the connection as the server reports it (`host(inet_client_addr())`, then
@@ -727,6 +793,32 @@ mod tests {
         );
         assert_eq!(parse_major_version("9.6.24"), Some(9));
         assert_eq!(parse_major_version("devel"), None);
+    }
+
+    #[test]
+    fn a_turn_of_the_wait_ends_a_little_before_the_refresh_and_zero_never_ends() {
+        let timeout_of = |refresh: Duration| {
+            let sql = wait_sql(-42, refresh);
+            assert!(sql.contains("pg_advisory_lock(-42)"), "{sql}");
+            let (_, rest) = sql
+                .split_once("set_config('lock_timeout', '")
+                .expect("the turn's lock_timeout");
+            rest.split_once('\'').expect("quoted").0.to_owned()
+        };
+        assert_eq!(timeout_of(Duration::from_secs(10)), "9500");
+        assert_eq!(timeout_of(Duration::from_millis(100)), "95");
+        assert_eq!(timeout_of(Duration::ZERO), "0");
+    }
+
+    #[test]
+    fn reads_the_fence_a_won_wait_left() {
+        let now = jiff::Timestamp::UNIX_EPOCH;
+        let fence = left_fence("7361 12.5", now).expect("a fence");
+        assert_eq!(fence.epoch, 7361);
+        assert_eq!(fence.since_server_reset, Duration::from_millis(12_500));
+        assert_eq!(fence.server_time, now);
+        assert!(left_fence("", now).is_err());
+        assert!(left_fence("7361", now).is_err());
     }
 
     #[test]

@@ -74,6 +74,8 @@ impl Subject for Postgres {
             pgleader::election::lease::Lease::new(Duration::from_secs(15)),
             table,
             Duration::from_secs(1),
+            // Far below the default: the contract's waits go through several turns.
+            Duration::from_millis(200),
         )
     }
 

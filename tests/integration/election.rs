@@ -5,6 +5,7 @@ use nix::sys::signal::Signal;
 
 use std::time::{Duration, Instant};
 
+use crate::harness::cluster::Options;
 use crate::harness::{
     Cluster, Proc, Stream, WAIT, field, patient_child, pgleader, run, unique_lock,
 };
@@ -530,32 +531,157 @@ fn json_logs_carry_a_stable_set_of_fields() {
     );
 }
 
-/// README's advice to give pgleader a database of its own rests on this: a follower waits inside
-/// one long statement, whose snapshot keeps VACUUM from removing rows deleted in its database
-/// after the wait began, and nothing in another database. The rows become removable once the
-/// follower stops waiting, which shows the wait was what held them.
+/// The server's view of pgleader's waiting sessions: (backend pid, seconds since the
+/// transaction that holds its snapshot began). A session with no snapshot is left out.
+fn waiting_snapshots(client: &mut postgres::Client) -> Vec<(i32, f64)> {
+    client
+        .query(
+            "SELECT pid, extract(epoch FROM clock_timestamp() - xact_start)::float8 \
+               FROM pg_stat_activity \
+              WHERE application_name LIKE 'pgleader%' AND wait_event = 'advisory' \
+                AND backend_xmin IS NOT NULL",
+            &[],
+        )
+        .expect("read pg_stat_activity")
+        .iter()
+        .map(|row| (row.get(0), row.get(1)))
+        .collect()
+}
+
+/// A follower waits in turns of --wait-refresh, each a transaction of its own: no snapshot of
+/// a waiting follower outlives a turn, so VACUUM removes the rows deleted while followers wait,
+/// in the very database they wait in, CREATE INDEX CONCURRENTLY there finishes, and the server
+/// logs no error for the timeouts that end the turns (they are caught on the server).
 #[test]
-fn a_waiting_follower_holds_back_vacuum_in_its_own_database_and_in_no_other() {
+fn waiting_followers_hold_back_neither_vacuum_nor_create_index_concurrently() {
     const ROWS: i64 = 1000;
+    const REFRESH: Duration = Duration::from_secs(2);
+    // A cluster of its own, so that its log holds only this test's sessions.
+    let cluster = Cluster::with_options(
+        "vacuum",
+        Options {
+            settings: vec!["log_line_prefix = '%m [%p] %a: '".into()],
+            ..Options::default()
+        },
+    );
+    let lock = unique_lock();
+    let mut client = cluster.client();
+    client
+        .batch_execute(&format!(
+            "CREATE EXTENSION pgstattuple; CREATE TABLE t (i int); \
+             INSERT INTO t SELECT generate_series(1, {ROWS})"
+        ))
+        .expect("setting up the table (pgstattuple is in PostgreSQL's contrib)");
+    let refresh = format!("--wait-refresh={}ms", REFRESH.as_millis());
+    let a = run("A", &cluster, lock, &[], &patient_child("A"));
+    a.wait_stdout("A started");
+    let followers = ["B", "C"].map(|name| {
+        let follower = run(name, &cluster, lock, &[&refresh], &patient_child(name));
+        follower.wait_log("waiting for the lock");
+        follower
+    });
+
+    // Rows deleted while the followers wait: VACUUM removes them all once the snapshots taken
+    // before the delete are gone, within a turn. Before, the one statement's snapshot held
+    // them for as long as the followers waited.
+    client.batch_execute("DELETE FROM t").expect("delete");
+    let deadline = Instant::now() + WAIT;
+    loop {
+        client.batch_execute("VACUUM t").expect("vacuum");
+        let dead: i64 = client
+            .query_one("SELECT dead_tuple_count FROM pgstattuple('t')", &[])
+            .expect("pgstattuple")
+            .get(0);
+        if dead == 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{dead} rows deleted while followers wait are still not removable after {WAIT:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // CREATE INDEX CONCURRENTLY waits for every snapshot older than its own to go: bounded
+    // here, so that a follower that held one would fail the test rather than hang it.
+    client
+        .batch_execute(&format!("SET statement_timeout = {}", WAIT.as_millis()))
+        .expect("set statement_timeout");
+    client
+        .batch_execute("CREATE INDEX CONCURRENTLY t_i ON t (i)")
+        .expect("CREATE INDEX CONCURRENTLY beside waiting followers");
+
+    // Three more turns of every follower: each snapshot the server shows is younger than a
+    // turn (with a turn's margin for a loaded machine).
+    let watch_until = Instant::now() + REFRESH * 3;
+    let mut seen = std::collections::BTreeSet::new();
+    while Instant::now() < watch_until {
+        for (pid, age) in waiting_snapshots(&mut client) {
+            seen.insert(pid);
+            assert!(
+                age < REFRESH.as_secs_f64() * 2.0,
+                "backend {pid} has held its snapshot for {age:.1} s, past --wait-refresh \
+                 {REFRESH:?}\n{}",
+                cluster.log()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(seen.len(), 2, "both followers were seen waiting: {seen:?}");
+    for follower in &followers {
+        assert!(
+            follower.lines(Stream::Stdout).is_empty(),
+            "a follower stopped waiting before VACUUM and the index were done\n{}",
+            follower.dump()
+        );
+    }
+
+    // The turns' lock timeouts were caught on the server: nothing from pgleader's sessions at
+    // ERROR or worse in its log (a lock_timeout sent to the client would be logged at ERROR).
+    let log = cluster.log();
+    let complaints: Vec<&str> = log
+        .lines()
+        .filter(|line| line.contains(" pgleader"))
+        .filter(|line| {
+            ["ERROR:", "WARNING:", "FATAL:"]
+                .iter()
+                .any(|level| line.contains(level))
+        })
+        .collect();
+    assert!(
+        complaints.is_empty(),
+        "the server logged these for pgleader's sessions:\n{}",
+        complaints.join("\n")
+    );
+
+    a.signal(Signal::SIGTERM);
+    assert_eq!(a.wait_code(), 0, "{}", a.dump());
+    for follower in &followers {
+        follower.signal(Signal::SIGTERM);
+        follower.wait_exit();
+    }
+}
+
+/// Timeouts set for the role or database end a statement on the server, and so would end a
+/// follower's wait (and its turns) with an error: the session sets them to 0 for itself, and
+/// the turns' own lock timeout is the only one that applies.
+#[test]
+fn a_follower_waits_through_the_timeouts_its_database_sets() {
     let cluster = Cluster::shared();
     let lock = unique_lock();
-    let (ours, other) = (
-        format!("vacuum_{lock}_ours"),
-        format!("vacuum_{lock}_other"),
-    );
-    for db in [&ours, &other] {
-        cluster.execute(&format!("CREATE DATABASE {db}"));
-        cluster
-            .client_of(db)
-            .batch_execute(&format!(
-                "CREATE EXTENSION pgstattuple; CREATE TABLE t (i int); \
-                 INSERT INTO t SELECT generate_series(1, {ROWS})"
-            ))
-            .unwrap_or_else(|err| {
-                panic!("setting up {db}: {err} (pgstattuple is in PostgreSQL's contrib)")
-            });
+    let db = format!("timeouts_{lock}");
+    cluster.execute(&format!("CREATE DATABASE {db}"));
+    let mut settings = vec![
+        "statement_timeout",
+        "lock_timeout",
+        "idle_in_transaction_session_timeout",
+    ];
+    if cluster.server_major() >= 17 {
+        settings.push("transaction_timeout");
     }
-    let on = |name: &str, db: &str| {
+    for setting in settings {
+        cluster.execute(&format!("ALTER DATABASE {db} SET {setting} = '200ms'"));
+    }
+    let on = |name: &str| {
         let mut command = pgleader();
         command
             .env(
@@ -564,67 +690,75 @@ fn a_waiting_follower_holds_back_vacuum_in_its_own_database_and_in_no_other() {
             )
             .arg("run")
             .arg(format!("--lock-id={lock}"))
+            .arg("--wait-refresh=500ms")
             .args(["--", "sh", "-c", &patient_child(name)]);
         Proc::spawn(name, command)
     };
-    let a = on("A", &ours);
+    let a = on("A");
     a.wait_stdout("A started");
-    let b = on("B", &ours);
-    b.wait_log("waiting for the lock");
+    let b = on("B");
+    let waiting = b.wait_log("waiting for the lock");
+    let backend: i32 = field(&waiting, "backend_pid").parse().expect("backend pid");
 
-    let mut clients = [cluster.client_of(&ours), cluster.client_of(&other)];
-    for client in &mut clients {
-        client.batch_execute("DELETE FROM t").expect("delete");
+    // Three turns of B's wait after its first, each a transaction of its own, all in the one
+    // session.
+    let mut client = cluster.client();
+    let mut turns = std::collections::BTreeSet::new();
+    let deadline = Instant::now() + WAIT;
+    while turns.len() < 4 {
+        assert!(
+            Instant::now() < deadline,
+            "B's wait did not turn three times within {WAIT:?}\n{}",
+            b.dump()
+        );
+        let started: Option<String> = client
+            .query_one(
+                "SELECT xact_start::text FROM pg_stat_activity WHERE pid = $1",
+                &[&backend],
+            )
+            .expect("B's session is still there")
+            .get(0);
+        turns.extend(started);
+        std::thread::sleep(Duration::from_millis(50));
     }
-    // VACUUM, then the dead rows it could not remove.
-    let dead_after_vacuum = |client: &mut postgres::Client| -> i64 {
-        client.batch_execute("VACUUM t").expect("vacuum");
-        client
-            .query_one("SELECT dead_tuple_count FROM pgstattuple('t')", &[])
-            .expect("pgstattuple")
-            .get(0)
-    };
-    // Other tests' short statements may hold rows back for a moment: wait for a clean vacuum.
-    let until_clean = |client: &mut postgres::Client, what: &str| {
-        let deadline = Instant::now() + WAIT;
-        loop {
-            let dead = dead_after_vacuum(client);
-            if dead == 0 {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{what}: {dead} dead rows still not removable after {WAIT:?}"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    };
-    let [ref mut in_ours, ref mut in_other] = clients;
     assert_eq!(
-        dead_after_vacuum(in_ours),
-        ROWS,
-        "VACUUM removed rows deleted after the follower began waiting in the same database"
-    );
-    until_clean(in_other, "another database while the follower waits");
-    assert!(
-        !b.lines(Stream::Stderr)
+        b.lines(Stream::Stderr)
             .iter()
-            .any(|line| line.contains("became leader")),
-        "B stopped waiting before the other database was checked\n{}",
+            .filter(|line| line.contains("connected"))
+            .count(),
+        1,
+        "B's wait ended and it connected again\n{}",
         b.dump()
     );
 
     a.signal(Signal::SIGTERM);
     b.wait_stdout("B started");
-    until_clean(
-        in_ours,
-        "its own database once the follower stopped waiting",
-    );
     b.signal(Signal::SIGTERM);
     a.wait_exit();
     b.wait_exit();
-    drop(clients);
-    for db in [&ours, &other] {
-        cluster.execute(&format!("DROP DATABASE {db} WITH (FORCE)"));
-    }
+    drop(client);
+    cluster.execute(&format!("DROP DATABASE {db} WITH (FORCE)"));
+}
+
+/// The turns of a wait do not delay a grant: the server hands a released lock to the queued
+/// follower at once, here one whose turn would end only in an hour.
+#[test]
+fn a_released_lock_is_taken_at_once_not_at_the_next_turn() {
+    let cluster = Cluster::shared();
+    let lock = unique_lock();
+    let a = run("A", cluster, lock, &[], &patient_child("A"));
+    a.wait_stdout("A started");
+    let b = run(
+        "B",
+        cluster,
+        lock,
+        &["--wait-refresh=1h"],
+        &patient_child("B"),
+    );
+    b.wait_log("waiting for the lock");
+    a.signal(Signal::SIGTERM);
+    b.wait_stdout("B started");
+    b.signal(Signal::SIGTERM);
+    assert_eq!(a.wait_code(), 0, "{}", a.dump());
+    assert_eq!(b.wait_code(), 0, "{}", b.dump());
 }

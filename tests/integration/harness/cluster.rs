@@ -439,17 +439,6 @@ impl Cluster {
             .unwrap_or_else(|err| panic!("cannot connect to the test cluster: {err}"))
     }
 
-    /// The harness's own connection to another database of this cluster.
-    pub fn client_of(&self, dbname: &str) -> postgres::Client {
-        let url = format!(
-            "host={} port={} user=postgres dbname={dbname}",
-            self.socket_dir.display(),
-            self.port
-        );
-        postgres::Client::connect(&url, postgres::NoTls)
-            .unwrap_or_else(|err| panic!("cannot connect to database {dbname}: {err}"))
-    }
-
     pub fn execute(&self, sql: &str) {
         self.client()
             .batch_execute(sql)
