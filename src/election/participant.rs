@@ -60,7 +60,9 @@ pub struct Participant {
     pub waiting_since: Option<String>,
 }
 
-/// Who holds a lock and who waits for it, in the order the server will grant it.
+/// Who holds a lock and who waits for it, waiters in the order they began waiting (on Redis also
+/// the order the server will grant it; on PostgreSQL that order changes at each turn of a
+/// follower's wait).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct LockView {
     pub holder: Option<Participant>,

@@ -3,7 +3,7 @@
 //!
 //! pgleader names its sessions `<name>:<pid>@<host>` (see `election/participant.rs`), so the
 //! holder's host and pid show up here without any table of pgleader's own. Waiters are listed in
-//! the order the server will grant them the lock. For a scheduled lock it adds the ledger's view
+//! the order they began waiting. For a scheduled lock it adds the ledger's view
 //! (see `schedule/report.rs`): the schedule, the next occurrence and the last runs.
 
 use std::fmt::Write as _;

@@ -1,11 +1,13 @@
 //! What `pgleader status` and `status --watch` read on PostgreSQL: who holds and who waits for
 //! the lock (`pg_locks` joined with `pg_stat_activity`), and the ledger's history.
 //!
-//! Waiters are listed in the order the server will grant them the lock: by
-//! `pg_locks.waitstart` (PostgreSQL 14+), by the start of their query before that. A follower
-//! queues again at every turn of its wait (see `session::wait_sql`), so `waitstart` is when it
-//! last queued; it has waited since its statement began (`query_start`), which is what status
-//! shows.
+//! Waiters are listed in the order they began waiting: by the start of the statement they wait
+//! in (`query_start`). A follower queues again at every turn of that statement (see
+//! `session::wait_sql`), so the server grants a released lock in the order they last queued
+//! (`pg_locks.waitstart`), which changes from turn to turn; the order they came in does not,
+//! and `status --watch` prints a line only when something real changed.
+
+use std::sync::LazyLock;
 
 use jiff::Timestamp;
 use tokio_postgres::types::Type;
@@ -24,9 +26,6 @@ use crate::postgres::session::{self, PlainClient};
 #[derive(Debug)]
 pub struct PgObserver {
     client: PlainClient,
-    /// Who holds and waits, for this server's version: written once, read at every poll of
-    /// `status --watch`.
-    status_sql: String,
     lock: LockKey,
     table: TableName,
 }
@@ -41,7 +40,6 @@ impl PgObserver {
     ) -> Result<PgObserver, ConnectError> {
         let client = session::connect_plain(settings, name).await?;
         Ok(PgObserver {
-            status_sql: status_sql(client.server_major),
             client,
             lock,
             table,
@@ -49,12 +47,8 @@ impl PgObserver {
     }
 }
 
-fn status_sql(server_major: u32) -> String {
-    let waitstart = if server_major >= 14 {
-        "l.waitstart"
-    } else {
-        "NULL::timestamptz"
-    };
+/// Who holds and waits: written once, read at every poll of `status --watch`.
+static STATUS_SQL: LazyLock<String> = LazyLock::new(|| {
     format!(
         "SELECT l.pid, l.granted, a.application_name, host(a.client_addr), a.client_port,
                 to_char(a.backend_start AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"'),
@@ -62,10 +56,10 @@ fn status_sql(server_major: u32) -> String {
            FROM {LOCK_ROWS}
            LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid
           WHERE {}
-          ORDER BY l.granted DESC, COALESCE({waitstart}, a.query_start), l.pid",
+          ORDER BY l.granted DESC, a.query_start, l.pid",
         this_lock("$1", "$2")
     )
-}
+});
 
 impl Observer for PgObserver {
     async fn lock_view(&self) -> Result<LockView, String> {
@@ -73,7 +67,7 @@ impl Observer for PgObserver {
             .client
             .client
             .query_typed(
-                &self.status_sql,
+                &STATUS_SQL,
                 &[
                     (&self.lock.classid(), Type::OID),
                     (&self.lock.objid(), Type::OID),

@@ -531,27 +531,29 @@ fn json_logs_carry_a_stable_set_of_fields() {
     );
 }
 
-/// The server's view of pgleader's waiting sessions: (backend pid, seconds since the
-/// transaction that holds its snapshot began). A session with no snapshot is left out.
-fn waiting_snapshots(client: &mut postgres::Client) -> Vec<(i32, f64)> {
+/// The server's view of pgleader's sessions (leaders, followers, status) that hold a snapshot:
+/// (backend pid, whether it waits for a lock, seconds since its transaction began).
+fn snapshots(client: &mut postgres::Client) -> Vec<(i32, bool, f64)> {
     client
         .query(
-            "SELECT pid, extract(epoch FROM clock_timestamp() - xact_start)::float8 \
+            "SELECT pid, wait_event IS NOT DISTINCT FROM 'advisory', \
+                    extract(epoch FROM clock_timestamp() - xact_start)::float8 \
                FROM pg_stat_activity \
-              WHERE application_name LIKE 'pgleader%' AND wait_event = 'advisory' \
-                AND backend_xmin IS NOT NULL",
+              WHERE application_name LIKE 'pgleader%' AND backend_xmin IS NOT NULL",
             &[],
         )
         .expect("read pg_stat_activity")
         .iter()
-        .map(|row| (row.get(0), row.get(1)))
+        .map(|row| (row.get(0), row.get(1), row.get(2)))
         .collect()
 }
 
 /// A follower waits in turns of --wait-refresh, each a transaction of its own: no snapshot of
 /// a waiting follower outlives a turn, so VACUUM removes the rows deleted while followers wait,
 /// in the very database they wait in, CREATE INDEX CONCURRENTLY there finishes, and the server
-/// logs no error for the timeouts that end the turns (they are caught on the server).
+/// logs no error for the timeouts that end the turns (they are caught on the server). The
+/// leader here is a scheduled one, writing its ledger every second, and `status --watch`
+/// reads beside it: neither holds a snapshot for long either.
 #[test]
 fn waiting_followers_hold_back_neither_vacuum_nor_create_index_concurrently() {
     const ROWS: i64 = 1000;
@@ -573,8 +575,21 @@ fn waiting_followers_hold_back_neither_vacuum_nor_create_index_concurrently() {
         ))
         .expect("setting up the table (pgstattuple is in PostgreSQL's contrib)");
     let refresh = format!("--wait-refresh={}ms", REFRESH.as_millis());
-    let a = run("A", &cluster, lock, &[], &patient_child("A"));
-    a.wait_stdout("A started");
+    let a = run(
+        "A",
+        &cluster,
+        lock,
+        &["--schedule=* * * * * *"],
+        "echo A ran",
+    );
+    a.wait_stdout("A ran");
+    let mut status = pgleader();
+    status.env("PGLEADER_DATABASE_URL", cluster.url()).args([
+        "status",
+        &format!("--lock-id={lock}"),
+        "--watch",
+    ]);
+    let status = Proc::spawn("status", status);
     let followers = ["B", "C"].map(|name| {
         let follower = run(name, &cluster, lock, &[&refresh], &patient_child(name));
         follower.wait_log("waiting for the lock");
@@ -613,10 +628,12 @@ fn waiting_followers_hold_back_neither_vacuum_nor_create_index_concurrently() {
     // Three more turns of every follower: each snapshot the server shows is younger than a
     // turn (with a turn's margin for a loaded machine).
     let watch_until = Instant::now() + REFRESH * 3;
-    let mut seen = std::collections::BTreeSet::new();
+    let mut waiting = std::collections::BTreeSet::new();
     while Instant::now() < watch_until {
-        for (pid, age) in waiting_snapshots(&mut client) {
-            seen.insert(pid);
+        for (pid, waits, age) in snapshots(&mut client) {
+            if waits {
+                waiting.insert(pid);
+            }
             assert!(
                 age < REFRESH.as_secs_f64() * 2.0,
                 "backend {pid} has held its snapshot for {age:.1} s, past --wait-refresh \
@@ -626,7 +643,11 @@ fn waiting_followers_hold_back_neither_vacuum_nor_create_index_concurrently() {
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    assert_eq!(seen.len(), 2, "both followers were seen waiting: {seen:?}");
+    assert_eq!(
+        waiting.len(),
+        2,
+        "both followers were seen waiting: {waiting:?}"
+    );
     for follower in &followers {
         assert!(
             follower.lines(Stream::Stdout).is_empty(),
@@ -653,6 +674,8 @@ fn waiting_followers_hold_back_neither_vacuum_nor_create_index_concurrently() {
         complaints.join("\n")
     );
 
+    status.signal(Signal::SIGTERM);
+    status.wait_exit();
     a.signal(Signal::SIGTERM);
     assert_eq!(a.wait_code(), 0, "{}", a.dump());
     for follower in &followers {

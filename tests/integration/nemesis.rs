@@ -80,7 +80,10 @@ const FAULTS: [Fault; 5] = [
     Fault::Restart,
 ];
 
-const TIMINGS: [&str; 7] = [
+// Short turns of the followers' waits, so that faults land between two turns and in the
+// middle of one, not only in the first.
+const TIMINGS: [&str; 8] = [
+    "--wait-refresh=300ms",
     "--check-interval=100ms",
     "--check-timeout=200ms",
     "--kill-timeout=300ms",
