@@ -96,14 +96,16 @@ const SINCE_RESET_SQL: &str = "extract(epoch FROM pg_catalog.clock_timestamp() -
     pg_catalog.pg_postmaster_start_time(), \
     (SELECT stats_reset FROM pg_catalog.pg_stat_bgwriter)))::float8";
 
-/// A new leader's fencing token, the restart fence's figure and the server's clock (see
-/// `fence`). pg_current_xact_id: PostgreSQL 13 or later, which `version` already demands.
+/// A new leader's fencing token (see `fence`). pg_current_xact_id: PostgreSQL 13 or later,
+/// which `version` already demands.
+const TOKEN_SQL: &str = "pg_catalog.pg_current_xact_id()::text::int8";
+
+/// What makes the token's commit wait for a WAL flush (see `fence`).
+const FLUSH_SQL: &str = "pg_catalog.pg_logical_emit_message(true, 'pgleader', 'epoch') IS NOT NULL";
+
+/// The token, the flush, the restart fence's figure and the server's clock.
 static FENCE_COLUMNS: LazyLock<String> = LazyLock::new(|| {
-    format!(
-        "pg_catalog.pg_current_xact_id()::text::int8, \
-         pg_catalog.pg_logical_emit_message(true, 'pgleader', 'epoch') IS NOT NULL, \
-         {SINCE_RESET_SQL}, pg_catalog.clock_timestamp()"
-    )
+    format!("{TOKEN_SQL}, {FLUSH_SQL}, {SINCE_RESET_SQL}, pg_catalog.clock_timestamp()")
 });
 
 /// The fence alone, after `pg_try_advisory_lock` won.
@@ -136,9 +138,9 @@ static WON_SQL: LazyLock<String> = LazyLock::new(|| {
 /// came. `refresh` zero waits in one turn, holding its snapshot for the whole wait.
 ///
 /// The fence comes with the lock, in the statement that waits (OFFSET 0 keeps the subquery, and
-/// so the lock, ahead of the fence's columns): planned before the first wait, so that the
-/// fence's catalog look-ups (about 2 ms in a new server process) are done by the grant, and run
-/// at the grant with no round trip between. The transaction id is taken only once the lock is
+/// so the lock, ahead of the fence's columns), and so does storing it: one statement, planned
+/// before the first wait, so that its catalog look-ups (about 2 ms in a new server process) are
+/// done by the grant, which then runs no statement the block has not planned yet. The transaction id is taken only once the lock is
 /// granted, so a waiting follower holds none; the statement ends by committing it, flushed,
 /// before the server reports the statement done.
 fn wait_sql(key: i64, refresh: Duration) -> String {
@@ -150,20 +152,17 @@ fn wait_sql(key: i64, refresh: Duration) -> String {
         (refresh.as_millis() * 19 / 20).max(1)
     };
     format!(
-        "DO $pgleader$ DECLARE v_token int8; v_flushed bool; v_since float8; v_at timestamptz; \
-         BEGIN LOOP \
+        "DO $pgleader$ BEGIN LOOP \
            BEGIN \
              PERFORM pg_catalog.set_config('lock_timeout', '{lock_timeout}', true); \
-             SELECT {} INTO v_token, v_flushed, v_since, v_at \
-               FROM (SELECT pg_catalog.pg_advisory_lock({key}) OFFSET 0) AS granted; \
              PERFORM pg_catalog.set_config('{FENCE_SETTING}', \
-               pg_catalog.concat_ws(' ', v_token, v_since), false); \
+                 pg_catalog.concat_ws(' ', {TOKEN_SQL}, {SINCE_RESET_SQL}), false), {FLUSH_SQL} \
+               FROM (SELECT pg_catalog.pg_advisory_lock({key}) OFFSET 0) AS granted; \
              EXIT; \
            EXCEPTION WHEN lock_not_available THEN NULL; \
            END; \
            COMMIT; \
-         END LOOP; END $pgleader$",
-        *FENCE_COLUMNS
+         END LOOP; END $pgleader$"
     )
 }
 
