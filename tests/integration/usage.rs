@@ -92,6 +92,18 @@ fn bad_arguments_are_usage_errors_that_say_what_is_wrong() {
                 "run",
                 "--lock-id",
                 "1",
+                "--wait-refresh",
+                "50ms",
+                "--",
+                "true",
+            ],
+            "'--wait-refresh <DURATION>': must be 0 or at least 100ms",
+        ),
+        (
+            &[
+                "run",
+                "--lock-id",
+                "1",
                 "--busy-exit-code",
                 "300",
                 "--",
