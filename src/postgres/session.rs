@@ -140,9 +140,9 @@ static WON_SQL: LazyLock<String> = LazyLock::new(|| {
 /// The fence comes with the lock, in the statement that waits (OFFSET 0 keeps the subquery, and
 /// so the lock, ahead of the fence's columns), and so does storing it: one statement, planned
 /// before the first wait, so that its catalog look-ups (about 2 ms in a new server process) are
-/// done by the grant, which then runs no statement the block has not planned yet. The transaction id is taken only once the lock is
-/// granted, so a waiting follower holds none; the statement ends by committing it, flushed,
-/// before the server reports the statement done.
+/// done by the grant, which then runs no statement the block has not planned yet. The
+/// transaction id is taken only once the lock is granted, so a waiting follower holds none; the
+/// statement ends by committing it, flushed, before the server reports the statement done.
 fn wait_sql(key: i64, refresh: Duration) -> String {
     // A little under `refresh`: the turn's snapshot is taken just before it queues, and is let
     // go a moment after the timeout, so that no snapshot outlives `refresh`.
