@@ -556,10 +556,27 @@ fn find_bindir() -> PathBuf {
         .unwrap_or_else(|| panic!("{INSTALL_HINT}"))
 }
 
-/// A free TCP port on 127.0.0.1 (the benchmark starts etcd on such ports too).
+/// A free TCP port on 127.0.0.1 (the benchmark starts etcd on such ports too), taken below the
+/// kernel's ephemeral range. A port the kernel handed out for `bind(:0)` is in that range, where
+/// any outgoing connection may be given it as its local port before the server binds it: CI lost
+/// a run to "could not bind IPv4 address: Address already in use". Below the range only an
+/// explicit bind takes a port, so each process starts at a place of its own (by pid), every call
+/// moves on, and a port is handed out only once a bind to it succeeded.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|listener| listener.local_addr())
-        .map(|addr| addr.port())
-        .expect("find a free port")
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    let ephemeral = fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse::<usize>().ok())
+        .unwrap_or(32768);
+    let (low, high) = (10_000, ephemeral.max(12_000));
+    let span = high - low;
+    let start = (std::process::id() as usize * 211) % span;
+    for _ in 0..span {
+        let offset = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = (low + (start + offset) % span) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free TCP port on 127.0.0.1 between {low} and {high}")
 }

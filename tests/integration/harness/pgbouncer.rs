@@ -1,7 +1,6 @@
 //! A real PgBouncer in front of a test cluster, in transaction or session mode.
 
 use std::fs;
-use std::net::TcpListener;
 use std::os::unix::fs::chown;
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
@@ -32,10 +31,7 @@ impl PgBouncer {
         .map(PathBuf::from)
         .find(|path| path.is_file())
         .unwrap_or_else(|| panic!("{INSTALL_HINT}"));
-        let port = TcpListener::bind("127.0.0.1:0")
-            .and_then(|listener| listener.local_addr())
-            .expect("a free port")
-            .port();
+        let port = super::cluster::free_port();
         let dir = cluster.base.join(format!("pgbouncer-{pool_mode}-{port}"));
         fs::create_dir_all(&dir).expect("create the PgBouncer directory");
         fs::write(
