@@ -1,7 +1,7 @@
 //! The election's boundary: what every backend (PostgreSQL in `postgres/`, Redis next to it)
 //! gives the supervisor, and the parts of an election that do not depend on the backend: the
-//! lock's key, the lease rule, the backoff between attempts, who takes part, and the ledger's
-//! contract for scheduled jobs.
+//! lock's key, the lease rule, the backoff between attempts, who takes part, the ledger's
+//! contract for scheduled jobs, and how a sharded lock's shards are shared out ([`shards`]).
 //!
 //! A backend is three traits. [`Backend`] is the configured server: it opens a [`Session`] for
 //! one round of the election, or an [`Observer`] for `pgleader status`. A session waits for the
@@ -36,6 +36,7 @@ pub mod lease;
 pub mod ledger;
 pub mod lock;
 pub mod participant;
+pub mod shards;
 pub mod socket;
 
 use std::fmt::Display;

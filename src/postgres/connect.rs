@@ -24,11 +24,12 @@ use std::time::Duration;
 use nix::sys::socket::{setsockopt, sockopt};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpStream, UnixStream};
+use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::tls::MakeTlsConnect;
-use tokio_postgres::{Client, SimpleQueryMessage};
+use tokio_postgres::{AsyncMessage, Client, Notification, SimpleQueryMessage};
 
 use crate::election::ConnectError;
 use crate::election::lease::Lease;
@@ -40,11 +41,16 @@ use crate::postgres::tls::{self, Connector};
 /// The task that drives a connection; it owns the socket.
 pub type ConnectionTask = JoinHandle<Result<(), tokio_postgres::Error>>;
 
+/// What a session that LISTENs hears: the notifications the connection task passes on.
+pub type Notifications = mpsc::UnboundedReceiver<Notification>;
+
 /// An open connection: the client, the task driving it, and its socket.
 #[derive(Debug)]
 pub struct Opened {
     pub client: Client,
     pub connection: ConnectionTask,
+    /// The notifications the server sent (only a session that LISTENs gets any).
+    pub notifications: Notifications,
     /// The server's `server_version` parameter, as it reported it at start-up.
     pub server_version: Option<String>,
     pub socket: LentSocket,
@@ -201,7 +207,7 @@ impl Attempt<'_> {
                 .map_err(|_| Failure::Other(no_answer(timeout)))?
                 .map_err(Failure::Driver)?;
         let server_version = connection.parameter("server_version").map(str::to_owned);
-        let connection = tokio::spawn(connection);
+        let (connection, notifications) = drive(connection);
         if self.settings.target_session_attrs == TargetSessionAttrs::ReadWrite
             && let Err(failure) = writable(&client, deadline, timeout).await
         {
@@ -211,6 +217,7 @@ impl Attempt<'_> {
         Ok(Opened {
             client,
             connection,
+            notifications,
             server_version,
             socket,
             tcp_ends,
@@ -250,6 +257,29 @@ impl Attempt<'_> {
             }
         }
     }
+}
+
+/// Spawns the task that drives the connection, as the driver's own `Connection` future would
+/// (which drops notifications), passing notifications on.
+fn drive<S, T>(mut connection: tokio_postgres::Connection<S, T>) -> (ConnectionTask, Notifications)
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    T: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let (sender, notifications) = mpsc::unbounded_channel();
+    let task = tokio::spawn(async move {
+        loop {
+            match std::future::poll_fn(|cx| connection.poll_message(cx)).await {
+                Some(Ok(AsyncMessage::Notification(notification))) => {
+                    let _ = sender.send(notification);
+                }
+                Some(Ok(_)) => {}
+                Some(Err(err)) => return Err(err),
+                None => return Ok(()),
+            }
+        }
+    });
+    (task, notifications)
 }
 
 fn lend(socket: &impl AsFd) -> Result<LentSocket, ConnectError> {

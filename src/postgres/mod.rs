@@ -7,7 +7,7 @@
 //! a leader's keeper can hold it ([`connect`]), TLS through rustls ([`tls`]), the session and
 //! its set-up, standby and pooler checks ([`session`]), the oldest supported server
 //! ([`version`]), how statements name the lock in `pg_locks` ([`locks`]), the ledger table
-//! ([`ledger`]) and what `status` reads ([`observer`]).
+//! ([`ledger`]), what `status` reads ([`observer`]) and a sharded lock's sessions ([`shards`]).
 
 pub mod connect;
 pub mod conninfo;
@@ -16,6 +16,7 @@ pub mod ledger;
 pub mod locks;
 pub mod observer;
 pub mod session;
+pub mod shards;
 pub mod tls;
 pub mod version;
 

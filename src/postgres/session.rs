@@ -22,7 +22,7 @@ use crate::election::ledger::Definition;
 use crate::election::lock::LockKey;
 use crate::election::socket::LentSocket;
 use crate::election::{Check, Confirmation, ConnectError, Fence, Session, SessionError};
-use crate::postgres::connect::{self, ConnectionTask, Opened, TcpEnds, classify};
+use crate::postgres::connect::{self, ConnectionTask, Notifications, Opened, TcpEnds, classify};
 use crate::postgres::conninfo::{ChannelBinding, ConnSettings, Host};
 use crate::postgres::describe::describe;
 use crate::postgres::ledger::{PgLedger, TableName};
@@ -69,6 +69,8 @@ pub struct PgSession {
     refresh: Duration,
     /// Whether `wait` won the lock, and so left the fence in `FENCE_SETTING`.
     waited: Arc<AtomicBool>,
+    /// What the server notified this session of, until a sharded lock's holder takes it.
+    notifications: Option<Notifications>,
     backend_pid: i32,
     server_major: u32,
     connected_at: Instant,
@@ -144,6 +146,20 @@ static WON_SQL: LazyLock<String> = LazyLock::new(|| {
 /// transaction id is taken only once the lock is granted, so a waiting follower holds none; the
 /// statement ends by committing it, flushed, before the server reports the statement done.
 fn wait_sql(key: i64, refresh: Duration) -> String {
+    in_turns(
+        refresh,
+        &format!(
+            "PERFORM pg_catalog.set_config('{FENCE_SETTING}', \
+                 pg_catalog.concat_ws(' ', {TOKEN_SQL}, {SINCE_RESET_SQL}), false), {FLUSH_SQL} \
+               FROM (SELECT pg_catalog.pg_advisory_lock({key}) OFFSET 0) AS granted;"
+        ),
+    )
+}
+
+/// A wait for a lock in turns of a little less than `refresh` each (zero: one turn), as a `DO`
+/// statement: `body` asks for the lock (and does whatever comes with it); a turn that times
+/// out commits and asks again, in a new transaction with a new snapshot (see `wait_sql`).
+pub(super) fn in_turns(refresh: Duration, body: &str) -> String {
     // A little under `refresh`: the turn's snapshot is taken just before it queues, and is let
     // go a moment after the timeout, so that no snapshot outlives `refresh`.
     let lock_timeout = if refresh.is_zero() {
@@ -155,9 +171,7 @@ fn wait_sql(key: i64, refresh: Duration) -> String {
         "DO $pgleader$ BEGIN LOOP \
            BEGIN \
              PERFORM pg_catalog.set_config('lock_timeout', '{lock_timeout}', true); \
-             PERFORM pg_catalog.set_config('{FENCE_SETTING}', \
-                 pg_catalog.concat_ws(' ', {TOKEN_SQL}, {SINCE_RESET_SQL}), false), {FLUSH_SQL} \
-               FROM (SELECT pg_catalog.pg_advisory_lock({key}) OFFSET 0) AS granted; \
+             {body} \
              EXIT; \
            EXCEPTION WHEN lock_not_available THEN NULL; \
            END; \
@@ -176,6 +190,16 @@ static CONFIRM_SQL: LazyLock<String> = LazyLock::new(|| {
 });
 
 impl PgSession {
+    /// The driver's client, for the statements of a sharded lock (`shards.rs`).
+    pub(super) fn client(&self) -> &Arc<Client> {
+        &self.client
+    }
+
+    /// What the server notifies this session of (after it LISTENs); `None` once taken.
+    pub(super) fn take_notifications(&mut self) -> Option<Notifications> {
+        self.notifications.take()
+    }
+
     /// Connects, applies the session settings, and checks the server is a primary and that no
     /// transaction pooler stands between. On a direct TCP connection the server's own view of
     /// it is the evidence, in the set-up's round trip; otherwise a second connection probes
@@ -277,6 +301,7 @@ impl PgSession {
             socket: opened.socket,
             refresh,
             waited: Arc::default(),
+            notifications: Some(opened.notifications),
             backend_pid: 0,
             server_major,
             connected_at: Instant::now(),
@@ -736,7 +761,7 @@ fn moved(expected: i32, seen: i32) -> String {
     )
 }
 
-fn query_error(err: tokio_postgres::Error) -> SessionError {
+pub(super) fn query_error(err: tokio_postgres::Error) -> SessionError {
     SessionError::Query(describe(&err))
 }
 

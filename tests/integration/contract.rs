@@ -257,7 +257,7 @@ fn uptime(redis: &Redis) -> u64 {
 static SERVER_MAJOR: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
 
 /// No PG* variables, no ~/.pgpass: the URL says everything.
-struct NoEnvironment;
+pub struct NoEnvironment;
 
 impl pgleader::postgres::conninfo::Environment for NoEnvironment {
     fn var(&self, _: &str) -> Option<String> {
@@ -279,7 +279,7 @@ impl pgleader::postgres::conninfo::Environment for NoEnvironment {
 
 /// Runs one contract test on a runtime like pgleader's own (one thread). The subject's server
 /// is started first ([`Subject::prepare`]), outside the runtime.
-fn block_on(test: impl Future<Output = ()>) {
+pub fn block_on(test: impl Future<Output = ()>) {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -288,7 +288,7 @@ fn block_on(test: impl Future<Output = ()>) {
 }
 
 /// Every wait in the suite is bounded.
-async fn within<T>(what: &str, future: impl Future<Output = T>) -> T {
+pub async fn within<T>(what: &str, future: impl Future<Output = T>) -> T {
     tokio::time::timeout(WAIT, future)
         .await
         .unwrap_or_else(|_| panic!("{what}: nothing within {WAIT:?}"))

@@ -19,6 +19,7 @@ mod redis;
 mod redis_nemesis;
 mod redis_tls;
 mod schedule;
+mod shards;
 mod signals;
 mod tls;
 mod usage;

@@ -1,0 +1,506 @@
+//! A sharded lock on PostgreSQL (`--shards K`): K advisory locks of one name, held by the
+//! replicas that run it, with two sessions per replica whatever K is.
+//!
+//! **Keys.** Every lock of a sharded name is a two-int4 advisory lock `(space, n)` (in
+//! `pg_locks`: `classid` = space, `objid` = n, `objsubid` = 2), so none of them is ever the
+//! bigint key of the plain `--lock NAME` (`objsubid` = 1). `space` folds the plain key's two
+//! halves together: `(key >> 32) # (key & 4294967295)`, as an int4. Then `n` is:
+//!
+//! | n | lock | mode | held by |
+//! |---|---|---|---|
+//! | 0 ≤ i < K | shard i | exclusive | the replica that runs shard i |
+//! | −pid | the member of server process pid | exclusive | each replica's holder session |
+//! | −2^31 + K | "runs with K shards" | shared | each replica's holder session |
+//! | −2^30 + N | "takes at most N shards" | shared | a replica started with `--max-shards N` |
+//!
+//! **Holder.** One session per replica (a [`ShardHolder`]) holds its member lock, its markers
+//! and every shard it runs, LISTENs on the name's channel (`pgleader_shards_` and the space in
+//! hex), and reads the roster (`pg_locks`, one statement) when notified and at every check.
+//! Every change is notified: a member joins, gives a shard away, leaves, or is found gone.
+//!
+//! **Watcher.** Nobody is notified when a replica dies: the server just frees its locks. So
+//! each replica's second session (a [`ShardWatcher`]) waits for a shared lock on the member lock
+//! of the next member in id order (the roster's `successor`), in turns like a follower's wait
+//! (no snapshot older than `--wait-refresh`), and is granted it the moment that member's holder
+//! session ends; in the same statement it lets it go and notifies everyone. Every member is
+//! watched by one other, so the death of any one is heard by all within a round trip or two.
+//!
+//! **Mismatch.** A replica takes its markers before it reads the roster: of two replicas that
+//! start at once with different K, the later reader sees the other's marker. A replica that
+//! sees a member with another K, or a session on the plain key of the same name, refuses to
+//! join.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_postgres::Client;
+use tokio_postgres::types::Type;
+
+use crate::election::lock::LockKey;
+use crate::election::shards::{Member, Roster};
+use crate::election::{Backend, ConnectError, Fence, Session, SessionError};
+use crate::postgres::PgBackend;
+use crate::postgres::connect::Notifications;
+use crate::postgres::session::{PgSession, in_turns, query_error};
+
+/// The member locks' range: a server process id is below 2^22 on Linux.
+const MEMBER_FLOOR: i32 = -(1 << 22);
+/// Where the "runs with K shards" markers start.
+const COUNT_BASE: i32 = i32::MIN;
+/// Where the "takes at most N shards" markers start.
+const CAP_BASE: i32 = -(1 << 30);
+/// The largest shard count (and cap) the markers' ranges hold.
+pub const MAX_SHARDS: u32 = 1 << 20;
+
+/// The keys of one sharded lock (see the module's table).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShardKeys {
+    space: i32,
+    /// The plain key of the same name, to tell a replica that runs it without `--shards`.
+    plain: LockKey,
+}
+
+impl ShardKeys {
+    pub fn of(lock: &LockKey) -> ShardKeys {
+        ShardKeys {
+            space: lock.classid() as i32 ^ lock.objid() as i32,
+            plain: lock.clone(),
+        }
+    }
+
+    /// The first int4 of every key of this name (`pg_locks.classid`).
+    pub fn space(&self) -> i32 {
+        self.space
+    }
+
+    /// The channel every member LISTENs on.
+    pub fn channel(&self) -> String {
+        format!("pgleader_shards_{:08x}", self.space as u32)
+    }
+
+    fn member(pid: i32) -> i32 {
+        -pid
+    }
+
+    fn count_marker(shards: u32) -> i32 {
+        COUNT_BASE + shards as i32
+    }
+
+    fn cap_marker(cap: u32) -> i32 {
+        CAP_BASE + cap as i32
+    }
+}
+
+/// Why a replica cannot take part in a sharded lock.
+#[derive(Debug, thiserror::Error)]
+pub enum JoinError {
+    #[error(transparent)]
+    Connect(#[from] ConnectError),
+    #[error(transparent)]
+    Session(#[from] SessionError),
+    /// Another replica runs the same name with another shard count, or without shards.
+    #[error("{0}")]
+    Mismatch(String),
+}
+
+/// What a roster read saw.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Seen {
+    pub roster: Roster,
+    /// Shards held by sessions that are not members (one that is leaving, say): not free.
+    pub taken: BTreeSet<u32>,
+    /// Why this replica must not run with the others, if it must not.
+    pub mismatch: Option<String>,
+    pub server_time: jiff::Timestamp,
+}
+
+impl Seen {
+    /// The shards nobody holds.
+    pub fn free(&self) -> Vec<u32> {
+        self.roster
+            .free()
+            .into_iter()
+            .filter(|shard| !self.taken.contains(shard))
+            .collect()
+    }
+}
+
+/// Every granted advisory lock of the name, and the plain key's too (waiting or not), with
+/// the server's clock and this session's server process: one row even when there is no lock.
+const ROSTER_SQL: &str = "SELECT me.pid, me.now, l.pid, l.objid::int8, l.objsubid::int4, \
+        l.mode = 'ExclusiveLock' \
+    FROM (SELECT pg_catalog.pg_backend_pid() AS pid, pg_catalog.clock_timestamp() AS now) me \
+    LEFT JOIN pg_catalog.pg_locks l ON l.locktype = 'advisory' \
+        AND l.database = (SELECT oid FROM pg_catalog.pg_database \
+            WHERE datname = pg_catalog.current_database()) \
+        AND ((l.classid = $1 AND l.objsubid = 2 AND l.granted) \
+            OR (l.classid = $2 AND l.objid = $3 AND l.objsubid = 1))";
+
+const TAKE_SQL: &str = "SELECT i, pg_catalog.pg_try_advisory_lock($1::int4, i) \
+    FROM pg_catalog.unnest($2::int4[]) AS i";
+
+const GIVE_SQL: &str =
+    "SELECT pg_catalog.pg_advisory_unlock($1::int4, $2::int4), pg_catalog.pg_notify($3, $4)";
+
+/// Reads a roster from `ROSTER_SQL`'s rows, as seen by a member running `shards` shards.
+fn read_roster(
+    keys: &ShardKeys,
+    shards: u32,
+    rows: &[tokio_postgres::Row],
+) -> Result<Seen, SessionError> {
+    let first = rows
+        .first()
+        .ok_or_else(|| SessionError::Query("the roster returned no row".into()))?;
+    let server_time: jiff::Timestamp = first.get(1);
+    let mut members: BTreeMap<i32, Member> = BTreeMap::new();
+    let (mut holds, mut counts, mut caps, mut plain) = (Vec::new(), Vec::new(), Vec::new(), None);
+    for row in rows {
+        let (Some(pid), Some(objid), Some(subid), Some(exclusive)) = (
+            row.get::<_, Option<i32>>(2),
+            row.get::<_, Option<i64>>(3),
+            row.get::<_, Option<i32>>(4),
+            row.get::<_, Option<bool>>(5),
+        ) else {
+            continue;
+        };
+        if subid == 1 {
+            plain.get_or_insert(pid);
+            continue;
+        }
+        let n = objid as u32 as i32;
+        match n {
+            0.. if exclusive => holds.push((pid, n as u32)),
+            MEMBER_FLOOR..0 if exclusive && ShardKeys::member(pid) == n => {
+                let holds = BTreeSet::new();
+                members.insert(
+                    pid,
+                    Member {
+                        id: pid,
+                        cap: None,
+                        holds,
+                    },
+                );
+            }
+            COUNT_BASE..CAP_BASE => counts.push((pid, (n - COUNT_BASE) as u32)),
+            CAP_BASE..MEMBER_FLOOR => caps.push((pid, (n - CAP_BASE) as u32)),
+            _ => {}
+        }
+    }
+    for (pid, cap) in caps {
+        if let Some(member) = members.get_mut(&pid) {
+            member.cap = Some(cap);
+        }
+    }
+    let mut mismatch = counts.iter().find(|(_, count)| *count != shards).map(|(pid, count)| {
+        format!(
+            "the replica of server process {pid} runs this lock with --shards {count}, this one \
+             with --shards {shards}: every replica of a lock must run with the same shard count \
+             (stop them all to change it)"
+        )
+    });
+    if let (None, Some(pid)) = (&mismatch, plain) {
+        mismatch = Some(format!(
+            "the replica of server process {pid} runs lock {} without --shards: a lock runs \
+             either sharded on every replica or on none",
+            keys.plain
+        ));
+    }
+    let mut taken = BTreeSet::new();
+    for (pid, shard) in holds {
+        if shard >= shards {
+            continue;
+        }
+        match members.get_mut(&pid) {
+            Some(member) => {
+                member.holds.insert(shard);
+            }
+            None => {
+                taken.insert(shard);
+            }
+        }
+    }
+    Ok(Seen {
+        roster: Roster {
+            shards,
+            members: members.into_values().collect(),
+        },
+        taken,
+        mismatch,
+        server_time,
+    })
+}
+
+/// A replica's holder session: its membership, its markers and the shards it runs.
+#[derive(Debug)]
+pub struct ShardHolder {
+    session: PgSession,
+    keys: ShardKeys,
+    shards: u32,
+    notifications: Notifications,
+}
+
+impl ShardHolder {
+    /// Connects, joins the roster (member lock, markers, LISTEN) and refuses to go on beside a
+    /// replica that runs the name otherwise; then tells the others it joined.
+    pub async fn join(
+        backend: &PgBackend,
+        name: &str,
+        shards: u32,
+        cap: Option<u32>,
+    ) -> Result<ShardHolder, JoinError> {
+        assert!(
+            (1..=MAX_SHARDS).contains(&shards),
+            "a shard count is checked at start-up"
+        );
+        let mut session = backend.connect(name).await?;
+        let notifications = session
+            .take_notifications()
+            .ok_or_else(|| SessionError::Query("the session's notifications are gone".into()))?;
+        let keys = ShardKeys::of(&backend.lock);
+        let space = keys.space;
+        let mut join = format!(
+            "SET lock_timeout = '5s'; LISTEN {channel}; \
+             SELECT pg_catalog.pg_advisory_lock({space}, -pg_catalog.pg_backend_pid()); \
+             SELECT pg_catalog.pg_advisory_lock_shared({space}, {count});",
+            channel = keys.channel(),
+            count = ShardKeys::count_marker(shards),
+        );
+        if let Some(cap) = cap {
+            join.push_str(&format!(
+                " SELECT pg_catalog.pg_advisory_lock_shared({space}, {});",
+                ShardKeys::cap_marker(cap.min(MAX_SHARDS))
+            ));
+        }
+        join.push_str(" SET lock_timeout = 0;");
+        session
+            .client()
+            .batch_execute(&join)
+            .await
+            .map_err(query_error)?;
+        let holder = ShardHolder {
+            session,
+            keys,
+            shards,
+            notifications,
+        };
+        let seen = holder.roster().await?;
+        if let Some(reason) = seen.mismatch {
+            return Err(JoinError::Mismatch(reason));
+        }
+        holder.notify(&format!("joined {}", holder.id())).await?;
+        Ok(holder)
+    }
+
+    /// The holder session's server process: the member's id on the roster.
+    pub fn id(&self) -> i32 {
+        self.session.id()
+    }
+
+    pub fn keys(&self) -> &ShardKeys {
+        &self.keys
+    }
+
+    /// The socket a keeper holds while a shard's command runs (see `Session::sockets`).
+    pub fn sockets(&self) -> Vec<std::os::fd::RawFd> {
+        self.session.sockets()
+    }
+
+    /// Resolves when the holder session has ended: every shard is lost.
+    pub async fn ended(&mut self) -> String {
+        self.session.ended().await
+    }
+
+    /// The next notification on the name's channel from another session: a member joined,
+    /// gave a shard away, left, or was found gone. `None` once the connection has ended.
+    pub async fn notified(&mut self) -> Option<String> {
+        loop {
+            let notification = self.notifications.recv().await?;
+            if notification.process_id() != self.id() {
+                return Some(notification.payload().to_owned());
+            }
+        }
+    }
+
+    /// Reads the roster: who runs the name, what each holds, and the server's clock.
+    pub async fn roster(&self) -> Result<Seen, SessionError> {
+        let (space, classid, objid) = (
+            self.keys.space as u32,
+            self.keys.plain.classid(),
+            self.keys.plain.objid(),
+        );
+        let rows = self
+            .session
+            .client()
+            .query_typed(
+                ROSTER_SQL,
+                &[
+                    (&space, Type::OID),
+                    (&classid, Type::OID),
+                    (&objid, Type::OID),
+                ],
+            )
+            .await
+            .map_err(query_error)?;
+        let seen = read_roster(&self.keys, self.shards, &rows)?;
+        let pid: i32 = rows.first().map_or(0, |row| row.get(0));
+        if pid != self.id() {
+            return Err(SessionError::Unsafe(format!(
+                "this session's server process changed from {} to {pid}: a transaction pooler \
+                 stands between",
+                self.id()
+            )));
+        }
+        Ok(seen)
+    }
+
+    /// Tries to take each of `shards`; returns those it took, with their fence. Bounded by
+    /// the connect timeout, as a follower's try is.
+    pub async fn take(&self, shards: &[u32]) -> Result<(Vec<u32>, Option<Fence>), SessionError> {
+        let wanted: Vec<i32> = shards.iter().map(|&shard| shard as i32).collect();
+        let rows = self
+            .session
+            .client()
+            .query_typed(
+                TAKE_SQL,
+                &[(&self.keys.space, Type::INT4), (&wanted, Type::INT4_ARRAY)],
+            )
+            .await
+            .map_err(query_error)?;
+        let won: Vec<u32> = rows
+            .iter()
+            .filter(|row| row.get::<_, bool>(1))
+            .map(|row| row.get::<_, i32>(0) as u32)
+            .collect();
+        if won.is_empty() {
+            return Ok((won, None));
+        }
+        // One token for the shards taken together: each is greater than every earlier
+        // holder's of each of them (see `PgSession::fence`).
+        let fence = self.session.fence().await?;
+        Ok((won, Some(fence)))
+    }
+
+    /// Releases a shard (its command is gone) and tells the others, who take it at once.
+    pub async fn give(&self, shard: u32) -> Result<(), SessionError> {
+        let payload = format!("gave {shard}");
+        let channel = self.keys.channel();
+        let shard = shard as i32;
+        let row = self
+            .session
+            .client()
+            .query_typed_one(
+                GIVE_SQL,
+                &[
+                    (&self.keys.space, Type::INT4),
+                    (&shard, Type::INT4),
+                    (&channel, Type::TEXT),
+                    (&payload, Type::TEXT),
+                ],
+            )
+            .await
+            .map_err(query_error)?;
+        if row.get::<_, bool>(0) {
+            Ok(())
+        } else {
+            Err(SessionError::Query(format!(
+                "the server says this session did not hold shard {shard}"
+            )))
+        }
+    }
+
+    /// Leaves the roster: every lock of the name released and the others told, within
+    /// `timeout`; then the session closes (which frees them anyway).
+    pub async fn leave(self, timeout: Duration) -> Result<(), SessionError> {
+        let sql = format!(
+            "SELECT pg_catalog.pg_advisory_unlock_all(); \
+             SELECT pg_catalog.pg_notify('{}', 'left {}')",
+            self.keys.channel(),
+            self.id()
+        );
+        match tokio::time::timeout(timeout, self.session.client().batch_execute(&sql)).await {
+            Ok(result) => result.map_err(query_error),
+            Err(_) => Err(SessionError::Query(format!(
+                "no answer within {}",
+                humantime::format_duration(timeout)
+            ))),
+        }
+    }
+
+    async fn notify(&self, payload: &str) -> Result<(), SessionError> {
+        let channel = self.keys.channel();
+        self.session
+            .client()
+            .query_typed(
+                "SELECT pg_catalog.pg_notify($1, $2)",
+                &[(&channel, Type::TEXT), (&payload, Type::TEXT)],
+            )
+            .await
+            .map_err(query_error)?;
+        Ok(())
+    }
+}
+
+/// A replica's second session: it waits for the end of one other member.
+#[derive(Debug)]
+pub struct ShardWatcher {
+    session: PgSession,
+    keys: ShardKeys,
+    refresh: Duration,
+}
+
+impl ShardWatcher {
+    pub async fn open(backend: &PgBackend, name: &str) -> Result<ShardWatcher, ConnectError> {
+        Ok(ShardWatcher {
+            session: backend.connect(name).await?,
+            keys: ShardKeys::of(&backend.lock),
+            refresh: backend.wait_refresh,
+        })
+    }
+
+    /// Resolves once the member whose holder session is server process `member` has gone
+    /// (or left), having told every member. Without polling, in turns (see the module). As
+    /// with a follower's wait, a watch that was dropped may have been granted meanwhile: the
+    /// watcher must then be dropped too.
+    pub fn watch(&self, member: i32) -> impl Future<Output = Result<(), SessionError>> + 'static {
+        let (space, key) = (self.keys.space, ShardKeys::member(member));
+        let body = format!(
+            "PERFORM pg_catalog.pg_advisory_lock_shared({space}, {key}); \
+             PERFORM pg_catalog.pg_advisory_unlock_shared({space}, {key}); \
+             PERFORM pg_catalog.pg_notify('{}', 'gone {member}');",
+            self.keys.channel()
+        );
+        let sql = in_turns(self.refresh, &body);
+        let client: Arc<Client> = self.session.client().clone();
+        async move { client.batch_execute(&sql).await.map_err(query_error) }
+    }
+
+    /// Resolves when the watcher's session has ended.
+    pub async fn ended(&mut self) -> String {
+        self.session.ended().await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_keys_ranges_do_not_overlap() {
+        assert!(ShardKeys::count_marker(MAX_SHARDS) < CAP_BASE);
+        assert!(ShardKeys::cap_marker(MAX_SHARDS) < MEMBER_FLOOR);
+        assert!(ShardKeys::member(1 << 22) >= MEMBER_FLOOR);
+        assert!(ShardKeys::member(1) < 0);
+    }
+
+    #[test]
+    fn the_space_folds_the_plain_key_and_names_the_channel() {
+        let keys = ShardKeys::of(&LockKey::from_id(10));
+        assert_eq!(keys.space(), 10);
+        assert_eq!(keys.channel(), "pgleader_shards_0000000a");
+        let keys = ShardKeys::of(&LockKey::from_id(-1));
+        assert_eq!(keys.space(), 0);
+        let keys = ShardKeys::of(&LockKey::from_id(0x0000_0001_0000_0003));
+        assert_eq!(keys.space(), 2);
+    }
+}
