@@ -15,13 +15,13 @@ use nix::sys::signal::Signal;
 const AFTER_HELP: &str = "\
 Exit status (run):
   the command's status
-      under --once, or after a shutdown that stopped it (128+N if it was killed by signal N)
+      under --once, or after a shutdown that stopped it (128+N if it was killed by signal N); with --shards, which stops several, 0
   0
       shut down while no command was running; --no-wait found the lock busy; --once --schedule found its occurrence claimed (see --busy-exit-code)
   1
       fatal error: bad password, unknown database, TLS certificate that does not verify, a server older than PostgreSQL 13, unreachable database under --no-wait, a ledger table that cannot be used, an --http address that cannot be listened on
   2
-      usage error: an unknown option, an invalid value (an --http address that does not parse, too), a missing command
+      usage error: an unknown option, an invalid value (an --http address that does not parse, too), a missing command; --shards beside a replica of the same lock with another shard count, or without --shards
   75
       --once: leadership was lost while the command ran
   126, 127
@@ -30,6 +30,9 @@ Exit status (run):
 Exit status (status):
   0 the lock is held, 3 the lock is free, 1 error, 2 usage error
   with --watch: 0 when interrupted (TERM, INT), 1 error, 2 usage error";
+
+/// The most shards `--shards` takes.
+pub const MAX_SHARDS: i64 = 4096;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -243,6 +246,32 @@ pub struct RunArgs {
 
     #[command(flatten)]
     pub ledger: LedgerArgs,
+
+    /// PostgreSQL: run K numbered instances of the command across the replicas of this lock,
+    /// each exactly once, shared out evenly among the replicas that run (a replica over its
+    /// share stops the surplus and hands it over). Each instance gets PGLEADER_SHARD (0 to K-1)
+    /// and PGLEADER_SHARDS=K; a command that ignores them runs at most K times across the
+    /// fleet. Every replica of a lock must give the same K. No environment variable: a shard's
+    /// command is given PGLEADER_SHARDS, and a pgleader it starts must not take it for its own
+    #[arg(
+        long,
+        value_name = "K",
+        value_parser = clap::value_parser!(u32).range(1..=MAX_SHARDS),
+        help_heading = "Shards"
+    )]
+    pub shards: Option<u32>,
+
+    /// With --shards: take at most this many shards on this replica (a small machine); the
+    /// others share the rest out. Shards that no replica has room for are left unrun
+    #[arg(
+        long,
+        value_name = "N",
+        value_parser = clap::value_parser!(u32).range(1..=MAX_SHARDS),
+        env = "PGLEADER_MAX_SHARDS",
+        help_heading = "Shards",
+        requires = "shards"
+    )]
+    pub max_shards: Option<u32>,
 
     /// After winning less than this long after a server restart, crash or failover (which free
     /// every lock at once, possibly while the previous leader is still stopping its command),

@@ -18,8 +18,8 @@ use crate::redis::quorum::QuorumBackend;
 use crate::redis::url::{RedisServer, is_redis_url};
 use crate::schedule::Plan;
 use crate::schedule::calendar::Schedule;
-use crate::supervise::Settings;
 use crate::supervise::job::CommandLine;
+use crate::supervise::{Settings, Sharding};
 
 /// A usage error: the message says what is wrong; pgleader exits with 2.
 #[derive(Debug, Error)]
@@ -116,6 +116,7 @@ impl RunConfig {
         }
         .map_err(UsageError)?;
         no_ledger_table_on_redis(&args.ledger, &database)?;
+        let shards = sharding(&args, &database)?;
         let schedule = match &args.schedule {
             Some(expression) => Some(Plan {
                 schedule: Schedule::parse(expression, &args.schedule_timezone)
@@ -160,6 +161,7 @@ impl RunConfig {
             relinquish_schedule: args.relinquish_schedule,
             schedule,
             connect_timeout,
+            shards,
             restart_fence: match args.restart_fence {
                 RestartFence::Fixed(duration) => duration,
                 RestartFence::Auto => {
@@ -226,6 +228,61 @@ impl RunConfig {
         };
         Ok((config, warnings))
     }
+}
+
+/// `--shards` and `--max-shards`, or why they cannot be used together with what else was
+/// asked for.
+fn sharding(args: &RunArgs, database: &Database) -> Result<Option<Sharding>, UsageError> {
+    let Some(count) = args.shards else {
+        return Ok(None);
+    };
+    let refuse = |what: &str, why: &str| {
+        Err(UsageError(format!(
+            "--shards cannot be used with {what}: {why}"
+        )))
+    };
+    match database {
+        Database::Postgres(_) => {}
+        Database::Redis(_) => {
+            return refuse(
+                "a Redis URL yet",
+                "shards run on PostgreSQL only for now; use a PostgreSQL URL, or one plain \
+                 pgleader per shard",
+            );
+        }
+        Database::Quorum(_) => {
+            return refuse(
+                "a Redlock quorum",
+                "each shard's lock and each replica's end would have to be agreed by a \
+                 majority of the servers, which is not built; use PostgreSQL",
+            );
+        }
+    }
+    if args.once || args.no_wait {
+        return refuse(
+            if args.no_wait { "--no-wait" } else { "--once" },
+            "a replica's share of the shards changes as replicas come and go, so there is no \
+             single run to wait for and exit with; run it as a service",
+        );
+    }
+    if args.schedule.is_some() {
+        return refuse(
+            "--schedule yet",
+            "each occurrence once per shard is not built yet; run one scheduled pgleader per \
+             shard, each with its own --lock",
+        );
+    }
+    if args.relinquish_after.is_some() || args.relinquish_schedule.is_some() {
+        return refuse(
+            "--relinquish-after or --relinquish-schedule",
+            "shards already move between replicas to keep the fleet balanced; to move them off \
+             a replica, stop it (TERM): its shards run elsewhere within milliseconds",
+        );
+    }
+    Ok(Some(Sharding {
+        count,
+        cap: args.max_shards,
+    }))
 }
 
 /// The lock from `--lock-id` or `--lock`, else from PGLEADER_LOCK_ID or PGLEADER_LOCK.

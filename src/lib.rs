@@ -35,6 +35,7 @@ use crate::cli::{Command, RunArgs, StatusArgs};
 use crate::config::{Database, Elector, RunConfig, UsageError};
 use crate::election::Backend;
 use crate::election::lock::LockKey;
+use crate::election::shards::JoinError;
 use crate::operate::telemetry::{self, Telemetry};
 use crate::operate::{http, notify, status, watch};
 use crate::postgres::PgBackend;
@@ -42,7 +43,7 @@ use crate::postgres::conninfo::ProcessEnvironment;
 use crate::redis::RedisBackend;
 use crate::redis::quorum::QuorumBackend;
 use crate::supervise::job::CommandError;
-use crate::supervise::{signals, supervisor};
+use crate::supervise::{sharded, signals, supervisor};
 
 /// Runs a subcommand to its end and returns the exit code. Must run inside a tokio runtime
 /// whose thread lives as long as the process.
@@ -73,9 +74,12 @@ async fn run(args: RunArgs) -> anyhow::Result<u8> {
     }
     notify::init();
     let outcome = match config.backend {
-        Elector::Postgres(backend) => {
-            supervisor::run(backend, config.supervision, signals, telemetry).await?
-        }
+        Elector::Postgres(backend) => match config.supervision.shards {
+            Some(sharding) => {
+                sharded::run(backend, config.supervision, sharding, signals, telemetry).await?
+            }
+            None => supervisor::run(backend, config.supervision, signals, telemetry).await?,
+        },
         Elector::Redis(backend) => {
             supervisor::run(backend, config.supervision, signals, telemetry).await?
         }
@@ -141,7 +145,12 @@ async fn show_status<B: Backend>(
 /// The exit code for an error: 2 for usage errors, 126/127 for a command that cannot run,
 /// 1 for everything else.
 pub fn exit_code_of(err: &anyhow::Error) -> u8 {
-    if err.downcast_ref::<UsageError>().is_some() {
+    if err.downcast_ref::<UsageError>().is_some()
+        || matches!(
+            err.downcast_ref::<JoinError>(),
+            Some(JoinError::Mismatch(_))
+        )
+    {
         exit::USAGE
     } else if let Some(err) = err.downcast_ref::<CommandError>() {
         err.exit_code()

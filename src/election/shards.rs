@@ -21,6 +21,112 @@
 //! somewhere means a shortfall somewhere else, and a shard given away is taken at once.
 
 use std::collections::BTreeSet;
+use std::fmt::Display;
+use std::time::Duration;
+
+use thiserror::Error;
+
+use crate::election::{ConnectError, Fence, SessionError};
+
+/// Why a replica cannot take part in a sharded lock.
+#[derive(Debug, Error)]
+pub enum JoinError {
+    #[error(transparent)]
+    Connect(#[from] ConnectError),
+    #[error(transparent)]
+    Session(#[from] SessionError),
+    /// Another replica runs the same name with another shard count, or without shards.
+    #[error("{0}")]
+    Mismatch(String),
+}
+
+/// What a roster read saw.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Seen {
+    pub roster: Roster,
+    /// Shards held by sessions that are not members (one that is leaving, say): not free.
+    pub taken: BTreeSet<u32>,
+    /// Why this replica must not run with the others, if it must not.
+    pub mismatch: Option<String>,
+    pub server_time: jiff::Timestamp,
+}
+
+impl Seen {
+    /// The shards nobody holds.
+    pub fn free(&self) -> Vec<u32> {
+        self.roster
+            .free()
+            .into_iter()
+            .filter(|shard| !self.taken.contains(shard))
+            .collect()
+    }
+}
+
+/// A backend that can run a sharded lock: a holder session per replica for its membership and
+/// its shards, and a watcher session that waits for the end of one other member. Two sessions
+/// per replica, whatever the shard count.
+pub trait ShardBackend: Display {
+    type Holder: Holder;
+    type Watcher: Watcher;
+
+    /// Connects and joins the roster of `shards` shards, taking at most `cap`; refuses to go
+    /// on beside a replica that runs the name otherwise ([`JoinError::Mismatch`]).
+    fn join(
+        &self,
+        name: &str,
+        shards: u32,
+        cap: Option<u32>,
+    ) -> impl Future<Output = Result<Self::Holder, JoinError>>;
+
+    /// Opens the session that watches for another member's end.
+    fn watcher(&self, name: &str) -> impl Future<Output = Result<Self::Watcher, ConnectError>>;
+}
+
+/// What a holder session hears.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum HolderEvent {
+    /// Another member said this (joined, gave a shard away, left, found one gone).
+    Notified(String),
+    /// The session ended, for this reason: every shard is lost.
+    Ended(String),
+}
+
+/// A replica's holder session: its membership and the shards it runs.
+pub trait Holder {
+    /// The member's id on the roster (PostgreSQL: the holder session's backend pid).
+    fn id(&self) -> i32;
+
+    /// The sockets a keeper holds while a shard's command runs (see `Session::sockets`).
+    fn sockets(&self) -> Vec<std::os::fd::RawFd>;
+
+    /// The next word from another member (joined, gave a shard, left, gone), or the end of
+    /// the session, which loses every shard. Cancel-safe.
+    fn next_event(&mut self) -> impl Future<Output = HolderEvent>;
+
+    /// Reads the roster, which also proves which shards this session still holds. The future
+    /// owns what it needs.
+    fn roster(&self) -> impl Future<Output = Result<Seen, SessionError>> + 'static;
+
+    /// Tries to take each of `shards`: those taken, with their fence.
+    fn take(
+        &self,
+        shards: &[u32],
+    ) -> impl Future<Output = Result<(Vec<u32>, Option<Fence>), SessionError>>;
+
+    /// Releases a shard whose command is gone, and tells the others.
+    fn give(&self, shard: u32) -> impl Future<Output = Result<(), SessionError>>;
+
+    /// Releases everything and tells the others, within `timeout`.
+    fn leave(self, timeout: Duration) -> impl Future<Output = Result<(), SessionError>>;
+}
+
+/// A replica's watcher session.
+pub trait Watcher {
+    /// Resolves once member `member` has gone or left, every member told. The future owns
+    /// what it needs; one that was dropped may have been granted meanwhile, and the watcher
+    /// must then be dropped too.
+    fn watch(&self, member: i32) -> impl Future<Output = Result<(), SessionError>> + 'static;
+}
 
 /// One member of a sharded lock, as the server shows it.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -31,7 +31,7 @@ const SECTIONS: &[Section] = &[
             Para("pgleader run:"),
             Entry(
                 "the command's status",
-                "Under --once, or after a shutdown (TERM, INT) that stopped the command: its exit code, or 128+N if it was killed by signal N.",
+                "Under --once, or after a shutdown (TERM, INT) that stopped the command: its exit code, or 128+N if it was killed by signal N. With --shards, which stops several commands, 0.",
             ),
             Entry(
                 "0",
@@ -43,7 +43,7 @@ const SECTIONS: &[Section] = &[
             ),
             Entry(
                 "2",
-                "A usage error: an unknown option (before the command, every argument that starts with \"-\" is an option; a command whose name starts with \"-\" must follow --), an invalid option value (an --http address that does not parse, too), a missing command, timings that do not fit inside the lease.",
+                "A usage error: an unknown option (before the command, every argument that starts with \"-\" is an option; a command whose name starts with \"-\" must follow --), an invalid option value (an --http address that does not parse, too), a missing command, timings that do not fit inside the lease. Also --shards beside a replica of the same lock that runs another shard count, or none (see SHARDS).",
             ),
             Entry(
                 "75",
@@ -84,13 +84,17 @@ const SECTIONS: &[Section] = &[
                 "PGLEADER_ATTEMPT",
                 "With --schedule: 1, or more when --retry-interrupted starts an interrupted occurrence again.",
             ),
+            Entry(
+                "PGLEADER_SHARD, PGLEADER_SHARDS",
+                "With --shards K: which shard this command runs (0 to K-1), and K. Its PGLEADER_EPOCH is that shard's, and PGLEADER_BACKEND_PID the replica's holder session.",
+            ),
         ],
     },
     Section {
         heading: "ENVIRONMENT",
         body: &[
             Para(
-                "Every option of run can be set from the environment variable shown in --help (PGLEADER_LOCK_ID, PGLEADER_KILL_TIMEOUT, ...); a value on the command line wins. The lock is read from PGLEADER_LOCK_ID or PGLEADER_LOCK only when neither --lock-id nor --lock is given.",
+                "Every option of run can be set from the environment variable shown in --help (PGLEADER_LOCK_ID, PGLEADER_KILL_TIMEOUT, ...); a value on the command line wins. The lock is read from PGLEADER_LOCK_ID or PGLEADER_LOCK only when neither --lock-id nor --lock is given. --shards has no variable: a shard's command is given PGLEADER_SHARDS, and a pgleader it starts must not take it for its own.",
             ),
             Entry(
                 "PGLEADER_DATABASE_URL, DATABASE_URL",
@@ -111,6 +115,20 @@ const SECTIONS: &[Section] = &[
             Entry(
                 "~/.pgpass",
                 "Passwords, with libpq's format and rules; a file that group or others can read is ignored with a warning.",
+            ),
+        ],
+    },
+    Section {
+        heading: "SHARDS",
+        body: &[
+            Para(
+                "With --shards K (PostgreSQL), K numbered instances of the command run across the replicas of the lock, each exactly once, and every replica runs its share: with R replicas, K/R rounded down or up, --max-shards N at most. Each instance gets PGLEADER_SHARD and PGLEADER_SHARDS, a PGLEADER_EPOCH of its own and a process group of its own, under a keeper, with every promise a single leader's command has. A replica over its share stops the surplus (the kill signal, --kill-timeout, SIGKILL) and releases each shard only once its command's whole tree is gone; a replica short of its share takes it at once, and the shards of a replica that died run on the others within milliseconds. A command that exits on its own releases its shard and leaves it to the others for --restart-delay. A command that ignores PGLEADER_SHARD runs at most K times across the fleet: a semaphore.",
+            ),
+            Para(
+                "Every replica keeps two sessions whatever K is: a holder session, which holds its shards, LISTENs on pgleader_shards_<space in hex> and reads the roster (pg_locks) when told of a change and every --check-interval (its check, with a single leader's deadline), and a watcher session, which waits for the next replica's membership lock in turns and tells everyone the moment that replica is gone. The locks are two-int4 advisory locks (space, n), never the plain key of the name: space is the plain key's two halves XORed, as an int4; n is the shard (0 to K-1), minus the holder session's pid (membership), -2^31+K (shared: the shard count) or -2^30+N (shared: --max-shards N).",
+            ),
+            Para(
+                "Every replica of a lock must give the same K: one that starts beside a replica with another K, or beside a plain replica of the lock, exits with status 2 and names it. Not yet: Redis and quorums, --schedule, --once, --no-wait and --relinquish-* are refused with status 2 and the reason; pgleader status does not know shards.",
             ),
         ],
     },

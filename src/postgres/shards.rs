@@ -38,7 +38,9 @@ use tokio_postgres::Client;
 use tokio_postgres::types::Type;
 
 use crate::election::lock::LockKey;
-use crate::election::shards::{Member, Roster};
+use crate::election::shards::{
+    Holder, HolderEvent, JoinError, Member, Roster, Seen, ShardBackend, Watcher,
+};
 use crate::election::{Backend, ConnectError, Fence, Session, SessionError};
 use crate::postgres::PgBackend;
 use crate::postgres::connect::Notifications;
@@ -89,40 +91,6 @@ impl ShardKeys {
 
     fn cap_marker(cap: u32) -> i32 {
         CAP_BASE + cap as i32
-    }
-}
-
-/// Why a replica cannot take part in a sharded lock.
-#[derive(Debug, thiserror::Error)]
-pub enum JoinError {
-    #[error(transparent)]
-    Connect(#[from] ConnectError),
-    #[error(transparent)]
-    Session(#[from] SessionError),
-    /// Another replica runs the same name with another shard count, or without shards.
-    #[error("{0}")]
-    Mismatch(String),
-}
-
-/// What a roster read saw.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Seen {
-    pub roster: Roster,
-    /// Shards held by sessions that are not members (one that is leaving, say): not free.
-    pub taken: BTreeSet<u32>,
-    /// Why this replica must not run with the others, if it must not.
-    pub mismatch: Option<String>,
-    pub server_time: jiff::Timestamp,
-}
-
-impl Seen {
-    /// The shards nobody holds.
-    pub fn free(&self) -> Vec<u32> {
-        self.roster
-            .free()
-            .into_iter()
-            .filter(|shard| !self.taken.contains(shard))
-            .collect()
     }
 }
 
@@ -284,7 +252,7 @@ impl ShardHolder {
             shards,
             notifications,
         };
-        let seen = holder.roster().await?;
+        let seen = Holder::roster(&holder).await?;
         if let Some(reason) = seen.mismatch {
             return Err(JoinError::Mismatch(reason));
         }
@@ -292,71 +260,71 @@ impl ShardHolder {
         Ok(holder)
     }
 
-    /// The holder session's server process: the member's id on the roster.
-    pub fn id(&self) -> i32 {
-        self.session.id()
-    }
-
     pub fn keys(&self) -> &ShardKeys {
         &self.keys
     }
+}
+
+impl Holder for ShardHolder {
+    /// The holder session's server process: the member's id on the roster.
+    fn id(&self) -> i32 {
+        self.session.id()
+    }
 
     /// The socket a keeper holds while a shard's command runs (see `Session::sockets`).
-    pub fn sockets(&self) -> Vec<std::os::fd::RawFd> {
+    fn sockets(&self) -> Vec<std::os::fd::RawFd> {
         self.session.sockets()
     }
 
-    /// Resolves when the holder session has ended: every shard is lost.
-    pub async fn ended(&mut self) -> String {
-        self.session.ended().await
-    }
-
-    /// The next notification on the name's channel from another session: a member joined,
-    /// gave a shard away, left, or was found gone. `None` once the connection has ended.
-    pub async fn notified(&mut self) -> Option<String> {
+    async fn next_event(&mut self) -> HolderEvent {
+        let me = self.session.id();
         loop {
-            let notification = self.notifications.recv().await?;
-            if notification.process_id() != self.id() {
-                return Some(notification.payload().to_owned());
+            // Biased: the end of the session comes before what it heard last.
+            tokio::select! {
+                biased;
+                reason = self.session.ended() => return HolderEvent::Ended(reason),
+                Some(notification) = self.notifications.recv() => {
+                    if notification.process_id() != me {
+                        return HolderEvent::Notified(notification.payload().to_owned());
+                    }
+                }
             }
         }
     }
 
     /// Reads the roster: who runs the name, what each holds, and the server's clock.
-    pub async fn roster(&self) -> Result<Seen, SessionError> {
-        let (space, classid, objid) = (
-            self.keys.space as u32,
-            self.keys.plain.classid(),
-            self.keys.plain.objid(),
-        );
-        let rows = self
-            .session
-            .client()
-            .query_typed(
-                ROSTER_SQL,
-                &[
-                    (&space, Type::OID),
-                    (&classid, Type::OID),
-                    (&objid, Type::OID),
-                ],
-            )
-            .await
-            .map_err(query_error)?;
-        let seen = read_roster(&self.keys, self.shards, &rows)?;
-        let pid: i32 = rows.first().map_or(0, |row| row.get(0));
-        if pid != self.id() {
-            return Err(SessionError::Unsafe(format!(
-                "this session's server process changed from {} to {pid}: a transaction pooler \
-                 stands between",
-                self.id()
-            )));
+    fn roster(&self) -> impl Future<Output = Result<Seen, SessionError>> + 'static {
+        let client = self.session.client().clone();
+        let (keys, shards, me) = (self.keys.clone(), self.shards, self.id());
+        async move {
+            let (space, classid, objid) =
+                (keys.space as u32, keys.plain.classid(), keys.plain.objid());
+            let rows = client
+                .query_typed(
+                    ROSTER_SQL,
+                    &[
+                        (&space, Type::OID),
+                        (&classid, Type::OID),
+                        (&objid, Type::OID),
+                    ],
+                )
+                .await
+                .map_err(query_error)?;
+            let seen = read_roster(&keys, shards, &rows)?;
+            let pid: i32 = rows.first().map_or(0, |row| row.get(0));
+            if pid != me {
+                return Err(SessionError::Unsafe(format!(
+                    "this session's server process changed from {me} to {pid}: a transaction \
+                     pooler stands between"
+                )));
+            }
+            Ok(seen)
         }
-        Ok(seen)
     }
 
     /// Tries to take each of `shards`; returns those it took, with their fence. Bounded by
     /// the connect timeout, as a follower's try is.
-    pub async fn take(&self, shards: &[u32]) -> Result<(Vec<u32>, Option<Fence>), SessionError> {
+    async fn take(&self, shards: &[u32]) -> Result<(Vec<u32>, Option<Fence>), SessionError> {
         let wanted: Vec<i32> = shards.iter().map(|&shard| shard as i32).collect();
         let rows = self
             .session
@@ -382,7 +350,7 @@ impl ShardHolder {
     }
 
     /// Releases a shard (its command is gone) and tells the others, who take it at once.
-    pub async fn give(&self, shard: u32) -> Result<(), SessionError> {
+    async fn give(&self, shard: u32) -> Result<(), SessionError> {
         let payload = format!("gave {shard}");
         let channel = self.keys.channel();
         let shard = shard as i32;
@@ -411,7 +379,7 @@ impl ShardHolder {
 
     /// Leaves the roster: every lock of the name released and the others told, within
     /// `timeout`; then the session closes (which frees them anyway).
-    pub async fn leave(self, timeout: Duration) -> Result<(), SessionError> {
+    async fn leave(self, timeout: Duration) -> Result<(), SessionError> {
         let sql = format!(
             "SELECT pg_catalog.pg_advisory_unlock_all(); \
              SELECT pg_catalog.pg_notify('{}', 'left {}')",
@@ -426,7 +394,9 @@ impl ShardHolder {
             ))),
         }
     }
+}
 
+impl ShardHolder {
     async fn notify(&self, payload: &str) -> Result<(), SessionError> {
         let channel = self.keys.channel();
         self.session
@@ -449,6 +419,24 @@ pub struct ShardWatcher {
     refresh: Duration,
 }
 
+impl ShardBackend for PgBackend {
+    type Holder = ShardHolder;
+    type Watcher = ShardWatcher;
+
+    async fn join(
+        &self,
+        name: &str,
+        shards: u32,
+        cap: Option<u32>,
+    ) -> Result<ShardHolder, JoinError> {
+        ShardHolder::join(self, name, shards, cap).await
+    }
+
+    async fn watcher(&self, name: &str) -> Result<ShardWatcher, ConnectError> {
+        ShardWatcher::open(self, name).await
+    }
+}
+
 impl ShardWatcher {
     pub async fn open(backend: &PgBackend, name: &str) -> Result<ShardWatcher, ConnectError> {
         Ok(ShardWatcher {
@@ -457,12 +445,14 @@ impl ShardWatcher {
             refresh: backend.wait_refresh,
         })
     }
+}
 
+impl Watcher for ShardWatcher {
     /// Resolves once the member whose holder session is server process `member` has gone
     /// (or left), having told every member. Without polling, in turns (see the module). As
     /// with a follower's wait, a watch that was dropped may have been granted meanwhile: the
     /// watcher must then be dropped too.
-    pub fn watch(&self, member: i32) -> impl Future<Output = Result<(), SessionError>> + 'static {
+    fn watch(&self, member: i32) -> impl Future<Output = Result<(), SessionError>> + 'static {
         let (space, key) = (self.keys.space, ShardKeys::member(member));
         let body = format!(
             "PERFORM pg_catalog.pg_advisory_lock_shared({space}, {key}); \
@@ -473,11 +463,6 @@ impl ShardWatcher {
         let sql = in_turns(self.refresh, &body);
         let client: Arc<Client> = self.session.client().clone();
         async move { client.batch_execute(&sql).await.map_err(query_error) }
-    }
-
-    /// Resolves when the watcher's session has ended.
-    pub async fn ended(&mut self) -> String {
-        self.session.ended().await
     }
 }
 

@@ -15,6 +15,7 @@ use tokio::time::{Instant, sleep};
 use tracing::{debug, info, warn};
 
 use crate::exit::ChildStatus;
+use crate::operate::metrics::LossReason;
 use crate::operate::notify;
 use crate::operate::telemetry::Telemetry;
 use crate::supervise::job::{self, Job};
@@ -24,7 +25,7 @@ use crate::time::for_people as fmt;
 
 /// How long the keeper may take to kill everything the command started before its process
 /// group is SIGKILLed directly (which kills the keeper too).
-const KEEPER_GRACE: Duration = Duration::from_secs(1);
+pub const KEEPER_GRACE: Duration = Duration::from_secs(1);
 
 /// A second TERM or INT sends SIGKILL at once, unless it follows the first this closely.
 pub const REPEAT_WINDOW: Duration = Duration::from_secs(1);
@@ -49,6 +50,33 @@ pub struct Inbox {
 }
 
 impl Inbox {
+    pub fn new(
+        signals: UnboundedReceiver<SignalEvent>,
+        telemetry: Telemetry,
+        kill_timeout: Duration,
+    ) -> Inbox {
+        Inbox {
+            signals,
+            shutdown_requested: None,
+            telemetry,
+            kill_timeout,
+        }
+    }
+
+    /// The first TERM or INT while leading: remembered, logged, told to systemd (`what`
+    /// happens next) and published.
+    pub fn begin_shutdown(&mut self, signal: Signal, what: &str) {
+        self.shutdown_requested = Some(Instant::now());
+        info!(
+            event = "shutdown",
+            signal = signal.as_str(),
+            "shutting down"
+        );
+        notify::stopping(what);
+        self.telemetry
+            .leadership_lost(LossReason::Shutdown, "shutting down");
+    }
+
     /// Stops a job if there is one; its status if it ran.
     pub async fn stop_if_running(
         &mut self,
@@ -338,7 +366,7 @@ impl Inbox {
 
 /// A stop signal for the command's process group, followed by SIGCONT so that a stopped
 /// command can act on it (as systemd does).
-fn send_stop_signal(job: &Job, signal: Signal) {
+pub fn send_stop_signal(job: &Job, signal: Signal) {
     if let Err(err) = job.signal(signal) {
         warn!(event = "signal_failed", pgid = job.pgid().as_raw(), reason = %err, "cannot signal the process group");
     }

@@ -328,18 +328,28 @@ impl Job {
     /// The next report from the keeper. Cancel-safe; never completes once the keeper has closed
     /// its end and every report has been read.
     pub async fn next_report(&mut self) -> Report {
+        std::future::poll_fn(|cx| self.poll_report(cx)).await
+    }
+
+    /// Polls for the next report from the keeper, so that one task can wait on many jobs (a
+    /// sharded replica's). Pending for good once the keeper has closed its end and every
+    /// report has been read.
+    pub fn poll_report(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Report> {
         loop {
             if let Some(report) = self.take_buffered() {
-                return report;
+                return std::task::Poll::Ready(report);
             }
             if self.channel_closed {
-                return std::future::pending().await;
+                return std::task::Poll::Pending;
             }
-            if self.channel.readable().await.is_err() {
-                self.channel_closed = true;
-                continue;
+            match self.channel.poll_read_ready(cx) {
+                std::task::Poll::Pending => return std::task::Poll::Pending,
+                std::task::Poll::Ready(Err(_)) => self.channel_closed = true,
+                // A read that would block clears the readiness: the next poll waits again.
+                std::task::Poll::Ready(Ok(())) => {
+                    self.read_available();
+                }
             }
-            self.read_available();
         }
     }
 

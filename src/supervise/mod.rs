@@ -1,6 +1,7 @@
 //! Supervising the command: the state machine of `pgleader run` (elect, lead, stop, re-enter),
-//! the leader's duty while it leads (a service, a single run, a schedule), the job and its
-//! keeper process, the signals pgleader receives, and what `/proc` says about a process group.
+//! the leader's duty while it leads (a service, a single run, a schedule), a sharded replica's
+//! room (`--shards`: a command per shard it holds), the job and its keeper process, the signals
+//! pgleader receives, and what `/proc` says about a process group.
 //!
 //! Everything here works through the election's boundary (`election/`): the supervisor is
 //! generic over the backend and knows nothing of SQL or of any backend's types.
@@ -10,6 +11,7 @@ pub mod inbox;
 pub mod job;
 pub mod keeper;
 pub mod procfs;
+pub mod sharded;
 pub mod signals;
 pub mod spawn;
 pub mod supervisor;
@@ -17,9 +19,12 @@ pub mod supervisor;
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
+use tokio::time::Instant;
+use tracing::info;
 
 use crate::election::lock::LockKey;
 use crate::schedule::Plan;
+use crate::time::for_people as fmt;
 use job::CommandLine;
 
 /// What the supervisor needs of `pgleader run`'s settings (the backend has the rest).
@@ -46,4 +51,70 @@ pub struct Settings {
     pub schedule: Option<Plan>,
     /// How long connecting may take (bounds preparing a session's ledger too).
     pub connect_timeout: Duration,
+    /// `--shards` and `--max-shards`: run the command once per shard (see `sharded.rs`).
+    pub shards: Option<Sharding>,
+}
+
+/// How many shards a sharded lock has, and how many this replica takes at most.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sharding {
+    pub count: u32,
+    pub cap: Option<u32>,
+}
+
+impl Settings {
+    /// How long a new leader waits before its command may start: `--takeover-delay`, or what
+    /// is left of the restart fence when the server freed every lock a moment ago.
+    ///
+    /// A server restart, the crash of any server process (after which the postmaster ends
+    /// every session) and a failover to a promoted standby all free every lock at once,
+    /// possibly before the previous leader has noticed. Its command is gone at most
+    /// --restart-fence (check-interval + check-timeout + kill-timeout + margin) later. The
+    /// server tells when it last started or reset; a failover shows only on this side, as the
+    /// loss of this pgleader's previous session (`last_disturbance`), after which every session
+    /// of the new primary, this one included, is younger than the failover.
+    pub fn start_delay(
+        &self,
+        last_disturbance: Option<Instant>,
+        since_server_reset: Duration,
+        session_age: Duration,
+    ) -> Duration {
+        let (fence, takeover) = (self.restart_fence, self.takeover_delay);
+        let mut since_reset = since_server_reset;
+        if last_disturbance.is_some_and(|at| at.elapsed() < fence) {
+            since_reset = since_reset.min(session_age);
+        }
+        let restart_fence = fence.saturating_sub(since_reset);
+        let delay = takeover.max(restart_fence);
+        if !restart_fence.is_zero() && restart_fence >= takeover {
+            info!(
+                event = "restart_fence",
+                since_reset = %fmt(since_reset),
+                "the server restarted, reset or failed over {} ago: starting the command in {} (--restart-fence), in case the previous leader's command still runs",
+                fmt(since_reset),
+                fmt(restart_fence)
+            );
+        } else if !delay.is_zero() {
+            info!(
+                event = "takeover_delay",
+                "starting the command in {} (--takeover-delay)",
+                fmt(delay)
+            );
+        }
+        delay
+    }
+
+    /// What every leader's command finds in its environment: the lock, the session that holds
+    /// it, and the fencing token.
+    pub fn leader_env(&self, session_id: i32, epoch: i64) -> Vec<(&'static str, String)> {
+        let mut env = vec![
+            ("PGLEADER_LOCK_ID", self.lock.key().to_string()),
+            ("PGLEADER_BACKEND_PID", session_id.to_string()),
+            ("PGLEADER_EPOCH", epoch.to_string()),
+        ];
+        if let Some(name) = self.lock.name() {
+            env.push(("PGLEADER_LOCK_NAME", name.to_owned()));
+        }
+        env
+    }
 }

@@ -61,12 +61,7 @@ pub async fn run<B: Backend>(
     let mut supervisor = Supervisor {
         connect_deadline: duty.connect_deadline(),
         duty,
-        inbox: Inbox {
-            signals,
-            shutdown_requested: None,
-            telemetry,
-            kill_timeout: settings.kill_timeout,
-        },
+        inbox: Inbox::new(signals, telemetry, settings.kill_timeout),
         backend,
         settings,
         backoff: Backoff::default(),

@@ -8,12 +8,16 @@ use std::time::Duration;
 
 use pgleader::election::Session;
 use pgleader::election::lock::LockKey;
-use pgleader::election::shards::Roster;
+use pgleader::election::shards::{Holder, HolderEvent, JoinError, Roster, Watcher};
 use pgleader::postgres::PgBackend;
-use pgleader::postgres::shards::{JoinError, ShardHolder, ShardWatcher};
+use pgleader::postgres::shards::{ShardHolder, ShardWatcher};
 
 use crate::contract::{NoEnvironment, block_on, within};
-use crate::harness::{Cluster, WAIT, unique_lock};
+use nix::sys::signal::Signal;
+
+use crate::harness::{
+    Cluster, Journal, Proc, Stream, WAIT, field, overlaps_seen, run, unique_lock,
+};
 
 fn backend(lock: i64) -> PgBackend {
     let url = Cluster::shared().url();
@@ -76,9 +80,10 @@ fn member_holds(roster: &Roster, id: i32) -> BTreeSet<u32> {
 async fn notified(holder: &mut ShardHolder, prefix: &str) -> String {
     within(&format!("a notification {prefix:?}"), async {
         loop {
-            let payload = holder.notified().await.expect("the holder's connection");
-            if payload.starts_with(prefix) {
-                return payload;
+            match holder.next_event().await {
+                HolderEvent::Notified(payload) if payload.starts_with(prefix) => return payload,
+                HolderEvent::Notified(_) => {}
+                HolderEvent::Ended(reason) => panic!("the holder's session ended: {reason}"),
             }
         }
     })
@@ -315,4 +320,278 @@ fn a_capped_member_holds_no_more_than_its_cap_and_the_others_share_the_rest() {
         assert_eq!(take_share(&small).await.len(), 1);
         assert_eq!(take_share(&big).await.len(), 4);
     });
+}
+
+// --- The binary: `pgleader run --shards K`. ---
+
+/// A shard's command: before it starts it looks for a process that another run of the same
+/// shard recorded and that is still alive (`<tag> overlap`), records its own pid, prints
+/// `<tag> started shard=I shards=K epoch=E`, and becomes a sleep, which a TERM ends. (A shell
+/// that traps TERM and waits for a child sleep can miss a TERM that comes while it forks the
+/// sleep, and only the kill timeout ends it then.)
+fn shard_child(journal: &Journal, tag: &str) -> String {
+    let path = journal.path.display();
+    format!(
+        "for p in $(sed -n \"s/^run $PGLEADER_SHARD \\([0-9]*\\)$/\\1/p\" {path} 2>/dev/null); do \
+           if kill -0 $p 2>/dev/null; then echo {tag} overlap shard=$PGLEADER_SHARD pid=$p; fi; \
+         done; \
+         echo \"run $PGLEADER_SHARD $$\" >> {path}; \
+         echo {tag} started shard=$PGLEADER_SHARD shards=$PGLEADER_SHARDS epoch=$PGLEADER_EPOCH; \
+         exec sleep 1000"
+    )
+}
+
+fn replica(tag: &str, lock: i64, shards: &str, journal: &Journal) -> Proc {
+    run(
+        tag,
+        Cluster::shared(),
+        lock,
+        &[&format!("--shards={shards}"), "--kill-timeout=5s"],
+        &shard_child(journal, tag),
+    )
+}
+
+/// The shards a replica's command started on, in the order they started.
+fn started_shards(replica: &Proc) -> Vec<u32> {
+    replica
+        .lines(Stream::Stdout)
+        .iter()
+        .filter(|line| line.contains(" started "))
+        .map(|line| field(line, "shard").parse().expect("a shard number"))
+        .collect()
+}
+
+fn sorted(mut shards: Vec<u32>) -> Vec<u32> {
+    shards.sort_unstable();
+    shards
+}
+
+fn assert_no_overlap(replicas: &[&Proc]) {
+    for replica in replicas {
+        // Every command here exits on TERM: none should have needed SIGKILL.
+        let killed: Vec<String> = replica
+            .lines(Stream::Stderr)
+            .into_iter()
+            .filter(|line| line.contains("--kill-timeout"))
+            .collect();
+        assert!(
+            killed.is_empty(),
+            "{}: {killed:?}\n{}",
+            replica.name,
+            replica.dump()
+        );
+        let overlaps = overlaps_seen(replica);
+        assert!(
+            overlaps.is_empty(),
+            "{}: a shard's command started while another run of it was alive: {overlaps:?}",
+            replica.name
+        );
+    }
+}
+
+#[test]
+fn replicas_share_the_shards_out_and_a_surplus_is_handed_over_without_overlap() {
+    let lock = unique_lock();
+    let journal = Journal::new("shards-balance");
+    let a = replica("A", lock, "4", &journal);
+    a.wait_for_nth(Stream::Stdout, "A started", 4);
+    assert_eq!(sorted(started_shards(&a)), vec![0, 1, 2, 3]);
+    let line = a.wait_stdout("A started shard=2");
+    assert_eq!(field(&line, "shards"), "4");
+    assert!(field(&line, "epoch").parse::<i64>().expect("an epoch") > 0);
+
+    // B joins: A hands two shards over (its highest), each stopped before B starts it.
+    let b = replica("B", lock, "4", &journal);
+    b.wait_for_nth(Stream::Stdout, "B started", 2);
+    assert_eq!(sorted(started_shards(&b)), vec![2, 3]);
+    a.wait_log("handing shard 3 over");
+    let journal_lines = journal.lines();
+    for shard in [2, 3] {
+        let runs = journal_lines
+            .iter()
+            .filter(|line| line.starts_with(&format!("run {shard} ")))
+            .count();
+        assert_eq!(runs, 2, "{journal_lines:?}");
+    }
+    // Each replica's epochs: one per take, greater for the later take.
+    let epoch_of = |replica: &Proc, shard: u32| -> i64 {
+        let line = replica.wait_stdout(&format!("started shard={shard}"));
+        field(&line, "epoch").parse().expect("an epoch")
+    };
+    assert!(epoch_of(&b, 2) > epoch_of(&a, 2));
+
+    // B is stopped: its shards go back to A at once.
+    b.signal(Signal::SIGTERM);
+    assert_eq!(b.wait_code(), 0);
+    a.wait_for_nth(Stream::Stdout, "A started", 6);
+    assert_eq!(sorted(started_shards(&a)[4..].to_vec()), vec![2, 3]);
+    assert_no_overlap(&[&a, &b]);
+    a.signal(Signal::SIGTERM);
+    assert_eq!(a.wait_code(), 0);
+    // Every command was stopped, and its stop logged: A's six, B's two.
+    for (replica, stopped) in [(&a, 6), (&b, 2)] {
+        let exits = replica
+            .lines(Stream::Stderr)
+            .iter()
+            .filter(|line| line.contains("the command of shard"))
+            .filter(|line| line.contains("exited"))
+            .count();
+        assert_eq!(exits, stopped, "{}", replica.dump());
+    }
+}
+
+#[test]
+fn a_killed_replica_s_shards_run_on_the_others_at_once_on_two_connections_each() {
+    let lock = unique_lock();
+    let journal = Journal::new("shards-kill");
+    let a = replica("A", lock, "6", &journal);
+    a.wait_for_nth(Stream::Stdout, "A started", 6);
+    let b = replica("B", lock, "6", &journal);
+    b.wait_for_nth(Stream::Stdout, "B started", 3);
+    let c = replica("C", lock, "6", &journal);
+    c.wait_for_nth(Stream::Stdout, "C started", 2);
+    // Balanced: two each (A gave three, then one; B one).
+    a.wait_log("handing shard");
+    let c_shards = started_shards(&c);
+
+    // Two sessions per replica: the holder and the watcher (a watcher given up for another
+    // successor may take a moment to leave the server's list).
+    for replica in [&a, &b, &c] {
+        let deadline = std::time::Instant::now() + WAIT;
+        loop {
+            let sessions: i64 = Cluster::shared()
+                .client()
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE $1",
+                    &[&format!("%:{}@%", replica.pid)],
+                )
+                .expect("pg_stat_activity")
+                .get(0);
+            if sessions == 2 {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{} keeps {sessions} sessions",
+                replica.name
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    let killed = std::time::Instant::now();
+    c.signal(Signal::SIGKILL);
+    a.wait_for_nth(Stream::Stdout, "A started", 7);
+    b.wait_for_nth(Stream::Stdout, "B started", 4);
+    let taken = killed.elapsed();
+    let retaken: Vec<u32> = [&a, &b]
+        .iter()
+        .flat_map(|replica| started_shards(replica).into_iter().rev().take(1))
+        .collect();
+    assert_eq!(
+        sorted(retaken),
+        sorted(c_shards),
+        "C's shards were not the ones taken"
+    );
+    assert_no_overlap(&[&a, &b]);
+    eprintln!("C's shards ran elsewhere {taken:?} after its kill -9");
+    for replica in [&a, &b] {
+        replica.signal(Signal::SIGTERM);
+        assert_eq!(replica.wait_code(), 0);
+    }
+}
+
+#[test]
+fn a_replica_with_another_shard_count_is_refused_with_exit_2() {
+    let lock = unique_lock();
+    let journal = Journal::new("shards-mismatch");
+    let a = replica("A", lock, "4", &journal);
+    a.wait_for_nth(Stream::Stdout, "A started", 4);
+    let b = replica("B", lock, "8", &journal);
+    assert_eq!(b.wait_code(), 2);
+    let refusal = b.wait_log("--shards 8");
+    assert!(refusal.contains("--shards 4"), "{refusal}");
+    assert!(started_shards(&b).is_empty());
+    a.signal(Signal::SIGTERM);
+    assert_eq!(a.wait_code(), 0);
+}
+
+#[test]
+fn shards_with_what_they_cannot_work_with_are_usage_errors_that_say_why() {
+    let url = "postgres://postgres@127.0.0.1:1/postgres";
+    let run = |extra: &[&str]| -> Vec<String> {
+        let mut args = vec!["run".to_owned(), "--lock-id=1".to_owned()];
+        args.extend(extra.iter().map(|arg| (*arg).to_owned()));
+        args.extend(["--".to_owned(), "true".to_owned()]);
+        args
+    };
+    let cases: &[(&[&str], &str)] = &[
+        (&["--shards=0"], "--shards <K>"),
+        (&["--shards=4097"], "--shards <K>"),
+        (&["--max-shards=2"], "--shards <K>"),
+        (
+            &["--shards=4", "--once"],
+            "--shards cannot be used with --once: a replica's share",
+        ),
+        (
+            &["--shards=4", "--no-wait"],
+            "--shards cannot be used with --no-wait",
+        ),
+        (
+            &["--shards=4", "--schedule=* * * * *"],
+            "--shards cannot be used with --schedule yet: each occurrence once per shard",
+        ),
+        (
+            &["--shards=4", "--relinquish-after=1h"],
+            "shards already move between replicas",
+        ),
+        (
+            &["--shards=4", "--database-url=redis://127.0.0.1:1"],
+            "--shards cannot be used with a Redis URL yet",
+        ),
+        (
+            &[
+                "--shards=4",
+                "--database-url=redis://127.0.0.1:1",
+                "--database-url=redis://127.0.0.1:2",
+                "--database-url=redis://127.0.0.1:3",
+            ],
+            "--shards cannot be used with a Redlock quorum",
+        ),
+    ];
+    for (extra, expected) in cases {
+        let args = run(extra);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (code, stderr) = crate::usage::outcome(Some(url), &args);
+        assert_eq!(code, 2, "{args:?}: {stderr}");
+        assert!(
+            stderr.contains(expected),
+            "{args:?}: expected {expected:?} in:\n{stderr}"
+        );
+    }
+}
+
+#[test]
+fn signals_are_passed_on_to_every_shard_s_command() {
+    let lock = unique_lock();
+    // Each command ends on USR1 (a trap that let it loop on could fork its next sleep just as
+    // the TERM below comes, which the sleep would miss).
+    let script = "trap 'echo got USR1 shard=$PGLEADER_SHARD; exit 0' USR1; \
+                  echo started shard=$PGLEADER_SHARD; \
+                  sleep 1000 & wait";
+    let replica = run(
+        "A",
+        Cluster::shared(),
+        lock,
+        &["--shards=3", "--restart-delay=1h"],
+        script,
+    );
+    replica.wait_for_nth(Stream::Stdout, "started", 3);
+    replica.signal(Signal::SIGUSR1);
+    for shard in 0..3 {
+        replica.wait_stdout(&format!("got USR1 shard={shard}"));
+        replica.wait_log(&format!("released shard {shard}"));
+    }
+    replica.signal(Signal::SIGTERM);
+    assert_eq!(replica.wait_code(), 0);
 }

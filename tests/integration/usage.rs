@@ -16,7 +16,7 @@ fn pgleader_with(name: &str, url: Option<&str>, args: &[&str]) -> Proc {
 }
 
 /// Runs pgleader to its end; returns the exit code and everything it printed on stderr.
-fn outcome(url: Option<&str>, args: &[&str]) -> (i32, String) {
+pub fn outcome(url: Option<&str>, args: &[&str]) -> (i32, String) {
     let process = pgleader_with("pgleader", url, args);
     let (status, _, stderr) = process.finish();
     (status.code().expect("an exit code"), stderr.join("\n"))

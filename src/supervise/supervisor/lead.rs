@@ -2,8 +2,6 @@
 //! something ends the leadership, then step down, the one way every path takes (stop the
 //! command's whole group, settle the ledger, release or close).
 
-use std::time::Duration;
-
 use anyhow::bail;
 use nix::sys::signal::Signal;
 use tokio::time::{Instant, sleep_until};
@@ -60,7 +58,11 @@ impl<B: Backend> Supervisor<B> {
         );
         notify::leading(&lock, epoch, &self.settings.command.display());
         self.inbox.telemetry.leading(epoch, session.id());
-        let delay = self.start_delay(fence.since_server_reset, session.age());
+        let delay = self.settings.start_delay(
+            self.last_disturbance,
+            fence.since_server_reset,
+            session.age(),
+        );
         let mut shift = self.duty.begin(
             &session,
             &lock,
@@ -230,18 +232,10 @@ impl<B: Backend> Supervisor<B> {
                     return Ok(Led::Relinquished(status));
                 }
                 LeadEvent::Signal(Some(SignalEvent::Shutdown(signal))) => {
-                    self.inbox.shutdown_requested = Some(Instant::now());
-                    info!(
-                        event = "shutdown",
-                        signal = signal.as_str(),
-                        "shutting down"
-                    );
-                    notify::stopping(
+                    self.inbox.begin_shutdown(
+                        signal,
                         "shutting down: stopping the command, then releasing the lock",
                     );
-                    self.inbox
-                        .telemetry
-                        .leadership_lost(LossReason::Shutdown, "shutting down");
                     let status = self.inbox.stop_if_running(job.take(), signal).await;
                     shift
                         .settle(Some((status, "pgleader was shut down")), timeout)
@@ -366,42 +360,6 @@ impl<B: Backend> Supervisor<B> {
         }
     }
 
-    /// How long a new leader waits before its command may start: `--takeover-delay`, or what is
-    /// left of the restart fence when the server freed every lock a moment ago.
-    ///
-    /// A server restart, the crash of any server process (after which the postmaster ends every
-    /// session) and a failover to a promoted standby all free every lock at once, possibly
-    /// before the previous leader has noticed. Its command is gone at most --restart-fence
-    /// (check-interval + check-timeout + kill-timeout + margin) later. The server tells when it
-    /// last started or reset; a failover shows only on this side, as the loss of this
-    /// pgleader's previous session, after which every session of the new primary, this one
-    /// included, is younger than the failover.
-    fn start_delay(&self, since_server_reset: Duration, session_age: Duration) -> Duration {
-        let (fence, takeover) = (self.settings.restart_fence, self.settings.takeover_delay);
-        let mut since_reset = since_server_reset;
-        if self.last_disturbance.is_some_and(|at| at.elapsed() < fence) {
-            since_reset = since_reset.min(session_age);
-        }
-        let restart_fence = fence.saturating_sub(since_reset);
-        let delay = takeover.max(restart_fence);
-        if !restart_fence.is_zero() && restart_fence >= takeover {
-            info!(
-                event = "restart_fence",
-                since_reset = %fmt(since_reset),
-                "the server restarted, reset or failed over {} ago: starting the command in {} (--restart-fence), in case the previous leader's command still runs",
-                fmt(since_reset),
-                fmt(restart_fence)
-            );
-        } else if !delay.is_zero() {
-            info!(
-                event = "takeover_delay",
-                "starting the command in {} (--takeover-delay)",
-                fmt(delay)
-            );
-        }
-        delay
-    }
-
     /// Ends a leadership on purpose or after its loss, the one way every path takes: stops the
     /// command (if `job`), brings the ledger up to date (recording a stopped run as interrupted
     /// for `why`), keeps what the next leadership needs, then releases the lock or closes the
@@ -463,15 +421,7 @@ impl<B: Backend> Supervisor<B> {
         epoch: i64,
         scheduled: Option<(jiff::Timestamp, i32)>,
     ) -> Vec<(&'static str, String)> {
-        let lock = &self.settings.lock;
-        let mut env = vec![
-            ("PGLEADER_LOCK_ID", lock.key().to_string()),
-            ("PGLEADER_BACKEND_PID", session_id.to_string()),
-            ("PGLEADER_EPOCH", epoch.to_string()),
-        ];
-        if let Some(name) = lock.name() {
-            env.push(("PGLEADER_LOCK_NAME", name.to_owned()));
-        }
+        let mut env = self.settings.leader_env(session_id, epoch);
         if let Some((occurrence, attempt)) = scheduled {
             env.push(("PGLEADER_SCHEDULED_TIME", rfc3339(occurrence)));
             env.push(("PGLEADER_ATTEMPT", attempt.to_string()));
