@@ -33,9 +33,9 @@ use tracing::warn;
 
 use crate::cli::{Command, RunArgs, StatusArgs};
 use crate::config::{Database, Elector, RunConfig, UsageError};
-use crate::election::Backend;
 use crate::election::lock::LockKey;
 use crate::election::shards::JoinError;
+use crate::election::{Backend, ConnectError};
 use crate::operate::telemetry::{self, Telemetry};
 use crate::operate::{http, notify, status, watch};
 use crate::postgres::PgBackend;
@@ -149,6 +149,10 @@ pub fn exit_code_of(err: &anyhow::Error) -> u8 {
         || matches!(
             err.downcast_ref::<JoinError>(),
             Some(JoinError::Mismatch(_))
+        )
+        || matches!(
+            err.downcast_ref::<ConnectError>(),
+            Some(ConnectError::Conflict(_))
         )
     {
         exit::USAGE

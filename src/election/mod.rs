@@ -59,6 +59,10 @@ pub enum ConnectError {
     /// later.
     #[error("{0}")]
     Transient(String),
+    /// The other replicas of the lock run it in a way this one cannot join (with `--shards`,
+    /// where this one runs without): a usage error of the fleet's, never retried.
+    #[error("{0}")]
+    Conflict(String),
 }
 
 /// A failure on an established session.

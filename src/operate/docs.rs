@@ -43,7 +43,7 @@ const SECTIONS: &[Section] = &[
             ),
             Entry(
                 "2",
-                "A usage error: an unknown option (before the command, every argument that starts with \"-\" is an option; a command whose name starts with \"-\" must follow --), an invalid option value (an --http address that does not parse, too), a missing command, timings that do not fit inside the lease. Also --shards beside a replica of the same lock that runs another shard count, or none (see SHARDS).",
+                "A usage error: an unknown option (before the command, every argument that starts with \"-\" is an option; a command whose name starts with \"-\" must follow --), an invalid option value (an --http address that does not parse, too), a missing command, timings that do not fit inside the lease. Also --shards beside a replica of the same lock that runs another shard count, or none, and a plain replica beside sharded ones (see SHARDS).",
             ),
             Entry(
                 "75",
@@ -128,7 +128,7 @@ const SECTIONS: &[Section] = &[
                 "Every replica keeps two sessions whatever K is: a holder session, which holds its shards, LISTENs on pgleader_shards_<space in hex> and reads the roster (pg_locks) when told of a change and every --check-interval (its check, with a single leader's deadline), and a watcher session, which waits for the next replica's membership lock in turns and tells everyone the moment that replica is gone. The locks are two-int4 advisory locks (space, n), never the plain key of the name: space is the plain key's two halves XORed, as an int4; n is the shard (0 to K-1), minus the holder session's pid (membership), -2^31+K (shared: the shard count) or -2^30+N (shared: --max-shards N).",
             ),
             Para(
-                "Every replica of a lock must give the same K: one that starts beside a replica with another K, or beside a plain replica of the lock, exits with status 2 and names it. Not yet: Redis and quorums, --schedule, --once, --no-wait and --relinquish-* are refused with status 2 and the reason; pgleader status does not know shards.",
+                "Every replica of a lock must give the same K: one that starts beside a replica with another K, or beside a plain replica of the lock, exits with status 2 and names it, and so does a plain replica that starts beside sharded ones. Not yet: Redis and quorums, --schedule, --once, --no-wait and --relinquish-* are refused with status 2 and the reason; pgleader status does not know shards.",
             ),
         ],
     },

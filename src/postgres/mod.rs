@@ -86,6 +86,22 @@ impl PgBackend {
     }
 }
 
+impl PgBackend {
+    /// A session of the election, plain or sharded, set up and checked (see
+    /// `PgSession::connect`).
+    pub(crate) async fn session(&self, name: &str) -> Result<PgSession, ConnectError> {
+        PgSession::connect(
+            &self.settings,
+            name,
+            &self.lease,
+            self.lock.clone(),
+            self.ledger.clone(),
+            self.wait_refresh,
+        )
+        .await
+    }
+}
+
 impl fmt::Display for PgBackend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         self.settings.fmt(f)
@@ -96,16 +112,12 @@ impl Backend for PgBackend {
     type Session = PgSession;
     type Observer = PgObserver;
 
+    /// A plain replica's session, refused where sharded replicas run the same lock (see
+    /// `shards::sharded_replica`).
     async fn connect(&self, name: &str) -> Result<PgSession, ConnectError> {
-        PgSession::connect(
-            &self.settings,
-            name,
-            &self.lease,
-            self.lock.clone(),
-            self.ledger.clone(),
-            self.wait_refresh,
-        )
-        .await
+        let session = self.session(name).await?;
+        shards::refuse_beside_shards(&session, &self.lock).await?;
+        Ok(session)
     }
 
     async fn observe(&self) -> Result<PgObserver, ConnectError> {

@@ -41,7 +41,7 @@ use crate::election::lock::LockKey;
 use crate::election::shards::{
     Holder, HolderEvent, JoinError, Member, Roster, Seen, ShardBackend, Watcher,
 };
-use crate::election::{Backend, ConnectError, Fence, Session, SessionError};
+use crate::election::{ConnectError, Fence, Session, SessionError};
 use crate::postgres::PgBackend;
 use crate::postgres::connect::Notifications;
 use crate::postgres::session::{PgSession, in_turns, query_error};
@@ -199,6 +199,43 @@ fn read_roster(
     })
 }
 
+/// A sharded replica of the same name, if one runs: the server process of its holder session.
+const SHARDED_SQL: &str = "SELECT l.pid FROM pg_catalog.pg_locks l \
+    WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2 AND l.classid = $1 \
+        AND l.database = (SELECT oid FROM pg_catalog.pg_database \
+            WHERE datname = pg_catalog.current_database()) \
+        AND l.objid >= $2 AND l.objid < $3 \
+    LIMIT 1";
+
+/// Refuses a plain replica's session where replicas run the same lock with `--shards` (their
+/// holder sessions hold its "runs with K shards" marker), so that the two never both run the
+/// command: one round trip when a plain replica connects.
+pub(super) async fn refuse_beside_shards(
+    session: &PgSession,
+    lock: &LockKey,
+) -> Result<(), ConnectError> {
+    let keys = ShardKeys::of(lock);
+    let space = keys.space as u32;
+    // The markers' range, as pg_locks shows an int4 in objid (an oid): COUNT_BASE and up.
+    let (low, high) = (COUNT_BASE as u32, CAP_BASE as u32);
+    let rows = session
+        .client()
+        .query_typed(
+            SHARDED_SQL,
+            &[(&space, Type::OID), (&low, Type::OID), (&high, Type::OID)],
+        )
+        .await
+        .map_err(crate::postgres::connect::classify)?;
+    match rows.first() {
+        Some(row) => Err(ConnectError::Conflict(format!(
+            "the replica of server process {} runs lock {lock} with --shards: a lock runs \
+             either sharded on every replica or on none",
+            row.get::<_, i32>(0)
+        ))),
+        None => Ok(()),
+    }
+}
+
 /// A replica's holder session: its membership, its markers and the shards it runs.
 #[derive(Debug)]
 pub struct ShardHolder {
@@ -221,7 +258,7 @@ impl ShardHolder {
             (1..=MAX_SHARDS).contains(&shards),
             "a shard count is checked at start-up"
         );
-        let mut session = backend.connect(name).await?;
+        let mut session = backend.session(name).await?;
         let notifications = session
             .take_notifications()
             .ok_or_else(|| SessionError::Query("the session's notifications are gone".into()))?;
@@ -440,7 +477,7 @@ impl ShardBackend for PgBackend {
 impl ShardWatcher {
     pub async fn open(backend: &PgBackend, name: &str) -> Result<ShardWatcher, ConnectError> {
         Ok(ShardWatcher {
-            session: backend.connect(name).await?,
+            session: backend.session(name).await?,
             keys: ShardKeys::of(&backend.lock),
             refresh: backend.wait_refresh,
         })

@@ -275,6 +275,8 @@ impl QuorumSession {
                     Err(ConnectError::Transient(reason)) => {
                         Err(ConnectError::Transient(format!("{server}: {reason}")))
                     }
+                    // Redis never says so; kept as it is.
+                    Err(err @ ConnectError::Conflict(_)) => Err(err),
                 }
             });
         }
@@ -283,8 +285,8 @@ impl QuorumSession {
         while let Some(joined) = opening.join_next().await {
             match joined {
                 Ok(Ok(member)) => opened.push(member),
-                Ok(Err(ConnectError::Permanent(reason))) => {
-                    return Err(ConnectError::Permanent(reason));
+                Ok(Err(err @ (ConnectError::Permanent(_) | ConnectError::Conflict(_)))) => {
+                    return Err(err);
                 }
                 Ok(Err(ConnectError::Transient(reason))) => failures.push(reason),
                 Err(err) => failures.push(err.to_string()),

@@ -185,7 +185,11 @@ impl<B: ShardBackend> Room<B> {
             };
             let err = match result {
                 Ok(holder) => return Ok(Some(holder)),
-                Err(err @ JoinError::Mismatch(_)) => return Err(err.into()),
+                Err(
+                    err @ (JoinError::Mismatch(_) | JoinError::Connect(ConnectError::Conflict(_))),
+                ) => {
+                    return Err(err.into());
+                }
                 Err(JoinError::Connect(ConnectError::Permanent(reason))) => {
                     bail!("cannot connect to {server}: {reason}");
                 }

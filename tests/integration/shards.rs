@@ -502,7 +502,7 @@ fn a_killed_replica_s_shards_run_on_the_others_at_once_on_two_connections_each()
 }
 
 #[test]
-fn a_replica_with_another_shard_count_is_refused_with_exit_2() {
+fn a_replica_with_another_shard_count_or_without_shards_is_refused_with_exit_2() {
     let lock = unique_lock();
     let journal = Journal::new("shards-mismatch");
     let a = replica("A", lock, "4", &journal);
@@ -512,6 +512,18 @@ fn a_replica_with_another_shard_count_is_refused_with_exit_2() {
     let refusal = b.wait_log("--shards 8");
     assert!(refusal.contains("--shards 4"), "{refusal}");
     assert!(started_shards(&b).is_empty());
+    // A plain replica of the same lock is refused too, and never runs its command.
+    let plain = run(
+        "P",
+        Cluster::shared(),
+        lock,
+        &[],
+        "echo P started; exec sleep 1000",
+    );
+    assert_eq!(plain.wait_code(), 2);
+    let refusal = plain.wait_log("with --shards");
+    assert!(refusal.contains(&format!("lock {lock}")), "{refusal}");
+    assert!(plain.lines(Stream::Stdout).is_empty(), "{}", plain.dump());
     a.signal(Signal::SIGTERM);
     assert_eq!(a.wait_code(), 0);
 }

@@ -48,6 +48,7 @@ impl<B: Backend> Supervisor<B> {
                 Err(err) => err,
             };
             match err {
+                err @ ConnectError::Conflict(_) => return Err(err.into()),
                 ConnectError::Permanent(reason) => {
                     bail!(
                         "cannot connect to {server}: {reason}{}",
