@@ -27,6 +27,7 @@ mod redlock;
 mod report;
 mod scenarios;
 mod scheduled;
+mod shards;
 mod tools;
 
 use std::path::{Path, PathBuf};
@@ -53,6 +54,9 @@ const USAGE: &str = "usage: cargo bench --bench failover [-- [--quick] [--only h
   --only failover  only pgleader's kill -9, SIGTERM and start scenarios, the new leader's steps
                  and the idle cost (with --previous, beside that build); the report goes under
                  target/
+  --only shards  only the shards' scenarios: kill -9 of a replica and a replica joining, for
+                 K = 16 and 64 on 4 replicas, a replica's cost, and the same fleet as K plain
+                 processes per replica; the report goes under target/
   --runs N       runs per scenario (default 20, or 3 with --quick)
   --out PATH     where to write the report (default BENCHMARKS.md, or target/.../BENCHMARKS.quick.md)
   --static PATH  also run pgleader's failover, start-up and cost scenarios with this binary (the
@@ -72,6 +76,8 @@ struct Plan {
     only_quorum: bool,
     /// Only pgleader's failover, start and cost (`--only failover`).
     only_failover: bool,
+    /// Only the shards' scenarios (`--only shards`).
+    only_shards: bool,
     /// Runs of each scenario whose runs take milliseconds.
     runs: usize,
     /// Runs of each scenario bound by a lease (seconds per run): the partition, and every
@@ -98,6 +104,7 @@ impl Plan {
         let mut only_http = false;
         let mut only_redis = false;
         let mut only_failover = false;
+        let mut only_shards = false;
         let mut previous_binary = None;
         let mut only_quorum = false;
         let mut runs = None;
@@ -111,9 +118,11 @@ impl Plan {
                     Some("redis") => only_redis = true,
                     Some("quorum") => only_quorum = true,
                     Some("failover") => only_failover = true,
+                    Some("shards") => only_shards = true,
                     other => {
                         return Err(format!(
-                            "--only {other:?}: the groups are http, redis, quorum and failover"
+                            "--only {other:?}: the groups are http, redis, quorum, failover and \
+                             shards"
                         ));
                     }
                 },
@@ -159,6 +168,7 @@ impl Plan {
             only_http,
             only_redis,
             only_failover,
+            only_shards,
             only_quorum,
             runs,
             lease_runs: if quick { 2 } else { runs },
@@ -175,6 +185,8 @@ impl Plan {
                     PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("BENCHMARKS.quorum.md")
                 } else if only_failover {
                     PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("BENCHMARKS.failover.md")
+                } else if only_shards {
+                    PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("BENCHMARKS.shards.md")
                 } else if quick {
                     PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("BENCHMARKS.quick.md")
                 } else {
@@ -233,6 +245,9 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
     }
     if plan.only_quorum {
         return run_quorum_only(plan);
+    }
+    if plan.only_shards {
+        return run_shards_only(plan);
     }
     let began = Instant::now();
     let started = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
@@ -341,6 +356,9 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
     });
     rows.extend(http::scrape(&pgleader, plan.runs * 10));
     rows.extend(http::leader_after_kill9(&pgleader, plan.runs));
+    let (shard_rows, shard_costs, fleets) = shard_scenarios(&pgleader, plan);
+    rows.extend(shard_rows);
+    costs.extend(shard_costs);
     sort_by_scenario(&mut rows);
 
     let report = Report {
@@ -360,6 +378,7 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
         costs,
         scales,
         timers,
+        fleets,
     };
     written(report, plan)
 }
@@ -468,6 +487,7 @@ fn partial_report(plan: &Plan, started: String) -> Report {
         costs: Vec::new(),
         scales: Vec::new(),
         timers: Vec::new(),
+        fleets: Vec::new(),
     }
 }
 
@@ -582,11 +602,47 @@ fn run_failover_only(plan: &Plan) -> anyhow::Result<Report> {
         costs,
         scales: Vec::new(),
         timers: Vec::new(),
+        fleets: Vec::new(),
     };
     report
         .write(&plan.out)
         .with_context(|| format!("cannot write {}", plan.out.display()))?;
     Ok(report)
+}
+
+/// Scenarios 11 to 13 (issue 28): a sharded fleet's failover and balance for K = 16 and 64,
+/// what a replica costs, and the same fleet as K plain processes per replica.
+fn shard_scenarios(
+    pgleader: &Pgleader,
+    plan: &Plan,
+) -> (Vec<report::Row>, Vec<report::Cost>, Vec<report::Fleet>) {
+    let mut rows = Vec::new();
+    for k in [16, 64] {
+        rows.extend(shards::kill9_and_join(pgleader, k, plan.runs));
+    }
+    let costs = shards::costs(pgleader, &[16, 64], plan.cost_window);
+    let fleets = shards::by_hand(pgleader, 16);
+    (rows, costs, fleets)
+}
+
+/// The shards' scenarios alone, against a server of their own.
+fn run_shards_only(plan: &Plan) -> anyhow::Result<Report> {
+    let began = Instant::now();
+    let started = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
+    eprintln!("bench: starting PostgreSQL");
+    let pgleader = Pgleader::new(bench_cluster("bench-shards"));
+    pgleader.wait_until_server_is(Duration::from_secs(10))?;
+    let (rows, costs, fleets) = shard_scenarios(&pgleader, plan);
+    let report = Report {
+        only: Some(report::ONLY_SHARDS),
+        took: began.elapsed(),
+        environment: environment(&pgleader, None, None, None, None),
+        rows,
+        costs,
+        fleets,
+        ..partial_report(plan, started)
+    };
+    written(report, plan)
 }
 
 /// The benchmark's PostgreSQL, durable as users run it (fsync and synchronous commits on): a

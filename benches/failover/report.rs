@@ -28,6 +28,12 @@ pub const ONLY_QUORUM: &str = "1, 2, 5, 6, 10 and 10b over a Redis quorum";
 /// `--only failover`'s scenarios.
 pub const ONLY_FAILOVER: &str = "1, 1c, 2, 5 and 6 of pgleader";
 
+/// `--only shards`' scenarios.
+pub const ONLY_SHARDS: &str = "11, 11b, 12 and 13: shards";
+
+/// The cost rows of scenario 12 start so.
+pub const SHARDED_ROLE: &str = "sharded replica";
+
 /// The cost row of scenario 8's idle scheduled leader.
 pub const SCHEDULED_ROLE: &str = "scheduled leader, idle";
 
@@ -175,6 +181,22 @@ pub struct Scale {
     pub window: Duration,
 }
 
+/// One way of running K shards on R replicas, at rest (scenario 13).
+#[derive(Debug, Default)]
+pub struct Fleet {
+    pub how: String,
+    pub replicas: usize,
+    pub shards: u32,
+    pub pgleader_processes: usize,
+    pub keepers: usize,
+    /// Sessions on the server.
+    pub connections: usize,
+    pub pgleader_rss_kib: u64,
+    pub keeper_rss_kib: u64,
+    /// How many shards each replica runs.
+    pub per_replica: Vec<usize>,
+}
+
 /// Everything one benchmark run measured, and where.
 #[derive(Debug)]
 pub struct Report {
@@ -190,6 +212,8 @@ pub struct Report {
     pub scales: Vec<Scale>,
     /// Runs per occurrence with three hosts' timers (scenario 8).
     pub timers: Vec<TimerCount>,
+    /// Sharded fleets beside the same work done by hand (scenario 13).
+    pub fleets: Vec<Fleet>,
 }
 
 /// A target of issue 5 and whether the run met it.
@@ -208,6 +232,18 @@ impl Report {
             .filter(|row| !row.figures.produced())
             .map(|row| format!("{} ({}): {}", row.scenario, row.tool, row.measure))
             .collect();
+        if self.only.is_none() || self.only == Some(ONLY_SHARDS) {
+            if self.fleets.len() < 2 {
+                missing.push("13. shards: the two fleets".into());
+            }
+            if !self
+                .costs
+                .iter()
+                .any(|cost| cost.role.starts_with(SHARDED_ROLE))
+            {
+                missing.push("12. cost of a sharded replica".into());
+            }
+        }
         for scale in &self.scales {
             if !scale.failover.produced() || scale.server_cpu.is_none() {
                 missing.push(format!("7. scale ({}, {})", scale.tool, scale.candidates));
@@ -278,6 +314,16 @@ impl Report {
                 20.0,
             ),
             timed("5. start: the child runs ≤ 50 ms", "start", 50.0),
+            timed(
+                "11. shards: kill -9 of one of 4 replicas, K = 16: all its shards run elsewhere ≤ 50 ms",
+                "shards.kill9.16",
+                50.0,
+            ),
+            timed(
+                "11b. shards: a replica joins 3 others, K = 16: balanced ≤ 2 s",
+                "shards.join.16",
+                2000.0,
+            ),
         ];
         // Issue 18's targets, with fsync on, beside the previous build when it ran too.
         for (target, id, limit) in [
@@ -557,6 +603,7 @@ impl Report {
                 Some(ONLY_REDIS) => "R",
                 Some(ONLY_QUORUM) => "Q",
                 Some(ONLY_FAILOVER) => "18.",
+                Some(ONLY_SHARDS) => "11",
                 _ => "9.",
             };
             if self.only.is_some() && !verdict.target.starts_with(group) {
@@ -660,6 +707,36 @@ impl Report {
                 "| {} | {} | {} | {} | {} |",
                 count.mode, count.occurrences, count.once, count.extra_runs, count.missed
             );
+        }
+
+        if !self.fleets.is_empty() {
+            let _ = writeln!(
+                out,
+                "\n### 13. Shards: one fleet, two ways, at rest\n\n\
+                 The replicas start one after the other, as a deployment starts them.\n"
+            );
+            let _ = writeln!(
+                out,
+                "| how | replicas | K | pgleader processes | keepers | server sessions | pgleader RSS | keepers' RSS | shards each replica runs |\n\
+                 |---|---:|---:|---:|---:|---:|---:|---:|---|"
+            );
+            for fleet in &self.fleets {
+                let per_replica: Vec<String> =
+                    fleet.per_replica.iter().map(ToString::to_string).collect();
+                let _ = writeln!(
+                    out,
+                    "| {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                    fleet.how,
+                    fleet.replicas,
+                    fleet.shards,
+                    fleet.pgleader_processes,
+                    fleet.keepers,
+                    fleet.connections,
+                    mib(fleet.pgleader_rss_kib),
+                    mib(fleet.keeper_rss_kib),
+                    per_replica.join(", ")
+                );
+            }
         }
 
         let _ = writeln!(out, "\n### Settings\n");

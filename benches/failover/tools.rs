@@ -127,6 +127,11 @@ impl Candidate {
         self.proc.wait_line(stream, needle, n, since, timeout)
     }
 
+    /// Every line on `stream` so far.
+    pub fn lines(&self, stream: Stream) -> Vec<String> {
+        self.proc.lines(stream)
+    }
+
     /// A log line of the tool's own (stderr).
     pub fn logged(&self, needle: &str, timeout: Duration) -> Option<String> {
         self.proc
@@ -276,6 +281,30 @@ impl Pgleader {
         proxy: Option<&Proxy>,
         extra: &[&str],
     ) -> Candidate {
+        let partition: &[&str] = if proxy.is_some() {
+            &PARTITION_ARGS
+        } else {
+            &[]
+        };
+        let extra = [partition, extra].concat();
+        Candidate::spawn(
+            tag,
+            self.command_through(lock, proxy, &extra, &child_script(tag)),
+        )
+    }
+
+    /// `pgleader run --lock-id=<lock> <extra> -- sh -c <script>` against the server.
+    pub fn command(&self, lock: i64, extra: &[&str], script: &str) -> Command {
+        self.command_through(lock, None, extra, script)
+    }
+
+    fn command_through(
+        &self,
+        lock: i64,
+        proxy: Option<&Proxy>,
+        extra: &[&str],
+        script: &str,
+    ) -> Command {
         let url = proxy.map_or_else(|| self.cluster.url(), Proxy::url);
         let mut command = match &self.binary {
             Some(binary) => harness::clean(Command::new(binary)),
@@ -286,13 +315,20 @@ impl Pgleader {
             .env_remove("PGLEADER_RESTART_FENCE")
             .env("PGLEADER_DATABASE_URL", url)
             .arg("run")
-            .arg(format!("--lock-id={lock}"));
-        if proxy.is_some() {
-            command.args(PARTITION_ARGS);
-        }
-        command.args(self.extra).args(extra);
-        command.args(["--", "sh", "-c", &child_script(tag)]);
-        Candidate::spawn(tag, command)
+            .arg(format!("--lock-id={lock}"))
+            .args(self.extra)
+            .args(extra)
+            .args(["--", "sh", "-c", script]);
+        command
+    }
+
+    /// The server sessions of pgleader process `pid` (its session name ends `:<pid>@<host>`).
+    pub fn backends_of(&self, pid: i32) -> anyhow::Result<Vec<i32>> {
+        let rows = self.admin().query(
+            "SELECT pid FROM pg_stat_activity WHERE application_name LIKE $1",
+            &[&format!("%:{pid}@%")],
+        )?;
+        Ok(rows.iter().map(|row| row.get(0)).collect())
     }
 
     /// The cost of an idle leader and follower started with `extra` options, reported under

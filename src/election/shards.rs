@@ -118,10 +118,21 @@ pub trait Holder {
 
     /// Releases everything and tells the others, within `timeout`.
     fn leave(self, timeout: Duration) -> impl Future<Output = Result<(), SessionError>>;
+
+    /// Ends this replica's own abandoned watcher sessions, `ids`, where the server would not
+    /// notice by itself that their client went away (PostgreSQL 13: a waiting statement runs
+    /// until its lock is granted). The future owns what it needs.
+    fn end_sessions(
+        &self,
+        ids: Vec<i32>,
+    ) -> impl Future<Output = Result<(), SessionError>> + 'static;
 }
 
 /// A replica's watcher session.
 pub trait Watcher {
+    /// The watcher session's id on the server.
+    fn id(&self) -> i32;
+
     /// Resolves once member `member` has gone or left, every member told. The future owns
     /// what it needs; one that was dropped may have been granted meanwhile, and the watcher
     /// must then be dropped too.

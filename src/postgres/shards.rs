@@ -3,8 +3,9 @@
 //!
 //! **Keys.** Every lock of a sharded name is a two-int4 advisory lock `(space, n)` (in
 //! `pg_locks`: `classid` = space, `objid` = n, `objsubid` = 2), so none of them is ever the
-//! bigint key of the plain `--lock NAME` (`objsubid` = 1). `space` folds the plain key's two
-//! halves together: `(key >> 32) # (key & 4294967295)`, as an int4. Then `n` is:
+//! bigint key of the plain `--lock NAME` (`objsubid` = 1). `space` is a hash of the plain key,
+//! `hashtextextended('pgleader shards ' || key, 0)::bit(32)::int4` in SQL, so that locks with
+//! neighbouring keys (or keys whose halves are alike: 0 and -1) do not share it. Then `n` is:
 //!
 //! | n | lock | mode | held by |
 //! |---|---|---|---|
@@ -66,7 +67,8 @@ pub struct ShardKeys {
 impl ShardKeys {
     pub fn of(lock: &LockKey) -> ShardKeys {
         ShardKeys {
-            space: lock.classid() as i32 ^ lock.objid() as i32,
+            // The low 32 bits, as `::bit(32)` takes them.
+            space: LockKey::from_name(&format!("pgleader shards {}", lock.key())).key() as i32,
             plain: lock.clone(),
         }
     }
@@ -105,8 +107,18 @@ const ROSTER_SQL: &str = "SELECT me.pid, me.now, l.pid, l.objid::int8, l.objsubi
         AND ((l.classid = $1 AND l.objsubid = 2 AND l.granted) \
             OR (l.classid = $2 AND l.objid = $3 AND l.objsubid = 1))";
 
-const TAKE_SQL: &str = "SELECT i, pg_catalog.pg_try_advisory_lock($1::int4, i) \
-    FROM pg_catalog.unnest($2::int4[]) AS i";
+/// Tries each shard, and tells the others when it took any: a take changes the holdings the
+/// shares are computed from (who gets the one more), so a member that read the roster before
+/// must read it again, or a shard dealt to it by the new roster would wait for its next check.
+const TAKE_SQL: &str = "WITH tried AS MATERIALIZED (\
+        SELECT i, pg_catalog.pg_try_advisory_lock($1::int4, i) AS won \
+        FROM pg_catalog.unnest($2::int4[]) AS i), \
+    told AS MATERIALIZED (SELECT pg_catalog.pg_notify($3, 'took') FROM tried WHERE won LIMIT 1) \
+    SELECT i, won FROM tried, (SELECT count(*) FROM told) AS n";
+
+const END_SESSIONS_SQL: &str = "SELECT pg_catalog.pg_terminate_backend(a.pid) \
+    FROM pg_catalog.pg_stat_activity a \
+    WHERE a.pid = ANY($1) AND a.application_name = pg_catalog.current_setting('application_name')";
 
 const GIVE_SQL: &str =
     "SELECT pg_catalog.pg_advisory_unlock($1::int4, $2::int4), pg_catalog.pg_notify($3, $4)";
@@ -293,7 +305,9 @@ impl ShardHolder {
         if let Some(reason) = seen.mismatch {
             return Err(JoinError::Mismatch(reason));
         }
-        holder.notify(&format!("joined {}", holder.id())).await?;
+        holder
+            .notify_others(&format!("joined {}", holder.id()))
+            .await?;
         Ok(holder)
     }
 
@@ -368,7 +382,11 @@ impl Holder for ShardHolder {
             .client()
             .query_typed(
                 TAKE_SQL,
-                &[(&self.keys.space, Type::INT4), (&wanted, Type::INT4_ARRAY)],
+                &[
+                    (&self.keys.space, Type::INT4),
+                    (&wanted, Type::INT4_ARRAY),
+                    (&self.keys.channel(), Type::TEXT),
+                ],
             )
             .await
             .map_err(query_error)?;
@@ -416,6 +434,23 @@ impl Holder for ShardHolder {
 
     /// Leaves the roster: every lock of the name released and the others told, within
     /// `timeout`; then the session closes (which frees them anyway).
+    /// `pg_terminate_backend`, which any role may use on its own sessions; only sessions
+    /// that still exist and carry this session's name, so that a session gone already logs no
+    /// warning and a pid reused since is left alone.
+    fn end_sessions(
+        &self,
+        ids: Vec<i32>,
+    ) -> impl Future<Output = Result<(), SessionError>> + 'static {
+        let client = self.session.client().clone();
+        async move {
+            client
+                .query_typed(END_SESSIONS_SQL, &[(&ids, Type::INT4_ARRAY)])
+                .await
+                .map_err(query_error)?;
+            Ok(())
+        }
+    }
+
     async fn leave(self, timeout: Duration) -> Result<(), SessionError> {
         let sql = format!(
             "SELECT pg_catalog.pg_advisory_unlock_all(); \
@@ -434,7 +469,7 @@ impl Holder for ShardHolder {
 }
 
 impl ShardHolder {
-    async fn notify(&self, payload: &str) -> Result<(), SessionError> {
+    async fn notify_others(&self, payload: &str) -> Result<(), SessionError> {
         let channel = self.keys.channel();
         self.session
             .client()
@@ -485,6 +520,10 @@ impl ShardWatcher {
 }
 
 impl Watcher for ShardWatcher {
+    fn id(&self) -> i32 {
+        self.session.id()
+    }
+
     /// Resolves once the member whose holder session is server process `member` has gone
     /// (or left), having told every member. Without polling, in turns (see the module). As
     /// with a follower's wait, a watch that was dropped may have been granted meanwhile: the
@@ -516,13 +555,21 @@ mod tests {
     }
 
     #[test]
-    fn the_space_folds_the_plain_key_and_names_the_channel() {
+    fn the_space_is_a_hash_of_the_plain_key_and_names_the_channel() {
+        let space = |key: i64| ShardKeys::of(&LockKey::from_id(key)).space();
+        // Keys whose halves are alike, and neighbours, get spaces of their own.
+        let spaces: std::collections::BTreeSet<i32> = [0, -1, 1, 2, 1 << 32, (1 << 32) | 1]
+            .into_iter()
+            .map(space)
+            .collect();
+        assert_eq!(spaces.len(), 6);
+        // A name's space is its key's.
+        let named = LockKey::from_name("orders");
+        assert_eq!(ShardKeys::of(&named).space(), space(named.key()));
         let keys = ShardKeys::of(&LockKey::from_id(10));
-        assert_eq!(keys.space(), 10);
-        assert_eq!(keys.channel(), "pgleader_shards_0000000a");
-        let keys = ShardKeys::of(&LockKey::from_id(-1));
-        assert_eq!(keys.space(), 0);
-        let keys = ShardKeys::of(&LockKey::from_id(0x0000_0001_0000_0003));
-        assert_eq!(keys.space(), 2);
+        assert_eq!(
+            keys.channel(),
+            format!("pgleader_shards_{:08x}", keys.space() as u32)
+        );
     }
 }

@@ -11,7 +11,9 @@
 //! given away only after its command's whole tree is gone. What differs: stopping one shard
 //! must not hold up the others, so each stop is a small state machine driven by the loop (the
 //! stop signal, `--kill-timeout`, SIGKILL through the keeper, SIGKILL to the group), where the
-//! single leader awaits `Inbox::stop`.
+//! single leader awaits `Inbox::stop`; and nothing the loop awaits in place may outlast the
+//! deadline (every statement is bounded by what is left of it, and the watcher's connection
+//! opens beside the loop).
 //!
 //! The roster is read when another member says something changed (it joined, gave a shard
 //! away, left, or its watcher found it gone) and every `--check-interval`; that read is also
@@ -20,6 +22,7 @@
 //! ends, or a deadline passed: the commands concerned are stopped at once.
 
 use std::collections::BTreeMap;
+use std::os::fd::RawFd;
 use std::pin::Pin;
 use std::task::Poll;
 use std::time::Duration;
@@ -47,8 +50,19 @@ use crate::time::for_people as fmt;
 /// A session that lived this long was healthy: the next reconnection happens at once.
 const STABLE_SESSION: Duration = Duration::from_secs(2);
 
+/// How often the process table is read for what is left of a group whose keeper was killed
+/// from outside.
+const GROUP_RECHECK: Duration = Duration::from_millis(10);
+
+/// How soon the roster is read again while it shows shards held by a session that is no
+/// longer a member: one that is ending, whose locks the server frees one after the other, so
+/// that a read just after its membership went can still find some of its shards held. For at
+/// most `TRANSIENT_FOR`; a holder that stays so is waited for at the usual interval.
+const TRANSIENT_RECHECK: Duration = Duration::from_millis(5);
+const TRANSIENT_FOR: Duration = Duration::from_secs(1);
+
 /// Runs a sharded replica until it is shut down or a fatal error occurs.
-pub async fn run<B: ShardBackend>(
+pub async fn run<B: ShardBackend + Clone + 'static>(
     backend: B,
     settings: Settings,
     sharding: Sharding,
@@ -62,10 +76,9 @@ pub async fn run<B: ShardBackend>(
         sharding,
         backoff: Backoff::default(),
         shards: BTreeMap::new(),
-        resting: BTreeMap::new(),
         last_disturbance: None,
-        holder_sockets: Vec::new(),
         leading: false,
+        signals_open: true,
     };
     let mut pause = Duration::ZERO;
     loop {
@@ -97,41 +110,51 @@ struct Room<B: ShardBackend> {
     backoff: Backoff,
     /// The shards this replica holds, with their commands.
     shards: BTreeMap<u32, Shard>,
-    /// Shards whose command exited on their own here, and until when this replica leaves them
-    /// to the others (`--restart-delay`).
-    resting: BTreeMap<u32, Instant>,
     /// When a holder session last ended other than by pgleader's own doing.
     last_disturbance: Option<Instant>,
-    /// The holder session's sockets, which every shard's keeper holds.
-    holder_sockets: Vec<std::os::fd::RawFd>,
     /// Whether the telemetry says this replica leads (runs a shard).
     leading: bool,
+    /// False once the signal channel has closed (which means: shut down).
+    signals_open: bool,
 }
 
 /// A shard this replica holds.
 struct Shard {
     epoch: i64,
-    /// When its command may start (the restart fence, `--takeover-delay`).
+    /// When its command may start: the restart fence and `--takeover-delay` after it was
+    /// taken, `--restart-delay` after its command exited on its own.
     start_at: Instant,
     /// `None` until the command starts.
     job: Option<Job>,
-    /// Set once the command is being stopped.
+    /// Set once the command is being stopped, or has exited and what it left is.
     stopping: Option<Stopping>,
-    /// How the command ended, once it did.
-    status: Option<ChildStatus>,
+    /// How the command ended, once it did, and whether that was logged.
+    status: Option<(ChildStatus, bool)>,
+}
+
+/// What happens to a shard once its command's whole tree is gone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum After {
+    /// Released, for a replica short of its share.
+    Give,
+    /// Kept, and its command started again after `--restart-delay` (it exited on its own).
+    Restart,
+    /// Nothing: the lock is gone already, or the whole session is being left.
+    Forget,
 }
 
 /// A stop under way.
 struct Stopping {
-    /// Once the tree is gone: give the shard away, or not (the lock is gone already, or the
-    /// whole session goes).
-    give: bool,
+    after: After,
     /// The signal the command was sent, sent again if it starts only now.
     signal: Signal,
     /// When the kill timeout runs out; `None` once SIGKILL was sent.
     escalate_at: Option<Instant>,
     /// When the keeper is given up on, after SIGKILL, and the group is SIGKILLed directly.
     keeper_kill_at: Option<Instant>,
+    /// When to read the process table again for what is left of a group whose keeper was
+    /// killed from outside.
+    recheck_at: Option<Instant>,
 }
 
 enum Served {
@@ -139,11 +162,13 @@ enum Served {
     Lost,
 }
 
-enum Event {
+enum Event<W> {
     Holder(HolderEvent),
     Deadline,
-    Read(Result<Seen, SessionError>),
+    /// A roster read ended; when it was sent, if it was driven to its end outside the loop.
+    Read(Option<Instant>, Result<Seen, SessionError>),
     ReadDue,
+    Opened(i32, Result<W, ConnectError>),
     Watched(Result<(), SessionError>),
     Signal(Option<SignalEvent>),
     Report(u32, Report),
@@ -152,6 +177,36 @@ enum Event {
 
 type ReadFuture = Pin<Box<dyn Future<Output = Result<Seen, SessionError>>>>;
 type WatchFuture = Pin<Box<dyn Future<Output = Result<(), SessionError>>>>;
+type OpenFuture<W> = Pin<Box<dyn Future<Output = (i32, Result<W, ConnectError>)>>>;
+
+/// One holder session and what goes with it.
+struct Link<B: ShardBackend> {
+    holder: B::Holder,
+    me: i32,
+    joined: Instant,
+    /// When the leadership of every shard held counts as lost without a successful read.
+    deadline: Instant,
+    /// The roster read under way, and when it was sent.
+    read: Option<(Instant, ReadFuture)>,
+    /// A read that ended while another statement was awaited (see `alongside`).
+    read_done: Option<(Instant, Result<Seen, SessionError>)>,
+    next_read: Instant,
+    /// Something changed while a read was under way, which that read may not have seen:
+    /// read again as soon as it is done.
+    stale: bool,
+    /// The watcher session, and the watch on it.
+    watching: Option<Watching<B::Watcher>>,
+    /// A watcher session being opened, and the member it is for.
+    opening: Option<(i32, OpenFuture<B::Watcher>)>,
+    /// Why the session is being left: once set, every command is stopping.
+    leaving: Option<String>,
+    fatal: Option<anyhow::Error>,
+    /// Since when the roster has shown shards held by a session that is not a member.
+    transient_since: Option<Instant>,
+    /// Watcher sessions given up while they waited, to end through the holder (see
+    /// `Holder::end_sessions`).
+    abandoned: Vec<i32>,
+}
 
 /// The watcher session and what it waits for.
 struct Watching<W> {
@@ -160,7 +215,74 @@ struct Watching<W> {
     watch: Option<WatchFuture>,
 }
 
-impl<B: ShardBackend> Room<B> {
+impl<B: ShardBackend> Link<B> {
+    /// Reads the roster now, or as soon as the read under way is done.
+    fn read_soon(&mut self, quiet: bool, timeout: Duration) {
+        if self.read.is_some() {
+            self.stale = true;
+        } else if !quiet {
+            // Abandoned watchers are ended first, on the same session, within the same bound.
+            let ending = (!self.abandoned.is_empty()).then(|| {
+                self.holder
+                    .end_sessions(std::mem::take(&mut self.abandoned))
+            });
+            let roster = self.holder.roster();
+            let read = async move {
+                if let Some(ending) = ending {
+                    ending.await?;
+                }
+                roster.await
+            };
+            let bounded = async move {
+                tokio::time::timeout(timeout, read)
+                    .await
+                    .unwrap_or_else(|_| {
+                        Err(SessionError::Query(format!(
+                            "no answer to the check within {} (--check-timeout)",
+                            fmt(timeout)
+                        )))
+                    })
+            };
+            self.read = Some((Instant::now(), Box::pin(bounded)));
+        }
+    }
+
+    /// Before the holder leaves: ends the watcher sessions, the one that waits included, so
+    /// that none outlives this replica on the server.
+    async fn end_watchers(&mut self, timeout: Duration) {
+        if let Some(current) = self.watching.take()
+            && current.watch.is_some()
+        {
+            self.abandoned.push(current.watcher.id());
+        }
+        if !self.abandoned.is_empty() {
+            let ending = self
+                .holder
+                .end_sessions(std::mem::take(&mut self.abandoned));
+            let _ = tokio::time::timeout(timeout, ending).await;
+        }
+    }
+
+    /// What is left of the deadline, for a statement awaited in place: never past it.
+    fn left(&self, timeout: Duration) -> Duration {
+        self.deadline
+            .saturating_duration_since(Instant::now())
+            .min(timeout)
+    }
+
+    fn leave_for(&mut self, reason: String) {
+        self.leaving = Some(reason);
+        self.read = None;
+        if let Some(current) = self.watching.take()
+            && current.watch.is_some()
+        {
+            self.abandoned.push(current.watcher.id());
+        }
+        self.opening = None;
+    }
+}
+
+impl<B: ShardBackend + Clone + 'static> Room<B> {
     /// Connects and joins the fleet, retrying transient failures with backoff. `None` means
     /// shut down.
     async fn join(&mut self) -> anyhow::Result<Option<B::Holder>> {
@@ -208,34 +330,50 @@ impl<B: ShardBackend> Room<B> {
 
     /// Runs this replica's share on one holder session, until the session is lost (every
     /// command stopped by then) or pgleader shuts down (the same, and the shards released).
-    async fn serve(&mut self, mut holder: B::Holder) -> anyhow::Result<Served> {
-        let me = holder.id();
-        let joined = Instant::now();
-        self.holder_sockets = holder.sockets();
+    async fn serve(&mut self, holder: B::Holder) -> anyhow::Result<Served> {
         let lock = self.settings.lock.clone();
         let (interval, timeout) = (self.settings.check_interval, self.settings.check_timeout);
+        let now = Instant::now();
+        let mut link: Link<B> = Link {
+            me: holder.id(),
+            holder,
+            joined: now,
+            deadline: now + interval + timeout,
+            read: None,
+            read_done: None,
+            next_read: now + interval,
+            stale: false,
+            watching: None,
+            opening: None,
+            leaving: None,
+            fatal: None,
+            transient_since: None,
+            abandoned: Vec::new(),
+        };
+        let me = link.me;
         info!(event = "joined", lock = %lock, backend_pid = me, shards = self.sharding.count, "joined the replicas of this lock, {} shards", self.sharding.count);
         notify::status(&format!("running shards of lock {lock}"));
         self.inbox.telemetry.following(me);
-        let mut deadline = Instant::now() + interval + timeout;
-        let mut read: Option<(Instant, ReadFuture)> =
-            Some((Instant::now(), Box::pin(holder.roster())));
-        let mut next_read = Instant::now() + interval;
-        let mut watching: Option<Watching<B::Watcher>> = None;
-        // Something changed while a read was under way, which that read may not have seen:
-        // read again as soon as it is done.
-        let mut stale = false;
-        // Why the session is being left: once set, every command is stopping.
-        let mut leaving: Option<String> = None;
-        let mut fatal: Option<anyhow::Error> = None;
+        link.read_soon(false, timeout);
         loop {
+            if self.shards.is_empty()
+                && (link.fatal.is_some()
+                    || self.inbox.shutdown_requested.is_some()
+                    || link.leaving.is_some())
+            {
+                // Its answer would hold up the statements below (see `alongside`).
+                link.read = None;
+                link.read_done = None;
+            }
             if self.shards.is_empty() {
-                if let Some(err) = fatal {
-                    let _ = holder.leave(timeout).await;
+                if let Some(err) = link.fatal.take() {
+                    link.end_watchers(timeout).await;
+                    let _ = link.holder.leave(timeout).await;
                     return Err(err);
                 }
                 if self.inbox.shutdown_requested.is_some() {
-                    match holder.leave(timeout).await {
+                    link.end_watchers(timeout).await;
+                    match link.holder.leave(timeout).await {
                         Ok(()) => info!(event = "released", lock = %lock, "released every shard"),
                         Err(err) => {
                             warn!(event = "release_failed", lock = %lock, reason = %err, "cannot release the shards explicitly; closing the session frees them")
@@ -243,13 +381,17 @@ impl<B: ShardBackend> Room<B> {
                     }
                     return Ok(Served::Shutdown);
                 }
-                if leaving.is_some() {
+                if link.leaving.is_some() {
+                    // The session may still answer (a deadline passed, a statement failed).
+                    link.end_watchers(timeout).await;
                     return Ok(Served::Lost);
                 }
             }
             let timer = self.next_timer();
             let holds_any = !self.shards.is_empty();
-            let quiet = leaving.is_some() || self.inbox.shutdown_requested.is_some();
+            let quiet = link.leaving.is_some() || self.inbox.shutdown_requested.is_some();
+            let leaving = link.leaving.is_some();
+            let signals_open = self.signals_open;
             let shards = &mut self.shards;
             let reports = std::future::poll_fn(|cx| {
                 for (index, shard) in shards.iter_mut() {
@@ -261,31 +403,44 @@ impl<B: ShardBackend> Room<B> {
                 }
                 Poll::Pending
             });
+            let Link {
+                holder,
+                deadline,
+                read,
+                read_done,
+                next_read,
+                watching,
+                opening,
+                ..
+            } = &mut link;
             // Biased: the end of the session and the deadline win over everything.
-            let event = tokio::select! {
+            let event = if let Some((sent, result)) = read_done.take() {
+                Event::Read(Some(sent), result)
+            } else {
+                tokio::select! {
                 biased;
-                event = holder.next_event(), if leaving.is_none() => Event::Holder(event),
-                _ = sleep_until(deadline), if !quiet && holds_any => Event::Deadline,
-                result = async { match &mut read { Some((_, future)) => future.await, None => std::future::pending().await } } => Event::Read(result),
-                event = self.inbox.signals.recv() => Event::Signal(event),
+                event = holder.next_event(), if !leaving => Event::Holder(event),
+                _ = sleep_until(*deadline), if !quiet && holds_any => Event::Deadline,
+                result = async { match read { Some((_, future)) => future.await, None => std::future::pending().await } } => Event::Read(None, result),
+                event = self.inbox.signals.recv(), if signals_open => Event::Signal(event),
                 (index, report) = reports => Event::Report(index, report),
                 _ = sleep_until(timer) => Event::Timer,
                 result = async { match watching.as_mut().and_then(|w| w.watch.as_mut()) { Some(watch) => watch.await, None => std::future::pending().await } } => Event::Watched(result),
-                _ = sleep_until(next_read), if read.is_none() && !quiet => Event::ReadDue,
+                (member, result) = async { match opening { Some((_, future)) => future.await, None => std::future::pending().await } } => Event::Opened(member, result),
+                _ = sleep_until(*next_read), if read.is_none() && !quiet => Event::ReadDue,
+                }
             };
             match event {
                 Event::Holder(HolderEvent::Notified(word)) => {
                     debug!(event = "notified", lock = %lock, word = %word, "another replica: {word}");
-                    read_soon(&mut read, &mut stale, quiet, &holder);
+                    link.read_soon(quiet, timeout);
                 }
                 Event::Holder(HolderEvent::Ended(reason)) => {
                     self.lose_all(
                         &format!("the connection ended: {reason}"),
                         LossReason::ConnectionEnded,
                     );
-                    leaving = Some(reason);
-                    read = None;
-                    watching = None;
+                    link.leave_for(reason);
                 }
                 Event::Deadline => {
                     let reason = format!(
@@ -293,110 +448,127 @@ impl<B: ShardBackend> Room<B> {
                         fmt(interval + timeout)
                     );
                     self.lose_all(&reason, LossReason::CheckTimeout);
-                    leaving = Some(reason);
-                    read = None;
-                    watching = None;
+                    link.leave_for(reason);
                 }
-                Event::ReadDue => {
-                    read = Some((Instant::now(), Box::pin(holder.roster())));
-                }
-                Event::Read(result) => {
-                    let sent = read.take().map_or_else(Instant::now, |(sent, _)| sent);
+                Event::ReadDue => link.read_soon(quiet, timeout),
+                Event::Read(sent, result) => {
+                    let sent = sent
+                        .or_else(|| link.read.take().map(|(sent, _)| sent))
+                        .unwrap_or_else(Instant::now);
                     self.inbox
                         .telemetry
                         .check_completed(sent.elapsed(), result.is_ok());
-                    let seen = match result {
-                        Ok(seen) => seen,
+                    match result {
                         Err(err) => {
                             let reason = format!("the check failed: {err}");
                             self.lose_all(&reason, LossReason::CheckFailed);
                             if let SessionError::Unsafe(_) = err {
-                                fatal = Some(err.into());
+                                link.fatal = Some(err.into());
                             }
-                            leaving = Some(reason);
-                            watching = None;
-                            continue;
+                            link.leave_for(reason);
                         }
-                    };
-                    deadline = sent + interval + timeout;
-                    next_read = sent + interval;
-                    if quiet {
-                        continue;
+                        Ok(_) if quiet => {}
+                        Ok(seen) => {
+                            link.deadline = sent + interval + timeout;
+                            link.next_read = sent + interval;
+                            if seen.taken.is_empty() {
+                                link.transient_since = None;
+                            } else if link.transient_since.get_or_insert(sent).elapsed()
+                                < TRANSIENT_FOR
+                            {
+                                link.next_read = Instant::now() + TRANSIENT_RECHECK;
+                            }
+                            self.keep_watch(&mut link, &seen);
+                            match self.apply(&link, &seen).await {
+                                // Only after the shards it took: a read sent before would not
+                                // show them, and they would look lost.
+                                Ok(()) if std::mem::take(&mut link.stale) => {
+                                    link.read_soon(quiet, timeout);
+                                }
+                                Ok(()) => {}
+                                Err(Failure::Session(err)) => {
+                                    let reason = format!("a statement failed: {err}");
+                                    self.lose_all(&reason, LossReason::CheckFailed);
+                                    link.leave_for(reason);
+                                }
+                                Err(Failure::Fatal(err)) => {
+                                    self.stop_all(Signal::SIGKILL, After::Forget);
+                                    link.fatal = Some(err);
+                                    link.leave_for("a fatal error".into());
+                                }
+                            }
+                        }
                     }
-                    self.keep_watch(&mut watching, &seen, me).await;
-                    match self.apply(&holder, &seen, me, joined).await {
-                        // Only after the shards it took: a read sent before would not show
-                        // them, and they would look lost.
-                        Ok(()) if std::mem::take(&mut stale) => {
-                            read_soon(&mut read, &mut stale, quiet, &holder);
+                }
+                Event::Opened(member, result) => {
+                    link.opening = None;
+                    match result {
+                        Ok(watcher) => {
+                            debug!(
+                                event = "watching",
+                                backend_pid = member,
+                                "watching the replica of server process {member}"
+                            );
+                            let watch = Box::pin(watcher.watch(member));
+                            link.watching = Some(Watching {
+                                watcher,
+                                member,
+                                watch: Some(watch),
+                            });
                         }
-                        Ok(()) => {}
-                        Err(Failure::Session(err)) => {
-                            let reason = format!("a statement failed: {err}");
-                            self.lose_all(&reason, LossReason::CheckFailed);
-                            leaving = Some(reason);
-                            watching = None;
-                        }
-                        Err(Failure::Fatal(err)) => {
-                            self.stop_all(Signal::SIGKILL, false);
-                            fatal = Some(err);
-                            leaving = Some("a fatal error".into());
+                        Err(err) => {
+                            warn!(event = "watch_failed", reason = %err, "cannot open the watcher's session; trying again at the next check");
                         }
                     }
                 }
                 Event::Watched(result) => {
-                    let Some(mut watch) = watching.take() else {
-                        continue;
-                    };
-                    match result {
-                        Ok(()) => {
-                            info!(event = "member_gone", lock = %lock, backend_pid = watch.member, "the replica of server process {} is gone; its shards are free", watch.member);
-                            // The watch ended as asked: the session is free for the next one.
-                            watch.watch = None;
-                            watching = Some(watch);
+                    if let Some(mut watch) = link.watching.take() {
+                        match result {
+                            Ok(()) => {
+                                info!(event = "member_gone", lock = %lock, backend_pid = watch.member, "the replica of server process {} is gone; its shards are free", watch.member);
+                                // The watch ended as asked: the session is free for the next.
+                                watch.watch = None;
+                                link.watching = Some(watch);
+                            }
+                            Err(err) => {
+                                debug!(event = "watch_failed", reason = %err, "the watcher's session failed; opening another at the next check");
+                            }
                         }
-                        Err(err) => {
-                            debug!(event = "watch_failed", reason = %err, "the watcher's session failed; opening another at the next check");
-                        }
+                        link.read_soon(quiet, timeout);
                     }
-                    read_soon(&mut read, &mut stale, quiet, &holder);
                 }
                 Event::Signal(event) => self.on_signal(event),
                 Event::Report(index, report) => {
                     if let Err(err) = self.on_report(index, report) {
-                        self.stop_all(Signal::SIGKILL, false);
-                        fatal = Some(err.into());
-                        leaving = Some("a fatal error".into());
+                        self.stop_all(Signal::SIGKILL, After::Forget);
+                        link.fatal = Some(err.into());
+                        link.leave_for("a fatal error".into());
                     }
                 }
                 Event::Timer => {
-                    if let Err(err) = self.on_timer(me) {
-                        self.stop_all(Signal::SIGKILL, false);
-                        fatal = Some(err);
-                        leaving = Some("a fatal error".into());
-                    }
-                    // A resting shard may be taken again.
-                    if self.resting.values().any(|until| *until <= Instant::now()) {
-                        self.resting.retain(|_, until| *until > Instant::now());
-                        read_soon(&mut read, &mut stale, quiet, &holder);
+                    if let Err(err) = self.on_timer(me, &link.holder.sockets()) {
+                        self.stop_all(Signal::SIGKILL, After::Forget);
+                        link.fatal = Some(err);
+                        link.leave_for("a fatal error".into());
                     }
                 }
             }
-            self.finish_stopped(&holder, leaving.is_none()).await;
+            if let Err(err) = self.finish_stopped(&mut link).await {
+                let reason = format!("a statement failed: {err}");
+                self.lose_all(&reason, LossReason::CheckFailed);
+                link.leave_for(reason);
+            }
             self.publish(me);
         }
     }
 
     /// Acts on a roster: stops the commands of shards this session no longer holds, gives a
-    /// surplus away, takes free shards up to its share.
-    async fn apply(
-        &mut self,
-        holder: &B::Holder,
-        seen: &Seen,
-        me: i32,
-        joined: Instant,
-    ) -> Result<(), Failure> {
+    /// surplus away, takes free shards up to its share. Each statement awaited here is bounded
+    /// by what is left of the deadline.
+    async fn apply(&mut self, link: &Link<B>, seen: &Seen) -> Result<(), Failure> {
         let lock = self.settings.lock.clone();
+        let (me, holder) = (link.me, &link.holder);
+        let timeout = self.settings.check_timeout;
         let Some(at) = seen
             .roster
             .members
@@ -413,26 +585,39 @@ impl<B: ShardBackend> Room<B> {
             .shards
             .iter()
             .filter(|(index, shard)| {
-                !mine.contains(index) && shard.stopping.as_ref().is_none_or(|stop| stop.give)
+                !mine.contains(index)
+                    && shard
+                        .stopping
+                        .as_ref()
+                        .is_none_or(|stop| stop.after != After::Forget)
             })
             .map(|(index, _)| *index)
             .collect();
         for index in lost {
             warn!(event = "leadership_lost", lock = %lock, shard = index, "the check found that this session no longer holds shard {index}; stopping its command");
-            self.stop(index, self.settings.kill_signal, false);
+            self.stop(index, self.settings.kill_signal, After::Forget);
         }
         // Held on the server with no command here: a give that failed, or one made while this
         // roster was read. Let it go; a shard given already is no error.
         for index in mine.iter().filter(|index| !self.shards.contains_key(index)) {
-            if let Err(err) = holder.give(*index).await {
-                debug!(event = "release_failed", shard = *index, reason = %err, "shard {index} was not held any more");
+            match tokio::time::timeout(link.left(timeout), holder.give(*index)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(err)) => {
+                    debug!(event = "release_failed", shard = *index, reason = %err, "shard {index} was not held any more");
+                }
+                Err(_) => return Err(Failure::Session(no_answer("releasing a shard"))),
             }
         }
         let share = seen.roster.shares()[at] as usize;
         let giving = self
             .shards
             .values()
-            .filter(|shard| shard.stopping.as_ref().is_some_and(|stop| stop.give))
+            .filter(|shard| {
+                shard
+                    .stopping
+                    .as_ref()
+                    .is_some_and(|stop| stop.after == After::Give)
+            })
             .count();
         let keeping = self.shards.len() - giving;
         if keeping > share {
@@ -446,27 +631,20 @@ impl<B: ShardBackend> Room<B> {
                 .collect();
             for index in surplus {
                 info!(event = "hand_over", lock = %lock, shard = index, "handing shard {index} over to a replica short of its share");
-                self.stop(index, self.settings.kill_signal, true);
+                self.stop(index, self.settings.kill_signal, After::Give);
             }
             return Ok(());
         }
         if giving > 0 {
             return Ok(());
         }
-        let now = Instant::now();
-        let wanted: Vec<u32> = seen
-            .roster
-            .moves(me)
-            .take
-            .into_iter()
-            .filter(|index| self.resting.get(index).is_none_or(|until| *until <= now))
-            .collect();
+        let wanted = seen.roster.moves(me).take;
         if wanted.is_empty() {
             return Ok(());
         }
-        let (won, fence) = tokio::time::timeout(self.settings.check_timeout, holder.take(&wanted))
+        let (won, fence) = tokio::time::timeout(link.left(timeout), holder.take(&wanted))
             .await
-            .map_err(|_| Failure::Session(SessionError::Query("taking shards timed out".into())))?
+            .map_err(|_| Failure::Session(no_answer("taking shards")))?
             .map_err(Failure::Session)?;
         let Some(fence) = fence else {
             return Ok(());
@@ -474,11 +652,10 @@ impl<B: ShardBackend> Room<B> {
         let delay = self.settings.start_delay(
             self.last_disturbance,
             fence.since_server_reset,
-            joined.elapsed(),
+            link.joined.elapsed(),
         );
         for index in won {
             info!(event = "leader", lock = %lock, shard = index, epoch = fence.epoch, backend_pid = me, "took shard {index}");
-            self.resting.remove(&index);
             self.shards.insert(
                 index,
                 Shard {
@@ -490,54 +667,60 @@ impl<B: ShardBackend> Room<B> {
                 },
             );
         }
-        self.on_timer(me).map_err(Failure::Fatal)
+        self.on_timer(me, &holder.sockets()).map_err(Failure::Fatal)
     }
 
-    /// Watches the member after this one, on the watcher session (opened, or opened again, as
-    /// needed); nobody when alone.
-    async fn keep_watch(
-        &mut self,
-        watching: &mut Option<Watching<B::Watcher>>,
-        seen: &Seen,
-        me: i32,
-    ) {
-        let Some(member) = seen.roster.successor(me) else {
-            *watching = None;
+    /// Watches the member after this one, on the watcher session (opened beside the loop, or
+    /// opened again, as needed); nobody when alone.
+    fn keep_watch(&mut self, link: &mut Link<B>, seen: &Seen) {
+        let Some(member) = seen.roster.successor(link.me) else {
+            link.watching = None;
+            link.opening = None;
             return;
         };
-        if let Some(current) = watching
+        if let Some(current) = &link.watching
             && current.member == member
             && current.watch.is_some()
         {
             return;
         }
-        // A watch that was abandoned may have been granted: its session goes with it.
-        let reusable = watching.take().filter(|current| current.watch.is_none());
-        let watcher = match reusable {
-            Some(current) => current.watcher,
-            None => match self.backend.watcher(&self.settings.session_name).await {
-                Ok(watcher) => watcher,
-                Err(err) => {
-                    warn!(event = "watch_failed", reason = %err, "cannot open the watcher's session; trying again at the next check");
-                    return;
-                }
-            },
-        };
-        debug!(
-            event = "watching",
-            backend_pid = member,
-            "watching the replica of server process {member}"
-        );
-        let watch = Box::pin(watcher.watch(member));
-        *watching = Some(Watching {
-            watcher,
-            member,
-            watch: Some(watch),
-        });
+        if link
+            .opening
+            .as_ref()
+            .is_some_and(|(opening, _)| *opening == member)
+        {
+            return;
+        }
+        // A watch that was abandoned may have been granted: its session goes with it, and
+        // the server is told to end it.
+        if let Some(current) = link.watching.take_if(|current| current.watch.is_some()) {
+            link.abandoned.push(current.watcher.id());
+        }
+        match link.watching.take() {
+            Some(mut current) => {
+                debug!(
+                    event = "watching",
+                    backend_pid = member,
+                    "watching the replica of server process {member}"
+                );
+                current.watch = Some(Box::pin(current.watcher.watch(member)));
+                current.member = member;
+                link.watching = Some(current);
+            }
+            None => {
+                let backend = self.backend.clone();
+                let name = self.settings.session_name.clone();
+                link.opening = Some((
+                    member,
+                    Box::pin(async move { (member, backend.watcher(&name).await) }),
+                ));
+            }
+        }
     }
 
-    /// Starts the commands whose start time has come, and moves stops along.
-    fn on_timer(&mut self, me: i32) -> anyhow::Result<()> {
+    /// Starts the commands whose start time has come, with the keeper holding `sockets` (the
+    /// holder session's, read now: none once it is closed), and moves stops along.
+    fn on_timer(&mut self, me: i32, sockets: &[RawFd]) -> anyhow::Result<()> {
         let now = Instant::now();
         let starting: Vec<u32> = self
             .shards
@@ -547,29 +730,18 @@ impl<B: ShardBackend> Room<B> {
             })
             .map(|(index, _)| *index)
             .collect();
-        for index in starting {
-            let epoch = self.shards[&index].epoch;
-            let mut env = self.settings.leader_env(me, epoch);
-            env.push(("PGLEADER_SHARD", index.to_string()));
-            env.push(("PGLEADER_SHARDS", self.sharding.count.to_string()));
-            let job = Parked::spawn(&self.settings.command)
-                .and_then(|parked| parked.start(&env, &self.holder_sockets))
-                .map_err(|err| anyhow::anyhow!("cannot start the keeper process: {err}"))?;
-            debug!(
-                event = "spawned",
-                shard = index,
-                pgid = job.pgid().as_raw(),
-                "started the keeper"
-            );
-            if let Some(shard) = self.shards.get_mut(&index) {
-                shard.job = Some(job);
+        // Without the session's socket a keeper could not order a crash: the session has
+        // ended, which the loop hears next.
+        if !starting.is_empty() && !sockets.is_empty() {
+            for index in starting {
+                self.start(index, me, sockets)?;
             }
         }
         for (index, shard) in &mut self.shards {
             let (Some(job), Some(stop)) = (&shard.job, &mut shard.stopping) else {
                 continue;
             };
-            if stop.escalate_at.is_some_and(|at| at <= now) {
+            if stop.escalate_at.is_some_and(|at| at <= now) && !job.is_finished() {
                 warn!(
                     event = "kill",
                     shard = *index,
@@ -592,51 +764,82 @@ impl<B: ShardBackend> Room<B> {
         Ok(())
     }
 
-    /// The next moment a timer is due: a delayed start, a stop's next step, a rest's end.
+    /// Starts shard `index`'s command under a new keeper.
+    fn start(&mut self, index: u32, me: i32, sockets: &[RawFd]) -> anyhow::Result<()> {
+        let Some(shard) = self.shards.get_mut(&index) else {
+            return Ok(());
+        };
+        let mut env = self.settings.leader_env(me, shard.epoch);
+        env.push(("PGLEADER_SHARD", index.to_string()));
+        env.push(("PGLEADER_SHARDS", self.sharding.count.to_string()));
+        let job = Parked::spawn(&self.settings.command)
+            .and_then(|parked| parked.start(&env, sockets))
+            .map_err(|err| anyhow::anyhow!("cannot start the keeper process: {err}"))?;
+        debug!(
+            event = "spawned",
+            shard = index,
+            pgid = job.pgid().as_raw(),
+            "started the keeper"
+        );
+        shard.job = Some(job);
+        shard.status = None;
+        Ok(())
+    }
+
+    /// The next moment a timer is due: a delayed start, a stop's next step.
     fn next_timer(&self) -> Instant {
         let far = Instant::now() + Duration::from_secs(3600);
-        let shards = self.shards.values().flat_map(|shard| {
-            let start = (shard.job.is_none() && shard.stopping.is_none()).then_some(shard.start_at);
-            let stop = shard
-                .stopping
-                .as_ref()
-                .and_then(|stop| stop.escalate_at.or(stop.keeper_kill_at));
-            start.into_iter().chain(stop)
-        });
-        shards
-            .chain(self.resting.values().copied())
+        self.shards
+            .values()
+            .flat_map(|shard| {
+                let start =
+                    (shard.job.is_none() && shard.stopping.is_none()).then_some(shard.start_at);
+                let stop = shard.stopping.as_ref().and_then(|stop| {
+                    [stop.escalate_at, stop.keeper_kill_at, stop.recheck_at]
+                        .into_iter()
+                        .flatten()
+                        .min()
+                });
+                start.into_iter().chain(stop)
+            })
             .min()
             .unwrap_or(far)
             .min(far)
     }
 
-    /// Starts stopping a shard's command: `signal` to its group, then the kill timeout.
-    /// `give`: once the tree is gone, release the shard for the others.
-    fn stop(&mut self, index: u32, signal: Signal, give: bool) {
+    /// Starts stopping a shard's command: `signal` to its group, then the kill timeout; once
+    /// its tree is gone, `after`.
+    fn stop(&mut self, index: u32, signal: Signal, after: After) {
         let Some(shard) = self.shards.get_mut(&index) else {
             return;
         };
         if let Some(stop) = &mut shard.stopping {
-            // A lost lock or a shutdown overrides a handover: nothing is left to give.
-            stop.give &= give;
+            // A lost lock or a shutdown overrides a handover or a restart: nothing is left to
+            // give, nothing to restart.
+            if after == After::Forget {
+                stop.after = After::Forget;
+            }
             return;
         }
         if let Some(job) = &shard.job {
             send_stop_signal(job, signal);
-            info!(
-                event = "stopping",
-                shard = index,
-                pgid = job.pgid().as_raw(),
-                signal = signal.as_str(),
-                "stopping the command of shard {index}: {} to its process group",
-                signal.as_str()
-            );
+            if shard.status.is_none() {
+                info!(
+                    event = "stopping",
+                    shard = index,
+                    pgid = job.pgid().as_raw(),
+                    signal = signal.as_str(),
+                    "stopping the command of shard {index}: {} to its process group",
+                    signal.as_str()
+                );
+            }
         }
         let mut stop = Stopping {
-            give,
+            after,
             signal,
             escalate_at: Some(Instant::now() + self.settings.kill_timeout),
             keeper_kill_at: None,
+            recheck_at: None,
         };
         if signal == Signal::SIGKILL
             && let Some(job) = &shard.job
@@ -646,10 +849,10 @@ impl<B: ShardBackend> Room<B> {
         shard.stopping = Some(stop);
     }
 
-    fn stop_all(&mut self, signal: Signal, give: bool) {
+    fn stop_all(&mut self, signal: Signal, after: After) {
         let indices: Vec<u32> = self.shards.keys().copied().collect();
         for index in indices {
-            self.stop(index, signal, give);
+            self.stop(index, signal, after);
         }
     }
 
@@ -659,7 +862,7 @@ impl<B: ShardBackend> Room<B> {
         notify::status(&format!("shards lost ({reason}); stopping their commands"));
         self.inbox.telemetry.leadership_lost(loss, reason);
         self.last_disturbance = Some(Instant::now());
-        self.stop_all(self.settings.kill_signal, false);
+        self.stop_all(self.settings.kill_signal, After::Forget);
     }
 
     fn on_signal(&mut self, event: Option<SignalEvent>) {
@@ -708,7 +911,14 @@ impl<B: ShardBackend> Room<B> {
                 }
                 None => self.shut_down(signal),
             },
-            None => self.shut_down(Signal::SIGTERM),
+            // Nothing more can come: no second TERM, no SIGCHLD (keepers are then read until
+            // their reports end, and their groups through the process table).
+            None => {
+                self.signals_open = false;
+                if self.inbox.shutdown_requested.is_none() {
+                    self.shut_down(Signal::SIGTERM);
+                }
+            }
         }
     }
 
@@ -717,7 +927,7 @@ impl<B: ShardBackend> Room<B> {
             signal,
             "shutting down: stopping every shard's command, then releasing the shards",
         );
-        self.stop_all(signal, false);
+        self.stop_all(signal, After::Forget);
     }
 
     /// A keeper's report about a shard's command.
@@ -742,13 +952,11 @@ impl<B: ShardBackend> Room<B> {
             Report::Exited(_) | Report::Killed(_) => {
                 let status = status_of(report);
                 info!(event = "child_exited", shard = index, status = %status, exit_code = status.exit_code(), "the command of shard {index} exited");
-                shard.status.get_or_insert(status);
+                shard.status.get_or_insert((status, true));
                 if shard.stopping.is_none() {
-                    // On its own: what it left in its group goes too, then the shard is given
-                    // away, and this replica leaves it to the others for --restart-delay.
-                    self.resting
-                        .insert(index, Instant::now() + self.settings.restart_delay);
-                    self.stop(index, self.settings.kill_signal, true);
+                    // On its own: what it left in its group goes too; the shard stays here
+                    // and its command starts again after --restart-delay.
+                    self.stop(index, self.settings.kill_signal, After::Restart);
                 }
                 Ok(())
             }
@@ -756,61 +964,102 @@ impl<B: ShardBackend> Room<B> {
         }
     }
 
-    /// Settles the shards whose commands are wholly gone: each is given away (or forgotten,
-    /// when the lock is gone or the session is being left).
-    async fn finish_stopped(&mut self, holder: &B::Holder, may_give: bool) {
+    /// Settles the shards whose commands are wholly gone: each is given away, kept for a
+    /// restart, or forgotten. A give is bounded by what is left of the deadline; an error
+    /// means the session is in doubt.
+    async fn finish_stopped(&mut self, link: &mut Link<B>) -> Result<(), SessionError> {
+        let now = Instant::now();
         let done: Vec<u32> = self
             .shards
             .iter()
-            .filter(|(_, shard)| match &shard.job {
-                None => shard.stopping.is_some(),
-                Some(job) => job.is_finished(),
+            .filter(|(_, shard)| match (&shard.job, &shard.stopping) {
+                (None, stopping) => stopping.is_some(),
+                (Some(job), Some(stop)) => {
+                    job.is_finished() && stop.recheck_at.is_none_or(|at| at <= now)
+                }
+                // Its keeper vanished (killed from outside) without being stopped.
+                (Some(job), None) => job.is_finished(),
             })
             .map(|(index, _)| *index)
             .collect();
         for index in done {
-            let Some(mut shard) = self.shards.remove(&index) else {
+            let Some(shard) = self.shards.get_mut(&index) else {
                 continue;
             };
             if let Some(job) = &mut shard.job {
-                // A report read only now was not logged yet.
-                let logged = shard.status.is_some();
                 for report in job.remaining_reports() {
                     if matches!(report, Report::Exited(_) | Report::Killed(_)) {
-                        shard.status.get_or_insert(status_of(report));
+                        shard.status.get_or_insert((status_of(report), false));
                     }
                 }
-                if !job.reported_done() {
-                    self.inbox.wait_until_group_gone(job).await;
+                // Without the keeper's word that nothing is left (it was killed from outside),
+                // the group goes through the process table, without holding the loop up.
+                if !job.reported_done() && !job.group_members().is_empty() {
+                    let _ = job.signal(Signal::SIGKILL);
+                    let stop = shard.stopping.get_or_insert(Stopping {
+                        after: After::Restart,
+                        signal: Signal::SIGKILL,
+                        escalate_at: None,
+                        keeper_kill_at: None,
+                        recheck_at: None,
+                    });
+                    stop.recheck_at = Some(now + GROUP_RECHECK);
+                    // SIGKILL went to the group: the stop's own steps are over.
+                    stop.escalate_at = None;
+                    stop.keeper_kill_at = None;
+                    continue;
                 }
                 // A report the keeper sent just before it was reaped may not be readable yet:
                 // its own exit status stands for the command's then.
-                let status = shard
-                    .status
-                    .or_else(|| job.keeper_status())
-                    .unwrap_or(ChildStatus::Signaled(Signal::SIGKILL));
+                let (status, logged) = shard.status.unwrap_or((
+                    job.keeper_status()
+                        .unwrap_or(ChildStatus::Signaled(Signal::SIGKILL)),
+                    false,
+                ));
                 if !logged {
                     info!(event = "child_exited", shard = index, status = %status, exit_code = status.exit_code(), "the command of shard {index} exited");
                 }
                 self.inbox.telemetry.command_exited(status);
-                if shard.stopping.is_none() {
-                    // Its keeper vanished (killed from outside): the command is gone.
-                    self.resting
-                        .insert(index, Instant::now() + self.settings.restart_delay);
-                }
             }
-            let give = shard.stopping.as_ref().is_none_or(|stop| stop.give);
-            if give && may_give && self.inbox.shutdown_requested.is_none() {
-                match holder.give(index).await {
-                    Ok(()) => {
-                        info!(event = "released", lock = %self.settings.lock, shard = index, "released shard {index}")
+            let after = shard.stopping.as_ref().map_or(After::Restart, |s| s.after);
+            let quiet = link.leaving.is_some() || self.inbox.shutdown_requested.is_some();
+            match after {
+                After::Restart if !quiet => {
+                    shard.job = None;
+                    shard.stopping = None;
+                    shard.start_at = Instant::now() + self.settings.restart_delay;
+                    if !self.settings.restart_delay.is_zero() {
+                        info!(
+                            event = "restart_delay",
+                            shard = index,
+                            "starting the command of shard {index} again in {} (--restart-delay)",
+                            fmt(self.settings.restart_delay)
+                        );
                     }
-                    Err(err) => {
-                        warn!(event = "release_failed", shard = index, reason = %err, "cannot release shard {index}; the next check lets it go")
+                    continue;
+                }
+                After::Give if !quiet => {
+                    self.shards.remove(&index);
+                    let left = link.left(self.settings.check_timeout);
+                    let give = tokio::time::timeout(left, link.holder.give(index));
+                    match alongside(&mut link.read, &mut link.read_done, give).await {
+                        Ok(Ok(())) => {
+                            info!(event = "released", lock = %self.settings.lock, shard = index, "released shard {index}");
+                            // A replica that was handing over took nothing meanwhile; the
+                            // roster may have changed since (a member gone), and its own word
+                            // does not come back to it.
+                            link.read_soon(quiet, self.settings.check_timeout);
+                        }
+                        Ok(Err(err)) => return Err(err),
+                        Err(_) => return Err(no_answer("releasing a shard")),
                     }
+                }
+                _ => {
+                    self.shards.remove(&index);
                 }
             }
         }
+        Ok(())
     }
 
     /// What the HTTP endpoint and metrics show: leading while this replica runs a shard.
@@ -838,26 +1087,40 @@ impl<B: ShardBackend> Room<B> {
     }
 }
 
-/// Reads the roster now, or as soon as the read under way is done (`stale`).
-fn read_soon<H: Holder>(
-    read: &mut Option<(Instant, ReadFuture)>,
-    stale: &mut bool,
-    quiet: bool,
-    holder: &H,
-) {
-    if read.is_some() {
-        *stale = true;
-    } else if !quiet {
-        *read = Some((Instant::now(), Box::pin(holder.roster())));
-    }
-}
-
 /// Why a roster could not be acted on.
 enum Failure {
     /// A statement failed: the session is done for.
     Session(SessionError),
     /// A command cannot be started at all.
     Fatal(anyhow::Error),
+}
+
+/// Awaits a statement on the holder session while the roster read under way, if any, is
+/// driven too (its end kept in `done`): the driver stops reading the connection while a
+/// response waits for a future that nobody polls, and the statement's answer would wait
+/// behind it.
+async fn alongside<T>(
+    read: &mut Option<(Instant, ReadFuture)>,
+    done: &mut Option<(Instant, Result<Seen, SessionError>)>,
+    statement: impl Future<Output = T>,
+) -> T {
+    tokio::pin!(statement);
+    if let Some((sent, future)) = read {
+        let sent = *sent;
+        tokio::select! {
+            biased;
+            result = future => {
+                *done = Some((sent, result));
+                *read = None;
+            }
+            out = &mut statement => return out,
+        }
+    }
+    statement.await
+}
+
+fn no_answer(what: &str) -> SessionError {
+    SessionError::Query(format!("no answer while {what} before the deadline"))
 }
 
 /// SIGKILL to everything the command started, through the keeper (or to the group directly if

@@ -19,6 +19,7 @@ mod redis;
 mod redis_nemesis;
 mod redis_tls;
 mod schedule;
+mod shard_nemesis;
 mod shards;
 mod signals;
 mod tls;

@@ -113,9 +113,9 @@ fn the_locks_of_a_sharded_name_are_the_documented_keys_and_never_the_plain_one()
         let holder = join(&backend, 3).await;
         assert_eq!(take_share(&holder).await, BTreeSet::from([0, 1, 2]));
         let (pid, space) = (holder.id(), holder.keys().space());
-        // The fold of the key's halves, as the module's documentation gives it in SQL.
+        // The hash of the key, as the documentation gives it in SQL.
         let documented: i32 = server_rows(
-            "SELECT ((($1::int8 >> 32) # ($1::int8 & 4294967295)) & 4294967295)::bit(32)::int4",
+            "SELECT hashtextextended('pgleader shards ' || $1::int8, 0)::bit(32)::int4",
             key,
             pid,
         )
@@ -125,7 +125,7 @@ fn the_locks_of_a_sharded_name_are_the_documented_keys_and_never_the_plain_one()
         let rows = server_rows(
             "SELECT objid::int8, objsubid::int4, mode FROM pg_locks \
              WHERE locktype = 'advisory' AND pid = $2 \
-             AND classid = ((($1::int8 >> 32) # ($1::int8 & 4294967295)) & 4294967295)::oid \
+             AND classid = (hashtextextended('pgleader shards ' || $1::int8, 0) & 4294967295)::oid \
              ORDER BY objid",
             key,
             pid,
@@ -600,10 +600,48 @@ fn signals_are_passed_on_to_every_shard_s_command() {
     );
     replica.wait_for_nth(Stream::Stdout, "started", 3);
     replica.signal(Signal::SIGUSR1);
+    // Each command exited on its own: its shard stays here, to start again after the delay.
     for shard in 0..3 {
         replica.wait_stdout(&format!("got USR1 shard={shard}"));
-        replica.wait_log(&format!("released shard {shard}"));
+        replica.wait_log(&format!(
+            "starting the command of shard {shard} again in 1h"
+        ));
     }
+    assert!(
+        !replica
+            .lines(Stream::Stderr)
+            .iter()
+            .any(|line| line.contains("released shard")),
+        "{}",
+        replica.dump()
+    );
     replica.signal(Signal::SIGTERM);
     assert_eq!(replica.wait_code(), 0);
+}
+
+#[test]
+fn a_shard_whose_command_exits_starts_again_on_its_replica_after_the_restart_delay() {
+    let lock = unique_lock();
+    let script = "echo started shard=$PGLEADER_SHARD epoch=$PGLEADER_EPOCH; exit 3";
+    let replica = run(
+        "A",
+        Cluster::shared(),
+        lock,
+        &["--shards=2", "--restart-delay=200ms"],
+        script,
+    );
+    let first = replica.wait_stdout("started shard=1");
+    let again = replica.wait_for_nth(Stream::Stdout, "started shard=1", 2);
+    assert_eq!(field(&first, "epoch"), field(&again, "epoch"));
+    replica.wait_log("starting the command of shard 1 again in 200ms");
+    replica.signal(Signal::SIGTERM);
+    assert_eq!(replica.wait_code(), 0);
+    assert!(
+        !replica
+            .lines(Stream::Stderr)
+            .iter()
+            .any(|line| line.contains("released shard")),
+        "{}",
+        replica.dump()
+    );
 }

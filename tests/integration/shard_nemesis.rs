@@ -1,0 +1,390 @@
+//! The nemesis with shards: 3 to 5 replicas run `--shards 8` and come and go while the test
+//! injects a random sequence of faults (kill -9, SIGTERM, a replica leaving or joining,
+//! pg_terminate_backend of a replica's holder session, a frozen proxy, a server restart).
+//! Every shard's command takes an exclusive `flock` on a file of its shard's for its whole
+//! life (the kernel lets go of it only when the process is gone, kill -9 included) and reports
+//! whether it found it taken: no two runs of one shard may overlap. Every shard runs again
+//! after each fault, and once the faults stop the fleet is balanced.
+//!
+//! Seeded: the seed is printed on failure and can be replayed with PGLEADER_NEMESIS_SEED; the
+//! rounds are PGLEADER_NEMESIS_ROUNDS (20 by default).
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+
+use crate::harness::{Cluster, Proc, Proxy, Stream, WAIT, pgleader, unique_lock, wait_gone};
+use crate::nemesis::monotonic_ns;
+
+const SHARDS: u32 = 8;
+
+/// Not a test of its own: the command of the nemesis's replicas is this test binary,
+/// re-executed to run only this function with PGLEADER_SHARD_NEMESIS set (to the directory
+/// of the shards' lock files, and the replica's slot). It takes its shard's file lock, prints
+/// its start and whether another run of the shard still held the lock, and waits to be
+/// killed. In a normal test run it does nothing.
+#[test]
+fn shard_child_mode() {
+    let Ok(setting) = std::env::var("PGLEADER_SHARD_NEMESIS") else {
+        return;
+    };
+    let (dir, slot) = setting.rsplit_once(':').expect("DIR:SLOT");
+    let started = monotonic_ns();
+    let shard = std::env::var("PGLEADER_SHARD").unwrap_or_default();
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(format!("{dir}/shard-{shard}.lock"))
+        .expect("the shard's lock file");
+    // SAFETY: flock on a descriptor this process owns; it lives as long as the process.
+    let taken = unsafe {
+        libc::flock(
+            std::os::fd::AsRawFd::as_raw_fd(&file),
+            libc::LOCK_EX | libc::LOCK_NB,
+        )
+    } != 0;
+    if taken {
+        // Then wait for it, so that the run goes on as it would have.
+        // SAFETY: as above.
+        unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&file), libc::LOCK_EX) };
+    }
+    let mut stdout = std::io::stdout().lock();
+    let _ = writeln!(
+        stdout,
+        "shard-child slot={slot} shard={shard} pid={} started={started} overlap={taken}",
+        std::process::id()
+    );
+    let _ = stdout.flush();
+    drop(stdout);
+    loop {
+        std::thread::park();
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Run {
+    slot: usize,
+    shard: u32,
+    pid: i32,
+    started: u64,
+    died: Option<u64>,
+    /// It found another run of its shard alive when it started.
+    overlap: bool,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Fault {
+    Kill9,
+    Term,
+    Leave,
+    Join,
+    Terminate,
+    Freeze,
+    Restart,
+}
+
+const FAULTS: [Fault; 7] = [
+    Fault::Kill9,
+    Fault::Term,
+    Fault::Leave,
+    Fault::Join,
+    Fault::Terminate,
+    Fault::Freeze,
+    Fault::Restart,
+];
+
+const TIMINGS: [&str; 8] = [
+    "--wait-refresh=300ms",
+    "--check-interval=100ms",
+    "--check-timeout=200ms",
+    "--kill-timeout=300ms",
+    "--lease=2s",
+    "--takeover-delay=0s",
+    "--restart-fence=auto",
+    "--restart-delay=0s",
+];
+
+struct Fleet {
+    cluster: Cluster,
+    /// Where the shards' lock files are.
+    dir: std::path::PathBuf,
+    lock: i64,
+    proxies: Vec<Proxy>,
+    replicas: Vec<Option<Proc>>,
+    runs: Arc<Mutex<BTreeMap<i32, Run>>>,
+    log: Vec<String>,
+}
+
+impl Fleet {
+    fn spawn(&mut self, slot: usize) {
+        let mut command: Command = pgleader();
+        command
+            .env("PGLEADER_DATABASE_URL", self.proxies[slot].url())
+            .env(
+                "PGLEADER_SHARD_NEMESIS",
+                format!("{}:{slot}", self.dir.display()),
+            )
+            .arg("run")
+            .arg(format!("--lock-id={}", self.lock))
+            .arg(format!("--shards={SHARDS}"))
+            .args(TIMINGS)
+            .arg("--")
+            .arg(std::env::current_exe().expect("the test binary"))
+            .args([
+                "--exact",
+                "shard_nemesis::shard_child_mode",
+                "--nocapture",
+                "--test-threads=1",
+                "-q",
+            ]);
+        self.replicas[slot] = Some(Proc::spawn(&format!("replica {slot}"), command));
+    }
+
+    fn live(&self) -> Vec<usize> {
+        (0..self.replicas.len())
+            .filter(|slot| self.replicas[*slot].is_some())
+            .collect()
+    }
+
+    /// Records the runs that appeared since the last call, each with a thread that notes its
+    /// death.
+    fn collect(&self) {
+        for replica in self.replicas.iter().flatten() {
+            for line in replica.lines(Stream::Stdout) {
+                let Some(rest) = line.strip_prefix("shard-child ") else {
+                    continue;
+                };
+                let field = |key: &str| -> String {
+                    rest.split_whitespace()
+                        .find_map(|word| word.strip_prefix(&format!("{key}=")))
+                        .unwrap_or_default()
+                        .to_owned()
+                };
+                let pid: i32 = field("pid").parse().expect("pid");
+                let mut runs = self.runs.lock().expect("runs");
+                if runs.contains_key(&pid) {
+                    continue;
+                }
+                runs.insert(
+                    pid,
+                    Run {
+                        slot: field("slot").parse().expect("slot"),
+                        shard: field("shard").parse().expect("shard"),
+                        pid,
+                        started: field("started").parse().expect("started"),
+                        died: None,
+                        overlap: field("overlap") == "true",
+                    },
+                );
+                let watched = self.runs.clone();
+                std::thread::spawn(move || {
+                    if wait_gone(pid, Duration::from_secs(3600)) {
+                        let died = monotonic_ns();
+                        if let Some(run) = watched.lock().expect("runs").get_mut(&pid) {
+                            run.died = Some(died);
+                        }
+                    }
+                });
+            }
+        }
+    }
+
+    /// How many shards each live replica runs now.
+    fn running(&self) -> BTreeMap<usize, Vec<u32>> {
+        self.collect();
+        let mut running: BTreeMap<usize, Vec<u32>> = self
+            .live()
+            .into_iter()
+            .map(|slot| (slot, Vec::new()))
+            .collect();
+        for run in self.runs.lock().expect("runs").values() {
+            if run.died.is_none()
+                && let Some(shards) = running.get_mut(&run.slot)
+            {
+                shards.push(run.shard);
+            }
+        }
+        running
+    }
+
+    /// Waits until every shard runs, and (with `balanced`) each live replica runs its share.
+    fn wait_until(&self, balanced: bool, seed: u64, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let running = self.running();
+            let mut all: Vec<u32> = running.values().flatten().copied().collect();
+            all.sort_unstable();
+            let every = all == (0..SHARDS).collect::<Vec<_>>();
+            let (low, high) = (
+                SHARDS as usize / running.len().max(1),
+                (SHARDS as usize).div_ceil(running.len().max(1)),
+            );
+            let even = running
+                .values()
+                .all(|shards| (low..=high).contains(&shards.len()));
+            if every && (!balanced || even) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "seed {seed}: not {} within {timeout:?}: {running:?}\n{}",
+                if balanced {
+                    "balanced"
+                } else {
+                    "every shard running"
+                },
+                self.report()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// The server process of a replica's holder session, from its log.
+    fn holder_of(&self, slot: usize) -> Option<i32> {
+        let replica = self.replicas[slot].as_ref()?;
+        replica
+            .lines(Stream::Stderr)
+            .iter()
+            .rev()
+            .find(|line| line.contains("joined the replicas"))
+            .and_then(|line| {
+                line.split_whitespace()
+                    .find_map(|word| word.strip_prefix("backend_pid="))
+                    .and_then(|pid| pid.parse().ok())
+            })
+    }
+
+    fn report(&self) -> String {
+        let mut text = String::from("faults:\n");
+        for line in &self.log {
+            text.push_str(&format!("  {line}\n"));
+        }
+        text.push_str("runs (slot, shard, pid, started, died):\n");
+        for run in self.runs.lock().expect("runs").values() {
+            text.push_str(&format!(
+                "  {} {} {} {} {:?}\n",
+                run.slot, run.shard, run.pid, run.started, run.died
+            ));
+        }
+        for replica in self.replicas.iter().flatten() {
+            text.push_str(&replica.dump());
+        }
+        text
+    }
+}
+
+#[test]
+fn no_shard_ever_runs_twice_at_once_under_random_faults_and_the_fleet_is_balanced_after() {
+    let seed: u64 = std::env::var("PGLEADER_NEMESIS_SEED")
+        .ok()
+        .and_then(|seed| seed.parse().ok())
+        .unwrap_or_else(|| fastrand::u64(..));
+    let rounds: usize = std::env::var("PGLEADER_NEMESIS_ROUNDS")
+        .ok()
+        .and_then(|rounds| rounds.parse().ok())
+        .unwrap_or(20);
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let cluster = Cluster::new("shard-nemesis");
+    let slots = 5;
+    let proxies: Vec<Proxy> = (0..slots).map(|_| Proxy::start(cluster.port)).collect();
+    let dir = cluster.base.join("shard-locks");
+    std::fs::create_dir_all(&dir).expect("the lock files' directory");
+    // The children run as the user the tests run as; the cluster's directory may belong to
+    // the server's own user.
+    std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o777))
+        .expect("chmod");
+    let mut fleet = Fleet {
+        dir,
+        cluster,
+        lock: unique_lock(),
+        proxies,
+        replicas: (0..slots).map(|_| None).collect(),
+        runs: Arc::new(Mutex::new(BTreeMap::new())),
+        log: vec![format!("seed {seed}, {rounds} rounds")],
+    };
+    for slot in 0..rng.usize(3..=5) {
+        fleet.spawn(slot);
+    }
+    fleet.wait_until(true, seed, WAIT);
+
+    for round in 0..rounds {
+        let live = fleet.live();
+        let target = live[rng.usize(..live.len())];
+        let fault = FAULTS[rng.usize(..FAULTS.len())];
+        fleet.log.push(format!(
+            "round {round}: {fault:?} on replica {target} of {live:?}"
+        ));
+        match fault {
+            Fault::Kill9 | Fault::Term => {
+                let signal = if matches!(fault, Fault::Kill9) {
+                    Signal::SIGKILL
+                } else {
+                    Signal::SIGTERM
+                };
+                if let Some(replica) = fleet.replicas[target].take() {
+                    replica.signal(signal);
+                    replica.wait_exit();
+                }
+                fleet.spawn(target);
+            }
+            Fault::Leave if live.len() > 3 => {
+                if let Some(replica) = fleet.replicas[target].take() {
+                    replica.signal(Signal::SIGTERM);
+                    replica.wait_exit();
+                }
+            }
+            Fault::Join | Fault::Leave => {
+                if let Some(free) = (0..slots).find(|slot| fleet.replicas[*slot].is_none()) {
+                    fleet.spawn(free);
+                }
+            }
+            Fault::Terminate => {
+                if let Some(pid) = fleet.holder_of(target) {
+                    fleet.cluster.terminate_backend(pid);
+                }
+            }
+            Fault::Freeze => fleet.proxies[target].freeze(),
+            Fault::Restart => {
+                fleet.cluster.stop();
+                std::thread::sleep(Duration::from_millis(rng.u64(200..1000)));
+                fleet.cluster.start();
+            }
+        }
+        // Frozen, a replica stops its commands at its deadline and the server frees its
+        // shards after the lease; restarted, the restart fence holds every start back.
+        fleet.wait_until(false, seed, WAIT);
+        if matches!(fault, Fault::Freeze) {
+            fleet.proxies[target].thaw();
+        }
+        // The experiment's own pace between faults, not a synchronisation.
+        std::thread::sleep(Duration::from_millis(rng.u64(200..800)));
+    }
+    fleet.wait_until(true, seed, WAIT);
+
+    fleet.collect();
+    let report = fleet.report();
+    let runs: Vec<Run> = fleet.runs.lock().expect("runs").values().cloned().collect();
+    let overlaps: Vec<String> = runs
+        .iter()
+        .filter(|run| run.overlap)
+        .map(|run| {
+            format!(
+                "shard {} on replica {} (pid {})",
+                run.shard, run.slot, run.pid
+            )
+        })
+        .collect();
+    assert!(
+        overlaps.is_empty(),
+        "seed {seed}: these commands started while another run of their shard was alive: {overlaps:?}\n{report}"
+    );
+    eprintln!(
+        "shard nemesis: seed {seed}, {rounds} rounds, {} runs of {SHARDS} shards, none overlapped",
+        runs.len()
+    );
+}
