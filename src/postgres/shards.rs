@@ -116,9 +116,13 @@ const TAKE_SQL: &str = "WITH tried AS MATERIALIZED (\
     told AS MATERIALIZED (SELECT pg_catalog.pg_notify($3, 'took') FROM tried WHERE won LIMIT 1) \
     SELECT i, won FROM tried, (SELECT count(*) FROM told) AS n";
 
+/// Only sessions that still exist, carry this session's name and are in a wait's `DO` block,
+/// as a watcher is: a pid reused since by another replica's holder is left alone.
 const END_SESSIONS_SQL: &str = "SELECT pg_catalog.pg_terminate_backend(a.pid) \
     FROM pg_catalog.pg_stat_activity a \
-    WHERE a.pid = ANY($1) AND a.application_name = pg_catalog.current_setting('application_name')";
+    WHERE a.pid = ANY($1) \
+        AND a.application_name = pg_catalog.current_setting('application_name') \
+        AND a.query LIKE 'DO $pgleader$%'";
 
 const GIVE_SQL: &str =
     "SELECT pg_catalog.pg_advisory_unlock($1::int4, $2::int4), pg_catalog.pg_notify($3, $4)";
@@ -434,9 +438,8 @@ impl Holder for ShardHolder {
 
     /// Leaves the roster: every lock of the name released and the others told, within
     /// `timeout`; then the session closes (which frees them anyway).
-    /// `pg_terminate_backend`, which any role may use on its own sessions; only sessions
-    /// that still exist and carry this session's name, so that a session gone already logs no
-    /// warning and a pid reused since is left alone.
+    /// `pg_terminate_backend`, which any role may use on its own sessions (see
+    /// `END_SESSIONS_SQL`): a session gone already logs no warning.
     fn end_sessions(
         &self,
         ids: Vec<i32>,

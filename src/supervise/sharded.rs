@@ -79,6 +79,7 @@ pub async fn run<B: ShardBackend + Clone + 'static>(
         last_disturbance: None,
         leading: false,
         signals_open: true,
+        leftover_watchers: Vec::new(),
     };
     let mut pause = Duration::ZERO;
     loop {
@@ -116,6 +117,8 @@ struct Room<B: ShardBackend> {
     leading: bool,
     /// False once the signal channel has closed (which means: shut down).
     signals_open: bool,
+    /// Watcher sessions a lost holder could not end, for the next holder to end.
+    leftover_watchers: Vec<i32>,
 }
 
 /// A shard this replica holds.
@@ -206,6 +209,9 @@ struct Link<B: ShardBackend> {
     /// Watcher sessions given up while they waited, to end through the holder (see
     /// `Holder::end_sessions`).
     abandoned: Vec<i32>,
+    /// When this replica last took or gave a shard: a roster read sent before shows its own
+    /// holdings as they were, and is not acted on.
+    changed_at: Option<Instant>,
 }
 
 /// The watcher session and what it waits for.
@@ -229,7 +235,9 @@ impl<B: ShardBackend> Link<B> {
             let roster = self.holder.roster();
             let read = async move {
                 if let Some(ending) = ending {
-                    ending.await?;
+                    // A watcher that cannot be ended now is no reason to doubt the session;
+                    // the read says whether it still works.
+                    let _ = ending.await;
                 }
                 roster.await
             };
@@ -348,7 +356,8 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
             leaving: None,
             fatal: None,
             transient_since: None,
-            abandoned: Vec::new(),
+            abandoned: std::mem::take(&mut self.leftover_watchers),
+            changed_at: None,
         };
         let me = link.me;
         info!(event = "joined", lock = %lock, backend_pid = me, shards = self.sharding.count, "joined the replicas of this lock, {} shards", self.sharding.count);
@@ -382,8 +391,10 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                     return Ok(Served::Shutdown);
                 }
                 if link.leaving.is_some() {
-                    // The session may still answer (a deadline passed, a statement failed).
+                    // The session may still answer (a deadline passed, a statement failed);
+                    // what it cannot end, the next one does.
                     link.end_watchers(timeout).await;
+                    self.leftover_watchers = std::mem::take(&mut link.abandoned);
                     return Ok(Served::Lost);
                 }
             }
@@ -478,8 +489,14 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                             {
                                 link.next_read = Instant::now() + TRANSIENT_RECHECK;
                             }
+                            if link.changed_at.is_some_and(|at| sent < at) {
+                                // Sent before this replica's last take or give: read again.
+                                link.stale = false;
+                                link.read_soon(quiet, timeout);
+                                continue;
+                            }
                             self.keep_watch(&mut link, &seen);
-                            match self.apply(&link, &seen).await {
+                            match self.apply(&mut link, &seen).await {
                                 // Only after the shards it took: a read sent before would not
                                 // show them, and they would look lost.
                                 Ok(()) if std::mem::take(&mut link.stale) => {
@@ -565,7 +582,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
     /// Acts on a roster: stops the commands of shards this session no longer holds, gives a
     /// surplus away, takes free shards up to its share. Each statement awaited here is bounded
     /// by what is left of the deadline.
-    async fn apply(&mut self, link: &Link<B>, seen: &Seen) -> Result<(), Failure> {
+    async fn apply(&mut self, link: &mut Link<B>, seen: &Seen) -> Result<(), Failure> {
         let lock = self.settings.lock.clone();
         let (me, holder) = (link.me, &link.holder);
         let timeout = self.settings.check_timeout;
@@ -600,6 +617,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
         // Held on the server with no command here: a give that failed, or one made while this
         // roster was read. Let it go; a shard given already is no error.
         for index in mine.iter().filter(|index| !self.shards.contains_key(index)) {
+            link.changed_at = Some(Instant::now());
             match tokio::time::timeout(link.left(timeout), holder.give(*index)).await {
                 Ok(Ok(())) => {}
                 Ok(Err(err)) => {
@@ -638,10 +656,18 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
         if giving > 0 {
             return Ok(());
         }
-        let wanted = seen.roster.moves(me).take;
+        // Never a shard this replica holds already, whatever the roster says.
+        let wanted: Vec<u32> = seen
+            .roster
+            .moves(me)
+            .take
+            .into_iter()
+            .filter(|index| !self.shards.contains_key(index))
+            .collect();
         if wanted.is_empty() {
             return Ok(());
         }
+        link.changed_at = Some(Instant::now());
         let (won, fence) = tokio::time::timeout(link.left(timeout), holder.take(&wanted))
             .await
             .map_err(|_| Failure::Session(no_answer("taking shards")))?
@@ -656,6 +682,9 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
         );
         for index in won {
             info!(event = "leader", lock = %lock, shard = index, epoch = fence.epoch, backend_pid = me, "took shard {index}");
+            if self.shards.contains_key(&index) {
+                continue;
+            }
             self.shards.insert(
                 index,
                 Shard {
@@ -674,7 +703,11 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
     /// opened again, as needed); nobody when alone.
     fn keep_watch(&mut self, link: &mut Link<B>, seen: &Seen) {
         let Some(member) = seen.roster.successor(link.me) else {
-            link.watching = None;
+            if let Some(current) = link.watching.take()
+                && current.watch.is_some()
+            {
+                link.abandoned.push(current.watcher.id());
+            }
             link.opening = None;
             return;
         };
@@ -1041,6 +1074,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                 After::Give if !quiet => {
                     self.shards.remove(&index);
                     let left = link.left(self.settings.check_timeout);
+                    link.changed_at = Some(Instant::now());
                     let give = tokio::time::timeout(left, link.holder.give(index));
                     match alongside(&mut link.read, &mut link.read_done, give).await {
                         Ok(Ok(())) => {
