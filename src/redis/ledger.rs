@@ -34,8 +34,8 @@ use crate::election::ledger::{
     Claim, Claimant, Definition, Entry, KEEP, LateFinish, Ledger, LedgerError, StaleRun,
 };
 use crate::election::participant::{self, Participant};
+use crate::redis::scripts::ScriptArgs;
 use crate::redis::scripts::{self, VIEW_SCRIPT};
-use crate::redis::session::ScriptArgs;
 
 /// What every ledger script shares: KEYS[1] the lock, KEYS[2] the runs, KEYS[3] the rows,
 /// KEYS[4] when the ledger's memory begins; ARGV[1] this session's nonce.

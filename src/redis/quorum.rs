@@ -40,10 +40,8 @@ use crate::election::{Check, Confirmation, ConnectError, Fence, Session, Session
 use crate::redis::connection::{self, Connection, Purpose, ServerInfo};
 use crate::redis::ledger::RedisLedger;
 use crate::redis::quorum_ledger::{self, QuorumLedger};
-use crate::redis::scripts::{self, Keys, RELEASE_SCRIPT, RENEW_SCRIPT};
-use crate::redis::session::{
-    ScriptArgs, acquire, enlist, invalidates, no_answer, nonce, query_error, timestamp,
-};
+use crate::redis::scripts::{self, Keys, RELEASE_SCRIPT, RENEW_SCRIPT, ScriptArgs, nonce};
+use crate::redis::session::{acquire, enlist, invalidates, no_answer, query_error, timestamp};
 use crate::redis::url::RedisServer;
 
 /// Raises a server's epoch counter to at least ARGV[1].

@@ -1,6 +1,8 @@
 //! The lock's keys and the Lua scripts that change them. Every change of the lock is one script,
 //! so that Redis runs it whole, with nothing in between: acquire (set only if free, hand out the
 //! epoch), renew (compare, then extend), release (compare, then delete, then wake the next).
+//! What every script is given, the keys and the session's identity, is [`ScriptArgs`]: it lives
+//! here, below the session and the ledger that both pass it.
 //!
 //! The keys of a lock named `NAME` (or numbered `N`: `--lock-id N`) all start with
 //! `pgleader:{NAME}`, braces included, so that no lock's keys can be another lock's:
@@ -25,6 +27,7 @@
 //! leader's epoch was at most its own start's time, in microseconds.
 
 use std::sync::LazyLock;
+use std::time::Duration;
 
 use redis::Script;
 
@@ -282,6 +285,59 @@ pub fn field<'a>(value: &'a str, name: &str) -> Option<&'a str> {
     value
         .split(' ')
         .find_map(|part| part.strip_prefix(name)?.strip_prefix('='))
+}
+
+/// The lock's keys and this session's identity, as the scripts take them.
+#[derive(Clone, Debug)]
+pub struct ScriptArgs {
+    pub keys: Keys,
+    /// Unique to this session, and so to the leadership it may win.
+    pub nonce: String,
+    /// How the session names itself to the others: `client=<id> session=<name>`.
+    pub card: String,
+    pub lease: Duration,
+    /// How long a waiter counts as alive after it was last seen, when the ACL hides the
+    /// liveness channels.
+    pub stale: Duration,
+}
+
+impl ScriptArgs {
+    pub(crate) fn invocation<'a>(&self, script: &'a redis::Script) -> redis::ScriptInvocation<'a> {
+        let mut invocation = script.prepare_invoke();
+        for key in self.keys.all() {
+            invocation.key(key);
+        }
+        invocation
+            .arg(&self.keys.lock)
+            .arg(&self.nonce)
+            .arg(millis(self.lease))
+            .arg(millis(self.stale));
+        invocation
+    }
+}
+
+impl ScriptArgs {
+    /// `EVAL` of a lock script's whole text with this session's keys and arguments: one round
+    /// trip even on a server that has not cached the script, and usable inside a pipeline.
+    pub(crate) fn eval(&self, source: &str) -> redis::Cmd {
+        let keys = self.keys.all();
+        let mut cmd = redis::cmd("EVAL");
+        cmd.arg(source).arg(keys.len()).arg(&keys[..]);
+        cmd.arg(&self.keys.lock)
+            .arg(&self.nonce)
+            .arg(millis(self.lease))
+            .arg(millis(self.stale));
+        cmd
+    }
+}
+
+pub(crate) fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// A fresh random nonce: 16 hex digits.
+pub(crate) fn nonce() -> String {
+    format!("{:016x}", fastrand::u64(..))
 }
 
 #[cfg(test)]

@@ -24,7 +24,9 @@ use crate::election::{Check, Confirmation, ConnectError, Fence, Session, Session
 use crate::redis::RedisBackend;
 use crate::redis::connection::{self, Connection, Purpose, ServerInfo};
 use crate::redis::ledger::RedisLedger;
-use crate::redis::scripts::{self, ACQUIRE_SCRIPT, Keys, RELEASE_SCRIPT, RENEW_SCRIPT};
+use crate::redis::scripts::{
+    self, ACQUIRE_SCRIPT, Keys, RELEASE_SCRIPT, RENEW_SCRIPT, ScriptArgs, millis, nonce,
+};
 use crate::redis::url::RedisServer;
 
 /// An open session for one lock.
@@ -47,59 +49,6 @@ pub struct RedisSession {
     user_name: Option<String>,
     /// Bounds each of a leader's ledger scripts.
     ledger_timeout: Duration,
-}
-
-/// The lock's keys and this session's identity, as the scripts take them.
-#[derive(Clone, Debug)]
-pub struct ScriptArgs {
-    pub keys: Keys,
-    /// Unique to this session, and so to the leadership it may win.
-    pub nonce: String,
-    /// How the session names itself to the others: `client=<id> session=<name>`.
-    pub card: String,
-    pub lease: Duration,
-    /// How long a waiter counts as alive after it was last seen, when the ACL hides the
-    /// liveness channels.
-    pub stale: Duration,
-}
-
-impl ScriptArgs {
-    pub(crate) fn invocation<'a>(&self, script: &'a redis::Script) -> redis::ScriptInvocation<'a> {
-        let mut invocation = script.prepare_invoke();
-        for key in self.keys.all() {
-            invocation.key(key);
-        }
-        invocation
-            .arg(&self.keys.lock)
-            .arg(&self.nonce)
-            .arg(millis(self.lease))
-            .arg(millis(self.stale));
-        invocation
-    }
-}
-
-impl ScriptArgs {
-    /// `EVAL` of a lock script's whole text with this session's keys and arguments: one round
-    /// trip even on a server that has not cached the script, and usable inside a pipeline.
-    pub(crate) fn eval(&self, source: &str) -> redis::Cmd {
-        let keys = self.keys.all();
-        let mut cmd = redis::cmd("EVAL");
-        cmd.arg(source).arg(keys.len()).arg(&keys[..]);
-        cmd.arg(&self.keys.lock)
-            .arg(&self.nonce)
-            .arg(millis(self.lease))
-            .arg(millis(self.stale));
-        cmd
-    }
-}
-
-fn millis(duration: Duration) -> u64 {
-    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
-}
-
-/// A fresh random nonce: 16 hex digits.
-pub(crate) fn nonce() -> String {
-    format!("{:016x}", fastrand::u64(..))
 }
 
 impl RedisSession {
