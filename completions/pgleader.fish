@@ -31,7 +31,7 @@ complete -c pgleader -n "__fish_pgleader_needs_command" -s q -l quiet -d 'Log le
 complete -c pgleader -n "__fish_pgleader_needs_command" -s h -l help -d 'Print help (see more with \'--help\')'
 complete -c pgleader -n "__fish_pgleader_needs_command" -s V -l version -d 'Print version'
 complete -c pgleader -n "__fish_pgleader_needs_command" -f -a "run" -d 'Run a command while, and only while, this instance holds the lock'
-complete -c pgleader -n "__fish_pgleader_needs_command" -f -a "status" -d 'Show who holds the lock and who waits for it'
+complete -c pgleader -n "__fish_pgleader_needs_command" -f -a "status" -d 'Show who holds the lock and who waits for it (sharded: who holds which shard)'
 complete -c pgleader -n "__fish_pgleader_needs_command" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
 complete -c pgleader -n "__fish_pgleader_using_subcommand run" -l lock-id -d 'The lock\'s key: a signed 64-bit integer, as pg_advisory_lock(bigint) takes it (on Redis: the key pgleader:{ID}) [env: PGLEADER_LOCK_ID]' -r
 complete -c pgleader -n "__fish_pgleader_using_subcommand run" -l lock -d 'The lock\'s name, hashed to a key with PostgreSQL\'s hashtextextended(NAME, 0) (on Redis: the key pgleader:{NAME}) [env: PGLEADER_LOCK]' -r
@@ -77,5 +77,5 @@ complete -c pgleader -n "__fish_pgleader_using_subcommand status" -s q -l quiet 
 complete -c pgleader -n "__fish_pgleader_using_subcommand status" -s h -l help -d 'Print help'
 complete -c pgleader -n "__fish_pgleader_using_subcommand status" -s V -l version -d 'Print version'
 complete -c pgleader -n "__fish_pgleader_using_subcommand help; and not __fish_seen_subcommand_from run status help" -f -a "run" -d 'Run a command while, and only while, this instance holds the lock'
-complete -c pgleader -n "__fish_pgleader_using_subcommand help; and not __fish_seen_subcommand_from run status help" -f -a "status" -d 'Show who holds the lock and who waits for it'
+complete -c pgleader -n "__fish_pgleader_using_subcommand help; and not __fish_seen_subcommand_from run status help" -f -a "status" -d 'Show who holds the lock and who waits for it (sharded: who holds which shard)'
 complete -c pgleader -n "__fish_pgleader_using_subcommand help; and not __fish_seen_subcommand_from run status help" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'

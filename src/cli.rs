@@ -28,7 +28,7 @@ Exit status (run):
       the command cannot be executed / was not found
 
 Exit status (status):
-  0 the lock is held, 3 the lock is free, 1 error, 2 usage error
+  0 the lock (sharded: a shard) is held, 3 it is free, 1 error, 2 usage error
   with --watch: 0 when interrupted (TERM, INT), 1 error, 2 usage error";
 
 /// The most shards `--shards` takes.
@@ -60,7 +60,7 @@ pub enum Command {
     /// Run a command while, and only while, this instance holds the lock
     #[command(after_help = AFTER_HELP)]
     Run(Box<RunArgs>),
-    /// Show who holds the lock and who waits for it
+    /// Show who holds the lock and who waits for it (sharded: who holds which shard)
     #[command(after_help = AFTER_HELP)]
     Status(StatusArgs),
 }

@@ -72,6 +72,40 @@ pub struct LockView {
     pub key_name: Option<String>,
     /// For a backend of several servers (a quorum): what each of them shows.
     pub servers: Vec<ServerView>,
+    /// For a sharded lock (`--shards`) with replicas running: who holds which shard.
+    pub shards: Option<ShardsView>,
+}
+
+/// A sharded lock as its server shows it: the shard count its replicas run with, and each
+/// replica with the shards it holds, in the order of their ids.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ShardsView {
+    pub count: u32,
+    pub replicas: Vec<ShardReplica>,
+}
+
+/// One replica of a sharded lock: its holder session, its `--max-shards` and its shards.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ShardReplica {
+    pub participant: Participant,
+    pub cap: Option<u32>,
+    pub holds: Vec<u32>,
+}
+
+impl ShardsView {
+    /// Who holds shard `shard`, if anyone does.
+    pub fn holder_of(&self, shard: u32) -> Option<&ShardReplica> {
+        self.replicas
+            .iter()
+            .find(|replica| replica.holds.contains(&shard))
+    }
+
+    /// The shards nobody holds.
+    pub fn free(&self) -> Vec<u32> {
+        (0..self.count)
+            .filter(|shard| self.holder_of(*shard).is_none())
+            .collect()
+    }
 }
 
 /// What one server of a quorum shows: who holds the lock there, or why it cannot be asked.

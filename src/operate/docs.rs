@@ -52,8 +52,14 @@ const SECTIONS: &[Section] = &[
             Entry("126", "The command exists but cannot be executed."),
             Entry("127", "The command was not found."),
             Para("pgleader status:"),
-            Entry("0", "The lock is held."),
-            Entry("3", "The lock is free."),
+            Entry(
+                "0",
+                "The lock is held (a sharded lock: a replica holds a shard).",
+            ),
+            Entry(
+                "3",
+                "The lock is free (a sharded lock: no replica holds a shard).",
+            ),
             Entry("1, 2", "An error, a usage error."),
             Para(
                 "pgleader status --watch: 0 when interrupted by TERM or INT, or when its output is closed; 1 on errors that retrying cannot fix (a bad password); 2 on usage errors.",
@@ -128,7 +134,10 @@ const SECTIONS: &[Section] = &[
                 "Every replica keeps two sessions whatever K is: a holder session, which holds its shards, LISTENs on pgleader_shards_<space in hex> and reads the roster (pg_locks) when told of a change and every --check-interval (its check, with a single leader's deadline), and a watcher session, which waits for the next replica's membership lock in turns and tells everyone the moment that replica is gone. The locks are two-int4 advisory locks (space, n), never the plain key of the name: space is hashtextextended('pgleader shards ' || key, 0)::bit(32)::int4 of the plain key; n is the shard (0 to K-1), minus the holder session's pid (membership), -2^31+K (shared: the shard count) or -2^30+N (shared: --max-shards N).",
             ),
             Para(
-                "Every replica of a lock must give the same K: one that starts beside a replica with another K, or beside a plain replica of the lock, exits with status 2 and names it, and so does a plain replica that starts beside sharded ones. Not yet: Redis and quorums, --schedule, --once, --no-wait and --relinquish-* are refused with status 2 and the reason; pgleader status does not know shards.",
+                "Every replica of a lock must give the same K: one that starts beside a replica with another K, or beside a plain replica of the lock, exits with status 2 and names it, and so does a plain replica that starts beside sharded ones. Not yet: Redis and quorums, --schedule, --once, --no-wait and --relinquish-* are refused with status 2 and the reason.",
+            ),
+            Para(
+                "pgleader status shows a sharded lock as its shard count, each replica with the shards it holds, then every shard with its holder (--json: shards.count, shards.replicas with holds and max_shards, shards.holders, shards.free); status --watch prints a line each time a shard moves. On a sharded replica, GET /leader answers 200 while the command of at least one shard runs there; /status adds shards (count, and held: each shard held here with its epoch, since and command); the metrics add pgleader_shards (gauge, K), pgleader_shards_held (gauge) and, with a shard label for every shard from 0 to K-1, pgleader_shard_held, pgleader_shard_epoch, pgleader_shard_command_running (gauges) and pgleader_shard_acquired_total (counter). pgleader_is_leader is 1 while the replica holds a shard, and pgleader_command_running counts the shards' commands that run there. Log lines about one shard carry shard=N.",
             ),
         ],
     },
@@ -221,7 +230,7 @@ const SECTIONS: &[Section] = &[
             ),
             Entry(
                 "GET /leader",
-                "200 while this instance leads: it holds the lock and its command runs (with --schedule: it holds the lock, between runs too). 503 otherwise, with what it does instead. During a --takeover-delay or --restart-fence wait the instance holds the lock (pgleader_is_leader is 1) but /leader stays 503 until the command runs. For readiness probes that send traffic to the leader only, HAProxy's httpchk, vip-manager.",
+                "200 while this instance leads: it holds the lock and its command runs (with --schedule: it holds the lock, between runs too). 503 otherwise, with what it does instead. During a --takeover-delay or --restart-fence wait the instance holds the lock (pgleader_is_leader is 1) but /leader stays 503 until the command runs. For readiness probes that send traffic to the leader only, HAProxy's httpchk, vip-manager. With --shards: 200 while the command of at least one shard runs on this replica.",
             ),
             Entry(
                 "GET /healthz",
@@ -229,11 +238,11 @@ const SECTIONS: &[Section] = &[
             ),
             Entry(
                 "GET /status",
-                "One JSON object: version, role (connecting, follower, leader, stepping_down, idle, shutting_down), since, leader, healthy, problem, lock (key, name), connection, pid, host, backend_pid, epoch (of the current or last leadership), last_check, command (state: not_running, waiting, running or stopping; pid, started_at, last_exit), schedule (with --schedule: expression, timezone, next_occurrence on this host's clock, last_runs this instance claimed or recorded; else null).",
+                "One JSON object: version, role (connecting, follower, leader, stepping_down, idle, shutting_down), since, leader, healthy, problem, lock (key, name), connection, pid, host, backend_pid, epoch (of the current or last leadership), last_check, command (state: not_running, waiting, running or stopping; pid, started_at, last_exit), schedule (with --schedule: expression, timezone, next_occurrence on this host's clock, last_runs this instance claimed or recorded; else null), shards (with --shards: count, and held, the shards held here; else null).",
             ),
             Entry(
                 "GET /metrics",
-                "Prometheus' text format, version 0.0.4. Every series carries the label lock (the name with --lock, the key with --lock-id). pgleader_info{version,lock_key,lock_name} (gauge, 1); pgleader_is_leader (gauge); pgleader_epoch (gauge); pgleader_leadership_acquired_total (counter); pgleader_leadership_lost_total{reason} (counter; reason: connection_ended, check_failed, check_timeout, not_held, command_exited, relinquished, ledger_failed, shutdown); pgleader_last_check_success_timestamp_seconds (gauge); pgleader_check_duration_seconds (histogram); pgleader_command_running (gauge); pgleader_command_exits_total{outcome} (counter; outcome: succeeded, failed, signaled); pgleader_connection_failures_total (counter); with --schedule, pgleader_scheduled_runs_total{outcome} (counter; outcome: succeeded, failed, interrupted, skipped, missed, busy; each ledger outcome counted by the instance that recorded it).",
+                "Prometheus' text format, version 0.0.4. Every series carries the label lock (the name with --lock, the key with --lock-id). pgleader_info{version,lock_key,lock_name} (gauge, 1); pgleader_is_leader (gauge); pgleader_epoch (gauge); pgleader_leadership_acquired_total (counter); pgleader_leadership_lost_total{reason} (counter; reason: connection_ended, check_failed, check_timeout, not_held, command_exited, relinquished, ledger_failed, shutdown); pgleader_last_check_success_timestamp_seconds (gauge); pgleader_check_duration_seconds (histogram); pgleader_command_running (gauge); pgleader_command_exits_total{outcome} (counter; outcome: succeeded, failed, signaled); pgleader_connection_failures_total (counter); with --schedule, pgleader_scheduled_runs_total{outcome} (counter; outcome: succeeded, failed, interrupted, skipped, missed, busy; each ledger outcome counted by the instance that recorded it); with --shards, the shard metrics of SHARDS.",
             ),
             Para(
                 "The endpoint runs beside the election on pgleader's one thread and only reads what the election publishes, so no client can delay a check, a stop or a handoff. At most 64 connections are served at once (one more is closed at once), a request head may be at most 8 KiB (else 431) and must arrive within 5 s, and no connection is kept longer than 30 s.",

@@ -126,11 +126,26 @@ pub struct Metrics {
     pub command_exits: IntCounterVec,
     pub connection_failures: IntCounter,
     pub scheduled_runs: Option<IntCounterVec>,
+    /// With `--shards K`: the per-shard families.
+    pub shards: Option<ShardMetrics>,
+}
+
+/// The figures of a sharded lock (`--shards K`): per replica, how many shards it holds; per
+/// shard (the `shard` label, `0` to `K-1`, every value present from the start), whether this
+/// replica holds it, its fencing token here, whether its command runs here and how often this
+/// replica took it. Summed over the replicas, `pgleader_shard_held` is 1 for every shard.
+#[derive(Debug)]
+pub struct ShardMetrics {
+    pub held_count: IntGauge,
+    pub held: IntGaugeVec,
+    pub epoch: IntGaugeVec,
+    pub running: IntGaugeVec,
+    pub acquired: IntCounterVec,
 }
 
 impl Metrics {
     /// The metric families for `lock`; the scheduled-run counter only when a schedule is set.
-    pub fn new(lock: &LockKey, scheduled: bool) -> Metrics {
+    pub fn new(lock: &LockKey, scheduled: bool, shards: Option<u32>) -> Metrics {
         let lock_label = lock
             .name()
             .map_or_else(|| lock.key().to_string(), str::to_owned);
@@ -194,7 +209,7 @@ impl Metrics {
         let command_running = gauge(
             &registry,
             "command_running",
-            "1 while the command runs on this instance, else 0",
+            "1 while the command runs on this instance, else 0; with --shards, how many shards' commands run here",
         );
         let command_exits = counter_vec(
             &registry,
@@ -217,6 +232,7 @@ impl Metrics {
                 ScheduledOutcome::ALL.map(ScheduledOutcome::as_str),
             )
         });
+        let shards = shards.map(|count| ShardMetrics::new(&registry, count));
         Metrics {
             registry,
             is_leader,
@@ -229,6 +245,7 @@ impl Metrics {
             command_exits,
             connection_failures,
             scheduled_runs,
+            shards,
         }
     }
 
@@ -239,6 +256,58 @@ impl Metrics {
             .encode(&self.registry.gather(), &mut out)
             .expect("writing to memory does not fail");
         String::from_utf8(out).expect("the exposition is UTF-8")
+    }
+}
+
+impl ShardMetrics {
+    fn new(registry: &Registry, count: u32) -> ShardMetrics {
+        gauge(
+            registry,
+            "shards",
+            "The lock's shard count (--shards): how many numbered instances of the command the replicas run between them",
+        )
+        .set(i64::from(count));
+        let labels: Vec<String> = (0..count).map(|shard| shard.to_string()).collect();
+        let per_shard_gauge = |name: &str, help: &str| {
+            let gauges = IntGaugeVec::new(Opts::new(name, help), &["shard"]).expect("valid metric");
+            for label in &labels {
+                gauges.with_label_values(&[label]);
+            }
+            register(registry, gauges.clone());
+            gauges
+        };
+        let held = per_shard_gauge("shard_held", "1 while this replica holds the shard, else 0");
+        let epoch = per_shard_gauge(
+            "shard_epoch",
+            "The fencing token (PGLEADER_EPOCH) of this replica's current or last hold of the shard; 0 before its first",
+        );
+        let running = per_shard_gauge(
+            "shard_command_running",
+            "1 while the shard's command runs on this replica, else 0",
+        );
+        let acquired = IntCounterVec::new(
+            Opts::new(
+                "shard_acquired_total",
+                "How often this replica took the shard (the lock granted and a fencing token taken)",
+            ),
+            &["shard"],
+        )
+        .expect("valid metric");
+        for label in &labels {
+            acquired.with_label_values(&[label]);
+        }
+        register(registry, acquired.clone());
+        ShardMetrics {
+            held_count: gauge(
+                registry,
+                "shards_held",
+                "How many shards this replica holds",
+            ),
+            held,
+            epoch,
+            running,
+            acquired,
+        }
     }
 }
 
@@ -282,7 +351,7 @@ mod tests {
 
     #[test]
     fn every_series_carries_the_lock_and_the_counters_start_at_zero() {
-        let metrics = Metrics::new(&LockKey::from_name("nightly \"report\""), false);
+        let metrics = Metrics::new(&LockKey::from_name("nightly \"report\""), false, None);
         metrics.is_leader.set(1);
         let text = metrics.render();
         for line in text.lines().filter(|line| !line.starts_with('#')) {
@@ -305,7 +374,7 @@ mod tests {
 
     #[test]
     fn the_scheduled_runs_exist_only_with_a_schedule() {
-        let metrics = Metrics::new(&LockKey::from_id(-5), true);
+        let metrics = Metrics::new(&LockKey::from_id(-5), true, None);
         let text = metrics.render();
         assert!(
             text.contains(r#"pgleader_scheduled_runs_total{outcome="missed",lock="-5"} 0"#),

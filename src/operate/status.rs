@@ -13,7 +13,7 @@ use serde_json::{Value, json};
 
 use crate::election::Observer;
 use crate::election::lock::LockKey;
-use crate::election::participant::{Participant, ServerView};
+use crate::election::participant::{Participant, ServerView, ShardsView};
 use crate::schedule::report::{self, ScheduleReport};
 
 /// What the server knows about the lock.
@@ -28,6 +28,8 @@ pub struct LockStatus {
     pub key_name: Option<String>,
     /// For a scheduled lock: its schedule and last runs, from the ledger.
     pub schedule: Option<ScheduleReport>,
+    /// For a sharded lock whose replicas run: who holds which shard.
+    pub shards: Option<ShardsView>,
 }
 
 /// Reads the lock's status on `observer`, and its ledger if it is a scheduled lock.
@@ -51,6 +53,7 @@ pub async fn query<O: Observer>(lock: &LockKey, observer: &O) -> anyhow::Result<
         servers: view.servers,
         key_name: view.key_name,
         schedule: None,
+        shards: view.shards,
     })
 }
 
@@ -75,6 +78,10 @@ fn participant_json(participant: &Participant) -> Value {
 impl LockStatus {
     pub fn is_held(&self) -> bool {
         self.holder.is_some()
+            || self
+                .shards
+                .as_ref()
+                .is_some_and(|shards| shards.replicas.iter().any(|r| !r.holds.is_empty()))
     }
 
     /// The lock as its server knows it: `"nightly" (key 2774890235012722556)` on PostgreSQL,
@@ -106,12 +113,27 @@ impl LockStatus {
                 "error": view.holder.as_ref().err(),
             })).collect::<Vec<_>>(),
             "schedule": self.schedule.as_ref().map(ScheduleReport::to_json),
+            "shards": self.shards.as_ref().map(|shards| json!({
+                "count": shards.count,
+                "replicas": shards.replicas.iter().map(|replica| {
+                    let mut object = participant_json(&replica.participant);
+                    object["max_shards"] = replica.cap.into();
+                    object["holds"] = replica.holds.clone().into();
+                    object
+                }).collect::<Vec<_>>(),
+                "holders": (0..shards.count).map(|shard| json!({
+                    "shard": shard,
+                    "backend_pid": shards.holder_of(shard).map(|r| r.participant.backend_pid),
+                })).collect::<Vec<_>>(),
+                "free": shards.free(),
+            })),
         })
     }
 
-    /// Who holds and who waits, in order: what `status --watch` compares. The holder's session
-    /// start is part of it, so that a new session with a recycled backend pid counts as new.
-    pub fn participants(&self) -> (Option<(i32, Option<&str>)>, Vec<i32>) {
+    /// Who holds and who waits, in order, and who holds which shard: what `status --watch`
+    /// compares. A holder's session start is part of it, so that a new session with a
+    /// recycled backend pid counts as new.
+    pub fn participants(&self) -> Participants<'_> {
         (
             self.holder
                 .as_ref()
@@ -120,11 +142,27 @@ impl LockStatus {
                 .iter()
                 .map(|waiter| waiter.backend_pid)
                 .collect(),
+            self.shards.as_ref().map_or_else(Vec::new, |shards| {
+                shards
+                    .replicas
+                    .iter()
+                    .map(|replica| {
+                        (
+                            replica.participant.backend_pid,
+                            replica.participant.backend_start.as_deref(),
+                            replica.holds.clone(),
+                        )
+                    })
+                    .collect()
+            }),
         )
     }
 
     /// The state on one line, for `status --watch`.
     pub fn to_line(&self) -> String {
+        if let Some(shards) = &self.shards {
+            return format!("lock {}: {}", self.lock_label(), shards_line(shards));
+        }
         let mut line = format!("lock {}: ", self.lock_label());
         match &self.holder {
             Some(holder) => {
@@ -143,6 +181,10 @@ impl LockStatus {
 
     pub fn to_text(&self) -> String {
         let mut text = String::new();
+        if let Some(shards) = &self.shards {
+            write_shards(&mut text, &self.lock_label(), shards);
+            return text;
+        }
         let _ = writeln!(
             text,
             "lock {}: {}",
@@ -170,5 +212,138 @@ impl LockStatus {
             schedule.write_text(&mut text);
         }
         text
+    }
+}
+
+/// What `status --watch` compares: the holder (backend pid, session start), the waiters, and
+/// each sharded replica with its shards.
+pub type Participants<'a> = (
+    Option<(i32, Option<&'a str>)>,
+    Vec<i32>,
+    Vec<(i32, Option<&'a str>, Vec<u32>)>,
+);
+
+/// A sharded lock on one line: each replica's shards, then the free ones.
+fn shards_line(shards: &ShardsView) -> String {
+    let mut parts: Vec<String> = shards
+        .replicas
+        .iter()
+        .map(|replica| {
+            let held = if replica.holds.is_empty() {
+                "none".to_owned()
+            } else {
+                ranges(&replica.holds)
+            };
+            format!("{held} {}", replica.participant.short())
+        })
+        .collect();
+    let free = shards.free();
+    parts.push(if free.is_empty() {
+        "none free".to_owned()
+    } else {
+        format!("free {}", ranges(&free))
+    });
+    format!("{} shards: {}", shards.count, parts.join("; "))
+}
+
+/// `status` of a sharded lock: the replicas with their shards, then shard → holder.
+fn write_shards(text: &mut String, label: &str, shards: &ShardsView) {
+    let free = shards.free();
+    let _ = writeln!(
+        text,
+        "lock {label}: {} shards on {} replica{}, {}",
+        shards.count,
+        shards.replicas.len(),
+        if shards.replicas.len() == 1 { "" } else { "s" },
+        if free.is_empty() {
+            "every shard held".to_owned()
+        } else {
+            format!("{} free", free.len())
+        }
+    );
+    for replica in &shards.replicas {
+        let held = if replica.holds.is_empty() {
+            "no shard".to_owned()
+        } else {
+            format!("shards {}", ranges(&replica.holds))
+        };
+        let cap = replica
+            .cap
+            .map(|cap| format!(" (--max-shards {cap})"))
+            .unwrap_or_default();
+        let _ = writeln!(
+            text,
+            "  replica: {}: {held}{cap}",
+            replica.participant.describe()
+        );
+    }
+    for shard in 0..shards.count {
+        let holder = shards
+            .holder_of(shard)
+            .map_or_else(|| "free".to_owned(), |r| r.participant.short());
+        let _ = writeln!(text, "  shard {shard}: {holder}");
+    }
+}
+
+/// Sorted shard numbers as ranges: `0-3, 8, 10-11`.
+fn ranges(shards: &[u32]) -> String {
+    let mut parts = Vec::new();
+    let mut iter = shards.iter().copied().peekable();
+    while let Some(start) = iter.next() {
+        let mut end = start;
+        while iter.peek() == Some(&(end + 1)) {
+            end += 1;
+            iter.next();
+        }
+        parts.push(if end == start {
+            start.to_string()
+        } else {
+            format!("{start}-{end}")
+        });
+    }
+    parts.join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::election::participant::ShardReplica;
+
+    #[test]
+    fn shard_numbers_read_as_ranges() {
+        assert_eq!(ranges(&[]), "");
+        assert_eq!(ranges(&[0, 1, 2, 3, 8, 10, 11]), "0-3, 8, 10-11");
+        assert_eq!(ranges(&[5]), "5");
+    }
+
+    #[test]
+    fn a_sharded_lock_shows_each_shard_and_its_holder() {
+        let replica = |pid: i32, holds: Vec<u32>| ShardReplica {
+            participant: Participant {
+                backend_pid: pid,
+                granted: true,
+                application_name: Some(format!("pgleader:{}@web-{pid}", pid + 1000)),
+                ..Participant::default()
+            },
+            cap: None,
+            holds,
+        };
+        let shards = ShardsView {
+            count: 6,
+            replicas: vec![replica(1, vec![0, 1, 2]), replica(2, vec![3, 4])],
+        };
+        assert_eq!(
+            shards_line(&shards),
+            "6 shards: 0-2 pgleader 1001@web-1 (backend 1); 3-4 pgleader 1002@web-2 \
+             (backend 2); free 5"
+        );
+        let mut text = String::new();
+        write_shards(&mut text, "\"jobs\"", &shards);
+        assert!(
+            text.starts_with("lock \"jobs\": 6 shards on 2 replicas, 1 free\n"),
+            "{text}"
+        );
+        assert!(text.contains("\n  shard 4: pgleader 1002@web-2"), "{text}");
+        assert!(text.contains("\n  shard 5: free\n"), "{text}");
     }
 }

@@ -104,6 +104,19 @@ pub struct Snapshot {
     pub command: CommandView,
     /// With a schedule: the runs this instance claimed or recorded, newest first.
     pub runs: Vec<RunView>,
+    /// With `--shards`: the shards this replica holds, by number.
+    pub shards: Vec<ShardView>,
+}
+
+/// A shard this replica holds, as `/status` shows it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ShardView {
+    pub shard: u32,
+    /// The fencing token of this hold.
+    pub epoch: i64,
+    /// When this replica took it.
+    pub since: Timestamp,
+    pub command: CommandView,
 }
 
 /// What does not change while pgleader runs.
@@ -117,6 +130,8 @@ struct Identity {
     /// A leader whose last check is older than this is not healthy.
     check_deadline: Duration,
     schedule: Option<Schedule>,
+    /// `--shards K`.
+    shards: Option<u32>,
 }
 
 /// The handle the supervisor publishes through and the HTTP server reads from. Clones share
@@ -145,12 +160,15 @@ pub struct Settings {
     /// answers 200 while the lock is held, between runs too, and the scheduled-run counters
     /// exist.
     pub schedule: Option<Schedule>,
+    /// The shard count (`--shards`), if the lock is sharded: `/leader` then answers 200 while
+    /// the command of at least one shard runs here, and the per-shard metrics exist.
+    pub shards: Option<u32>,
 }
 
 impl Telemetry {
     pub fn new(settings: Settings) -> Telemetry {
         let host = host_name();
-        let metrics = Metrics::new(&settings.lock, settings.schedule.is_some());
+        let metrics = Metrics::new(&settings.lock, settings.schedule.is_some(), settings.shards);
         let (state, _) = watch::channel(Snapshot {
             role: Role::Connecting,
             since: Timestamp::now(),
@@ -165,6 +183,7 @@ impl Telemetry {
                 last_exit: None,
             },
             runs: Vec::new(),
+            shards: Vec::new(),
         });
         Telemetry {
             inner: Arc::new(Inner {
@@ -175,6 +194,7 @@ impl Telemetry {
                     host,
                     check_deadline: settings.check_deadline,
                     schedule: settings.schedule,
+                    shards: settings.shards,
                 },
                 state,
                 metrics,
@@ -325,6 +345,78 @@ impl Telemetry {
         });
     }
 
+    // The sharded room's hooks.
+
+    /// Took shard `shard` with the fencing token `epoch`.
+    pub fn shard_taken(&self, shard: u32, epoch: i64) {
+        let metrics = &self.inner.metrics;
+        metrics.acquired.inc();
+        metrics.epoch.set(epoch);
+        if let Some(shards) = &metrics.shards {
+            let label = shard.to_string();
+            shards.acquired.with_label_values(&[&label]).inc();
+            shards.epoch.with_label_values(&[&label]).set(epoch);
+        }
+    }
+
+    /// A shard's command ended (on its own, or stopped).
+    pub fn shard_command_exited(&self, status: ChildStatus) {
+        self.inner
+            .metrics
+            .command_exits
+            .with_label_values(&[CommandOutcome::of(status).as_str()])
+            .inc();
+    }
+
+    /// The shards held here now, by number: the room's whole picture after each event. A
+    /// replica that holds one leads, for the role; the snapshot changes (and readers wake)
+    /// only when the picture does.
+    pub fn shards_held(&self, held: Vec<ShardView>, backend_pid: i32) {
+        let metrics = &self.inner.metrics;
+        let running = held
+            .iter()
+            .filter(|shard| shard.command.state == CommandState::Running)
+            .count();
+        metrics.command_running.set(running as i64);
+        metrics.is_leader.set(i64::from(!held.is_empty()));
+        if let Some(shards) = &metrics.shards {
+            shards.held_count.set(held.len() as i64);
+            let count = self.inner.identity.shards.unwrap_or(0);
+            let mut held_here = held.iter().peekable();
+            for shard in 0..count {
+                let label = shard.to_string();
+                let view = held_here.next_if(|view| view.shard == shard);
+                shards
+                    .held
+                    .with_label_values(&[&label])
+                    .set(i64::from(view.is_some()));
+                shards.running.with_label_values(&[&label]).set(i64::from(
+                    view.is_some_and(|view| view.command.state == CommandState::Running),
+                ));
+            }
+        }
+        self.inner.state.send_if_modified(|s| {
+            let role = match s.role {
+                Role::ShuttingDown => Role::ShuttingDown,
+                // Every shard lost: stepping down until the last command is gone.
+                Role::SteppingDown if !held.is_empty() => Role::SteppingDown,
+                _ if held.is_empty() => Role::Follower,
+                _ => Role::Leader,
+            };
+            if s.shards == held && s.role == role && s.backend_pid == Some(backend_pid) {
+                return false;
+            }
+            if role != s.role && role == Role::Leader {
+                s.last_check = Some(Timestamp::now());
+            }
+            s.enter(role);
+            s.backend_pid = Some(backend_pid);
+            s.epoch = held.iter().map(|shard| shard.epoch).max().or(s.epoch);
+            s.shards = held;
+            true
+        });
+    }
+
     // The scheduler's hooks.
 
     /// An occurrence was claimed (no outcome yet) or its outcome recorded: counted once it
@@ -368,6 +460,25 @@ impl Telemetry {
     /// Whether this instance leads, for `/leader`: it holds the lock and its command runs (or,
     /// with a schedule, holds the lock between runs too). `Err` says what it does instead.
     pub fn leads(&self, snapshot: &Snapshot) -> Result<(), String> {
+        if self.inner.identity.shards.is_some() {
+            // Sharded: a replica leads while the command of at least one shard runs here.
+            return match snapshot.role {
+                Role::Leader
+                    if snapshot
+                        .shards
+                        .iter()
+                        .any(|shard| shard.command.state == CommandState::Running) =>
+                {
+                    Ok(())
+                }
+                Role::Leader => Err(
+                    "holds shards, but none of their commands has started yet (--takeover-delay, --restart-fence, --restart-delay)"
+                        .to_owned(),
+                ),
+                Role::Follower => Err("follower: holds no shard".to_owned()),
+                role => Err(role.as_str().to_owned()),
+            };
+        }
         match (snapshot.role, snapshot.command.state) {
             (Role::Leader, CommandState::Running) => Ok(()),
             (Role::Leader, _) if self.inner.identity.schedule.is_some() => Ok(()),
@@ -427,17 +538,17 @@ impl Telemetry {
             "backend_pid": snapshot.backend_pid,
             "epoch": snapshot.epoch,
             "last_check": snapshot.last_check.map(rfc3339),
-            "command": {
-                "state": command.state.as_str(),
-                "pid": command.pid,
-                "started_at": command.started_at.map(rfc3339),
-                "last_exit": command.last_exit.map(|(status, at)| json!({
-                    "status": status.to_string(),
-                    "exit_code": status.exit_code(),
-                    "at": rfc3339(at),
-                })),
-            },
+            "command": command_json(command),
             "schedule": identity.schedule.as_ref().map(|schedule| schedule_json(schedule, &snapshot.runs, now)),
+            "shards": identity.shards.map(|count| json!({
+                "count": count,
+                "held": snapshot.shards.iter().map(|shard| json!({
+                    "shard": shard.shard,
+                    "epoch": shard.epoch,
+                    "since": rfc3339(shard.since),
+                    "command": command_json(&shard.command),
+                })).collect::<Vec<_>>(),
+            })),
         })
     }
 }
@@ -452,6 +563,19 @@ impl Snapshot {
             self.problem = None;
         }
     }
+}
+
+fn command_json(command: &CommandView) -> Value {
+    json!({
+        "state": command.state.as_str(),
+        "pid": command.pid,
+        "started_at": command.started_at.map(rfc3339),
+        "last_exit": command.last_exit.map(|(status, at)| json!({
+            "status": status.to_string(),
+            "exit_code": status.exit_code(),
+            "at": rfc3339(at),
+        })),
+    })
 }
 
 /// The schedule, its next occurrence after `now` on this host's clock (the leader starts it on
@@ -495,6 +619,7 @@ mod tests {
             check_deadline: Duration::from_secs(3),
             schedule: scheduled
                 .then(|| Schedule::parse("0 3 * * *", "Europe/Paris").expect("a schedule")),
+            shards: None,
         })
     }
 
@@ -519,6 +644,65 @@ mod tests {
             Ok(()),
             "a schedule leads between runs"
         );
+    }
+
+    #[test]
+    fn a_sharded_replica_leads_while_a_shard_s_command_runs() {
+        let t = Telemetry::new(Settings {
+            lock: LockKey::from_name("orders"),
+            connection: "app@db:5432/app".into(),
+            check_deadline: Duration::from_secs(3),
+            schedule: None,
+            shards: Some(4),
+        });
+        t.following(10);
+        t.shards_held(Vec::new(), 10);
+        assert_eq!(
+            t.leads(&t.snapshot()),
+            Err("follower: holds no shard".to_owned())
+        );
+        let shard = |shard: u32, state: CommandState| ShardView {
+            shard,
+            epoch: 7,
+            since: Timestamp::now(),
+            command: CommandView {
+                state,
+                pid: None,
+                started_at: None,
+                last_exit: None,
+            },
+        };
+        t.shard_taken(2, 7);
+        t.shards_held(vec![shard(2, CommandState::Waiting)], 10);
+        assert_eq!(t.snapshot().role, Role::Leader);
+        assert!(t.leads(&t.snapshot()).is_err(), "held, not started yet");
+        t.shards_held(
+            vec![
+                shard(1, CommandState::Waiting),
+                shard(2, CommandState::Running),
+            ],
+            10,
+        );
+        assert_eq!(t.leads(&t.snapshot()), Ok(()));
+        let status = t.status_json(&t.snapshot(), Timestamp::now());
+        assert_eq!(status["shards"]["count"], 4);
+        assert_eq!(status["shards"]["held"][1]["shard"], 2, "{status}");
+        assert_eq!(status["shards"]["held"][1]["command"]["state"], "running");
+        let metrics = t.render_metrics();
+        for line in [
+            "pgleader_shards_held{lock=\"orders\"} 2",
+            "pgleader_shard_held{shard=\"2\",lock=\"orders\"} 1",
+            "pgleader_shard_held{shard=\"3\",lock=\"orders\"} 0",
+            "pgleader_shard_command_running{shard=\"1\",lock=\"orders\"} 0",
+            "pgleader_shard_command_running{shard=\"2\",lock=\"orders\"} 1",
+            "pgleader_shard_epoch{shard=\"2\",lock=\"orders\"} 7",
+            "pgleader_shard_acquired_total{shard=\"2\",lock=\"orders\"} 1",
+            "pgleader_command_running{lock=\"orders\"} 1",
+        ] {
+            assert!(metrics.lines().any(|l| l == line), "{line} in\n{metrics}");
+        }
+        t.shards_held(Vec::new(), 10);
+        assert_eq!(t.snapshot().role, Role::Follower);
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! What `pgleader status` and `status --watch` read on PostgreSQL: who holds and who waits for
-//! the lock (`pg_locks` joined with `pg_stat_activity`), and the ledger's history.
+//! the lock (`pg_locks` joined with `pg_stat_activity`), who holds which shard of it when it
+//! runs sharded (`postgres/shards.rs`), and the ledger's history.
 //!
 //! Waiters are listed in the order they began waiting: by the start of the statement they wait
 //! in (`query_start`). A follower queues again at every turn of that statement (see
@@ -21,6 +22,7 @@ use crate::postgres::describe::describe;
 use crate::postgres::ledger::{self, TableName};
 use crate::postgres::locks::{LOCK_ROWS, this_lock};
 use crate::postgres::session::{self, PlainClient};
+use crate::postgres::shards;
 
 /// A connection that only reads, for one lock and its ledger table.
 #[derive(Debug)]
@@ -63,19 +65,25 @@ static STATUS_SQL: LazyLock<String> = LazyLock::new(|| {
 
 impl Observer for PgObserver {
     async fn lock_view(&self) -> Result<LockView, String> {
-        let rows = self
-            .client
-            .client
-            .query_typed(
-                &STATUS_SQL,
-                &[
-                    (&self.lock.classid(), Type::OID),
-                    (&self.lock.objid(), Type::OID),
-                ],
-            )
-            .await
-            .map_err(|err| format!("cannot read pg_locks: {}", describe(&err)))?;
-        let mut view = LockView::default();
+        let client = &self.client.client;
+        let plain = async {
+            client
+                .query_typed(
+                    &STATUS_SQL,
+                    &[
+                        (&self.lock.classid(), Type::OID),
+                        (&self.lock.objid(), Type::OID),
+                    ],
+                )
+                .await
+                .map_err(|err| format!("cannot read pg_locks: {}", describe(&err)))
+        };
+        // Both in one round trip: the connection pipelines them.
+        let (rows, shards) = tokio::try_join!(plain, shards::view(client, &self.lock))?;
+        let mut view = LockView {
+            shards,
+            ..LockView::default()
+        };
         for row in rows {
             let participant = Participant {
                 backend_pid: row.get(0),

@@ -39,12 +39,14 @@ use tokio_postgres::Client;
 use tokio_postgres::types::Type;
 
 use crate::election::lock::LockKey;
+use crate::election::participant::{Participant, ShardReplica, ShardsView};
 use crate::election::shards::{
     Holder, HolderEvent, JoinError, Member, Roster, Seen, ShardBackend, Watcher,
 };
 use crate::election::{ConnectError, Fence, Session, SessionError};
 use crate::postgres::PgBackend;
 use crate::postgres::connect::Notifications;
+use crate::postgres::describe::describe;
 use crate::postgres::session::{PgSession, in_turns, query_error};
 
 /// The member locks' range: a server process id is below 2^22 on Linux.
@@ -126,6 +128,76 @@ const END_SESSIONS_SQL: &str = "SELECT pg_catalog.pg_terminate_backend(a.pid) \
 
 const GIVE_SQL: &str =
     "SELECT pg_catalog.pg_advisory_unlock($1::int4, $2::int4), pg_catalog.pg_notify($3, $4)";
+
+/// What `status` reads of a sharded lock: every granted lock of its space, with the session
+/// that holds it (one row per lock; a replica's session shows on each of its rows).
+const STATUS_SQL: &str = "SELECT l.pid, l.objid::int8, l.mode = 'ExclusiveLock', \
+        a.application_name, host(a.client_addr), a.client_port, \
+        to_char(a.backend_start AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"') \
+    FROM pg_catalog.pg_locks l \
+    LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = l.pid \
+    WHERE l.locktype = 'advisory' AND l.granted AND l.classid = $1 AND l.objsubid = 2 \
+        AND l.database = (SELECT oid FROM pg_catalog.pg_database \
+            WHERE datname = pg_catalog.current_database()) \
+    ORDER BY l.pid, l.objid";
+
+/// Who holds which shard of the sharded lock of `lock`'s name, for `status`: `None` when no
+/// replica runs it sharded.
+pub async fn view(client: &Client, lock: &LockKey) -> Result<Option<ShardsView>, String> {
+    let space = ShardKeys::of(lock).space() as u32;
+    let rows = client
+        .query_typed(STATUS_SQL, &[(&space, Type::OID)])
+        .await
+        .map_err(|err| format!("cannot read the shards from pg_locks: {}", describe(&err)))?;
+    let mut replicas: BTreeMap<i32, ShardReplica> = BTreeMap::new();
+    let (mut count, mut caps, mut holds) = (None, Vec::new(), Vec::new());
+    for row in &rows {
+        let (pid, objid, exclusive): (i32, i64, bool) = (row.get(0), row.get(1), row.get(2));
+        match objid as u32 as i32 {
+            n @ 0.. if exclusive => holds.push((pid, n as u32)),
+            n @ MEMBER_FLOOR..0 if exclusive && ShardKeys::member(pid) == n => {
+                replicas.insert(
+                    pid,
+                    ShardReplica {
+                        participant: Participant {
+                            backend_pid: pid,
+                            granted: true,
+                            application_name: row.get(3),
+                            client_address: row.get(4),
+                            client_port: row.get(5),
+                            backend_start: row.get(6),
+                            ..Participant::default()
+                        },
+                        cap: None,
+                        holds: Vec::new(),
+                    },
+                );
+            }
+            n @ COUNT_BASE..CAP_BASE => {
+                count.get_or_insert((n - COUNT_BASE) as u32);
+            }
+            n @ CAP_BASE..MEMBER_FLOOR => caps.push((pid, (n - CAP_BASE) as u32)),
+            _ => {}
+        }
+    }
+    let Some(count) = count else {
+        return Ok(None);
+    };
+    for (pid, cap) in caps {
+        if let Some(replica) = replicas.get_mut(&pid) {
+            replica.cap = Some(cap);
+        }
+    }
+    for (pid, shard) in holds {
+        if let Some(replica) = replicas.get_mut(&pid) {
+            replica.holds.push(shard);
+        }
+    }
+    Ok(Some(ShardsView {
+        count,
+        replicas: replicas.into_values().collect(),
+    }))
+}
 
 /// Reads a roster from `ROSTER_SQL`'s rows, as seen by a member running `shards` shards.
 fn read_roster(

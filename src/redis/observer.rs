@@ -48,6 +48,7 @@ impl Observer for RedisObserver {
                 .collect(),
             servers: Vec::new(),
             key_name: Some(self.keys.lock.clone()),
+            shards: None,
         })
     }
 

@@ -882,6 +882,7 @@ impl crate::election::Observer for QuorumObserver {
             holder,
             waiting: Vec::new(),
             key_name: Some(self.keys.lock.clone()),
+            shards: None,
             servers: self
                 .members
                 .iter()

@@ -28,6 +28,7 @@ use std::task::Poll;
 use std::time::Duration;
 
 use anyhow::bail;
+use jiff::Timestamp;
 use nix::sys::signal::Signal;
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::time::{Instant, sleep_until};
@@ -39,7 +40,7 @@ use crate::election::{ConnectError, SessionError};
 use crate::exit::{ChildStatus, Outcome};
 use crate::operate::metrics::LossReason;
 use crate::operate::notify;
-use crate::operate::telemetry::Telemetry;
+use crate::operate::telemetry::{CommandState, CommandView, ShardView, Telemetry};
 use crate::supervise::inbox::{Inbox, KEEPER_GRACE, REPEAT_WINDOW, send_stop_signal, status_of};
 use crate::supervise::job::{self, CommandError, Job, Parked};
 use crate::supervise::keeper::Report;
@@ -77,7 +78,6 @@ pub async fn run<B: ShardBackend + Clone + 'static>(
         backoff: Backoff::default(),
         shards: BTreeMap::new(),
         last_disturbance: None,
-        leading: false,
         signals_open: true,
         leftover_watchers: Vec::new(),
     };
@@ -113,8 +113,6 @@ struct Room<B: ShardBackend> {
     shards: BTreeMap<u32, Shard>,
     /// When a holder session last ended other than by pgleader's own doing.
     last_disturbance: Option<Instant>,
-    /// Whether the telemetry says this replica leads (runs a shard).
-    leading: bool,
     /// False once the signal channel has closed (which means: shut down).
     signals_open: bool,
     /// Watcher sessions a lost holder could not end, for the next holder to end.
@@ -124,6 +122,10 @@ struct Room<B: ShardBackend> {
 /// A shard this replica holds.
 struct Shard {
     epoch: i64,
+    /// When it was taken, and its command's last start and exit: what `/status` shows.
+    taken_at: Timestamp,
+    started: Option<(i32, Timestamp)>,
+    last_exit: Option<(ChildStatus, Timestamp)>,
     /// When its command may start: the restart fence and `--takeover-delay` after it was
     /// taken, `--restart-delay` after its command exited on its own.
     start_at: Instant,
@@ -685,10 +687,14 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
             if self.shards.contains_key(&index) {
                 continue;
             }
+            self.inbox.telemetry.shard_taken(index, fence.epoch);
             self.shards.insert(
                 index,
                 Shard {
                     epoch: fence.epoch,
+                    taken_at: Timestamp::now(),
+                    started: None,
+                    last_exit: None,
                     start_at: Instant::now() + delay,
                     job: None,
                     stopping: None,
@@ -972,6 +978,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
         match report {
             Report::Started(pid) => {
                 info!(event = "child_started", shard = index, pid, command = %command.display(), "started the command of shard {index}");
+                shard.started = Some((pid, Timestamp::now()));
                 if let (Some(job), Some(stop)) = (&shard.job, &shard.stopping) {
                     // A signal sent to the group before it existed reached only the keeper.
                     send_stop_signal(job, stop.signal);
@@ -1052,7 +1059,9 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                 if !logged {
                     info!(event = "child_exited", shard = index, status = %status, exit_code = status.exit_code(), "the command of shard {index} exited");
                 }
-                self.inbox.telemetry.command_exited(status);
+                self.inbox.telemetry.shard_command_exited(status);
+                shard.started = None;
+                shard.last_exit = Some((status, Timestamp::now()));
             }
             let after = shard.stopping.as_ref().map_or(After::Restart, |s| s.after);
             let quiet = link.leaving.is_some() || self.inbox.shutdown_requested.is_some();
@@ -1096,28 +1105,30 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
         Ok(())
     }
 
-    /// What the HTTP endpoint and metrics show: leading while this replica runs a shard.
-    fn publish(&mut self, me: i32) {
-        let running = self
+    /// What the HTTP endpoint and metrics show: the shards held here and their commands;
+    /// leading while this replica holds one.
+    fn publish(&self, me: i32) {
+        let held = self
             .shards
-            .values()
-            .filter(|shard| shard.stopping.is_none())
-            .count();
-        if running > 0 && !self.leading {
-            let epoch = self
-                .shards
-                .values()
-                .map(|shard| shard.epoch)
-                .max()
-                .unwrap_or(0);
-            self.inbox.telemetry.leading(epoch, me);
-            self.leading = true;
-        } else if running == 0 && self.leading {
-            if self.inbox.shutdown_requested.is_none() {
-                self.inbox.telemetry.following(me);
-            }
-            self.leading = false;
-        }
+            .iter()
+            .map(|(index, shard)| ShardView {
+                shard: *index,
+                epoch: shard.epoch,
+                since: shard.taken_at,
+                command: CommandView {
+                    state: match (&shard.started, &shard.stopping) {
+                        (Some(_), Some(_)) => CommandState::Stopping,
+                        (Some(_), None) => CommandState::Running,
+                        (None, None) => CommandState::Waiting,
+                        (None, Some(_)) => CommandState::NotRunning,
+                    },
+                    pid: shard.started.map(|(pid, _)| pid),
+                    started_at: shard.started.map(|(_, at)| at),
+                    last_exit: shard.last_exit,
+                },
+            })
+            .collect();
+        self.inbox.telemetry.shards_held(held, me);
     }
 }
 

@@ -28,7 +28,7 @@ fn examples() -> PathBuf {
 
 /// Runs `promtool args...` with `stdin` as its input; fails the test with its output unless
 /// it succeeds.
-fn promtool(args: &[&str], stdin: &str) {
+pub(crate) fn promtool(args: &[&str], stdin: &str) {
     require_tool("promtool", promtool_hint());
     let mut child = Command::new("promtool")
         .args(args)
@@ -54,7 +54,7 @@ fn promtool(args: &[&str], stdin: &str) {
 }
 
 /// The value of the one sample of `metric` whose labels contain every `labels` pair.
-fn sample(metrics: &str, metric: &str, labels: &[&str]) -> f64 {
+pub(crate) fn sample(metrics: &str, metric: &str, labels: &[&str]) -> f64 {
     metrics
         .lines()
         .filter(|line| !line.starts_with('#'))
@@ -322,7 +322,7 @@ fn a_real_prometheus_scrapes_the_replicas_and_evaluates_the_example_rules() {
             .as_array()
             .cloned()
             .unwrap_or_default();
-        assert_eq!(loaded.len(), 5, "{rules}");
+        assert_eq!(loaded.len(), 7, "{rules}");
         if loaded
             .iter()
             .all(|rule| rule["health"] == "ok" && rule["state"] == "inactive")

@@ -15,9 +15,11 @@ use pgleader::postgres::shards::{ShardHolder, ShardWatcher};
 use crate::contract::{NoEnvironment, block_on, within};
 use nix::sys::signal::Signal;
 
+use crate::harness::http::{address_of, get, wait_for_status};
 use crate::harness::{
-    Cluster, Journal, Proc, Stream, WAIT, field, overlaps_seen, run, unique_lock,
+    Cluster, Journal, Proc, Stream, WAIT, field, overlaps_seen, pgleader, run, unique_lock,
 };
+use crate::observability::{promtool, sample};
 
 fn backend(lock: i64) -> PgBackend {
     let url = Cluster::shared().url();
@@ -644,4 +646,156 @@ fn a_shard_whose_command_exits_starts_again_on_its_replica_after_the_restart_del
         "{}",
         replica.dump()
     );
+}
+
+/// What an operator sees of a sharded lock. `status` shows which replica holds which shard (in
+/// text and JSON, and `--watch` prints a line as shards move); each replica's `/status` lists
+/// the shards it holds with their commands; `/leader` answers 200 on a replica where a shard's
+/// command runs and 503 on one that holds none; the metrics carry a `shard` label, one holder
+/// per shard summed over the replicas, and pass promtool's check.
+#[test]
+fn status_http_and_metrics_show_which_replica_runs_which_shard() {
+    let lock = unique_lock();
+    let journal = Journal::new("shards-seen");
+    let status = |args: &[&str]| {
+        let mut command = pgleader();
+        command
+            .env("PGLEADER_DATABASE_URL", Cluster::shared().url())
+            .args(["status", &format!("--lock-id={lock}")])
+            .args(args);
+        Proc::spawn("status", command)
+    };
+    let watch = status(&["--watch"]);
+    watch.wait_stdout(": free; nobody waiting");
+    let sharded = |tag: &str| {
+        run(
+            tag,
+            Cluster::shared(),
+            lock,
+            &["--shards=2", "--kill-timeout=5s", "--http=127.0.0.1:0"],
+            &shard_child(&journal, tag),
+        )
+    };
+    let a = sharded("A");
+    let a_http = address_of(&a);
+    a.wait_for_nth(Stream::Stdout, "A started", 2);
+    watch.wait_stdout(&format!("2 shards: 0-1 pgleader {}@", a.pid));
+    // B takes A's highest shard; C, the third replica of two shards, holds none.
+    let b = sharded("B");
+    let b_http = address_of(&b);
+    b.wait_stdout("B started shard=1");
+    let c = sharded("C");
+    let c_http = address_of(&c);
+    c.wait_log("joined the replicas");
+    let line = watch.wait_stdout(&format!("none pgleader {}@", c.pid));
+    // Replicas in the order of their ids (backend pids), each with its shards.
+    assert!(
+        line.contains(": 2 shards: ")
+            && line.contains(&format!(" 0 pgleader {}@", a.pid))
+            && line.contains(&format!(" 1 pgleader {}@", b.pid))
+            && line.ends_with("; none free"),
+        "{line}"
+    );
+
+    let backend_of = |replica: &Proc| -> i64 {
+        field(&replica.wait_log("joined the replicas"), "backend_pid")
+            .parse()
+            .expect("a backend pid")
+    };
+    let text = status(&[]);
+    assert_eq!(text.wait_code(), 0, "a sharded lock whose shards are held");
+    let (_, out, _) = text.finish();
+    let out = out.join("\n");
+    assert!(
+        out.contains(": 2 shards on 3 replicas, every shard held"),
+        "{out}"
+    );
+    assert!(
+        out.contains(&format!("\n  shard 0: pgleader {}@", a.pid)),
+        "{out}"
+    );
+    assert!(
+        out.contains(&format!("\n  shard 1: pgleader {}@", b.pid)),
+        "{out}"
+    );
+    assert!(
+        out.contains(&format!(
+            "backend pid {}, pgleader pid {}",
+            backend_of(&c),
+            c.pid
+        )) && out.contains(": no shard"),
+        "{out}"
+    );
+    let json = status(&["--json"]);
+    assert_eq!(json.wait_code(), 0);
+    let (_, out, _) = json.finish();
+    let report: serde_json::Value = serde_json::from_str(&out.join("\n")).expect("json");
+    assert_eq!(report["shards"]["count"], 2, "{report}");
+    assert_eq!(
+        report["shards"]["holders"][0]["backend_pid"],
+        backend_of(&a),
+        "{report}"
+    );
+    assert_eq!(
+        report["shards"]["holders"][1]["backend_pid"],
+        backend_of(&b)
+    );
+    assert_eq!(report["shards"]["free"], serde_json::json!([]));
+
+    // Each replica's own view.
+    let a_status: serde_json::Value =
+        serde_json::from_str(&get(a_http, "/status").body).expect("json");
+    let held = &a_status["shards"]["held"];
+    assert_eq!(a_status["shards"]["count"], 2, "{a_status}");
+    assert_eq!(held.as_array().map(Vec::len), Some(1), "{a_status}");
+    assert_eq!(held[0]["shard"], 0);
+    assert_eq!(held[0]["command"]["state"], "running");
+    let a_command = a.wait_stdout("A started shard=0");
+    assert_eq!(
+        held[0]["epoch"].to_string(),
+        field(&a_command, "epoch"),
+        "{a_status}"
+    );
+    assert_eq!(get(a_http, "/leader").status, 200);
+    assert_eq!(get(b_http, "/leader").status, 200);
+    let c_leader = get(c_http, "/leader");
+    assert_eq!(c_leader.status, 503, "{c_leader:?}");
+    let mut summed = [0.0; 2];
+    for (http, holds) in [(a_http, Some(0)), (b_http, Some(1)), (c_http, None)] {
+        let metrics = get(http, "/metrics").body;
+        promtool(&["check", "metrics"], &metrics);
+        assert_eq!(sample(&metrics, "pgleader_shards", &[]), 2.0);
+        assert_eq!(
+            sample(&metrics, "pgleader_shards_held", &[]),
+            f64::from(u8::from(holds.is_some()))
+        );
+        for (shard, sum) in summed.iter_mut().enumerate() {
+            let label = format!("shard=\"{shard}\"");
+            let value = sample(&metrics, "pgleader_shard_held", &[&label]);
+            assert_eq!(
+                value,
+                f64::from(u8::from(holds == Some(shard))),
+                "{metrics}"
+            );
+            assert_eq!(
+                sample(&metrics, "pgleader_shard_command_running", &[&label]),
+                value
+            );
+            *sum += value;
+        }
+    }
+    assert_eq!(summed, [1.0, 1.0], "one holder per shard");
+
+    // A is killed: its shard moves to C, the replica short of its share.
+    a.signal(Signal::SIGKILL);
+    c.wait_stdout("C started shard=0");
+    wait_for_status(c_http, "/leader", 200);
+    watch.wait_stdout(&format!(" 0 pgleader {}@", c.pid));
+    watch.signal(Signal::SIGTERM);
+    assert_eq!(watch.wait_code(), 0);
+    for replica in [&b, &c] {
+        replica.signal(Signal::SIGTERM);
+        assert_eq!(replica.wait_code(), 0, "{}", replica.dump());
+    }
+    assert_no_overlap(&[&b, &c]);
 }
