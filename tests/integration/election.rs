@@ -533,7 +533,7 @@ fn json_logs_carry_a_stable_set_of_fields() {
 
 /// The server's view of pgleader's sessions (leaders, followers, status) that hold a snapshot:
 /// (backend pid, whether it waits for a lock, seconds since its transaction began).
-fn snapshots(client: &mut postgres::Client) -> Vec<(i32, bool, f64)> {
+pub(crate) fn snapshots(client: &mut postgres::Client) -> Vec<(i32, bool, f64)> {
     client
         .query(
             "SELECT pid, wait_event IS NOT DISTINCT FROM 'advisory', \

@@ -4,7 +4,7 @@
 //! that runs the name otherwise is refused. Two sessions per replica, whatever the shard count.
 
 use std::collections::BTreeSet;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use pgleader::election::Session;
 use pgleader::election::lock::LockKey;
@@ -15,6 +15,8 @@ use pgleader::postgres::shards::{ShardHolder, ShardWatcher};
 use crate::contract::{NoEnvironment, block_on, within};
 use nix::sys::signal::Signal;
 
+use crate::election::snapshots;
+use crate::harness::cluster::Options;
 use crate::harness::http::{address_of, get, wait_for_status};
 use crate::harness::{
     Cluster, Journal, Proc, Stream, WAIT, field, overlaps_seen, pgleader, run, unique_lock,
@@ -798,4 +800,111 @@ fn status_http_and_metrics_show_which_replica_runs_which_shard() {
         assert_eq!(replica.wait_code(), 0, "{}", replica.dump());
     }
     assert_no_overlap(&[&b, &c]);
+}
+
+/// A sharded fleet holds back VACUUM no more than waiting followers do: the watchers wait in
+/// turns of --wait-refresh, the holders hold no snapshot between statements. Rows deleted while
+/// the fleet runs are removed, an index is built concurrently, no session of the fleet shows a
+/// snapshot older than two turns, and the server logs nothing at ERROR or worse for it.
+#[test]
+fn a_sharded_fleet_holds_back_neither_vacuum_nor_create_index_concurrently() {
+    const REFRESH: Duration = Duration::from_secs(1);
+    let cluster = Cluster::with_options(
+        "shards-vacuum",
+        Options {
+            settings: vec!["log_line_prefix = '%m [%p] %a: '".into()],
+            ..Options::default()
+        },
+    );
+    let lock = unique_lock();
+    let journal = Journal::new("shards-vacuum");
+    let mut client = cluster.client();
+    client
+        .batch_execute(
+            "CREATE EXTENSION pgstattuple; CREATE TABLE t (i int); \
+             INSERT INTO t SELECT generate_series(1, 1000)",
+        )
+        .expect("setting up the table (pgstattuple is in PostgreSQL's contrib)");
+    let refresh = format!("--wait-refresh={}ms", REFRESH.as_millis());
+    let replicas: Vec<Proc> = ["A", "B", "C"]
+        .into_iter()
+        .map(|tag| {
+            let replica = run(
+                tag,
+                &cluster,
+                lock,
+                &["--shards=2", &refresh],
+                &shard_child(&journal, tag),
+            );
+            replica.wait_log("joined the replicas");
+            replica
+        })
+        .collect();
+    // Three members: each one's watcher waits for another's membership.
+    let deadline = Instant::now() + WAIT;
+    while snapshots(&mut client)
+        .iter()
+        .filter(|(_, waits, _)| *waits)
+        .count()
+        < 3
+    {
+        assert!(Instant::now() < deadline, "the three watchers never waited");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+
+    client.batch_execute("DELETE FROM t").expect("delete");
+    let deadline = Instant::now() + WAIT;
+    loop {
+        client.batch_execute("VACUUM t").expect("vacuum");
+        let dead: i64 = client
+            .query_one("SELECT dead_tuple_count FROM pgstattuple('t')", &[])
+            .expect("pgstattuple")
+            .get(0);
+        if dead == 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{dead} rows deleted beside the sharded fleet are still not removable after {WAIT:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    client
+        .batch_execute(&format!("SET statement_timeout = {}", WAIT.as_millis()))
+        .expect("set statement_timeout");
+    client
+        .batch_execute("CREATE INDEX CONCURRENTLY t_i ON t (i)")
+        .expect("CREATE INDEX CONCURRENTLY beside a sharded fleet");
+    let watch_until = Instant::now() + REFRESH * 3;
+    while Instant::now() < watch_until {
+        for (pid, _, age) in snapshots(&mut client) {
+            assert!(
+                age < REFRESH.as_secs_f64() * 2.0,
+                "backend {pid} has held its snapshot for {age:.1} s, past --wait-refresh \
+                 {REFRESH:?}"
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let log = cluster.log();
+    let complaints: Vec<&str> = log
+        .lines()
+        .filter(|line| line.contains(" pgleader"))
+        .filter(|line| {
+            ["ERROR:", "WARNING:", "FATAL:"]
+                .iter()
+                .any(|l| line.contains(l))
+        })
+        .collect();
+    assert!(
+        complaints.is_empty(),
+        "the server logged these for the fleet's sessions:\n{}",
+        complaints.join("\n")
+    );
+    for replica in &replicas {
+        replica.signal(Signal::SIGTERM);
+        assert_eq!(replica.wait_code(), 0, "{}", replica.dump());
+    }
+    let replicas: Vec<&Proc> = replicas.iter().collect();
+    assert_no_overlap(&replicas);
 }
