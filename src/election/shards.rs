@@ -1,7 +1,7 @@
 //! Shards (`--shards K`): K numbered locks of one name, shared out among the replicas that run
 //! it, so that each shard's command runs exactly once and every replica runs its share. This
 //! file holds what does not depend on the backend: who the members are as the server shows
-//! them (a [`Roster`]), each member's share, and what one replica does about its own ([`Moves`]).
+//! them (a [`Roster`]), each member's share, and which free shards one replica takes.
 //!
 //! The rule is the same on every replica and reads only the roster, so replicas that see the
 //! same roster agree without talking to each other; where two see different ones (one of them
@@ -16,8 +16,10 @@
 //!
 //! Moves: a member short of its share takes free shards, the free shards being dealt out among
 //! all the members that are short, in id order, so that two of them do not reach for the same
-//! one; a member over its share gives the surplus away (its highest-numbered shards), after
-//! stopping their commands. Shares add up to K (or to the sum of the caps), so a surplus
+//! one ([`Roster::to_take`]); a member over its share gives the surplus away (its
+//! highest-numbered shards), after stopping their commands: the sharded room
+//! (`supervise/sharded.rs`) decides which, since only it knows which of its shards it is giving
+//! already. Shares add up to K (or to the sum of the caps), so a surplus
 //! somewhere means a shortfall somewhere else, and a shard given away is taken at once.
 
 use std::collections::BTreeSet;
@@ -158,15 +160,6 @@ pub struct Roster {
     pub members: Vec<Member>,
 }
 
-/// What one member does about its share.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Moves {
-    /// Free shards to take, in order of preference.
-    pub take: Vec<u32>,
-    /// Shards to give away (stop their commands, then release).
-    pub give: Vec<u32>,
-}
-
 impl Roster {
     /// Each member's share, in the order of `members`.
     pub fn shares(&self) -> Vec<u32> {
@@ -221,27 +214,13 @@ impl Roster {
         (0..self.shards).filter(|i| !held.contains(i)).collect()
     }
 
-    /// What member `me` does: take free shards up to its share, or give its surplus away.
-    /// Nothing when `me` is not on the roster.
-    pub fn moves(&self, me: i32) -> Moves {
+    /// The free shards member `me` takes, up to its share, in order of preference: none when
+    /// it holds its share or more, or is not on the roster.
+    pub fn to_take(&self, me: i32) -> Vec<u32> {
         let Some(at) = self.members.iter().position(|member| member.id == me) else {
-            return Moves::default();
+            return Vec::new();
         };
         let shares = self.shares();
-        let holds = self.members[at].holds.len() as u32;
-        if holds > shares[at] {
-            let surplus = (holds - shares[at]) as usize;
-            return Moves {
-                take: Vec::new(),
-                give: self.members[at]
-                    .holds
-                    .iter()
-                    .rev()
-                    .take(surplus)
-                    .copied()
-                    .collect(),
-            };
-        }
         // Deal the free shards out among the members that are short, in id order, one at a
         // time, so that each reaches for its own. A shard dealt to a member that does not take
         // it (it read an older roster) is dealt again from the next roster.
@@ -272,10 +251,7 @@ impl Roster {
                 break;
             }
         }
-        Moves {
-            take,
-            give: Vec::new(),
-        }
+        take
     }
 
     /// The member after `me` in id order, wrapping round: the one whose end `me` watches for,
@@ -369,8 +345,8 @@ mod tests {
             8,
             vec![member(1, None, &[0, 1, 2]), member(2, None, &[3, 4, 5])],
         );
-        assert_eq!(r.moves(1).take, vec![6]);
-        assert_eq!(r.moves(2).take, vec![7]);
+        assert_eq!(r.to_take(1), vec![6]);
+        assert_eq!(r.to_take(2), vec![7]);
         // A new member takes nothing while nothing is free; the others give their surplus.
         let r = roster(
             4,
@@ -380,17 +356,15 @@ mod tests {
                 member(3, None, &[]),
             ],
         );
-        assert_eq!(r.moves(3), Moves::default());
-        let gives: Vec<Vec<u32>> = [1, 2].iter().map(|&id| r.moves(id).give).collect();
-        assert_eq!(gives.iter().map(Vec::len).sum::<usize>(), 1);
+        assert_eq!(r.to_take(3), Vec::<u32>::new());
+        // 1 holds the most and keeps the one more; 2 is one over its share.
         assert_eq!(r.shares(), vec![2, 1, 1]);
-        assert_eq!(r.moves(2).give, vec![3]);
     }
 
     #[test]
     fn a_member_alone_takes_every_shard_and_watches_nobody() {
         let r = roster(5, vec![member(7, None, &[])]);
-        assert_eq!(r.moves(7).take, vec![0, 1, 2, 3, 4]);
+        assert_eq!(r.to_take(7), vec![0, 1, 2, 3, 4]);
         assert_eq!(r.successor(7), None);
     }
 
@@ -406,9 +380,9 @@ mod tests {
             ],
         );
         assert_eq!(r.shares(), vec![3, 3, 3]);
-        assert_eq!(r.moves(1).take, vec![4, 6]);
-        assert_eq!(r.moves(2).take, vec![5]);
-        assert_eq!(r.moves(3), Moves::default());
+        assert_eq!(r.to_take(1), vec![4, 6]);
+        assert_eq!(r.to_take(2), vec![5]);
+        assert_eq!(r.to_take(3), Vec::<u32>::new());
     }
 
     #[test]

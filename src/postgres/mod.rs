@@ -116,8 +116,10 @@ impl Backend for PgBackend {
     /// `shards::sharded_replica`).
     async fn connect(&self, name: &str) -> Result<PgSession, ConnectError> {
         let session = self.session(name).await?;
-        shards::refuse_beside_shards(&session, &self.lock).await?;
-        Ok(session)
+        match session.sharded_replica_beside() {
+            Some(pid) => Err(shards::refusal(pid, &self.lock)),
+            None => Ok(session),
+        }
     }
 
     async fn observe(&self) -> Result<PgObserver, ConnectError> {

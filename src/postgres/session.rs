@@ -26,7 +26,7 @@ use crate::postgres::connect::{self, ConnectionTask, Notifications, Opened, TcpE
 use crate::postgres::conninfo::{ChannelBinding, ConnSettings, Host};
 use crate::postgres::describe::describe;
 use crate::postgres::ledger::{PgLedger, TableName};
-use crate::postgres::locks::held_here;
+use crate::postgres::locks::{self, held_here};
 use crate::postgres::version::{self, Support};
 
 /// Why leading through a standby is refused (and retried: a failover may promote it).
@@ -74,6 +74,9 @@ pub struct PgSession {
     backend_pid: i32,
     server_major: u32,
     connected_at: Instant,
+    /// The holder session of a replica that runs this lock's name with `--shards`, as the
+    /// set-up found it (see `PgBackend::connect`).
+    sharded_replica: Option<i32>,
 }
 
 impl Drop for PgSession {
@@ -84,11 +87,17 @@ impl Drop for PgSession {
     }
 }
 
-/// The session's server process, whether the server is a standby, and the server's view of the
-/// connection's two ends (the client's, then its own; null over a Unix socket).
-const SETUP_IDENTITY: &str = "SELECT pg_catalog.pg_backend_pid(), pg_catalog.pg_is_in_recovery(), \
-    pg_catalog.host(pg_catalog.inet_client_addr()), pg_catalog.inet_client_port(), \
-    pg_catalog.host(pg_catalog.inet_server_addr()), pg_catalog.inet_server_port()";
+/// The session's server process, whether the server is a standby, the server's view of the
+/// connection's two ends (the client's, then its own; null over a Unix socket), and a replica
+/// that runs `lock`'s name with `--shards`, if any: all in the set-up's round trip.
+fn setup_identity(lock: &LockKey) -> String {
+    format!(
+        "SELECT pg_catalog.pg_backend_pid(), pg_catalog.pg_is_in_recovery(), \
+         pg_catalog.host(pg_catalog.inet_client_addr()), pg_catalog.inet_client_port(), \
+         pg_catalog.host(pg_catalog.inet_server_addr()), pg_catalog.inet_server_port(), {}",
+        locks::sharded_replica(lock)
+    )
+}
 const TRY_SQL: &str = "SELECT pg_catalog.pg_try_advisory_lock($1), pg_catalog.pg_backend_pid()";
 const BACKEND_PID_SQL: &str = "SELECT pg_catalog.pg_backend_pid()";
 const UNLOCK_SQL: &str = "SELECT pg_catalog.pg_advisory_unlock($1)";
@@ -190,6 +199,12 @@ static CONFIRM_SQL: LazyLock<String> = LazyLock::new(|| {
 });
 
 impl PgSession {
+    /// The holder session of a replica that ran this lock's name with `--shards` when this
+    /// session was set up.
+    pub(super) fn sharded_replica_beside(&self) -> Option<i32> {
+        self.sharded_replica
+    }
+
     /// The driver's client, for the statements of a sharded lock (`shards.rs`).
     pub(super) fn client(&self) -> &Arc<Client> {
         &self.client
@@ -305,14 +320,16 @@ impl PgSession {
             backend_pid: 0,
             server_major,
             connected_at: Instant::now(),
+            sharded_replica: None,
         };
         // Sent together: the identity query runs after the settings on the same connection,
         // in one round trip.
         let setup = setup_sql(lease, server_major);
+        let identity = setup_identity(&session.lock);
         let set_up = async {
             tokio::try_join!(
                 session.client.batch_execute(&setup),
-                session.client.query_typed_one(SETUP_IDENTITY, &[]),
+                session.client.query_typed_one(&identity, &[]),
             )
         };
         let (_, row) = tokio::time::timeout(budget, set_up)
@@ -324,6 +341,7 @@ impl PgSession {
             return Err(ConnectError::Transient(STANDBY.to_owned()));
         }
         session.backend_pid = row.get(0);
+        session.sharded_replica = row.get(6);
         let seen = (
             seen_end(row.get(2), row.get(3)),
             seen_end(row.get(4), row.get(5)),

@@ -47,14 +47,15 @@ use crate::election::{ConnectError, Fence, Session, SessionError};
 use crate::postgres::PgBackend;
 use crate::postgres::connect::Notifications;
 use crate::postgres::describe::describe;
+use crate::postgres::locks::{SHARD_CAP_BASE, SHARD_COUNT_BASE, shard_space};
 use crate::postgres::session::{PgSession, in_turns, query_error};
 
 /// The member locks' range: a server process id is below 2^22 on Linux.
 const MEMBER_FLOOR: i32 = -(1 << 22);
 /// Where the "runs with K shards" markers start.
-const COUNT_BASE: i32 = i32::MIN;
+const COUNT_BASE: i32 = SHARD_COUNT_BASE;
 /// Where the "takes at most N shards" markers start.
-const CAP_BASE: i32 = -(1 << 30);
+const CAP_BASE: i32 = SHARD_CAP_BASE;
 /// The largest shard count (and cap) the markers' ranges hold.
 pub const MAX_SHARDS: u32 = 1 << 20;
 
@@ -69,8 +70,7 @@ pub struct ShardKeys {
 impl ShardKeys {
     pub fn of(lock: &LockKey) -> ShardKeys {
         ShardKeys {
-            // The low 32 bits, as `::bit(32)` takes them.
-            space: LockKey::from_name(&format!("pgleader shards {}", lock.key())).key() as i32,
+            space: shard_space(lock),
             plain: lock.clone(),
         }
     }
@@ -287,41 +287,14 @@ fn read_roster(
     })
 }
 
-/// A sharded replica of the same name, if one runs: the server process of its holder session.
-const SHARDED_SQL: &str = "SELECT l.pid FROM pg_catalog.pg_locks l \
-    WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2 AND l.classid = $1 \
-        AND l.database = (SELECT oid FROM pg_catalog.pg_database \
-            WHERE datname = pg_catalog.current_database()) \
-        AND l.objid >= $2 AND l.objid < $3 \
-    LIMIT 1";
-
-/// Refuses a plain replica's session where replicas run the same lock with `--shards` (their
-/// holder sessions hold its "runs with K shards" marker), so that the two never both run the
-/// command: one round trip when a plain replica connects.
-pub(super) async fn refuse_beside_shards(
-    session: &PgSession,
-    lock: &LockKey,
-) -> Result<(), ConnectError> {
-    let keys = ShardKeys::of(lock);
-    let space = keys.space as u32;
-    // The markers' range, as pg_locks shows an int4 in objid (an oid): COUNT_BASE and up.
-    let (low, high) = (COUNT_BASE as u32, CAP_BASE as u32);
-    let rows = session
-        .client()
-        .query_typed(
-            SHARDED_SQL,
-            &[(&space, Type::OID), (&low, Type::OID), (&high, Type::OID)],
-        )
-        .await
-        .map_err(crate::postgres::connect::classify)?;
-    match rows.first() {
-        Some(row) => Err(ConnectError::Conflict(format!(
-            "the replica of server process {} runs lock {lock} with --shards: a lock runs \
-             either sharded on every replica or on none",
-            row.get::<_, i32>(0)
-        ))),
-        None => Ok(()),
-    }
+/// The refusal of a plain replica's session where the replica of server process `pid` runs
+/// the same lock with `--shards` (the session's set-up looks: `locks::sharded_replica`), so
+/// that the two never both run the command.
+pub(super) fn refusal(pid: i32, lock: &LockKey) -> ConnectError {
+    ConnectError::Conflict(format!(
+        "the replica of server process {pid} runs lock {lock} with --shards: a lock runs \
+         either sharded on every replica or on none"
+    ))
 }
 
 /// A replica's holder session: its membership, its markers and the shards it runs.

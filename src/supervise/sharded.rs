@@ -497,23 +497,32 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                                 link.read_soon(quiet, timeout);
                                 continue;
                             }
-                            self.keep_watch(&mut link, &seen);
-                            match self.apply(&mut link, &seen).await {
-                                // Only after the shards it took: a read sent before would not
-                                // show them, and they would look lost.
-                                Ok(()) if std::mem::take(&mut link.stale) => {
-                                    link.read_soon(quiet, timeout);
-                                }
-                                Ok(()) => {}
-                                Err(Failure::Session(err)) => {
-                                    let reason = format!("a statement failed: {err}");
-                                    self.lose_all(&reason, LossReason::CheckFailed);
-                                    link.leave_for(reason);
-                                }
-                                Err(Failure::Fatal(err)) => {
-                                    self.stop_all(Signal::SIGKILL, After::Forget);
-                                    link.fatal = Some(err);
-                                    link.leave_for("a fatal error".into());
+                            if let Some(reason) = seen.mismatch {
+                                // A replica of another kind that started at the very moment
+                                // this one did, and so was not refused: stop rather than
+                                // overlap with it, and exit as a refused replica would.
+                                self.lose_all(&reason, LossReason::NotHeld);
+                                link.fatal = Some(JoinError::Mismatch(reason).into());
+                                link.leave_for("a replica of another kind runs this lock".into());
+                            } else {
+                                self.keep_watch(&mut link, &seen);
+                                match self.apply(&mut link, &seen).await {
+                                    // Only after the shards it took: a read sent before would not
+                                    // show them, and they would look lost.
+                                    Ok(()) if std::mem::take(&mut link.stale) => {
+                                        link.read_soon(quiet, timeout);
+                                    }
+                                    Ok(()) => {}
+                                    Err(Failure::Session(err)) => {
+                                        let reason = format!("a statement failed: {err}");
+                                        self.lose_all(&reason, LossReason::CheckFailed);
+                                        link.leave_for(reason);
+                                    }
+                                    Err(Failure::Fatal(err)) => {
+                                        self.stop_all(Signal::SIGKILL, After::Forget);
+                                        link.fatal = Some(err);
+                                        link.leave_for("a fatal error".into());
+                                    }
                                 }
                             }
                         }
@@ -661,8 +670,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
         // Never a shard this replica holds already, whatever the roster says.
         let wanted: Vec<u32> = seen
             .roster
-            .moves(me)
-            .take
+            .to_take(me)
             .into_iter()
             .filter(|index| !self.shards.contains_key(index))
             .collect();
