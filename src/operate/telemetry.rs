@@ -369,32 +369,10 @@ impl Telemetry {
     }
 
     /// The shards held here now, by number: the room's whole picture after each event. A
-    /// replica that holds one leads, for the role; the snapshot changes (and readers wake)
-    /// only when the picture does.
+    /// replica that holds one leads, for the role; the snapshot changes (and readers wake), and
+    /// the per-shard gauges of the shards that changed are set, only when the picture does.
     pub fn shards_held(&self, held: Vec<ShardView>, backend_pid: i32) {
         let metrics = &self.inner.metrics;
-        let running = held
-            .iter()
-            .filter(|shard| shard.command.state == CommandState::Running)
-            .count();
-        metrics.command_running.set(running as i64);
-        metrics.is_leader.set(i64::from(!held.is_empty()));
-        if let Some(shards) = &metrics.shards {
-            shards.held_count.set(held.len() as i64);
-            let count = self.inner.identity.shards.unwrap_or(0);
-            let mut held_here = held.iter().peekable();
-            for shard in 0..count {
-                let label = shard.to_string();
-                let view = held_here.next_if(|view| view.shard == shard);
-                shards
-                    .held
-                    .with_label_values(&[&label])
-                    .set(i64::from(view.is_some()));
-                shards.running.with_label_values(&[&label]).set(i64::from(
-                    view.is_some_and(|view| view.command.state == CommandState::Running),
-                ));
-            }
-        }
         self.inner.state.send_if_modified(|s| {
             let role = match s.role {
                 Role::ShuttingDown => Role::ShuttingDown,
@@ -405,6 +383,26 @@ impl Telemetry {
             };
             if s.shards == held && s.role == role && s.backend_pid == Some(backend_pid) {
                 return false;
+            }
+            let running = |view: &ShardView| i64::from(view.command.state == CommandState::Running);
+            metrics.command_running.set(held.iter().map(running).sum());
+            metrics.is_leader.set(i64::from(role == Role::Leader));
+            if let Some(shards) = &metrics.shards {
+                shards.held_count.set(held.len() as i64);
+                // What changed: the shards of the old picture, then those of the new.
+                for view in &s.shards {
+                    let label = view.shard.to_string();
+                    shards.held.with_label_values(&[&label]).set(0);
+                    shards.running.with_label_values(&[&label]).set(0);
+                }
+                for view in &held {
+                    let label = view.shard.to_string();
+                    shards.held.with_label_values(&[&label]).set(1);
+                    shards
+                        .running
+                        .with_label_values(&[&label])
+                        .set(running(view));
+                }
             }
             if role != s.role && role == Role::Leader {
                 s.last_check = Some(Timestamp::now());
