@@ -108,18 +108,15 @@ impl std::fmt::Display for QuorumBackend {
 /// What a member's connection reports, through its forwarder: (slot, generation, push).
 type Pushes = mpsc::UnboundedSender<(usize, u64, PushInfo)>;
 
-/// One server's connection in a quorum session.
+/// One server's connection in a quorum session, and what the quorum adds to it: which server
+/// it reaches, its generation, and the task that forwards its pushes to the session.
 #[derive(Debug)]
 struct Member {
     server: RedisServer,
     /// Tells this connection's pushes from those of the connection it replaced.
     generation: u64,
-    conn: MultiplexedConnection,
-    client_id: i64,
-    server_major: u32,
     /// Forwards the connection's pushes (see [`forward`]).
     forwarder: JoinHandle<()>,
-    /// Keeps the connection (and its driver) alive.
     connection: Connection,
 }
 
@@ -137,9 +134,6 @@ impl Member {
         Member {
             server,
             generation,
-            conn: connection.conn.clone(),
-            client_id: connection.client_id,
-            server_major: connection.server_major,
             forwarder: tokio::spawn(forward(
                 (index, generation),
                 receiver,
@@ -149,6 +143,11 @@ impl Member {
             )),
             connection,
         }
+    }
+
+    /// A handle on the connection, to send on (redis-rs multiplexes the clones).
+    fn conn(&self) -> MultiplexedConnection {
+        self.connection.conn.clone()
     }
 }
 
@@ -316,7 +315,7 @@ impl QuorumSession {
         }
         let card = format!(
             "client={} session={}",
-            members[0].client_id,
+            members[0].connection.client_id,
             name.replace(' ', "_")
         );
         let (lost, suspect) = (vec![None; members.len()], vec![false; members.len()]);
@@ -457,7 +456,7 @@ impl QuorumSession {
 
     fn round(&self) -> Round {
         Round {
-            conns: self.members.iter().map(|m| m.conn.clone()).collect(),
+            conns: self.members.iter().map(Member::conn).collect(),
             args: self.args.clone(),
             quorum: self.quorum(),
             per_server: self.per_server,
@@ -534,13 +533,13 @@ impl Session for QuorumSession {
     type Ledger = QuorumLedger;
 
     fn id(&self) -> i32 {
-        i32::try_from(self.members[0].client_id).unwrap_or(i32::MAX)
+        i32::try_from(self.members[0].connection.client_id).unwrap_or(i32::MAX)
     }
 
     fn server_version(&self) -> u32 {
         self.members
             .iter()
-            .map(|m| m.server_major)
+            .map(|m| m.connection.server_major)
             .min()
             .unwrap_or(0)
     }
@@ -572,7 +571,7 @@ impl Session for QuorumSession {
                 );
             }
             if let Some(index) = self.suspect.iter().position(|suspect| *suspect) {
-                let mut conn = self.members[index].conn.clone();
+                let mut conn = self.members[index].conn();
                 let value: redis::RedisResult<Option<String>> = redis::cmd("GET")
                     .arg(&self.args.keys.lock)
                     .query_async(&mut conn)
@@ -665,8 +664,7 @@ impl Session for QuorumSession {
         // leader's deadline starts counting (when this is sent), so the key is extended again
         // here, as on one server.
         for member in &self.members {
-            let (mut conn, args, bound) =
-                (member.conn.clone(), self.args.clone(), self.per_server * 4);
+            let (mut conn, args, bound) = (member.conn(), self.args.clone(), self.per_server * 4);
             reads.spawn(async move {
                 let mut pipe = redis::pipe();
                 pipe.add_command(args.eval(&scripts::RENEW_SOURCE))
@@ -705,11 +703,8 @@ impl Session for QuorumSession {
         self.epoch.store(epoch, Ordering::Relaxed);
         let mut writes = JoinSet::new();
         for member in &self.members {
-            let (mut conn, key, bound) = (
-                member.conn.clone(),
-                self.args.keys.epoch(),
-                self.per_server * 4,
-            );
+            let (mut conn, key, bound) =
+                (member.conn(), self.args.keys.epoch(), self.per_server * 4);
             writes.spawn(async move {
                 let write = raise_epoch(&mut conn, key, epoch);
                 matches!(tokio::time::timeout(bound, write).await, Ok(Ok(1)))
@@ -734,8 +729,7 @@ impl Session for QuorumSession {
 
     /// Renews on every server; answers as soon as a majority renewed, or can no longer.
     fn confirm(&self) -> impl Future<Output = Result<Check, SessionError>> + 'static {
-        let conns: Vec<MultiplexedConnection> =
-            self.members.iter().map(|m| m.conn.clone()).collect();
+        let conns: Vec<MultiplexedConnection> = self.members.iter().map(Member::conn).collect();
         let (args, quorum, total) = (self.args.clone(), self.quorum(), self.total);
         async move {
             let mut renewals = JoinSet::new();
@@ -812,11 +806,11 @@ impl Session for QuorumSession {
             .iter()
             .map(|member| {
                 RedisLedger::new(
-                    member.conn.clone(),
+                    member.conn(),
                     self.args.clone(),
                     definition.clone(),
                     self.user_name.clone(),
-                    member.client_id,
+                    member.connection.client_id,
                     self.ledger_timeout,
                 )
             })
