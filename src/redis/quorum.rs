@@ -36,6 +36,7 @@ use tokio::task::{JoinHandle, JoinSet};
 use crate::election::lease::Lease;
 use crate::election::ledger::Definition;
 use crate::election::lock::LockKey;
+use crate::election::majority::Majority;
 use crate::election::{Check, Confirmation, ConnectError, Fence, Session, SessionError};
 use crate::redis::connection::{self, Connection, Purpose, ServerInfo};
 use crate::redis::ledger::RedisLedger;
@@ -94,7 +95,7 @@ impl QuorumBackend {
 
     /// How many servers make a majority.
     pub fn quorum(&self) -> usize {
-        self.servers.len() / 2 + 1
+        Majority::of(self.servers.len()).need()
     }
 }
 
@@ -360,7 +361,7 @@ impl QuorumSession {
     }
 
     fn quorum(&self) -> usize {
-        self.total / 2 + 1
+        Majority::of(self.total).need()
     }
 
     /// While leading, connects again to the servers this session lost or never reached (see
