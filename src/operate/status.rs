@@ -1,5 +1,7 @@
 //! `pgleader status`: who holds the lock and who waits for it, as the backend's observer reads
-//! them (on PostgreSQL, `pg_locks` and `pg_stat_activity`), in text or JSON.
+//! them (on PostgreSQL, `pg_locks` and `pg_stat_activity`; on Redis, the lock's key, its queue
+//! and the sessions' cards, see `redis/observer.rs`), in text or JSON. Each session is named by
+//! the id its server gives it: a backend pid on PostgreSQL, a client id on Redis.
 //!
 //! pgleader names its sessions `<name>:<pid>@<host>` (see `election/participant.rs`), so the
 //! holder's host and pid show up here without any table of pgleader's own. Waiters are listed in
@@ -110,7 +112,7 @@ impl LockStatus {
     }
 
     /// Who holds and who waits, in order: what `status --watch` compares. The holder's session
-    /// start is part of it, so that a new session with a recycled backend pid counts as new.
+    /// start is part of it, so that a new session with a recycled id counts as new.
     pub fn participants(&self) -> (Option<(i32, Option<&str>)>, Vec<i32>) {
         (
             self.holder
