@@ -42,7 +42,7 @@ use crate::etcd::Etcd;
 use crate::harness::Cluster;
 use crate::redis_lock::{PgleaderRedis, RedisPy};
 use crate::report::Report;
-use crate::tools::{PARTITION_ARGS, PREVIOUS_LABEL, Pgleader, STATIC_LABEL, Tool, first_line};
+use crate::tools::{PARTITION_ARGS, PREVIOUS_LABEL, Pgleader, Tool, first_line};
 
 const USAGE: &str = "usage: cargo bench --bench failover [-- [--quick] [--only http|redis|quorum|failover] [--runs N] [--out PATH] [--static PATH] [--previous PATH]]
   --quick        a few runs per scenario and short windows (CI); the report goes under target/
@@ -685,6 +685,9 @@ fn sort_by_scenario(rows: &mut [figures::Row]) {
         )
     });
 }
+
+/// The report's label for the rows of the `--static` binary.
+const STATIC_LABEL: &str = "pgleader static";
 
 /// A file's size in bytes, with MB beside it.
 fn size(path: &Path) -> String {

@@ -28,8 +28,6 @@ pub const REDIS_PY_LABEL: &str = "redis-py Lock";
 pub const QUORUM_LABEL: &str = "pgleader on 3 Redis";
 /// npm `redlock` over the same three servers.
 pub const REDLOCK_LABEL: &str = "npm redlock (3 servers)";
-/// pgleader's `--static` binary.
-pub const STATIC_LABEL: &str = "pgleader static";
 /// pgleader's `--previous` binary.
 pub const PREVIOUS_LABEL: &str = "pgleader previous";
 
