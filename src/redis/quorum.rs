@@ -314,22 +314,12 @@ impl QuorumSession {
             let forwarding = (&keys, &released, &out);
             members.push(Member::new(server, connection, (index, 0), forwarding));
         }
-        let card = format!(
-            "client={} session={}",
-            members[0].connection.client_id,
-            name.replace(' ', "_")
-        );
+        let card = scripts::card(members[0].connection.client_id, name);
         let (lost, suspect) = (vec![None; members.len()], vec![false; members.len()]);
         let gone = vec![false; members.len()];
         Ok(QuorumSession {
             total: backend.servers.len(),
-            args: ScriptArgs {
-                keys,
-                nonce,
-                card,
-                lease: backend.lease.duration(),
-                stale: backend.poll * 3 + Duration::from_secs(1),
-            },
+            args: ScriptArgs::new(keys, nonce, card, backend.lease.duration(), backend.poll),
             poll: backend.poll,
             per_server: backend
                 .servers
@@ -983,7 +973,7 @@ impl crate::election::Backend for QuorumBackend {
         Ok(QuorumObserver {
             members,
             keys: Keys::of(&self.lock),
-            stale: self.poll * 3 + Duration::from_secs(1),
+            stale: scripts::stale(self.poll),
             quorum: self.quorum(),
         })
     }
