@@ -9,6 +9,7 @@ use thiserror::Error;
 use crate::cli::{ConnectionArgs, LedgerArgs, LockArgs, RestartFence, RunArgs};
 use crate::election::lease::Lease;
 use crate::election::lock::LockKey;
+use crate::election::majority::Majority;
 use crate::election::participant;
 use crate::postgres::PgBackend;
 use crate::postgres::conninfo::{self, ConnSettings, Environment};
@@ -202,7 +203,7 @@ impl RunConfig {
                         "a quorum of {} servers needs {} of them, as many as one of {} would: \
                          an even count adds a server without adding tolerance",
                         servers.len(),
-                        servers.len() / 2 + 1,
+                        Majority::of(servers.len()).need(),
                         servers.len() + 1
                     )]
                 } else {

@@ -16,11 +16,12 @@ use anyhow::{Context, bail};
 use nix::sys::signal::Signal;
 use nix::unistd::geteuid;
 
-use crate::first_line;
+use crate::figures::Cost;
 use crate::harness::cluster::free_port;
 use crate::harness::{Proxy, field, spawner, unique_lock};
-use crate::report::Cost;
-use crate::tools::{Candidate, SETTLE, SETUP_WAIT, Tool, Usage, child_script, wait_queued};
+use crate::tools::{
+    Candidate, SETTLE, SETUP_WAIT, Tool, Usage, child_script, first_line, wait_queued,
+};
 
 /// The lease of every `etcdctl lock` session, in seconds: the same 3 s as pgleader's lease in
 /// the partition scenario (etcdctl's default is 10 s; etcd's floor is about 2 s with its

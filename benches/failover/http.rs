@@ -11,9 +11,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, anyhow};
 use nix::sys::signal::Signal;
 
+use crate::figures::{Figures, Row};
 use crate::harness::http::{get, request};
 use crate::harness::{field, unique_lock};
-use crate::report::{Figures, Row};
 use crate::tools::{Candidate, Pgleader, SETTLE, SETUP_WAIT, Tool, wait_queued};
 
 /// Listen on a free port of the loopback interface; the log says which.

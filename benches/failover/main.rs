@@ -20,6 +20,7 @@
 mod harness;
 
 mod etcd;
+mod figures;
 mod http;
 mod procfs;
 mod redis_lock;
@@ -41,7 +42,7 @@ use crate::etcd::Etcd;
 use crate::harness::Cluster;
 use crate::redis_lock::{PgleaderRedis, RedisPy};
 use crate::report::Report;
-use crate::tools::{PARTITION_ARGS, Pgleader, Tool};
+use crate::tools::{PARTITION_ARGS, PREVIOUS_LABEL, Pgleader, Tool, first_line};
 
 const USAGE: &str = "usage: cargo bench --bench failover [-- [--quick] [--only http|redis|quorum|failover] [--runs N] [--out PATH] [--static PATH] [--previous PATH]]
   --quick        a few runs per scenario and short windows (CI); the report goes under target/
@@ -423,7 +424,7 @@ fn written(report: Report, plan: &Plan) -> anyhow::Result<Report> {
 fn redis_scenarios(
     server: &Arc<redis_lock::Server>,
     plan: &Plan,
-) -> anyhow::Result<(Vec<report::Row>, Vec<report::Cost>)> {
+) -> anyhow::Result<(Vec<figures::Row>, Vec<figures::Cost>)> {
     let on_redis = PgleaderRedis {
         server: server.clone(),
     };
@@ -495,7 +496,7 @@ fn partial_report(plan: &Plan, started: String) -> Report {
 fn quorum_scenarios(
     quorum: &redlock::Quorum,
     plan: &Plan,
-) -> anyhow::Result<(Vec<report::Row>, Vec<report::Cost>)> {
+) -> anyhow::Result<(Vec<figures::Row>, Vec<figures::Cost>)> {
     quorum.wait_until_up(Duration::from_secs(10))?;
     Ok(redlock::scenarios(
         quorum,
@@ -615,7 +616,7 @@ fn run_failover_only(plan: &Plan) -> anyhow::Result<Report> {
 fn shard_scenarios(
     pgleader: &Pgleader,
     plan: &Plan,
-) -> (Vec<report::Row>, Vec<report::Cost>, Vec<report::Fleet>) {
+) -> (Vec<figures::Row>, Vec<figures::Cost>, Vec<figures::Fleet>) {
     let mut rows = Vec::new();
     for k in [16, 64] {
         rows.extend(shards::kill9_and_join(pgleader, k, plan.runs));
@@ -658,7 +659,7 @@ fn bench_cluster(name: &str) -> Arc<Cluster> {
 }
 
 /// An idle leader and follower with `--http` on and nobody asking.
-fn http_cost(pgleader: &Pgleader, plan: &Plan) -> Vec<report::Cost> {
+fn http_cost(pgleader: &Pgleader, plan: &Plan) -> Vec<figures::Cost> {
     eprintln!("bench: 6. cost of an idle candidate (pgleader, --http on, not scraped)");
     pgleader
         .cost_with(
@@ -674,7 +675,7 @@ fn http_cost(pgleader: &Pgleader, plan: &Plan) -> Vec<report::Cost> {
 
 /// Scenario by scenario (by number: 2 before 10), pgleader first: the rows were produced tool
 /// by tool, and the sort keeps their order within a scenario.
-fn sort_by_scenario(rows: &mut [report::Row]) {
+fn sort_by_scenario(rows: &mut [figures::Row]) {
     rows.sort_by_key(|row| {
         let id = row.scenario.split('.').next().unwrap_or_default();
         let digits = id.find(|c: char| !c.is_ascii_digit()).unwrap_or(id.len());
@@ -687,8 +688,6 @@ fn sort_by_scenario(rows: &mut [report::Row]) {
 
 /// The report's label for the rows of the `--static` binary.
 const STATIC_LABEL: &str = "pgleader static";
-/// The report's label for the rows of the `--previous` binary.
-pub const PREVIOUS_LABEL: &str = "pgleader previous";
 
 /// A file's size in bytes, with MB beside it.
 fn size(path: &Path) -> String {
@@ -856,20 +855,6 @@ fn environment_of_machine() -> Vec<(&'static str, String)> {
     ]
 }
 
-/// The first line a command prints, empty if it cannot run.
-pub fn first_line(command: &mut Command) -> String {
-    command
-        .output()
-        .map(|out| {
-            String::from_utf8_lossy(&out.stdout)
-                .lines()
-                .next()
-                .unwrap_or_default()
-                .to_owned()
-        })
-        .unwrap_or_default()
-}
-
 fn settings(plan: &Plan) -> Vec<(&'static str, String)> {
     vec![
         (
@@ -881,8 +866,8 @@ fn settings(plan: &Plan) -> Vec<(&'static str, String)> {
                 plan.lease_runs,
                 plan.never_runs,
                 plan.restart_runs,
-                report::secs(plan.cost_window),
-                report::secs(plan.scale_window),
+                figures::secs(plan.cost_window),
+                figures::secs(plan.scale_window),
             ),
         ),
         (

@@ -19,11 +19,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 
-use crate::first_line;
+use crate::figures::Cost;
 use crate::harness::{self, Proxy, field, unique_lock};
 use crate::procfs;
-use crate::report::Cost;
-use crate::tools::{Candidate, SETTLE, SETUP_WAIT, Tool, Usage, child_script, wait_queued};
+use crate::tools::{
+    Candidate, REDIS_LABEL, REDIS_PY_LABEL, SETTLE, SETUP_WAIT, Tool, Usage, child_script,
+    first_line, wait_queued,
+};
 
 /// The redis-py release the peer runs, pinned so that runs compare.
 pub const REDIS_PY_VERSION: &str = "8.1.0";
@@ -343,7 +345,7 @@ fn measure_cost(
     let keeper = procfs::children(leader.pid())
         .first()
         .copied()
-        .filter(|_| tool.label() == LABEL);
+        .filter(|_| tool.label() == REDIS_LABEL);
     let (alone, alone_usage) = server.commands_over(window, &[leader.pid()], keeper)?;
     let follower = spawn("B", lock);
     wait_queued(tool, lock, 2, SETUP_WAIT).with_context(|| follower.dump())?;
@@ -361,9 +363,6 @@ fn measure_cost(
         ),
     ])
 }
-
-/// The label of pgleader's rows on Redis.
-pub const LABEL: &str = "pgleader on Redis";
 
 /// pgleader against the benchmark's Redis, with `--check-interval 200ms`.
 pub struct PgleaderRedis {
@@ -392,7 +391,7 @@ impl PgleaderRedis {
 
 impl Tool for PgleaderRedis {
     fn label(&self) -> &'static str {
-        LABEL
+        REDIS_LABEL
     }
 
     fn candidate(&self, tag: &str, lock: i64, _proxy: Option<&Proxy>) -> Candidate {
@@ -466,9 +465,6 @@ pub fn named_clients(client_list: &str, key: &str) -> usize {
         .count()
 }
 
-/// The label of the peer's rows.
-pub const PEER_LABEL: &str = "redis-py Lock";
-
 /// redis-py's `Lock` in the benchmark's leader loop, against the same Redis.
 pub struct RedisPy {
     pub server: Arc<Server>,
@@ -486,7 +482,7 @@ impl RedisPy {
 
 impl Tool for RedisPy {
     fn label(&self) -> &'static str {
-        PEER_LABEL
+        REDIS_PY_LABEL
     }
 
     fn candidate(&self, tag: &str, lock: i64, _proxy: Option<&Proxy>) -> Candidate {

@@ -24,13 +24,15 @@ use anyhow::{Context, bail};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
-use crate::first_line;
+use crate::figures::{Cost, Row, secs};
 use crate::harness::{self, Proxy, unique_lock};
 use crate::procfs;
 use crate::redis_lock::{self, CHECK_INTERVAL, Counts, PEER_TTL_SECONDS, add_counts};
-use crate::report::{Cost, Row};
 use crate::scenarios::{self, ServerFault};
-use crate::tools::{self, Candidate, SETTLE, SETUP_WAIT, Tool, Usage, child_script, wait_queued};
+use crate::tools::{
+    self, Candidate, QUORUM_LABEL, REDLOCK_LABEL, SETTLE, SETUP_WAIT, Tool, Usage, child_script,
+    first_line, wait_queued,
+};
 
 /// The npm `redlock` release the peer runs, pinned so that runs compare: the 5.0 line, the
 /// first with `using` and its automatic extension (npm's `latest` tag, 4.2.0, has neither).
@@ -236,9 +238,6 @@ impl ServerFault for LoseMajority<'_> {
     }
 }
 
-/// The label of pgleader's rows over the quorum.
-pub const LABEL: &str = "pgleader on 3 Redis";
-
 /// pgleader over the benchmark's three servers, with `--check-interval 200ms` as on one.
 pub struct PgleaderQuorum<'a> {
     pub quorum: &'a Quorum,
@@ -269,7 +268,7 @@ impl PgleaderQuorum<'_> {
 
 impl Tool for PgleaderQuorum<'_> {
     fn label(&self) -> &'static str {
-        LABEL
+        QUORUM_LABEL
     }
 
     fn candidate(&self, tag: &str, lock: i64, _proxy: Option<&Proxy>) -> Candidate {
@@ -337,9 +336,6 @@ impl Tool for PgleaderQuorum<'_> {
     }
 }
 
-/// The label of the peer's rows.
-pub const PEER_LABEL: &str = "npm redlock (3 servers)";
-
 /// npm `redlock` in the benchmark's leader loop, over the same three servers.
 pub struct Redlock<'a> {
     pub quorum: &'a Quorum,
@@ -360,7 +356,7 @@ impl Redlock<'_> {
 
 impl Tool for Redlock<'_> {
     fn label(&self) -> &'static str {
-        PEER_LABEL
+        REDLOCK_LABEL
     }
 
     fn candidate(&self, tag: &str, lock: i64, _proxy: Option<&Proxy>) -> Candidate {
@@ -680,8 +676,8 @@ pub fn settings() -> Vec<(&'static str, String)> {
             "lost majority",
             format!(
                 "from just before kill(2) of the two servers to the old child's line saying it got TERM; the leader alone, no follower; pgleader is given {} (its check bound, 2.2 s, and 2 s), the peer {}",
-                crate::report::secs(CHECK_BOUND + Duration::from_secs(2)),
-                crate::report::secs(Redlock::loss_bound())
+                secs(CHECK_BOUND + Duration::from_secs(2)),
+                secs(Redlock::loss_bound())
             ),
         ),
     ]

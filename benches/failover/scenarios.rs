@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, anyhow};
 use nix::sys::signal::Signal;
 
+use crate::figures::{Figures, Row, Scale};
 use crate::harness::{Proxy, Stream, field, is_running, pid_in, unique_lock, wait_gone};
 use crate::procfs::CpuMeter;
-use crate::report::{Figures, Row, Scale};
 use crate::tools::{Candidate, SETTLE, SETUP_WAIT, Tool, random_phase, wait_queued};
 
 /// After the next leader started (or the handoff bound passed), how much longer the old child

@@ -16,8 +16,8 @@ use anyhow::Context;
 use chrono::{DateTime, SubsecRound, Utc};
 use nix::sys::signal::Signal;
 
+use crate::figures::{Cost, Figures, Row, SCHEDULED_ROLE, TimerCount};
 use crate::harness::{self, Journal, Stream};
-use crate::report::{Cost, Figures, Row, TimerCount};
 use crate::tools::{Candidate, Pgleader, SETUP_WAIT, Usage};
 
 /// The job: a line with the occurrence it runs for.
@@ -263,7 +263,7 @@ pub fn idle_cost(pg: &Pgleader, window: Duration) -> anyhow::Result<Cost> {
         Ok(usage.cost(
             0,
             "pgleader",
-            crate::report::SCHEDULED_ROLE,
+            SCHEDULED_ROLE,
             per_second,
             "statements in the server log (log_statement = all) from its backend pid",
         ))

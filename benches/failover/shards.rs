@@ -14,9 +14,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use nix::sys::signal::Signal;
 
+use crate::figures::{Cost, Figures, Fleet, Row, SHARDED_ROLE};
 use crate::harness::{self, Stream};
 use crate::procfs::{self, CpuMeter};
-use crate::report::{Cost, Figures, Fleet, Row, SHARDED_ROLE};
 use crate::tools::{Candidate, Pgleader, SETTLE, SETUP_WAIT, Tool};
 
 /// The fleet's size in every scenario.

@@ -14,9 +14,22 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use nix::sys::signal::{Signal, kill, killpg};
 
+use crate::figures::Cost;
 use crate::harness::{self, Cluster, Proc, Proxy, Stream, field};
 use crate::procfs::{self, CpuMeter};
-use crate::report::Cost;
+
+// The labels of the tools' rows, by which the report finds them.
+
+/// pgleader on the benchmark's Redis, with `--check-interval 200ms`.
+pub const REDIS_LABEL: &str = "pgleader on Redis";
+/// redis-py's `Lock` on the same Redis.
+pub const REDIS_PY_LABEL: &str = "redis-py Lock";
+/// pgleader over the benchmark's three Redis servers.
+pub const QUORUM_LABEL: &str = "pgleader on 3 Redis";
+/// npm `redlock` over the same three servers.
+pub const REDLOCK_LABEL: &str = "npm redlock (3 servers)";
+/// pgleader's `--previous` binary.
+pub const PREVIOUS_LABEL: &str = "pgleader previous";
 
 /// How long a candidate may take to start, connect and queue up outside the measurement.
 pub const SETUP_WAIT: Duration = Duration::from_secs(30);
@@ -581,4 +594,18 @@ impl Usage {
             requests_how,
         }
     }
+}
+
+/// The first line a command prints, empty if it cannot run: a tool's version.
+pub fn first_line(command: &mut Command) -> String {
+    command
+        .output()
+        .map(|out| {
+            String::from_utf8_lossy(&out.stdout)
+                .lines()
+                .next()
+                .unwrap_or_default()
+                .to_owned()
+        })
+        .unwrap_or_default()
 }

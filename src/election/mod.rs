@@ -1,7 +1,8 @@
 //! The election's boundary: what every backend (PostgreSQL in `postgres/`, Redis next to it)
 //! gives the supervisor, and the parts of an election that do not depend on the backend: the
 //! lock's key, the lease rule, the backoff between attempts, who takes part, the ledger's
-//! contract for scheduled jobs, and how a sharded lock's shards are shared out ([`shards`]).
+//! contract for scheduled jobs, the majority rule of a quorum, and how a sharded lock's shards
+//! are shared out ([`shards`]).
 //!
 //! A backend is three traits. [`Backend`] is the configured server: it opens a [`Session`] for
 //! one round of the election, or an [`Observer`] for `pgleader status`. A session waits for the
@@ -35,6 +36,7 @@ pub mod backoff;
 pub mod lease;
 pub mod ledger;
 pub mod lock;
+pub mod majority;
 pub mod participant;
 pub mod shards;
 pub mod socket;

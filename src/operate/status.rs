@@ -1,10 +1,13 @@
 //! `pgleader status`: who holds the lock and who waits for it, as the backend's observer reads
-//! them (on PostgreSQL, `pg_locks` and `pg_stat_activity`), in text or JSON.
+//! them (on PostgreSQL, `pg_locks` and `pg_stat_activity`; on Redis, the lock's key, its queue
+//! and the sessions' cards, see `redis/observer.rs`), in text or JSON. Each session is named by
+//! the id its server gives it: a backend pid on PostgreSQL, a client id on Redis.
 //!
 //! pgleader names its sessions `<name>:<pid>@<host>` (see `election/participant.rs`), so the
 //! holder's host and pid show up here without any table of pgleader's own. Waiters are listed in
 //! the order they began waiting. For a scheduled lock it adds the ledger's view
-//! (see `schedule/report.rs`): the schedule, the next occurrence and the last runs.
+//! (see `schedule/report.rs`): the schedule, the next occurrence and the last runs. For a
+//! sharded lock (`--shards`) it shows each replica with its shards, and every shard's holder.
 
 use std::fmt::Write as _;
 
@@ -132,7 +135,7 @@ impl LockStatus {
 
     /// Who holds and who waits, in order, and who holds which shard: what `status --watch`
     /// compares. A holder's session start is part of it, so that a new session with a
-    /// recycled backend pid counts as new.
+    /// recycled id counts as new.
     pub fn participants(&self) -> Participants<'_> {
         (
             self.holder

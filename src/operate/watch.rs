@@ -1,12 +1,13 @@
 //! `pgleader status --watch`: follow a lock's holder and waiters, printing a line (or a JSON
 //! object) whenever they change, until TERM or INT.
 //!
-//! The server tells nobody when an advisory lock changes hands, so this polls `pg_locks` on one
-//! connection every [`POLL`] (one small query; a change shows within that time plus a round
-//! trip). A connection that breaks or a query that does not come back within [`QUERY_TIMEOUT`]
-//! is replaced, with backoff; errors that retrying cannot fix (a bad password) end the watch.
+//! The server tells nobody when a lock changes hands, so this reads the backend's observer (on
+//! PostgreSQL `pg_locks`, on Redis the lock's key and its queue) on one connection every
+//! [`POLL`] (a change shows within that time plus a round trip). A connection that breaks or a
+//! read that does not come back within [`QUERY_TIMEOUT`] is replaced, with backoff; errors that
+//! retrying cannot fix (a bad password) end the watch.
 //!
-//! The epoch (the fencing token) is not in `pg_locks`; a leader takes a new one with each
+//! The epoch (the fencing token) is not compared; a leader takes a new one with each
 //! leadership, on a new session, so a new epoch always shows here as a new holder.
 
 use std::io::Write;

@@ -392,11 +392,7 @@ impl Ledger for RedisLedger {
 
     async fn announce(&self, fingerprints: &str) -> Result<(), LedgerError> {
         let name = participant::label(self.user_name.as_deref(), Some(fingerprints));
-        let card = format!(
-            "client={} session={}",
-            self.client_id,
-            name.replace(' ', "_")
-        );
+        let card = scripts::card(self.client_id, &name);
         let mut conn = self.conn.clone();
         redis::pipe()
             .cmd("HSET")

@@ -85,7 +85,7 @@ impl Backend for RedisBackend {
         Ok(RedisObserver {
             connection,
             keys: scripts::Keys::of(&self.lock),
-            stale: self.poll * 3 + Duration::from_secs(1),
+            stale: scripts::stale(self.poll),
         })
     }
 

@@ -36,6 +36,7 @@ use tokio::task::{JoinHandle, JoinSet};
 use crate::election::lease::Lease;
 use crate::election::ledger::Definition;
 use crate::election::lock::LockKey;
+use crate::election::majority::Majority;
 use crate::election::{Check, Confirmation, ConnectError, Fence, Session, SessionError};
 use crate::redis::connection::{self, Connection, Purpose, ServerInfo};
 use crate::redis::ledger::RedisLedger;
@@ -94,7 +95,7 @@ impl QuorumBackend {
 
     /// How many servers make a majority.
     pub fn quorum(&self) -> usize {
-        self.servers.len() / 2 + 1
+        Majority::of(self.servers.len()).need()
     }
 }
 
@@ -108,18 +109,15 @@ impl std::fmt::Display for QuorumBackend {
 /// What a member's connection reports, through its forwarder: (slot, generation, push).
 type Pushes = mpsc::UnboundedSender<(usize, u64, PushInfo)>;
 
-/// One server's connection in a quorum session.
+/// One server's connection in a quorum session, and what the quorum adds to it: which server
+/// it reaches, its generation, and the task that forwards its pushes to the session.
 #[derive(Debug)]
 struct Member {
     server: RedisServer,
     /// Tells this connection's pushes from those of the connection it replaced.
     generation: u64,
-    conn: MultiplexedConnection,
-    client_id: i64,
-    server_major: u32,
     /// Forwards the connection's pushes (see [`forward`]).
     forwarder: JoinHandle<()>,
-    /// Keeps the connection (and its driver) alive.
     connection: Connection,
 }
 
@@ -137,9 +135,6 @@ impl Member {
         Member {
             server,
             generation,
-            conn: connection.conn.clone(),
-            client_id: connection.client_id,
-            server_major: connection.server_major,
             forwarder: tokio::spawn(forward(
                 (index, generation),
                 receiver,
@@ -149,6 +144,11 @@ impl Member {
             )),
             connection,
         }
+    }
+
+    /// A handle on the connection, to send on (redis-rs multiplexes the clones).
+    fn conn(&self) -> MultiplexedConnection {
+        self.connection.conn.clone()
     }
 }
 
@@ -314,22 +314,12 @@ impl QuorumSession {
             let forwarding = (&keys, &released, &out);
             members.push(Member::new(server, connection, (index, 0), forwarding));
         }
-        let card = format!(
-            "client={} session={}",
-            members[0].client_id,
-            name.replace(' ', "_")
-        );
+        let card = scripts::card(members[0].connection.client_id, name);
         let (lost, suspect) = (vec![None; members.len()], vec![false; members.len()]);
         let gone = vec![false; members.len()];
         Ok(QuorumSession {
             total: backend.servers.len(),
-            args: ScriptArgs {
-                keys,
-                nonce,
-                card,
-                lease: backend.lease.duration(),
-                stale: backend.poll * 3 + Duration::from_secs(1),
-            },
+            args: ScriptArgs::new(keys, nonce, card, backend.lease.duration(), backend.poll),
             poll: backend.poll,
             per_server: backend
                 .servers
@@ -361,7 +351,7 @@ impl QuorumSession {
     }
 
     fn quorum(&self) -> usize {
-        self.total / 2 + 1
+        Majority::of(self.total).need()
     }
 
     /// While leading, connects again to the servers this session lost or never reached (see
@@ -457,7 +447,7 @@ impl QuorumSession {
 
     fn round(&self) -> Round {
         Round {
-            conns: self.members.iter().map(|m| m.conn.clone()).collect(),
+            conns: self.members.iter().map(Member::conn).collect(),
             args: self.args.clone(),
             quorum: self.quorum(),
             per_server: self.per_server,
@@ -534,13 +524,13 @@ impl Session for QuorumSession {
     type Ledger = QuorumLedger;
 
     fn id(&self) -> i32 {
-        i32::try_from(self.members[0].client_id).unwrap_or(i32::MAX)
+        i32::try_from(self.members[0].connection.client_id).unwrap_or(i32::MAX)
     }
 
     fn server_version(&self) -> u32 {
         self.members
             .iter()
-            .map(|m| m.server_major)
+            .map(|m| m.connection.server_major)
             .min()
             .unwrap_or(0)
     }
@@ -572,7 +562,7 @@ impl Session for QuorumSession {
                 );
             }
             if let Some(index) = self.suspect.iter().position(|suspect| *suspect) {
-                let mut conn = self.members[index].conn.clone();
+                let mut conn = self.members[index].conn();
                 let value: redis::RedisResult<Option<String>> = redis::cmd("GET")
                     .arg(&self.args.keys.lock)
                     .query_async(&mut conn)
@@ -665,8 +655,7 @@ impl Session for QuorumSession {
         // leader's deadline starts counting (when this is sent), so the key is extended again
         // here, as on one server.
         for member in &self.members {
-            let (mut conn, args, bound) =
-                (member.conn.clone(), self.args.clone(), self.per_server * 4);
+            let (mut conn, args, bound) = (member.conn(), self.args.clone(), self.per_server * 4);
             reads.spawn(async move {
                 let mut pipe = redis::pipe();
                 pipe.add_command(args.eval(&scripts::RENEW_SOURCE))
@@ -705,11 +694,8 @@ impl Session for QuorumSession {
         self.epoch.store(epoch, Ordering::Relaxed);
         let mut writes = JoinSet::new();
         for member in &self.members {
-            let (mut conn, key, bound) = (
-                member.conn.clone(),
-                self.args.keys.epoch(),
-                self.per_server * 4,
-            );
+            let (mut conn, key, bound) =
+                (member.conn(), self.args.keys.epoch(), self.per_server * 4);
             writes.spawn(async move {
                 let write = raise_epoch(&mut conn, key, epoch);
                 matches!(tokio::time::timeout(bound, write).await, Ok(Ok(1)))
@@ -734,8 +720,7 @@ impl Session for QuorumSession {
 
     /// Renews on every server; answers as soon as a majority renewed, or can no longer.
     fn confirm(&self) -> impl Future<Output = Result<Check, SessionError>> + 'static {
-        let conns: Vec<MultiplexedConnection> =
-            self.members.iter().map(|m| m.conn.clone()).collect();
+        let conns: Vec<MultiplexedConnection> = self.members.iter().map(Member::conn).collect();
         let (args, quorum, total) = (self.args.clone(), self.quorum(), self.total);
         async move {
             let mut renewals = JoinSet::new();
@@ -812,11 +797,11 @@ impl Session for QuorumSession {
             .iter()
             .map(|member| {
                 RedisLedger::new(
-                    member.conn.clone(),
+                    member.conn(),
                     self.args.clone(),
                     definition.clone(),
                     self.user_name.clone(),
-                    member.client_id,
+                    member.connection.client_id,
                     self.ledger_timeout,
                 )
             })
@@ -989,7 +974,7 @@ impl crate::election::Backend for QuorumBackend {
         Ok(QuorumObserver {
             members,
             keys: Keys::of(&self.lock),
-            stale: self.poll * 3 + Duration::from_secs(1),
+            stale: scripts::stale(self.poll),
             quorum: self.quorum(),
         })
     }

@@ -21,6 +21,7 @@ use jiff::Timestamp;
 use tokio::task::JoinSet;
 
 use crate::election::ledger::{Claim, Claimant, Entry, LateFinish, Ledger, LedgerError, StaleRun};
+use crate::election::majority::Majority;
 use crate::election::participant::Participant;
 use crate::redis::ledger::RedisLedger;
 
@@ -43,7 +44,7 @@ impl QuorumLedger {
     }
 
     fn quorum(&self) -> usize {
-        self.total / 2 + 1
+        Majority::of(self.total).need()
     }
 
     /// Runs `ask` on every server at once, each bounded; the answers in the servers' order.
@@ -134,7 +135,7 @@ pub enum Verdict {
 /// claimable there), then "early" (the earliest time a server would accept it, for the retry), then
 /// "not leader" from a minority, and an error when too few servers answered to say more.
 pub fn decide(answers: &[Result<Claim, String>], total: usize) -> Verdict {
-    let quorum = total / 2 + 1;
+    let quorum = Majority::of(total).need();
     let attempts: Vec<i32> = answers
         .iter()
         .filter_map(|answer| match answer {

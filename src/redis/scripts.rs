@@ -287,6 +287,18 @@ pub fn field<'a>(value: &'a str, name: &str) -> Option<&'a str> {
         .find_map(|part| part.strip_prefix(name)?.strip_prefix('='))
 }
 
+/// How a session names itself to the others, in the lock's value and in its waiter's card:
+/// `client=<id> session=<name>`, the name without spaces (the card's fields are split on them).
+pub fn card(client_id: i64, name: &str) -> String {
+    format!("client={client_id} session={}", name.replace(' ', "_"))
+}
+
+/// How long a waiter counts as alive after it was last seen, where the ACL hides the liveness
+/// channels: three of its polls and a second.
+pub fn stale(poll: Duration) -> Duration {
+    poll * 3 + Duration::from_secs(1)
+}
+
 /// The lock's keys and this session's identity, as the scripts take them.
 #[derive(Clone, Debug)]
 pub struct ScriptArgs {
@@ -302,6 +314,17 @@ pub struct ScriptArgs {
 }
 
 impl ScriptArgs {
+    /// A session's arguments; its waiters count as alive for [`stale`] of its `poll`.
+    pub fn new(keys: Keys, nonce: String, card: String, lease: Duration, poll: Duration) -> Self {
+        ScriptArgs {
+            keys,
+            nonce,
+            card,
+            lease,
+            stale: stale(poll),
+        }
+    }
+
     pub(crate) fn invocation<'a>(&self, script: &'a redis::Script) -> redis::ScriptInvocation<'a> {
         let mut invocation = script.prepare_invoke();
         for key in self.keys.all() {

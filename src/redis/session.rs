@@ -59,19 +59,9 @@ impl RedisSession {
         let nonce = nonce();
         let server = &backend.server;
         enlist(&mut connection, server, &keys, &nonce, &[]).await?;
-        let card = format!(
-            "client={} session={}",
-            connection.client_id,
-            name.replace(' ', "_")
-        );
+        let card = scripts::card(connection.client_id, name);
         Ok(RedisSession {
-            args: ScriptArgs {
-                keys,
-                nonce,
-                card,
-                lease: backend.lease.duration(),
-                stale: backend.poll * 3 + Duration::from_secs(1),
-            },
+            args: ScriptArgs::new(keys, nonce, card, backend.lease.duration(), backend.poll),
             connection,
             poll: backend.poll,
             try_timeout: server.connect_timeout,

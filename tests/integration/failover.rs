@@ -6,7 +6,7 @@ use std::os::fd::AsRawFd;
 use nix::sys::signal::Signal;
 
 use crate::harness::{
-    Cluster, Journal, Stream, WAIT, field, is_running, keepers_of,
+    Cluster, Journal, Proc, Stream, WAIT, field, is_running, keepers_of,
     kill_9_never_overlaps_the_dying_tree, overlaps_seen, patient_child, pid_in, run, unique_lock,
     wait_gone,
 };
@@ -15,13 +15,7 @@ use crate::harness::{
 fn kill_9_of_the_leader_takes_its_command_and_grandchild_down_and_a_follower_takes_over() {
     let cluster = Cluster::shared();
     let lock = unique_lock();
-    let a = run(
-        "A",
-        cluster,
-        lock,
-        &[],
-        "sh -c 'sleep 1000' & echo A grandchild $!; echo A started $$ keeper=$PPID; wait",
-    );
+    let a = run("A", cluster, lock, &[], &with_grandchild("A"));
     let started = a.wait_stdout("A started");
     let child = pid_in(&started);
     let keeper: i32 = field(&started, "keeper").parse().expect("keeper pid");
@@ -32,6 +26,31 @@ fn kill_9_of_the_leader_takes_its_command_and_grandchild_down_and_a_follower_tak
     a.signal(Signal::SIGKILL);
     assert_tree_gone(child, grandchild, keeper);
     b.wait_stdout("B started");
+}
+
+/// A child that starts a grandchild and prints `<tag> grandchild <pid>`, then
+/// `<tag> started <pid> keeper=<its keeper's pid>`, and waits.
+fn with_grandchild(tag: &str) -> String {
+    format!(
+        "sh -c 'sleep 1000' & echo {tag} grandchild $!; echo {tag} started $$ keeper=$PPID; wait"
+    )
+}
+
+/// A leader A, and a follower B running `script` and waiting behind it, with the keeper B
+/// parked before it queued up (winning then costs one fork and exec): A, B and that keeper.
+fn leader_and_parked_follower(cluster: &Cluster, lock: i64, script: &str) -> (Proc, Proc, i32) {
+    let a = run("A", cluster, lock, &[], &patient_child("A"));
+    a.wait_stdout("A started");
+    let b = run("B", cluster, lock, &[], script);
+    b.wait_log("waiting for the lock");
+    let parked = keepers_of(b.pid.as_raw());
+    assert_eq!(
+        parked.len(),
+        1,
+        "the follower has no parked keeper\n{}",
+        b.dump()
+    );
+    (a, b, parked[0])
 }
 
 /// Asserts that a killed pgleader's command, its grandchild and its keeper are all gone.
@@ -51,25 +70,12 @@ fn assert_tree_gone(child: i32, grandchild: i32, keeper: i32) {
 #[test]
 fn a_follower_parks_a_keeper_that_dies_with_it() {
     let cluster = Cluster::shared();
-    let lock = unique_lock();
-    let a = run("A", cluster, lock, &[], &patient_child("A"));
-    a.wait_stdout("A started");
-    let b = run("B", cluster, lock, &[], &patient_child("B"));
-    b.wait_log("waiting for the lock");
-    // Parked before the follower queues up: winning then costs one fork and exec.
-    let parked = keepers_of(b.pid.as_raw());
-    assert_eq!(
-        parked.len(),
-        1,
-        "the follower has no parked keeper\n{}",
-        b.dump()
-    );
+    let (_a, b, parked) = leader_and_parked_follower(cluster, unique_lock(), &patient_child("B"));
 
     b.signal(Signal::SIGKILL);
     assert!(
-        wait_gone(parked[0], WAIT),
-        "the parked keeper (pid {}) outlived its follower",
-        parked[0]
+        wait_gone(parked, WAIT),
+        "the parked keeper (pid {parked}) outlived its follower"
     );
 }
 
@@ -77,29 +83,13 @@ fn a_follower_parks_a_keeper_that_dies_with_it() {
 fn kill_9_of_a_leader_that_won_with_a_parked_keeper_takes_its_whole_tree_down() {
     let cluster = Cluster::shared();
     let lock = unique_lock();
-    let a = run("A", cluster, lock, &[], &patient_child("A"));
-    a.wait_stdout("A started");
-    let b = run(
-        "B",
-        cluster,
-        lock,
-        &[],
-        "sh -c 'sleep 1000' & echo B grandchild $!; echo B started $$ keeper=$PPID; wait",
-    );
-    b.wait_log("waiting for the lock");
-    let parked = keepers_of(b.pid.as_raw());
-    assert_eq!(
-        parked.len(),
-        1,
-        "the follower has no parked keeper\n{}",
-        b.dump()
-    );
+    let (a, b, parked) = leader_and_parked_follower(cluster, lock, &with_grandchild("B"));
 
     a.signal(Signal::SIGTERM);
     let started = b.wait_stdout("B started");
     let keeper: i32 = field(&started, "keeper").parse().expect("keeper pid");
     assert_eq!(
-        keeper, parked[0],
+        keeper, parked,
         "the command did not start under the parked keeper"
     );
     let child = pid_in(&started);
@@ -394,7 +384,7 @@ fn a_keeper_killed_from_outside_leaves_nothing_behind_when_the_lock_is_released(
         cluster,
         unique_lock(),
         &["--once"],
-        "sh -c 'sleep 1000' & echo A grandchild $!; echo A started keeper=$PPID; wait",
+        &with_grandchild("A"),
     );
     let grandchild: i32 = pid_in(&a.wait_stdout("A grandchild"));
     let keeper: i32 = field(&a.wait_stdout("A started"), "keeper")

@@ -241,6 +241,42 @@ fn runner<'a>(replicas: &'a [Proc], occurrence: &str) -> &'a Proc {
     }
 }
 
+/// Scheduled replicas started one at a time, as a test's faults need them: `start` starts one
+/// with the tag it is given (`<prefix><n>`, by its place), which counts once it has connected.
+struct Fleet<F> {
+    prefix: &'static str,
+    start: F,
+    replicas: Vec<Proc>,
+}
+
+impl<F: Fn(&str) -> Proc> Fleet<F> {
+    /// A fleet of `n` replicas, each connected.
+    fn of(n: usize, prefix: &'static str, start: F) -> Fleet<F> {
+        let mut fleet = Fleet {
+            prefix,
+            start,
+            replicas: Vec::new(),
+        };
+        for _ in 0..n {
+            fleet.add();
+        }
+        fleet
+    }
+
+    /// Starts one more replica, and waits until it has connected.
+    fn add(&mut self) {
+        let tag = format!("{}{}", self.prefix, self.replicas.len());
+        let replica = (self.start)(&tag);
+        replica.wait_log("connected");
+        self.replicas.push(replica);
+    }
+
+    /// The replica that ran `occurrence` (see [`runner`]).
+    fn runner(&self, occurrence: &str) -> &Proc {
+        runner(&self.replicas, occurrence)
+    }
+}
+
 /// The backend holding the lock.
 fn holder_backend(cluster: &Cluster, lock: i64) -> i32 {
     cluster
@@ -260,42 +296,30 @@ fn three_replicas_run_each_occurrence_once_through_kill_9_terminate_and_restart(
     let lock = unique_lock();
     let table = unique_table();
     let journal = Journal::new("schedule-faults");
-    let mut replicas: Vec<Proc> = Vec::new();
-    let spawn = |replicas: &mut Vec<Proc>| {
-        let tag = format!("R{}", replicas.len());
-        let replica = scheduled(
-            &tag,
-            &cluster,
-            lock,
-            &table,
-            EVERY_TWO_SECONDS,
-            &[],
-            &job(&journal, &tag, "1.2"),
-        );
-        replica.wait_log("connected");
-        replicas.push(replica);
-    };
-    for _ in 0..3 {
-        spawn(&mut replicas);
-    }
+    let mut fleet = Fleet::of(3, "R", |tag| {
+        let job = job(&journal, tag, "1.2");
+        scheduled(tag, &cluster, lock, &table, EVERY_TWO_SECONDS, &[], &job)
+    });
     let seen = wait_starts(&journal, 3, WAIT);
     // kill -9 of the leader between runs: the next occurrence runs on another replica.
     let last = &seen.last().expect("a run").occurrence;
-    let leader = runner(&replicas, last);
+    let leader = fleet.runner(last);
     leader.wait_log(&format!("the run of {last} succeeded"));
     leader.signal(Signal::SIGKILL);
-    spawn(&mut replicas);
+    fleet.add();
     let seen = wait_starts(&journal, seen.len() + 2, WAIT);
 
     // kill -9 of the leader during a run: that occurrence is interrupted, not run again.
     let interrupted = seen.last().expect("a run").occurrence.clone();
-    runner(&replicas, &interrupted).signal(Signal::SIGKILL);
-    spawn(&mut replicas);
+    fleet.runner(&interrupted).signal(Signal::SIGKILL);
+    fleet.add();
     let seen = wait_starts(&journal, seen.len() + 2, WAIT);
 
     // pg_terminate_backend of the leader's session between runs.
     let last = seen.last().expect("a run").occurrence.clone();
-    runner(&replicas, &last).wait_log(&format!("the run of {last} succeeded"));
+    fleet
+        .runner(&last)
+        .wait_log(&format!("the run of {last} succeeded"));
     cluster.terminate_backend(holder_backend(&cluster, lock));
     let seen = wait_starts(&journal, seen.len() + 2, WAIT);
 
@@ -1544,33 +1568,20 @@ fn on_redis_replicas_run_each_occurrence_once_through_kill_9_client_kill_and_res
     let lock = unique_lock();
     let journal = Journal::new("redis-schedule");
     let timings = ["--check-interval=200ms", "--check-timeout=500ms"];
-    let mut replicas: Vec<Proc> = Vec::new();
-    let spawn = |replicas: &mut Vec<Proc>| {
-        let tag = format!("R{}", replicas.len());
-        let replica = scheduled_on_redis(
-            &tag,
-            &redis,
-            lock,
-            EVERY_TWO_SECONDS,
-            &timings,
-            &job(&journal, &tag, "1.2"),
-        );
-        replica.wait_log("connected");
-        replicas.push(replica);
-    };
-    for _ in 0..3 {
-        spawn(&mut replicas);
-    }
+    let mut fleet = Fleet::of(3, "R", |tag| {
+        let job = job(&journal, tag, "1.2");
+        scheduled_on_redis(tag, &redis, lock, EVERY_TWO_SECONDS, &timings, &job)
+    });
     let seen = wait_starts(&journal, 2, WAIT);
     // kill -9 of the leader during a run: that occurrence is interrupted, not run again.
     let interrupted = seen.last().expect("a run").occurrence.clone();
-    runner(&replicas, &interrupted).signal(Signal::SIGKILL);
-    spawn(&mut replicas);
+    fleet.runner(&interrupted).signal(Signal::SIGKILL);
+    fleet.add();
     let seen = wait_starts(&journal, seen.len() + 2, WAIT);
 
     // The server ends the leader's connection between runs.
     let last = seen.last().expect("a run").occurrence.clone();
-    let leader = runner(&replicas, &last);
+    let leader = fleet.runner(&last);
     leader.wait_log(&format!("the run of {last} succeeded"));
     let holder = redis.cli(&["GET", &format!("pgleader:{{{lock}}}")]);
     let client = holder
@@ -1689,22 +1700,14 @@ fn on_a_quorum_replicas_run_each_occurrence_once_through_kill_9_a_servers_death_
         "--kill-timeout=1s",
         "--lease=3s",
     ];
-    let mut replicas: Vec<Proc> = Vec::new();
-    let spawn = |replicas: &mut Vec<Proc>| {
-        let tag = format!("Q{}", replicas.len());
-        let replica =
-            scheduled_on_quorum(&tag, &servers, lock, &timings, &job(&journal, &tag, "1.2"));
-        replica.wait_log("connected");
-        replicas.push(replica);
-    };
-    for _ in 0..3 {
-        spawn(&mut replicas);
-    }
+    let mut fleet = Fleet::of(3, "Q", |tag| {
+        scheduled_on_quorum(tag, &servers, lock, &timings, &job(&journal, tag, "1.2"))
+    });
     let seen = wait_starts(&journal, 2, WAIT);
     // kill -9 of the leader during a run: that occurrence is interrupted, not run again.
     let interrupted = seen.last().expect("a run").occurrence.clone();
-    runner(&replicas, &interrupted).signal(Signal::SIGKILL);
-    spawn(&mut replicas);
+    fleet.runner(&interrupted).signal(Signal::SIGKILL);
+    fleet.add();
     let seen = wait_starts(&journal, seen.len() + 2, WAIT);
 
     // One server of three dies: the runs go on, claimed by the other two.
@@ -1734,7 +1737,9 @@ fn on_a_quorum_replicas_run_each_occurrence_once_through_kill_9_a_servers_death_
     );
     // status reads the history from a majority (the survivor and the restarted server).
     let last = &seen[seen.len() - 2].occurrence;
-    runner(&replicas, last).wait_log(&format!("the run of {last} succeeded"));
+    fleet
+        .runner(last)
+        .wait_log(&format!("the run of {last} succeeded"));
     let urls: Vec<String> = servers.iter().map(Redis::url).collect();
     let mut command = pgleader();
     command
