@@ -22,6 +22,7 @@ pub mod quorum;
 pub mod quorum_ledger;
 pub mod scripts;
 pub mod session;
+pub mod shards;
 pub mod url;
 
 use std::fmt;

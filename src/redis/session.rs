@@ -59,6 +59,19 @@ impl RedisSession {
         let nonce = nonce();
         let server = &backend.server;
         enlist(&mut connection, server, &keys, &nonce, &[]).await?;
+        // A plain replica beside sharded ones of the same name would run the command twice.
+        let budget = server.connect_timeout;
+        tokio::time::timeout(
+            budget,
+            crate::redis::shards::refuse_beside_shards(&mut connection.conn, &backend.lock),
+        )
+        .await
+        .map_err(|_| {
+            ConnectError::Transient(format!(
+                "no answer within {}",
+                humantime::format_duration(budget)
+            ))
+        })??;
         let card = format!(
             "client={} session={}",
             connection.client_id,
