@@ -1,0 +1,350 @@
+//! A sharded lock on one Redis server, at the library's level (`src/redis/shards.rs`): the keys
+//! are the documented ones, members share the shards out and hand a surplus over through the
+//! server, renewal never re-creates a shard key that vanished, the end of a member's connection
+//! is heard by its watcher and told to everyone, and a replica that runs the name otherwise is
+//! refused.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use pgleader::election::Session;
+use pgleader::election::lock::LockKey;
+use pgleader::election::shards::{Holder, HolderEvent, JoinError, Roster, Watcher};
+use pgleader::redis::RedisBackend;
+use pgleader::redis::shards::{RedisShardHolder, RedisShardWatcher};
+
+use crate::contract::{block_on, within};
+use crate::harness::{Redis, WAIT, unique_lock};
+
+fn backend(name: &str) -> RedisBackend {
+    let server =
+        pgleader::redis::url::RedisServer::parse(&Redis::shared().url(), None, WAIT / 4)
+            .expect("the harness's URL");
+    RedisBackend {
+        server,
+        lock: LockKey::from_name(name),
+        lease: pgleader::election::lease::Lease::new(Duration::from_secs(15)),
+        poll: Duration::from_millis(100),
+        ledger_timeout: Duration::from_secs(1),
+        user_name: None,
+    }
+}
+
+fn unique_name(tag: &str) -> String {
+    format!("shards-{tag}-{}", unique_lock())
+}
+
+async fn join(backend: &RedisBackend, shards: u32) -> RedisShardHolder {
+    within(
+        "join",
+        RedisShardHolder::join(backend, "pgleader-shards-test", shards, None),
+    )
+    .await
+    .unwrap_or_else(|err| panic!("join: {err}"))
+}
+
+/// Takes what the roster deals this member, and returns what it holds now.
+async fn take_share(holder: &RedisShardHolder) -> BTreeSet<u32> {
+    let seen = within("roster", holder.roster()).await.expect("roster");
+    let moves = seen.roster.moves(holder.id());
+    if !moves.take.is_empty() {
+        let (won, fence) = within("take", holder.take(&moves.take))
+            .await
+            .expect("take");
+        assert_eq!(won, moves.take, "free shards were taken by someone else");
+        assert!(fence.is_some_and(|fence| fence.epoch > 0));
+    }
+    holds(holder).await
+}
+
+async fn holds(holder: &RedisShardHolder) -> BTreeSet<u32> {
+    let seen = within("roster", holder.roster()).await.expect("roster");
+    member_holds(&seen.roster, holder.id())
+}
+
+fn member_holds(roster: &Roster, id: i32) -> BTreeSet<u32> {
+    roster
+        .members
+        .iter()
+        .find(|member| member.id == id)
+        .unwrap_or_else(|| panic!("{id} is not on the roster {roster:?}"))
+        .holds
+        .clone()
+}
+
+/// Waits for a notification whose payload starts with `prefix`.
+async fn notified(holder: &mut RedisShardHolder, prefix: &str) -> String {
+    within(&format!("a notification {prefix:?}"), async {
+        loop {
+            match holder.next_event().await {
+                HolderEvent::Notified(payload) if payload.starts_with(prefix) => return payload,
+                HolderEvent::Notified(_) => {}
+                HolderEvent::Ended(reason) => panic!("the holder's session ended: {reason}"),
+            }
+        }
+    })
+    .await
+}
+
+#[test]
+fn the_keys_of_a_sharded_name_are_the_documented_ones_with_the_lease_as_ttl() {
+    let name = unique_name("keys");
+    let backend = backend(&name);
+    let redis = Redis::shared();
+    block_on(async {
+        let holder = join(&backend, 3).await;
+        assert_eq!(take_share(&holder).await, BTreeSet::from([0, 1, 2]));
+        let me = holder.id();
+        for shard in 0..3 {
+            let key = format!("pgleader:{{{name}}}:shard:{shard}");
+            let value = redis.cli(&["GET", &key]);
+            assert!(
+                value.contains(&format!(" member={me} ")) && value.starts_with("nonce="),
+                "{key}: {value}"
+            );
+            let ttl: i64 = redis.cli(&["PTTL", &key]).parse().expect("a TTL");
+            assert!(ttl > 10_000 && ttl <= 15_000, "{key}: PTTL {ttl}");
+        }
+        let card = redis.cli(&["GET", &format!("pgleader:{{{name}}}:member:{me}")]);
+        assert!(card.contains(" shards=3 cap=none "), "{card}");
+        assert_eq!(
+            redis.cli(&["SMEMBERS", &format!("pgleader:{{{name}}}:members")]),
+            me.to_string()
+        );
+        assert_eq!(
+            redis.cli(&["EXISTS", &format!("pgleader:{{{name}}}")]),
+            "0",
+            "a shard took the plain key of the same name"
+        );
+    });
+}
+
+#[test]
+fn members_share_the_shards_out_and_a_surplus_goes_to_the_one_that_is_short() {
+    let backend = backend(&unique_name("share"));
+    block_on(async {
+        let mut a = join(&backend, 4).await;
+        assert_eq!(take_share(&a).await, BTreeSet::from([0, 1, 2, 3]));
+        let mut b = join(&backend, 4).await;
+        // B finds nothing free; A hears B join and gives its surplus away.
+        assert_eq!(take_share(&b).await, BTreeSet::new());
+        let joined = notified(&mut a, "joined").await;
+        assert_eq!(joined, format!("joined {}", b.id()));
+        let seen = within("roster", a.roster()).await.expect("roster");
+        let moves = seen.roster.moves(a.id());
+        assert_eq!(moves.give, vec![3, 2]);
+        for shard in &moves.give {
+            within("give", a.give(*shard)).await.expect("give");
+        }
+        notified(&mut b, "gave 2").await;
+        assert_eq!(take_share(&b).await, BTreeSet::from([2, 3]));
+        assert_eq!(holds(&a).await, BTreeSet::from([0, 1]));
+        // A shard another member holds cannot be taken, nor given away by someone else.
+        let (won, fence) = within("take", a.take(&[2])).await.expect("take");
+        assert!(won.is_empty() && fence.is_none());
+        assert!(within("give", a.give(3)).await.is_err());
+        let seen = within("roster", a.roster()).await.expect("roster");
+        assert_eq!(seen.roster.members.len(), 2);
+        assert!(seen.free().is_empty());
+        // A member that leaves frees what it held and says so.
+        let left = a.id();
+        within("leave", a.leave(WAIT)).await.expect("leave");
+        assert_eq!(notified(&mut b, "left").await, format!("left {left}"));
+        assert_eq!(take_share(&b).await, BTreeSet::from([0, 1, 2, 3]));
+    });
+}
+
+#[test]
+fn each_take_hands_out_a_greater_epoch_than_every_earlier_one() {
+    let backend = backend(&unique_name("epochs"));
+    block_on(async {
+        let a = join(&backend, 2).await;
+        let (_, first) = within("take", a.take(&[0])).await.expect("take");
+        within("give", a.give(0)).await.expect("give");
+        let (_, second) = within("take", a.take(&[0, 1])).await.expect("take");
+        let (first, second) = (first.expect("a fence"), second.expect("a fence"));
+        assert!(second.epoch > first.epoch, "{first:?} then {second:?}");
+    });
+}
+
+#[test]
+fn a_shard_key_deleted_under_its_holder_is_lost_not_re_created() {
+    let name = unique_name("deleted");
+    let backend = backend(&name);
+    let redis = Redis::shared();
+    block_on(async {
+        let a = join(&backend, 3).await;
+        assert_eq!(take_share(&a).await, BTreeSet::from([0, 1, 2]));
+        redis.cli(&["DEL", &format!("pgleader:{{{name}}}:shard:1")]);
+        // The read renews the others and shows shard 1 free: the room stops its command.
+        assert_eq!(holds(&a).await, BTreeSet::from([0, 2]));
+        assert_eq!(
+            redis.cli(&["EXISTS", &format!("pgleader:{{{name}}}:shard:1")]),
+            "0"
+        );
+        // A foreign value in a shard key is neither this member's nor free.
+        redis.cli(&["SET", &format!("pgleader:{{{name}}}:shard:2"), "x", "PX", "60000"]);
+        let seen = within("roster", a.roster()).await.expect("roster");
+        assert_eq!(member_holds(&seen.roster, a.id()), BTreeSet::from([0]));
+        assert_eq!(seen.taken, BTreeSet::from([2]));
+        assert_eq!(seen.free(), vec![1]);
+        // The member's own card gone: it is no longer on the roster, and takes nothing.
+        redis.cli(&["DEL", &format!("pgleader:{{{name}}}:member:{}", a.id())]);
+        let seen = within("roster", a.roster()).await.expect("roster");
+        assert!(seen.roster.members.iter().all(|m| m.id != a.id()));
+        assert!(within("take", a.take(&[1])).await.is_err());
+    });
+}
+
+#[test]
+fn the_end_of_a_member_s_connection_is_heard_by_its_watcher_and_told_to_every_member() {
+    let backend = backend(&unique_name("gone"));
+    block_on(async {
+        let mut a = join(&backend, 6).await;
+        let b = join(&backend, 6).await;
+        let mut c = join(&backend, 6).await;
+        for holder in [&a, &b, &c] {
+            take_share(holder).await;
+        }
+        let seen = within("roster", a.roster()).await.expect("roster");
+        assert_eq!(seen.roster.shares(), vec![2, 2, 2], "{:?}", seen.roster);
+        let watcher = within(
+            "the watcher",
+            RedisShardWatcher::open(&backend, "pgleader-shards-watch"),
+        )
+        .await
+        .expect("the watcher connects");
+        let watch = watcher.watch(b.id());
+        tokio::pin!(watch);
+        assert!(
+            tokio::time::timeout(Duration::from_millis(300), &mut watch)
+                .await
+                .is_err(),
+            "the watch of a live member ended"
+        );
+        let gone = b.id();
+        let b_holds = holds(&b).await;
+        let ended = tokio::time::Instant::now();
+        // Closing the connection, as a kill -9 does once the keeper lets go.
+        drop(b);
+        within("the watch", &mut watch)
+            .await
+            .unwrap_or_else(|err| panic!("the watch failed: {err}"));
+        let heard = ended.elapsed();
+        for holder in [&mut a, &mut c] {
+            assert_eq!(notified(holder, "gone").await, format!("gone {gone}"));
+        }
+        let seen = within("roster", a.roster()).await.expect("roster");
+        assert_eq!(seen.roster.members.len(), 2);
+        assert_eq!(seen.free(), b_holds.iter().copied().collect::<Vec<_>>());
+        assert_eq!(take_share(&a).await.len(), 3);
+        assert_eq!(take_share(&c).await.len(), 3);
+        // Within a check interval (100 ms here) and a round trip, long before the 15 s TTL.
+        assert!(heard < Duration::from_secs(2), "heard after {heard:?}");
+    });
+}
+
+#[test]
+fn a_member_whose_connection_is_gone_is_dropped_by_anyone_s_roster_read() {
+    let backend = backend(&unique_name("pruned"));
+    block_on(async {
+        let a = join(&backend, 4).await;
+        take_share(&a).await;
+        let b = join(&backend, 4).await;
+        let mut c = join(&backend, 4).await;
+        let gone = b.id();
+        drop(b);
+        // No watcher: A's own read finds B's connection gone (once the server has closed
+        // it), and the others hear it.
+        let ids = within("B gone from the roster", async {
+            loop {
+                let seen = a.roster().await.expect("roster");
+                let ids: Vec<i32> = seen.roster.members.iter().map(|m| m.id).collect();
+                if !ids.contains(&gone) {
+                    return ids;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await;
+        assert_eq!(ids, vec![a.id(), c.id()]);
+        assert_eq!(notified(&mut c, "gone").await, format!("gone {gone}"));
+    });
+}
+
+#[test]
+fn a_replica_with_another_shard_count_or_without_shards_is_refused() {
+    let backend = backend(&unique_name("mismatch"));
+    let plain_backend = self::backend(&unique_name("plain"));
+    block_on(async {
+        let a = join(&backend, 4).await;
+        let refused = within(
+            "join",
+            RedisShardHolder::join(&backend, "pgleader-shards-test", 8, None),
+        )
+        .await;
+        match refused {
+            Err(JoinError::Mismatch(reason)) => {
+                assert!(reason.contains(&format!("member {}", a.id())), "{reason}");
+                assert!(reason.contains("--shards 4"), "{reason}");
+                assert!(reason.contains("--shards 8"), "{reason}");
+            }
+            other => panic!("a replica with --shards 8 beside --shards 4 joined: {other:?}"),
+        }
+        // A plain replica of a sharded name is refused when it connects.
+        match within(
+            "connect",
+            pgleader::election::Backend::connect(&backend, "pgleader-plain"),
+        )
+        .await
+        {
+            Err(pgleader::election::ConnectError::Conflict(reason)) => {
+                assert!(reason.contains("with --shards"), "{reason}");
+            }
+            other => panic!("a plain replica connected beside a sharded one: {other:?}"),
+        }
+        drop(a);
+
+        // A plain replica of the same name holds its key: a sharded one refuses to join.
+        let backend = plain_backend;
+        let plain = pgleader::election::Backend::connect(&backend, "pgleader-plain")
+            .await
+            .expect("connect");
+        assert!(plain.try_acquire().await.expect("try"));
+        match within(
+            "join",
+            RedisShardHolder::join(&backend, "pgleader-shards-test", 2, None),
+        )
+        .await
+        {
+            Err(JoinError::Mismatch(reason)) => {
+                assert!(reason.contains("without --shards"), "{reason}");
+            }
+            other => panic!("a sharded replica joined beside a plain one: {other:?}"),
+        }
+    });
+}
+
+#[test]
+fn a_capped_member_holds_no_more_than_its_cap_and_the_others_share_the_rest() {
+    let backend = backend(&unique_name("cap"));
+    block_on(async {
+        let small = within(
+            "join",
+            RedisShardHolder::join(&backend, "pgleader-shards-test", 5, Some(1)),
+        )
+        .await
+        .expect("join");
+        let big = join(&backend, 5).await;
+        let seen = within("roster", small.roster()).await.expect("roster");
+        let capped = seen
+            .roster
+            .members
+            .iter()
+            .find(|member| member.id == small.id())
+            .expect("on the roster");
+        assert_eq!(capped.cap, Some(1));
+        assert_eq!(take_share(&small).await.len(), 1);
+        assert_eq!(take_share(&big).await.len(), 4);
+    });
+}
