@@ -381,7 +381,7 @@ impl RedisShardHolder {
                 )))
             }
             ["plain", value] => Err(JoinError::Mismatch(format!(
-                "the replica {} runs lock {} without --shards: a lock runs either sharded on \
+                "the replica ({}) runs lock {} without --shards: a lock runs either sharded on \
                  every replica or on none",
                 who(value),
                 backend.lock

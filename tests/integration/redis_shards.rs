@@ -13,13 +13,15 @@ use pgleader::election::shards::{Holder, HolderEvent, JoinError, Roster, Watcher
 use pgleader::redis::RedisBackend;
 use pgleader::redis::shards::{RedisShardHolder, RedisShardWatcher};
 
+use nix::sys::signal::Signal;
+
 use crate::contract::{block_on, within};
-use crate::harness::{Redis, WAIT, unique_lock};
+use crate::harness::{Journal, Proc, Redis, Stream, WAIT, field, unique_lock};
+use crate::shards::{assert_no_overlap, shard_child, sorted, started_shards};
 
 fn backend(name: &str) -> RedisBackend {
-    let server =
-        pgleader::redis::url::RedisServer::parse(&Redis::shared().url(), None, WAIT / 4)
-            .expect("the harness's URL");
+    let server = pgleader::redis::url::RedisServer::parse(&Redis::shared().url(), None, WAIT / 4)
+        .expect("the harness's URL");
     RedisBackend {
         server,
         lock: LockKey::from_name(name),
@@ -183,7 +185,13 @@ fn a_shard_key_deleted_under_its_holder_is_lost_not_re_created() {
             "0"
         );
         // A foreign value in a shard key is neither this member's nor free.
-        redis.cli(&["SET", &format!("pgleader:{{{name}}}:shard:2"), "x", "PX", "60000"]);
+        redis.cli(&[
+            "SET",
+            &format!("pgleader:{{{name}}}:shard:2"),
+            "x",
+            "PX",
+            "60000",
+        ]);
         let seen = within("roster", a.roster()).await.expect("roster");
         assert_eq!(member_holds(&seen.roster, a.id()), BTreeSet::from([0]));
         assert_eq!(seen.taken, BTreeSet::from([2]));
@@ -347,4 +355,181 @@ fn a_capped_member_holds_no_more_than_its_cap_and_the_others_share_the_rest() {
         assert_eq!(take_share(&small).await.len(), 1);
         assert_eq!(take_share(&big).await.len(), 4);
     });
+}
+
+// --- The binary: `pgleader run --shards K` against one Redis server. ---
+
+/// Quick checks, and a lease long enough that only a dead connection (not a key's expiry) can
+/// explain a shard moving within the test's waits.
+const QUICK: [&str; 4] = [
+    "--check-interval=200ms",
+    "--check-timeout=500ms",
+    "--lease=60s",
+    "--kill-timeout=5s",
+];
+
+fn replica(tag: &str, lock: &str, shards: &str, journal: &Journal) -> Proc {
+    let mut args = QUICK.to_vec();
+    let shards = format!("--shards={shards}");
+    args.push(&shards);
+    crate::harness::run_named(
+        tag,
+        &Redis::shared().url(),
+        lock,
+        &args,
+        &shard_child(journal, tag),
+    )
+}
+
+/// The connections a replica keeps open on the server (its client names carry its pid).
+fn connections_of(replica: &Proc) -> usize {
+    Redis::shared()
+        .cli(&["CLIENT", "LIST"])
+        .lines()
+        .filter(|line| line.contains(&format!(":{}@", replica.pid)))
+        .count()
+}
+
+#[test]
+fn replicas_share_the_shards_out_on_redis_and_a_surplus_is_handed_over_without_overlap() {
+    let lock = unique_name("balance");
+    let journal = Journal::new("redis-shards-balance");
+    let a = replica("A", &lock, "4", &journal);
+    a.wait_for_nth(Stream::Stdout, "A started", 4);
+    assert_eq!(sorted(started_shards(&a)), vec![0, 1, 2, 3]);
+    let line = a.wait_stdout("A started shard=2");
+    assert_eq!(field(&line, "shards"), "4");
+
+    // B joins: A hands two shards over (its highest), each stopped before B starts it.
+    let joined = std::time::Instant::now();
+    let b = replica("B", &lock, "4", &journal);
+    b.wait_for_nth(Stream::Stdout, "B started", 2);
+    let balanced = joined.elapsed();
+    assert_eq!(sorted(started_shards(&b)), vec![2, 3]);
+    a.wait_log("handing shard 3 over");
+    let epoch_of = |replica: &Proc, shard: u32| -> i64 {
+        let line = replica.wait_stdout(&format!("started shard={shard}"));
+        field(&line, "epoch").parse().expect("an epoch")
+    };
+    assert!(epoch_of(&b, 2) > epoch_of(&a, 2));
+
+    // B is stopped: its shards go back to A at once.
+    b.signal(Signal::SIGTERM);
+    assert_eq!(b.wait_code(), 0);
+    a.wait_for_nth(Stream::Stdout, "A started", 6);
+    assert_eq!(sorted(started_shards(&a)[4..].to_vec()), vec![2, 3]);
+    assert_no_overlap(&[&a, &b]);
+    a.signal(Signal::SIGTERM);
+    assert_eq!(a.wait_code(), 0);
+    // Everything of the name is gone but the epoch and the id counter.
+    let left = Redis::shared().cli(&["KEYS", &format!("pgleader:{{{lock}}}:*")]);
+    let mut left: Vec<&str> = left.lines().collect();
+    left.sort_unstable();
+    assert_eq!(
+        left,
+        vec![
+            format!("pgleader:{{{lock}}}:epoch"),
+            format!("pgleader:{{{lock}}}:ids")
+        ],
+    );
+    eprintln!("balanced {balanced:?} after B started");
+    assert!(balanced < Duration::from_secs(2) + WAIT / 4, "{balanced:?}");
+}
+
+#[test]
+fn a_killed_replica_s_shards_run_on_the_others_before_the_ttl_on_two_connections_each() {
+    let lock = unique_name("kill");
+    let journal = Journal::new("redis-shards-kill");
+    let a = replica("A", &lock, "6", &journal);
+    a.wait_for_nth(Stream::Stdout, "A started", 6);
+    let b = replica("B", &lock, "6", &journal);
+    b.wait_for_nth(Stream::Stdout, "B started", 3);
+    let c = replica("C", &lock, "6", &journal);
+    c.wait_for_nth(Stream::Stdout, "C started", 2);
+    a.wait_log("handing shard");
+    let c_shards = started_shards(&c);
+
+    // Two connections per replica, whatever K: the holder and the watcher.
+    for replica in [&a, &b, &c] {
+        let deadline = std::time::Instant::now() + WAIT;
+        loop {
+            let connections = connections_of(replica);
+            if connections == 2 {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{} keeps {connections} connections",
+                replica.name
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    let killed = std::time::Instant::now();
+    c.signal(Signal::SIGKILL);
+    a.wait_for_nth(Stream::Stdout, "A started", 7);
+    b.wait_for_nth(Stream::Stdout, "B started", 4);
+    let taken = killed.elapsed();
+    let retaken: Vec<u32> = [&a, &b]
+        .iter()
+        .flat_map(|replica| started_shards(replica).into_iter().rev().take(1))
+        .collect();
+    assert_eq!(
+        sorted(retaken),
+        sorted(c_shards),
+        "C's shards were not the ones taken"
+    );
+    assert_no_overlap(&[&a, &b]);
+    eprintln!("C's shards ran elsewhere {taken:?} after its kill -9");
+    // A check interval is 200 ms; the lease (the keys' TTL) is 60 s.
+    assert!(taken < Duration::from_secs(5), "{taken:?}");
+    for replica in [&a, &b] {
+        replica.signal(Signal::SIGTERM);
+        assert_eq!(replica.wait_code(), 0);
+    }
+}
+
+#[test]
+fn on_redis_a_replica_with_another_shard_count_or_without_shards_is_refused_with_exit_2() {
+    let lock = unique_name("mismatch");
+    let journal = Journal::new("redis-shards-mismatch");
+    let a = replica("A", &lock, "4", &journal);
+    a.wait_for_nth(Stream::Stdout, "A started", 4);
+    let b = replica("B", &lock, "8", &journal);
+    assert_eq!(b.wait_code(), 2);
+    let refusal = b.wait_log("--shards 8");
+    assert!(refusal.contains("--shards 4"), "{refusal}");
+    assert!(started_shards(&b).is_empty());
+    // A plain replica of the same lock is refused too, and never runs its command.
+    let plain = crate::harness::run_named(
+        "P",
+        &Redis::shared().url(),
+        &lock,
+        &QUICK,
+        "echo P started; exec sleep 1000",
+    );
+    assert_eq!(plain.wait_code(), 2);
+    let refusal = plain.wait_log("with --shards");
+    assert!(refusal.contains(&format!("lock \"{lock}\"")), "{refusal}");
+    assert!(plain.lines(Stream::Stdout).is_empty(), "{}", plain.dump());
+    a.signal(Signal::SIGTERM);
+    assert_eq!(a.wait_code(), 0);
+
+    // And the other way round: a sharded replica beside a plain leader.
+    let plain = crate::harness::run_named(
+        "P",
+        &Redis::shared().url(),
+        &lock,
+        &QUICK,
+        "echo P started; exec sleep 1000",
+    );
+    plain.wait_stdout("P started");
+    let sharded = replica("S", &lock, "2", &journal);
+    assert_eq!(sharded.wait_code(), 2);
+    sharded.wait_log("without --shards");
+    assert!(started_shards(&sharded).is_empty());
+    plain.signal(Signal::SIGTERM);
+    // The plain replica's command was ended by the TERM passed on to it: 128 + 15.
+    assert_eq!(plain.wait_code(), 143);
 }
