@@ -533,3 +533,49 @@ fn on_redis_a_replica_with_another_shard_count_or_without_shards_is_refused_with
     // The plain replica's command was ended by the TERM passed on to it: 128 + 15.
     assert_eq!(plain.wait_code(), 143);
 }
+
+#[test]
+fn the_acl_the_readme_documents_is_enough_for_shards() {
+    let redis = Redis::new("shards-acl");
+    redis.cli(&[
+        "ACL",
+        "SETUSER",
+        "minimal",
+        "on",
+        ">minimal-pw",
+        "~pgleader:*",
+        "&pgleader:*",
+        "+@read",
+        "+@write",
+        "+@scripting",
+        "+@pubsub",
+        "+@blocking",
+        "+time",
+        "+info",
+        "+client|id",
+        "+client|setname",
+        "+client|tracking",
+    ]);
+    let url = format!("redis://minimal:minimal-pw@127.0.0.1:{}", redis.port);
+    let lock = unique_name("acl");
+    let journal = Journal::new("redis-shards-acl");
+    let mut args = QUICK.to_vec();
+    args.push("--shards=2");
+    let a = crate::harness::run_named("A", &url, &lock, &args, &shard_child(&journal, "A"));
+    a.wait_for_nth(Stream::Stdout, "A started", 2);
+    let b = crate::harness::run_named("B", &url, &lock, &args, &shard_child(&journal, "B"));
+    b.wait_for_nth(Stream::Stdout, "B started", 1);
+    // B's watcher hears A's end through PUBSUB NUMSUB, which the ACL allows.
+    a.signal(Signal::SIGKILL);
+    b.wait_for_nth(Stream::Stdout, "B started", 2);
+    assert_no_overlap(&[&a, &b]);
+    assert!(
+        b.lines(Stream::Stderr)
+            .iter()
+            .all(|line| !line.contains("WARN")),
+        "the documented ACL is enough for shards: {}",
+        b.dump()
+    );
+    b.signal(Signal::SIGTERM);
+    assert_eq!(b.wait_code(), 0);
+}
