@@ -59,19 +59,6 @@ impl RedisSession {
         let nonce = nonce();
         let server = &backend.server;
         enlist(&mut connection, server, &keys, &nonce, &[]).await?;
-        // A plain replica beside sharded ones of the same name would run the command twice.
-        let budget = server.connect_timeout;
-        tokio::time::timeout(
-            budget,
-            crate::redis::shards::refuse_beside_shards(&mut connection.conn, &backend.lock),
-        )
-        .await
-        .map_err(|_| {
-            ConnectError::Transient(format!(
-                "no answer within {}",
-                humantime::format_duration(budget)
-            ))
-        })??;
         let card = format!(
             "client={} session={}",
             connection.client_id,
@@ -206,6 +193,13 @@ pub(crate) fn invalidates(push: &PushInfo, key: &str) -> bool {
             _ => false,
         }),
         Some(_) => false,
+    }
+}
+
+impl RedisSession {
+    /// A handle on the session's connection, for a check made before it is used.
+    pub(crate) fn conn(&self) -> MultiplexedConnection {
+        self.connection.conn.clone()
     }
 }
 
