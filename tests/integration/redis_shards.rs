@@ -579,3 +579,78 @@ fn the_acl_the_readme_documents_is_enough_for_shards() {
     b.signal(Signal::SIGTERM);
     assert_eq!(b.wait_code(), 0);
 }
+
+/// The client id of a replica's holder connection, from its card.
+fn holder_client(lock: &str, member: &str) -> String {
+    let card = Redis::shared().cli(&["GET", &format!("pgleader:{{{lock}}}:member:{member}")]);
+    card.split(' ')
+        .find_map(|word| word.strip_prefix("client="))
+        .unwrap_or_else(|| panic!("no client in the card {card:?}"))
+        .to_owned()
+}
+
+#[test]
+fn a_killed_holder_connection_stops_every_shard_s_command_at_once_not_at_the_next_check() {
+    let lock = unique_name("clientkill");
+    let journal = Journal::new("redis-shards-clientkill");
+    // Checks a minute apart: only the connection's end can stop the commands within the waits.
+    let args = [
+        "--check-interval=60s",
+        "--lease=90s",
+        "--kill-timeout=5s",
+        "--shards=2",
+    ];
+    let a = crate::harness::run_named(
+        "A",
+        &Redis::shared().url(),
+        &lock,
+        &args,
+        &shard_child(&journal, "A"),
+    );
+    a.wait_for_nth(Stream::Stdout, "A started", 2);
+    let joined = a.wait_log("joined the replicas");
+    let client = holder_client(&lock, &field(&joined, "backend_pid"));
+    let killed = std::time::Instant::now();
+    assert_eq!(Redis::shared().cli(&["CLIENT", "KILL", "ID", &client]), "1");
+    let lost = a.wait_log("lost every shard");
+    assert!(lost.contains("closed the connection"), "{lost}");
+    for shard in 0..2 {
+        a.wait_log(&format!("the command of shard {shard} exited"));
+    }
+    assert!(
+        killed.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        killed.elapsed()
+    );
+    // It joins again, and runs both shards again.
+    a.wait_for_nth(Stream::Stdout, "A started", 4);
+    assert_no_overlap(&[&a]);
+    a.signal(Signal::SIGTERM);
+    assert_eq!(a.wait_code(), 0);
+}
+
+#[test]
+fn a_deleted_shard_key_stops_only_that_shard_s_command_and_it_is_taken_again() {
+    let lock = unique_name("del");
+    let journal = Journal::new("redis-shards-del");
+    let a = replica("A", &lock, "3", &journal);
+    a.wait_for_nth(Stream::Stdout, "A started", 3);
+    let first: i64 = field(&a.wait_stdout("A started shard=1"), "epoch")
+        .parse()
+        .expect("an epoch");
+    Redis::shared().cli(&["DEL", &format!("pgleader:{{{lock}}}:shard:1")]);
+    a.wait_log("no longer holds shard 1");
+    a.wait_log("the command of shard 1 exited");
+    // Free again, so taken again, under a greater epoch; the other shards never stopped.
+    let again = a.wait_for_nth(Stream::Stdout, "A started shard=1", 2);
+    assert!(field(&again, "epoch").parse::<i64>().expect("an epoch") > first);
+    let stopped: Vec<String> = a
+        .lines(Stream::Stderr)
+        .into_iter()
+        .filter(|line| line.contains("the command of shard") && line.contains("exited"))
+        .collect();
+    assert_eq!(stopped.len(), 1, "{stopped:?}");
+    assert_no_overlap(&[&a]);
+    a.signal(Signal::SIGTERM);
+    assert_eq!(a.wait_code(), 0);
+}
