@@ -654,3 +654,27 @@ fn a_deleted_shard_key_stops_only_that_shard_s_command_and_it_is_taken_again() {
     a.signal(Signal::SIGTERM);
     assert_eq!(a.wait_code(), 0);
 }
+
+#[test]
+fn a_frozen_server_stops_every_shard_s_command_within_the_check_bound() {
+    let redis = Redis::new("shards-frozen");
+    let lock = unique_name("frozen");
+    let journal = Journal::new("redis-shards-frozen");
+    let mut args = QUICK.to_vec();
+    args.push("--shards=2");
+    let a = crate::harness::run_named("A", &redis.url(), &lock, &args, &shard_child(&journal, "A"));
+    a.wait_for_nth(Stream::Stdout, "A started", 2);
+    redis.freeze(true);
+    let frozen = std::time::Instant::now();
+    let lost = a.wait_log("lost every shard");
+    let bound = frozen.elapsed();
+    redis.freeze(false);
+    // The check's own bound, or the deadline: either way a check, not the connection.
+    assert!(lost.contains("check"), "{lost}");
+    // check-interval + check-timeout is 700 ms; the lease (the keys' TTL) 60 s.
+    assert!(bound < Duration::from_secs(3), "{bound:?}");
+    a.wait_for_nth(Stream::Stdout, "A started", 4);
+    assert_no_overlap(&[&a]);
+    a.signal(Signal::SIGTERM);
+    assert_eq!(a.wait_code(), 0);
+}
