@@ -122,6 +122,23 @@ fn the_keys_of_a_sharded_name_are_the_documented_ones_with_the_lease_as_ttl() {
 }
 
 #[test]
+fn the_largest_shard_count_is_read_taken_and_renewed_by_one_script_each() {
+    // 4096 keys in one MGET and one take: within what a script's Lua stack holds.
+    let name = unique_name("largest");
+    let backend = backend(&name);
+    block_on(async {
+        let a = join(&backend, 4096).await;
+        assert_eq!(take_share(&a).await.len(), 4096);
+        let b = join(&backend, 4096).await;
+        let seen = within("roster", b.roster()).await.expect("roster");
+        assert_eq!(seen.roster.shares(), vec![2048, 2048]);
+        assert!(seen.free().is_empty());
+        within("leave", a.leave(WAIT)).await.expect("leave");
+        assert_eq!(take_share(&b).await.len(), 4096);
+    });
+}
+
+#[test]
 fn members_share_the_shards_out_and_a_surplus_goes_to_the_one_that_is_short() {
     let backend = backend(&unique_name("share"));
     block_on(async {
