@@ -499,4 +499,6 @@ fn nemesis(server: Server, dir: std::path::PathBuf, faults: &[Fault]) {
         "shard nemesis: seed {seed}, {rounds} rounds, {} runs of {SHARDS} shards, none overlapped",
         runs.len()
     );
+    // Kept after a failure, for a look at what the runs left.
+    let _ = std::fs::remove_dir_all(&fleet.dir);
 }
