@@ -247,7 +247,8 @@ pub struct RunArgs {
     #[command(flatten)]
     pub ledger: LedgerArgs,
 
-    /// PostgreSQL: run K numbered instances of the command across the replicas of this lock,
+    /// PostgreSQL or one Redis server: run K numbered instances of the command across the
+    /// replicas of this lock,
     /// each exactly once, shared out evenly among the replicas that run (a replica over its
     /// share stops the surplus and hands it over). Each instance gets PGLEADER_SHARD (0 to K-1)
     /// and PGLEADER_SHARDS=K; a command that ignores them runs at most K times across the

@@ -243,19 +243,13 @@ fn sharding(args: &RunArgs, database: &Database) -> Result<Option<Sharding>, Usa
         )))
     };
     match database {
-        Database::Postgres(_) => {}
-        Database::Redis(_) => {
-            return refuse(
-                "a Redis URL yet",
-                "shards run on PostgreSQL only for now; use a PostgreSQL URL, or one plain \
-                 pgleader per shard",
-            );
-        }
+        Database::Postgres(_) | Database::Redis(_) => {}
         Database::Quorum(_) => {
             return refuse(
                 "a Redlock quorum",
                 "each shard's lock and each replica's end would have to be agreed by a \
-                 majority of the servers, which is not built; use PostgreSQL",
+                 majority of the servers, which is not built; use PostgreSQL or one Redis \
+                 server",
             );
         }
     }

@@ -81,9 +81,12 @@ async fn run(args: RunArgs) -> anyhow::Result<u8> {
             }
             None => supervisor::run(backend, config.supervision, signals, telemetry).await?,
         },
-        Elector::Redis(backend) => {
-            supervisor::run(backend, config.supervision, signals, telemetry).await?
-        }
+        Elector::Redis(backend) => match config.supervision.shards {
+            Some(sharding) => {
+                sharded::run(backend, config.supervision, sharding, signals, telemetry).await?
+            }
+            None => supervisor::run(backend, config.supervision, signals, telemetry).await?,
+        },
         Elector::Quorum(backend) => {
             supervisor::run(backend, config.supervision, signals, telemetry).await?
         }

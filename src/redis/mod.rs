@@ -11,9 +11,9 @@
 //! tells the leader at once when anyone else changes its key.
 //!
 //! The parts: the URL ([`url`]), one connection with its checks and TLS ([`connection`]),
-//! the keys and scripts ([`scripts`]), a session ([`session`]), the ledger ([`ledger`]) and
-//! what `status` reads ([`observer`]); and the Redlock quorum over several servers
-//! ([`quorum`]) with its ledger ([`quorum_ledger`]).
+//! the keys and scripts ([`scripts`]), a session ([`session`]), the ledger ([`ledger`]),
+//! what `status` reads ([`observer`]) and the shards of `--shards K` ([`shards`]); and the
+//! Redlock quorum over several servers ([`quorum`]) with its ledger ([`quorum_ledger`]).
 
 pub mod connection;
 pub mod ledger;
@@ -22,6 +22,7 @@ pub mod quorum;
 pub mod quorum_ledger;
 pub mod scripts;
 pub mod session;
+pub mod shards;
 pub mod url;
 
 use std::fmt;
@@ -75,8 +76,23 @@ impl Backend for RedisBackend {
     type Session = RedisSession;
     type Observer = RedisObserver;
 
+    /// A plain replica's session is refused beside sharded replicas of the same name, which
+    /// would run the command too (one script, as PostgreSQL's one statement).
     async fn connect(&self, name: &str) -> Result<RedisSession, ConnectError> {
-        RedisSession::connect(self, name).await
+        let session = RedisSession::connect(self, name).await?;
+        let budget = self.server.connect_timeout;
+        tokio::time::timeout(
+            budget,
+            shards::refuse_beside_shards(&mut session.conn(), &self.lock),
+        )
+        .await
+        .map_err(|_| {
+            ConnectError::Transient(format!(
+                "no answer within {}",
+                humantime::format_duration(budget)
+            ))
+        })??;
+        Ok(session)
     }
 
     async fn observe(&self) -> Result<RedisObserver, ConnectError> {

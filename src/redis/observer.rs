@@ -1,5 +1,6 @@
 //! What `pgleader status` reads on Redis: the lock's value (who leads), the live waiters in
-//! the order they will be served, and the ledger's history. It changes nothing.
+//! the order they will be served, who holds which shard when the name runs sharded (see
+//! `redis/shards.rs`), and the ledger's history. It changes nothing.
 
 use std::time::Duration;
 
@@ -11,6 +12,7 @@ use crate::election::participant::{LockView, Participant};
 use crate::redis::connection::Connection;
 use crate::redis::ledger::{self, participant};
 use crate::redis::scripts::{self, Keys};
+use crate::redis::shards;
 
 /// A connection that only looks.
 #[derive(Debug)]
@@ -40,6 +42,7 @@ impl Observer for RedisObserver {
         let (value, waiting) = ledger::view(&mut conn, &self.keys, "", self.stale)
             .await
             .map_err(|err| err.to_string())?;
+        let shards = shards::view(&mut conn, &self.keys.lock).await?;
         Ok(LockView {
             holder: value.as_deref().map(holder),
             waiting: waiting
@@ -48,7 +51,7 @@ impl Observer for RedisObserver {
                 .collect(),
             servers: Vec::new(),
             key_name: Some(self.keys.lock.clone()),
-            shards: None,
+            shards,
         })
     }
 

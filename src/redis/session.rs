@@ -186,6 +186,13 @@ pub(crate) fn invalidates(push: &PushInfo, key: &str) -> bool {
     }
 }
 
+impl RedisSession {
+    /// A handle on the session's connection, for a check made before it is used.
+    pub(crate) fn conn(&self) -> MultiplexedConnection {
+        self.connection.conn.clone()
+    }
+}
+
 impl Session for RedisSession {
     type Ledger = RedisLedger;
 

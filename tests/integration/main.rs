@@ -17,6 +17,7 @@ mod quorum;
 mod quorum_nemesis;
 mod redis;
 mod redis_nemesis;
+mod redis_shards;
 mod redis_tls;
 mod schedule;
 mod shard_nemesis;

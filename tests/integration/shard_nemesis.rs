@@ -1,6 +1,8 @@
 //! The nemesis with shards: 3 to 5 replicas run `--shards 8` and come and go while the test
 //! injects a random sequence of faults (kill -9, SIGTERM, a replica leaving or joining,
-//! pg_terminate_backend of a replica's holder session, a frozen proxy, a server restart).
+//! pg_terminate_backend of a replica's holder session, a frozen proxy, a server restart; on
+//! Redis, `CLIENT KILL` of the holder's connection instead, and also `DEL` of a shard's or a
+//! member's key and the server frozen by SIGSTOP).
 //! Every shard's command takes an exclusive `flock` on a file of its shard's for its whole
 //! life (the kernel lets go of it only when the process is gone, kill -9 included) and reports
 //! whether it found it taken: no two runs of one shard may overlap. Every shard runs again
@@ -17,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 
-use crate::harness::{Cluster, Proc, Proxy, Stream, WAIT, pgleader, unique_lock, wait_gone};
+use crate::harness::{Cluster, Proc, Proxy, Redis, Stream, WAIT, pgleader, unique_lock, wait_gone};
 use crate::nemesis::monotonic_ns;
 
 const SHARDS: u32 = 8;
@@ -83,9 +85,14 @@ enum Fault {
     Term,
     Leave,
     Join,
+    /// The server ends the holder's session or connection; pgleader lives on.
     Terminate,
     Freeze,
     Restart,
+    /// Redis only: `DEL` of a shard's key or of a member's card under its holder.
+    Delete,
+    /// Redis only: the server stopped with SIGSTOP, then continued.
+    FreezeServer,
 }
 
 const FAULTS: [Fault; 7] = [
@@ -96,6 +103,18 @@ const FAULTS: [Fault; 7] = [
     Fault::Terminate,
     Fault::Freeze,
     Fault::Restart,
+];
+
+const REDIS_FAULTS: [Fault; 9] = [
+    Fault::Kill9,
+    Fault::Term,
+    Fault::Leave,
+    Fault::Join,
+    Fault::Terminate,
+    Fault::Freeze,
+    Fault::Restart,
+    Fault::Delete,
+    Fault::FreezeServer,
 ];
 
 const TIMINGS: [&str; 8] = [
@@ -109,8 +128,29 @@ const TIMINGS: [&str; 8] = [
     "--restart-delay=0s",
 ];
 
+/// On Redis, the shortest lease pgleader accepts, as the single lock's nemesis. Where the
+/// server ends a replica's connection or deletes its keys while its pgleader lives on
+/// (`CLIENT KILL`, `DEL`), the shards are free before the old commands have stopped: the
+/// holder hears of a deleted key only at its next check, so the takeover delay is above
+/// check-interval + check-timeout + kill-timeout.
+const REDIS_TIMINGS: [&str; 7] = [
+    "--check-interval=100ms",
+    "--check-timeout=200ms",
+    "--kill-timeout=300ms",
+    "--lease=1700ms",
+    "--takeover-delay=700ms",
+    "--restart-fence=auto",
+    "--restart-delay=0s",
+];
+
+/// The server the fleet runs against.
+enum Server {
+    Postgres(Cluster),
+    Redis(Redis),
+}
+
 struct Fleet {
-    cluster: Cluster,
+    server: Server,
     /// Where the shards' lock files are.
     dir: std::path::PathBuf,
     lock: i64,
@@ -123,8 +163,15 @@ struct Fleet {
 impl Fleet {
     fn spawn(&mut self, slot: usize) {
         let mut command: Command = pgleader();
+        let (url, timings): (String, &[&str]) = match &self.server {
+            Server::Postgres(_) => (self.proxies[slot].url(), &TIMINGS),
+            Server::Redis(_) => (
+                format!("redis://127.0.0.1:{}", self.proxies[slot].port()),
+                &REDIS_TIMINGS,
+            ),
+        };
         command
-            .env("PGLEADER_DATABASE_URL", self.proxies[slot].url())
+            .env("PGLEADER_DATABASE_URL", url)
             .env(
                 "PGLEADER_SHARD_NEMESIS",
                 format!("{}:{slot}", self.dir.display()),
@@ -132,7 +179,7 @@ impl Fleet {
             .arg("run")
             .arg(format!("--lock-id={}", self.lock))
             .arg(format!("--shards={SHARDS}"))
-            .args(TIMINGS)
+            .args(timings)
             .arg("--")
             .arg(std::env::current_exe().expect("the test binary"))
             .args([
@@ -244,7 +291,8 @@ impl Fleet {
         }
     }
 
-    /// The server process of a replica's holder session, from its log.
+    /// The id of a replica's holder session (PostgreSQL: its server process; Redis: its member
+    /// id), from its log.
     fn holder_of(&self, slot: usize) -> Option<i32> {
         let replica = self.replicas[slot].as_ref()?;
         replica
@@ -280,6 +328,23 @@ impl Fleet {
 
 #[test]
 fn no_shard_ever_runs_twice_at_once_under_random_faults_and_the_fleet_is_balanced_after() {
+    let cluster = Cluster::new("shard-nemesis");
+    let dir = cluster.base.join("shard-locks");
+    nemesis(Server::Postgres(cluster), dir, &FAULTS);
+}
+
+#[test]
+fn on_redis_no_shard_ever_runs_twice_at_once_under_random_faults_and_the_fleet_is_balanced_after() {
+    let redis = Redis::new("shard-nemesis");
+    let dir = std::env::temp_dir().join(format!(
+        "pgleader-redis-shard-locks-{}-{}",
+        std::process::id(),
+        unique_lock()
+    ));
+    nemesis(Server::Redis(redis), dir, &REDIS_FAULTS);
+}
+
+fn nemesis(server: Server, dir: std::path::PathBuf, faults: &[Fault]) {
     let seed: u64 = std::env::var("PGLEADER_NEMESIS_SEED")
         .ok()
         .and_then(|seed| seed.parse().ok())
@@ -289,10 +354,12 @@ fn no_shard_ever_runs_twice_at_once_under_random_faults_and_the_fleet_is_balance
         .and_then(|rounds| rounds.parse().ok())
         .unwrap_or(20);
     let mut rng = fastrand::Rng::with_seed(seed);
-    let cluster = Cluster::new("shard-nemesis");
     let slots = 5;
-    let proxies: Vec<Proxy> = (0..slots).map(|_| Proxy::start(cluster.port)).collect();
-    let dir = cluster.base.join("shard-locks");
+    let port = match &server {
+        Server::Postgres(cluster) => cluster.port,
+        Server::Redis(redis) => redis.port,
+    };
+    let proxies: Vec<Proxy> = (0..slots).map(|_| Proxy::start(port)).collect();
     std::fs::create_dir_all(&dir).expect("the lock files' directory");
     // The children run as the user the tests run as; the cluster's directory may belong to
     // the server's own user.
@@ -300,7 +367,7 @@ fn no_shard_ever_runs_twice_at_once_under_random_faults_and_the_fleet_is_balance
         .expect("chmod");
     let mut fleet = Fleet {
         dir,
-        cluster,
+        server,
         lock: unique_lock(),
         proxies,
         replicas: (0..slots).map(|_| None).collect(),
@@ -315,7 +382,7 @@ fn no_shard_ever_runs_twice_at_once_under_random_faults_and_the_fleet_is_balance
     for round in 0..rounds {
         let live = fleet.live();
         let target = live[rng.usize(..live.len())];
-        let fault = FAULTS[rng.usize(..FAULTS.len())];
+        let fault = faults[rng.usize(..faults.len())];
         fleet.log.push(format!(
             "round {round}: {fault:?} on replica {target} of {live:?}"
         ));
@@ -344,15 +411,60 @@ fn no_shard_ever_runs_twice_at_once_under_random_faults_and_the_fleet_is_balance
                 }
             }
             Fault::Terminate => {
-                if let Some(pid) = fleet.holder_of(target) {
-                    fleet.cluster.terminate_backend(pid);
+                if let Some(id) = fleet.holder_of(target) {
+                    match &fleet.server {
+                        Server::Postgres(cluster) => cluster.terminate_backend(id),
+                        Server::Redis(redis) => {
+                            let card = redis.try_cli(&[
+                                "GET",
+                                &format!("pgleader:{{{}}}:member:{id}", fleet.lock),
+                            ]);
+                            let client = card.as_deref().ok().and_then(|card| {
+                                card.split(' ')
+                                    .find_map(|word| word.strip_prefix("client="))
+                            });
+                            if let Some(client) = client {
+                                let answer = redis.try_cli(&["CLIENT", "KILL", "ID", client]);
+                                fleet
+                                    .log
+                                    .push(format!("  CLIENT KILL {client}: {answer:?}"));
+                            }
+                        }
+                    }
                 }
             }
             Fault::Freeze => fleet.proxies[target].freeze(),
             Fault::Restart => {
-                fleet.cluster.stop();
+                match &fleet.server {
+                    Server::Postgres(cluster) => cluster.stop(),
+                    Server::Redis(redis) => redis.crash(),
+                }
                 std::thread::sleep(Duration::from_millis(rng.u64(200..1000)));
-                fleet.cluster.start();
+                match &fleet.server {
+                    Server::Postgres(cluster) => cluster.start(),
+                    Server::Redis(redis) => redis.start(),
+                }
+            }
+            Fault::Delete => {
+                if let Server::Redis(redis) = &fleet.server {
+                    let key = match (rng.bool(), fleet.holder_of(target)) {
+                        (true, Some(id)) => format!("pgleader:{{{}}}:member:{id}", fleet.lock),
+                        _ => format!("pgleader:{{{}}}:shard:{}", fleet.lock, rng.u32(..SHARDS)),
+                    };
+                    let answer = redis.try_cli(&["DEL", &key]);
+                    fleet.log.push(format!("  DEL {key}: {answer:?}"));
+                }
+            }
+            Fault::FreezeServer => {
+                if let Server::Redis(redis) = &fleet.server {
+                    // Above check-interval + check-timeout (every replica loses), sometimes
+                    // above the lease (the keys expire while the server is stopped).
+                    let length = Duration::from_millis(rng.u64(700..3000));
+                    fleet.log.push(format!("  frozen for {length:?}"));
+                    redis.freeze(true);
+                    std::thread::sleep(length);
+                    redis.freeze(false);
+                }
             }
         }
         // Frozen, a replica stops its commands at its deadline and the server frees its
@@ -387,4 +499,6 @@ fn no_shard_ever_runs_twice_at_once_under_random_faults_and_the_fleet_is_balance
         "shard nemesis: seed {seed}, {rounds} rounds, {} runs of {SHARDS} shards, none overlapped",
         runs.len()
     );
+    // Kept after a failure, for a look at what the runs left.
+    let _ = std::fs::remove_dir_all(&fleet.dir);
 }

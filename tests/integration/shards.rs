@@ -337,7 +337,7 @@ fn a_capped_member_holds_no_more_than_its_cap_and_the_others_share_the_rest() {
 /// `<tag> started shard=I shards=K epoch=E`, and becomes a sleep, which a TERM ends. (A shell
 /// that traps TERM and waits for a child sleep can miss a TERM that comes while it forks the
 /// sleep, and only the kill timeout ends it then.)
-fn shard_child(journal: &Journal, tag: &str) -> String {
+pub(crate) fn shard_child(journal: &Journal, tag: &str) -> String {
     let path = journal.path.display();
     format!(
         "for p in $(sed -n \"s/^run $PGLEADER_SHARD \\([0-9]*\\)$/\\1/p\" {path} 2>/dev/null); do \
@@ -360,7 +360,7 @@ fn replica(tag: &str, lock: i64, shards: &str, journal: &Journal) -> Proc {
 }
 
 /// The shards a replica's command started on, in the order they started.
-fn started_shards(replica: &Proc) -> Vec<u32> {
+pub(crate) fn started_shards(replica: &Proc) -> Vec<u32> {
     replica
         .lines(Stream::Stdout)
         .iter()
@@ -369,12 +369,12 @@ fn started_shards(replica: &Proc) -> Vec<u32> {
         .collect()
 }
 
-fn sorted(mut shards: Vec<u32>) -> Vec<u32> {
+pub(crate) fn sorted(mut shards: Vec<u32>) -> Vec<u32> {
     shards.sort_unstable();
     shards
 }
 
-fn assert_no_overlap(replicas: &[&Proc]) {
+pub(crate) fn assert_no_overlap(replicas: &[&Proc]) {
     for replica in replicas {
         // Every command here exits on TERM: none should have needed SIGKILL.
         let killed: Vec<String> = replica
@@ -596,10 +596,6 @@ fn shards_with_what_they_cannot_work_with_are_usage_errors_that_say_why() {
         (
             &["--shards=4", "--relinquish-after=1h"],
             "shards already move between replicas",
-        ),
-        (
-            &["--shards=4", "--database-url=redis://127.0.0.1:1"],
-            "--shards cannot be used with a Redis URL yet",
         ),
         (
             &[

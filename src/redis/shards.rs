@@ -1,0 +1,822 @@
+//! A sharded lock on one Redis server (`--shards K`): K keys of one name, held by the replicas
+//! that run it, with two connections per replica whatever K is.
+//!
+//! **Keys.** Those of a lock named `NAME` (see `scripts.rs` for the braces):
+//!
+//! | key | type | what it holds |
+//! |---|---|---|
+//! | `pgleader:{NAME}:shard:<n>` | string, TTL the lease | shard n's holder: `nonce=<hex> epoch=<n> member=<id> since=<unix seconds>` |
+//! | `pgleader:{NAME}:member:<id>` | string, TTL the lease | member id's card: `nonce=<hex> shards=<K> cap=<N or none> client=<client id> session=<name>` |
+//! | `pgleader:{NAME}:members` | set | the ids of the members |
+//! | `pgleader:{NAME}:ids` | counter | the last member id handed out |
+//! | `pgleader:{NAME}:epoch` | string | the last fencing token, shared with the plain lock of the name |
+//!
+//! and two kinds of channel: `pgleader:{NAME}:shards`, on which every change is said (a member
+//! joined, took, gave a shard, left, was found gone), and each member's liveness channel
+//! `pgleader:{NAME}:alive:<nonce>`, as a single lock's session has.
+//!
+//! **Holder.** One connection per replica (a [`RedisShardHolder`]) subscribes to its liveness
+//! channel and to the name's channel (RESP3 pushes, on the same connection), then joins: one
+//! script that refuses a member with another K (or a plain replica of the name), hands out a
+//! member id and writes its card. Each roster read is one script that also renews: it extends
+//! this member's card and the shard keys that still name it (compare, then extend; a shard key
+//! that is gone or foreign is never re-created, and the room stops that shard's command), drops
+//! the members whose card expired or whose liveness channel has no subscriber (their connection
+//! is gone: a keeper holds a crashed replica's socket until its commands' trees are dead), and
+//! frees the shard keys of members that are gone. The keys' TTL is the lease, so a member whose
+//! reads stop (a partition, a frozen pgleader) loses everything after a lease, never before its
+//! own deadline plus its kill timeout.
+//!
+//! **Watcher.** Nobody is told when a connection closes. So each replica's second connection (a
+//! [`RedisShardWatcher`]) asks, every `--check-interval`, whether the next member in id order
+//! still has a subscriber on its liveness channel (one script); once it has none, the script
+//! drops that member and says `gone` on the name's channel, and every member reads the roster,
+//! which frees and deals out its shards. A crashed replica's shards move within a check
+//! interval, as a single lock's do, long before the TTL.
+//!
+//! An idle replica at its share sends two scripts per check interval: the roster read on its
+//! holder connection, the watch on its watcher connection.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::LazyLock;
+use std::time::Duration;
+
+use redis::aio::MultiplexedConnection;
+use redis::{PushKind, Script, Value};
+
+use crate::election::lock::LockKey;
+use crate::election::participant::{ShardReplica, ShardsView};
+use crate::election::shards::{
+    Holder, HolderEvent, JoinError, Member, Roster, Seen, ShardBackend, Watcher,
+};
+use crate::election::{ConnectError, Fence, SessionError};
+use crate::redis::RedisBackend;
+use crate::redis::connection::{self, Connection, Purpose, ServerInfo};
+use crate::redis::ledger::participant;
+use crate::redis::scripts::{self, Keys, millis, nonce};
+use crate::redis::session::{no_answer, query_error, timestamp};
+
+/// What every shard script shares. ARGV[1] is the lock key (every key's prefix), ARGV[2] the
+/// member id of the caller ("0" when it has none yet), ARGV[3] its nonce, ARGV[4] the lease in
+/// milliseconds.
+const PRELUDE: &str = r#"
+local base, me, nonce, lease = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local t = redis.call('TIME')
+local members = base .. ':members'
+local function member_key(id) return base .. ':member:' .. id end
+local function nonce_of(v) return string.match(v, '^nonce=(%x+) ') end
+-- true/false from a liveness channel; nil when the ACL forbids asking (the TTL decides then).
+local function connected(n)
+  local ok, r = pcall(redis.call, 'PUBSUB', 'NUMSUB', base .. ':alive:' .. n)
+  if not ok then return nil end
+  return tonumber(r[2]) > 0
+end
+local function say(word) redis.call('PUBLISH', base .. ':shards', me .. ':' .. word) end
+-- Whether a member's card is a live one: not expired, and its connection not gone.
+local function alive(id, card)
+  if not card then return false end
+  local n = nonce_of(card)
+  if not n then return false end
+  return id == me or connected(n) ~= false
+end
+local function drop(id)
+  redis.call('DEL', member_key(id)); redis.call('SREM', members, id)
+  say('gone ' .. id)
+end
+-- The live members, id -> card; the others leave the roster, and everyone is told.
+local function live_members()
+  local live = {}
+  for _, id in ipairs(redis.call('SMEMBERS', members)) do
+    local card = redis.call('GET', member_key(id))
+    if alive(id, card) then live[id] = card else drop(id) end
+  end
+  return live
+end
+"#;
+
+/// Joins: refuses to if a live member runs the name with another shard count (ARGV[5]), or a
+/// live plain replica holds or waits for the plain lock; else hands out a member id and writes
+/// the card (`nonce=<hex> ` and ARGV[6]). Returns `{'joined', id}`, `{'mismatch', id, card}` or
+/// `{'plain', what it holds or waits as}`.
+const JOIN: &str = r#"
+local live = live_members()
+for id, card in pairs(live) do
+  if string.match(card, ' shards=(%d+) ') ~= ARGV[5] then return {'mismatch', id, card} end
+end
+local plain = redis.call('GET', base)
+if plain then
+  local h = nonce_of(plain)
+  if not h or connected(h) ~= false then return {'plain', plain} end
+end
+for _, n in ipairs(redis.call('LRANGE', base .. ':queue', 0, -1)) do
+  if connected(n) == true then
+    return {'plain', redis.call('HGET', base .. ':who', n) or ('nonce=' .. n)}
+  end
+end
+local id = tostring(redis.call('INCR', base .. ':ids'))
+redis.call('SET', member_key(id), 'nonce=' .. nonce .. ' ' .. ARGV[6], 'PX', lease)
+redis.call('SADD', members, id)
+me = id
+say('joined ' .. id)
+return {'joined', id}
+"#;
+
+/// Reads the roster of ARGV[5] shards and renews what is still this member's (its card and
+/// the shard keys that name it, compare then extend), freeing the shard keys of members that
+/// are gone. Returns `{seconds, microseconds, {id, card, ...} of the live members, the holder
+/// of each shard in order (a member id, 0 when free, -1 when the value is not a holder's)}`.
+const ROSTER: &str = r#"
+local live = live_members()
+if live[me] and nonce_of(live[me]) == nonce then
+  redis.call('PEXPIRE', member_key(me), lease)
+end
+local k = tonumber(ARGV[5])
+local holders = {}
+local keys = {}
+for n = 0, k - 1 do keys[n + 1] = base .. ':shard:' .. n end
+local values = {}
+if k > 0 then values = redis.call('MGET', unpack(keys)) end
+for i = 1, k do
+  local v = values[i]
+  local h = 0
+  if v then
+    local hn, hid = string.match(v, '^nonce=(%x+) epoch=%d+ member=(%d+)')
+    if not hn then
+      h = -1
+    elseif live[hid] and nonce_of(live[hid]) == hn then
+      h = tonumber(hid)
+      if hid == me then redis.call('PEXPIRE', keys[i], lease) end
+    else
+      -- Its member is gone (its connection closed, or its card expired): free.
+      redis.call('DEL', keys[i])
+    end
+  end
+  holders[i] = h
+end
+local flat = {}
+for id, card in pairs(live) do table.insert(flat, id); table.insert(flat, card) end
+return {t[1], t[2], flat, holders}
+"#;
+
+/// Takes each of the shards ARGV[5..] that nobody holds, with one new epoch for them all:
+/// `max(last + 1, the server's clock in microseconds)`, as the plain lock's acquire. Only for a
+/// member whose card is still its own. Returns `{member (0/1), epoch, seconds, microseconds,
+/// {shards taken}}`.
+const TAKE: &str = r#"
+local card = redis.call('GET', member_key(me))
+if not card or nonce_of(card) ~= nonce then return {0, '0', t[1], t[2], {}} end
+local won, epoch = {}, nil
+for i = 5, #ARGV do
+  local key = base .. ':shard:' .. ARGV[i]
+  if redis.call('EXISTS', key) == 0 then
+    if not epoch then
+      local micros = tonumber(t[1]) * 1000000 + tonumber(t[2])
+      epoch = string.format('%.0f',
+        math.max(tonumber(redis.call('GET', base .. ':epoch') or '0') + 1, micros))
+      redis.call('SET', base .. ':epoch', epoch)
+    end
+    redis.call('SET', key, 'nonce=' .. nonce .. ' epoch=' .. epoch .. ' member=' .. me ..
+      ' since=' .. t[1], 'PX', lease)
+    table.insert(won, tonumber(ARGV[i]))
+  end
+end
+if epoch then say('took') end
+return {1, epoch or '0', t[1], t[2], won}
+"#;
+
+/// Releases shard ARGV[5] if it is still this member's, and says so. Returns 1 if it was.
+const GIVE: &str = r#"
+local key = base .. ':shard:' .. ARGV[5]
+local v = redis.call('GET', key)
+if not v or nonce_of(v) ~= nonce then return 0 end
+redis.call('DEL', key)
+say('gave ' .. ARGV[5])
+return 1
+"#;
+
+/// Releases every shard of ARGV[5] that is still this member's, and the membership; says so.
+const LEAVE: &str = r#"
+for n = 0, tonumber(ARGV[5]) - 1 do
+  local key = base .. ':shard:' .. n
+  local v = redis.call('GET', key)
+  if v and nonce_of(v) == nonce then redis.call('DEL', key) end
+end
+local card = redis.call('GET', member_key(me))
+if card and nonce_of(card) == nonce then redis.call('DEL', member_key(me)) end
+redis.call('SREM', members, me)
+say('left ' .. me)
+return 1
+"#;
+
+/// The watcher's question about member ARGV[5]: 1 once it is no longer a live member (its card
+/// expired, or its connection is gone: then it leaves the roster and everyone is told), else 0.
+const GONE: &str = r#"
+local id = ARGV[5]
+if redis.call('SISMEMBER', members, id) == 0 then return 1 end
+local card = redis.call('GET', member_key(id))
+if alive(id, card) then return 0 end
+drop(id)
+return 1
+"#;
+
+/// Whether a live sharded replica runs the name: the card of one, or false.
+const SHARDED: &str = r#"
+for _, id in ipairs(redis.call('SMEMBERS', members)) do
+  local card = redis.call('GET', member_key(id))
+  if alive(id, card) then return 'member=' .. id .. ' ' .. card end
+end
+return false
+"#;
+
+fn script(body: &str) -> Script {
+    Script::new(&format!("{PRELUDE}{body}"))
+}
+
+static JOIN_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(JOIN));
+static ROSTER_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(ROSTER));
+static TAKE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(TAKE));
+static GIVE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(GIVE));
+static LEAVE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(LEAVE));
+static GONE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(GONE));
+static SHARDED_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(SHARDED));
+
+/// The keys of a sharded name.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShardKeys {
+    /// `pgleader:{NAME}`: every key starts with it.
+    pub base: String,
+}
+
+impl ShardKeys {
+    pub fn of(lock: &LockKey) -> ShardKeys {
+        ShardKeys {
+            base: Keys::of(lock).lock,
+        }
+    }
+
+    pub fn shard(&self, n: u32) -> String {
+        format!("{}:shard:{n}", self.base)
+    }
+
+    pub fn member(&self, id: i32) -> String {
+        format!("{}:member:{id}", self.base)
+    }
+
+    pub fn members(&self) -> String {
+        format!("{}:members", self.base)
+    }
+
+    /// The channel every change is said on.
+    pub fn channel(&self) -> String {
+        format!("{}:shards", self.base)
+    }
+
+    pub fn alive(&self, nonce: &str) -> String {
+        format!("{}:alive:{nonce}", self.base)
+    }
+}
+
+/// Who holds which shard of the sharded lock whose keys start with `base`, for `status`: the
+/// members whose card has not expired, with the shards whose keys name them; `None` when no
+/// replica runs it sharded. It changes nothing.
+pub async fn view(
+    conn: &mut MultiplexedConnection,
+    base: &str,
+) -> Result<Option<ShardsView>, String> {
+    let keys = ShardKeys {
+        base: base.to_owned(),
+    };
+    let fail = |err: redis::RedisError| format!("cannot read the shards: {err}");
+    let mut ids: Vec<i32> = redis::cmd("SMEMBERS")
+        .arg(keys.members())
+        .query_async(conn)
+        .await
+        .map_err(fail)?;
+    ids.sort_unstable();
+    if ids.is_empty() {
+        return Ok(None);
+    }
+    let cards: Vec<Option<String>> = redis::cmd("MGET")
+        .arg(ids.iter().map(|id| keys.member(*id)).collect::<Vec<_>>())
+        .query_async(conn)
+        .await
+        .map_err(fail)?;
+    let live: Vec<(i32, String)> = ids
+        .into_iter()
+        .zip(cards)
+        .filter_map(|(id, card)| Some((id, card?)))
+        .collect();
+    let Some(count) = live
+        .iter()
+        .find_map(|(_, card)| scripts::field(card, "shards")?.parse::<u32>().ok())
+    else {
+        return Ok(None);
+    };
+    let holders: Vec<Option<String>> = if count == 0 {
+        Vec::new()
+    } else {
+        redis::cmd("MGET")
+            .arg((0..count).map(|n| keys.shard(n)).collect::<Vec<_>>())
+            .query_async(conn)
+            .await
+            .map_err(fail)?
+    };
+    let replicas = live
+        .iter()
+        .map(|(id, card)| ShardReplica {
+            participant: participant(card, true),
+            cap: scripts::field(card, "cap").and_then(|cap| cap.parse().ok()),
+            holds: holders
+                .iter()
+                .enumerate()
+                .filter(|(_, value)| {
+                    value
+                        .as_deref()
+                        .and_then(|value| scripts::field(value, "member"))
+                        == Some(id.to_string().as_str())
+                })
+                .map(|(n, _)| n as u32)
+                .collect(),
+        })
+        .collect();
+    Ok(Some(ShardsView { count, replicas }))
+}
+
+/// What every script of one member is given.
+#[derive(Clone, Debug)]
+struct Args {
+    keys: ShardKeys,
+    id: String,
+    nonce: String,
+    lease: Duration,
+    shards: u32,
+}
+
+impl Args {
+    fn invocation<'a>(&self, script: &'a Script) -> redis::ScriptInvocation<'a> {
+        let mut invocation = script.prepare_invoke();
+        invocation
+            .arg(&self.keys.base)
+            .arg(&self.id)
+            .arg(&self.nonce)
+            .arg(millis(self.lease));
+        invocation
+    }
+}
+
+/// A replica's holder connection: its membership and the shards it runs.
+#[derive(Debug)]
+pub struct RedisShardHolder {
+    connection: Connection,
+    args: Args,
+    me: i32,
+}
+
+impl RedisShardHolder {
+    /// Connects, subscribes (its liveness channel, the name's channel) and joins, refusing to
+    /// beside a replica that runs the name otherwise.
+    pub async fn join(
+        backend: &RedisBackend,
+        name: &str,
+        shards: u32,
+        cap: Option<u32>,
+    ) -> Result<RedisShardHolder, JoinError> {
+        let mut connection =
+            connection::open(&backend.server, name, Some(&backend.lease), Purpose::Elect).await?;
+        let keys = ShardKeys::of(&backend.lock);
+        let nonce = nonce();
+        let timeout = backend.server.connect_timeout;
+        let subscribe = async {
+            connection.conn.subscribe(keys.alive(&nonce)).await?;
+            connection.conn.subscribe(keys.channel()).await
+        };
+        match tokio::time::timeout(timeout, subscribe).await {
+            Ok(Ok(())) => {}
+            Ok(Err(err)) if err.code() == Some("NOPERM") => {
+                return Err(ConnectError::Permanent(
+                    "the Redis ACL does not authorize SUBSCRIBE, which shards need so that \
+                     others can tell a replica is connected (grant +subscribe or +@pubsub)"
+                        .into(),
+                )
+                .into());
+            }
+            Ok(Err(err)) => return Err(connection::classify(&backend.server, &err).into()),
+            Err(_) => return Err(no_answer(timeout).into()),
+        }
+        let card = format!(
+            "shards={shards} cap={} client={} session={}",
+            cap.map_or("none".to_owned(), |cap| cap.to_string()),
+            connection.client_id,
+            name.replace(' ', "_")
+        );
+        let mut args = Args {
+            keys,
+            id: "0".into(),
+            nonce,
+            lease: backend.lease.duration(),
+            shards,
+        };
+        let mut conn = connection.conn.clone();
+        let joined: Vec<String> = tokio::time::timeout(
+            timeout,
+            args.invocation(&JOIN_SCRIPT)
+                .arg(shards)
+                .arg(&card)
+                .invoke_async(&mut conn),
+        )
+        .await
+        .map_err(|_| no_answer(timeout))?
+        .map_err(query_error)?;
+        match joined.iter().map(String::as_str).collect::<Vec<_>>()[..] {
+            ["joined", id] => {
+                let me = id.parse().map_err(|_| {
+                    SessionError::Query(format!("the server handed out member id {id:?}"))
+                })?;
+                args.id = id.to_owned();
+                Ok(RedisShardHolder {
+                    connection,
+                    args,
+                    me,
+                })
+            }
+            ["mismatch", id, card] => {
+                let count = field(card, "shards").unwrap_or("?");
+                Err(JoinError::Mismatch(format!(
+                    "the replica of member {id} ({}) runs this lock with --shards {count}, this \
+                     one with --shards {shards}: every replica of a lock must run with the same \
+                     shard count (stop them all to change it)",
+                    who(card)
+                )))
+            }
+            ["plain", value] => Err(JoinError::Mismatch(format!(
+                "the replica ({}) runs lock {} without --shards: a lock runs either sharded on \
+                 every replica or on none",
+                who(value),
+                backend.lock
+            ))),
+            _ => Err(SessionError::Query(format!("the join script returned {joined:?}")).into()),
+        }
+    }
+
+    pub fn keys(&self) -> &ShardKeys {
+        &self.args.keys
+    }
+}
+
+/// A `key=value` field of a card or a value; `session` runs to the end.
+fn field<'a>(value: &'a str, name: &str) -> Option<&'a str> {
+    crate::redis::scripts::field(value, name)
+}
+
+/// How a card or a plain lock's value names its replica: `client <id>, session <name>`.
+fn who(value: &str) -> String {
+    format!(
+        "client {}, session {}",
+        field(value, "client").unwrap_or("?"),
+        field(value, "session").unwrap_or("?")
+    )
+}
+
+impl Holder for RedisShardHolder {
+    /// The member id the join handed out (`pgleader:{NAME}:member:<id>`).
+    fn id(&self) -> i32 {
+        self.me
+    }
+
+    /// The socket under the holder connection: while a keeper holds it, a crashed replica's
+    /// liveness channel stays subscribed, so no other takes its shards before its commands'
+    /// trees are gone.
+    fn sockets(&self) -> Vec<std::os::fd::RawFd> {
+        self.connection.open_socket().into_iter().collect()
+    }
+
+    async fn next_event(&mut self) -> HolderEvent {
+        let channel = self.args.keys.channel();
+        loop {
+            match self.connection.pushes.recv().await {
+                None => return HolderEvent::Ended("the connection was closed".into()),
+                Some(push) if push.kind == PushKind::Disconnection => {
+                    return HolderEvent::Ended("the server closed the connection".into());
+                }
+                Some(push) if push.kind == PushKind::Message => {
+                    let text = |value: Option<&Value>| match value {
+                        Some(Value::BulkString(bytes)) => {
+                            Some(String::from_utf8_lossy(bytes).into_owned())
+                        }
+                        Some(Value::SimpleString(text)) => Some(text.clone()),
+                        _ => None,
+                    };
+                    if text(push.data.first()).as_deref() != Some(channel.as_str()) {
+                        continue;
+                    }
+                    let Some(message) = text(push.data.get(1)) else {
+                        continue;
+                    };
+                    if let Some((sender, word)) = message.split_once(':')
+                        && sender != self.args.id
+                    {
+                        return HolderEvent::Notified(word.to_owned());
+                    }
+                }
+                Some(_) => {}
+            }
+        }
+    }
+
+    /// Reads the roster and renews this member's card and shards (see the module).
+    fn roster(&self) -> impl Future<Output = Result<Seen, SessionError>> + 'static {
+        let mut conn = self.connection.conn.clone();
+        let args = self.args.clone();
+        async move {
+            let (seconds, micros, flat, holders): (i64, i64, Vec<String>, Vec<i64>) = args
+                .invocation(&ROSTER_SCRIPT)
+                .arg(args.shards)
+                .invoke_async(&mut conn)
+                .await
+                .map_err(query_error)?;
+            read_roster(args.shards, &flat, &holders, timestamp(seconds, micros))
+        }
+    }
+
+    /// Takes each of `shards` that nobody holds: those taken, with their fence.
+    async fn take(&self, shards: &[u32]) -> Result<(Vec<u32>, Option<Fence>), SessionError> {
+        let mut conn = self.connection.conn.clone();
+        let mut invocation = self.args.invocation(&TAKE_SCRIPT);
+        for shard in shards {
+            invocation.arg(*shard);
+        }
+        let (member, epoch, seconds, micros, won): (i64, i64, i64, i64, Vec<u32>) = invocation
+            .invoke_async(&mut conn)
+            .await
+            .map_err(query_error)?;
+        if member != 1 {
+            return Err(SessionError::Query(format!(
+                "this replica's member key {} is no longer its own",
+                self.args.keys.member(self.me)
+            )));
+        }
+        if won.is_empty() {
+            return Ok((won, None));
+        }
+        let info: String = redis::cmd("INFO")
+            .arg("server")
+            .query_async(&mut conn)
+            .await
+            .map_err(query_error)?;
+        let uptime = ServerInfo::parse(&info).uptime.unwrap_or(Duration::ZERO);
+        Ok((
+            won,
+            Some(Fence {
+                epoch,
+                server_time: timestamp(seconds, micros),
+                since_server_reset: uptime,
+            }),
+        ))
+    }
+
+    async fn give(&self, shard: u32) -> Result<(), SessionError> {
+        let mut conn = self.connection.conn.clone();
+        let given: i64 = self
+            .args
+            .invocation(&GIVE_SCRIPT)
+            .arg(shard)
+            .invoke_async(&mut conn)
+            .await
+            .map_err(query_error)?;
+        if given == 1 {
+            Ok(())
+        } else {
+            Err(SessionError::Query(format!(
+                "the server says this replica did not hold shard {shard}"
+            )))
+        }
+    }
+
+    /// Releases every shard and the membership, says so, then closes the connection.
+    async fn leave(self, timeout: Duration) -> Result<(), SessionError> {
+        let mut conn = self.connection.conn.clone();
+        let mut invocation = self.args.invocation(&LEAVE_SCRIPT);
+        invocation.arg(self.args.shards);
+        let leave = invocation.invoke_async::<i64>(&mut conn);
+        match tokio::time::timeout(timeout, leave).await {
+            Ok(result) => result.map(|_| ()).map_err(query_error),
+            Err(_) => Err(no_answer(timeout)),
+        }
+    }
+
+    /// Nothing to do: a watcher's connection closes when it is dropped, and the server forgets
+    /// its script at once.
+    fn end_sessions(
+        &self,
+        _ids: Vec<i32>,
+    ) -> impl Future<Output = Result<(), SessionError>> + 'static {
+        std::future::ready(Ok(()))
+    }
+}
+
+/// Reads the roster script's answer.
+fn read_roster(
+    shards: u32,
+    flat: &[String],
+    holders: &[i64],
+    server_time: jiff::Timestamp,
+) -> Result<Seen, SessionError> {
+    let mut members: BTreeMap<i32, Member> = BTreeMap::new();
+    for pair in flat.chunks(2) {
+        let [id, card] = pair else {
+            return Err(SessionError::Query(format!(
+                "the roster's members are not in pairs: {flat:?}"
+            )));
+        };
+        let Ok(id) = id.parse::<i32>() else {
+            continue;
+        };
+        let cap = field(card, "cap").and_then(|cap| cap.parse().ok());
+        members.insert(
+            id,
+            Member {
+                id,
+                cap,
+                holds: BTreeSet::new(),
+            },
+        );
+    }
+    let mut taken = BTreeSet::new();
+    for (shard, holder) in (0..shards).zip(holders) {
+        match *holder {
+            0 => {}
+            id => match i32::try_from(id).ok().and_then(|id| members.get_mut(&id)) {
+                Some(member) => {
+                    member.holds.insert(shard);
+                }
+                None => {
+                    taken.insert(shard);
+                }
+            },
+        }
+    }
+    Ok(Seen {
+        roster: Roster {
+            shards,
+            members: members.into_values().collect(),
+        },
+        taken,
+        mismatch: None,
+        server_time,
+    })
+}
+
+/// Refuses a plain replica's session where replicas run the same lock with `--shards`, so
+/// that the two never both run the command: one round trip when a plain replica connects.
+pub(crate) async fn refuse_beside_shards(
+    conn: &mut MultiplexedConnection,
+    lock: &LockKey,
+) -> Result<(), ConnectError> {
+    let args = Args {
+        keys: ShardKeys::of(lock),
+        id: "0".into(),
+        nonce: String::new(),
+        lease: Duration::ZERO,
+        shards: 0,
+    };
+    let card: Option<String> = match args.invocation(&SHARDED_SCRIPT).invoke_async(conn).await {
+        Ok(card) => card,
+        // An ACL that keeps this user from the shards' keys (or from scripts) keeps it from
+        // running shards too; the lock's own scripts say what it refuses.
+        Err(err) if matches!(query_error(err.clone()), SessionError::Unsafe(_)) => None,
+        Err(err) => return Err(ConnectError::Transient(err.to_string())),
+    };
+    match card {
+        Some(card) => Err(ConnectError::Conflict(format!(
+            "the replica of member {} ({}) runs lock {lock} with --shards: a lock runs either \
+             sharded on every replica or on none",
+            field(&card, "member").unwrap_or("?"),
+            who(&card)
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// A replica's second connection: it asks whether one other member is gone.
+#[derive(Debug)]
+pub struct RedisShardWatcher {
+    connection: Connection,
+    args: Args,
+    poll: Duration,
+    timeout: Duration,
+}
+
+impl RedisShardWatcher {
+    pub async fn open(backend: &RedisBackend, name: &str) -> Result<Self, ConnectError> {
+        let connection =
+            connection::open(&backend.server, name, Some(&backend.lease), Purpose::Elect).await?;
+        Ok(RedisShardWatcher {
+            connection,
+            args: Args {
+                keys: ShardKeys::of(&backend.lock),
+                id: "0".into(),
+                nonce: String::new(),
+                lease: backend.lease.duration(),
+                shards: 0,
+            },
+            poll: backend.poll,
+            timeout: backend.server.connect_timeout,
+        })
+    }
+}
+
+impl Watcher for RedisShardWatcher {
+    /// The watcher connection's client id.
+    fn id(&self) -> i32 {
+        i32::try_from(self.connection.client_id).unwrap_or(i32::MAX)
+    }
+
+    /// Resolves once member `member` is gone (or left), every member told: asks once per
+    /// `--check-interval`, each ask bounded by the connect timeout.
+    fn watch(&self, member: i32) -> impl Future<Output = Result<(), SessionError>> + 'static {
+        let mut conn = self.connection.conn.clone();
+        let args = self.args.clone();
+        let (poll, bound) = (self.poll, self.timeout + self.poll);
+        async move {
+            loop {
+                let gone: i64 = tokio::time::timeout(
+                    bound,
+                    args.invocation(&GONE_SCRIPT)
+                        .arg(member)
+                        .invoke_async(&mut conn),
+                )
+                .await
+                .map_err(|_| no_answer(bound))?
+                .map_err(query_error)?;
+                if gone == 1 {
+                    return Ok(());
+                }
+                tokio::time::sleep(poll).await;
+            }
+        }
+    }
+}
+
+impl ShardBackend for RedisBackend {
+    type Holder = RedisShardHolder;
+    type Watcher = RedisShardWatcher;
+
+    async fn join(
+        &self,
+        name: &str,
+        shards: u32,
+        cap: Option<u32>,
+    ) -> Result<RedisShardHolder, JoinError> {
+        RedisShardHolder::join(self, name, shards, cap).await
+    }
+
+    async fn watcher(&self, name: &str) -> Result<RedisShardWatcher, ConnectError> {
+        RedisShardWatcher::open(self, name).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_keys_are_the_documented_ones() {
+        let keys = ShardKeys::of(&LockKey::from_name("orders"));
+        assert_eq!(keys.shard(3), "pgleader:{orders}:shard:3");
+        assert_eq!(keys.member(7), "pgleader:{orders}:member:7");
+        assert_eq!(keys.members(), "pgleader:{orders}:members");
+        assert_eq!(keys.channel(), "pgleader:{orders}:shards");
+        assert_eq!(keys.alive("00ff"), "pgleader:{orders}:alive:00ff");
+    }
+
+    #[test]
+    fn a_roster_names_each_shard_s_holder_and_what_no_member_holds() {
+        let flat: Vec<String> = [
+            "2",
+            "nonce=aa shards=4 cap=none client=9 session=x",
+            "5",
+            "nonce=bb shards=4 cap=1 client=10 session=y",
+        ]
+        .map(str::to_owned)
+        .to_vec();
+        let seen =
+            read_roster(4, &flat, &[2, 0, 5, -1], jiff::Timestamp::UNIX_EPOCH).expect("a roster");
+        assert_eq!(
+            seen.roster.members,
+            vec![
+                Member {
+                    id: 2,
+                    cap: None,
+                    holds: BTreeSet::from([0])
+                },
+                Member {
+                    id: 5,
+                    cap: Some(1),
+                    holds: BTreeSet::from([2])
+                },
+            ]
+        );
+        assert_eq!(seen.taken, BTreeSet::from([3]));
+        assert_eq!(seen.free(), vec![1]);
+    }
+}
