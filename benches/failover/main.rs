@@ -618,8 +618,18 @@ fn shard_scenarios(
     plan: &Plan,
 ) -> (Vec<figures::Row>, Vec<figures::Cost>, Vec<figures::Fleet>) {
     let mut rows = Vec::new();
+    let postgres = shards::Launcher::postgres(pgleader);
     for k in [16, 64] {
-        rows.extend(shards::kill9_and_join(pgleader, k, plan.runs));
+        rows.extend(shards::kill9_and_join(&postgres, k, plan.runs));
+    }
+    // On one Redis server, where a dead replica is found by its watcher's question every
+    // --check-interval (200 ms here, as in the Redis rows).
+    match redis_lock::Server::start() {
+        Ok(server) => {
+            let redis = redis_lock::shard_launcher(&server);
+            rows.extend(shards::kill9_and_join(&redis, 16, plan.runs));
+        }
+        Err(err) => eprintln!("bench: no Redis server for the shards on Redis: {err:#}"),
     }
     let costs = shards::costs(pgleader, &[16, 64], plan.cost_window);
     let fleets = shards::by_hand(pgleader, 16);

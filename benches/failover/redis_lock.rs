@@ -455,6 +455,26 @@ impl Tool for PgleaderRedis {
     }
 }
 
+/// pgleader with `--shards` on `server`, checking every 200 ms as the Redis rows do.
+pub fn shard_launcher(server: &Server) -> crate::shards::Launcher<'_> {
+    crate::shards::Launcher {
+        label: REDIS_LABEL,
+        command: Box::new(move |lock, options, script| {
+            let mut command = harness::pgleader();
+            command
+                .env_remove("PGLEADER_RESTART_FENCE")
+                .env("PGLEADER_DATABASE_URL", server.url())
+                .arg("run")
+                .arg(format!("--lock-id={lock}"))
+                .args(options)
+                .args(["--", "sh", "-c", script]);
+            command
+        }),
+        handoff_bound: Duration::from_secs(10),
+        options: &[CHECK_INTERVAL],
+    }
+}
+
 /// How many connections in a `CLIENT LIST` answer are named `<key>:…`: a peer names each of
 /// its connections after the key and its pid.
 pub fn named_clients(client_list: &str, key: &str) -> usize {

@@ -8,6 +8,7 @@
 //! shards are those whose start it printed and whose exit it has not logged.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::process::Command;
 use std::thread::sleep;
 use std::time::{Duration, Instant};
 
@@ -27,14 +28,41 @@ fn shard_child(tag: &str) -> String {
     format!("echo {tag} started shard=$PGLEADER_SHARD; exec sleep 1000")
 }
 
+/// How the replicas of one backend are started: `pgleader run --lock-id LOCK OPTIONS -- sh -c
+/// SCRIPT` against its server.
+pub struct Launcher<'a> {
+    /// The backend's label in the tables.
+    pub label: &'static str,
+    pub command: Box<dyn Fn(i64, &[&str], &str) -> Command + 'a>,
+    /// How long a takeover may take before the run counts as failed.
+    pub handoff_bound: Duration,
+    /// Options every replica of this backend gets.
+    pub options: &'static [&'static str],
+}
+
+impl<'a> Launcher<'a> {
+    /// pgleader on the benchmark's PostgreSQL, with its defaults.
+    pub fn postgres(pgleader: &'a Pgleader) -> Launcher<'a> {
+        Launcher {
+            label: pgleader.label(),
+            command: Box::new(|lock, options, script| pgleader.command(lock, options, script)),
+            handoff_bound: pgleader.handoff_bound(),
+            options: &[],
+        }
+    }
+}
+
 /// One replica of a sharded fleet.
 struct Replica {
     candidate: Candidate,
 }
 
 impl Replica {
-    fn start(pgleader: &Pgleader, tag: &str, lock: i64, shards: u32) -> Replica {
-        let command = pgleader.command(lock, &[&format!("--shards={shards}")], &shard_child(tag));
+    fn start(launcher: &Launcher, tag: &str, lock: i64, shards: u32) -> Replica {
+        let mut options = vec![format!("--shards={shards}")];
+        options.extend(launcher.options.iter().map(|option| option.to_string()));
+        let options: Vec<&str> = options.iter().map(String::as_str).collect();
+        let command = (launcher.command)(lock, &options, &shard_child(tag));
         Replica {
             candidate: Candidate::spawn(tag, command),
         }
@@ -102,10 +130,10 @@ fn balanced(fleet: &[Replica], shards: u32, timeout: Duration) -> anyhow::Result
 }
 
 /// Starts a balanced fleet of `REPLICAS` replicas.
-fn fleet(pgleader: &Pgleader, lock: i64, shards: u32) -> anyhow::Result<Vec<Replica>> {
+fn fleet(launcher: &Launcher, lock: i64, shards: u32) -> anyhow::Result<Vec<Replica>> {
     let mut fleet = Vec::new();
     for i in 0..REPLICAS {
-        fleet.push(Replica::start(pgleader, &format!("R{i}"), lock, shards));
+        fleet.push(Replica::start(launcher, &format!("R{i}"), lock, shards));
         balanced(&fleet, shards, SETUP_WAIT)?;
     }
     Ok(fleet)
@@ -113,7 +141,7 @@ fn fleet(pgleader: &Pgleader, lock: i64, shards: u32) -> anyhow::Result<Vec<Repl
 
 /// kill -9 of a replica → every shard it ran runs elsewhere; then a new replica joins → the
 /// fleet is balanced again. Two rows per K, from the same runs.
-pub fn kill9_and_join(pgleader: &Pgleader, shards: u32, runs: usize) -> Vec<Row> {
+pub fn kill9_and_join(launcher: &Launcher, shards: u32, runs: usize) -> Vec<Row> {
     let scenario_kill = format!("11. shards: kill -9 of one of {REPLICAS} replicas, K = {shards}");
     let scenario_join = format!(
         "11b. shards: a replica joins {} others, K = {shards}",
@@ -123,7 +151,7 @@ pub fn kill9_and_join(pgleader: &Pgleader, shards: u32, runs: usize) -> Vec<Row>
     let (mut taken, mut joined) = (Figures::default(), Figures::default());
     let result = (|| -> anyhow::Result<()> {
         let lock = harness::unique_lock();
-        let mut fleet = fleet(pgleader, lock, shards)?;
+        let mut fleet = fleet(launcher, lock, shards)?;
         sleep(SETTLE);
         for run in 0..runs {
             let victim = run % fleet.len();
@@ -133,7 +161,7 @@ pub fn kill9_and_join(pgleader: &Pgleader, shards: u32, runs: usize) -> Vec<Row>
             let gone = fleet.remove(victim);
             // Each orphaned shard's first start on another replica after the fault (the
             // moment its line arrived, which polling here does not change).
-            let deadline = fault + pgleader.handoff_bound();
+            let deadline = fault + launcher.handoff_bound;
             let mut pending = orphaned.clone();
             let mut last = Duration::ZERO;
             while !pending.is_empty() {
@@ -174,7 +202,7 @@ pub fn kill9_and_join(pgleader: &Pgleader, shards: u32, runs: usize) -> Vec<Row>
             drop(gone);
             sleep(SETTLE);
             let started = Instant::now();
-            fleet.push(Replica::start(pgleader, &format!("J{run}"), lock, shards));
+            fleet.push(Replica::start(launcher, &format!("J{run}"), lock, shards));
             let at = balanced(&fleet, shards, SETUP_WAIT)?;
             if at - started > Duration::from_secs(1) && std::env::var_os("SHARDS_DEBUG").is_some() {
                 eprintln!("SLOW JOIN");
@@ -195,7 +223,7 @@ pub fn kill9_and_join(pgleader: &Pgleader, shards: u32, runs: usize) -> Vec<Row>
         Row {
             id: format!("shards.kill9.{shards}"),
             scenario: scenario_kill,
-            tool: pgleader.label(),
+            tool: launcher.label,
             measure: "every shard it ran runs on another replica",
             figures: taken,
             old_child_stopped: None,
@@ -204,7 +232,7 @@ pub fn kill9_and_join(pgleader: &Pgleader, shards: u32, runs: usize) -> Vec<Row>
         Row {
             id: format!("shards.join.{shards}"),
             scenario: scenario_join,
-            tool: pgleader.label(),
+            tool: launcher.label,
             measure: "balanced: its share runs on it, the surplus stopped elsewhere",
             figures: joined,
             old_child_stopped: None,
@@ -231,7 +259,7 @@ fn cost(pgleader: &Pgleader, shards: u32, window: Duration) -> anyhow::Result<Co
     pgleader.log_statements(true)?;
     let measured = (|| {
         let lock = harness::unique_lock();
-        let fleet = fleet(pgleader, lock, shards)?;
+        let fleet = fleet(&Launcher::postgres(pgleader), lock, shards)?;
         sleep(SETTLE * 3);
         let replica = &fleet[0];
         let pid = replica.candidate.pid();
@@ -295,7 +323,7 @@ pub fn by_hand(pgleader: &Pgleader, shards: u32) -> Vec<Fleet> {
 
 fn sharded_fleet(pgleader: &Pgleader, shards: u32) -> anyhow::Result<Fleet> {
     let lock = harness::unique_lock();
-    let fleet = fleet(pgleader, lock, shards)?;
+    let fleet = fleet(&Launcher::postgres(pgleader), lock, shards)?;
     sleep(SETTLE);
     let pids: Vec<i32> = fleet.iter().map(|r| r.candidate.pid()).collect();
     Ok(Fleet {

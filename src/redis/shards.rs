@@ -72,12 +72,29 @@ local function connected(n)
   return tonumber(r[2]) > 0
 end
 local function say(word) redis.call('PUBLISH', base .. ':shards', me .. ':' .. word) end
--- Whether a member's card is a live one: not expired, and its connection not gone.
+-- Whether a member's card is a live one: not expired, and its connection not gone. The
+-- caller's own only while it still carries the caller's nonce.
 local function alive(id, card)
   if not card then return false end
   local n = nonce_of(card)
   if not n then return false end
-  return id == me or connected(n) ~= false
+  if id == me then return n == nonce end
+  return connected(n) ~= false
+end
+-- Why a replica that runs the name without --shards is in the way: a holder of the plain lock
+-- that is not known to be gone, or a waiter known to be connected; else nil.
+local function plain_replica()
+  local plain = redis.call('GET', base)
+  if plain then
+    local h = nonce_of(plain)
+    if not h or connected(h) ~= false then return plain end
+  end
+  for _, n in ipairs(redis.call('LRANGE', base .. ':queue', 0, -1)) do
+    if connected(n) == true then
+      return redis.call('HGET', base .. ':who', n) or ('nonce=' .. n)
+    end
+  end
+  return nil
 end
 local function drop(id)
   redis.call('DEL', member_key(id)); redis.call('SREM', members, id)
@@ -103,17 +120,14 @@ local live = live_members()
 for id, card in pairs(live) do
   if string.match(card, ' shards=(%d+) ') ~= ARGV[5] then return {'mismatch', id, card} end
 end
-local plain = redis.call('GET', base)
-if plain then
-  local h = nonce_of(plain)
-  if not h or connected(h) ~= false then return {'plain', plain} end
-end
-for _, n in ipairs(redis.call('LRANGE', base .. ':queue', 0, -1)) do
-  if connected(n) == true then
-    return {'plain', redis.call('HGET', base .. ':who', n) or ('nonce=' .. n)}
-  end
-end
-local id = tostring(redis.call('INCR', base .. ':ids'))
+local plain = plain_replica()
+if plain then return {'plain', plain} end
+-- Never an id whose card or membership is still there (the counter may have been lost: an
+-- eviction, a DEL), so that no two members ever answer to one id.
+local id
+repeat
+  id = tostring(redis.call('INCR', base .. ':ids'))
+until redis.call('EXISTS', member_key(id)) == 0 and redis.call('SISMEMBER', members, id) == 0
 redis.call('SET', member_key(id), 'nonce=' .. nonce .. ' ' .. ARGV[6], 'PX', lease)
 redis.call('SADD', members, id)
 me = id
@@ -124,7 +138,10 @@ return {'joined', id}
 /// Reads the roster of ARGV[5] shards and renews what is still this member's (its card and
 /// the shard keys that name it, compare then extend), freeing the shard keys of members that
 /// are gone. Returns `{seconds, microseconds, {id, card, ...} of the live members, the holder
-/// of each shard in order (a member id, 0 when free, -1 when the value is not a holder's)}`.
+/// of each shard in order (a member id, 0 when free, -1 when the value is not a holder's), and
+/// why this member must not go on (a member with another shard count, or a replica of the plain
+/// lock that started at the very moment this one joined), or false}`. A shard key counts as
+/// a member's only while it carries that member's nonce.
 const ROSTER: &str = r#"
 local live = live_members()
 if live[me] and nonce_of(live[me]) == nonce then
@@ -154,8 +171,21 @@ for i = 1, k do
   holders[i] = h
 end
 local flat = {}
-for id, card in pairs(live) do table.insert(flat, id); table.insert(flat, card) end
-return {t[1], t[2], flat, holders}
+local mismatch = false
+for id, card in pairs(live) do
+  table.insert(flat, id); table.insert(flat, card)
+  if string.match(card, ' shards=(%d+) ') ~= ARGV[5] then
+    mismatch = 'the replica of member ' .. id .. ' runs this lock with --shards ' ..
+      (string.match(card, ' shards=(%d+) ') or '?') .. ', this one with --shards ' .. ARGV[5] ..
+      ': every replica of a lock must run with the same shard count'
+  end
+end
+local plain = plain_replica()
+if plain then
+  mismatch = 'a replica runs this lock without --shards (' .. plain .. '): a lock runs ' ..
+    'either sharded on every replica or on none'
+end
+return {t[1], t[2], flat, holders, mismatch}
 "#;
 
 /// Takes each of the shards ARGV[5..] that nobody holds, with one new epoch for them all:
@@ -201,10 +231,13 @@ for n = 0, tonumber(ARGV[5]) - 1 do
   local v = redis.call('GET', key)
   if v and nonce_of(v) == nonce then redis.call('DEL', key) end
 end
+-- The membership only while it is still this member's: never another's that took the id.
 local card = redis.call('GET', member_key(me))
-if card and nonce_of(card) == nonce then redis.call('DEL', member_key(me)) end
-redis.call('SREM', members, me)
-say('left ' .. me)
+if not card or nonce_of(card) == nonce then
+  if card then redis.call('DEL', member_key(me)) end
+  redis.call('SREM', members, me)
+  say('left ' .. me)
+end
 return 1
 "#;
 
@@ -528,13 +561,15 @@ impl Holder for RedisShardHolder {
         let mut conn = self.connection.conn.clone();
         let args = self.args.clone();
         async move {
-            let (seconds, micros, flat, holders): (i64, i64, Vec<String>, Vec<i64>) = args
+            let (seconds, micros, flat, holders, mismatch): Answer = args
                 .invocation(&ROSTER_SCRIPT)
                 .arg(args.shards)
                 .invoke_async(&mut conn)
                 .await
                 .map_err(query_error)?;
-            read_roster(args.shards, &flat, &holders, timestamp(seconds, micros))
+            let mut seen = read_roster(args.shards, &flat, &holders, timestamp(seconds, micros))?;
+            seen.mismatch = mismatch;
+            Ok(seen)
         }
     }
 
@@ -613,6 +648,10 @@ impl Holder for RedisShardHolder {
         std::future::ready(Ok(()))
     }
 }
+
+/// The roster script's answer: the server's clock, the live members, each shard's holder, and
+/// why this member must not go on.
+type Answer = (i64, i64, Vec<String>, Vec<i64>, Option<String>);
 
 /// Reads the roster script's answer.
 fn read_roster(
@@ -732,7 +771,7 @@ impl Watcher for RedisShardWatcher {
     }
 
     /// Resolves once member `member` is gone (or left), every member told: asks once per
-    /// `--check-interval`, each ask bounded by the connect timeout.
+    /// `--check-interval`, each ask bounded by the connect timeout plus that interval.
     fn watch(&self, member: i32) -> impl Future<Output = Result<(), SessionError>> + 'static {
         let mut conn = self.connection.conn.clone();
         let args = self.args.clone();

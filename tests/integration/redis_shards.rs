@@ -764,3 +764,72 @@ fn on_redis_status_http_and_metrics_show_which_replica_runs_which_shard() {
     }
     assert_no_overlap(&[&a, &b]);
 }
+
+/// The counter that hands out member ids can be lost (an eviction, a DEL) while members live:
+/// a member that joins then never gets a live member's id, so no two members ever answer to one
+/// id, and nobody takes or frees another's shards through it.
+#[test]
+fn a_lost_id_counter_never_hands_out_a_live_member_s_id() {
+    let name = unique_name("ids");
+    let backend = backend(&name);
+    block_on(async {
+        let a = join(&backend, 2).await;
+        assert_eq!(take_share(&a).await, BTreeSet::from([0, 1]));
+        Redis::shared().cli(&["DEL", &format!("pgleader:{{{name}}}:ids")]);
+        let n = join(&backend, 2).await;
+        assert_ne!(n.id(), a.id(), "a live member's id was handed out again");
+        assert_eq!(take_share(&n).await, BTreeSet::new());
+        assert_eq!(
+            holds(&a).await,
+            BTreeSet::from([0, 1]),
+            "A's shards are still A's"
+        );
+        within("leave", n.leave(WAIT)).await.expect("leave");
+        assert_eq!(
+            holds(&a).await,
+            BTreeSet::from([0, 1]),
+            "N's leaving left A alone"
+        );
+        within("leave", a.leave(WAIT)).await.expect("leave");
+    });
+}
+
+/// A plain replica that started at the very moment a sharded one joined can pass the join's
+/// check. The sharded replica's next roster read sees it (here a plain holder's value and its
+/// connected liveness channel, as a plain replica would hold them), and it stops every command
+/// and exits 2 rather than run beside it.
+#[test]
+fn on_redis_a_sharded_replica_that_finds_a_plain_one_beside_it_later_stops_and_exits_2() {
+    let lock = unique_name("late-plain");
+    let journal = Journal::new("redis-shards-late-plain");
+    let a = replica("A", &lock, "2", &journal);
+    a.wait_for_nth(Stream::Stdout, "A started", 2);
+    let nonce = "00000000feedbeef";
+    let mut subscriber = std::process::Command::new("redis-cli")
+        .args(["-h", "127.0.0.1", "-p", &Redis::shared().port.to_string()])
+        .args(["SUBSCRIBE", &format!("pgleader:{{{lock}}}:alive:{nonce}")])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("redis-cli");
+    // Its first line is the subscription's confirmation.
+    let mut confirmed = [0u8; 1];
+    std::io::Read::read_exact(subscriber.stdout.as_mut().expect("stdout"), &mut confirmed)
+        .expect("the subscription is confirmed");
+    Redis::shared().cli(&[
+        "SET",
+        &format!("pgleader:{{{lock}}}"),
+        &format!("nonce={nonce} epoch=1 since=1 client=1 session=plain:1@elsewhere"),
+    ]);
+    assert_eq!(a.wait_code(), 2, "{}", a.dump());
+    let refusal = a.wait_log("without --shards");
+    assert!(refusal.contains("session=plain:1@elsewhere"), "{refusal}");
+    let exits = a
+        .lines(Stream::Stderr)
+        .iter()
+        .filter(|line| line.contains("the command of shard") && line.contains("exited"))
+        .count();
+    assert_eq!(exits, 2, "both commands were stopped first\n{}", a.dump());
+    let _ = subscriber.kill();
+    let _ = subscriber.wait();
+    assert_no_overlap(&[&a]);
+}
