@@ -28,12 +28,15 @@ fn shard_child(tag: &str) -> String {
     format!("echo {tag} started shard=$PGLEADER_SHARD; exec sleep 1000")
 }
 
+/// `pgleader run` for a lock, with options, running a script.
+pub type CommandFor<'a> = Box<dyn Fn(i64, &[&str], &str) -> Command + 'a>;
+
 /// How the replicas of one backend are started: `pgleader run --lock-id LOCK OPTIONS -- sh -c
 /// SCRIPT` against its server.
 pub struct Launcher<'a> {
     /// The backend's label in the tables.
     pub label: &'static str,
-    pub command: Box<dyn Fn(i64, &[&str], &str) -> Command + 'a>,
+    pub command: CommandFor<'a>,
     /// How long a takeover may take before the run counts as failed.
     pub handoff_bound: Duration,
     /// Options every replica of this backend gets.
