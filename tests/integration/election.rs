@@ -533,11 +533,15 @@ fn json_logs_carry_a_stable_set_of_fields() {
 
 /// The server's view of pgleader's sessions (leaders, followers, status) that hold a snapshot:
 /// (backend pid, whether it waits for a lock, seconds since its transaction began).
+///
+/// pg_stat_activity reads each backend's fields one by one, not at one instant: a session
+/// caught between two turns can show its last snapshot's xmin with no transaction (a null
+/// `xact_start`). It holds no snapshot then, so its age is 0.
 pub(crate) fn snapshots(client: &mut postgres::Client) -> Vec<(i32, bool, f64)> {
     client
         .query(
             "SELECT pid, wait_event IS NOT DISTINCT FROM 'advisory', \
-                    extract(epoch FROM clock_timestamp() - xact_start)::float8 \
+                    coalesce(extract(epoch FROM clock_timestamp() - xact_start)::float8, 0) \
                FROM pg_stat_activity \
               WHERE application_name LIKE 'pgleader%' AND backend_xmin IS NOT NULL",
             &[],
