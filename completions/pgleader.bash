@@ -115,7 +115,7 @@ _pgleader() {
             return 0
             ;;
         pgleader__subcmd__run)
-            opts="-d -v -q -h -V --lock-id --lock --database-url --once --no-wait --busy-exit-code --check-interval --check-timeout --kill-signal --kill-timeout --restart-delay --lease --takeover-delay --relinquish-after --relinquish-schedule --schedule --schedule-timezone --catch-up --retry-interrupted --ledger-table --shards --max-shards --restart-fence --wait-refresh --http --log-format --verbose --quiet --help --version"
+            opts="-d -v -q -h -V --lock-id --lock --database-url --once --no-wait --busy-exit-code --check-interval --check-timeout --kill-signal --kill-timeout --restart-delay --lease --takeover-delay --relinquish-after --relinquish-schedule --schedule --schedule-timezone --catch-up --retry-interrupted --ledger-table --shards --max-shards --restart-fence --wait-refresh --pre-start --post-stop --hook-timeout --http --log-format --verbose --quiet --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -210,6 +210,18 @@ _pgleader() {
                     return 0
                     ;;
                 --wait-refresh)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --pre-start)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --post-stop)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --hook-timeout)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;

@@ -277,8 +277,8 @@ pub struct RunArgs {
     /// After winning less than this long after a server restart, crash or failover (which free
     /// every lock at once, possibly while the previous leader is still stopping its command),
     /// wait until this long has passed before starting the command. auto = --check-interval +
-    /// --check-timeout + --kill-timeout + 1s, the longest a previous leader with the same
-    /// settings can take. 0 disables
+    /// --check-timeout + --kill-timeout (+ --hook-timeout with hooks) + 1s, the longest a
+    /// previous leader with the same settings can take. 0 disables
     #[arg(long, value_name = "DURATION", default_value = "auto", value_parser = auto_or_duration, env = "PGLEADER_RESTART_FENCE")]
     pub restart_fence: RestartFence,
 
@@ -289,6 +289,29 @@ pub struct RunArgs {
     /// pgleader's own). No effect on Redis
     #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = wait_refresh, env = "PGLEADER_WAIT_REFRESH")]
     pub wait_refresh: Duration,
+
+    /// Run this shell command line (sh -c) after winning the lock, before the command starts
+    /// (attach a floating IP, update a DNS record). If it fails or times out, the command does
+    /// not start: --post-stop runs, the lock is released, and this replica sits out (1s,
+    /// doubling up to 1m while it keeps failing). It gets the command's environment and
+    /// PGLEADER_HOOK=pre-start. With --schedule it runs before each run, with --shards before
+    /// each shard's command
+    #[arg(long, value_name = "CMD", value_parser = shell_line, env = "PGLEADER_PRE_START", help_heading = "Hooks")]
+    pub pre_start: Option<String>,
+
+    /// Run this shell command line (sh -c) once the command's whole process tree is gone,
+    /// whatever ended it (its exit, a lost lock, a signal, a handoff, pgleader killed -9), and
+    /// before the lock is released, so that the next leader's --pre-start starts only after it
+    /// finished (detach the floating IP). It gets the command's environment,
+    /// PGLEADER_HOOK=post-stop and PGLEADER_EXIT_CODE (when the command ran)
+    #[arg(long, value_name = "CMD", value_parser = shell_line, env = "PGLEADER_POST_STOP", help_heading = "Hooks")]
+    pub post_stop: Option<String>,
+
+    /// How long each hook may run before it is killed with everything it started (a failed
+    /// --pre-start). With a hook, --lease must cover it too: --check-interval +
+    /// --check-timeout + --kill-timeout + --hook-timeout + 1s
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = positive_duration, env = "PGLEADER_HOOK_TIMEOUT", help_heading = "Hooks")]
+    pub hook_timeout: Duration,
 
     /// Serve /leader, /healthz, /status and /metrics (Prometheus) over HTTP on this address
     /// and port: 127.0.0.1:9187 for this host only, 0.0.0.0:9187 or [::]:9187 for every
@@ -349,6 +372,15 @@ pub struct StatusArgs {
 fn non_empty_name(value: &str) -> Result<String, String> {
     if value.is_empty() {
         Err("the lock name must not be empty".into())
+    } else {
+        Ok(value.to_owned())
+    }
+}
+
+/// A hook's shell command line: anything but blank.
+fn shell_line(value: &str) -> Result<String, String> {
+    if value.trim().is_empty() {
+        Err("a hook must not be empty".into())
     } else {
         Ok(value.to_owned())
     }

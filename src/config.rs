@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use thiserror::Error;
 
 use crate::cli::{ConnectionArgs, LedgerArgs, LockArgs, RestartFence, RunArgs};
-use crate::election::lease::Lease;
+use crate::election::lease::{Lease, StopTimings};
 use crate::election::lock::LockKey;
 use crate::election::majority::Majority;
 use crate::election::participant;
@@ -19,6 +19,7 @@ use crate::redis::quorum::QuorumBackend;
 use crate::redis::url::{RedisServer, is_redis_url};
 use crate::schedule::Plan;
 use crate::schedule::calendar::Schedule;
+use crate::supervise::hook::Hooks;
 use crate::supervise::job::CommandLine;
 use crate::supervise::{Settings, Sharding};
 
@@ -108,12 +109,20 @@ impl RunConfig {
         let lock = lock_key(&args.lock, env)?;
         let database = database(&args.connection, env)?;
         let lease = Lease::new(args.lease);
-        let timings = (args.check_interval, args.check_timeout, args.kill_timeout);
+        let hooks = Hooks {
+            pre_start: args.pre_start.clone(),
+            post_stop: args.post_stop.clone(),
+            timeout: args.hook_timeout,
+        };
+        let stop = StopTimings {
+            check_interval: args.check_interval,
+            check_timeout: args.check_timeout,
+            kill_timeout: args.kill_timeout,
+            hook_timeout: hooks.any().then_some(hooks.timeout),
+        };
         match &database {
-            Database::Postgres(_) => lease.validate(timings.0, timings.1, timings.2),
-            Database::Redis(_) | Database::Quorum(_) => {
-                lease.validate_ttl(timings.0, timings.1, timings.2)
-            }
+            Database::Postgres(_) => lease.validate(&stop),
+            Database::Redis(_) | Database::Quorum(_) => lease.validate_ttl(&stop),
         }
         .map_err(UsageError)?;
         no_ledger_table_on_redis(&args.ledger, &database)?;
@@ -165,13 +174,9 @@ impl RunConfig {
             shards,
             restart_fence: match args.restart_fence {
                 RestartFence::Fixed(duration) => duration,
-                RestartFence::Auto => {
-                    args.check_interval
-                        + args.check_timeout
-                        + args.kill_timeout
-                        + crate::election::lease::MARGIN
-                }
+                RestartFence::Auto => stop.total() + crate::election::lease::MARGIN,
             },
+            hooks,
             lock: lock.clone(),
         };
         let (backend, warnings) = match database {

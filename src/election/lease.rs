@@ -5,7 +5,8 @@
 //! and the child is gone at most `kill-timeout` later. The server, on its side, frees the lock
 //! only when it gives up on the leader. The rule every backend keeps: the server never frees
 //! the lock before `last successful check + lease`, and frees it within about a lease after.
-//! Requiring `lease >= check-interval + check-timeout + kill-timeout + margin` therefore means
+//! Requiring `lease >= check-interval + check-timeout + kill-timeout + margin` (plus
+//! `hook-timeout` when hooks are set: `--post-stop` runs before the lock may go) therefore means
 //! the old child is gone before anyone else can win. [`Lease::validate`] refuses anything else.
 //!
 //! How the server is made to keep it is the backend's business. PostgreSQL's defaults would
@@ -72,26 +73,52 @@ impl Lease {
 
     /// Refuses timings where an old leader's child could still run when the server frees the
     /// lock.
-    pub fn validate(
-        &self,
-        check_interval: Duration,
-        check_timeout: Duration,
-        kill_timeout: Duration,
-    ) -> Result<(), String> {
-        let needed = check_interval + check_timeout + kill_timeout + MARGIN;
+    pub fn validate(&self, stop: &StopTimings) -> Result<(), String> {
+        let needed = stop.total() + MARGIN;
         if self.duration < needed {
             return Err(format!(
                 "--lease {} is too short: a leader cut off from the server stops its command up to \
-                 --check-interval + --check-timeout + --kill-timeout = {} after its last successful \
-                 check, and the server must not free the lock before that (plus {} of margin). \
-                 Use --lease {} or more, or shorten the other timings",
+                 {} = {} after its last successful check, and the server must not free the lock \
+                 before that (plus {} of margin). Use --lease {} or more, or shorten the other \
+                 timings",
                 fmt(self.duration),
-                fmt(check_interval + check_timeout + kill_timeout),
+                stop.names(),
+                fmt(stop.total()),
                 fmt(MARGIN),
                 fmt(needed),
             ));
         }
         Ok(())
+    }
+}
+
+/// What a leader cut off from the server takes, at most, from its last successful check until
+/// nothing of its leadership is left: the deadline (`check-interval + check-timeout`), the
+/// kill timeout, and `--post-stop` when hooks are set.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StopTimings {
+    pub check_interval: Duration,
+    pub check_timeout: Duration,
+    pub kill_timeout: Duration,
+    /// `--hook-timeout`, when a hook is set.
+    pub hook_timeout: Option<Duration>,
+}
+
+impl StopTimings {
+    pub fn total(&self) -> Duration {
+        self.check_interval
+            + self.check_timeout
+            + self.kill_timeout
+            + self.hook_timeout.unwrap_or_default()
+    }
+
+    /// The options that add up to [`StopTimings::total`].
+    fn names(&self) -> &'static str {
+        if self.hook_timeout.is_some() {
+            "--check-interval + --check-timeout + --kill-timeout + --hook-timeout"
+        } else {
+            "--check-interval + --check-timeout + --kill-timeout"
+        }
     }
 }
 
@@ -104,23 +131,19 @@ impl Lease {
     /// [`Lease::validate`] for a lease that is a key's TTL on the server's clock: the key must
     /// outlive the leader's deadline even if the server's clock runs
     /// [`CLOCK_DRIFT_PERCENT`] faster than the leader's.
-    pub fn validate_ttl(
-        &self,
-        check_interval: Duration,
-        check_timeout: Duration,
-        kill_timeout: Duration,
-    ) -> Result<(), String> {
-        let deadline = check_interval + check_timeout + kill_timeout + MARGIN;
+    pub fn validate_ttl(&self, stop: &StopTimings) -> Result<(), String> {
+        let deadline = stop.total() + MARGIN;
         let needed = deadline * 100 / (100 - CLOCK_DRIFT_PERCENT);
         if self.duration < needed {
             return Err(format!(
                 "--lease {} is too short: it is the Redis key's TTL, and a leader cut off from \
-                 the server stops its command up to --check-interval + --check-timeout + \
-                 --kill-timeout = {} after its last successful check; the key must outlive that, \
-                 plus {} of margin, even if the server's clock runs {CLOCK_DRIFT_PERCENT}% fast. \
-                 Use --lease {} or more, or shorten the other timings",
+                 the server stops its command up to {} = {} after its last successful check; \
+                 the key must outlive that, plus {} of margin, even if the server's clock runs \
+                 {CLOCK_DRIFT_PERCENT}% fast. Use --lease {} or more, or shorten the other \
+                 timings",
                 fmt(self.duration),
-                fmt(check_interval + check_timeout + kill_timeout),
+                stop.names(),
+                fmt(stop.total()),
                 fmt(MARGIN),
                 fmt(Duration::from_millis(
                     needed.as_millis().div_ceil(1000) as u64 * 1000
@@ -161,22 +184,51 @@ mod tests {
         );
     }
 
+    fn stop(interval: u64, timeout: u64, kill: u64, hook: Option<u64>) -> StopTimings {
+        StopTimings {
+            check_interval: S(interval),
+            check_timeout: S(timeout),
+            kill_timeout: S(kill),
+            hook_timeout: hook.map(S),
+        }
+    }
+
     #[test]
     fn refuses_a_lease_shorter_than_the_leaders_own_deadline() {
         let lease = Lease::new(S(10));
-        assert!(lease.validate(S(1), S(2), S(5)).is_ok());
-        assert!(lease.validate(S(1), S(2), S(6)).is_ok());
-        let err = lease.validate(S(1), S(2), S(7)).expect_err("too short");
+        assert!(lease.validate(&stop(1, 2, 5, None)).is_ok());
+        assert!(lease.validate(&stop(1, 2, 6, None)).is_ok());
+        let err = lease.validate(&stop(1, 2, 7, None)).expect_err("too short");
         assert!(err.contains("--lease 11s or more"), "{err}");
+    }
+
+    #[test]
+    fn a_hook_counts_towards_the_lease() {
+        let lease = Lease::new(S(10));
+        assert!(lease.validate(&stop(1, 2, 5, Some(1))).is_ok());
+        let err = lease
+            .validate(&stop(1, 2, 5, Some(5)))
+            .expect_err("too short");
+        assert!(err.contains("--lease 14s or more"), "{err}");
+        assert!(
+            err.contains("--kill-timeout + --hook-timeout = 13s"),
+            "{err}"
+        );
+        let err = lease
+            .validate_ttl(&stop(1, 2, 5, Some(5)))
+            .expect_err("too short");
+        assert!(err.contains("--hook-timeout"), "{err}");
     }
 
     #[test]
     fn a_ttl_allows_for_a_server_clock_that_runs_fast() {
         let lease = Lease::new(S(10));
-        assert!(lease.validate_ttl(S(1), S(2), S(5)).is_ok());
+        assert!(lease.validate_ttl(&stop(1, 2, 5, None)).is_ok());
         // Exactly the deadline is enough for PostgreSQL, not for a TTL.
-        assert!(lease.validate(S(1), S(2), S(6)).is_ok());
-        let err = lease.validate_ttl(S(1), S(2), S(6)).expect_err("too short");
+        assert!(lease.validate(&stop(1, 2, 6, None)).is_ok());
+        let err = lease
+            .validate_ttl(&stop(1, 2, 6, None))
+            .expect_err("too short");
         assert!(err.contains("--lease 11s or more"), "{err}");
     }
 }

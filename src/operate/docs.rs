@@ -94,6 +94,26 @@ const SECTIONS: &[Section] = &[
                 "PGLEADER_SHARD, PGLEADER_SHARDS",
                 "With --shards K: which shard this command runs (0 to K-1), and K. Its PGLEADER_EPOCH is that shard's, and PGLEADER_BACKEND_PID the replica's holder session.",
             ),
+            Para("The hooks (--pre-start, --post-stop) get the same environment, plus:"),
+            Entry("PGLEADER_HOOK", "Which hook runs: pre-start or post-stop."),
+            Entry(
+                "PGLEADER_EXIT_CODE",
+                "In --post-stop, when the command ran: its exit code, or 128+N when signal N killed it.",
+            ),
+        ],
+    },
+    Section {
+        heading: "HOOKS",
+        body: &[
+            Para(
+                "--pre-start and --post-stop run a shell command line (sh -c) around the command, in order, once per transition: the old leader's post-stop has finished before the new leader's pre-start begins, and that before its command starts. Their output goes to pgleader's log, one hook_output event per line, tagged hook=pre-start or hook=post-stop; hook_started, hook_finished and hook_failed say when each ran and how it ended. A hook that runs past --hook-timeout is killed with everything it started, and whatever a hook leaves running when it exits is killed too.",
+            ),
+            Para(
+                "--pre-start runs after this replica won and took its fencing token (and after --takeover-delay or the restart fence), in the command's process group, so a lost lock or a shutdown stops it as it would the command. If it exits non-zero or times out, the command does not start: --post-stop runs, the lock is released, and the replica sits out 1s before it queues again, doubling up to 1m while its pre-start keeps failing.",
+            ),
+            Para(
+                "--post-stop runs, in a process group of its own, once the command's whole tree is gone, whatever ended it (its exit, a lost lock, a signal, a handoff, a failed pre-start, pgleader killed -9: the keeper runs it then), and before the lock is released or the leader's connection let go. A second TERM or INT to pgleader kills it. Where the server ends the leader's session itself (pg_terminate_backend, a restart, a Redis key deleted), the lock is free already: only --takeover-delay (at least --kill-timeout + --hook-timeout) or the restart fence orders the next pre-start behind it. With hooks, --lease must be at least --check-interval + --check-timeout + --kill-timeout + --hook-timeout + 1s. With --schedule the hooks wrap each run; with --shards, each shard's command.",
+            ),
         ],
     },
     Section {
@@ -245,7 +265,7 @@ const SECTIONS: &[Section] = &[
             ),
             Entry(
                 "GET /metrics",
-                "Prometheus' text format, version 0.0.4. Every series carries the label lock (the name with --lock, the key with --lock-id). pgleader_info{version,lock_key,lock_name} (gauge, 1); pgleader_is_leader (gauge); pgleader_epoch (gauge); pgleader_leadership_acquired_total (counter); pgleader_leadership_lost_total{reason} (counter; reason: connection_ended, check_failed, check_timeout, not_held, command_exited, relinquished, ledger_failed, shutdown); pgleader_last_check_success_timestamp_seconds (gauge); pgleader_check_duration_seconds (histogram); pgleader_command_running (gauge); pgleader_command_exits_total{outcome} (counter; outcome: succeeded, failed, signaled); pgleader_connection_failures_total (counter); with --schedule, pgleader_scheduled_runs_total{outcome} (counter; outcome: succeeded, failed, interrupted, skipped, missed, busy; each ledger outcome counted by the instance that recorded it); with --shards, the shard metrics of SHARDS.",
+                "Prometheus' text format, version 0.0.4. Every series carries the label lock (the name with --lock, the key with --lock-id). pgleader_info{version,lock_key,lock_name} (gauge, 1); pgleader_is_leader (gauge); pgleader_epoch (gauge); pgleader_leadership_acquired_total (counter); pgleader_leadership_lost_total{reason} (counter; reason: connection_ended, check_failed, check_timeout, not_held, command_exited, relinquished, ledger_failed, shutdown, pre_start_failed); pgleader_last_check_success_timestamp_seconds (gauge); pgleader_check_duration_seconds (histogram); pgleader_command_running (gauge); pgleader_command_exits_total{outcome} (counter; outcome: succeeded, failed, signaled); pgleader_connection_failures_total (counter); with --schedule, pgleader_scheduled_runs_total{outcome} (counter; outcome: succeeded, failed, interrupted, skipped, missed, busy; each ledger outcome counted by the instance that recorded it); with --shards, the shard metrics of SHARDS.",
             ),
             Para(
                 "The endpoint runs beside the election on pgleader's one thread and only reads what the election publishes, so no client can delay a check, a stop or a handoff. At most 64 connections are served at once (one more is closed at once), a request head may be at most 8 KiB (else 431) and must arrive within 5 s, and no connection is kept longer than 30 s.",

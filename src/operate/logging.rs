@@ -20,8 +20,17 @@ use tracing_subscriber::registry::LookupSpan;
 
 use crate::cli::LogFormat;
 
+/// How this process logs, once [`init`] has run: the keeper logs the same way.
+static CURRENT: std::sync::OnceLock<(LogFormat, i8)> = std::sync::OnceLock::new();
+
+/// The format and verbosity [`init`] was given.
+pub fn current() -> Option<(LogFormat, i8)> {
+    CURRENT.get().copied()
+}
+
 /// Installs the global logger. `verbosity` is -q (negative) to -v (positive).
 pub fn init(format: LogFormat, verbosity: i8) {
+    let _ = CURRENT.set((format, verbosity));
     let level = match verbosity {
         i8::MIN..=-2 => Level::ERROR,
         -1 => Level::WARN,

@@ -49,10 +49,12 @@ pub enum LossReason {
     LedgerFailed,
     /// TERM or INT.
     Shutdown,
+    /// `--pre-start` failed or timed out: the command never started.
+    PreStartFailed,
 }
 
 impl LossReason {
-    pub const ALL: [LossReason; 8] = [
+    pub const ALL: [LossReason; 9] = [
         LossReason::ConnectionEnded,
         LossReason::CheckFailed,
         LossReason::CheckTimeout,
@@ -61,6 +63,7 @@ impl LossReason {
         LossReason::Relinquished,
         LossReason::LedgerFailed,
         LossReason::Shutdown,
+        LossReason::PreStartFailed,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -73,6 +76,7 @@ impl LossReason {
             LossReason::Relinquished => "relinquished",
             LossReason::LedgerFailed => "ledger_failed",
             LossReason::Shutdown => "shutdown",
+            LossReason::PreStartFailed => "pre_start_failed",
         }
     }
 }

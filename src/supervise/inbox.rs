@@ -47,6 +47,9 @@ pub struct Inbox {
     pub telemetry: Telemetry,
     /// `--kill-timeout`.
     pub kill_timeout: Duration,
+    /// `--hook-timeout`: how long the keeper may run `--post-stop` once the command's tree is
+    /// gone.
+    pub hook_timeout: Duration,
 }
 
 impl Inbox {
@@ -54,12 +57,14 @@ impl Inbox {
         signals: UnboundedReceiver<SignalEvent>,
         telemetry: Telemetry,
         kill_timeout: Duration,
+        hook_timeout: Duration,
     ) -> Inbox {
         Inbox {
             signals,
             shutdown_requested: None,
             telemetry,
             kill_timeout,
+            hook_timeout,
         }
     }
 
@@ -123,10 +128,13 @@ impl Inbox {
         let keeper_grace = sleep(Duration::MAX);
         tokio::pin!(keeper_grace);
         let (mut escalated, mut keeper_killed) = (false, false);
+        // The keeper said the tree is gone and `--post-stop` runs: the kill timeout is over,
+        // the hook has a timeout of its own.
+        let mut post_stop = false;
         while !job.is_finished() {
             let event = tokio::select! {
-                _ = &mut grace, if !escalated => StopEvent::GraceOver,
-                _ = &mut keeper_grace, if escalated && !keeper_killed => StopEvent::KeeperStuck,
+                _ = &mut grace, if !escalated && !post_stop => StopEvent::GraceOver,
+                _ = &mut keeper_grace, if (escalated || post_stop) && !keeper_killed => StopEvent::KeeperStuck,
                 event = self.signals.recv() => StopEvent::Signal(event),
                 report = job.next_report() => StopEvent::Report(report),
             };
@@ -205,6 +213,14 @@ impl Inbox {
                         Report::SpawnFailed(_) => {}
                         // `job.is_finished()` now says so.
                         Report::Done(_) => {}
+                        // The keeper logged it; post-stop comes next.
+                        Report::PreStartFailed(_) => {}
+                        Report::PostStop(_) => {
+                            post_stop = true;
+                            keeper_grace
+                                .as_mut()
+                                .reset(Instant::now() + self.hook_timeout + KEEPER_GRACE);
+                        }
                         Report::Started(pid) => {
                             debug!(
                                 event = "child_started",
@@ -381,6 +397,10 @@ pub fn status_of(report: Report) -> ChildStatus {
             .map(ChildStatus::Signaled)
             .unwrap_or(ChildStatus::Exited(128 + signal)),
         Report::Exited(code) => ChildStatus::Exited(code),
-        Report::Started(_) | Report::SpawnFailed(_) | Report::Done(_) => ChildStatus::Exited(0),
+        Report::Started(_)
+        | Report::SpawnFailed(_)
+        | Report::Done(_)
+        | Report::PreStartFailed(_)
+        | Report::PostStop(_) => ChildStatus::Exited(0),
     }
 }

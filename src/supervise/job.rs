@@ -24,6 +24,7 @@ use nix::unistd::{AccessFlags, Pid, access};
 use thiserror::Error;
 
 use crate::exit::{self, ChildStatus};
+use crate::supervise::hook::Hooks;
 use crate::supervise::keeper::{self, Report};
 use crate::supervise::procfs;
 
@@ -157,7 +158,8 @@ pub struct Parked {
 }
 
 impl Parked {
-    /// Starts a keeper for `command` in a process group of its own, parked. The keeper's
+    /// Starts a keeper for `command` (and its `hooks`) in a process group of its own, parked.
+    /// The keeper's
     /// environment is pgleader's, without what only pgleader may use ([`notify::PRIVATE_ENV`]).
     ///
     /// Any thread may call this (pgleader calls it on a blocking thread, so that the keeper's
@@ -174,12 +176,13 @@ impl Parked {
     /// musl 1.1.24 or later).
     ///
     /// [`notify::PRIVATE_ENV`]: crate::operate::notify::PRIVATE_ENV
-    pub fn spawn(command: &CommandLine) -> io::Result<Parked> {
+    pub fn spawn(command: &CommandLine, hooks: &Hooks) -> io::Result<Parked> {
         let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
         let theirs_fd = theirs.as_raw_fd();
         let mut args = vec![c_string(keeper::ARGV0.as_bytes())?];
         for arg in keeper::keeper_args(
             theirs_fd,
+            hooks,
             &command.program.clone().into_os_string(),
             &command.argv,
         ) {

@@ -60,7 +60,14 @@ use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::{Pid, getpid};
 
+use tracing::{info, warn};
+
+use crate::cli::LogFormat;
+use crate::exit::ChildStatus;
+use crate::operate::logging;
+use crate::supervise::hook::{self, Ended, Hook, Hooks};
 use crate::supervise::{procfs, spawn};
+use crate::time::for_people;
 
 /// The name the keeper runs under; `main` checks `argv[0]` for it.
 pub const ARGV0: &str = "pgleader-keeper";
@@ -77,8 +84,14 @@ pub enum Report {
     /// The command was killed by this signal number.
     Killed(i32),
     /// Nothing of the job is left: the command and every process it started are dead and
-    /// reaped. The keeper exits right after; the value is 0.
+    /// reaped (and `--post-stop` has run). The keeper exits right after; the value is 0.
     Done(i32),
+    /// `--pre-start` did not pass (the value says how it ended, see `hook::describe`): the
+    /// command will not start; `--post-stop` runs, then `Done`.
+    PreStartFailed(i32),
+    /// The command's whole tree is gone and `--post-stop` runs now, bounded by
+    /// `--hook-timeout`; `Done` follows once it has finished. The value is 0.
+    PostStop(i32),
 }
 
 impl Report {
@@ -91,6 +104,8 @@ impl Report {
             Report::Exited(code) => (b'X', code),
             Report::Killed(signal) => (b'K', signal),
             Report::Done(value) => (b'D', value),
+            Report::PreStartFailed(value) => (b'F', value),
+            Report::PostStop(value) => (b'P', value),
         };
         let [a, b, c, d] = value.to_le_bytes();
         [tag, a, b, c, d]
@@ -104,6 +119,8 @@ impl Report {
             b'X' => Report::Exited(value),
             b'K' => Report::Killed(value),
             b'D' => Report::Done(value),
+            b'F' => Report::PreStartFailed(value),
+            b'P' => Report::PostStop(value),
             _ => return None,
         })
     }
@@ -114,12 +131,68 @@ pub fn is_keeper_invocation() -> bool {
     std::env::args_os().next().is_some_and(|arg0| arg0 == ARGV0)
 }
 
-/// The arguments pgleader passes: the channel's descriptor, the program to execute, the
-/// command's `argv[0]` and its arguments.
-pub fn keeper_args(fd: RawFd, program: &OsString, argv: &[OsString]) -> Vec<OsString> {
-    let mut args = vec![OsString::from(fd.to_string()), program.clone()];
+/// The arguments pgleader passes: the channel's descriptor; `KEY=VALUE` options (the hooks,
+/// pgleader's log format and verbosity) up to `--`; the program to execute, the command's
+/// `argv[0]` and its arguments.
+pub fn keeper_args(
+    fd: RawFd,
+    hooks: &Hooks,
+    program: &OsString,
+    argv: &[OsString],
+) -> Vec<OsString> {
+    let mut args = vec![OsString::from(fd.to_string())];
+    args.extend(hooks.to_args());
+    if let Some((format, verbosity)) = logging::current() {
+        let format = match format {
+            LogFormat::Text => "text",
+            LogFormat::Json => "json",
+        };
+        args.push(OsString::from(format!("{LOG}{format}")));
+        args.push(OsString::from(format!("{VERBOSITY}{verbosity}")));
+    }
+    args.push(OsString::from(END_OF_OPTIONS));
+    args.push(program.clone());
     args.extend(argv.iter().cloned());
     args
+}
+
+const LOG: &str = "log=";
+const VERBOSITY: &str = "verbosity=";
+const END_OF_OPTIONS: &str = "--";
+
+/// The keeper's options: the hooks, and how to log (as pgleader does).
+#[derive(Default)]
+struct Options {
+    hooks: Hooks,
+    log: Option<LogFormat>,
+    verbosity: i8,
+}
+
+impl Options {
+    /// Reads the options up to `--`.
+    fn read(args: &mut impl Iterator<Item = OsString>) -> io::Result<Options> {
+        let mut options = Options::default();
+        for word in args.by_ref() {
+            let word = word
+                .into_string()
+                .map_err(|_| io::Error::other("an option that is not UTF-8"))?;
+            if word == END_OF_OPTIONS {
+                return Ok(options);
+            }
+            if let Some(format) = word.strip_prefix(LOG) {
+                options.log = Some(if format == "json" {
+                    LogFormat::Json
+                } else {
+                    LogFormat::Text
+                });
+            } else if let Some(verbosity) = word.strip_prefix(VERBOSITY) {
+                options.verbosity = verbosity.parse().unwrap_or(0);
+            } else if !options.hooks.read_arg(&word) {
+                return Err(io::Error::other(format!("unknown option {word:?}")));
+            }
+        }
+        Err(io::Error::other("missing program"))
+    }
 }
 
 /// The tag of the message that starts the command: then a little-endian 32-bit length and
@@ -236,6 +309,14 @@ fn run() -> io::Result<i32> {
         .next()
         .and_then(|fd| fd.to_str()?.parse().ok())
         .ok_or_else(|| io::Error::other("this program is started by pgleader, not by hand"))?;
+    let options = Options::read(&mut args)?;
+    // Only hooks log here (their output and how they ended).
+    if let Some(format) = options.log
+        && options.hooks.any()
+    {
+        logging::init(format, options.verbosity);
+    }
+    let hooks = options.hooks;
     let program = args
         .next()
         .ok_or_else(|| io::Error::other("missing program"))?;
@@ -253,7 +334,7 @@ fn run() -> io::Result<i32> {
              keeps it only with glibc 2.29, musl 1.1.24 or later)"
         ))
     })?;
-    let mut channel = UnixStream::from(channel);
+    let channel = UnixStream::from(channel);
 
     // pgleader started us with every signal blocked already (see `job::Parked::spawn`), so a
     // signal sent to the group before this point cannot kill the keeper; block again in case
@@ -279,29 +360,52 @@ fn run() -> io::Result<i32> {
     // The leader's connection sockets: held, never read or written, until every process of the
     // job is gone (`Job::finish`). The command does not inherit them (they arrived
     // close-on-exec).
-    let held_connections = start.hold;
+    let mut job = Job {
+        main_pid: None,
+        main_done: false,
+        main_status: None,
+        channel,
+        pgleader_gone: false,
+        signalfd,
+        held_connections: start.hold,
+        hooks,
+        env: start.env,
+        hook: None,
+    };
+
+    if let Some(line) = job.hooks.pre_start.clone() {
+        let ended = job.run_hook(Hook::PreStart, &line);
+        if ended != Ended::Passed {
+            // A failed write means pgleader is gone; post-stop runs all the same.
+            let _ = job
+                .channel
+                .write_all(&Report::PreStartFailed(ended.code()).encode());
+            job.end();
+            return Ok(0);
+        }
+    }
 
     let spawned = prepared
         .as_mut()
         .map_err(|err| Errno::from_raw(err.raw_os_error().unwrap_or(Errno::EINVAL as i32)))
-        .and_then(|prepared| prepared.spawn(&start.env));
+        .and_then(|prepared| prepared.spawn(&job.env));
     let main_pid = match spawned {
         Ok(pid) => pid,
         Err(errno) => {
-            let _ = channel.write_all(&Report::SpawnFailed(errno as i32).encode());
+            let _ = job
+                .channel
+                .write_all(&Report::SpawnFailed(errno as i32).encode());
+            // What --pre-start did is undone all the same.
+            job.run_post_stop();
             return Ok(if errno == Errno::ENOENT { 127 } else { 126 });
         }
     };
+    job.main_pid = Some(main_pid);
     // A failed write means pgleader is gone; the poll loop below notices and cleans up.
-    let _ = channel.write_all(&Report::Started(main_pid.as_raw()).encode());
+    let _ = job
+        .channel
+        .write_all(&Report::Started(main_pid.as_raw()).encode());
 
-    let mut job = Job {
-        main_pid,
-        main_done: false,
-        channel,
-        signalfd,
-        held_connections,
-    };
     loop {
         let mut fds = [
             PollFd::new(job.channel.as_fd(), PollFlags::POLLIN),
@@ -320,19 +424,22 @@ fn run() -> io::Result<i32> {
         let children_ready = fds[1].any().unwrap_or(false);
 
         if channel_ready {
-            match read_request(&mut job.channel) {
+            let request = read_request(&mut job.channel);
+            let request_is_gone = matches!(request, Request::PgleaderGone);
+            match request {
                 Request::None => {}
                 // pgleader asks for the end (its kill timeout ran out), or died without
                 // stopping us: nothing of the job may outlive this moment.
                 Request::KillEverything | Request::PgleaderGone => {
+                    job.pgleader_gone |= request_is_gone;
                     job.kill_everything();
-                    job.finish();
+                    job.end();
                     return Ok(0);
                 }
             }
         }
         if children_ready && job.reap() == Reaped::NoChildrenLeft && job.main_done {
-            job.finish();
+            job.end();
             return Ok(0);
         }
     }
@@ -367,31 +474,183 @@ enum Reaped {
 
 /// The keeper's side of a running job.
 struct Job {
-    main_pid: Pid,
+    /// The command, once it runs.
+    main_pid: Option<Pid>,
     main_done: bool,
+    /// How the command ended, for `--post-stop`'s `PGLEADER_EXIT_CODE`.
+    main_status: Option<i32>,
     channel: UnixStream,
+    /// The channel read end-of-file: nobody reads the reports any more.
+    pgleader_gone: bool,
     signalfd: SignalFd,
     held_connections: Vec<OwnedFd>,
+    hooks: Hooks,
+    /// What pgleader added to the command's environment (the hooks get it too).
+    env: Vec<(OsString, OsString)>,
+    /// The hook that runs, and how it ended once reaped.
+    hook: Option<(Pid, Option<WaitStatus>)>,
 }
 
 impl Job {
-    /// Reaps every child that has exited, reporting the command's own end.
+    /// Reaps every child that has exited, reporting the command's own end and noting a
+    /// hook's.
     fn reap(&mut self) -> Reaped {
         while let Ok(Some(_)) = self.signalfd.read_signal() {}
         loop {
-            let report = match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
+            let status = match waitpid(None, Some(WaitPidFlag::WNOHANG)) {
                 Ok(WaitStatus::StillAlive) => return Reaped::SomeLeft,
-                Ok(WaitStatus::Exited(pid, code)) if pid == self.main_pid => Report::Exited(code),
-                Ok(WaitStatus::Signaled(pid, signal, _)) if pid == self.main_pid => {
-                    Report::Killed(signal as i32)
-                }
-                Ok(_) | Err(Errno::EINTR) => continue,
+                Ok(status) => status,
+                Err(Errno::EINTR) => continue,
                 Err(_) => return Reaped::NoChildrenLeft,
             };
+            let pid = status.pid();
+            if let Some((hook, ended)) = &mut self.hook
+                && pid == Some(*hook)
+            {
+                *ended = Some(status);
+                continue;
+            }
+            if pid.is_none() || pid != self.main_pid {
+                continue;
+            }
+            let report = match status {
+                WaitStatus::Exited(_, code) => Report::Exited(code),
+                WaitStatus::Signaled(_, signal, _) => Report::Killed(signal as i32),
+                _ => continue,
+            };
             self.main_done = true;
+            self.main_status = Some(match report {
+                Report::Killed(signal) => 128 + signal,
+                Report::Exited(code) => code,
+                _ => 0,
+            });
             // A failed write means pgleader is gone; the caller finds out soon enough.
             let _ = self.channel.write_all(&report.encode());
         }
+    }
+
+    /// The end of the job once nothing of the command is left: `--post-stop`, then
+    /// [`Job::finish`].
+    fn end(&mut self) {
+        self.run_post_stop();
+        self.finish();
+    }
+
+    /// Runs `--post-stop`, if set, once the command's tree is gone; tells pgleader first, so
+    /// that its stop sequence gives the hook its own timeout.
+    fn run_post_stop(&mut self) {
+        let Some(line) = self.hooks.post_stop.clone() else {
+            return;
+        };
+        let _ = self.channel.write_all(&Report::PostStop(0).encode());
+        if let Some(code) = self.main_status {
+            self.env
+                .push(("PGLEADER_EXIT_CODE".into(), code.to_string().into()));
+        }
+        self.run_hook(Hook::PostStop, &line);
+    }
+
+    /// Runs a hook to its end: its exit, its timeout, or (for `--pre-start`) pgleader's
+    /// request to end everything or pgleader's death. A `--post-stop` goes on when pgleader
+    /// dies: undoing what the leader did is why it exists. Whatever the hook leaves running
+    /// is killed when it ends, so nothing of it is left when this returns.
+    fn run_hook(&mut self, hook: Hook, line: &str) -> Ended {
+        let own_group = hook == Hook::PostStop;
+        let mut running = match hook::Running::spawn(hook, line, &self.env, own_group) {
+            Ok(running) => running,
+            Err(err) => {
+                warn!(event = "hook_failed", hook = hook.name(), reason = %err, "cannot run --{hook}");
+                return Ended::Failed(ChildStatus::Exited(127));
+            }
+        };
+        self.hook = Some((running.pid, None));
+        let deadline = running.started + self.hooks.timeout;
+        let ended = loop {
+            if let Some((_, Some(status))) = self.hook {
+                break match status {
+                    WaitStatus::Exited(_, 0) => Ended::Passed,
+                    WaitStatus::Exited(_, code) => Ended::Failed(ChildStatus::Exited(code)),
+                    WaitStatus::Signaled(_, signal, _) => {
+                        Ended::Failed(ChildStatus::Signaled(signal))
+                    }
+                    _ => Ended::Failed(ChildStatus::Exited(1)),
+                };
+            }
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                break Ended::TimedOut;
+            }
+            // The channel is watched until pgleader is gone (end-of-file stays readable).
+            let mut fds = vec![PollFd::new(self.signalfd.as_fd(), PollFlags::POLLIN)];
+            let channel_at = (!self.pgleader_gone).then(|| {
+                fds.push(PollFd::new(self.channel.as_fd(), PollFlags::POLLIN));
+                fds.len() - 1
+            });
+            let output_at = running.output_fd().map(|fd| {
+                fds.push(PollFd::new(fd, PollFlags::POLLIN));
+                fds.len() - 1
+            });
+            let wait = PollTimeout::try_from(left.as_millis().clamp(1, 60_000) as i32)
+                .unwrap_or(PollTimeout::MAX);
+            match poll(&mut fds, wait) {
+                Ok(_) | Err(Errno::EINTR) => {}
+                Err(_) => break Ended::Interrupted,
+            }
+            let ready: Vec<bool> = fds.iter().map(|fd| fd.any().unwrap_or(true)).collect();
+            drop(fds);
+            if output_at.is_some_and(|at| ready[at]) {
+                running.read_output();
+            }
+            if channel_at.is_some_and(|at| ready[at]) {
+                match read_request(&mut self.channel) {
+                    Request::None => {}
+                    Request::KillEverything => break Ended::Interrupted,
+                    Request::PgleaderGone => {
+                        self.pgleader_gone = true;
+                        if hook == Hook::PreStart {
+                            break Ended::Interrupted;
+                        }
+                    }
+                }
+            }
+            if ready[0] {
+                self.reap();
+            }
+        };
+        // Whatever is left of the hook (its leftovers, or all of it) goes now, and its output
+        // is read to the end.
+        self.kill_everything();
+        self.hook = None;
+        // Every writer is dead now, so the pipe ends soon; a copy handed to some process out
+        // of the keeper's reach is not waited for.
+        for _ in 0..10 {
+            let Some(fd) = running.output_fd() else {
+                break;
+            };
+            let _ = poll(
+                &mut [PollFd::new(fd, PollFlags::POLLIN)],
+                PollTimeout::from(10u8),
+            );
+            running.read_output();
+        }
+        let took = running.started.elapsed();
+        match ended {
+            Ended::Passed => info!(
+                event = "hook_finished",
+                hook = hook.name(),
+                elapsed_ms = took.as_millis() as u64,
+                "--{hook} finished in {}",
+                for_people(took)
+            ),
+            ended => warn!(
+                event = "hook_failed",
+                hook = hook.name(),
+                elapsed_ms = took.as_millis() as u64,
+                "--{hook} failed: {}",
+                hook::describe(ended.code())
+            ),
+        }
+        ended
     }
 
     /// Called once nothing of the job is left: lets go of the leader's connections and tells
@@ -470,6 +729,8 @@ mod tests {
             Report::Exited(-1),
             Report::Killed(9),
             Report::Done(0),
+            Report::PreStartFailed(-1),
+            Report::PostStop(0),
         ] {
             assert_eq!(Report::decode(report.encode()), Some(report));
         }

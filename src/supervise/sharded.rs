@@ -71,7 +71,12 @@ pub async fn run<B: ShardBackend + Clone + 'static>(
     telemetry: Telemetry,
 ) -> anyhow::Result<Outcome> {
     let mut room = Room {
-        inbox: Inbox::new(signals, telemetry, settings.kill_timeout),
+        inbox: Inbox::new(
+            signals,
+            telemetry,
+            settings.kill_timeout,
+            settings.hooks.timeout,
+        ),
         backend,
         settings,
         sharding,
@@ -819,7 +824,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
         let mut env = self.settings.leader_env(me, shard.epoch);
         env.push(("PGLEADER_SHARD", index.to_string()));
         env.push(("PGLEADER_SHARDS", self.sharding.count.to_string()));
-        let job = Parked::spawn(&self.settings.command)
+        let job = Parked::spawn(&self.settings.command, &self.settings.hooks)
             .and_then(|parked| parked.start(&env, sockets))
             .map_err(|err| anyhow::anyhow!("cannot start the keeper process: {err}"))?;
         debug!(
@@ -1009,6 +1014,23 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                 Ok(())
             }
             Report::Done(_) => Ok(()),
+            // The keeper logged why; its post-stop runs next, and the shard's command is tried
+            // again after --restart-delay.
+            Report::PreStartFailed(code) => {
+                shard
+                    .status
+                    .get_or_insert((ChildStatus::Exited(code.max(1)), true));
+                self.stop(index, self.settings.kill_signal, After::Restart);
+                Ok(())
+            }
+            Report::PostStop(_) => {
+                if let Some(stop) = &mut shard.stopping {
+                    stop.escalate_at = None;
+                    stop.keeper_kill_at =
+                        Some(Instant::now() + self.settings.hooks.timeout + KEEPER_GRACE);
+                }
+                Ok(())
+            }
         }
     }
 

@@ -61,12 +61,18 @@ pub async fn run<B: Backend>(
     let mut supervisor = Supervisor {
         connect_deadline: duty.connect_deadline(),
         duty,
-        inbox: Inbox::new(signals, telemetry, settings.kill_timeout),
+        inbox: Inbox::new(
+            signals,
+            telemetry,
+            settings.kill_timeout,
+            settings.hooks.timeout,
+        ),
         backend,
         settings,
         backoff: Backoff::default(),
         last_disturbance: None,
         parked: None,
+        pre_start_failures: 0,
     };
     let outcome = supervisor.run().await;
     supervisor.dismiss_keeper().await;
@@ -88,6 +94,19 @@ struct Supervisor<B: Backend> {
     connect_deadline: Option<Instant>,
     /// The keeper started ahead of the next command, waiting (see `job::Parked`).
     parked: Option<Ahead>,
+    /// `--pre-start` failures in a row: each doubles the time this replica sits out.
+    pre_start_failures: u32,
+}
+
+/// How long a replica whose `--pre-start` failed `failures` times in a row stays out of the
+/// election: 1s, doubling up to a minute, so that a healthy follower takes over at once and a
+/// lone replica with a broken hook does not spin.
+fn sit_out_after(failures: u32) -> Duration {
+    const FIRST: Duration = Duration::from_secs(1);
+    const LONGEST: Duration = Duration::from_secs(60);
+    FIRST
+        .saturating_mul(1 << failures.saturating_sub(1).min(6))
+        .min(LONGEST)
 }
 
 /// A keeper started ahead of the next command: still being spawned, on a blocking thread so
@@ -127,6 +146,9 @@ enum Led {
     /// `--schedule`: the command had ended with this status, but the leadership ended before
     /// the ledger had the outcome (kept for the next session).
     Unrecorded(ChildStatus),
+    /// `--pre-start` failed: the command never started, `--post-stop` ran, the lock was
+    /// released.
+    PreStartFailed,
 }
 
 impl Led {
@@ -135,7 +157,7 @@ impl Led {
         match self {
             Led::Exited(status) | Led::Unrecorded(status) => Some(*status),
             Led::Lost { status } | Led::Shutdown(status) | Led::Relinquished(status) => *status,
-            Led::NothingToRun | Led::HandedOver => None,
+            Led::NothingToRun | Led::HandedOver | Led::PreStartFailed => None,
         }
     }
 }
@@ -254,6 +276,21 @@ impl<B: Backend> Supervisor<B> {
                 }
                 Led::Unrecorded(_) => pause = self.pause_after_loss(true),
                 Led::NothingToRun => return Ok(Outcome::Busy(self.settings.busy_exit_code)),
+                Led::PreStartFailed => {
+                    self.pre_start_failures = self.pre_start_failures.saturating_add(1);
+                    let sit_out = sit_out_after(self.pre_start_failures);
+                    info!(
+                        event = "sitting_out",
+                        "entering the election again in {} (--pre-start failed {} time(s) in a row)",
+                        fmt(sit_out),
+                        self.pre_start_failures
+                    );
+                    self.backoff.reset();
+                    pause = Duration::ZERO;
+                    if !self.inbox.pause(sit_out).await {
+                        return Ok(Outcome::Shutdown);
+                    }
+                }
                 Led::HandedOver => {
                     // Back to the end of the queue, behind the replicas that agree with the
                     // established schedule; not at once, so that a lone pair cannot spin.
@@ -285,8 +322,9 @@ impl<B: Backend> Supervisor<B> {
             return;
         }
         let command = self.settings.command.clone();
+        let hooks = self.settings.hooks.clone();
         self.parked = Some(Ahead::Spawning(tokio::task::spawn_blocking(move || {
-            Parked::spawn(&command)
+            Parked::spawn(&command, &hooks)
         })));
     }
 
@@ -332,13 +370,13 @@ impl<B: Backend> Supervisor<B> {
         hold: &[std::os::fd::RawFd],
     ) -> anyhow::Result<Job> {
         let parked = self.take_parked().await;
-        let command = &self.settings.command;
+        let (command, hooks) = (&self.settings.command, &self.settings.hooks);
         let started = match parked {
             // A keeper killed since it was checked fails here; a fresh one is the fallback.
             Some(parked) => parked
                 .start(env, hold)
-                .or_else(|_| Parked::spawn(command)?.start(env, hold)),
-            None => Parked::spawn(command).and_then(|parked| parked.start(env, hold)),
+                .or_else(|_| Parked::spawn(command, hooks)?.start(env, hold)),
+            None => Parked::spawn(command, hooks).and_then(|parked| parked.start(env, hold)),
         };
         let spawned = started.context("cannot start the keeper process")?;
         self.backoff.reset();
@@ -368,5 +406,16 @@ impl<B: Backend> Supervisor<B> {
                 _ => return,
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failing_pre_start_sits_out_longer_each_time_up_to_a_minute() {
+        let secs: Vec<u64> = (1..=9).map(|n| sit_out_after(n).as_secs()).collect();
+        assert_eq!(secs, [1, 2, 4, 8, 16, 32, 60, 60, 60]);
     }
 }

@@ -13,7 +13,9 @@ use std::time::{Duration, Instant, SystemTime};
 use chrono::{DateTime, SubsecRound, Utc};
 use nix::sys::signal::Signal;
 
-use crate::harness::{Cluster, Journal, Proc, Redis, Stream, WAIT, pgleader, unique_lock};
+use crate::harness::{
+    Cluster, Journal, Proc, Redis, Stream, WAIT, assert_usage_error, pgleader, unique_lock,
+};
 
 /// Every two seconds: fast enough for tests, slow enough for a 2-core machine under load.
 const EVERY_TWO_SECONDS: &str = "*/2 * * * * *";
@@ -1046,23 +1048,7 @@ fn bad_schedules_and_combinations_are_usage_errors_that_name_the_problem() {
         ),
     ];
     for (args, expected) in cases {
-        let mut command = pgleader();
-        command
-            .env(
-                "PGLEADER_DATABASE_URL",
-                "postgres://nobody@127.0.0.1:1/none",
-            )
-            .args(["run", "--lock-id=1"])
-            .args(*args)
-            .args(["--", "true"]);
-        let proc = Proc::spawn("usage", command);
-        let (status, _, stderr) = proc.finish();
-        let stderr = stderr.join("\n");
-        assert_eq!(status.code(), Some(2), "{args:?}: {stderr}");
-        assert!(
-            stderr.contains(expected),
-            "{args:?}: expected {expected:?} in {stderr}"
-        );
+        assert_usage_error(args, expected);
     }
 }
 

@@ -15,6 +15,7 @@ use crate::operate::metrics::LossReason;
 use crate::operate::notify;
 use crate::schedule::calendar::rfc3339;
 use crate::supervise::duty::{Next, Shift};
+use crate::supervise::hook;
 use crate::supervise::inbox::status_of;
 use crate::supervise::job::{CommandError, Job};
 use crate::supervise::keeper::Report;
@@ -273,6 +274,7 @@ impl<B: Backend> Supervisor<B> {
                     }
                     info!(event = "child_started", pid, command = %self.settings.command.display(), "started the command");
                     self.inbox.telemetry.command_started(pid);
+                    self.pre_start_failures = 0;
                     continue;
                 }
                 LeadEvent::Report(Report::SpawnFailed(errno)) => {
@@ -283,10 +285,9 @@ impl<B: Backend> Supervisor<B> {
                     self.inbox
                         .telemetry
                         .leadership_lost(LossReason::CommandExited, &err.to_string());
-                    let _ = self
-                        .inbox
-                        .stop_if_running(job.take(), Signal::SIGKILL)
-                        .await;
+                    // The keeper runs --post-stop (undoing --pre-start), then exits.
+                    let kill_signal = self.settings.kill_signal;
+                    let _ = self.inbox.stop_if_running(job.take(), kill_signal).await;
                     // Recorded as failed, with 126 or 127, like a shell would report it.
                     shift.exited(ChildStatus::Exited(i32::from(err.exit_code())));
                     shift.settle(None, timeout).await;
@@ -294,8 +295,24 @@ impl<B: Backend> Supervisor<B> {
                         .await;
                     return Err(err.into());
                 }
-                // Comes after the command's end, which `Inbox::stop` below reads it after.
-                LeadEvent::Report(Report::Done(_)) => continue,
+                // Come after the command's end, which `Inbox::stop` below reads them after.
+                LeadEvent::Report(Report::Done(_) | Report::PostStop(_)) => continue,
+                LeadEvent::Report(Report::PreStartFailed(code)) => {
+                    let why = format!("its --pre-start failed ({})", hook::describe(code));
+                    self.inbox
+                        .telemetry
+                        .leadership_lost(LossReason::PreStartFailed, &why);
+                    notify::status(&format!("{why}; releasing the lock"));
+                    // The keeper runs --post-stop, then reports that nothing is left.
+                    if let Some(job) = job.take() {
+                        let kill_signal = self.settings.kill_signal;
+                        self.inbox.stop(job, kill_signal, None, true).await;
+                    }
+                    shift.settle(Some((None, &why)), timeout).await;
+                    self.duty.end(&shift);
+                    self.release(session).await;
+                    return Ok(Led::PreStartFailed);
+                }
                 LeadEvent::Report(report) => {
                     let status = status_of(report);
                     info!(event = "child_exited", status = %status, exit_code = status.exit_code(), "the command exited");

@@ -193,6 +193,28 @@ pub fn pid_in(line: &str) -> i32 {
         .unwrap_or_else(|| panic!("no pid in {line:?}"))
 }
 
+/// Asserts that `pgleader run --lock-id=1 ARGS -- true` is a usage error (status 2) whose
+/// message contains `expected`; the server it names is never reached (usage comes first).
+pub fn assert_usage_error(args: &[&str], expected: &str) {
+    let mut command = pgleader();
+    command
+        .env(
+            "PGLEADER_DATABASE_URL",
+            "postgres://nobody@127.0.0.1:1/none",
+        )
+        .args(["run", "--lock-id=1"])
+        .args(args)
+        .args(["--", "true"]);
+    let proc = Proc::spawn("usage", command);
+    let (status, _, stderr) = proc.finish();
+    let stderr = stderr.join("\n");
+    assert_eq!(status.code(), Some(2), "{args:?}: {stderr}");
+    assert!(
+        stderr.contains(expected),
+        "{args:?}: expected {expected:?} in {stderr}"
+    );
+}
+
 /// `pgleader run` through another connection string (a proxy, a pooler, a standby).
 pub fn run_with_url(name: &str, url: &str, lock: i64, args: &[&str], script: &str) -> Proc {
     let mut command = pgleader();
