@@ -7,26 +7,16 @@
 //! Seeded: the seed is printed on failure and can be replayed with PGLEADER_NEMESIS_SEED. The
 //! number of rounds is PGLEADER_NEMESIS_ROUNDS (30 by default; README.md shows a longer run).
 
-use std::collections::BTreeMap;
 use std::io::Write;
 use std::process::Command;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
 
-use crate::harness::{Cluster, Proc, Proxy, Stream, WAIT, pgleader, unique_lock, wait_gone};
-
-/// CLOCK_MONOTONIC in nanoseconds: the same clock in every process of the machine.
-pub(crate) fn monotonic_ns() -> u64 {
-    let mut now = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: a valid timespec to fill in.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
-    now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
-}
+use crate::harness::nemesis::{
+    Runs, Watch, assert_one_at_a_time, collect_runs, monotonic_ns, seed_and_rounds,
+};
+use crate::harness::{Cluster, Proc, Proxy, WAIT, pgleader, unique_lock};
 
 /// Not a test of its own: the command the nemesis's pgleaders run is this test binary,
 /// re-executed to run only this function with PGLEADER_NEMESIS_SLOT set. It prints its start
@@ -51,16 +41,6 @@ fn child_mode() {
     loop {
         std::thread::park();
     }
-}
-
-/// One run of the command, as the test saw it.
-#[derive(Debug, Clone)]
-struct Run {
-    slot: usize,
-    pid: i32,
-    backend: i32,
-    started: u64,
-    died: Option<u64>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -98,11 +78,42 @@ struct Nemesis {
     lock: i64,
     proxies: Vec<Proxy>,
     instances: Vec<Option<Proc>>,
-    /// Every command run seen so far, by pid; deaths are filled in by watcher threads.
-    runs: Arc<Mutex<BTreeMap<i32, Run>>>,
+    runs: Runs,
     /// (stopped, started) monotonic times of the server's downtimes.
     downtime: Vec<(u64, u64)>,
     log: Vec<String>,
+    seed: u64,
+}
+
+impl Watch for Nemesis {
+    fn collect(&self) -> usize {
+        collect_runs(
+            "nemesis-child ",
+            self.instances.iter().flatten(),
+            &self.runs,
+            self.seed,
+        )
+    }
+
+    fn runs(&self) -> &Runs {
+        &self.runs
+    }
+
+    fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    fn faults(&self) -> &[String] {
+        &self.log
+    }
+
+    fn instances(&self) -> Vec<&Proc> {
+        self.instances.iter().flatten().collect()
+    }
+
+    fn new_leader_bound(&self) -> Duration {
+        WAIT
+    }
 }
 
 impl Nemesis {
@@ -125,100 +136,11 @@ impl Nemesis {
             ]);
         self.instances[slot] = Some(Proc::spawn(&format!("instance {slot}"), command));
     }
-
-    /// Records runs that have appeared on the instances' output since the last call, and
-    /// starts a watcher for each new command's death. Returns how many runs are known.
-    fn collect(&self) -> usize {
-        for instance in self.instances.iter().flatten() {
-            for line in instance.lines(Stream::Stdout) {
-                let Some(rest) = line.strip_prefix("nemesis-child ") else {
-                    continue;
-                };
-                let field = |key: &str| -> String {
-                    rest.split_whitespace()
-                        .find_map(|word| word.strip_prefix(&format!("{key}=")))
-                        .unwrap_or_default()
-                        .to_owned()
-                };
-                let pid: i32 = field("pid").parse().expect("pid");
-                let mut runs = self.runs.lock().expect("runs");
-                if runs.contains_key(&pid) {
-                    continue;
-                }
-                runs.insert(
-                    pid,
-                    Run {
-                        slot: field("slot").parse().expect("slot"),
-                        pid,
-                        backend: field("backend").parse().expect("backend"),
-                        started: field("started").parse().expect("started"),
-                        died: None,
-                    },
-                );
-                let watched = self.runs.clone();
-                std::thread::spawn(move || {
-                    if wait_gone(pid, Duration::from_secs(3600)) {
-                        let died = monotonic_ns();
-                        if let Some(run) = watched.lock().expect("runs").get_mut(&pid) {
-                            run.died = Some(died);
-                        }
-                    }
-                });
-            }
-        }
-        self.runs.lock().expect("runs").len()
-    }
-
-    /// Waits until a run beyond the first `known` has started; returns the newest run.
-    fn wait_for_new_run(&self, known: usize, seed: u64) -> Run {
-        let deadline = std::time::Instant::now() + WAIT;
-        loop {
-            if self.collect() > known {
-                let runs = self.runs.lock().expect("runs");
-                return runs
-                    .values()
-                    .max_by_key(|run| run.started)
-                    .cloned()
-                    .expect("a run");
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "seed {seed}: no leader within {WAIT:?} after the last fault\n{}",
-                self.report()
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
-    fn report(&self) -> String {
-        let mut text = String::from("faults:\n");
-        for line in &self.log {
-            text.push_str(&format!("  {line}\n"));
-        }
-        text.push_str("runs (slot, pid, started, died):\n");
-        for run in self.runs.lock().expect("runs").values() {
-            text.push_str(&format!(
-                "  {} {} {} {:?}\n",
-                run.slot, run.pid, run.started, run.died
-            ));
-        }
-        for instance in self.instances.iter().flatten() {
-            text.push_str(&instance.dump());
-        }
-        text
-    }
 }
 
 #[test]
 fn no_two_commands_ever_run_at_once_under_random_faults() {
-    let seed: u64 = std::env::var("PGLEADER_NEMESIS_SEED")
-        .ok()
-        .and_then(|seed| seed.parse().ok())
-        .unwrap_or_else(|| fastrand::u64(..));
-    let rounds: usize = std::env::var("PGLEADER_NEMESIS_ROUNDS")
-        .ok()
-        .and_then(|rounds| rounds.parse().ok())
-        .unwrap_or(30);
+    let (seed, rounds) = seed_and_rounds(30);
     let mut rng = fastrand::Rng::with_seed(seed);
     let cluster = Cluster::new("nemesis");
     let count = rng.usize(3..=5);
@@ -228,15 +150,16 @@ fn no_two_commands_ever_run_at_once_under_random_faults() {
         lock: unique_lock(),
         proxies,
         instances: (0..count).map(|_| None).collect(),
-        runs: Arc::new(Mutex::new(BTreeMap::new())),
+        runs: Runs::default(),
         downtime: Vec::new(),
         log: vec![format!("seed {seed}, {count} instances, {rounds} rounds")],
+        seed,
     };
     let began = monotonic_ns();
     for slot in 0..count {
         nemesis.spawn(slot);
     }
-    let mut leader = nemesis.wait_for_new_run(0, seed);
+    let mut leader = nemesis.wait_for_new_run(0);
 
     for round in 0..rounds {
         let fault = FAULTS[rng.usize(..FAULTS.len())];
@@ -264,7 +187,9 @@ fn no_two_commands_ever_run_at_once_under_random_faults() {
                 }
                 nemesis.spawn(target);
             }
-            Fault::Terminate => nemesis.cluster.terminate_backend(leader.backend),
+            Fault::Terminate => nemesis
+                .cluster
+                .terminate_backend(leader.backend.parse().expect("a backend pid")),
             Fault::Freeze => nemesis.proxies[target].freeze(),
             Fault::Restart => {
                 let stopped = monotonic_ns();
@@ -275,7 +200,7 @@ fn no_two_commands_ever_run_at_once_under_random_faults() {
             }
         }
         if hits_leader {
-            leader = nemesis.wait_for_new_run(known, seed);
+            leader = nemesis.wait_for_new_run(known);
         }
         if matches!(fault, Fault::Freeze) {
             nemesis.proxies[target].thaw();
@@ -286,28 +211,8 @@ fn no_two_commands_ever_run_at_once_under_random_faults() {
 
     let ended = monotonic_ns();
     nemesis.collect();
-    let mut runs: Vec<Run> = nemesis
-        .runs
-        .lock()
-        .expect("runs")
-        .values()
-        .cloned()
-        .collect();
-    runs.sort_by_key(|run| run.started);
     let report = nemesis.report();
-    for pair in runs.windows(2) {
-        let (before, after) = (&pair[0], &pair[1]);
-        let before_ended = before.died.unwrap_or(ended);
-        assert!(
-            after.started > before_ended,
-            "seed {seed}: the command of instance {} (pid {}) started {} µs before the one of instance {} (pid {}) died\n{report}",
-            after.slot,
-            after.pid,
-            (before_ended - after.started) / 1000,
-            before.slot,
-            before.pid,
-        );
-    }
+    let runs = assert_one_at_a_time(&nemesis.runs, ended, seed, &report);
     let running: u64 = runs
         .iter()
         .map(|run| run.died.unwrap_or(ended).min(ended) - run.started)

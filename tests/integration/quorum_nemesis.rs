@@ -36,10 +36,12 @@ use std::time::Duration;
 
 use nix::sys::signal::Signal;
 
+use crate::harness::nemesis::{
+    Run, Runs, Watch, assert_one_at_a_time, collect_runs, monotonic_ns, seed_and_rounds,
+};
 use crate::harness::{Proc, Proxy, Redis, WAIT, pgleader, unique_lock};
-use crate::nemesis::monotonic_ns;
 use crate::quorum::wait_older_than;
-use crate::redis_nemesis::{CHILD_ARGS, Run, Runs, Watch, assert_one_at_a_time, collect_runs};
+use crate::redis_nemesis::CHILD_ARGS;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Fault {
@@ -140,6 +142,7 @@ struct Nemesis {
 impl Watch for Nemesis {
     fn collect(&self) -> usize {
         collect_runs(
+            "redis-nemesis-child ",
             self.retired.iter().chain(self.instances.iter().flatten()),
             &self.runs,
             self.seed,
@@ -307,15 +310,8 @@ fn pick(rng: &mut fastrand::Rng, from: &[usize], n: usize) -> Vec<usize> {
     from
 }
 
-fn env_number<T: std::str::FromStr>(name: &str) -> Option<T> {
-    std::env::var(name)
-        .ok()
-        .and_then(|value| value.parse().ok())
-}
-
 fn nemesis(server_count: usize, default_rounds: usize) {
-    let seed: u64 = env_number("PGLEADER_NEMESIS_SEED").unwrap_or_else(|| fastrand::u64(..));
-    let rounds: usize = env_number("PGLEADER_NEMESIS_ROUNDS").unwrap_or(default_rounds);
+    let (seed, rounds) = seed_and_rounds(default_rounds);
     eprintln!(
         "quorum nemesis over {server_count} servers: seed {seed} (PGLEADER_NEMESIS_SEED={seed} replays it), {rounds} rounds"
     );

@@ -26,12 +26,14 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::process::Command;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use nix::sys::signal::Signal;
 
-use crate::harness::{Proc, Proxy, Redis, Stream, WAIT, pgleader, unique_lock, wait_gone};
-use crate::nemesis::monotonic_ns;
+use crate::harness::nemesis::{
+    Runs, Watch, assert_one_at_a_time, collect_runs, monotonic_ns, seed_and_rounds,
+};
+use crate::harness::{Proc, Proxy, Redis, WAIT, pgleader, unique_lock};
 
 /// Not a test of its own: the command the nemesis's pgleaders run is this test binary,
 /// re-executed to run only this function with PGLEADER_REDIS_NEMESIS_SLOT set. It prints its
@@ -73,105 +75,6 @@ pub(crate) const CHILD_ARGS: [&str; 5] = [
     "--test-threads=1",
     "-q",
 ];
-
-/// One run of the command, as the test saw it.
-#[derive(Debug, Clone)]
-pub(crate) struct Run {
-    pub(crate) slot: usize,
-    pub(crate) pid: i32,
-    /// The leader session's client id (`CLIENT KILL ID` takes it).
-    pub(crate) backend: String,
-    pub(crate) epoch: i64,
-    pub(crate) started: u64,
-    pub(crate) died: Option<u64>,
-}
-
-/// Every command run seen so far, by pid; deaths are filled in by watcher threads.
-pub(crate) type Runs = Arc<Mutex<BTreeMap<i32, Run>>>;
-
-/// Records the runs that have appeared on these instances' output since the last call, and
-/// starts a watcher for each new command's death. Returns how many runs are known.
-pub(crate) fn collect_runs<'a>(
-    instances: impl Iterator<Item = &'a Proc>,
-    runs: &Runs,
-    seed: u64,
-) -> usize {
-    for instance in instances {
-        for line in instance.lines(Stream::Stdout) {
-            let Some(rest) = line.strip_prefix("redis-nemesis-child ") else {
-                continue;
-            };
-            let field = |key: &str| -> String {
-                rest.split_whitespace()
-                    .find_map(|word| word.strip_prefix(&format!("{key}=")))
-                    .unwrap_or_default()
-                    .to_owned()
-            };
-            let pid: i32 = field("pid").parse().expect("pid");
-            let mut known = runs.lock().expect("runs");
-            if known.contains_key(&pid) {
-                continue;
-            }
-            known.insert(
-                pid,
-                Run {
-                    slot: field("slot").parse().expect("slot"),
-                    pid,
-                    backend: field("backend"),
-                    epoch: field("epoch")
-                        .parse()
-                        .unwrap_or_else(|_| panic!("seed {seed}: no PGLEADER_EPOCH in {line:?}")),
-                    started: field("started").parse().expect("started"),
-                    died: None,
-                },
-            );
-            // A pidfd turns readable the moment the process exits (not when it is reaped).
-            // One opened after the exit fails with ESRCH, and the death is then recorded
-            // late: never earlier than it was, so it can only make an overlap look bigger.
-            let watched = runs.clone();
-            std::thread::spawn(move || {
-                if wait_gone(pid, Duration::from_secs(3600)) {
-                    let died = monotonic_ns();
-                    if let Some(run) = watched.lock().expect("runs").get_mut(&pid) {
-                        run.died = Some(died);
-                    }
-                }
-            });
-        }
-    }
-    runs.lock().expect("runs").len()
-}
-
-/// The runs, by start: fails the test if two overlap (a run still going at `ended` counts as
-/// running until then) or if a fencing token does not grow from one run to the next.
-pub(crate) fn assert_one_at_a_time(runs: &Runs, ended: u64, seed: u64, report: &str) -> Vec<Run> {
-    let mut runs: Vec<Run> = runs.lock().expect("runs").values().cloned().collect();
-    runs.sort_by_key(|run| run.started);
-    for pair in runs.windows(2) {
-        let (before, after) = (&pair[0], &pair[1]);
-        let before_ended = before.died.unwrap_or(ended);
-        assert!(
-            after.started > before_ended,
-            "seed {seed}: the command of instance {} (pid {}) started {} µs before the one of instance {} (pid {}) died\n{report}",
-            after.slot,
-            after.pid,
-            (before_ended - after.started) / 1000,
-            before.slot,
-            before.pid,
-        );
-        assert!(
-            after.epoch > before.epoch,
-            "seed {seed}: fencing token {} (instance {}, pid {}) after {} (instance {}, pid {})\n{report}",
-            after.epoch,
-            after.slot,
-            after.pid,
-            before.epoch,
-            before.slot,
-            before.pid,
-        );
-    }
-    runs
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Fault {
@@ -236,129 +139,6 @@ fn freeze_for(rng: &mut fastrand::Rng) -> Duration {
     Duration::from_millis(rng.u64(700..3000))
 }
 
-/// What both Redis nemeses (one server, and a quorum) do while their experiment goes on:
-/// collect the instances' runs, wait for what a step needs, and name the leader. Each nemesis
-/// says how it collects, reports, and how long a new leader may take.
-pub(crate) trait Watch {
-    /// Records runs that have appeared on the instances' output since the last call, and
-    /// starts a watcher for each new command's death. Returns how many runs are known.
-    fn collect(&self) -> usize;
-    fn runs(&self) -> &Runs;
-    fn seed(&self) -> u64;
-    /// What the nemesis did, in order.
-    fn faults(&self) -> &[String];
-    /// Every pgleader it started, the retired ones first.
-    fn instances(&self) -> Vec<&Proc>;
-    /// How long a new leader's command may take to appear after a fault.
-    fn new_leader_bound(&self) -> Duration;
-
-    /// The faults, the runs and every instance's output, for a failure message.
-    fn report(&self) -> String {
-        let mut text = String::from("faults:\n");
-        for line in self.faults() {
-            text.push_str(&format!("  {line}\n"));
-        }
-        text.push_str("runs (slot, pid, client, epoch, started, died):\n");
-        let mut runs: Vec<Run> = self
-            .runs()
-            .lock()
-            .expect("runs")
-            .values()
-            .cloned()
-            .collect();
-        runs.sort_by_key(|run| run.started);
-        for run in runs {
-            text.push_str(&format!(
-                "  {} {} {} {} {} {:?}\n",
-                run.slot, run.pid, run.backend, run.epoch, run.started, run.died
-            ));
-        }
-        for instance in self.instances() {
-            text.push_str(&instance.dump());
-        }
-        text
-    }
-
-    /// Keeps collecting runs (every 10 ms, so that a death is watched from the start) until
-    /// `done` says so; fails the test after `timeout`, saying `what` was awaited.
-    fn collect_until(&self, what: &str, timeout: Duration, mut done: impl FnMut() -> bool) {
-        let deadline = Instant::now() + timeout;
-        loop {
-            self.collect();
-            if done() {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "seed {}: {what} not within {timeout:?}\n{}",
-                self.seed(),
-                self.report()
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
-    /// The experiment's own pace (how long a leader runs, how long a freeze lasts), not a
-    /// stand-in for an event: runs are collected meanwhile.
-    fn pause(&self, length: Duration) {
-        let end = Instant::now() + length;
-        self.collect_until("a pause", length + WAIT, || Instant::now() >= end);
-    }
-
-    /// Runs a blocking step (`DEBUG SLEEP`, a server's restart) on another thread, collecting
-    /// runs meanwhile.
-    fn during<T: Send>(&self, step: impl FnOnce() -> T + Send) -> T
-    where
-        Self: Sync,
-    {
-        std::thread::scope(|scope| {
-            let handle = scope.spawn(step);
-            self.collect_until("a blocking step's end", WAIT, || handle.is_finished());
-            handle.join().expect("the step's thread")
-        })
-    }
-
-    /// The newest run whose command still runs, waiting up to [`Watch::new_leader_bound`]
-    /// for one.
-    fn leader(&self) -> Run {
-        let mut found = None;
-        self.collect_until("a running command", self.new_leader_bound(), || {
-            found = self
-                .runs()
-                .lock()
-                .expect("runs")
-                .values()
-                .filter(|run| run.died.is_none())
-                .max_by_key(|run| run.started)
-                .cloned();
-            found.is_some()
-        });
-        found.expect("a run")
-    }
-
-    /// Waits up to [`Watch::new_leader_bound`] until a run beyond the first `known` has
-    /// started; returns the newest run.
-    fn wait_for_new_run(&self, known: usize) -> Run {
-        self.collect_until(
-            "a new leader's command after the fault",
-            self.new_leader_bound(),
-            || self.runs().lock().expect("runs").len() > known,
-        );
-        self.newest()
-    }
-
-    /// The run that started last.
-    fn newest(&self) -> Run {
-        self.runs()
-            .lock()
-            .expect("runs")
-            .values()
-            .max_by_key(|run| run.started)
-            .cloned()
-            .expect("a run")
-    }
-}
-
 struct Nemesis {
     redis: Redis,
     lock: String,
@@ -377,6 +157,7 @@ struct Nemesis {
 impl Watch for Nemesis {
     fn collect(&self) -> usize {
         collect_runs(
+            "redis-nemesis-child ",
             self.retired.iter().chain(self.instances.iter().flatten()),
             &self.runs,
             self.seed,
@@ -456,14 +237,7 @@ impl Nemesis {
 
 #[test]
 fn no_two_commands_ever_run_at_once_under_random_redis_faults() {
-    let seed: u64 = std::env::var("PGLEADER_NEMESIS_SEED")
-        .ok()
-        .and_then(|seed| seed.parse().ok())
-        .unwrap_or_else(|| fastrand::u64(..));
-    let rounds: usize = std::env::var("PGLEADER_NEMESIS_ROUNDS")
-        .ok()
-        .and_then(|rounds| rounds.parse().ok())
-        .unwrap_or(12);
+    let (seed, rounds) = seed_and_rounds(12);
     let mut rng = fastrand::Rng::with_seed(seed);
     // Only the faults PGLEADER_NEMESIS_FAULTS names (Debug names, comma-separated), if set.
     let faults: Vec<Fault> = match std::env::var("PGLEADER_NEMESIS_FAULTS") {

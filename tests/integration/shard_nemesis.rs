@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 
+use crate::harness::nemesis::{monotonic_ns, seed_and_rounds};
 use crate::harness::{Cluster, Proc, Proxy, Redis, Stream, WAIT, pgleader, unique_lock, wait_gone};
-use crate::nemesis::monotonic_ns;
 
 const SHARDS: u32 = 8;
 
@@ -345,14 +345,7 @@ fn on_redis_no_shard_ever_runs_twice_at_once_under_random_faults_and_the_fleet_i
 }
 
 fn nemesis(server: Server, dir: std::path::PathBuf, faults: &[Fault]) {
-    let seed: u64 = std::env::var("PGLEADER_NEMESIS_SEED")
-        .ok()
-        .and_then(|seed| seed.parse().ok())
-        .unwrap_or_else(|| fastrand::u64(..));
-    let rounds: usize = std::env::var("PGLEADER_NEMESIS_ROUNDS")
-        .ok()
-        .and_then(|rounds| rounds.parse().ok())
-        .unwrap_or(20);
+    let (seed, rounds) = seed_and_rounds(20);
     let mut rng = fastrand::Rng::with_seed(seed);
     let slots = 5;
     let port = match &server {
