@@ -257,8 +257,10 @@ fn measure() {
         .and_then(|runs| runs.parse().ok())
         .unwrap_or(20);
     for (backend, fleet) in [("PostgreSQL", Fleet::postgres()), ("Redis", Fleet::redis())] {
-        let replicas = [fleet.replica("A"), fleet.replica("B")];
-        replicas[0].wait_stdout("A started");
+        // B only once A leads: started together, either could win.
+        let a = fleet.replica("A");
+        a.wait_stdout("A started");
+        let replicas = [a, fleet.replica("B")];
         let (mut heard, mut asked) = (Vec::new(), Vec::new());
         for run in 0..runs {
             let (leader, next) = (&replicas[run % 2], &replicas[(run + 1) % 2]);
