@@ -25,6 +25,9 @@ _pgleader() {
             pgleader,status)
                 cmd="pgleader__subcmd__status"
                 ;;
+            pgleader,step-down)
+                cmd="pgleader__subcmd__step__subcmd__down"
+                ;;
             pgleader__subcmd__help,help)
                 cmd="pgleader__subcmd__help__subcmd__help"
                 ;;
@@ -34,6 +37,9 @@ _pgleader() {
             pgleader__subcmd__help,status)
                 cmd="pgleader__subcmd__help__subcmd__status"
                 ;;
+            pgleader__subcmd__help,step-down)
+                cmd="pgleader__subcmd__help__subcmd__step__subcmd__down"
+                ;;
             *)
                 ;;
         esac
@@ -41,7 +47,7 @@ _pgleader() {
 
     case "${cmd}" in
         pgleader)
-            opts="-v -q -h -V --log-format --verbose --quiet --help --version run status help"
+            opts="-v -q -h -V --log-format --verbose --quiet --help --version run status step-down help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 1 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -59,7 +65,7 @@ _pgleader() {
             return 0
             ;;
         pgleader__subcmd__help)
-            opts="run status help"
+            opts="run status step-down help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -101,6 +107,20 @@ _pgleader() {
             return 0
             ;;
         pgleader__subcmd__help__subcmd__status)
+            opts=""
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        pgleader__subcmd__help__subcmd__step__subcmd__down)
             opts=""
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
@@ -264,6 +284,48 @@ _pgleader() {
                     return 0
                     ;;
                 --ledger-table)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --log-format)
+                    COMPREPLY=($(compgen -W "text json" -- "${cur}"))
+                    return 0
+                    ;;
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        pgleader__subcmd__step__subcmd__down)
+            opts="-d -v -q -h -V --lock-id --lock --database-url --timeout --to --log-format --verbose --quiet --help --version"
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                --lock-id)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --lock)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --database-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                -d)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --timeout)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --to)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;

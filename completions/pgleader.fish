@@ -32,6 +32,7 @@ complete -c pgleader -n "__fish_pgleader_needs_command" -s h -l help -d 'Print h
 complete -c pgleader -n "__fish_pgleader_needs_command" -s V -l version -d 'Print version'
 complete -c pgleader -n "__fish_pgleader_needs_command" -f -a "run" -d 'Run a command while, and only while, this instance holds the lock'
 complete -c pgleader -n "__fish_pgleader_needs_command" -f -a "status" -d 'Show who holds the lock and who waits for it (sharded: who holds which shard)'
+complete -c pgleader -n "__fish_pgleader_needs_command" -f -a "step-down" -d 'Ask the leader to stop its command gracefully, release the lock and stay on as a follower, so that the next waiting replica takes over; print who led and who leads now'
 complete -c pgleader -n "__fish_pgleader_needs_command" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
 complete -c pgleader -n "__fish_pgleader_using_subcommand run" -l lock-id -d 'The lock\'s key: a signed 64-bit integer, as pg_advisory_lock(bigint) takes it (on Redis: the key pgleader:{ID}) [env: PGLEADER_LOCK_ID]' -r
 complete -c pgleader -n "__fish_pgleader_using_subcommand run" -l lock -d 'The lock\'s name, hashed to a key with PostgreSQL\'s hashtextextended(NAME, 0) (on Redis: the key pgleader:{NAME}) [env: PGLEADER_LOCK]' -r
@@ -79,6 +80,18 @@ complete -c pgleader -n "__fish_pgleader_using_subcommand status" -s v -l verbos
 complete -c pgleader -n "__fish_pgleader_using_subcommand status" -s q -l quiet -d 'Log less: -q only warnings and errors, -qq only errors'
 complete -c pgleader -n "__fish_pgleader_using_subcommand status" -s h -l help -d 'Print help'
 complete -c pgleader -n "__fish_pgleader_using_subcommand status" -s V -l version -d 'Print version'
-complete -c pgleader -n "__fish_pgleader_using_subcommand help; and not __fish_seen_subcommand_from run status help" -f -a "run" -d 'Run a command while, and only while, this instance holds the lock'
-complete -c pgleader -n "__fish_pgleader_using_subcommand help; and not __fish_seen_subcommand_from run status help" -f -a "status" -d 'Show who holds the lock and who waits for it (sharded: who holds which shard)'
-complete -c pgleader -n "__fish_pgleader_using_subcommand help; and not __fish_seen_subcommand_from run status help" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
+complete -c pgleader -n "__fish_pgleader_using_subcommand step-down" -l lock-id -d 'The lock\'s key: a signed 64-bit integer, as pg_advisory_lock(bigint) takes it (on Redis: the key pgleader:{ID}) [env: PGLEADER_LOCK_ID]' -r
+complete -c pgleader -n "__fish_pgleader_using_subcommand step-down" -l lock -d 'The lock\'s name, hashed to a key with PostgreSQL\'s hashtextextended(NAME, 0) (on Redis: the key pgleader:{NAME}) [env: PGLEADER_LOCK]' -r
+complete -c pgleader -n "__fish_pgleader_using_subcommand step-down" -s d -l database-url -d 'The server: a postgres:// URL or key=value pairs (default: $DATABASE_URL, else the PG* variables and psql\'s defaults; passwords are best kept in ~/.pgpass), or a Redis server: redis://[USER[:PASSWORD]@]HOST[:PORT][/DB], rediss:// for TLS (?cacert=FILE names a CA; the password may come from $REDISCLI_AUTH). Given three or more times with Redis URLs (in PGLEADER_DATABASE_URL: separated by spaces), a Redlock quorum of independent servers' -r
+complete -c pgleader -n "__fish_pgleader_using_subcommand step-down" -l timeout -d 'How long to wait for another replica to lead. The leader stops its command first, which may take its --kill-timeout (5s by default): give more than that' -r
+complete -c pgleader -n "__fish_pgleader_using_subcommand step-down" -l to -d 'Hand leadership to this replica (a host, or a session name). Refused: the servers grant a released lock to whoever waits first, and pgleader cannot steer it to one replica without stopping the others from waiting, so it is never done at the risk of running the command twice' -r
+complete -c pgleader -n "__fish_pgleader_using_subcommand step-down" -l log-format -d 'Log format: one line of text per event, or one JSON object per line' -r -f -a "text\t''
+json\t''"
+complete -c pgleader -n "__fish_pgleader_using_subcommand step-down" -s v -l verbose -d 'Log more: -v adds debug details (every check, every reaped process), -vv everything'
+complete -c pgleader -n "__fish_pgleader_using_subcommand step-down" -s q -l quiet -d 'Log less: -q only warnings and errors, -qq only errors'
+complete -c pgleader -n "__fish_pgleader_using_subcommand step-down" -s h -l help -d 'Print help'
+complete -c pgleader -n "__fish_pgleader_using_subcommand step-down" -s V -l version -d 'Print version'
+complete -c pgleader -n "__fish_pgleader_using_subcommand help; and not __fish_seen_subcommand_from run status step-down help" -f -a "run" -d 'Run a command while, and only while, this instance holds the lock'
+complete -c pgleader -n "__fish_pgleader_using_subcommand help; and not __fish_seen_subcommand_from run status step-down help" -f -a "status" -d 'Show who holds the lock and who waits for it (sharded: who holds which shard)'
+complete -c pgleader -n "__fish_pgleader_using_subcommand help; and not __fish_seen_subcommand_from run status step-down help" -f -a "step-down" -d 'Ask the leader to stop its command gracefully, release the lock and stay on as a follower, so that the next waiting replica takes over; print who led and who leads now'
+complete -c pgleader -n "__fish_pgleader_using_subcommand help; and not __fish_seen_subcommand_from run status step-down help" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'

@@ -29,7 +29,10 @@ Exit status (run):
 
 Exit status (status):
   0 the lock (sharded: a shard) is held, 3 it is free, 1 error, 2 usage error
-  with --watch: 0 when interrupted (TERM, INT), 1 error, 2 usage error";
+  with --watch: 0 when interrupted (TERM, INT), 1 error, 2 usage error
+
+Exit status (step-down):
+  0 another replica leads now, 3 there was no leader, 4 no replica waited to take over (nothing was sent; the leader keeps leading), 5 no other replica led within --timeout, or the leader did not hear the request, 1 error, 2 usage error (--to, a sharded lock, a Redlock quorum)";
 
 /// The most shards `--shards` takes.
 pub const MAX_SHARDS: i64 = 4096;
@@ -63,6 +66,10 @@ pub enum Command {
     /// Show who holds the lock and who waits for it (sharded: who holds which shard)
     #[command(after_help = AFTER_HELP)]
     Status(StatusArgs),
+    /// Ask the leader to stop its command gracefully, release the lock and stay on as a
+    /// follower, so that the next waiting replica takes over; print who led and who leads now
+    #[command(after_help = AFTER_HELP)]
+    StepDown(StepDownArgs),
 }
 
 /// Global: accepted before or after the subcommand, and listed under their own heading so that
@@ -367,6 +374,29 @@ pub struct StatusArgs {
     /// time its holder or its waiters change, until interrupted
     #[arg(long)]
     pub watch: bool,
+}
+
+/// `pgleader step-down`. The request travels through the lock's own server: whoever may
+/// connect to it with these credentials may ask.
+#[derive(Debug, Args)]
+pub struct StepDownArgs {
+    #[command(flatten)]
+    pub lock: LockArgs,
+
+    #[command(flatten)]
+    pub connection: ConnectionArgs,
+
+    /// How long to wait for another replica to lead. The leader stops its command first, which
+    /// may take its --kill-timeout (5s by default): give more than that
+    #[arg(long, value_name = "DURATION", default_value = "30s", value_parser = positive_duration)]
+    pub timeout: Duration,
+
+    /// Hand leadership to this replica (a host, or a session name). Refused: the servers grant
+    /// a released lock to whoever waits first, and pgleader cannot steer it to one replica
+    /// without stopping the others from waiting, so it is never done at the risk of running the
+    /// command twice
+    #[arg(long, value_name = "REPLICA")]
+    pub to: Option<String>,
 }
 
 fn non_empty_name(value: &str) -> Result<String, String> {

@@ -12,8 +12,14 @@ pub const SUCCESS: u8 = 0;
 pub const FAILURE: u8 = 1;
 /// A usage error: bad option values, a missing command, an unsafe combination of timings.
 pub const USAGE: u8 = 2;
-/// `status`: nobody holds the lock.
+/// `status`: nobody holds the lock. `step-down`: there was no leader to step down.
 pub const LOCK_FREE: u8 = 3;
+/// `step-down`: no replica waited to take over, so the request was not sent; the leader keeps
+/// leading.
+pub const NO_FOLLOWER: u8 = 4;
+/// `step-down`: the request was sent, but no other replica leads within `--timeout` (or the
+/// leader did not hear it).
+pub const NOT_MOVED: u8 = 5;
 /// `--once`: leadership was lost while the command ran; the command was stopped. Chosen from
 /// sysexits.h (EX_TEMPFAIL): running again later is the right reaction.
 pub const LOST_LEADERSHIP: u8 = 75;

@@ -31,11 +31,12 @@ pub mod time;
 use anyhow::Context;
 use tracing::warn;
 
-use crate::cli::{Command, RunArgs, StatusArgs};
+use crate::cli::{Command, RunArgs, StatusArgs, StepDownArgs};
 use crate::config::{Database, Elector, RunConfig, UsageError};
 use crate::election::lock::LockKey;
 use crate::election::shards::JoinError;
 use crate::election::{Backend, ConnectError};
+use crate::operate::step_down::Refused;
 use crate::operate::telemetry::{self, Telemetry};
 use crate::operate::{http, notify, status, watch};
 use crate::postgres::PgBackend;
@@ -51,6 +52,7 @@ pub async fn execute(command: Command) -> anyhow::Result<u8> {
     match command {
         Command::Run(args) => run(*args).await,
         Command::Status(args) => status(args).await,
+        Command::StepDown(args) => step_down(args).await,
     }
 }
 
@@ -118,6 +120,43 @@ async fn status(args: StatusArgs) -> anyhow::Result<u8> {
     }
 }
 
+async fn step_down(args: StepDownArgs) -> anyhow::Result<u8> {
+    if let Some(to) = &args.to {
+        return Err(UsageError(format!(
+            "--to {to}: a step-down cannot pick the next leader. The server grants a released \
+             lock to whichever replica waits first, and steering it to one replica would mean \
+             stopping the others from waiting; pgleader does not do that at the risk of ever \
+             running the command twice. Step down without --to, or stop the replicas that are \
+             not to lead"
+        ))
+        .into());
+    }
+    let lock = config::lock_key(&args.lock, &ProcessEnvironment)?;
+    let database = config::database(&args.connection, &ProcessEnvironment)?;
+    let timeout = args.timeout;
+    match database {
+        Database::Postgres(connection) => {
+            for warning in connection.warnings {
+                warn!(event = "config", "{warning}");
+            }
+            let table = config::ledger_table(&cli::LedgerArgs { ledger_table: None })?;
+            let backend = PgBackend::for_status(connection.settings, lock.clone(), table);
+            operate::step_down::step_down(&lock, &backend, timeout).await
+        }
+        Database::Redis(server) => {
+            let backend = RedisBackend::for_status(server, lock.clone());
+            operate::step_down::step_down(&lock, &backend, timeout).await
+        }
+        Database::Quorum(_) => Err(UsageError(
+            "step-down is not available on a Redlock quorum: its leader does not listen for \
+             requests. Stop the leader (TERM) instead: its command is stopped and the lock \
+             released for the next replica"
+                .to_owned(),
+        )
+        .into()),
+    }
+}
+
 /// `status` or `status --watch` through one backend.
 async fn show_status<B: Backend>(
     lock: &LockKey,
@@ -150,6 +189,7 @@ async fn show_status<B: Backend>(
 /// 1 for everything else.
 pub fn exit_code_of(err: &anyhow::Error) -> u8 {
     if err.downcast_ref::<UsageError>().is_some()
+        || err.downcast_ref::<Refused>().is_some()
         || matches!(
             err.downcast_ref::<JoinError>(),
             Some(JoinError::Mismatch(_))

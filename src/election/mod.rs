@@ -40,6 +40,7 @@ pub mod majority;
 pub mod participant;
 pub mod shards;
 pub mod socket;
+pub mod step_down;
 
 use std::fmt::Display;
 use std::time::Duration;
@@ -49,6 +50,7 @@ use thiserror::Error;
 
 use ledger::{Definition, Entry, Ledger, LedgerError};
 use participant::LockView;
+use step_down::Requests;
 
 /// Why a connection attempt failed, sorted by whether trying again can help.
 #[derive(Debug, Error)]
@@ -159,6 +161,16 @@ pub trait Session {
     /// After winning: the fencing token, and what the restart fence needs.
     fn fence(&self) -> impl Future<Output = Result<Fence, SessionError>>;
 
+    /// After winning: listens for step-down requests (see [`step_down`]). The future sends what
+    /// subscribes; run beside [`Session::fence`], both go out in one round trip. Requests come
+    /// through the receiver while [`Session::ended`] is polled.
+    fn listen(
+        &mut self,
+    ) -> (
+        Requests,
+        impl Future<Output = Result<(), SessionError>> + 'static,
+    );
+
     /// Checks that this session still leads. The future owns what it needs.
     fn confirm(&self) -> impl Future<Output = Result<Check, SessionError>> + 'static;
 
@@ -180,4 +192,8 @@ pub trait Observer {
 
     /// The server's clock now.
     fn server_time(&self) -> impl Future<Output = Result<Timestamp, LedgerError>>;
+
+    /// Asks the lock's leader to step down (see [`step_down`]), with the request's id. How many
+    /// sessions heard it, where the server tells (Redis); `None` where it cannot (PostgreSQL).
+    fn ask_step_down(&self, request: &str) -> impl Future<Output = Result<Option<u64>, String>>;
 }

@@ -64,6 +64,35 @@ const SECTIONS: &[Section] = &[
             Para(
                 "pgleader status --watch: 0 when interrupted by TERM or INT, or when its output is closed; 1 on errors that retrying cannot fix (a bad password); 2 on usage errors.",
             ),
+            Para("pgleader step-down:"),
+            Entry("0", "Another replica leads now."),
+            Entry("3", "Nobody led: there was nothing to step down."),
+            Entry(
+                "4",
+                "No replica waited to take over: the request was not sent, and the leader keeps leading.",
+            ),
+            Entry(
+                "5",
+                "The request was sent, but no other replica led within --timeout (the leader may lead again if the replica it handed over to went away meanwhile), or, on Redis, no leader heard it.",
+            ),
+            Entry(
+                "1, 2",
+                "An error; a usage error, which includes --to, a sharded lock and a Redlock quorum.",
+            ),
+        ],
+    },
+    Section {
+        heading: "STEP-DOWN",
+        body: &[
+            Para(
+                "pgleader step-down asks the leader of a lock to hand over: it stops its command as on a lost leadership (--kill-signal, --kill-timeout, then SIGKILL to the process group, and the whole tree gone, then --post-stop), releases the lock, and queues again after --check-interval, so that the replica waiting first takes over within milliseconds while the old one stays in the fleet as a follower. It logs event=step_down, and pgleader_leadership_lost_total counts it under reason stepped_down. Under --once a stepped-down leader exits 75, as after a lost leadership.",
+            ),
+            Para(
+                "The request travels through the lock's own server, not a port of pgleader's: on PostgreSQL a NOTIFY on the channel pgleader_step_down_<key as 16 hex digits>, which the leader LISTENs on from the moment it wins; on Redis a PUBLISH to pgleader:{NAME}:step-down, to which the leader subscribes on its session's connection. Whoever may connect to that server as a role allowed to NOTIFY (any PostgreSQL role) or PUBLISH to that channel (Redis ACL: +publish and &pgleader:*) can ask a leader to step down.",
+            ),
+            Para(
+                "Refused with exit status 2: --to (a released lock goes to whichever replica waits first; pgleader cannot steer it to one replica without stopping the others from waiting, and never risks running the command twice for it), a sharded lock (its replicas share the shards out and have no single leader; stop or restart a replica to move its shards) and a Redlock quorum (its leader does not listen for requests; stop it with TERM).",
+            ),
         ],
     },
     Section {
@@ -265,7 +294,7 @@ const SECTIONS: &[Section] = &[
             ),
             Entry(
                 "GET /metrics",
-                "Prometheus' text format, version 0.0.4. Every series carries the label lock (the name with --lock, the key with --lock-id). pgleader_info{version,lock_key,lock_name} (gauge, 1); pgleader_is_leader (gauge); pgleader_epoch (gauge); pgleader_leadership_acquired_total (counter); pgleader_leadership_lost_total{reason} (counter; reason: connection_ended, check_failed, check_timeout, not_held, command_exited, relinquished, ledger_failed, shutdown, pre_start_failed); pgleader_last_check_success_timestamp_seconds (gauge); pgleader_check_duration_seconds (histogram); pgleader_command_running (gauge); pgleader_command_exits_total{outcome} (counter; outcome: succeeded, failed, signaled); pgleader_connection_failures_total (counter); with --schedule, pgleader_scheduled_runs_total{outcome} (counter; outcome: succeeded, failed, interrupted, skipped, missed, busy; each ledger outcome counted by the instance that recorded it); with --shards, the shard metrics of SHARDS.",
+                "Prometheus' text format, version 0.0.4. Every series carries the label lock (the name with --lock, the key with --lock-id). pgleader_info{version,lock_key,lock_name} (gauge, 1); pgleader_is_leader (gauge); pgleader_epoch (gauge); pgleader_leadership_acquired_total (counter); pgleader_leadership_lost_total{reason} (counter; reason: connection_ended, check_failed, check_timeout, not_held, command_exited, relinquished, stepped_down, ledger_failed, shutdown, pre_start_failed); pgleader_last_check_success_timestamp_seconds (gauge); pgleader_check_duration_seconds (histogram); pgleader_command_running (gauge); pgleader_command_exits_total{outcome} (counter; outcome: succeeded, failed, signaled); pgleader_connection_failures_total (counter); with --schedule, pgleader_scheduled_runs_total{outcome} (counter; outcome: succeeded, failed, interrupted, skipped, missed, busy; each ledger outcome counted by the instance that recorded it); with --shards, the shard metrics of SHARDS.",
             ),
             Para(
                 "The endpoint runs beside the election on pgleader's one thread and only reads what the election publishes, so no client can delay a check, a stop or a handoff. At most 64 connections are served at once (one more is closed at once), a request head may be at most 8 KiB (else 431) and must arrive within 5 s, and no connection is kept longer than 30 s.",

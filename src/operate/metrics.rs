@@ -45,6 +45,8 @@ pub enum LossReason {
     /// A planned handoff (--relinquish-after, --relinquish-schedule), or the lock given up
     /// because the replicas disagree on the schedule or a timer had nothing to run.
     Relinquished,
+    /// `pgleader step-down` asked this leader to hand over.
+    SteppedDown,
     /// A statement on the schedule's ledger failed.
     LedgerFailed,
     /// TERM or INT.
@@ -54,13 +56,14 @@ pub enum LossReason {
 }
 
 impl LossReason {
-    pub const ALL: [LossReason; 9] = [
+    pub const ALL: [LossReason; 10] = [
         LossReason::ConnectionEnded,
         LossReason::CheckFailed,
         LossReason::CheckTimeout,
         LossReason::NotHeld,
         LossReason::CommandExited,
         LossReason::Relinquished,
+        LossReason::SteppedDown,
         LossReason::LedgerFailed,
         LossReason::Shutdown,
         LossReason::PreStartFailed,
@@ -74,6 +77,7 @@ impl LossReason {
             LossReason::NotHeld => "not_held",
             LossReason::CommandExited => "command_exited",
             LossReason::Relinquished => "relinquished",
+            LossReason::SteppedDown => "stepped_down",
             LossReason::LedgerFailed => "ledger_failed",
             LossReason::Shutdown => "shutdown",
             LossReason::PreStartFailed => "pre_start_failed",

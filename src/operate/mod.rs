@@ -10,5 +10,6 @@ pub mod logging;
 pub mod metrics;
 pub mod notify;
 pub mod status;
+pub mod step_down;
 pub mod telemetry;
 pub mod watch;

@@ -58,3 +58,9 @@ pub fn held_here(classid: &str, objid: &str) -> String {
         this_lock(classid, objid)
     )
 }
+
+/// The channel a leader of `lock` LISTENs on for step-down requests (`pg_notify`'s first
+/// argument): a plain identifier, so LISTEN needs no quoting.
+pub fn step_down_channel(lock: &LockKey) -> String {
+    format!("pgleader_step_down_{:016x}", lock.key() as u64)
+}

@@ -20,7 +20,7 @@ use crate::election::{ConnectError, Observer};
 use crate::postgres::conninfo::ConnSettings;
 use crate::postgres::describe::describe;
 use crate::postgres::ledger::{self, TableName};
-use crate::postgres::locks::{LOCK_ROWS, this_lock};
+use crate::postgres::locks::{LOCK_ROWS, step_down_channel, this_lock};
 use crate::postgres::session::{self, PlainClient};
 use crate::postgres::shards;
 
@@ -113,5 +113,19 @@ impl Observer for PgObserver {
 
     async fn server_time(&self) -> Result<Timestamp, LedgerError> {
         ledger::server_time(&self.client.client).await
+    }
+
+    /// `pg_notify` does not say who listened: the requester watches the holder instead.
+    async fn ask_step_down(&self, request: &str) -> Result<Option<u64>, String> {
+        let channel = step_down_channel(&self.lock);
+        self.client
+            .client
+            .query_typed(
+                "SELECT pg_catalog.pg_notify($1, $2)",
+                &[(&channel, Type::TEXT), (&request, Type::TEXT)],
+            )
+            .await
+            .map_err(|err| format!("cannot send the request (pg_notify): {}", describe(&err)))?;
+        Ok(None)
     }
 }

@@ -21,12 +21,13 @@ use crate::election::lease::Lease;
 use crate::election::ledger::Definition;
 use crate::election::lock::LockKey;
 use crate::election::socket::LentSocket;
+use crate::election::step_down::{self, Heard, Requests};
 use crate::election::{Check, Confirmation, ConnectError, Fence, Session, SessionError};
 use crate::postgres::connect::{self, ConnectionTask, Notifications, Opened, TcpEnds, classify};
 use crate::postgres::conninfo::{ChannelBinding, ConnSettings, Host};
 use crate::postgres::describe::describe;
 use crate::postgres::ledger::{PgLedger, TableName};
-use crate::postgres::locks::{self, held_here};
+use crate::postgres::locks::{self, held_here, step_down_channel};
 use crate::postgres::version::{self, Support};
 
 /// Why leading through a standby is refused (and retried: a failover may promote it).
@@ -71,6 +72,8 @@ pub struct PgSession {
     waited: Arc<AtomicBool>,
     /// What the server notified this session of, until a sharded lock's holder takes it.
     notifications: Option<Notifications>,
+    /// Once a leader LISTENs: its channel, and where `ended` passes step-down requests on.
+    step_downs: Option<(String, Heard)>,
     backend_pid: i32,
     server_major: u32,
     connected_at: Instant,
@@ -317,6 +320,7 @@ impl PgSession {
             refresh,
             waited: Arc::default(),
             notifications: Some(opened.notifications),
+            step_downs: None,
             backend_pid: 0,
             server_major,
             connected_at: Instant::now(),
@@ -421,12 +425,63 @@ impl Session for PgSession {
         self.socket.open().into_iter().collect()
     }
 
+    /// Also passes on the step-down requests a leader hears (see `listen`).
     async fn ended(&mut self) -> String {
-        match (&mut self.connection).await {
+        let ended = loop {
+            let listening = self.step_downs.is_some();
+            let notifications = &mut self.notifications;
+            let heard = async {
+                match notifications {
+                    Some(notifications) if listening => notifications.recv().await,
+                    _ => std::future::pending().await,
+                }
+            };
+            let notification = tokio::select! {
+                biased;
+                ended = &mut self.connection => break ended,
+                Some(notification) = heard => notification,
+            };
+            if let Some((channel, requests)) = &self.step_downs
+                && notification.channel() == channel
+                && step_down::is_request(notification.payload())
+            {
+                let _ = requests.send(notification.payload().to_owned());
+            }
+        };
+        match ended {
             Ok(Ok(())) => "the server closed the connection".to_owned(),
             Ok(Err(err)) => describe(&err),
             Err(_) => "the connection was closed".to_owned(),
         }
+    }
+
+    /// LISTENs on the lock's channel. Sent beside the fence's query, the connection pipelines
+    /// both: one round trip.
+    fn listen(
+        &mut self,
+    ) -> (
+        Requests,
+        impl Future<Output = Result<(), SessionError>> + 'static,
+    ) {
+        let (heard, requests) = tokio::sync::mpsc::unbounded_channel();
+        let channel = step_down_channel(&self.lock);
+        let listening = self.notifications.is_some();
+        if listening {
+            self.step_downs = Some((channel.clone(), heard));
+        }
+        let client = self.client.clone();
+        let sent = async move {
+            if !listening {
+                return Err(SessionError::Query(
+                    "the session's notifications are taken".into(),
+                ));
+            }
+            client
+                .batch_execute(&format!("LISTEN {channel}"))
+                .await
+                .map_err(query_error)
+        };
+        (requests, sent)
     }
 
     /// Blocks until the lock is granted (no polling: the server queues waiters, and grants a

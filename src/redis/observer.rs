@@ -68,4 +68,15 @@ impl Observer for RedisObserver {
     async fn server_time(&self) -> Result<Timestamp, LedgerError> {
         ledger::server_time(&mut self.connection.conn.clone()).await
     }
+
+    /// PUBLISH answers how many subscribers heard it: only a leader subscribes.
+    async fn ask_step_down(&self, request: &str) -> Result<Option<u64>, String> {
+        let heard: u64 = redis::cmd("PUBLISH")
+            .arg(self.keys.step_down())
+            .arg(request)
+            .query_async(&mut self.connection.conn.clone())
+            .await
+            .map_err(|err| format!("cannot send the request (PUBLISH): {err}"))?;
+        Ok(Some(heard))
+    }
 }

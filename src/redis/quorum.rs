@@ -37,6 +37,7 @@ use crate::election::lease::Lease;
 use crate::election::ledger::Definition;
 use crate::election::lock::LockKey;
 use crate::election::majority::Majority;
+use crate::election::step_down::{self, Requests};
 use crate::election::{Check, Confirmation, ConnectError, Fence, Session, SessionError};
 use crate::redis::connection::{self, Connection, Purpose, ServerInfo};
 use crate::redis::ledger::RedisLedger;
@@ -647,6 +648,17 @@ impl Session for QuorumSession {
         self.round().try_once().await
     }
 
+    /// A quorum's leader hears no step-down request: `pgleader step-down` refuses a quorum
+    /// before it sends one (listening on every server is not built).
+    fn listen(
+        &mut self,
+    ) -> (
+        Requests,
+        impl Future<Output = Result<(), SessionError>> + 'static,
+    ) {
+        (step_down::deaf(), std::future::ready(Ok(())))
+    }
+
     /// The largest epoch the majority handed out, written back to every server (a majority
     /// must take it) before the command starts.
     async fn fence(&self) -> Result<Fence, SessionError> {
@@ -930,6 +942,10 @@ impl crate::election::Observer for QuorumObserver {
                 "no server of the quorum is reachable".into(),
             )),
         }
+    }
+
+    async fn ask_step_down(&self, _request: &str) -> Result<Option<u64>, String> {
+        Err("a Redlock quorum's leader does not listen for step-down requests".into())
     }
 }
 

@@ -90,6 +90,11 @@ impl Keys {
         format!("{}:released", self.lock)
     }
 
+    /// The channel a leader SUBSCRIBEs to for step-down requests (`election/step_down.rs`).
+    pub fn step_down(&self) -> String {
+        format!("{}:step-down", self.lock)
+    }
+
     pub fn alive(&self, nonce: &str) -> String {
         format!("{}:alive:{nonce}", self.lock)
     }

@@ -20,6 +20,7 @@ use redis::aio::MultiplexedConnection;
 use redis::{PushInfo, PushKind, Value};
 
 use crate::election::ledger::Definition;
+use crate::election::step_down::{self, Heard, Requests};
 use crate::election::{Check, Confirmation, ConnectError, Fence, Session, SessionError};
 use crate::redis::RedisBackend;
 use crate::redis::connection::{self, Connection, Purpose, ServerInfo};
@@ -49,6 +50,8 @@ pub struct RedisSession {
     user_name: Option<String>,
     /// Bounds each of a leader's ledger scripts.
     ledger_timeout: Duration,
+    /// Once a leader subscribes: where `ended` passes step-down requests on.
+    step_downs: Option<Heard>,
 }
 
 impl RedisSession {
@@ -70,6 +73,7 @@ impl RedisSession {
             connected_at: Instant::now(),
             user_name: backend.user_name.clone(),
             ledger_timeout: backend.ledger_timeout,
+            step_downs: None,
         })
     }
 }
@@ -186,6 +190,21 @@ pub(crate) fn invalidates(push: &PushInfo, key: &str) -> bool {
     }
 }
 
+/// The request a message on `channel` carries, if it is one.
+fn step_down_request(push: &PushInfo, channel: &str) -> Option<String> {
+    let text = |value: &Value| match value {
+        Value::BulkString(bytes) => String::from_utf8(bytes.clone()).ok(),
+        Value::SimpleString(text) => Some(text.clone()),
+        _ => None,
+    };
+    match push.data.as_slice() {
+        [on, payload] if text(on).as_deref() == Some(channel) => {
+            text(payload).filter(|payload| step_down::is_request(payload))
+        }
+        _ => None,
+    }
+}
+
 impl RedisSession {
     /// A handle on the session's connection, for a check made before it is used.
     pub(crate) fn conn(&self) -> MultiplexedConnection {
@@ -259,9 +278,32 @@ impl Session for RedisSession {
                 {
                     self.suspect = true;
                 }
+                Some(push) if push.kind == PushKind::Message => {
+                    if let Some(requests) = &self.step_downs
+                        && let Some(request) = step_down_request(&push, &self.args.keys.step_down())
+                    {
+                        let _ = requests.send(request);
+                    }
+                }
                 Some(_) => {}
             }
         }
+    }
+
+    /// SUBSCRIBEs on the session's connection, which already carries its liveness channel:
+    /// no connection of its own. Sent beside the fence, the connection pipelines both.
+    fn listen(
+        &mut self,
+    ) -> (
+        Requests,
+        impl Future<Output = Result<(), SessionError>> + 'static,
+    ) {
+        let (heard, requests) = tokio::sync::mpsc::unbounded_channel();
+        self.step_downs = Some(heard);
+        let mut conn = self.connection.conn.clone();
+        let channel = self.args.keys.step_down();
+        let sent = async move { conn.subscribe(channel).await.map_err(query_error) };
+        (requests, sent)
     }
 
     /// Tries, then blocks on the wake list until woken or a check interval has passed, and

@@ -138,6 +138,9 @@ enum Led {
     /// A planned handoff (--relinquish-after, --relinquish-schedule): the command was stopped
     /// and the lock released, for the next waiting replica.
     Relinquished(Option<ChildStatus>),
+    /// `pgleader step-down` asked for a handoff: the command was stopped and the lock released,
+    /// for the next waiting replica.
+    SteppedDown(Option<ChildStatus>),
     /// `--schedule --once`: nothing for this timer to run; the lock was released.
     NothingToRun,
     /// `--schedule`: this replica disagrees with the fleet on the schedule; it released the
@@ -156,7 +159,10 @@ impl Led {
     fn status(&self) -> Option<ChildStatus> {
         match self {
             Led::Exited(status) | Led::Unrecorded(status) => Some(*status),
-            Led::Lost { status } | Led::Shutdown(status) | Led::Relinquished(status) => *status,
+            Led::Lost { status }
+            | Led::Shutdown(status)
+            | Led::Relinquished(status)
+            | Led::SteppedDown(status) => *status,
             Led::NothingToRun | Led::HandedOver | Led::PreStartFailed => None,
         }
     }
@@ -174,6 +180,8 @@ enum LeadEvent {
     CheckDone(Result<Check, SessionError>),
     Deadline,
     Relinquish,
+    /// `pgleader step-down` asked, with this request id.
+    StepDown(String),
     Ended(String),
     Signal(Option<SignalEvent>),
     Report(Report),
@@ -236,7 +244,8 @@ impl<B: Backend> Supervisor<B> {
             };
             let led = self.lead(session, granted).await?;
             let once = self.settings.once;
-            if once && matches!(led, Led::Lost { status: Some(_) }) {
+            // Under --once a step-down ends the run as a loss does: the command did not finish.
+            if once && matches!(led, Led::Lost { status: Some(_) } | Led::SteppedDown(_)) {
                 return Ok(Outcome::LostLeadership);
             }
             // A TERM or INT arrived, perhaps while the command was being stopped for another
@@ -290,6 +299,17 @@ impl<B: Backend> Supervisor<B> {
                     if !self.inbox.pause(sit_out).await {
                         return Ok(Outcome::Shutdown);
                     }
+                }
+                Led::SteppedDown(_) => {
+                    // Not at once: the replica that waits behind wins meanwhile, and this one
+                    // queues behind it.
+                    self.backoff.reset();
+                    pause = self.settings.check_interval;
+                    info!(
+                        event = "follower",
+                        "stepped down; queueing again in {} (--check-interval)",
+                        fmt(pause)
+                    );
                 }
                 Led::HandedOver => {
                     // Back to the end of the queue, behind the replicas that agree with the

@@ -95,53 +95,99 @@ fn assert_in_order(journal: &Journal, tags: &[&str], logs: &[&Proc]) {
     }
 }
 
-/// A leadership passed on by SIGTERM, then by kill -9 of pgleader: A, then B, then C, each
-/// post-stop over before the next pre-start began.
-fn hooks_run_in_order_through_sigterm_and_kill_9(start: impl Fn(&str, &[String], &str) -> Proc) {
+/// Where the replicas of a test meet: a server's URL and the lock's option.
+struct Fleet {
+    url: String,
+    lock: String,
+}
+
+impl Fleet {
+    fn postgres() -> Fleet {
+        Fleet {
+            url: Cluster::shared().url(),
+            lock: format!("--lock-id={}", unique_lock()),
+        }
+    }
+
+    fn redis() -> Fleet {
+        Fleet {
+            url: Redis::shared().url(),
+            lock: format!("--lock=hooks-{}", unique_lock()),
+        }
+    }
+
+    /// `pgleader <subcommand> <lock> <args...>`.
+    fn pgleader(&self, subcommand: &str, args: &[String]) -> std::process::Command {
+        let mut command = pgleader();
+        command
+            .env("PGLEADER_DATABASE_URL", &self.url)
+            .arg(subcommand)
+            .arg(&self.lock)
+            .args(args);
+        command
+    }
+
+    /// A replica with the test's timings and `hooks`, running `script`.
+    fn replica(&self, name: &str, hooks: &[String], script: &str) -> Proc {
+        let mut args: Vec<String> = TIMINGS.iter().map(|s| (*s).to_owned()).collect();
+        args.extend(hooks.iter().cloned());
+        args.extend(["--", "sh", "-c", script].map(String::from));
+        Proc::spawn(name, self.pgleader("run", &args))
+    }
+
+    /// `pgleader step-down`, to its end.
+    fn step_down(&self) {
+        let client = Proc::spawn(
+            "step-down",
+            self.pgleader("step-down", &["--timeout=20s".to_owned()]),
+        );
+        assert_eq!(client.wait_code(), 0, "{}", client.dump());
+    }
+}
+
+/// A leadership passed on by SIGTERM, then by kill -9 of pgleader, then by `pgleader
+/// step-down`: A, B, C, then D, each post-stop over before the next pre-start began.
+fn hooks_run_in_order_through_sigterm_kill_9_and_step_down(fleet: Fleet) {
     let journal = Journal::new("hooks");
-    let a = start("A", &hooks(&journal, "A"), &command(&journal, "A"));
+    let start = |tag: &str| fleet.replica(tag, &hooks(&journal, tag), &command(&journal, tag));
+    let a = start("A");
     a.wait_stdout("A started");
-    let b = start("B", &hooks(&journal, "B"), &command(&journal, "B"));
+    let b = start("B");
     b.wait_log("waiting for the lock");
 
     a.signal(Signal::SIGTERM);
     b.wait_stdout("B started");
     a.wait_exit();
-    let c = start("C", &hooks(&journal, "C"), &command(&journal, "C"));
+    let c = start("C");
     c.wait_log("waiting for the lock");
 
     b.signal(Signal::SIGKILL);
     c.wait_stdout("C started");
-    assert_in_order(&journal, &["A", "B", "C"], &[&a, &b, &c]);
-    c.signal(Signal::SIGTERM);
-    c.wait_exit();
-}
+    let d = start("D");
+    d.wait_log("waiting for the lock");
 
-fn postgres(cluster: &'static Cluster, lock: i64) -> impl Fn(&str, &[String], &str) -> Proc {
-    move |name, hooks, script| {
-        let mut args: Vec<&str> = TIMINGS.to_vec();
-        args.extend(hooks.iter().map(String::as_str));
-        run(name, cluster, lock, &args, script)
-    }
-}
-
-fn redis(redis: &'static Redis, lock: String) -> impl Fn(&str, &[String], &str) -> Proc {
-    move |name, hooks, script| {
-        let mut args: Vec<&str> = TIMINGS.to_vec();
-        args.extend(hooks.iter().map(String::as_str));
-        run_named(name, &redis.url(), &lock, &args, script)
+    fleet.step_down();
+    d.wait_stdout("D started");
+    assert_in_order(&journal, &["A", "B", "C", "D"], &[&a, &b, &c, &d]);
+    assert!(
+        !c.has_exited(),
+        "the stepped-down leader exited\n{}",
+        c.dump()
+    );
+    for replica in [&c, &d] {
+        replica.signal(Signal::SIGTERM);
+        replica.wait_exit();
     }
 }
 
 #[test]
-fn on_postgres_hooks_run_in_order_through_sigterm_and_kill_9() {
-    hooks_run_in_order_through_sigterm_and_kill_9(postgres(Cluster::shared(), unique_lock()));
+fn on_postgres_hooks_run_in_order_through_sigterm_kill_9_and_step_down() {
+    hooks_run_in_order_through_sigterm_kill_9_and_step_down(Fleet::postgres());
 }
 
 #[test]
-fn on_redis_hooks_run_in_order_through_sigterm_and_kill_9() {
-    let lock = format!("hooks-{}", unique_lock());
-    hooks_run_in_order_through_sigterm_and_kill_9(redis(Redis::shared(), lock));
+fn on_redis_hooks_run_in_order_through_sigterm_kill_9_and_step_down() {
+    hooks_run_in_order_through_sigterm_kill_9_and_step_down(Fleet::redis());
 }
 
 #[test]

@@ -24,6 +24,7 @@ mod schedule;
 mod shard_nemesis;
 mod shards;
 mod signals;
+mod step_down;
 mod tls;
 mod usage;
 mod versions;

@@ -36,8 +36,23 @@ impl<B: Backend> Supervisor<B> {
         // The fencing token. The server processes this request after it was sent, so the
         // server keeps the lock at least a lease past `sent`: a safe base for the leader's own
         // deadline.
+        // Listening for step-down requests goes out beside it: no round trip of its own.
         let sent = Instant::now();
-        let fence = match tokio::time::timeout(timeout, session.fence()).await {
+        let (mut requests, listening) = session.listen();
+        let (fenced, listened) =
+            tokio::join!(tokio::time::timeout(timeout, session.fence()), async {
+                tokio::time::timeout(timeout, listening).await
+            });
+        match listened {
+            Ok(Ok(())) => {}
+            Ok(Err(err)) => {
+                warn!(event = "step_down_deaf", lock = %lock, reason = %err, "cannot listen for step-down requests; pgleader step-down will not reach this leader")
+            }
+            Err(_) => {
+                warn!(event = "step_down_deaf", lock = %lock, "no answer to the subscription for step-down requests; pgleader step-down will not reach this leader")
+            }
+        }
+        let fence = match fenced {
             Ok(Ok(fence)) => fence,
             Ok(Err(err)) => {
                 warn!(event = "leadership_lost", lock = %lock, reason = %err, "won the lock but cannot take a fencing token; giving it up");
@@ -98,6 +113,7 @@ impl<B: Backend> Supervisor<B> {
                 report = async { match &mut job { Some(job) => job.next_report().await, None => std::future::pending().await } } => LeadEvent::Report(report),
                 _ = sleep_until(next_check), if check.is_none() => LeadEvent::CheckDue,
                 _ = sleep_until(relinquish_at.map_or(deadline, |(at, _)| at)), if relinquish_at.is_some() => LeadEvent::Relinquish,
+                Some(request) = requests.recv() => LeadEvent::StepDown(request),
                 next = shift.next() => LeadEvent::Duty(next),
             };
             let (loss, lost_reason) = match event {
@@ -231,6 +247,19 @@ impl<B: Backend> Supervisor<B> {
                         .step_down(job.take(), &mut shift, session, Some(why), Leave::Release)
                         .await;
                     return Ok(Led::Relinquished(status));
+                }
+                LeadEvent::StepDown(request) => {
+                    info!(event = "step_down", lock = %lock, request = %request, "asked to step down (pgleader step-down): stopping the command, then releasing the lock for the next waiting replica");
+                    notify::status("stepping down on request");
+                    self.inbox.telemetry.leadership_lost(
+                        LossReason::SteppedDown,
+                        &format!("asked to step down (request {request})"),
+                    );
+                    let why = "asked to step down";
+                    let status = self
+                        .step_down(job.take(), &mut shift, session, Some(why), Leave::Release)
+                        .await;
+                    return Ok(Led::SteppedDown(status));
                 }
                 LeadEvent::Signal(Some(SignalEvent::Shutdown(signal))) => {
                     self.inbox.begin_shutdown(

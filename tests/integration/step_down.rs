@@ -1,0 +1,306 @@
+//! `pgleader step-down` end to end, on PostgreSQL and on one Redis server: the leader stops
+//! its command, releases, and stays on as a follower; the next replica leads; and every way
+//! it can refuse has its documented exit code.
+
+use std::time::{Duration, Instant};
+
+use crate::harness::{Cluster, Proc, Redis, Stream, patient_child, pgleader, unique_lock};
+
+/// Checks quick enough that the pause before a stepped-down leader queues again is short.
+const TIMINGS: [&str; 2] = ["--check-interval=200ms", "--kill-timeout=2s"];
+
+/// Where the replicas of one test meet: a server's URL and the lock's options.
+struct Fleet {
+    url: String,
+    lock: Vec<String>,
+}
+
+impl Fleet {
+    fn postgres() -> Fleet {
+        Fleet {
+            url: Cluster::shared().url(),
+            lock: vec![format!("--lock-id={}", unique_lock())],
+        }
+    }
+
+    fn redis() -> Fleet {
+        Fleet {
+            url: Redis::shared().url(),
+            lock: vec![format!("--lock=step-down-{}", unique_lock())],
+        }
+    }
+
+    /// A replica running a child that reports its start and its signals.
+    fn replica(&self, tag: &str) -> Proc {
+        let mut command = pgleader();
+        command
+            .env("PGLEADER_DATABASE_URL", &self.url)
+            .arg("run")
+            .args(&self.lock)
+            .args(TIMINGS)
+            .args(["--", "sh", "-c", &patient_child(tag)]);
+        Proc::spawn(tag, command)
+    }
+
+    /// `pgleader <subcommand> <lock> <args>`, run to its end: exit code, stdout, stderr.
+    fn client(&self, subcommand: &str, args: &[&str]) -> (i32, String, String) {
+        let mut command = pgleader();
+        command
+            .env("PGLEADER_DATABASE_URL", &self.url)
+            .arg(subcommand)
+            .args(&self.lock)
+            .args(args);
+        let (status, out, err) = Proc::spawn(subcommand, command).finish();
+        (
+            status.code().expect("an exit code"),
+            out.join("\n"),
+            err.join("\n"),
+        )
+    }
+
+    fn step_down(&self) -> (i32, String, String) {
+        self.client("step-down", &["--timeout=20s"])
+    }
+
+    /// Waits until the server shows `n` replicas waiting behind the leader.
+    fn wait_for_waiters(&self, n: usize) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let (_, out, _) = self.client("status", &["--json"]);
+            let status: serde_json::Value = serde_json::from_str(&out).expect("status --json");
+            let waiting = status["waiting"].as_array().map_or(0, Vec::len);
+            if waiting >= n && !status["holder"].is_null() {
+                return;
+            }
+            assert!(Instant::now() < deadline, "never {n} waiters: {status}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// A steps down: B leads, A's command got its stop signal, and A is still there, waiting;
+/// stepping B down then hands it back to A, which proves A queued again.
+fn moves_leadership_and_the_old_leader_stays_a_follower(fleet: &Fleet) {
+    let a = fleet.replica("A");
+    a.wait_stdout("A started");
+    let b = fleet.replica("B");
+    fleet.wait_for_waiters(1);
+
+    let (code, out, err) = fleet.step_down();
+    assert_eq!(code, 0, "stdout: {out}\nstderr: {err}");
+    assert!(
+        out.contains(&format!("led by pgleader {}@", a.pid))
+            && out.contains(&format!("now led by pgleader {}@", b.pid)),
+        "{out}"
+    );
+    a.wait_stdout("A got TERM");
+    a.wait_log("asked to step down");
+    b.wait_stdout("B started");
+    a.wait_log("queueing again");
+    assert!(!a.has_exited(), "{}", a.dump());
+
+    fleet.wait_for_waiters(1);
+    let (code, out, err) = fleet.step_down();
+    assert_eq!(code, 0, "stdout: {out}\nstderr: {err}");
+    assert!(
+        out.contains(&format!("now led by pgleader {}@", a.pid)),
+        "{out}"
+    );
+    b.wait_stdout("B got TERM");
+    a.wait_for_nth(Stream::Stdout, "A started", 2);
+    assert!(!b.has_exited(), "{}", b.dump());
+}
+
+/// Alone, the leader is not asked at all: exit 4, and its command keeps running.
+fn without_a_follower_the_leader_keeps_leading(fleet: &Fleet) {
+    let a = fleet.replica("A");
+    a.wait_stdout("A started");
+    let (code, out, err) = fleet.step_down();
+    assert_eq!(code, 4, "stdout: {out}\nstderr: {err}");
+    assert!(out.contains("keeps leading"), "{out}");
+    let (code, out, _) = fleet.client("status", &[]);
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains(&format!("pgleader pid {}", a.pid)), "{out}");
+    assert!(
+        !a.lines(Stream::Stdout)
+            .iter()
+            .any(|line| line.contains("got")),
+        "{}",
+        a.dump()
+    );
+}
+
+/// Nobody leads: exit 3.
+fn without_a_leader_there_is_nothing_to_step_down(fleet: &Fleet) {
+    let (code, out, err) = fleet.step_down();
+    assert_eq!(code, 3, "stdout: {out}\nstderr: {err}");
+    assert!(out.contains("no leader"), "{out}");
+}
+
+#[test]
+fn postgres_step_down_moves_leadership_and_the_old_leader_stays_a_follower() {
+    moves_leadership_and_the_old_leader_stays_a_follower(&Fleet::postgres());
+}
+
+#[test]
+fn redis_step_down_moves_leadership_and_the_old_leader_stays_a_follower() {
+    moves_leadership_and_the_old_leader_stays_a_follower(&Fleet::redis());
+}
+
+#[test]
+fn postgres_step_down_without_a_follower_leaves_the_leader_leading() {
+    without_a_follower_the_leader_keeps_leading(&Fleet::postgres());
+}
+
+#[test]
+fn redis_step_down_without_a_follower_leaves_the_leader_leading() {
+    without_a_follower_the_leader_keeps_leading(&Fleet::redis());
+}
+
+#[test]
+fn postgres_step_down_without_a_leader_exits_3() {
+    without_a_leader_there_is_nothing_to_step_down(&Fleet::postgres());
+}
+
+#[test]
+fn redis_step_down_without_a_leader_exits_3() {
+    without_a_leader_there_is_nothing_to_step_down(&Fleet::redis());
+}
+
+/// `--to` is refused before anything is asked: the leader keeps leading.
+#[test]
+fn to_is_refused_on_both_backends_and_the_leader_keeps_leading() {
+    for fleet in [Fleet::postgres(), Fleet::redis()] {
+        let a = fleet.replica("A");
+        a.wait_stdout("A started");
+        let _b = fleet.replica("B");
+        fleet.wait_for_waiters(1);
+        let (code, out, err) = fleet.client("step-down", &["--to", "web-2"]);
+        assert_eq!(code, 2, "stdout: {out}\nstderr: {err}");
+        assert!(err.contains("--to web-2: a step-down cannot pick"), "{err}");
+        let (_, out, _) = fleet.client("status", &[]);
+        assert!(out.contains(&format!("pgleader pid {}", a.pid)), "{out}");
+        assert!(
+            !a.lines(Stream::Stdout)
+                .iter()
+                .any(|line| line.contains("got")),
+            "{}",
+            a.dump()
+        );
+    }
+}
+
+#[test]
+fn bad_input_to_step_down_is_a_usage_error() {
+    let url = "postgres://postgres@127.0.0.1:1/postgres";
+    let quorum = [
+        "-d",
+        "redis://127.0.0.1:1",
+        "-d",
+        "redis://127.0.0.1:2",
+        "-d",
+        "redis://127.0.0.1:3",
+    ];
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["step-down", "-d", url],
+            "give --lock-id <ID> or --lock <NAME>",
+        ),
+        (
+            &["step-down", "-d", url, "--lock-id", "1", "--timeout", "0s"],
+            "must be greater than 0",
+        ),
+        (
+            &[
+                "step-down",
+                "-d",
+                url,
+                "--lock-id",
+                "1",
+                "--timeout",
+                "soon",
+            ],
+            "expected a duration",
+        ),
+        (
+            &["step-down", "-d", url, "--lock-id", "1", "--lock", "x"],
+            "cannot be used with",
+        ),
+        (
+            &[&["step-down", "--lock", "x"][..], &quorum[..]].concat(),
+            "not available on a Redlock quorum",
+        ),
+    ];
+    for (args, expected) in cases {
+        let (status, _, err) = Proc::spawn("step-down", {
+            let mut command = pgleader();
+            command.args(*args);
+            command
+        })
+        .finish();
+        let err = err.join("\n");
+        assert_eq!(status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(expected), "{args:?}: {err}");
+    }
+}
+
+/// The figures of BENCHMARKS.md's step-down row: `cargo test --locked --test integration --
+/// --ignored step_down::measure --nocapture` (STEP_DOWN_RUNS, 20 by default). Two replicas hand
+/// leadership back and forth; each handoff is one sample, from the moment the leader logged
+/// the request (and from the moment `pgleader step-down` started, its own connection and read
+/// included) to the next leader's command printing its first line.
+#[test]
+#[ignore = "a measurement, not a test: run it by name"]
+fn measure() {
+    let runs: usize = std::env::var("STEP_DOWN_RUNS")
+        .ok()
+        .and_then(|runs| runs.parse().ok())
+        .unwrap_or(20);
+    for (backend, fleet) in [("PostgreSQL", Fleet::postgres()), ("Redis", Fleet::redis())] {
+        // B only once A leads: started together, either could win.
+        let a = fleet.replica("A");
+        a.wait_stdout("A started");
+        let replicas = [a, fleet.replica("B")];
+        let (mut heard, mut asked) = (Vec::new(), Vec::new());
+        for run in 0..runs {
+            let (leader, next) = (&replicas[run % 2], &replicas[(run + 1) % 2]);
+            fleet.wait_for_waiters(1);
+            let sent = Instant::now();
+            let (code, out, err) = fleet.step_down();
+            assert_eq!(code, 0, "stdout: {out}\nstderr: {err}");
+            let nth = |replica: &Proc, stream, needle: &str, n| {
+                replica
+                    .wait_line(stream, needle, n, None, crate::harness::WAIT)
+                    .unwrap_or_else(|| panic!("no {needle:?}\n{}", replica.dump()))
+                    .1
+            };
+            let tag = next.name.clone();
+            let at = nth(leader, Stream::Stderr, "asked to step down", run / 2 + 1);
+            let started = nth(
+                next,
+                Stream::Stdout,
+                &format!("{tag} started"),
+                run / 2 + 1 + usize::from(run % 2 == 1),
+            );
+            heard.push(started.duration_since(at));
+            asked.push(started.duration_since(sent));
+        }
+        let summary = |samples: &mut Vec<Duration>| {
+            samples.sort();
+            let pick = |q: f64| {
+                samples[((samples.len() as f64 * q).ceil() as usize).clamp(1, samples.len()) - 1]
+            };
+            format!(
+                "p50 {:.1} ms, p95 {:.1} ms",
+                pick(0.5).as_secs_f64() * 1e3,
+                pick(0.95).as_secs_f64() * 1e3
+            )
+        };
+        println!(
+            "{backend}, {runs} step-downs: request heard → new command running {}; \
+             `pgleader step-down` started → new command running {}",
+            summary(&mut heard),
+            summary(&mut asked)
+        );
+    }
+}
