@@ -274,6 +274,59 @@ pub struct RunArgs {
     )]
     pub max_shards: Option<u32>,
 
+    /// Run this shell command line (sh -c, stdin from /dev/null) to check that this replica is
+    /// fit to lead: at start-up, then --health-interval after each probe ends, in every phase.
+    /// Exit 0 passes. The replica queues for the lock only after a pass; after
+    /// --health-retries failures in a row it is unhealthy: a leader stops its command and
+    /// releases the lock, a follower leaves the queue, and neither queues again until a probe
+    /// passes. The probe runs in a process group of its own, never the command's; its output
+    /// is logged when it fails. Not with --shards, --no-wait or --schedule --once
+    #[arg(
+        long,
+        value_name = "CMD",
+        value_parser = non_empty_command,
+        env = "PGLEADER_HEALTH_CMD",
+        help_heading = "Health checks"
+    )]
+    pub health_cmd: Option<String>,
+
+    /// How long after a health probe ends the next one starts
+    #[arg(
+        long,
+        value_name = "DURATION",
+        default_value = "10s",
+        value_parser = positive_duration,
+        env = "PGLEADER_HEALTH_INTERVAL",
+        help_heading = "Health checks",
+        requires = "health_cmd"
+    )]
+    pub health_interval: Duration,
+
+    /// How long a health probe may run: then it is killed with everything it started, and
+    /// counts as failed
+    #[arg(
+        long,
+        value_name = "DURATION",
+        default_value = "5s",
+        value_parser = positive_duration,
+        env = "PGLEADER_HEALTH_TIMEOUT",
+        help_heading = "Health checks",
+        requires = "health_cmd"
+    )]
+    pub health_timeout: Duration,
+
+    /// How many health probes in a row must fail for this replica to be unhealthy
+    #[arg(
+        long,
+        value_name = "COUNT",
+        default_value_t = 3,
+        value_parser = clap::value_parser!(u32).range(1..),
+        env = "PGLEADER_HEALTH_RETRIES",
+        help_heading = "Health checks",
+        requires = "health_cmd"
+    )]
+    pub health_retries: u32,
+
     /// After winning less than this long after a server restart, crash or failover (which free
     /// every lock at once, possibly while the previous leader is still stopping its command),
     /// wait until this long has passed before starting the command. auto = --check-interval +
@@ -344,6 +397,14 @@ pub struct StatusArgs {
     /// time its holder or its waiters change, until interrupted
     #[arg(long)]
     pub watch: bool,
+}
+
+fn non_empty_command(value: &str) -> Result<String, String> {
+    if value.trim().is_empty() {
+        Err("the health command must not be empty".into())
+    } else {
+        Ok(value.to_owned())
+    }
 }
 
 fn non_empty_name(value: &str) -> Result<String, String> {

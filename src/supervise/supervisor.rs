@@ -11,7 +11,8 @@
 //! `match`: this file goes round the states, `supervisor/elect.rs` connects and waits for the
 //! lock, `supervisor/lead.rs` leads and steps down. The supervisor sees the backend only
 //! through the election's traits, and what it does while leading is its duty's
-//! (`duty.rs`: a service, a single run, a schedule). The rules that matter most:
+//! (`duty.rs`: a service, a single run, a schedule). With `--health-cmd`, it queues and leads
+//! only while its health probe (`health.rs`) says it is healthy. The rules that matter most:
 //!
 //! - the command starts only after this session won the lock and took its fencing token (on
 //!   PostgreSQL, a transaction id, which also proves a writable primary);
@@ -38,9 +39,11 @@ use crate::election::backoff::Backoff;
 use crate::election::ledger::LedgerError;
 use crate::election::{Backend, Check, SessionError};
 use crate::exit::{ChildStatus, Outcome};
+use crate::operate::notify;
 use crate::operate::telemetry::Telemetry;
 use crate::supervise::Settings;
 use crate::supervise::duty::{Duty, Next};
+use crate::supervise::health::Health;
 use crate::supervise::inbox::Inbox;
 use crate::supervise::job::{Job, Parked};
 use crate::supervise::keeper::Report;
@@ -58,7 +61,12 @@ pub async fn run<B: Backend>(
     telemetry: Telemetry,
 ) -> anyhow::Result<Outcome> {
     let duty = Duty::new(settings.schedule.clone(), telemetry.clone());
+    let health = match settings.health.clone() {
+        Some(check) => Health::start(check, telemetry.clone())?,
+        None => Health::none(),
+    };
     let mut supervisor = Supervisor {
+        health,
         connect_deadline: duty.connect_deadline(),
         duty,
         inbox: Inbox::new(signals, telemetry, settings.kill_timeout),
@@ -88,6 +96,8 @@ struct Supervisor<B: Backend> {
     connect_deadline: Option<Instant>,
     /// The keeper started ahead of the next command, waiting (see `job::Parked`).
     parked: Option<Ahead>,
+    /// Whether this replica may queue and lead (`--health-cmd`).
+    health: Health,
 }
 
 /// A keeper started ahead of the next command: still being spawned, on a blocking thread so
@@ -105,6 +115,9 @@ enum Acquired<S> {
     Lost {
         stable: bool,
     },
+    /// The health probe turned unhealthy: the session was closed (a wait given up may have
+    /// been granted).
+    Unhealthy,
     Shutdown,
 }
 
@@ -127,6 +140,8 @@ enum Led {
     /// `--schedule`: the command had ended with this status, but the leadership ended before
     /// the ledger had the outcome (kept for the next session).
     Unrecorded(ChildStatus),
+    /// The health probe turned unhealthy: the command was stopped and the lock released.
+    Unhealthy(Option<ChildStatus>),
 }
 
 impl Led {
@@ -134,7 +149,10 @@ impl Led {
     fn status(&self) -> Option<ChildStatus> {
         match self {
             Led::Exited(status) | Led::Unrecorded(status) => Some(*status),
-            Led::Lost { status } | Led::Shutdown(status) | Led::Relinquished(status) => *status,
+            Led::Lost { status }
+            | Led::Shutdown(status)
+            | Led::Relinquished(status)
+            | Led::Unhealthy(status) => *status,
             Led::NothingToRun | Led::HandedOver => None,
         }
     }
@@ -144,6 +162,7 @@ enum WaitEvent {
     Done(Result<(), SessionError>),
     Ended(String),
     Signal(Option<SignalEvent>),
+    Unhealthy,
 }
 
 enum LeadEvent {
@@ -155,6 +174,7 @@ enum LeadEvent {
     Ended(String),
     Signal(Option<SignalEvent>),
     Report(Report),
+    Unhealthy,
 }
 
 /// How a leadership is left: the lock released for the next waiter, or the session closed
@@ -179,6 +199,10 @@ impl<B: Backend> Supervisor<B> {
                 if !self.inbox.pause(pause).await {
                     return Ok(Outcome::Shutdown);
                 }
+            }
+            // Out of the election until the health probe passes: not even connected.
+            if !self.health.is_healthy() && !self.await_healthy().await {
+                return Ok(Outcome::Shutdown);
             }
             // Ready before it is needed: winning then costs the command's fork and exec only.
             // Its spawn runs while connecting.
@@ -207,6 +231,11 @@ impl<B: Backend> Supervisor<B> {
                 Acquired::Won(session) => (session, Instant::now()),
                 Acquired::Busy => return Ok(Outcome::Busy(self.settings.busy_exit_code)),
                 Acquired::Shutdown => return Ok(Outcome::Shutdown),
+                Acquired::Unhealthy => {
+                    self.backoff.reset();
+                    pause = Duration::ZERO;
+                    continue;
+                }
                 Acquired::Lost { stable } => {
                     pause = self.pause_after_loss(stable);
                     continue;
@@ -214,7 +243,7 @@ impl<B: Backend> Supervisor<B> {
             };
             let led = self.lead(session, granted).await?;
             let once = self.settings.once;
-            if once && matches!(led, Led::Lost { status: Some(_) }) {
+            if once && matches!(led, Led::Lost { status: Some(_) } | Led::Unhealthy(Some(_))) {
                 return Ok(Outcome::LostLeadership);
             }
             // A TERM or INT arrived, perhaps while the command was being stopped for another
@@ -244,7 +273,7 @@ impl<B: Backend> Supervisor<B> {
                     }
                 }
                 Led::Lost { status } => pause = self.pause_after_loss(status.is_some()),
-                Led::Relinquished(_) => {
+                Led::Relinquished(_) | Led::Unhealthy(_) => {
                     self.backoff.reset();
                     pause = Duration::ZERO;
                 }
@@ -260,6 +289,26 @@ impl<B: Backend> Supervisor<B> {
                     self.backoff.reset();
                     pause = self.settings.check_interval;
                 }
+            }
+        }
+    }
+
+    /// Waits, out of the election and answering signals, until the health probe passes. False
+    /// if pgleader should shut down.
+    async fn await_healthy(&mut self) -> bool {
+        info!(
+            event = "health_wait",
+            "not queueing for the lock until the health probe (--health-cmd) passes"
+        );
+        notify::status("waiting for the health probe to pass before queueing");
+        self.inbox.telemetry.idle();
+        loop {
+            let event = tokio::select! {
+                () = self.health.passed() => return true,
+                event = self.inbox.signals.recv() => event,
+            };
+            if self.inbox.idle_signal(event) {
+                return false;
             }
         }
     }
