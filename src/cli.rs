@@ -21,7 +21,7 @@ Exit status (run):
   1
       fatal error: bad password, unknown database, TLS certificate that does not verify, a server older than PostgreSQL 13, unreachable database under --no-wait, a ledger table that cannot be used, an --http address that cannot be listened on
   2
-      usage error: an unknown option, an invalid value (an --http address that does not parse, too), a missing command; --health-cmd with --shards, --no-wait or --schedule --once; --shards beside a replica of the same lock with another shard count, or without --shards, and the other way round
+      usage error: an unknown option, an invalid value (an --http address that does not parse, too), a missing command; --health-cmd with --no-wait or --schedule --once; --shards beside a replica of the same lock with another shard count, or without --shards, and the other way round
   75
       --once: leadership was lost while the command ran
   126, 127
@@ -279,8 +279,9 @@ pub struct RunArgs {
     /// Exit 0 passes. The replica queues for the lock only after a pass; after
     /// --health-retries failures in a row it is unhealthy: a leader stops its command and
     /// releases the lock, a follower leaves the queue, and neither queues again until a probe
-    /// passes. The probe runs in a process group of its own, never the command's; its output
-    /// is logged when it fails. Not with --shards, --no-wait or --schedule --once
+    /// passes (with --shards: it gives up every shard and leaves until then). The probe runs in
+    /// a process group of its own, never the command's; its output is logged when it fails. Not
+    /// with --no-wait or --schedule --once
     #[arg(
         long,
         value_name = "CMD",

@@ -239,29 +239,16 @@ fn health_check(args: &RunArgs) -> Result<Option<HealthCheck>, UsageError> {
     let Some(command) = &args.health_cmd else {
         return Ok(None);
     };
-    let refuse = |what: &str, why: &str| {
-        Err(UsageError(format!(
-            "--health-cmd cannot be used with {what}: {why}"
-        )))
-    };
-    if args.shards.is_some() {
-        return refuse(
-            "--shards",
-            "a sharded replica's health gate is not built yet; run the probe as part of each \
-             shard's command instead, or stop an unhealthy replica (TERM): its shards run \
-             elsewhere within milliseconds",
-        );
-    }
     if args.no_wait || (args.once && args.schedule.is_some()) {
-        return refuse(
-            if args.no_wait {
-                "--no-wait"
-            } else {
-                "--schedule --once"
-            },
-            "it tries the lock once, with no probe interval to wait through; gate it in the \
-             shell instead: CHECK && pgleader run ...",
-        );
+        let what = if args.no_wait {
+            "--no-wait"
+        } else {
+            "--schedule --once"
+        };
+        return Err(UsageError(format!(
+            "--health-cmd cannot be used with {what}: it tries the lock once, with no probe \
+             interval to wait through; gate it in the shell instead: CHECK && pgleader run ..."
+        )));
     }
     Ok(Some(HealthCheck {
         command: command.clone(),

@@ -3,9 +3,10 @@
 //! it gives the replica: starting (no pass yet), healthy, or unhealthy (`--health-retries`
 //! failures in a row; healthy again after one pass). Docker's HEALTHCHECK rule, with its names.
 //!
-//! The supervisor asks one question, "is this replica healthy?" ([`Health::is_healthy`]), and
-//! awaits the two changes that concern it ([`Health::turned_unhealthy`], [`Health::passed`]):
-//! a replica queues and leads only while healthy. Everything else stays here: running the probe,
+//! The supervisor, and the sharded room alike, ask one question, "is this replica healthy?"
+//! ([`Health::is_healthy`]), await the change that ends a wait or a leadership
+//! ([`Health::turned_unhealthy`]), and sit out until a probe passes ([`Health::sit_out`]): a
+//! replica queues, leads and holds shards only while healthy. Everything else stays here: running the probe,
 //! counting failures, the log lines and what telemetry shows. The probe's task owns all of it
 //! and publishes the state through a `watch` channel, so a slow or hanging probe never holds up
 //! the supervisor's event loop.
@@ -39,8 +40,9 @@ use tracing::{debug, info, warn};
 
 use crate::exit::ChildStatus;
 use crate::operate::metrics::HealthResult;
+use crate::operate::notify;
 use crate::operate::telemetry::{HealthState, HealthView, Telemetry};
-use crate::supervise::inbox::{KEEPER_GRACE, status_of};
+use crate::supervise::inbox::{Inbox, KEEPER_GRACE, status_of};
 use crate::supervise::job::{CommandLine, Parked};
 use crate::supervise::keeper::Report;
 use crate::time::for_people as fmt;
@@ -139,8 +141,31 @@ impl Health {
         }
     }
 
+    /// Waits out of the election, answering signals, until the probe passes (at once if it
+    /// has). False if pgleader should shut down.
+    pub async fn sit_out(&mut self, inbox: &mut Inbox) -> bool {
+        if self.is_healthy() {
+            return true;
+        }
+        info!(
+            event = "health_wait",
+            "not queueing for the lock until the health probe (--health-cmd) passes"
+        );
+        notify::status("waiting for the health probe to pass before queueing for the lock");
+        inbox.telemetry.idle();
+        loop {
+            let event = tokio::select! {
+                () = self.passed() => return true,
+                event = inbox.signals.recv() => event,
+            };
+            if inbox.idle_signal(event) {
+                return false;
+            }
+        }
+    }
+
     /// Completes when the replica is healthy (at once if it is now). Cancel-safe.
-    pub async fn passed(&mut self) {
+    async fn passed(&mut self) {
         if let Some(state) = &mut self.state {
             // The task ends only with `Health`; a closed channel is no reason to wait.
             let _ = state.wait_for(|state| *state == HealthState::Healthy).await;

@@ -39,7 +39,6 @@ use crate::election::backoff::Backoff;
 use crate::election::ledger::LedgerError;
 use crate::election::{Backend, Check, SessionError};
 use crate::exit::{ChildStatus, Outcome};
-use crate::operate::notify;
 use crate::operate::telemetry::Telemetry;
 use crate::supervise::Settings;
 use crate::supervise::duty::{Duty, Next};
@@ -201,7 +200,7 @@ impl<B: Backend> Supervisor<B> {
                 }
             }
             // Out of the election until the health probe passes: not even connected.
-            if !self.health.is_healthy() && !self.await_healthy().await {
+            if !self.health.is_healthy() && !self.health.sit_out(&mut self.inbox).await {
                 return Ok(Outcome::Shutdown);
             }
             // Ready before it is needed: winning then costs the command's fork and exec only.
@@ -289,26 +288,6 @@ impl<B: Backend> Supervisor<B> {
                     self.backoff.reset();
                     pause = self.settings.check_interval;
                 }
-            }
-        }
-    }
-
-    /// Waits, out of the election and answering signals, until the health probe passes. False
-    /// if pgleader should shut down.
-    async fn await_healthy(&mut self) -> bool {
-        info!(
-            event = "health_wait",
-            "not queueing for the lock until the health probe (--health-cmd) passes"
-        );
-        notify::status("waiting for the health probe to pass before queueing");
-        self.inbox.telemetry.idle();
-        loop {
-            let event = tokio::select! {
-                () = self.health.passed() => return true,
-                event = self.inbox.signals.recv() => event,
-            };
-            if self.inbox.idle_signal(event) {
-                return false;
             }
         }
     }

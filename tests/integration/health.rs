@@ -114,24 +114,37 @@ struct Pair {
 
 impl Pair {
     fn start(server: Server) -> Pair {
+        Pair::start_with(server, false)
+    }
+
+    /// With `sharded`, two shards: A runs one, B the other.
+    fn start_with(server: Server, sharded: bool) -> Pair {
         let lock = unique_lock();
         let (a_health, b_health) = (Switch::new("a", true), Switch::new("b", true));
-        let a = start(
-            server,
-            "A",
-            lock,
-            &health_args(&a_health.probe()),
-            &patient_child("A"),
-        );
-        a.wait_stdout("A started");
-        let b = start(
-            server,
-            "B",
-            lock,
-            &health_args(&b_health.probe()),
-            &patient_child("B"),
-        );
-        b.wait_log(&event("waiting"));
+        let args = |health: &Switch| {
+            let mut args = health_args(&health.probe());
+            if sharded {
+                args.push("--shards=2".to_owned());
+            }
+            args
+        };
+        let child = |tag: &str| {
+            if sharded {
+                shard_child(tag)
+            } else {
+                patient_child(tag)
+            }
+        };
+        let a = start(server, "A", lock, &args(&a_health), &child("A"));
+        a.wait_for_nth(Stream::Stdout, "A started", if sharded { 2 } else { 1 });
+        let b = start(server, "B", lock, &args(&b_health), &child("B"));
+        if sharded {
+            // A hands one shard over to B: one each.
+            a.wait_stdout("A got TERM");
+            b.wait_stdout("B started shard");
+        } else {
+            b.wait_log(&event("waiting"));
+        }
         Pair {
             a_health,
             b_health,
@@ -330,6 +343,67 @@ fn redis_a_lone_unhealthy_replica_never_starts_its_command_and_says_so() {
     a_lone_unhealthy_replica_never_starts_its_command_and_says_so(Server::Redis);
 }
 
+/// A shard's command: prints "`tag` started shard N" and "`tag` got TERM N", waits forever.
+fn shard_child(tag: &str) -> String {
+    format!(
+        "trap 'echo {tag} got TERM $PGLEADER_SHARD; exit 0' TERM; \
+         echo {tag} started shard $PGLEADER_SHARD; \
+         while :; do sleep 1000 & wait $!; done"
+    )
+}
+
+fn an_unhealthy_sharded_replica_gives_up_every_shard_until_healthy(server: Server) {
+    let Pair {
+        a_health,
+        b_health: _b_health,
+        a,
+        b,
+    } = Pair::start_with(server, true);
+
+    let failing = Instant::now();
+    a_health.set(false);
+    a.wait_for_nth(Stream::Stdout, "A got TERM", 2);
+    b.wait_for_nth(Stream::Stdout, "B started shard", 2);
+    let took = failing.elapsed();
+    eprintln!("health: shards moved {took:?} after the probe began to fail");
+    assert!(
+        took <= INTERVAL * RETRIES + MARGIN,
+        "shards moved after {took:?}\n{}\n{}",
+        a.dump(),
+        b.dump()
+    );
+    a.wait_log(&event("health_step_down"));
+    a.wait_log(&event("health_wait"));
+
+    // Alone once B goes: A runs no shard until its probe passes, then both.
+    b.signal(Signal::SIGTERM);
+    assert_eq!(b.wait_code(), 0, "{}", b.dump());
+    let started = count(&a, Stream::Stdout, "A started shard");
+    let failed = count(&a, Stream::Stderr, &event("health_failed"));
+    a.wait_for_nth(Stream::Stderr, &event("health_failed"), failed + 4);
+    assert_eq!(
+        count(&a, Stream::Stdout, "A started shard"),
+        started,
+        "an unhealthy replica ran a shard\n{}",
+        a.dump()
+    );
+    a_health.set(true);
+    a.wait_log(&event("healthy"));
+    a.wait_for_nth(Stream::Stdout, "A started shard", started + 2);
+    a.signal(Signal::SIGTERM);
+    assert_eq!(a.wait_code(), 0, "{}", a.dump());
+}
+
+#[test]
+fn postgres_an_unhealthy_sharded_replica_gives_up_every_shard_until_healthy() {
+    an_unhealthy_sharded_replica_gives_up_every_shard_until_healthy(Server::Postgres);
+}
+
+#[test]
+fn redis_an_unhealthy_sharded_replica_gives_up_every_shard_until_healthy() {
+    an_unhealthy_sharded_replica_gives_up_every_shard_until_healthy(Server::Redis);
+}
+
 /// The pids a probe wrote, one a line.
 fn pids_in(path: &Path) -> Vec<i32> {
     std::fs::read_to_string(path)
@@ -376,8 +450,9 @@ fn a_hanging_probe_is_killed_at_its_timeout_with_its_whole_tree() {
         );
     }
     assert_eq!(count(&a, Stream::Stdout, "A started"), 0, "{}", a.dump());
+    // A replica out of the election shuts down at once.
     a.signal(Signal::SIGTERM);
-    a.wait_exit();
+    assert_eq!(a.wait_code(), 0, "{}", a.dump());
     let _ = std::fs::remove_file(&pids);
 }
 
@@ -440,10 +515,6 @@ fn bad_health_values_are_usage_errors() {
             "--health-retries",
         ),
         (&["--health-interval=1s"], "--health-cmd"),
-        (
-            &["--health-cmd=true", "--shards=2"],
-            "--health-cmd cannot be used with --shards",
-        ),
         (
             &["--health-cmd=true", "--no-wait"],
             "--health-cmd cannot be used with --no-wait",
