@@ -23,7 +23,7 @@ Exit status (run):
   2
       usage error: an unknown option, an invalid value (an --http address that does not parse, too), a missing command; --health-cmd with --no-wait or --schedule --once; --shards beside a replica of the same lock with another shard count, or without --shards, and the other way round
   75
-      --once: leadership was lost while the command ran
+      --once: leadership was lost, or the health probe turned unhealthy, while the command ran
   126, 127
       the command cannot be executed / was not found
 

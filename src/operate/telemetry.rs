@@ -829,6 +829,69 @@ mod tests {
     }
 
     #[test]
+    fn the_health_probe_gates_healthz_and_shows_in_the_status_and_metrics() {
+        let t = Telemetry::new(Settings {
+            lock: LockKey::from_name("nightly"),
+            connection: "app@db:5432/app".into(),
+            check_deadline: Duration::from_secs(3),
+            schedule: None,
+            shards: None,
+            health_check: true,
+        });
+        t.following(10);
+        let err = t
+            .health(&t.snapshot(), Timestamp::now())
+            .expect_err("starting");
+        assert!(err.starts_with("starting:"), "{err}");
+        let passed = |failures| HealthView {
+            state: HealthState::Healthy,
+            consecutive_failures: failures,
+            last_check: Some(Timestamp::now()),
+            last_failure: None,
+        };
+        t.health_probed(passed(0), HealthResult::Passed);
+        assert_eq!(t.health(&t.snapshot(), Timestamp::now()), Ok(()));
+        let at = Timestamp::now();
+        t.health_probed(
+            HealthView {
+                state: HealthState::Unhealthy,
+                consecutive_failures: 3,
+                last_check: Some(at),
+                last_failure: Some((at, "timed out after 5s".to_owned())),
+            },
+            HealthResult::TimedOut,
+        );
+        let err = t
+            .health(&t.snapshot(), Timestamp::now())
+            .expect_err("unhealthy");
+        assert_eq!(
+            err,
+            "unhealthy: the health probe (--health-cmd) failed 3 times in a row (last: timed out after 5s)"
+        );
+        let status = t.status_json(&t.snapshot(), Timestamp::now());
+        assert_eq!(status["healthy"], false);
+        assert_eq!(status["health"]["state"], "unhealthy", "{status}");
+        assert_eq!(status["health"]["consecutive_failures"], 3);
+        assert_eq!(
+            status["health"]["last_failure"]["reason"],
+            "timed out after 5s"
+        );
+        let metrics = t.render_metrics();
+        for line in [
+            "pgleader_health_ok{lock=\"nightly\"} 0",
+            "pgleader_health_consecutive_failures{lock=\"nightly\"} 3",
+            "pgleader_health_checks_total{result=\"passed\",lock=\"nightly\"} 1",
+            "pgleader_health_checks_total{result=\"timed_out\",lock=\"nightly\"} 1",
+            "pgleader_health_checks_total{result=\"failed\",lock=\"nightly\"} 0",
+        ] {
+            assert!(metrics.lines().any(|l| l == line), "{line} in\n{metrics}");
+        }
+        let plain = telemetry(false);
+        let status = plain.status_json(&plain.snapshot(), Timestamp::now());
+        assert!(status["health"].is_null(), "{status}");
+    }
+
+    #[test]
     fn the_status_shows_the_command_and_the_schedule_without_secrets() {
         let t = telemetry(true);
         t.leading(7, 10);
