@@ -416,7 +416,13 @@ impl Probe {
                 }
             }
         }
-        let output = self.output.as_deref().map(last_lines).unwrap_or_default();
+        let output = match self.output.clone() {
+            // A file read, however small, stays off the thread the supervisor runs on.
+            Some(path) => tokio::task::spawn_blocking(move || last_lines(&path))
+                .await
+                .unwrap_or_default(),
+            None => String::new(),
+        };
         match status {
             Some(ChildStatus::Exited(0)) => Outcome::Passed,
             Some(status) => Outcome::Failed(status, output),
