@@ -21,9 +21,9 @@ Exit status (run):
   1
       fatal error: bad password, unknown database, TLS certificate that does not verify, a server older than PostgreSQL 13, unreachable database under --no-wait, a ledger table that cannot be used, an --http address that cannot be listened on
   2
-      usage error: an unknown option, an invalid value (an --http address that does not parse, too), a missing command; --shards beside a replica of the same lock with another shard count, or without --shards, and the other way round
+      usage error: an unknown option, an invalid value (an --http address that does not parse, too), a missing command; --health-cmd with --no-wait or --schedule --once; --shards beside a replica of the same lock with another shard count, or without --shards, and the other way round
   75
-      --once: leadership was lost while the command ran
+      --once: leadership was lost, or the health probe turned unhealthy, while the command ran
   126, 127
       the command cannot be executed / was not found
 
@@ -281,6 +281,60 @@ pub struct RunArgs {
     )]
     pub max_shards: Option<u32>,
 
+    /// Run this shell command line (sh -c, stdin from /dev/null) to check that this replica is
+    /// fit to lead: at start-up, then --health-interval after each probe ends, in every phase.
+    /// Exit 0 passes. The replica queues for the lock only after a pass; after
+    /// --health-retries failures in a row it is unhealthy: a leader stops its command and
+    /// releases the lock, a follower leaves the queue, and neither queues again until a probe
+    /// passes (with --shards: it gives up every shard and leaves until then). The probe runs in
+    /// a process group of its own, never the command's; its output is logged when it fails. Not
+    /// with --no-wait or --schedule --once
+    #[arg(
+        long,
+        value_name = "CMD",
+        value_parser = shell_line,
+        env = "PGLEADER_HEALTH_CMD",
+        help_heading = "Health checks"
+    )]
+    pub health_cmd: Option<String>,
+
+    /// How long after a health probe ends the next one starts
+    #[arg(
+        long,
+        value_name = "DURATION",
+        default_value = "10s",
+        value_parser = positive_duration,
+        env = "PGLEADER_HEALTH_INTERVAL",
+        help_heading = "Health checks",
+        requires = "health_cmd"
+    )]
+    pub health_interval: Duration,
+
+    /// How long a health probe may run: then it is killed with everything it started, and
+    /// counts as failed
+    #[arg(
+        long,
+        value_name = "DURATION",
+        default_value = "5s",
+        value_parser = positive_duration,
+        env = "PGLEADER_HEALTH_TIMEOUT",
+        help_heading = "Health checks",
+        requires = "health_cmd"
+    )]
+    pub health_timeout: Duration,
+
+    /// How many health probes in a row must fail for this replica to be unhealthy
+    #[arg(
+        long,
+        value_name = "COUNT",
+        default_value_t = 3,
+        value_parser = clap::value_parser!(u32).range(1..),
+        env = "PGLEADER_HEALTH_RETRIES",
+        help_heading = "Health checks",
+        requires = "health_cmd"
+    )]
+    pub health_retries: u32,
+
     /// After winning less than this long after a server restart, crash or failover (which free
     /// every lock at once, possibly while the previous leader is still stopping its command),
     /// wait until this long has passed before starting the command. auto = --check-interval +
@@ -407,10 +461,10 @@ fn non_empty_name(value: &str) -> Result<String, String> {
     }
 }
 
-/// A hook's shell command line: anything but blank.
+/// A hook's or a probe's shell command line: anything but blank.
 fn shell_line(value: &str) -> Result<String, String> {
     if value.trim().is_empty() {
-        Err("a hook must not be empty".into())
+        Err("a shell command line must not be empty".into())
     } else {
         Ok(value.to_owned())
     }

@@ -19,6 +19,7 @@ use crate::redis::quorum::QuorumBackend;
 use crate::redis::url::{RedisServer, is_redis_url};
 use crate::schedule::Plan;
 use crate::schedule::calendar::Schedule;
+use crate::supervise::health::HealthCheck;
 use crate::supervise::hook::Hooks;
 use crate::supervise::job::CommandLine;
 use crate::supervise::{Settings, Sharding};
@@ -127,6 +128,7 @@ impl RunConfig {
         .map_err(UsageError)?;
         no_ledger_table_on_redis(&args.ledger, &database)?;
         let shards = sharding(&args, &database)?;
+        let health = health_check(&args)?;
         let schedule = match &args.schedule {
             Some(expression) => Some(Plan {
                 schedule: Schedule::parse(expression, &args.schedule_timezone)
@@ -172,6 +174,7 @@ impl RunConfig {
             schedule,
             connect_timeout,
             shards,
+            health,
             restart_fence: match args.restart_fence {
                 RestartFence::Fixed(duration) => duration,
                 RestartFence::Auto => stop.total() + crate::election::lease::MARGIN,
@@ -234,6 +237,30 @@ impl RunConfig {
         };
         Ok((config, warnings))
     }
+}
+
+/// `--health-cmd` and its companions, or why they cannot be used with what else was asked for.
+fn health_check(args: &RunArgs) -> Result<Option<HealthCheck>, UsageError> {
+    let Some(command) = &args.health_cmd else {
+        return Ok(None);
+    };
+    if args.no_wait || (args.once && args.schedule.is_some()) {
+        let what = if args.no_wait {
+            "--no-wait"
+        } else {
+            "--schedule --once"
+        };
+        return Err(UsageError(format!(
+            "--health-cmd cannot be used with {what}: it tries the lock once, with no probe \
+             interval to wait through; gate it in the shell instead: CHECK && pgleader run ..."
+        )));
+    }
+    Ok(Some(HealthCheck {
+        command: command.clone(),
+        interval: args.health_interval,
+        timeout: args.health_timeout,
+        retries: args.health_retries,
+    }))
 }
 
 /// `--shards` and `--max-shards`, or why they cannot be used together with what else was

@@ -70,6 +70,7 @@ async fn run(args: RunArgs) -> anyhow::Result<u8> {
         check_deadline: settings.check_interval + settings.check_timeout,
         schedule: settings.schedule.as_ref().map(|plan| plan.schedule.clone()),
         shards: settings.shards.map(|sharding| sharding.count),
+        health_check: settings.health.is_some(),
     });
     // Bound before the election: a port that is taken stops pgleader before it can win.
     if let Some(address) = config.http {

@@ -1,5 +1,6 @@
 //! The HTTP endpoint of `--http`: `/leader` (200 while this instance leads, else 503), `/healthz`
-//! (200 while healthy, else 503 with the reason), `/status` (JSON) and `/metrics` (Prometheus).
+//! (200 while healthy, else 503 with the reason; with `--health-cmd`, 503 too while the probe
+//! has not passed or has failed `--health-retries` times in a row), `/status` (JSON) and `/metrics` (Prometheus).
 //!
 //! It runs as tasks on pgleader's one runtime thread, beside the supervisor, and only reads:
 //! each answer is made from a clone of the published state or from atomic counters (see

@@ -51,12 +51,14 @@ pub enum LossReason {
     LedgerFailed,
     /// TERM or INT.
     Shutdown,
+    /// The health probe (`--health-cmd`) failed `--health-retries` times in a row.
+    Unhealthy,
     /// `--pre-start` failed or timed out: the command never started.
     PreStartFailed,
 }
 
 impl LossReason {
-    pub const ALL: [LossReason; 10] = [
+    pub const ALL: [LossReason; 11] = [
         LossReason::ConnectionEnded,
         LossReason::CheckFailed,
         LossReason::CheckTimeout,
@@ -66,6 +68,7 @@ impl LossReason {
         LossReason::SteppedDown,
         LossReason::LedgerFailed,
         LossReason::Shutdown,
+        LossReason::Unhealthy,
         LossReason::PreStartFailed,
     ];
 
@@ -80,6 +83,7 @@ impl LossReason {
             LossReason::SteppedDown => "stepped_down",
             LossReason::LedgerFailed => "ledger_failed",
             LossReason::Shutdown => "shutdown",
+            LossReason::Unhealthy => "unhealthy",
             LossReason::PreStartFailed => "pre_start_failed",
         }
     }
@@ -120,6 +124,33 @@ impl CommandOutcome {
     }
 }
 
+/// How one health probe ended: the `result` label of `pgleader_health_checks_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HealthResult {
+    /// Exit code 0.
+    Passed,
+    /// Another exit code, death by a signal, or a probe that could not start.
+    Failed,
+    /// Killed at --health-timeout.
+    TimedOut,
+}
+
+impl HealthResult {
+    pub const ALL: [HealthResult; 3] = [
+        HealthResult::Passed,
+        HealthResult::Failed,
+        HealthResult::TimedOut,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HealthResult::Passed => "passed",
+            HealthResult::Failed => "failed",
+            HealthResult::TimedOut => "timed_out",
+        }
+    }
+}
+
 #[derive(Debug)]
 pub struct Metrics {
     registry: Registry,
@@ -136,6 +167,17 @@ pub struct Metrics {
     pub scheduled_runs: Option<IntCounterVec>,
     /// With `--shards K`: the per-shard families.
     pub shards: Option<ShardMetrics>,
+    /// With `--health-cmd`: the probe's families.
+    pub health: Option<HealthMetrics>,
+}
+
+/// The health probe's figures (`--health-cmd`): whether this replica counts as healthy (and
+/// may queue and lead), its probes by result, and its failures in a row.
+#[derive(Debug)]
+pub struct HealthMetrics {
+    pub ok: IntGauge,
+    pub checks: IntCounterVec,
+    pub consecutive_failures: IntGauge,
 }
 
 /// The figures of a sharded lock (`--shards K`): per replica, how many shards it holds; per
@@ -152,8 +194,9 @@ pub struct ShardMetrics {
 }
 
 impl Metrics {
-    /// The metric families for `lock`; the scheduled-run counter only when a schedule is set.
-    pub fn new(lock: &LockKey, scheduled: bool, shards: Option<u32>) -> Metrics {
+    /// The metric families for `lock`; the scheduled-run counter only when a schedule is set,
+    /// the health families only with a health probe.
+    pub fn new(lock: &LockKey, scheduled: bool, shards: Option<u32>, health: bool) -> Metrics {
         let lock_label = lock
             .name()
             .map_or_else(|| lock.key().to_string(), str::to_owned);
@@ -241,6 +284,25 @@ impl Metrics {
             )
         });
         let shards = shards.map(|count| ShardMetrics::new(&registry, count));
+        let health = health.then(|| HealthMetrics {
+            ok: gauge(
+                &registry,
+                "health_ok",
+                "1 while the health probe (--health-cmd) counts this replica healthy, so that it may queue and lead; 0 before its first pass and once it failed --health-retries times in a row",
+            ),
+            checks: counter_vec(
+                &registry,
+                "health_checks_total",
+                "Health probes that ended, by result: passed (exit 0), failed (another exit code, a signal, or it could not start), timed_out (killed at --health-timeout)",
+                "result",
+                HealthResult::ALL.map(HealthResult::as_str),
+            ),
+            consecutive_failures: gauge(
+                &registry,
+                "health_consecutive_failures",
+                "The health probe's failures in a row; 0 after a pass",
+            ),
+        });
         Metrics {
             registry,
             is_leader,
@@ -254,6 +316,7 @@ impl Metrics {
             connection_failures,
             scheduled_runs,
             shards,
+            health,
         }
     }
 
@@ -359,7 +422,12 @@ mod tests {
 
     #[test]
     fn every_series_carries_the_lock_and_the_counters_start_at_zero() {
-        let metrics = Metrics::new(&LockKey::from_name("nightly \"report\""), false, None);
+        let metrics = Metrics::new(
+            &LockKey::from_name("nightly \"report\""),
+            false,
+            None,
+            false,
+        );
         metrics.is_leader.set(1);
         let text = metrics.render();
         for line in text.lines().filter(|line| !line.starts_with('#')) {
@@ -378,11 +446,12 @@ mod tests {
             "{text}"
         );
         assert!(!text.contains("scheduled_runs"), "{text}");
+        assert!(!text.contains("pgleader_health_"), "{text}");
     }
 
     #[test]
     fn the_scheduled_runs_exist_only_with_a_schedule() {
-        let metrics = Metrics::new(&LockKey::from_id(-5), true, None);
+        let metrics = Metrics::new(&LockKey::from_id(-5), true, None, false);
         let text = metrics.render();
         assert!(
             text.contains(r#"pgleader_scheduled_runs_total{outcome="missed",lock="-5"} 0"#),

@@ -18,7 +18,7 @@ use tokio::sync::watch;
 use crate::election::lock::LockKey;
 use crate::election::participant::host_name;
 use crate::exit::ChildStatus;
-use crate::operate::metrics::{CommandOutcome, LossReason, Metrics};
+use crate::operate::metrics::{CommandOutcome, HealthResult, LossReason, Metrics};
 use crate::schedule::calendar::{self, Schedule};
 use crate::schedule::{RunView, ScheduledOutcome};
 
@@ -33,7 +33,8 @@ pub enum Role {
     Leader,
     /// Leadership is ending: the command is being stopped, the lock released.
     SteppingDown,
-    /// Between two leaderships by choice: the command exited, `--restart-delay` runs.
+    /// Between two leaderships by choice: the command exited, `--restart-delay` runs; or out
+    /// of the election until the health probe passes (`--health-cmd`).
     Idle,
     /// TERM or INT arrived: stopping the command, releasing the lock, exiting.
     ShuttingDown,
@@ -87,6 +88,38 @@ pub struct CommandView {
     pub last_exit: Option<(ChildStatus, Timestamp)>,
 }
 
+/// The health probe's verdict (`--health-cmd`), Docker's states.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HealthState {
+    /// No probe has passed yet: the replica does not queue.
+    Starting,
+    Healthy,
+    /// `--health-retries` failures in a row, and no pass since: the replica does not queue or
+    /// lead.
+    Unhealthy,
+}
+
+impl HealthState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HealthState::Starting => "starting",
+            HealthState::Healthy => "healthy",
+            HealthState::Unhealthy => "unhealthy",
+        }
+    }
+}
+
+/// The health probe, as `/status` shows it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HealthView {
+    pub state: HealthState,
+    pub consecutive_failures: u32,
+    /// When the last probe ended.
+    pub last_check: Option<Timestamp>,
+    /// When the last failing probe ended, and why it failed.
+    pub last_failure: Option<(Timestamp, String)>,
+}
+
 /// The published state: what `/leader`, `/healthz` and `/status` answer from.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Snapshot {
@@ -106,6 +139,8 @@ pub struct Snapshot {
     pub runs: Vec<RunView>,
     /// With `--shards`: the shards this replica holds, by number.
     pub shards: Vec<ShardView>,
+    /// With `--health-cmd`: the probe's state.
+    pub health: Option<HealthView>,
 }
 
 /// A shard this replica holds, as `/status` shows it.
@@ -163,12 +198,20 @@ pub struct Settings {
     /// The shard count (`--shards`), if the lock is sharded: `/leader` then answers 200 while
     /// the command of at least one shard runs here, and the per-shard metrics exist.
     pub shards: Option<u32>,
+    /// Whether a health probe runs (`--health-cmd`): `/healthz` and `/status` then show it,
+    /// and its metrics exist.
+    pub health_check: bool,
 }
 
 impl Telemetry {
     pub fn new(settings: Settings) -> Telemetry {
         let host = host_name();
-        let metrics = Metrics::new(&settings.lock, settings.schedule.is_some(), settings.shards);
+        let metrics = Metrics::new(
+            &settings.lock,
+            settings.schedule.is_some(),
+            settings.shards,
+            settings.health_check,
+        );
         let (state, _) = watch::channel(Snapshot {
             role: Role::Connecting,
             since: Timestamp::now(),
@@ -184,6 +227,12 @@ impl Telemetry {
             },
             runs: Vec::new(),
             shards: Vec::new(),
+            health: settings.health_check.then_some(HealthView {
+                state: HealthState::Starting,
+                consecutive_failures: 0,
+                last_check: None,
+                last_failure: None,
+            }),
         });
         Telemetry {
             inner: Arc::new(Inner {
@@ -345,6 +394,20 @@ impl Telemetry {
         });
     }
 
+    // The health probe's hook.
+
+    /// A health probe ended with `result`; `view` is the state it leaves.
+    pub fn health_probed(&self, view: HealthView, result: HealthResult) {
+        if let Some(health) = &self.inner.metrics.health {
+            health.checks.with_label_values(&[result.as_str()]).inc();
+            health.ok.set(i64::from(view.state == HealthState::Healthy));
+            health
+                .consecutive_failures
+                .set(i64::from(view.consecutive_failures));
+        }
+        self.update(|s| s.health = Some(view));
+    }
+
     // The sharded room's hooks.
 
     /// Took shard `shard` with the fencing token `epoch`.
@@ -489,8 +552,29 @@ impl Telemetry {
     }
 
     /// Whether this instance is healthy, for `/healthz`: following, leading with a recent
-    /// successful check, or idle between leaderships. `Err` says why not.
+    /// successful check, or idle between leaderships; and with `--health-cmd`, its probe has
+    /// passed and not failed `--health-retries` times in a row since. `Err` says why not.
     pub fn health(&self, snapshot: &Snapshot, now: Timestamp) -> Result<(), String> {
+        if let Some(probe) = &snapshot.health {
+            match probe.state {
+                HealthState::Healthy => {}
+                HealthState::Starting => {
+                    return Err(
+                        "starting: the health probe (--health-cmd) has not passed yet".to_owned(),
+                    );
+                }
+                HealthState::Unhealthy => {
+                    let last = probe
+                        .last_failure
+                        .as_ref()
+                        .map_or("", |(_, reason)| reason.as_str());
+                    return Err(format!(
+                        "unhealthy: the health probe (--health-cmd) failed {} times in a row (last: {last})",
+                        probe.consecutive_failures
+                    ));
+                }
+            }
+        }
         let deadline = self.inner.identity.check_deadline;
         match snapshot.role {
             Role::Follower | Role::Idle => Ok(()),
@@ -536,6 +620,7 @@ impl Telemetry {
             "backend_pid": snapshot.backend_pid,
             "epoch": snapshot.epoch,
             "last_check": snapshot.last_check.map(rfc3339),
+            "health": snapshot.health.as_ref().map(health_json),
             "command": command_json(command),
             "schedule": identity.schedule.as_ref().map(|schedule| schedule_json(schedule, &snapshot.runs, now)),
             "shards": identity.shards.map(|count| json!({
@@ -561,6 +646,18 @@ impl Snapshot {
             self.problem = None;
         }
     }
+}
+
+fn health_json(health: &HealthView) -> Value {
+    json!({
+        "state": health.state.as_str(),
+        "consecutive_failures": health.consecutive_failures,
+        "last_check": health.last_check.map(rfc3339),
+        "last_failure": health.last_failure.as_ref().map(|(at, reason)| json!({
+            "at": rfc3339(*at),
+            "reason": reason,
+        })),
+    })
 }
 
 fn command_json(command: &CommandView) -> Value {
@@ -618,6 +715,7 @@ mod tests {
             schedule: scheduled
                 .then(|| Schedule::parse("0 3 * * *", "Europe/Paris").expect("a schedule")),
             shards: None,
+            health_check: false,
         })
     }
 
@@ -652,6 +750,7 @@ mod tests {
             check_deadline: Duration::from_secs(3),
             schedule: None,
             shards: Some(4),
+            health_check: false,
         });
         t.following(10);
         t.shards_held(Vec::new(), 10);
@@ -727,6 +826,69 @@ mod tests {
         assert!(t.health(&t.snapshot(), Timestamp::now()).is_err());
         t.idle();
         assert_eq!(t.health(&t.snapshot(), Timestamp::now()), Ok(()));
+    }
+
+    #[test]
+    fn the_health_probe_gates_healthz_and_shows_in_the_status_and_metrics() {
+        let t = Telemetry::new(Settings {
+            lock: LockKey::from_name("nightly"),
+            connection: "app@db:5432/app".into(),
+            check_deadline: Duration::from_secs(3),
+            schedule: None,
+            shards: None,
+            health_check: true,
+        });
+        t.following(10);
+        let err = t
+            .health(&t.snapshot(), Timestamp::now())
+            .expect_err("starting");
+        assert!(err.starts_with("starting:"), "{err}");
+        let passed = |failures| HealthView {
+            state: HealthState::Healthy,
+            consecutive_failures: failures,
+            last_check: Some(Timestamp::now()),
+            last_failure: None,
+        };
+        t.health_probed(passed(0), HealthResult::Passed);
+        assert_eq!(t.health(&t.snapshot(), Timestamp::now()), Ok(()));
+        let at = Timestamp::now();
+        t.health_probed(
+            HealthView {
+                state: HealthState::Unhealthy,
+                consecutive_failures: 3,
+                last_check: Some(at),
+                last_failure: Some((at, "timed out after 5s".to_owned())),
+            },
+            HealthResult::TimedOut,
+        );
+        let err = t
+            .health(&t.snapshot(), Timestamp::now())
+            .expect_err("unhealthy");
+        assert_eq!(
+            err,
+            "unhealthy: the health probe (--health-cmd) failed 3 times in a row (last: timed out after 5s)"
+        );
+        let status = t.status_json(&t.snapshot(), Timestamp::now());
+        assert_eq!(status["healthy"], false);
+        assert_eq!(status["health"]["state"], "unhealthy", "{status}");
+        assert_eq!(status["health"]["consecutive_failures"], 3);
+        assert_eq!(
+            status["health"]["last_failure"]["reason"],
+            "timed out after 5s"
+        );
+        let metrics = t.render_metrics();
+        for line in [
+            "pgleader_health_ok{lock=\"nightly\"} 0",
+            "pgleader_health_consecutive_failures{lock=\"nightly\"} 3",
+            "pgleader_health_checks_total{result=\"passed\",lock=\"nightly\"} 1",
+            "pgleader_health_checks_total{result=\"timed_out\",lock=\"nightly\"} 1",
+            "pgleader_health_checks_total{result=\"failed\",lock=\"nightly\"} 0",
+        ] {
+            assert!(metrics.lines().any(|l| l == line), "{line} in\n{metrics}");
+        }
+        let plain = telemetry(false);
+        let status = plain.status_json(&plain.snapshot(), Timestamp::now());
+        assert!(status["health"].is_null(), "{status}");
     }
 
     #[test]

@@ -7,6 +7,7 @@
 //! generic over the backend and knows nothing of SQL or of any backend's types.
 
 pub mod duty;
+pub mod health;
 pub mod hook;
 pub mod inbox;
 pub mod job;
@@ -54,6 +55,8 @@ pub struct Settings {
     pub connect_timeout: Duration,
     /// `--shards` and `--max-shards`: run the command once per shard (see `sharded.rs`).
     pub shards: Option<Sharding>,
+    /// `--health-cmd` and its companions (see `health.rs`).
+    pub health: Option<health::HealthCheck>,
     /// `--pre-start`, `--post-stop` and `--hook-timeout` (see `hook.rs`).
     pub hooks: hook::Hooks,
 }

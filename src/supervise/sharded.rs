@@ -20,6 +20,11 @@
 //! the check that this replica still holds its shards, with the single leader's deadline
 //! (`--check-interval + --check-timeout`). A shard the check no longer finds, a session that
 //! ends, or a deadline passed: the commands concerned are stopped at once.
+//!
+//! With `--health-cmd`, a replica joins only while its probe (`health.rs`) says it is healthy.
+//! One that turns unhealthy stops every command it runs, gives every shard up once their trees
+//! are gone, leaves the fleet (so that the others share its shards out), and joins again only
+//! once a probe passes.
 
 use std::collections::BTreeMap;
 use std::os::fd::RawFd;
@@ -41,6 +46,7 @@ use crate::exit::{ChildStatus, Outcome};
 use crate::operate::metrics::LossReason;
 use crate::operate::notify;
 use crate::operate::telemetry::{CommandState, CommandView, ShardView, Telemetry};
+use crate::supervise::health::Health;
 use crate::supervise::inbox::{Inbox, KEEPER_GRACE, REPEAT_WINDOW, send_stop_signal, status_of};
 use crate::supervise::job::{self, CommandError, Job, Parked};
 use crate::supervise::keeper::Report;
@@ -70,7 +76,12 @@ pub async fn run<B: ShardBackend + Clone + 'static>(
     signals: UnboundedReceiver<SignalEvent>,
     telemetry: Telemetry,
 ) -> anyhow::Result<Outcome> {
+    let health = match settings.health.clone() {
+        Some(check) => Health::start(check, telemetry.clone())?,
+        None => Health::none(),
+    };
     let mut room = Room {
+        health,
         inbox: Inbox::new(
             signals,
             telemetry,
@@ -91,12 +102,20 @@ pub async fn run<B: ShardBackend + Clone + 'static>(
         if !pause.is_zero() && !room.inbox.pause(pause).await {
             return Ok(Outcome::Shutdown);
         }
+        // Out of the fleet until the health probe passes: not even connected.
+        if !room.health.sit_out(&mut room.inbox).await {
+            return Ok(Outcome::Shutdown);
+        }
         let Some(holder) = room.join().await? else {
             return Ok(Outcome::Shutdown);
         };
         let joined = Instant::now();
         match room.serve(holder).await? {
             Served::Shutdown => return Ok(Outcome::Shutdown),
+            Served::Unhealthy => {
+                room.backoff.reset();
+                pause = Duration::ZERO;
+            }
             Served::Lost => {
                 room.last_disturbance = Some(Instant::now());
                 if joined.elapsed() >= STABLE_SESSION {
@@ -122,6 +141,8 @@ struct Room<B: ShardBackend> {
     signals_open: bool,
     /// Watcher sessions a lost holder could not end, for the next holder to end.
     leftover_watchers: Vec<i32>,
+    /// Whether this replica may join and hold shards (`--health-cmd`).
+    health: Health,
 }
 
 /// A shard this replica holds.
@@ -170,6 +191,8 @@ struct Stopping {
 enum Served {
     Shutdown,
     Lost,
+    /// The health probe turned unhealthy: every shard was given up and the fleet left.
+    Unhealthy,
 }
 
 enum Event<W> {
@@ -183,6 +206,7 @@ enum Event<W> {
     Signal(Option<SignalEvent>),
     Report(u32, Report),
     Timer,
+    Unhealthy,
 }
 
 type ReadFuture = Pin<Box<dyn Future<Output = Result<Seen, SessionError>>>>;
@@ -210,6 +234,8 @@ struct Link<B: ShardBackend> {
     opening: Option<(i32, OpenFuture<B::Watcher>)>,
     /// Why the session is being left: once set, every command is stopping.
     leaving: Option<String>,
+    /// Left because the health probe turned unhealthy: the shards are released, not dropped.
+    unhealthy: bool,
     fatal: Option<anyhow::Error>,
     /// Since when the roster has shown shards held by a session that is not a member.
     transient_since: Option<Instant>,
@@ -361,6 +387,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
             watching: None,
             opening: None,
             leaving: None,
+            unhealthy: false,
             fatal: None,
             transient_since: None,
             abandoned: std::mem::take(&mut self.leftover_watchers),
@@ -387,7 +414,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                     let _ = link.holder.leave(timeout).await;
                     return Err(err);
                 }
-                if self.inbox.shutdown_requested.is_some() {
+                if self.inbox.shutdown_requested.is_some() || link.unhealthy {
                     link.end_watchers(timeout).await;
                     match link.holder.leave(timeout).await {
                         Ok(()) => info!(event = "released", lock = %lock, "released every shard"),
@@ -395,7 +422,10 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                             warn!(event = "release_failed", lock = %lock, reason = %err, "cannot release the shards explicitly; closing the session frees them")
                         }
                     }
-                    return Ok(Served::Shutdown);
+                    if self.inbox.shutdown_requested.is_some() {
+                        return Ok(Served::Shutdown);
+                    }
+                    return Ok(Served::Unhealthy);
                 }
                 if link.leaving.is_some() {
                     // The session may still answer (a deadline passed, a statement failed);
@@ -410,6 +440,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
             let quiet = link.leaving.is_some() || self.inbox.shutdown_requested.is_some();
             let leaving = link.leaving.is_some();
             let signals_open = self.signals_open;
+            let health = &mut self.health;
             let shards = &mut self.shards;
             let reports = std::future::poll_fn(|cx| {
                 for (index, shard) in shards.iter_mut() {
@@ -438,6 +469,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                 tokio::select! {
                 biased;
                 event = holder.next_event(), if !leaving => Event::Holder(event),
+                () = health.turned_unhealthy(), if !quiet => Event::Unhealthy,
                 _ = sleep_until(*deadline), if !quiet && holds_any => Event::Deadline,
                 result = async { match read { Some((_, future)) => future.await, None => std::future::pending().await } } => Event::Read(None, result),
                 event = self.inbox.signals.recv(), if signals_open => Event::Signal(event),
@@ -467,6 +499,22 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                     );
                     self.lose_all(&reason, LossReason::CheckTimeout);
                     link.leave_for(reason);
+                }
+                Event::Unhealthy => {
+                    let reason = "the health probe failed (--health-cmd)";
+                    warn!(event = "health_step_down", lock = %lock, "giving up every shard and leaving: {reason}; not joining again until it passes");
+                    notify::status(
+                        "unhealthy: giving up every shard until the health probe passes",
+                    );
+                    if !self.shards.is_empty() {
+                        self.inbox
+                            .telemetry
+                            .leadership_lost(LossReason::Unhealthy, reason);
+                    }
+                    // Released once every command's tree is gone, not before.
+                    self.stop_all(self.settings.kill_signal, After::Forget);
+                    link.unhealthy = true;
+                    link.leave_for(reason.to_owned());
                 }
                 Event::ReadDue => link.read_soon(quiet, timeout),
                 Event::Read(sent, result) => {

@@ -11,7 +11,8 @@
 //! `match`: this file goes round the states, `supervisor/elect.rs` connects and waits for the
 //! lock, `supervisor/lead.rs` leads and steps down. The supervisor sees the backend only
 //! through the election's traits, and what it does while leading is its duty's
-//! (`duty.rs`: a service, a single run, a schedule). The rules that matter most:
+//! (`duty.rs`: a service, a single run, a schedule). With `--health-cmd`, it queues and leads
+//! only while its health probe (`health.rs`) says it is healthy. The rules that matter most:
 //!
 //! - the command starts only after this session won the lock and took its fencing token (on
 //!   PostgreSQL, a transaction id, which also proves a writable primary);
@@ -41,6 +42,7 @@ use crate::exit::{ChildStatus, Outcome};
 use crate::operate::telemetry::Telemetry;
 use crate::supervise::Settings;
 use crate::supervise::duty::{Duty, Next};
+use crate::supervise::health::Health;
 use crate::supervise::inbox::Inbox;
 use crate::supervise::job::{Job, Parked};
 use crate::supervise::keeper::Report;
@@ -58,7 +60,12 @@ pub async fn run<B: Backend>(
     telemetry: Telemetry,
 ) -> anyhow::Result<Outcome> {
     let duty = Duty::new(settings.schedule.clone(), telemetry.clone());
+    let health = match settings.health.clone() {
+        Some(check) => Health::start(check, telemetry.clone())?,
+        None => Health::none(),
+    };
     let mut supervisor = Supervisor {
+        health,
         connect_deadline: duty.connect_deadline(),
         duty,
         inbox: Inbox::new(
@@ -94,6 +101,8 @@ struct Supervisor<B: Backend> {
     connect_deadline: Option<Instant>,
     /// The keeper started ahead of the next command, waiting (see `job::Parked`).
     parked: Option<Ahead>,
+    /// Whether this replica may queue and lead (`--health-cmd`).
+    health: Health,
     /// `--pre-start` failures in a row: each doubles the time this replica sits out.
     pre_start_failures: u32,
 }
@@ -124,6 +133,9 @@ enum Acquired<S> {
     Lost {
         stable: bool,
     },
+    /// The health probe turned unhealthy: the session was closed (a wait given up may have
+    /// been granted).
+    Unhealthy,
     Shutdown,
 }
 
@@ -152,6 +164,8 @@ enum Led {
     /// `--pre-start` failed: the command never started, `--post-stop` ran, the lock was
     /// released.
     PreStartFailed,
+    /// The health probe turned unhealthy: the command was stopped and the lock released.
+    Unhealthy(Option<ChildStatus>),
 }
 
 impl Led {
@@ -162,7 +176,8 @@ impl Led {
             Led::Lost { status }
             | Led::Shutdown(status)
             | Led::Relinquished(status)
-            | Led::SteppedDown(status) => *status,
+            | Led::SteppedDown(status)
+            | Led::Unhealthy(status) => *status,
             Led::NothingToRun | Led::HandedOver | Led::PreStartFailed => None,
         }
     }
@@ -172,6 +187,7 @@ enum WaitEvent {
     Done(Result<(), SessionError>),
     Ended(String),
     Signal(Option<SignalEvent>),
+    Unhealthy,
 }
 
 enum LeadEvent {
@@ -185,6 +201,7 @@ enum LeadEvent {
     Ended(String),
     Signal(Option<SignalEvent>),
     Report(Report),
+    Unhealthy,
 }
 
 /// How a leadership is left: the lock released for the next waiter, or the session closed
@@ -209,6 +226,10 @@ impl<B: Backend> Supervisor<B> {
                 if !self.inbox.pause(pause).await {
                     return Ok(Outcome::Shutdown);
                 }
+            }
+            // Out of the election until the health probe passes: not even connected.
+            if !self.health.is_healthy() && !self.health.sit_out(&mut self.inbox).await {
+                return Ok(Outcome::Shutdown);
             }
             // Ready before it is needed: winning then costs the command's fork and exec only.
             // Its spawn runs while connecting.
@@ -237,6 +258,11 @@ impl<B: Backend> Supervisor<B> {
                 Acquired::Won(session) => (session, Instant::now()),
                 Acquired::Busy => return Ok(Outcome::Busy(self.settings.busy_exit_code)),
                 Acquired::Shutdown => return Ok(Outcome::Shutdown),
+                Acquired::Unhealthy => {
+                    self.backoff.reset();
+                    pause = Duration::ZERO;
+                    continue;
+                }
                 Acquired::Lost { stable } => {
                     pause = self.pause_after_loss(stable);
                     continue;
@@ -245,7 +271,12 @@ impl<B: Backend> Supervisor<B> {
             let led = self.lead(session, granted).await?;
             let once = self.settings.once;
             // Under --once a step-down ends the run as a loss does: the command did not finish.
-            if once && matches!(led, Led::Lost { status: Some(_) } | Led::SteppedDown(_)) {
+            if once
+                && matches!(
+                    led,
+                    Led::Lost { status: Some(_) } | Led::SteppedDown(_) | Led::Unhealthy(Some(_))
+                )
+            {
                 return Ok(Outcome::LostLeadership);
             }
             // A TERM or INT arrived, perhaps while the command was being stopped for another
@@ -275,7 +306,7 @@ impl<B: Backend> Supervisor<B> {
                     }
                 }
                 Led::Lost { status } => pause = self.pause_after_loss(status.is_some()),
-                Led::Relinquished(_) => {
+                Led::Relinquished(_) | Led::Unhealthy(_) => {
                     self.backoff.reset();
                     pause = Duration::ZERO;
                 }

@@ -419,7 +419,10 @@ fn hooks_that_the_lease_cannot_cover_or_that_are_empty_are_usage_errors() {
             vec!["--post-stop=true"],
             "--check-interval + --check-timeout + --kill-timeout + --hook-timeout = 13s",
         ),
-        (vec!["--pre-start= "], "a hook must not be empty"),
+        (
+            vec!["--pre-start= "],
+            "a shell command line must not be empty",
+        ),
         (
             vec!["--pre-start=true", "--hook-timeout=0s"],
             "--hook-timeout",

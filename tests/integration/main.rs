@@ -10,6 +10,7 @@ mod election;
 mod examples;
 mod failover;
 mod faults;
+mod health;
 mod hooks;
 mod nemesis;
 mod notify;

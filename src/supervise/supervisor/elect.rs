@@ -110,6 +110,11 @@ impl<B: Backend> Supervisor<B> {
             };
         }
 
+        if !self.health.is_healthy() {
+            // Turned unhealthy while connecting: never queued.
+            drop(session);
+            return Ok(Acquired::Unhealthy);
+        }
         info!(
             event = "waiting",
             lock = %lock,
@@ -127,6 +132,7 @@ impl<B: Backend> Supervisor<B> {
                 biased;
                 reason = session.ended() => WaitEvent::Ended(reason),
                 event = self.inbox.signals.recv() => WaitEvent::Signal(event),
+                () = self.health.turned_unhealthy() => WaitEvent::Unhealthy,
                 result = &mut wait => WaitEvent::Done(result),
             };
             let stable = started.elapsed() >= STABLE_SESSION;
@@ -141,6 +147,14 @@ impl<B: Backend> Supervisor<B> {
                         "lost the session while waiting for the lock: {reason}"
                     ));
                     return Ok(Acquired::Lost { stable });
+                }
+                WaitEvent::Unhealthy => {
+                    info!(event = "left_queue", lock = %lock, "left the queue for the lock: unhealthy until the health probe passes");
+                    notify::status("unhealthy: left the queue until the health probe passes");
+                    // As for a shutdown: the lock may have been granted a moment ago; the
+                    // session is closed, never reused.
+                    drop(session);
+                    return Ok(Acquired::Unhealthy);
                 }
                 WaitEvent::Signal(event) => {
                     if self.inbox.idle_signal(event) {

@@ -114,6 +114,7 @@ impl<B: Backend> Supervisor<B> {
                 _ = sleep_until(next_check), if check.is_none() => LeadEvent::CheckDue,
                 _ = sleep_until(relinquish_at.map_or(deadline, |(at, _)| at)), if relinquish_at.is_some() => LeadEvent::Relinquish,
                 Some(request) = requests.recv() => LeadEvent::StepDown(request),
+                () = self.health.turned_unhealthy() => LeadEvent::Unhealthy,
                 next = shift.next() => LeadEvent::Duty(next),
             };
             let (loss, lost_reason) = match event {
@@ -260,6 +261,18 @@ impl<B: Backend> Supervisor<B> {
                         .step_down(job.take(), &mut shift, session, Some(why), Leave::Release)
                         .await;
                     return Ok(Led::SteppedDown(status));
+                }
+                LeadEvent::Unhealthy => {
+                    let why = "the health probe failed (--health-cmd)";
+                    warn!(event = "health_step_down", lock = %lock, "stepping down: {why}; not queueing again until it passes");
+                    notify::status("unhealthy: stepping down until the health probe passes");
+                    self.inbox
+                        .telemetry
+                        .leadership_lost(LossReason::Unhealthy, why);
+                    let status = self
+                        .step_down(job.take(), &mut shift, session, Some(why), Leave::Release)
+                        .await;
+                    return Ok(Led::Unhealthy(status));
                 }
                 LeadEvent::Signal(Some(SignalEvent::Shutdown(signal))) => {
                     self.inbox.begin_shutdown(
