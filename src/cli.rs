@@ -338,7 +338,7 @@ pub struct RunArgs {
     /// After winning less than this long after a server restart, crash or failover (which free
     /// every lock at once, possibly while the previous leader is still stopping its command),
     /// wait until this long has passed before starting the command. auto = --check-interval +
-    /// --check-timeout + --kill-timeout (+ --hook-timeout with hooks) + 1s, the longest a
+    /// --check-timeout + --kill-timeout (+ --hook-timeout with --post-stop) + 1s, the longest a
     /// previous leader with the same settings can take. 0 disables
     #[arg(long, value_name = "DURATION", default_value = "auto", value_parser = auto_or_duration, env = "PGLEADER_RESTART_FENCE")]
     pub restart_fence: RestartFence,
@@ -369,8 +369,8 @@ pub struct RunArgs {
     pub post_stop: Option<String>,
 
     /// How long each hook may run before it is killed with everything it started (a failed
-    /// --pre-start). With a hook, --lease must cover it too: --check-interval +
-    /// --check-timeout + --kill-timeout + --hook-timeout + 1s
+    /// --pre-start). With --post-stop, --lease must cover it too: --check-interval +
+    /// --check-timeout + --kill-timeout + --hook-timeout + 1s (14s with the defaults)
     #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = positive_duration, env = "PGLEADER_HOOK_TIMEOUT", help_heading = "Hooks")]
     pub hook_timeout: Duration,
 

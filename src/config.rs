@@ -119,7 +119,8 @@ impl RunConfig {
             check_interval: args.check_interval,
             check_timeout: args.check_timeout,
             kill_timeout: args.kill_timeout,
-            hook_timeout: hooks.any().then_some(hooks.timeout),
+            // Pre-start is stopped like the command; only post-stop runs after the kill timeout.
+            hook_timeout: hooks.post_stop.is_some().then_some(hooks.timeout),
         };
         match &database {
             Database::Postgres(_) => lease.validate(&stop),

@@ -6,7 +6,7 @@
 //! only when it gives up on the leader. The rule every backend keeps: the server never frees
 //! the lock before `last successful check + lease`, and frees it within about a lease after.
 //! Requiring `lease >= check-interval + check-timeout + kill-timeout + margin` (plus
-//! `hook-timeout` when hooks are set: `--post-stop` runs before the lock may go) therefore means
+//! `hook-timeout` with `--post-stop`: `--post-stop` runs before the lock may go) therefore means
 //! the old child is gone before anyone else can win. [`Lease::validate`] refuses anything else.
 //!
 //! How the server is made to keep it is the backend's business. PostgreSQL's defaults would
@@ -100,7 +100,7 @@ pub struct StopTimings {
     pub check_interval: Duration,
     pub check_timeout: Duration,
     pub kill_timeout: Duration,
-    /// `--hook-timeout`, when a hook is set.
+    /// `--hook-timeout`, with `--post-stop`.
     pub hook_timeout: Option<Duration>,
 }
 

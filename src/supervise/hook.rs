@@ -147,6 +147,17 @@ pub fn describe(code: i32) -> String {
     }
 }
 
+/// How long a replica (or a shard) whose `--pre-start` failed `failures` times in a row stays
+/// out: 1s, doubling up to a minute, so that a healthy follower takes over at once and a
+/// broken hook does not spin.
+pub fn sit_out_after(failures: u32) -> Duration {
+    const FIRST: Duration = Duration::from_secs(1);
+    const LONGEST: Duration = Duration::from_secs(60);
+    FIRST
+        .saturating_mul(1 << failures.saturating_sub(1).min(6))
+        .min(LONGEST)
+}
+
 /// A hook that runs in the keeper: its pid and the read end of its output.
 #[derive(Debug)]
 pub struct Running {
@@ -309,6 +320,12 @@ mod tests {
         assert_eq!(read, hooks);
         assert!(!read.read_arg("log=json"));
         assert!(Hooks::default().to_args().is_empty());
+    }
+
+    #[test]
+    fn a_failing_pre_start_sits_out_longer_each_time_up_to_a_minute() {
+        let secs: Vec<u64> = (1..=9).map(|n| sit_out_after(n).as_secs()).collect();
+        assert_eq!(secs, [1, 2, 4, 8, 16, 32, 60, 60, 60]);
     }
 
     #[test]

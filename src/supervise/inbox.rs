@@ -127,7 +127,11 @@ impl Inbox {
         tokio::pin!(grace);
         let keeper_grace = sleep(Duration::MAX);
         tokio::pin!(keeper_grace);
-        let (mut escalated, mut keeper_killed) = (false, false);
+        // A stop signal of SIGKILL went through the keeper already (see `send_stop_signal`).
+        let (mut escalated, mut keeper_killed) = (signal == Signal::SIGKILL, false);
+        if escalated {
+            keeper_grace.as_mut().reset(Instant::now() + KEEPER_GRACE);
+        }
         // The keeper said the tree is gone and `--post-stop` runs: the kill timeout is over,
         // the hook has a timeout of its own.
         let mut post_stop = false;
@@ -153,7 +157,7 @@ impl Inbox {
                         event = "kill",
                         pgid, "the keeper did not finish; sending SIGKILL to the process group"
                     );
-                    let _ = job.signal(Signal::SIGKILL);
+                    job.kill_groups();
                     keeper_killed = true;
                     false
                 }
@@ -167,6 +171,16 @@ impl Inbox {
                                 signal = received.as_str(),
                                 "ignoring a repeated shutdown signal"
                             );
+                            false
+                        }
+                        Some(_) if post_stop => {
+                            warn!(
+                                event = "kill",
+                                pgid,
+                                signal = received.as_str(),
+                                "second shutdown signal: killing --post-stop"
+                            );
+                            let _ = job.abort();
                             false
                         }
                         Some(_) => {
@@ -236,7 +250,7 @@ impl Inbox {
                 escalated = true;
                 current = Signal::SIGKILL;
                 if job.kill_everything().is_err() {
-                    let _ = job.signal(Signal::SIGKILL);
+                    job.kill_groups();
                 }
                 keeper_grace.as_mut().reset(Instant::now() + KEEPER_GRACE);
             }
@@ -284,7 +298,7 @@ impl Inbox {
                 );
                 next_warning = Instant::now() + Duration::from_secs(5);
             }
-            let _ = job.signal(Signal::SIGKILL);
+            job.kill_groups();
             sleep(Duration::from_millis(10)).await;
         }
     }
@@ -381,12 +395,20 @@ impl Inbox {
 }
 
 /// A stop signal for the command's process group, followed by SIGCONT so that a stopped
-/// command can act on it (as systemd does).
+/// command can act on it (as systemd does). SIGKILL goes through the keeper instead, which
+/// leads the group and could not survive it: it kills what the command started, wherever it
+/// went, and then still runs `--post-stop`.
 pub fn send_stop_signal(job: &Job, signal: Signal) {
+    if signal == Signal::SIGKILL {
+        if job.kill_everything().is_err() {
+            job.kill_groups();
+        }
+        return;
+    }
     if let Err(err) = job.signal(signal) {
         warn!(event = "signal_failed", pgid = job.pgid().as_raw(), reason = %err, "cannot signal the process group");
     }
-    if !matches!(signal, Signal::SIGKILL | Signal::SIGCONT) {
+    if signal != Signal::SIGCONT {
         let _ = job.signal(Signal::SIGCONT);
     }
 }

@@ -282,6 +282,7 @@ impl Parked {
             channel_closed: false,
             keeper_status: None,
             done: false,
+            post_stop: None,
         })
     }
 }
@@ -296,6 +297,8 @@ pub struct Job {
     keeper_status: Option<WaitStatus>,
     /// The keeper reported that nothing of the job is left (it exits next).
     done: bool,
+    /// The process group of the `--post-stop` the keeper runs, once it said so.
+    post_stop: Option<Pid>,
 }
 
 impl Job {
@@ -304,7 +307,8 @@ impl Job {
         self.keeper
     }
 
-    /// Sends a signal to the whole process group. A group that is already gone is not an error.
+    /// Sends a signal to the whole process group (the command's, and the keeper, which blocks
+    /// all but SIGKILL). A group that is already gone is not an error.
     pub fn signal(&self, signal: Signal) -> io::Result<()> {
         match killpg(self.keeper, signal) {
             Ok(()) | Err(Errno::ESRCH) => Ok(()),
@@ -322,10 +326,33 @@ impl Job {
         }
     }
 
-    /// The living members of the job's process group. Normally none is left once the keeper
-    /// is reaped; if the keeper was killed from outside, its group may outlive it.
+    /// Asks the keeper to end everything now, a running `--post-stop` included.
+    pub fn abort(&self) -> io::Result<()> {
+        match self.channel.try_write(&[keeper::ABORT]) {
+            Ok(_) => Ok(()),
+            Err(err) if err.kind() == io::ErrorKind::BrokenPipe => Ok(()),
+            Err(err) => Err(err),
+        }
+    }
+
+    /// SIGKILL to the job's process group (the keeper with it) and to the group of a
+    /// `--post-stop` the keeper runs: for a keeper that does not finish.
+    pub fn kill_groups(&self) {
+        let _ = self.signal(Signal::SIGKILL);
+        if let Some(hook) = self.post_stop {
+            let _ = killpg(hook, Signal::SIGKILL);
+        }
+    }
+
+    /// The living members of the job's process group, and of its `--post-stop`'s. Normally
+    /// none is left once the keeper is reaped; if the keeper was killed from outside, its
+    /// group may outlive it.
     pub fn group_members(&self) -> Vec<i32> {
-        procfs::group_members(self.keeper.as_raw())
+        let mut members = procfs::group_members(self.keeper.as_raw());
+        if let Some(hook) = self.post_stop {
+            members.extend(procfs::group_members(hook.as_raw()));
+        }
+        members
     }
 
     /// The next report from the keeper. Cancel-safe; never completes once the keeper has closed
@@ -410,6 +437,9 @@ impl Job {
             self.pending.drain(..Report::LEN);
             if let Some(report) = Report::decode(bytes) {
                 self.done |= matches!(report, Report::Done(_));
+                if let Report::PostStop(pid) = report {
+                    self.post_stop = Some(Pid::from_raw(pid));
+                }
                 return Some(report);
             }
         }

@@ -90,7 +90,8 @@ pub enum Report {
     /// command will not start; `--post-stop` runs, then `Done`.
     PreStartFailed(i32),
     /// The command's whole tree is gone and `--post-stop` runs now, bounded by
-    /// `--hook-timeout`; `Done` follows once it has finished. The value is 0.
+    /// `--hook-timeout`; `Done` follows once it has finished. The value is the hook's pid, which
+    /// leads a process group of its own.
     PostStop(i32),
 }
 
@@ -430,7 +431,7 @@ fn run() -> io::Result<i32> {
                 Request::None => {}
                 // pgleader asks for the end (its kill timeout ran out), or died without
                 // stopping us: nothing of the job may outlive this moment.
-                Request::KillEverything | Request::PgleaderGone => {
+                Request::KillEverything | Request::Abort | Request::PgleaderGone => {
                     job.pgleader_gone |= request_is_gone;
                     job.kill_everything();
                     job.end();
@@ -445,12 +446,19 @@ fn run() -> io::Result<i32> {
     }
 }
 
-/// The request byte pgleader sends when the job must end now.
+/// The request byte pgleader sends when the command's tree must end now (its kill timeout
+/// ran out, or the stop signal is SIGKILL): everything the command (or `--pre-start`) started.
+/// A `--post-stop` that runs already is not touched: the tree it follows is gone.
 pub const KILL_EVERYTHING: u8 = b'K';
+
+/// The request byte pgleader sends when everything must end now, a running hook included (a
+/// second TERM or INT while `--post-stop` runs).
+pub const ABORT: u8 = b'A';
 
 enum Request {
     None,
     KillEverything,
+    Abort,
     PgleaderGone,
 }
 
@@ -459,6 +467,7 @@ fn read_request(channel: &mut UnixStream) -> Request {
     let mut buf = [0u8; 64];
     match channel.read(&mut buf) {
         Ok(0) => Request::PgleaderGone,
+        Ok(n) if buf[..n].contains(&ABORT) => Request::Abort,
         Ok(n) if buf[..n].contains(&KILL_EVERYTHING) => Request::KillEverything,
         Ok(_) => Request::None,
         Err(err) if err.kind() == io::ErrorKind::Interrupted => Request::None,
@@ -536,13 +545,11 @@ impl Job {
         self.finish();
     }
 
-    /// Runs `--post-stop`, if set, once the command's tree is gone; tells pgleader first, so
-    /// that its stop sequence gives the hook its own timeout.
+    /// Runs `--post-stop`, if set, once the command's tree is gone.
     fn run_post_stop(&mut self) {
         let Some(line) = self.hooks.post_stop.clone() else {
             return;
         };
-        let _ = self.channel.write_all(&Report::PostStop(0).encode());
         if let Some(code) = self.main_status {
             self.env
                 .push(("PGLEADER_EXIT_CODE".into(), code.to_string().into()));
@@ -564,6 +571,13 @@ impl Job {
             }
         };
         self.hook = Some((running.pid, None));
+        if hook == Hook::PostStop {
+            // pgleader's stop sequence gives the hook its own timeout from here on, and knows
+            // its process group (out of the job's) should the keeper itself have to be killed.
+            let _ = self
+                .channel
+                .write_all(&Report::PostStop(running.pid.as_raw()).encode());
+        }
         let deadline = running.started + self.hooks.timeout;
         let ended = loop {
             if let Some((_, Some(status))) = self.hook {
@@ -604,7 +618,11 @@ impl Job {
             if channel_at.is_some_and(|at| ready[at]) {
                 match read_request(&mut self.channel) {
                     Request::None => {}
-                    Request::KillEverything => break Ended::Interrupted,
+                    // Pre-start stands where the command will: its kill timeout covers it.
+                    Request::KillEverything if hook == Hook::PreStart => break Ended::Interrupted,
+                    // A kill timeout that ran out as the tree ended: that tree is gone.
+                    Request::KillEverything => {}
+                    Request::Abort => break Ended::Interrupted,
                     Request::PgleaderGone => {
                         self.pgleader_gone = true;
                         if hook == Hook::PreStart {
@@ -730,7 +748,7 @@ mod tests {
             Report::Killed(9),
             Report::Done(0),
             Report::PreStartFailed(-1),
-            Report::PostStop(0),
+            Report::PostStop(4242),
         ] {
             assert_eq!(Report::decode(report.encode()), Some(report));
         }

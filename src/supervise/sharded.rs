@@ -47,6 +47,7 @@ use crate::operate::metrics::LossReason;
 use crate::operate::notify;
 use crate::operate::telemetry::{CommandState, CommandView, ShardView, Telemetry};
 use crate::supervise::health::Health;
+use crate::supervise::hook;
 use crate::supervise::inbox::{Inbox, KEEPER_GRACE, REPEAT_WINDOW, send_stop_signal, status_of};
 use crate::supervise::job::{self, CommandError, Job, Parked};
 use crate::supervise::keeper::Report;
@@ -161,6 +162,8 @@ struct Shard {
     stopping: Option<Stopping>,
     /// How the command ended, once it did, and whether that was logged.
     status: Option<(ChildStatus, bool)>,
+    /// `--pre-start` failures in a row: the next try waits longer each time.
+    pre_start_failures: u32,
 }
 
 /// What happens to a shard once its command's whole tree is gone.
@@ -760,6 +763,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                     job: None,
                     stopping: None,
                     status: None,
+                    pre_start_failures: 0,
                 },
             );
         }
@@ -857,7 +861,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                     pgid = job.pgid().as_raw(),
                     "the keeper of shard {index} did not finish; sending SIGKILL to the process group"
                 );
-                let _ = job.signal(Signal::SIGKILL);
+                job.kill_groups();
                 stop.keeper_kill_at = None;
             }
         }
@@ -1002,10 +1006,13 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                         "second shutdown signal: sending SIGKILL"
                     );
                     for shard in self.shards.values_mut() {
-                        if let (Some(job), Some(stop)) = (&shard.job, &mut shard.stopping)
-                            && stop.escalate_at.is_some()
-                        {
-                            escalate(job, stop);
+                        if let (Some(job), Some(stop)) = (&shard.job, &mut shard.stopping) {
+                            if stop.escalate_at.is_some() {
+                                escalate(job, stop);
+                            } else {
+                                // Past the kill timeout, or its --post-stop runs: end that too.
+                                let _ = job.abort();
+                            }
                         }
                     }
                 }
@@ -1040,6 +1047,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
             Report::Started(pid) => {
                 info!(event = "child_started", shard = index, pid, command = %command.display(), "started the command of shard {index}");
                 shard.started = Some((pid, Timestamp::now()));
+                shard.pre_start_failures = 0;
                 if let (Some(job), Some(stop)) = (&shard.job, &shard.stopping) {
                     // A signal sent to the group before it existed reached only the keeper.
                     send_stop_signal(job, stop.signal);
@@ -1063,11 +1071,12 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
             }
             Report::Done(_) => Ok(()),
             // The keeper logged why; its post-stop runs next, and the shard's command is tried
-            // again after --restart-delay.
+            // again later, 1s doubling up to a minute while its pre-start keeps failing.
             Report::PreStartFailed(code) => {
                 shard
                     .status
                     .get_or_insert((ChildStatus::Exited(code.max(1)), true));
+                shard.pre_start_failures = shard.pre_start_failures.saturating_add(1);
                 self.stop(index, self.settings.kill_signal, After::Restart);
                 Ok(())
             }
@@ -1113,7 +1122,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                 // Without the keeper's word that nothing is left (it was killed from outside),
                 // the group goes through the process table, without holding the loop up.
                 if !job.reported_done() && !job.group_members().is_empty() {
-                    let _ = job.signal(Signal::SIGKILL);
+                    job.kill_groups();
                     let stop = shard.stopping.get_or_insert(Stopping {
                         after: After::Restart,
                         signal: Signal::SIGKILL,
@@ -1144,6 +1153,20 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
             let after = shard.stopping.as_ref().map_or(After::Restart, |s| s.after);
             let quiet = link.leaving.is_some() || self.inbox.shutdown_requested.is_some();
             match after {
+                After::Restart if !quiet && shard.pre_start_failures > 0 => {
+                    shard.job = None;
+                    shard.stopping = None;
+                    let sit_out = hook::sit_out_after(shard.pre_start_failures);
+                    shard.start_at = Instant::now() + sit_out;
+                    info!(
+                        event = "sitting_out",
+                        shard = index,
+                        "trying shard {index} again in {} (--pre-start failed {} time(s) in a row)",
+                        fmt(sit_out),
+                        shard.pre_start_failures
+                    );
+                    continue;
+                }
                 After::Restart if !quiet => {
                     shard.job = None;
                     shard.stopping = None;
@@ -1252,7 +1275,7 @@ fn escalate(job: &Job, stop: &mut Stopping) {
     stop.signal = Signal::SIGKILL;
     stop.escalate_at = None;
     if job.kill_everything().is_err() {
-        let _ = job.signal(Signal::SIGKILL);
+        job.kill_groups();
     }
     stop.keeper_kill_at = Some(Instant::now() + KEEPER_GRACE);
 }

@@ -43,6 +43,7 @@ use crate::operate::telemetry::Telemetry;
 use crate::supervise::Settings;
 use crate::supervise::duty::{Duty, Next};
 use crate::supervise::health::Health;
+use crate::supervise::hook;
 use crate::supervise::inbox::Inbox;
 use crate::supervise::job::{Job, Parked};
 use crate::supervise::keeper::Report;
@@ -105,17 +106,6 @@ struct Supervisor<B: Backend> {
     health: Health,
     /// `--pre-start` failures in a row: each doubles the time this replica sits out.
     pre_start_failures: u32,
-}
-
-/// How long a replica whose `--pre-start` failed `failures` times in a row stays out of the
-/// election: 1s, doubling up to a minute, so that a healthy follower takes over at once and a
-/// lone replica with a broken hook does not spin.
-fn sit_out_after(failures: u32) -> Duration {
-    const FIRST: Duration = Duration::from_secs(1);
-    const LONGEST: Duration = Duration::from_secs(60);
-    FIRST
-        .saturating_mul(1 << failures.saturating_sub(1).min(6))
-        .min(LONGEST)
 }
 
 /// A keeper started ahead of the next command: still being spawned, on a blocking thread so
@@ -318,7 +308,7 @@ impl<B: Backend> Supervisor<B> {
                 Led::NothingToRun => return Ok(Outcome::Busy(self.settings.busy_exit_code)),
                 Led::PreStartFailed => {
                     self.pre_start_failures = self.pre_start_failures.saturating_add(1);
-                    let sit_out = sit_out_after(self.pre_start_failures);
+                    let sit_out = hook::sit_out_after(self.pre_start_failures);
                     info!(
                         event = "sitting_out",
                         "entering the election again in {} (--pre-start failed {} time(s) in a row)",
@@ -457,16 +447,5 @@ impl<B: Backend> Supervisor<B> {
                 _ => return,
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_failing_pre_start_sits_out_longer_each_time_up_to_a_minute() {
-        let secs: Vec<u64> = (1..=9).map(|n| sit_out_after(n).as_secs()).collect();
-        assert_eq!(secs, [1, 2, 4, 8, 16, 32, 60, 60, 60]);
     }
 }

@@ -228,16 +228,18 @@ fn a_failing_pre_start_never_starts_the_command_runs_post_stop_and_hands_leaders
     args.push(format!("--post-stop={}", stamp(&journal, "post-stop", "A")));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let a = run("A", cluster, lock, &args, &command(&journal, "A"));
-    let failed = a.wait_log("--pre-start failed");
+    let failed = a.wait_log("--pre-start failed:");
     assert!(failed.contains("exit code 3"), "{failed}");
     a.wait_log("cannot attach hook=pre-start");
     a.wait_log("released the lock");
     a.wait_log("entering the election again in 1s");
+    // Alone, it tries again, fails again, and sits out longer.
+    a.wait_for_nth(Stream::Stderr, "--pre-start failed: exit code 3", 2);
+    a.wait_log("entering the election again in 2s");
 
-    // A healthy replica takes the lock A keeps giving up.
+    // A healthy replica takes the lock A gave up.
     let b = run("B", cluster, lock, &TIMINGS, &command(&journal, "B"));
     b.wait_stdout("B started");
-    a.wait_for_nth(Stream::Stderr, "--pre-start failed", 2);
     let a_lines: Vec<(String, String)> = events(&journal)
         .into_iter()
         .filter(|(_, tag, _)| tag == "A")
@@ -249,6 +251,7 @@ fn a_failing_pre_start_never_starts_the_command_runs_post_stop_and_hands_leaders
         a.dump()
     );
     // Each failed pre-start was followed by its post-stop, before anything else of A's.
+    assert!(a_lines.len() >= 4, "{a_lines:?}\n{}", a.dump());
     for pair in a_lines.chunks(2) {
         assert_eq!(
             pair.iter()
@@ -538,4 +541,125 @@ fn with_a_schedule_the_hooks_wrap_each_run() {
         "{}",
         a.dump()
     );
+}
+
+#[test]
+fn a_stop_signal_of_sigkill_still_lets_post_stop_finish_before_the_release() {
+    // SIGKILL to the job's group would take the keeper, which runs post-stop: it goes through
+    // the keeper instead.
+    let cluster = Cluster::shared();
+    let journal = Journal::new("sigkill");
+    let args = [
+        "--once".to_owned(),
+        "--kill-signal=KILL".to_owned(),
+        "--lease=20s".to_owned(),
+        format!(
+            "--post-stop={}; sleep 0.5; {}",
+            journal.append("post-stop-begin"),
+            journal.append("post-stop-end")
+        ),
+    ];
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let a = run("A", cluster, unique_lock(), &args, "sleep 1000 & exit 0");
+    let (status, _, stderr) = a.finish();
+    assert_eq!(status.code(), Some(0), "{}", a.dump());
+    assert_eq!(
+        journal.lines(),
+        ["post-stop-begin", "post-stop-end"],
+        "{}",
+        a.dump()
+    );
+    let at = |text: &str| {
+        stderr
+            .iter()
+            .position(|line| line.contains(text))
+            .unwrap_or_else(|| panic!("no {text:?}\n{}", a.dump()))
+    };
+    assert!(
+        at("--post-stop finished") < at("released the lock"),
+        "{}",
+        a.dump()
+    );
+}
+
+#[test]
+fn a_lost_lock_during_pre_start_stops_it_and_runs_post_stop_once() {
+    let cluster = Cluster::shared();
+    let lock = unique_lock();
+    let args = [
+        "--check-interval=200ms",
+        "--check-timeout=500ms",
+        "--hook-timeout=30s",
+        "--lease=60s",
+        "--pre-start=echo entered; exec sleep 1000",
+        "--post-stop=echo undone",
+    ];
+    let a = run("A", cluster, lock, &args, "echo A started; exec sleep 1000");
+    let leader = a.wait_log("became leader");
+    a.wait_log("entered hook=pre-start");
+    cluster.terminate_backend(field(&leader, "backend_pid").parse().expect("backend pid"));
+    // It reconnects, wins again (alone) and runs pre-start again: one post-stop between.
+    a.wait_for_nth(Stream::Stderr, "entered hook=pre-start", 2);
+    let hooks: Vec<String> = a
+        .lines(Stream::Stderr)
+        .into_iter()
+        .filter(|line| line.contains("entered hook=") || line.contains("undone hook="))
+        .collect();
+    assert_eq!(hooks.len(), 3, "{hooks:?}\n{}", a.dump());
+    assert!(hooks[1].contains("undone"), "{hooks:?}\n{}", a.dump());
+    assert!(a.lines(Stream::Stdout).is_empty(), "{}", a.dump());
+    a.signal(Signal::SIGTERM);
+    a.wait_exit();
+}
+
+#[test]
+fn a_second_term_kills_a_running_post_stop() {
+    let cluster = Cluster::shared();
+    let args = [
+        "--hook-timeout=30s",
+        "--lease=60s",
+        "--post-stop=echo undoing; exec sleep 1000",
+    ];
+    let a = run(
+        "A",
+        cluster,
+        unique_lock(),
+        &args,
+        "echo A started; exec sleep 1000",
+    );
+    a.wait_stdout("A started");
+    a.signal(Signal::SIGTERM);
+    a.wait_log("undoing hook=post-stop");
+    // A second TERM within a second of the first is taken for the same one, repeated (as
+    // timeout(1) sends it): this one must come later.
+    std::thread::sleep(std::time::Duration::from_millis(1100));
+    a.signal(Signal::SIGTERM);
+    a.wait_log("second shutdown signal: killing --post-stop");
+    let failed = a.wait_log("--post-stop failed");
+    assert!(failed.contains("interrupted"), "{failed}");
+    a.wait_exit();
+}
+
+#[test]
+fn with_a_schedule_a_post_stop_longer_than_the_checks_deadline_keeps_the_leadership() {
+    let cluster = Cluster::shared();
+    let table = format!("hooks_ledger_{}", unique_lock());
+    let args = [
+        "--schedule=* * * * * *".to_owned(),
+        format!("--ledger-table={table}"),
+        "--check-interval=200ms".to_owned(),
+        "--check-timeout=300ms".to_owned(),
+        "--hook-timeout=3s".to_owned(),
+        "--lease=20s".to_owned(),
+        "--post-stop=sleep 1".to_owned(),
+    ];
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let a = run("A", cluster, unique_lock(), &args, "echo ran");
+    a.wait_for_nth(Stream::Stderr, "--post-stop finished", 2);
+    let lost: Vec<String> = a
+        .lines(Stream::Stderr)
+        .into_iter()
+        .filter(|line| line.contains("leadership lost") || line.contains("became leader"))
+        .collect();
+    assert_eq!(lost.len(), 1, "{lost:?}\n{}", a.dump());
 }

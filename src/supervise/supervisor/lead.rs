@@ -381,6 +381,11 @@ impl<B: Backend> Supervisor<B> {
                     // for the next occurrence.
                     if shift.exited(status) {
                         last_status = Some(status);
+                        // The stop (what the run left, its --post-stop) held no checks.
+                        if let Some(sent) = self.confirm_now(&session, &mut shift).await {
+                            deadline = sent + interval + timeout;
+                            next_check = sent + interval;
+                        }
                         self.park_keeper().await;
                         continue;
                     }
@@ -450,6 +455,29 @@ impl<B: Backend> Supervisor<B> {
             Leave::Close => drop(session),
         }
         status
+    }
+
+    /// Confirms the lock at once, out of turn: after a stop between a schedule's runs (what a
+    /// run left behind, its `--post-stop`), which may outlast the deadline while no check is
+    /// sent. When the lock is still held, returns when the check was sent, the new base of the
+    /// deadline; otherwise the deadline stands, and the loop finds the loss.
+    async fn confirm_now(
+        &mut self,
+        session: &B::Session,
+        shift: &mut Shift<B::Session>,
+    ) -> Option<Instant> {
+        let sent = Instant::now();
+        let result = tokio::time::timeout(self.settings.check_timeout, session.confirm()).await;
+        let Ok(Ok(Check {
+            confirmation: Confirmation::Held,
+            server_time,
+        })) = result
+        else {
+            return None;
+        };
+        self.inbox.telemetry.check_completed(sent.elapsed(), true);
+        shift.observe_check(sent, Instant::now(), server_time);
+        Some(sent)
     }
 
     /// When a leadership that starts now is to be handed over, and which option asked for it.
