@@ -167,9 +167,15 @@ impl Health {
 
     /// Completes when the replica is healthy (at once if it is now). Cancel-safe.
     async fn passed(&mut self) {
-        if let Some(state) = &mut self.state {
-            // The task ends only with `Health`; a closed channel is no reason to wait.
-            let _ = state.wait_for(|state| *state == HealthState::Healthy).await;
+        if let Some(state) = &mut self.state
+            && state
+                .wait_for(|state| *state == HealthState::Healthy)
+                .await
+                .is_err()
+        {
+            // The probe's task is gone (it ends only with `Health`): nothing will ever pass
+            // again, and a replica must not take that for a pass and spin.
+            std::future::pending::<()>().await;
         }
     }
 }
@@ -190,6 +196,7 @@ impl Drop for Health {
 /// (the output is then thrown away).
 fn private_dir() -> Option<PathBuf> {
     let base = std::env::temp_dir();
+    sweep_stale_dirs(&base);
     for attempt in 0..3 {
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -208,6 +215,29 @@ fn private_dir() -> Option<PathBuf> {
         }
     }
     None
+}
+
+/// Removes the output directories of pgleaders that are gone: one killed -9 (or by the OOM
+/// killer) could not remove its own, and its last output may hold what the probe
+/// authenticates with. Only this user's own can be removed (they are 0700).
+fn sweep_stale_dirs(base: &Path) {
+    let Ok(entries) = std::fs::read_dir(base) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|name| name.strip_prefix("pgleader-health."))
+            .and_then(|rest| rest.split('.').next())
+            .and_then(|pid| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
 }
 
 /// How one probe ended.
@@ -231,8 +261,22 @@ impl Outcome {
         }
     }
 
-    /// What failed, for the log and `/status`: "exit code 1", "timed out after 5s", with the
-    /// output's last lines.
+    /// What failed, for `/healthz`, `/status` and the metrics' neighbours: "exit code 1",
+    /// "timed out after 5s", without the probe's output, which may hold what it authenticates
+    /// with (the log has it).
+    fn summary(&self) -> Option<String> {
+        Some(match self {
+            Outcome::Passed => return None,
+            Outcome::Failed(ChildStatus::Exited(code), _) => format!("exit code {code}"),
+            Outcome::Failed(ChildStatus::Signaled(signal), _) => {
+                format!("killed by {}", signal.as_str())
+            }
+            Outcome::TimedOut(after, _) => format!("timed out after {}", fmt(*after)),
+            Outcome::CannotRun(reason) => format!("cannot run: {reason}"),
+        })
+    }
+
+    /// What failed, for the log: the summary with the output's last lines.
     fn reason(&self) -> Option<String> {
         let (what, output) = match self {
             Outcome::Passed => return None,
@@ -284,7 +328,7 @@ impl Tracker {
         now: Timestamp,
     ) -> Option<HealthState> {
         self.last_check = Some(now);
-        let next = match outcome.reason() {
+        let next = match outcome.summary() {
             None => {
                 self.failures = 0;
                 HealthState::Healthy
@@ -373,14 +417,20 @@ impl Probe {
         let timeout = self.check.timeout;
         let deadline = Instant::now() + timeout;
         let command = self.command.clone();
-        let parked =
-            match tokio::task::spawn_blocking(move || Parked::spawn(&command, &Hooks::default()))
-                .await
-            {
-                Ok(Ok(parked)) => parked,
-                Ok(Err(err)) => return Outcome::CannotRun(err.to_string()),
-                Err(err) => return Outcome::CannotRun(err.to_string()),
-            };
+        let output = self.output.clone();
+        let spawned = tokio::task::spawn_blocking(move || {
+            // Emptied first: a probe that times out before its shell opened the file must not
+            // be quoted with the previous probe's output.
+            if let Some(output) = output {
+                let _ = std::fs::File::create(output);
+            }
+            Parked::spawn(&command, &Hooks::default())
+        });
+        let parked = match spawned.await {
+            Ok(Ok(parked)) => parked,
+            Ok(Err(err)) => return Outcome::CannotRun(err.to_string()),
+            Err(err) => return Outcome::CannotRun(err.to_string()),
+        };
         let mut job = match parked.start(&[], &[]) {
             Ok(job) => job,
             Err(err) => return Outcome::CannotRun(err.to_string()),

@@ -730,7 +730,8 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
             .into_iter()
             .filter(|index| !self.shards.contains_key(index))
             .collect();
-        if wanted.is_empty() {
+        // A replica whose probe turned unhealthy takes nothing: it is about to leave.
+        if wanted.is_empty() || !self.health.is_healthy() {
             return Ok(());
         }
         link.changed_at = Some(Instant::now());
@@ -836,7 +837,9 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
             .collect();
         // Without the session's socket a keeper could not order a crash: the session has
         // ended, which the loop hears next.
-        if !starting.is_empty() && !sockets.is_empty() {
+        // Nor while the probe says unhealthy (it may have turned so while shards were being
+        // taken): the loop hears it next and gives them all up.
+        if !starting.is_empty() && !sockets.is_empty() && self.health.is_healthy() {
             for index in starting {
                 self.start(index, me, sockets)?;
             }

@@ -252,7 +252,9 @@ fn redis_a_follower_that_turns_unhealthy_leaves_the_queue() {
 fn a_lone_unhealthy_replica_never_starts_its_command_and_says_so(server: Server) {
     let lock = unique_lock();
     let health = Switch::new("lone", false);
-    let mut args = health_args(&health.probe());
+    // A probe that prints what it authenticates with: the log may show it, HTTP never.
+    let probe = health.probe().replacen("--health-cmd=", "", 1);
+    let mut args = health_args(&format!("--health-cmd=echo token=hunter2 >&2; {probe}"));
     args.push("--http=127.0.0.1:0".to_owned());
     let a = start(server, "A", lock, &args, &patient_child("A"));
     let line = a.wait_log(&event("http"));
@@ -278,11 +280,14 @@ fn a_lone_unhealthy_replica_never_starts_its_command_and_says_so(server: Server)
     assert_eq!(count(&a, Stream::Stderr, &event("waiting")), 0);
     let failure = a.wait_log(&event("health_failed"));
     assert!(failure.contains("exit code 1"), "{failure}");
+    assert!(failure.contains("token=hunter2"), "{failure}");
 
     let healthz = get(http, "/healthz");
     assert_eq!(healthz.status, 503, "{}", healthz.body);
     assert!(healthz.body.starts_with("unhealthy:"), "{}", healthz.body);
+    assert!(!healthz.body.contains("hunter2"), "{}", healthz.body);
     let status = get(http, "/status").json();
+    assert!(!status.to_string().contains("hunter2"), "{status}");
     assert_eq!(status["healthy"], false, "{status}");
     assert_eq!(status["health"]["state"], "unhealthy", "{status}");
     assert!(
