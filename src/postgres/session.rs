@@ -90,6 +90,48 @@ impl Drop for PgSession {
     }
 }
 
+/// Whether the session `$1` (a step-down request's sender) runs as this session's role or one
+/// that is a member of it (a superuser is): NOTIFY needs no privilege, so without this any
+/// role that can connect could bounce the leader.
+const SENDER_MAY_ASK: &str = "SELECT coalesce((SELECT pg_catalog.pg_has_role(a.usesysid, \
+     current_user, 'MEMBER') FROM pg_catalog.pg_stat_activity a WHERE a.pid = $1), false)";
+
+/// How long the sender's role may take to read; a request whose sender cannot be checked is
+/// not obeyed.
+const SENDER_CHECK: Duration = Duration::from_secs(2);
+
+/// Passes a step-down request on once its sender's role is known to be the leader's own (or a
+/// member of it); logs and drops it otherwise. Runs beside the leader's loop, so that reading
+/// the role delays nothing: the requester keeps its session open while it waits, so its row
+/// is there to read.
+fn pass_on_if_allowed(client: Arc<Client>, requests: Heard, request: String, sender: i32) {
+    tokio::spawn(async move {
+        let may =
+            tokio::time::timeout(SENDER_CHECK, client.query_one(SENDER_MAY_ASK, &[&sender])).await;
+        match may {
+            Ok(Ok(row)) if row.get::<_, bool>(0) => {
+                let _ = requests.send(request);
+            }
+            Ok(Ok(_)) => tracing::warn!(
+                event = "step_down_refused",
+                sender_pid = sender,
+                "ignored a step-down request from server process {sender}: its role is neither this leader's nor a member of it"
+            ),
+            Ok(Err(err)) => tracing::warn!(
+                event = "step_down_refused",
+                sender_pid = sender,
+                reason = %describe(&err),
+                "ignored a step-down request from server process {sender}: cannot read its role"
+            ),
+            Err(_) => tracing::warn!(
+                event = "step_down_refused",
+                sender_pid = sender,
+                "ignored a step-down request from server process {sender}: its role could not be read in time"
+            ),
+        }
+    });
+}
+
 /// The session's server process, whether the server is a standby, the server's view of the
 /// connection's two ends (the client's, then its own; null over a Unix socket), and a replica
 /// that runs `lock`'s name with `--shards`, if any: all in the set-up's round trip.
@@ -445,7 +487,12 @@ impl Session for PgSession {
                 && notification.channel() == channel
                 && step_down::is_request(notification.payload())
             {
-                let _ = requests.send(notification.payload().to_owned());
+                pass_on_if_allowed(
+                    self.client.clone(),
+                    requests.clone(),
+                    notification.payload().to_owned(),
+                    notification.process_id(),
+                );
             }
         };
         match ended {

@@ -264,7 +264,9 @@ impl<B: Backend> Supervisor<B> {
             if once
                 && matches!(
                     led,
-                    Led::Lost { status: Some(_) } | Led::SteppedDown(_) | Led::Unhealthy(Some(_))
+                    Led::Lost { status: Some(_) }
+                        | Led::SteppedDown(Some(_))
+                        | Led::Unhealthy(Some(_))
                 )
             {
                 return Ok(Outcome::LostLeadership);

@@ -304,3 +304,76 @@ fn measure() {
         );
     }
 }
+
+#[test]
+fn on_postgres_a_request_from_a_session_of_another_role_is_ignored() {
+    // NOTIFY needs no privilege: the leader checks who sent the request.
+    let cluster = Cluster::shared();
+    let role = format!("step_down_stranger_{}", unique_lock());
+    cluster
+        .client()
+        .batch_execute(&format!("CREATE ROLE {role} LOGIN"))
+        .expect("create the role");
+    let fleet = Fleet::postgres();
+    let a = fleet.replica("A");
+    a.wait_stdout("A started");
+    let _b = fleet.replica("B");
+    fleet.wait_for_waiters(1);
+
+    let stranger = Fleet {
+        url: format!("postgres://{role}@127.0.0.1:{}/postgres", cluster.port),
+        lock: fleet.lock.clone(),
+    };
+    let (code, out, err) = stranger.client("step-down", &["--timeout=2s"]);
+    assert_eq!(code, 5, "stdout: {out}\nstderr: {err}");
+    a.wait_log("ignored a step-down request");
+    assert!(
+        !a.lines(Stream::Stdout)
+            .iter()
+            .any(|line| line.contains("got TERM")),
+        "{}",
+        a.dump()
+    );
+    // The leader's own role may.
+    let (code, out, err) = fleet.step_down();
+    assert_eq!(code, 0, "stdout: {out}\nstderr: {err}");
+    let _ = cluster
+        .client()
+        .batch_execute(&format!("DROP ROLE IF EXISTS {role}"));
+}
+
+#[test]
+fn a_handoff_slower_than_the_timeout_exits_5() {
+    // A command that ignores TERM holds the handoff up to its --kill-timeout.
+    let fleet = Fleet::postgres();
+    let stubborn = |tag: &str| {
+        let mut command = pgleader();
+        command
+            .env("PGLEADER_DATABASE_URL", &fleet.url)
+            .arg("run")
+            .args(&fleet.lock)
+            .args([
+                "--check-interval=200ms",
+                "--kill-timeout=10s",
+                "--lease=20s",
+            ])
+            .args([
+                "--",
+                "sh",
+                "-c",
+                &format!(
+                    "trap 'echo {tag} got TERM' TERM; echo {tag} started; while :; do sleep 1; done"
+                ),
+            ]);
+        Proc::spawn(tag, command)
+    };
+    let a = stubborn("A");
+    a.wait_stdout("A started");
+    let _b = stubborn("B");
+    fleet.wait_for_waiters(1);
+
+    let (code, out, err) = fleet.client("step-down", &["--timeout=1s"]);
+    assert_eq!(code, 5, "stdout: {out}\nstderr: {err}");
+    assert!(out.contains("did not move"), "{out}");
+    a.wait_stdout("A got TERM");
+}
