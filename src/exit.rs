@@ -1,5 +1,6 @@
-//! Every exit code pgleader returns, in one place. README.md and the manual page list the same
-//! table; scripts, systemd units (`SuccessExitStatus=`) and cron wrappers depend on it.
+//! Every exit code pgleader returns, in one place. docs/reference.md and the manual page list the
+//! same table (README.md the common codes); scripts, systemd units (`SuccessExitStatus=`) and cron
+//! wrappers depend on it.
 
 use std::fmt;
 

@@ -219,7 +219,7 @@ const SECTIONS: &[Section] = &[
                 "Each scheduled pgleader shows a fingerprint of its schedule, time zone and ledger table in its application_name. A leader whose schedule differs from the one that ran last, while a replica with that one is still connected, does not run its version: a service hands the lock over, a timer exits 1. Once no replica with the old schedule is left, the new one takes over. Every replica must use the same ledger table: one that sees another table in use does not catch up earlier occurrences for --catch-up afterwards.",
             ),
             Para(
-                "The ledger keeps the newest 100 rows of each lock. pgleader status shows the schedule, the next occurrence and the last runs. README.md gives the table's definition and the grants for a role that may not create tables.",
+                "The ledger keeps the newest 100 rows of each lock. pgleader status shows the schedule, the next occurrence and the last runs. The repository's docs/scheduled-jobs.md gives the table's definition and the grants for a role that may not create tables.",
             ),
         ],
     },

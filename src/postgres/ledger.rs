@@ -33,7 +33,7 @@ use crate::postgres::locks::{LOCK_ROWS, held_here as leads, this_lock};
 /// The default table name.
 pub const DEFAULT_TABLE: &str = "pgleader_ledger";
 
-/// The table's definition; README.md gives the same text.
+/// The table's definition; docs/scheduled-jobs.md gives the same text.
 pub const DDL: &str = "CREATE TABLE {table} (
     lock_key      bigint      NOT NULL,
     scheduled_for timestamptz NOT NULL,
@@ -101,7 +101,7 @@ impl TableName {
         &self.sql
     }
 
-    /// The statement that creates it, for error messages and README.
+    /// The statement that creates it, for error messages and docs/scheduled-jobs.md.
     pub fn ddl(&self) -> String {
         DDL.replace("{table}", &self.sql)
     }
@@ -320,7 +320,7 @@ impl PgLedger {
                 format!("; create it with:\n{};", self.inner.table.ddl())
             }
             _ => format!(
-                " (is {table} a pgleader ledger? README.md gives its definition; --ledger-table names another table)"
+                " (is {table} a pgleader ledger? docs/scheduled-jobs.md gives its definition; --ledger-table names another table)"
             ),
         };
         LedgerError::Fatal(format!("{what} {table}: {}{hint}", describe(err)))

@@ -194,7 +194,7 @@ fn on_redis_hooks_run_in_order_through_sigterm_kill_9_and_step_down() {
 fn after_the_server_ends_the_leaders_session_a_takeover_delay_keeps_the_hooks_in_order() {
     // The server frees the lock the moment it ends the session: only --takeover-delay (here
     // longer than the old leader's stop and post-stop) keeps the next pre-start behind the
-    // old post-stop, as the README says.
+    // old post-stop, as docs/operating.md says.
     let cluster = Cluster::shared();
     let lock = unique_lock();
     let journal = Journal::new("terminated");

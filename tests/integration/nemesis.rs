@@ -5,7 +5,7 @@
 //! the database is up.
 //!
 //! Seeded: the seed is printed on failure and can be replayed with PGLEADER_NEMESIS_SEED. The
-//! number of rounds is PGLEADER_NEMESIS_ROUNDS (30 by default; README.md shows a longer run).
+//! number of rounds is PGLEADER_NEMESIS_ROUNDS (30 by default; docs/development.md shows a longer run).
 
 use std::io::Write;
 use std::process::Command;

@@ -1,7 +1,7 @@
 //! Scheduled jobs (`--schedule`): each occurrence starts at most once across replicas and
 //! timers, on the server's clock, through kill -9, pg_terminate_backend, a server restart and
 //! skewed host clocks; missed, interrupted, skipped and mismatched occurrences are handled and
-//! recorded as README.md says.
+//! recorded as docs/scheduled-jobs.md says.
 //!
 //! Every job appends `<occurrence> <epoch> <attempt> <tag>` to a journal file when it starts,
 //! so the journal is the ground truth of what ran; the ledger is checked against it.
@@ -1320,8 +1320,8 @@ fn a_failing_command_is_recorded_and_the_next_occurrence_runs() {
     assert_eq!(exit_code, Some(5));
 }
 
-/// README: "pgleader is stopped (TERM) during the run: the command is stopped, then the run
-/// recorded, then the lock released; interrupted, with the command's status".
+/// docs/scheduled-jobs.md: "pgleader is stopped (TERM) during the run: the command is stopped,
+/// then the run recorded, then the lock released; interrupted, with the command's status".
 #[test]
 fn a_shutdown_during_a_run_records_it_before_the_lock_goes() {
     let setup = Setup::new("term");
