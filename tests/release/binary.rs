@@ -129,19 +129,26 @@ fn the_tarball_holds_the_binary_manual_completions_readme_and_licences_and_check
         );
     }
     files.sort();
-    assert_eq!(
-        files,
-        [
-            "LICENSE-APACHE",
-            "LICENSE-MIT",
-            "README.md",
-            "completions/_pgleader",
-            "completions/pgleader.bash",
-            "completions/pgleader.fish",
-            "pgleader",
-            "pgleader.1",
-        ]
-    );
+    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    // The reference in docs/ travels with the guide.
+    let mut expected: Vec<String> = [
+        "LICENSE-APACHE",
+        "LICENSE-MIT",
+        "README.md",
+        "completions/_pgleader",
+        "completions/pgleader.bash",
+        "completions/pgleader.fish",
+        "pgleader",
+        "pgleader.1",
+    ]
+    .map(String::from)
+    .into();
+    for entry in fs::read_dir(repo.join("docs")).expect("docs/") {
+        let name = entry.expect("an entry of docs/").file_name();
+        expected.push(format!("docs/{}", name.to_string_lossy()));
+    }
+    expected.sort();
+    assert_eq!(files, expected);
     let same = |inside: &str, original: &std::path::Path| {
         assert_eq!(
             fs::read(top.join(inside)).expect("read from the tarball"),
@@ -150,7 +157,6 @@ fn the_tarball_holds_the_binary_manual_completions_readme_and_licences_and_check
             original.display()
         );
     };
-    let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
     same("pgleader", &binary());
     same("pgleader.1", &repo.join("man/pgleader.1"));
     same("completions/_pgleader", &repo.join("completions/_pgleader"));

@@ -72,6 +72,11 @@ fn the_deb_installs_into_a_clean_debian_root_with_its_manual_completions_and_uni
             "lib/systemd/system/pgleader@.service",
             "packaging/pgleader@.service",
         ),
+        // The reference the README links to.
+        (
+            "usr/share/doc/pgleader/docs/reference.md",
+            "docs/reference.md",
+        ),
     ] {
         assert_eq!(
             fs::read(root.join(installed)).unwrap_or_else(|err| panic!("{installed}: {err}")),
