@@ -52,7 +52,7 @@ const USAGE: &str = "usage: cargo bench --bench failover [-- [--quick] [--only h
                  under target/
   --only quorum  only the Redlock rows: pgleader over three Redis servers beside npm redlock,
                  and pgleader on one server for comparison; the report goes under target/
-  --only failover  only pgleader's kill -9, SIGTERM and start scenarios, the new leader's steps
+  --only failover  only pgleader's kill -9, SIGTERM, step-down and start scenarios, the new leader's steps
                  and the idle cost (with --previous, beside that build); the report goes under
                  target/
   --only shards  only the shards' scenarios: kill -9 of a replica and a replica joining, for
@@ -304,6 +304,7 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
     for &tool in &tools {
         rows.extend(scenarios::sigterm(tool, plan.runs, true));
     }
+    rows.extend(scenarios::step_down(&pgleader, plan.runs));
     for pgleader in &pgleaders {
         rows.extend(scenarios::end_session(
             *pgleader,
@@ -439,6 +440,7 @@ fn redis_scenarios(
     for tool in tools {
         rows.extend(scenarios::sigterm(tool, plan.runs, false));
     }
+    rows.extend(scenarios::step_down(&on_redis, plan.runs));
     for tool in tools {
         rows.extend(scenarios::key_deleted(tool, plan.runs));
     }
@@ -574,6 +576,7 @@ fn run_failover_only(plan: &Plan) -> anyhow::Result<Report> {
     for pgleader in &pgleaders {
         rows.extend(scenarios::sigterm(*pgleader, plan.runs, false));
     }
+    rows.extend(scenarios::step_down(&pgleader, plan.runs));
     for pgleader in &pgleaders {
         rows.extend(scenarios::start(*pgleader, plan.runs));
     }

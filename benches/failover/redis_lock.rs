@@ -432,6 +432,15 @@ impl Tool for PgleaderRedis {
         "unexpected: a bug in pgleader or in the benchmark"
     }
 
+    fn step_down(&self, lock: i64) -> Option<Command> {
+        let mut command = harness::pgleader();
+        command
+            .env("PGLEADER_DATABASE_URL", self.server.url())
+            .arg("step-down")
+            .arg(format!("--lock-id={lock}"));
+        Some(command)
+    }
+
     fn cost(&self, window: Duration) -> anyhow::Result<Vec<Cost>> {
         let mut costs = measure_cost(
             self,

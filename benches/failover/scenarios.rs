@@ -4,6 +4,7 @@
 //! from the moment just before the fault.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::process::Stdio;
 use std::thread::sleep;
 use std::time::{Duration, Instant};
 
@@ -36,6 +37,7 @@ struct Observed {
 
 /// A leader and a follower queued behind it, on a lock of their own.
 struct Pair {
+    lock: i64,
     leader: Candidate,
     follower: Candidate,
     leader_line: String,
@@ -56,6 +58,7 @@ impl Pair {
         wait_queued(tool, lock, 2, SETUP_WAIT).with_context(|| follower.dump())?;
         sleep(SETTLE + random_phase(tool.poll_period()));
         Ok(Pair {
+            lock,
             child: pid_in(&leader_line),
             leader,
             follower,
@@ -350,6 +353,28 @@ pub fn sigterm(tool: &dyn Tool, runs: usize, to_group: bool) -> Vec<Row> {
     });
     let id = if to_group { "sigterm_group" } else { "sigterm" };
     handoff_rows(id, scenario, tool, &results, tool.handoff_bound())
+}
+
+/// Scenario 2c: `pgleader step-down` asks the leader to hand over; from the moment the
+/// command is started (its own connection included) to the next leader's child running. The
+/// child exits as soon as it gets TERM. Only for a tool that has such a command.
+pub fn step_down(tool: &dyn Tool, runs: usize) -> Vec<Row> {
+    let scenario = "2c. pgleader step-down (leadership moved on demand)";
+    eprintln!("bench: {scenario} ({})", tool.label());
+    let results = repeat(tool.label(), runs, || {
+        let pair = Pair::start(tool, false)?;
+        let mut command = tool
+            .step_down(pair.lock)
+            .ok_or_else(|| anyhow!("{} has no step-down", tool.label()))?;
+        command.stdout(Stdio::null()).stderr(Stdio::null());
+        let fault = Instant::now();
+        let mut client = command.spawn().context("cannot start pgleader step-down")?;
+        let observed = pair.observe(fault, tool.handoff_bound(), true);
+        let status = client.wait().context("pgleader step-down")?;
+        anyhow::ensure!(status.success(), "pgleader step-down: {status}");
+        Ok(observed)
+    });
+    handoff_rows("step_down", scenario, tool, &results, tool.handoff_bound())
 }
 
 /// Scenario 3: the server ends the leader's session: `pg_terminate_backend`, or for etcd the

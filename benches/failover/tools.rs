@@ -80,6 +80,12 @@ pub trait Tool {
     /// Why this tool may never do what a scenario waits for, for the report.
     fn why_never(&self) -> &'static str;
 
+    /// The command that asks the leader of `lock` to hand over on demand (`pgleader
+    /// step-down`), for a tool that has one.
+    fn step_down(&self, _lock: i64) -> Option<Command> {
+        None
+    }
+
     /// Resident memory, CPU and requests of an idle leader and an idle follower.
     fn cost(&self, window: Duration) -> anyhow::Result<Vec<Cost>>;
 }
@@ -459,6 +465,21 @@ impl Pgleader {
     }
 }
 
+impl Pgleader {
+    /// `pgleader <subcommand> --lock-id=<lock>` against the server, with this binary.
+    pub fn client(&self, subcommand: &str, lock: i64) -> Command {
+        let mut command = match &self.binary {
+            Some(binary) => harness::clean(Command::new(binary)),
+            None => harness::pgleader(),
+        };
+        command
+            .env("PGLEADER_DATABASE_URL", self.cluster.url())
+            .arg(subcommand)
+            .arg(format!("--lock-id={lock}"));
+        command
+    }
+}
+
 impl Tool for Pgleader {
     fn label(&self) -> &'static str {
         self.label
@@ -516,6 +537,10 @@ impl Tool for Pgleader {
 
     fn why_never(&self) -> &'static str {
         "unexpected: a bug in pgleader or in the benchmark"
+    }
+
+    fn step_down(&self, lock: i64) -> Option<Command> {
+        Some(self.client("step-down", lock))
     }
 
     fn cost(&self, window: Duration) -> anyhow::Result<Vec<Cost>> {

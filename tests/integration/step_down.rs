@@ -243,68 +243,6 @@ fn bad_input_to_step_down_is_a_usage_error() {
         assert!(err.contains(expected), "{args:?}: {err}");
     }
 }
-
-/// The figures of BENCHMARKS.md's step-down row: `cargo test --locked --test integration --
-/// --ignored step_down::measure --nocapture` (STEP_DOWN_RUNS, 20 by default). Two replicas hand
-/// leadership back and forth; each handoff is one sample, from the moment the leader logged
-/// the request (and from the moment `pgleader step-down` started, its own connection and read
-/// included) to the next leader's command printing its first line.
-#[test]
-#[ignore = "a measurement, not a test: run it by name"]
-fn measure() {
-    let runs: usize = std::env::var("STEP_DOWN_RUNS")
-        .ok()
-        .and_then(|runs| runs.parse().ok())
-        .unwrap_or(20);
-    for (backend, fleet) in [("PostgreSQL", Fleet::postgres()), ("Redis", Fleet::redis())] {
-        // B only once A leads: started together, either could win.
-        let a = fleet.replica("A");
-        a.wait_stdout("A started");
-        let replicas = [a, fleet.replica("B")];
-        let (mut heard, mut asked) = (Vec::new(), Vec::new());
-        for run in 0..runs {
-            let (leader, next) = (&replicas[run % 2], &replicas[(run + 1) % 2]);
-            fleet.wait_for_waiters(1);
-            let sent = Instant::now();
-            let (code, out, err) = fleet.step_down();
-            assert_eq!(code, 0, "stdout: {out}\nstderr: {err}");
-            let nth = |replica: &Proc, stream, needle: &str, n| {
-                replica
-                    .wait_line(stream, needle, n, None, crate::harness::WAIT)
-                    .unwrap_or_else(|| panic!("no {needle:?}\n{}", replica.dump()))
-                    .1
-            };
-            let tag = next.name.clone();
-            let at = nth(leader, Stream::Stderr, "asked to step down", run / 2 + 1);
-            let started = nth(
-                next,
-                Stream::Stdout,
-                &format!("{tag} started"),
-                run / 2 + 1 + usize::from(run % 2 == 1),
-            );
-            heard.push(started.duration_since(at));
-            asked.push(started.duration_since(sent));
-        }
-        let summary = |samples: &mut Vec<Duration>| {
-            samples.sort();
-            let pick = |q: f64| {
-                samples[((samples.len() as f64 * q).ceil() as usize).clamp(1, samples.len()) - 1]
-            };
-            format!(
-                "p50 {:.1} ms, p95 {:.1} ms",
-                pick(0.5).as_secs_f64() * 1e3,
-                pick(0.95).as_secs_f64() * 1e3
-            )
-        };
-        println!(
-            "{backend}, {runs} step-downs: request heard → new command running {}; \
-             `pgleader step-down` started → new command running {}",
-            summary(&mut heard),
-            summary(&mut asked)
-        );
-    }
-}
-
 #[test]
 fn on_postgres_a_request_from_a_session_of_another_role_is_ignored() {
     // NOTIFY needs no privilege: the leader checks who sent the request.
