@@ -14,7 +14,8 @@ use std::time::Duration;
 use nix::sys::signal::Signal;
 
 use crate::harness::nemesis::{
-    Runs, Watch, assert_one_at_a_time, collect_runs, monotonic_ns, seed_and_rounds,
+    Chronicle, Watch, assert_one_at_a_time, collect_runs, monotonic_ns, running_share,
+    seed_and_rounds,
 };
 use crate::harness::{Cluster, Proc, Proxy, WAIT, pgleader, unique_lock};
 
@@ -78,11 +79,9 @@ struct Nemesis {
     lock: i64,
     proxies: Vec<Proxy>,
     instances: Vec<Option<Proc>>,
-    runs: Runs,
+    chronicle: Chronicle,
     /// (stopped, started) monotonic times of the server's downtimes.
     downtime: Vec<(u64, u64)>,
-    log: Vec<String>,
-    seed: u64,
 }
 
 impl Watch for Nemesis {
@@ -90,21 +89,13 @@ impl Watch for Nemesis {
         collect_runs(
             "nemesis-child ",
             self.instances.iter().flatten(),
-            &self.runs,
-            self.seed,
+            &self.chronicle.runs,
+            self.chronicle.seed,
         )
     }
 
-    fn runs(&self) -> &Runs {
-        &self.runs
-    }
-
-    fn seed(&self) -> u64 {
-        self.seed
-    }
-
-    fn faults(&self) -> &[String] {
-        &self.log
+    fn chronicle(&self) -> &Chronicle {
+        &self.chronicle
     }
 
     fn instances(&self) -> Vec<&Proc> {
@@ -150,10 +141,11 @@ fn no_two_commands_ever_run_at_once_under_random_faults() {
         lock: unique_lock(),
         proxies,
         instances: (0..count).map(|_| None).collect(),
-        runs: Runs::default(),
         downtime: Vec::new(),
-        log: vec![format!("seed {seed}, {count} instances, {rounds} rounds")],
-        seed,
+        chronicle: Chronicle::new(
+            seed,
+            format!("seed {seed}, {count} instances, {rounds} rounds"),
+        ),
     };
     let began = monotonic_ns();
     for slot in 0..count {
@@ -168,7 +160,7 @@ fn no_two_commands_ever_run_at_once_under_random_faults() {
             Fault::Kill9 | Fault::Term if rng.u8(..5) == 0 => rng.usize(..count),
             _ => leader.slot,
         };
-        nemesis.log.push(format!(
+        nemesis.chronicle.log.push(format!(
             "round {round}: {fault:?} on instance {target} (leader {})",
             leader.slot
         ));
@@ -212,18 +204,8 @@ fn no_two_commands_ever_run_at_once_under_random_faults() {
     let ended = monotonic_ns();
     nemesis.collect();
     let report = nemesis.report();
-    let runs = assert_one_at_a_time(&nemesis.runs, ended, seed, &report);
-    let running: u64 = runs
-        .iter()
-        .map(|run| run.died.unwrap_or(ended).min(ended) - run.started)
-        .sum();
-    let down: u64 = nemesis
-        .downtime
-        .iter()
-        .map(|(stop, start)| start - stop)
-        .sum();
-    let up = ended - began - down;
-    let share = running as f64 / up as f64;
+    let runs = assert_one_at_a_time(&nemesis.chronicle.runs, ended, seed, &report);
+    let share = running_share(&runs, began, ended, &nemesis.downtime);
     assert!(
         share > 0.5,
         "seed {seed}: a command ran only {:.0}% of the time the database was up\n{report}",

@@ -29,15 +29,13 @@
 //! sets the number of rounds (by default every fault once over three servers, and six rounds
 //! over five), and PGLEADER_NEMESIS_FAULTS=Partition,MajorityLost draws from those only.
 
-use std::collections::BTreeMap;
 use std::process::Command;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
 
 use crate::harness::nemesis::{
-    Run, Runs, Watch, assert_one_at_a_time, collect_runs, monotonic_ns, seed_and_rounds,
+    Chronicle, Run, Watch, assert_one_at_a_time, collect_runs, monotonic_ns, seed_and_rounds,
 };
 use crate::harness::{Proc, Proxy, Redis, WAIT, pgleader, unique_lock};
 use crate::quorum::wait_older_than;
@@ -134,9 +132,7 @@ struct Nemesis {
     clocks: Vec<std::path::PathBuf>,
     /// Instances stopped by a fault: their output still counts and goes into the report.
     retired: Vec<Proc>,
-    runs: Runs,
-    log: Vec<String>,
-    seed: u64,
+    chronicle: Chronicle,
 }
 
 impl Watch for Nemesis {
@@ -144,21 +140,13 @@ impl Watch for Nemesis {
         collect_runs(
             "redis-nemesis-child ",
             self.retired.iter().chain(self.instances.iter().flatten()),
-            &self.runs,
-            self.seed,
+            &self.chronicle.runs,
+            self.chronicle.seed,
         )
     }
 
-    fn runs(&self) -> &Runs {
-        &self.runs
-    }
-
-    fn seed(&self) -> u64 {
-        self.seed
-    }
-
-    fn faults(&self) -> &[String] {
-        &self.log
+    fn chronicle(&self) -> &Chronicle {
+        &self.chronicle
     }
 
     fn instances(&self) -> Vec<&Proc> {
@@ -233,7 +221,9 @@ impl Nemesis {
             instance.has_exited()
         });
         let status = instance.wait_exit();
-        self.log.push(format!("  instance {slot}: {status}"));
+        self.chronicle
+            .log
+            .push(format!("  instance {slot}: {status}"));
     }
 
     /// Whether a server votes: up for more than the lease (by the uptime the acquire script
@@ -364,12 +354,13 @@ fn nemesis(server_count: usize, default_rounds: usize) {
         proxies,
         instances: (0..INSTANCES).map(|_| None).collect(),
         retired: Vec::new(),
-        runs: Arc::new(Mutex::new(BTreeMap::new())),
-        log: vec![format!(
-            "seed {seed}, {INSTANCES} instances over {server_count} servers (instance s reaches \
+        chronicle: Chronicle::new(
+            seed,
+            format!(
+                "seed {seed}, {INSTANCES} instances over {server_count} servers (instance s reaches \
              server s directly, the others through its proxies), {rounds} rounds"
-        )],
-        seed,
+            ),
+        ),
     };
     let all: Vec<usize> = (0..server_count).collect();
     // A server younger than the lease refuses its vote: the first leader needs old servers.
@@ -402,7 +393,7 @@ fn nemesis(server_count: usize, default_rounds: usize) {
             _ => leader.slot,
         };
         let server = rng.usize(..server_count);
-        nemesis.log.push(format!(
+        nemesis.chronicle.log.push(format!(
             "round {round}: {fault:?} (leader: instance {}, client {}, epoch {})",
             leader.slot, leader.backend, leader.epoch
         ));
@@ -419,7 +410,10 @@ fn nemesis(server_count: usize, default_rounds: usize) {
                 } else {
                     Signal::SIGTERM
                 };
-                nemesis.log.push(format!("  on instance {target}"));
+                nemesis
+                    .chronicle
+                    .log
+                    .push(format!("  on instance {target}"));
                 nemesis.stop(target, signal);
                 let stubborn = rng.bool();
                 nemesis.spawn(target, stubborn);
@@ -433,7 +427,7 @@ fn nemesis(server_count: usize, default_rounds: usize) {
                     .iter()
                     .map(|server| nemesis.client_kill(*server, pid))
                     .collect();
-                nemesis.log.push(format!(
+                nemesis.chronicle.log.push(format!(
                     "  instance {target}'s connections on servers {on:?}: {killed:?} killed"
                 ));
                 // Not surely a loss even when a majority of its connections is killed: a leader
@@ -444,12 +438,14 @@ fn nemesis(server_count: usize, default_rounds: usize) {
             Fault::Del => {
                 let answer = nemesis.servers[server].try_cli(&["DEL", &nemesis.key()]);
                 nemesis
+                    .chronicle
                     .log
                     .push(format!("  DEL on server {server}: {answer:?}"));
             }
             Fault::FlushAll => {
                 let answer = nemesis.servers[server].try_cli(&["FLUSHALL"]);
                 nemesis
+                    .chronicle
                     .log
                     .push(format!("  FLUSHALL on server {server}: {answer:?}"));
             }
@@ -457,6 +453,7 @@ fn nemesis(server_count: usize, default_rounds: usize) {
                 nemesis.settle(&[server]);
                 let length = Duration::from_millis(rng.u64(200..1500));
                 nemesis
+                    .chronicle
                     .log
                     .push(format!("  server {server} down for {length:?}"));
                 nemesis.servers[server].crash();
@@ -468,6 +465,7 @@ fn nemesis(server_count: usize, default_rounds: usize) {
                 nemesis.settle(&[server]);
                 let length = freeze_for(&mut rng);
                 nemesis
+                    .chronicle
                     .log
                     .push(format!("  server {server} stopped for {length:?}"));
                 nemesis.servers[server].freeze(true);
@@ -478,6 +476,7 @@ fn nemesis(server_count: usize, default_rounds: usize) {
                 nemesis.settle(&[server]);
                 let length = freeze_for(&mut rng);
                 nemesis
+                    .chronicle
                     .log
                     .push(format!("  DEBUG SLEEP {length:?} on server {server}"));
                 let redis = &nemesis.servers[server];
@@ -494,6 +493,7 @@ fn nemesis(server_count: usize, default_rounds: usize) {
                 let proxied: Vec<usize> = all.iter().copied().filter(|s| *s != target).collect();
                 let cut = pick(&mut rng, &proxied, nemesis.to_lose());
                 nemesis
+                    .chronicle
                     .log
                     .push(format!("  instance {target} cut from servers {cut:?}"));
                 for server in &cut {
@@ -508,7 +508,7 @@ fn nemesis(server_count: usize, default_rounds: usize) {
             Fault::ClockJump => {
                 // Minutes, up to two hours, either way: far beyond the lease and the checks.
                 let minutes = rng.i64(1..=120) * if rng.bool() { 1 } else { -1 };
-                nemesis.log.push(format!(
+                nemesis.chronicle.log.push(format!(
                     "  instance {target}'s wall clock set {minutes:+} min from the real one"
                 ));
                 std::fs::write(&nemesis.clocks[target], format!("{minutes:+}m\n"))
@@ -519,7 +519,7 @@ fn nemesis(server_count: usize, default_rounds: usize) {
                 let lost = pick(&mut rng, &all, nemesis.to_lose());
                 let crash = rng.bool();
                 let length = Duration::from_millis(rng.u64(300..1500));
-                nemesis.log.push(format!(
+                nemesis.chronicle.log.push(format!(
                     "  servers {lost:?} {} ({length:?} after the command's end)",
                     if crash { "killed" } else { "stopped" }
                 ));
@@ -537,7 +537,7 @@ fn nemesis(server_count: usize, default_rounds: usize) {
                     STOP,
                     || {
                         nemesis
-                            .runs
+                            .runs()
                             .lock()
                             .expect("runs")
                             .get(&pid)
@@ -546,7 +546,7 @@ fn nemesis(server_count: usize, default_rounds: usize) {
                 );
                 nemesis.pause(length);
                 let started: Vec<Run> = nemesis
-                    .runs
+                    .runs()
                     .lock()
                     .expect("runs")
                     .values()
@@ -571,13 +571,13 @@ fn nemesis(server_count: usize, default_rounds: usize) {
         }
         if hits_leader {
             let next = nemesis.wait_for_new_run(known);
-            nemesis.log.push(format!(
+            nemesis.chronicle.log.push(format!(
                 "  new leader: instance {} (client {}, epoch {})",
                 next.slot, next.backend, next.epoch
             ));
         } else if nemesis.collect() > known {
             let next = nemesis.newest();
-            nemesis.log.push(format!(
+            nemesis.chronicle.log.push(format!(
                 "  leader now: instance {} (epoch {})",
                 next.slot, next.epoch
             ));
@@ -599,8 +599,8 @@ fn nemesis(server_count: usize, default_rounds: usize) {
         let _ = std::fs::remove_file(clock);
     }
     let report = nemesis.report();
-    let runs = assert_one_at_a_time(&nemesis.runs, ended, seed, &report);
-    eprintln!("{}", nemesis.log.join("\n"));
+    let runs = assert_one_at_a_time(&nemesis.chronicle.runs, ended, seed, &report);
+    eprintln!("{}", nemesis.chronicle.log.join("\n"));
     eprintln!(
         "quorum nemesis: seed {seed}, {server_count} servers, {rounds} rounds, {} runs, no overlap",
         runs.len()

@@ -22,16 +22,15 @@
 //! PGLEADER_NEMESIS_ROUNDS (12 by default: the first ten are every fault once, in a seeded
 //! order). PGLEADER_NEMESIS_FAULTS=Partition,Del (the names below) draws from those only.
 
-use std::collections::BTreeMap;
 use std::io::Write;
 use std::process::Command;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
 
 use crate::harness::nemesis::{
-    Runs, Watch, assert_one_at_a_time, collect_runs, monotonic_ns, seed_and_rounds,
+    Chronicle, Watch, assert_one_at_a_time, collect_runs, monotonic_ns, running_share,
+    seed_and_rounds,
 };
 use crate::harness::{Proc, Proxy, Redis, WAIT, pgleader, unique_lock};
 
@@ -147,11 +146,9 @@ struct Nemesis {
     instances: Vec<Option<Proc>>,
     /// Instances stopped by a fault: their output still counts and goes into the report.
     retired: Vec<Proc>,
-    runs: Runs,
+    chronicle: Chronicle,
     /// (stopped, answering again) monotonic times of the server's downtimes and freezes.
     downtime: Vec<(u64, u64)>,
-    log: Vec<String>,
-    seed: u64,
 }
 
 impl Watch for Nemesis {
@@ -159,21 +156,13 @@ impl Watch for Nemesis {
         collect_runs(
             "redis-nemesis-child ",
             self.retired.iter().chain(self.instances.iter().flatten()),
-            &self.runs,
-            self.seed,
+            &self.chronicle.runs,
+            self.chronicle.seed,
         )
     }
 
-    fn runs(&self) -> &Runs {
-        &self.runs
-    }
-
-    fn seed(&self) -> u64 {
-        self.seed
-    }
-
-    fn faults(&self) -> &[String] {
-        &self.log
+    fn chronicle(&self) -> &Chronicle {
+        &self.chronicle
     }
 
     fn instances(&self) -> Vec<&Proc> {
@@ -231,7 +220,9 @@ impl Nemesis {
             instance.has_exited()
         });
         let status = instance.wait_exit();
-        self.log.push(format!("  instance {slot}: {status}"));
+        self.chronicle
+            .log
+            .push(format!("  instance {slot}: {status}"));
     }
 }
 
@@ -265,12 +256,13 @@ fn no_two_commands_ever_run_at_once_under_random_redis_faults() {
         proxies,
         instances: (0..INSTANCES).map(|_| None).collect(),
         retired: Vec::new(),
-        runs: Arc::new(Mutex::new(BTreeMap::new())),
         downtime: Vec::new(),
-        log: vec![format!(
-            "seed {seed}, {INSTANCES} instances (1 and 2 through proxies), {rounds} rounds"
-        )],
-        seed,
+        chronicle: Chronicle::new(
+            seed,
+            format!(
+                "seed {seed}, {INSTANCES} instances (1 and 2 through proxies), {rounds} rounds"
+            ),
+        ),
     };
     let began = monotonic_ns();
     for slot in 0..INSTANCES {
@@ -295,7 +287,7 @@ fn no_two_commands_ever_run_at_once_under_random_redis_faults() {
         };
         let server_wide = matches!(fault, Fault::Sigstop | Fault::DebugSleep | Fault::Restart);
         let hits_leader = server_wide || target == leader.slot;
-        nemesis.log.push(format!(
+        nemesis.chronicle.log.push(format!(
             "round {round}: {fault:?} on instance {target} (leader {}, client {}, epoch {})",
             leader.slot, leader.backend, leader.epoch
         ));
@@ -315,19 +307,28 @@ fn no_two_commands_ever_run_at_once_under_random_redis_faults() {
                 let answer = nemesis
                     .redis
                     .try_cli(&["CLIENT", "KILL", "ID", &leader.backend]);
-                nemesis.log.push(format!("  CLIENT KILL: {answer:?}"));
+                nemesis
+                    .chronicle
+                    .log
+                    .push(format!("  CLIENT KILL: {answer:?}"));
             }
             Fault::Del => {
                 let answer = nemesis.redis.try_cli(&["DEL", &nemesis.key()]);
-                nemesis.log.push(format!("  DEL: {answer:?}"));
+                nemesis.chronicle.log.push(format!("  DEL: {answer:?}"));
             }
             Fault::FlushAll => {
                 let answer = nemesis.redis.try_cli(&["FLUSHALL"]);
-                nemesis.log.push(format!("  FLUSHALL: {answer:?}"));
+                nemesis
+                    .chronicle
+                    .log
+                    .push(format!("  FLUSHALL: {answer:?}"));
             }
             Fault::Sigstop => {
                 let length = freeze_for(&mut rng);
-                nemesis.log.push(format!("  stopped for {length:?}"));
+                nemesis
+                    .chronicle
+                    .log
+                    .push(format!("  stopped for {length:?}"));
                 let stopped = monotonic_ns();
                 nemesis.redis.freeze(true);
                 nemesis.pause(length);
@@ -336,7 +337,10 @@ fn no_two_commands_ever_run_at_once_under_random_redis_faults() {
             }
             Fault::DebugSleep => {
                 let length = freeze_for(&mut rng);
-                nemesis.log.push(format!("  DEBUG SLEEP {length:?}"));
+                nemesis
+                    .chronicle
+                    .log
+                    .push(format!("  DEBUG SLEEP {length:?}"));
                 let stopped = monotonic_ns();
                 let redis = &nemesis.redis;
                 let seconds = format!("{:.3}", length.as_secs_f64());
@@ -351,7 +355,7 @@ fn no_two_commands_ever_run_at_once_under_random_redis_faults() {
             }
             Fault::Restart => {
                 let length = Duration::from_millis(rng.u64(200..1500));
-                nemesis.log.push(format!("  down for {length:?}"));
+                nemesis.chronicle.log.push(format!("  down for {length:?}"));
                 let stopped = monotonic_ns();
                 nemesis.redis.crash();
                 nemesis.pause(length);
@@ -367,7 +371,10 @@ fn no_two_commands_ever_run_at_once_under_random_redis_faults() {
             Fault::BriefPartition => {
                 // Above check-interval + check-timeout, below the lease.
                 let length = Duration::from_millis(rng.u64(600..1500));
-                nemesis.log.push(format!("  cut off for {length:?}"));
+                nemesis
+                    .chronicle
+                    .log
+                    .push(format!("  cut off for {length:?}"));
                 let proxy = nemesis.proxies[target]
                     .as_ref()
                     .expect("a proxied instance");
@@ -378,7 +385,7 @@ fn no_two_commands_ever_run_at_once_under_random_redis_faults() {
         }
         if hits_leader {
             let next = nemesis.wait_for_new_run(known);
-            nemesis.log.push(format!(
+            nemesis.chronicle.log.push(format!(
                 "  new leader: instance {} (client {}, epoch {})",
                 next.slot, next.backend, next.epoch
             ));
@@ -397,19 +404,9 @@ fn no_two_commands_ever_run_at_once_under_random_redis_faults() {
     let ended = monotonic_ns();
     nemesis.collect();
     let report = nemesis.report();
-    let runs = assert_one_at_a_time(&nemesis.runs, ended, seed, &report);
-    let running: u64 = runs
-        .iter()
-        .map(|run| run.died.unwrap_or(ended).min(ended) - run.started)
-        .sum();
-    let down: u64 = nemesis
-        .downtime
-        .iter()
-        .map(|(stop, start)| start - stop)
-        .sum();
-    let up = ended - began - down;
-    let share = running as f64 / up as f64;
-    eprintln!("{}", nemesis.log.join("\n"));
+    let runs = assert_one_at_a_time(&nemesis.chronicle.runs, ended, seed, &report);
+    let share = running_share(&runs, began, ended, &nemesis.downtime);
+    eprintln!("{}", nemesis.chronicle.log.join("\n"));
     eprintln!(
         "redis nemesis: seed {seed}, {rounds} rounds, {} runs, a command ran {:.0}% of the time the server answered",
         runs.len(),

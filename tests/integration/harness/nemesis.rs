@@ -137,6 +137,36 @@ pub fn assert_one_at_a_time(runs: &Runs, ended: u64, seed: u64, report: &str) ->
     runs
 }
 
+/// The share of the time between `began` and `ended`, less the server's `downtime` (stopped,
+/// started), during which some run's command ran.
+pub fn running_share(runs: &[Run], began: u64, ended: u64, downtime: &[(u64, u64)]) -> f64 {
+    let running: u64 = runs
+        .iter()
+        .map(|run| run.died.unwrap_or(ended).min(ended) - run.started)
+        .sum();
+    let down: u64 = downtime.iter().map(|(stop, start)| start - stop).sum();
+    running as f64 / (ended - began - down) as f64
+}
+
+/// A nemesis' record: the runs it saw, what it did (its first line says how it was set up),
+/// and the seed that replays it.
+pub struct Chronicle {
+    pub runs: Runs,
+    pub log: Vec<String>,
+    pub seed: u64,
+}
+
+impl Chronicle {
+    /// A record of an experiment replayed by `seed`, set up as `setup` says.
+    pub fn new(seed: u64, setup: String) -> Chronicle {
+        Chronicle {
+            runs: Runs::default(),
+            log: vec![setup],
+            seed,
+        }
+    }
+}
+
 /// What a nemesis does while their experiment goes on:
 /// collect the instances' runs, wait for what a step needs, and name the leader. Each nemesis
 /// says how it collects, reports, and how long a new leader may take.
@@ -144,10 +174,18 @@ pub trait Watch {
     /// Records runs that have appeared on the instances' output since the last call, and
     /// starts a watcher for each new command's death. Returns how many runs are known.
     fn collect(&self) -> usize;
-    fn runs(&self) -> &Runs;
-    fn seed(&self) -> u64;
+    /// What the experiment has seen and done so far.
+    fn chronicle(&self) -> &Chronicle;
+    fn runs(&self) -> &Runs {
+        &self.chronicle().runs
+    }
+    fn seed(&self) -> u64 {
+        self.chronicle().seed
+    }
     /// What the nemesis did, in order.
-    fn faults(&self) -> &[String];
+    fn faults(&self) -> &[String] {
+        &self.chronicle().log
+    }
     /// Every pgleader it started, the retired ones first.
     fn instances(&self) -> Vec<&Proc>;
     /// How long a new leader's command may take to appear after a fault.
