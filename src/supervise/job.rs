@@ -319,16 +319,17 @@ impl Job {
     /// Asks the keeper to SIGKILL everything the command started, wherever it went (setsid
     /// included), and to exit once nothing is left.
     pub fn kill_everything(&self) -> io::Result<()> {
-        match self.channel.try_write(&[keeper::KILL_EVERYTHING]) {
-            Ok(_) => Ok(()),
-            Err(err) if err.kind() == io::ErrorKind::BrokenPipe => Ok(()),
-            Err(err) => Err(err),
-        }
+        self.request(keeper::KILL_EVERYTHING)
     }
 
     /// Asks the keeper to end everything now, a running `--post-stop` included.
     pub fn abort(&self) -> io::Result<()> {
-        match self.channel.try_write(&[keeper::ABORT]) {
+        self.request(keeper::ABORT)
+    }
+
+    /// Sends the keeper a request byte; a keeper that is gone already is not an error.
+    fn request(&self, byte: u8) -> io::Result<()> {
+        match self.channel.try_write(&[byte]) {
             Ok(_) => Ok(()),
             Err(err) if err.kind() == io::ErrorKind::BrokenPipe => Ok(()),
             Err(err) => Err(err),
