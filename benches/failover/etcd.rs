@@ -20,7 +20,7 @@ use crate::figures::Cost;
 use crate::harness::cluster::free_port;
 use crate::harness::{Proxy, field, spawner, unique_lock};
 use crate::tools::{
-    Candidate, SETTLE, SETUP_WAIT, Tool, Usage, child_script, first_line, wait_queued,
+    Candidate, LockServer, SETTLE, SETUP_WAIT, Tool, Usage, child_script, first_line, wait_queued,
 };
 
 /// The lease of every `etcdctl lock` session, in seconds: the same 3 s as pgleader's lease in
@@ -164,6 +164,36 @@ impl Drop for Etcd {
     }
 }
 
+/// etcd ends a client's session by revoking its lease.
+impl LockServer for Etcd {
+    fn end_session(&self, leader_line: &str) -> anyhow::Result<Instant> {
+        // The mutex key is `<name>/<lease id in hex>`: revoking that lease is etcd's way of
+        // ending a client's session from the server's side.
+        let key = field(leader_line, "etcd_key");
+        let lease = key
+            .rsplit_once('/')
+            .and_then(|(_, hex)| u64::from_str_radix(hex, 16).ok())
+            .with_context(|| format!("no lease in {leader_line:?}"))? as i64;
+        let mut stream = connect(self.port)?;
+        let request = request(
+            "POST",
+            "/v3/lease/revoke",
+            &format!(r#"{{"ID":"{lease}"}}"#),
+        );
+        let fault = Instant::now();
+        exchange(&mut stream, &request)?;
+        Ok(fault)
+    }
+
+    fn pids(&self) -> Vec<i32> {
+        vec![self.server.id() as i32]
+    }
+
+    fn port(&self) -> u16 {
+        self.port
+    }
+}
+
 impl Tool for Etcd {
     fn label(&self) -> &'static str {
         "etcdctl lock"
@@ -213,31 +243,8 @@ impl Tool for Etcd {
         })
     }
 
-    fn end_session(&self, leader_line: &str) -> anyhow::Result<Instant> {
-        // The mutex key is `<name>/<lease id in hex>`: revoking that lease is etcd's way of
-        // ending a client's session from the server's side.
-        let key = field(leader_line, "etcd_key");
-        let lease = key
-            .rsplit_once('/')
-            .and_then(|(_, hex)| u64::from_str_radix(hex, 16).ok())
-            .with_context(|| format!("no lease in {leader_line:?}"))? as i64;
-        let mut stream = connect(self.port)?;
-        let request = request(
-            "POST",
-            "/v3/lease/revoke",
-            &format!(r#"{{"ID":"{lease}"}}"#),
-        );
-        let fault = Instant::now();
-        exchange(&mut stream, &request)?;
-        Ok(fault)
-    }
-
-    fn server_pids(&self) -> Vec<i32> {
-        vec![self.server.id() as i32]
-    }
-
-    fn port(&self) -> u16 {
-        self.port
+    fn server(&self) -> &dyn LockServer {
+        self
     }
 
     fn handoff_bound(&self) -> Duration {

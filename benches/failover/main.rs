@@ -385,13 +385,19 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
     written(report, plan)
 }
 
+/// pgleader against a PostgreSQL of its own, named `name`, once it accepts connections.
+fn pgleader_on_own_server(name: &str) -> anyhow::Result<Pgleader> {
+    eprintln!("bench: starting PostgreSQL");
+    let pgleader = Pgleader::new(bench_cluster(name));
+    pgleader.wait_until_server_is(Duration::from_secs(10))?;
+    Ok(pgleader)
+}
+
 /// Scenario 9 and the idle cost with `--http` alone, against a server of its own.
 fn run_http_only(plan: &Plan) -> anyhow::Result<Report> {
     let began = Instant::now();
     let started = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
-    eprintln!("bench: starting PostgreSQL");
-    let pgleader = Pgleader::new(bench_cluster("bench-http"));
-    pgleader.wait_until_server_is(Duration::from_secs(10))?;
+    let pgleader = pgleader_on_own_server("bench-http")?;
     let mut rows = http::scrape(&pgleader, plan.runs * 10);
     rows.extend(http::leader_after_kill9(&pgleader, plan.runs));
     // Without --http too, in the same run, to compare.
@@ -643,9 +649,7 @@ fn shard_scenarios(
 fn run_shards_only(plan: &Plan) -> anyhow::Result<Report> {
     let began = Instant::now();
     let started = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
-    eprintln!("bench: starting PostgreSQL");
-    let pgleader = Pgleader::new(bench_cluster("bench-shards"));
-    pgleader.wait_until_server_is(Duration::from_secs(10))?;
+    let pgleader = pgleader_on_own_server("bench-shards")?;
     let (rows, costs, fleets) = shard_scenarios(&pgleader, plan);
     let report = Report {
         only: Some(report::ONLY_SHARDS),

@@ -23,8 +23,8 @@ use crate::figures::Cost;
 use crate::harness::{self, Proxy, field, unique_lock};
 use crate::procfs;
 use crate::tools::{
-    Candidate, REDIS_LABEL, REDIS_PY_LABEL, SETTLE, SETUP_WAIT, Tool, Usage, child_script,
-    first_line, wait_queued,
+    Candidate, LockServer, REDIS_LABEL, REDIS_PY_LABEL, SETTLE, SETUP_WAIT, Tool, Usage,
+    child_script, first_line, peer_candidate, wait_queued,
 };
 
 /// The redis-py release the peer runs, pinned so that runs compare.
@@ -183,23 +183,27 @@ impl Server {
         ))
     }
 
-    fn pid(&self) -> i32 {
-        self.redis.pid()
+    pub fn url(&self) -> String {
+        self.redis.url()
+    }
+}
+
+/// Redis has no lock bound to a session: ending the leader's session from the server's side
+/// deletes the lock's key, which the leader's child prints.
+impl LockServer for Server {
+    fn pids(&self) -> Vec<i32> {
+        vec![self.redis.pid()]
     }
 
     fn port(&self) -> u16 {
         self.redis.port
     }
 
-    pub fn url(&self) -> String {
-        self.redis.url()
-    }
-
-    /// Deletes `key`; returns the moment just before the request left.
-    fn delete(&self, key: &str) -> anyhow::Result<Instant> {
+    fn end_session(&self, leader_line: &str) -> anyhow::Result<Instant> {
+        let key = field(leader_line, "redis_key");
         let mut admin = self.admin.lock().unwrap_or_else(|p| p.into_inner());
         let fault = Instant::now();
-        let deleted: i64 = redis::cmd("DEL").arg(key).query(&mut *admin)?;
+        let deleted: i64 = redis::cmd("DEL").arg(&key).query(&mut *admin)?;
         if deleted != 1 {
             bail!("no key {key} to delete");
         }
@@ -407,16 +411,8 @@ impl Tool for PgleaderRedis {
         Ok(held + waiting)
     }
 
-    fn end_session(&self, leader_line: &str) -> anyhow::Result<Instant> {
-        self.server.delete(&field(leader_line, "redis_key"))
-    }
-
-    fn server_pids(&self) -> Vec<i32> {
-        vec![self.server.pid()]
-    }
-
-    fn port(&self) -> u16 {
-        self.server.port()
+    fn server(&self) -> &dyn LockServer {
+        &*self.server
     }
 
     fn handoff_bound(&self) -> Duration {
@@ -516,20 +512,18 @@ impl Tool for RedisPy {
 
     fn candidate(&self, tag: &str, lock: i64, _proxy: Option<&Proxy>) -> Candidate {
         let key = RedisPy::key(lock);
-        let mut command = Command::new("python3");
-        command
-            .env_clear()
-            .env(
-                "PATH",
-                std::env::var_os("PATH").unwrap_or_else(|| "/usr/bin:/bin".into()),
-            )
-            .env("PYTHONPATH", peer_site())
-            .env("PYTHONDONTWRITEBYTECODE", "1")
-            .env("BENCH_REDIS_KEY", &key)
-            .arg(PEER_SCRIPT)
-            .args([&self.server.url(), &key, &PEER_TTL_SECONDS.to_string()])
-            .args(["--", "sh", "-c", &child_script(tag)]);
-        Candidate::spawn(tag, command)
+        let (url, ttl) = (self.server.url(), PEER_TTL_SECONDS.to_string());
+        let site = peer_site();
+        peer_candidate(
+            tag,
+            "python3",
+            &[
+                ("PYTHONPATH", site.as_os_str()),
+                ("PYTHONDONTWRITEBYTECODE", "1".as_ref()),
+                ("BENCH_REDIS_KEY", key.as_ref()),
+            ],
+            &[PEER_SCRIPT, &url, &key, &ttl],
+        )
     }
 
     fn queued(&self, lock: i64) -> anyhow::Result<usize> {
@@ -539,16 +533,8 @@ impl Tool for RedisPy {
         Ok(named_clients(&clients, &RedisPy::key(lock)))
     }
 
-    fn end_session(&self, leader_line: &str) -> anyhow::Result<Instant> {
-        self.server.delete(&field(leader_line, "redis_key"))
-    }
-
-    fn server_pids(&self) -> Vec<i32> {
-        vec![self.server.pid()]
-    }
-
-    fn port(&self) -> u16 {
-        self.server.port()
+    fn server(&self) -> &dyn LockServer {
+        &*self.server
     }
 
     fn handoff_bound(&self) -> Duration {

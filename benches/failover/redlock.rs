@@ -30,8 +30,8 @@ use crate::procfs;
 use crate::redis_lock::{self, CHECK_INTERVAL, Counts, PEER_TTL_SECONDS, add_counts};
 use crate::scenarios::{self, ServerFault};
 use crate::tools::{
-    self, Candidate, QUORUM_LABEL, REDLOCK_LABEL, SETTLE, SETUP_WAIT, Tool, Usage, child_script,
-    first_line, wait_queued,
+    self, Candidate, LockServer, QUORUM_LABEL, REDLOCK_LABEL, SETTLE, SETUP_WAIT, Tool, Usage,
+    child_script, first_line, peer_candidate, wait_queued,
 };
 
 /// The npm `redlock` release the peer runs, pinned so that runs compare: the 5.0 line, the
@@ -156,10 +156,6 @@ impl Quorum {
         self.servers.iter().map(harness::Redis::url).collect()
     }
 
-    fn pids(&self) -> Vec<i32> {
-        self.servers.iter().map(harness::Redis::pid).collect()
-    }
-
     /// Waits until every server has been up for more than `age` (by its own
     /// `uptime_in_seconds`, what pgleader's acquire script reads): a server younger than the
     /// lease refuses its vote, and one younger than the restart fence delays a new command.
@@ -191,6 +187,21 @@ impl Quorum {
             .iter()
             .map(|pid| Pid::from_raw(*pid))
             .collect()
+    }
+}
+
+/// A proxy stands in front of the first server only; no scenario ends a session over a quorum.
+impl LockServer for Quorum {
+    fn pids(&self) -> Vec<i32> {
+        self.servers.iter().map(harness::Redis::pid).collect()
+    }
+
+    fn port(&self) -> u16 {
+        self.servers[0].port
+    }
+
+    fn end_session(&self, _leader_line: &str) -> anyhow::Result<Instant> {
+        bail!("not measured over a quorum")
     }
 }
 
@@ -285,16 +296,8 @@ impl Tool for PgleaderQuorum<'_> {
         Ok(subscribers)
     }
 
-    fn end_session(&self, _leader_line: &str) -> anyhow::Result<Instant> {
-        bail!("not measured over a quorum")
-    }
-
-    fn server_pids(&self) -> Vec<i32> {
-        self.quorum.pids()
-    }
-
-    fn port(&self) -> u16 {
-        self.quorum.servers[0].port
+    fn server(&self) -> &dyn LockServer {
+        self.quorum
     }
 
     fn handoff_bound(&self) -> Duration {
@@ -361,23 +364,17 @@ impl Tool for Redlock<'_> {
 
     fn candidate(&self, tag: &str, lock: i64, _proxy: Option<&Proxy>) -> Candidate {
         let key = Redlock::key(lock);
-        let mut command = Command::new("node");
-        command
-            .env_clear()
-            .env(
-                "PATH",
-                std::env::var_os("PATH").unwrap_or_else(|| "/usr/bin:/bin".into()),
-            )
-            .env("NODE_PATH", peer_dir().join("node_modules"))
-            .env("BENCH_REDIS_KEY", &key)
-            .arg(PEER_SCRIPT)
-            .args([
-                &self.quorum.urls().join(" "),
-                &key,
-                &PEER_TTL_SECONDS.to_string(),
-            ])
-            .args(["--", "sh", "-c", &child_script(tag)]);
-        Candidate::spawn(tag, command)
+        let (urls, ttl) = (self.quorum.urls().join(" "), PEER_TTL_SECONDS.to_string());
+        let modules = peer_dir().join("node_modules");
+        peer_candidate(
+            tag,
+            "node",
+            &[
+                ("NODE_PATH", modules.as_os_str()),
+                ("BENCH_REDIS_KEY", key.as_ref()),
+            ],
+            &[PEER_SCRIPT, &urls, &key, &ttl],
+        )
     }
 
     fn queued(&self, lock: i64) -> anyhow::Result<usize> {
@@ -386,16 +383,8 @@ impl Tool for Redlock<'_> {
         Ok(redis_lock::named_clients(&clients, &Redlock::key(lock)))
     }
 
-    fn end_session(&self, _leader_line: &str) -> anyhow::Result<Instant> {
-        bail!("not measured over a quorum")
-    }
-
-    fn server_pids(&self) -> Vec<i32> {
-        self.quorum.pids()
-    }
-
-    fn port(&self) -> u16 {
-        self.quorum.servers[0].port
+    fn server(&self) -> &dyn LockServer {
+        self.quorum
     }
 
     fn handoff_bound(&self) -> Duration {

@@ -49,7 +49,7 @@ struct Pair {
 impl Pair {
     fn start(tool: &dyn Tool, through_proxy: bool) -> anyhow::Result<Pair> {
         let lock = unique_lock();
-        let proxy = through_proxy.then(|| Proxy::start(tool.port()));
+        let proxy = through_proxy.then(|| Proxy::start(tool.server().port()));
         let leader = tool.candidate("A", lock, proxy.as_ref());
         let (leader_line, _) = leader
             .started(None, SETUP_WAIT)
@@ -401,7 +401,7 @@ fn at_server(tool: &dyn Tool, runs: usize, id: &str, scenario: &str) -> Vec<Row>
     eprintln!("bench: {scenario} ({})", tool.label());
     let results = repeat(tool.label(), runs, || {
         let pair = Pair::start(tool, false)?;
-        let fault = tool.end_session(&pair.leader_line)?;
+        let fault = tool.server().end_session(&pair.leader_line)?;
         Ok(pair.observe(fault, tool.handoff_bound(), true))
     });
     handoff_rows(id, scenario, tool, &results, tool.handoff_bound())
@@ -580,7 +580,7 @@ fn scale_runs(
         first_started(&candidates, None, SETUP_WAIT).context("no candidate led")?;
     // Let the start-up load pass before measuring the server at rest.
     sleep(SETTLE * 3);
-    let server = tool.server_pids();
+    let server = tool.server().pids();
     let meter = CpuMeter::start(&server);
     sleep(window);
     scale.server_cpu = Some(meter.used(&server).as_secs_f64() / window.as_secs_f64());

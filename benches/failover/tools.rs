@@ -1,9 +1,12 @@
 //! The tools under test, behind one trait so that every scenario is written once and run
 //! against each: pgleader against the benchmark's PostgreSQL here, `etcdctl lock` against its
-//! etcd in `etcd.rs`, pgleader on Redis and redis-py's `Lock` in `redis_lock.rs`. A candidate is one running instance of a tool, in a process group of its
-//! own, whose child prints a line when it starts and another when it gets SIGTERM.
+//! etcd in `etcd.rs`, pgleader on Redis and redis-py's `Lock` in `redis_lock.rs`, pgleader over
+//! a quorum and npm `redlock` in `redlock.rs`. A candidate is one running instance of a tool, in
+//! a process group of its own, whose child prints a line when it starts and another when it gets
+//! SIGTERM. Tools over one server share what belongs to the server ([`LockServer`]).
 
 use std::collections::HashMap;
+use std::ffi::OsStr;
 use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::Command;
@@ -45,6 +48,42 @@ pub const PARTITION_ARGS: [&str; 4] = [
     "--lease=3s",
 ];
 
+/// What a scenario needs from the server a tool's candidates lock on: it is the same for every
+/// tool on that server, so two tools over one server share it.
+pub trait LockServer {
+    /// The server's processes, for its CPU time.
+    fn pids(&self) -> Vec<i32>;
+
+    /// The server's TCP port, for a proxy in front of it.
+    fn port(&self) -> u16;
+
+    /// Ends the session of the leader whose child printed `leader_line`, from the server's
+    /// side (on Redis, which has no lock bound to a session: deletes the lock's key). Returns
+    /// the moment just before the request left.
+    fn end_session(&self, leader_line: &str) -> anyhow::Result<Instant>;
+}
+
+/// A peer's leader loop, `program script args.. -- sh -c <child>`, with nothing of the
+/// benchmark's environment but `PATH` and `env`.
+pub fn peer_candidate(
+    tag: &str,
+    program: &str,
+    env: &[(&str, &OsStr)],
+    args: &[&str],
+) -> Candidate {
+    let mut command = Command::new(program);
+    command
+        .env_clear()
+        .env(
+            "PATH",
+            std::env::var_os("PATH").unwrap_or_else(|| "/usr/bin:/bin".into()),
+        )
+        .envs(env.iter().copied())
+        .args(args)
+        .args(["--", "sh", "-c", &child_script(tag)]);
+    Candidate::spawn(tag, command)
+}
+
 /// What a scenario needs from a tool.
 pub trait Tool {
     fn label(&self) -> &'static str;
@@ -56,16 +95,8 @@ pub trait Tool {
     /// How many sessions hold or wait for `lock`, as the server sees them.
     fn queued(&self, lock: i64) -> anyhow::Result<usize>;
 
-    /// Ends the session of the leader whose child printed `leader_line`, from the server's
-    /// side (on Redis, which has no lock bound to a session: deletes the lock's key). Returns
-    /// the moment just before the request left.
-    fn end_session(&self, leader_line: &str) -> anyhow::Result<Instant>;
-
-    /// The server's processes, for its CPU time.
-    fn server_pids(&self) -> Vec<i32>;
-
-    /// The server's TCP port, for a proxy in front of it.
-    fn port(&self) -> u16;
+    /// The server (or servers) its candidates hold the lock on.
+    fn server(&self) -> &dyn LockServer;
 
     /// A handoff that has not happened after this long (from the fault) is not coming.
     fn handoff_bound(&self) -> Duration;
@@ -480,6 +511,43 @@ impl Pgleader {
     }
 }
 
+/// PostgreSQL ends a session with `pg_terminate_backend`: the leader's child prints its
+/// backend pid.
+impl LockServer for Pgleader {
+    fn end_session(&self, leader_line: &str) -> anyhow::Result<Instant> {
+        let backend: i32 = field(leader_line, "backend")
+            .parse()
+            .with_context(|| format!("no backend pid in {leader_line:?}"))?;
+        let mut admin = self.admin();
+        let fault = Instant::now();
+        let terminated: bool = admin
+            .query_one("SELECT pg_terminate_backend($1)", &[&backend])?
+            .get(0);
+        if !terminated {
+            bail!("no session with backend pid {backend}");
+        }
+        Ok(fault)
+    }
+
+    fn pids(&self) -> Vec<i32> {
+        let postmaster = std::fs::read_to_string(self.cluster.data.join("postmaster.pid"))
+            .ok()
+            .and_then(|text| text.lines().next()?.trim().parse::<i32>().ok());
+        match postmaster {
+            Some(pid) => {
+                let mut pids = procfs::children(pid);
+                pids.push(pid);
+                pids
+            }
+            None => Vec::new(),
+        }
+    }
+
+    fn port(&self) -> u16 {
+        self.cluster.port
+    }
+}
+
 impl Tool for Pgleader {
     fn label(&self) -> &'static str {
         self.label
@@ -498,37 +566,8 @@ impl Tool for Pgleader {
         Ok(row.get::<_, i64>(0) as usize)
     }
 
-    fn end_session(&self, leader_line: &str) -> anyhow::Result<Instant> {
-        let backend: i32 = field(leader_line, "backend")
-            .parse()
-            .with_context(|| format!("no backend pid in {leader_line:?}"))?;
-        let mut admin = self.admin();
-        let fault = Instant::now();
-        let terminated: bool = admin
-            .query_one("SELECT pg_terminate_backend($1)", &[&backend])?
-            .get(0);
-        if !terminated {
-            bail!("no session with backend pid {backend}");
-        }
-        Ok(fault)
-    }
-
-    fn server_pids(&self) -> Vec<i32> {
-        let postmaster = std::fs::read_to_string(self.cluster.data.join("postmaster.pid"))
-            .ok()
-            .and_then(|text| text.lines().next()?.trim().parse::<i32>().ok());
-        match postmaster {
-            Some(pid) => {
-                let mut pids = procfs::children(pid);
-                pids.push(pid);
-                pids
-            }
-            None => Vec::new(),
-        }
-    }
-
-    fn port(&self) -> u16 {
-        self.cluster.port
+    fn server(&self) -> &dyn LockServer {
+        self
     }
 
     fn handoff_bound(&self) -> Duration {
