@@ -2,9 +2,9 @@
 //! a point of failure. Each server runs the same scripts as a single one (`redis/scripts.rs`); a
 //! leadership holds only while a majority of them hold this session's value.
 //!
-//! The parts: a session over every server and its rounds ([`session`]), a leader's way back to
-//! a server it lost ([`rejoin`]), what `status` reads ([`observer`]), and the ledger of scheduled
-//! runs, kept on every server and counted by majority ([`ledger`]).
+//! The parts: a session over every server and its rounds (`session.rs`), a leader's way back
+//! to a server it lost (`rejoin.rs`), what `status` reads (`observer.rs`), and the ledger of
+//! scheduled runs, kept on every server and counted by majority (`ledger.rs`).
 
 mod ledger;
 mod observer;

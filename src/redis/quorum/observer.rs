@@ -82,7 +82,7 @@ impl crate::election::Observer for QuorumObserver {
         })
     }
 
-    /// The history a majority of the servers tells (see [`ledger::merge`]).
+    /// The history a majority of the servers tells (see `ledger::merge`).
     async fn history(
         &self,
         limit: i64,
