@@ -90,15 +90,7 @@ impl PgBackend {
     /// A session of the election, plain or sharded, set up and checked (see
     /// `PgSession::connect`).
     pub(crate) async fn session(&self, name: &str) -> Result<PgSession, ConnectError> {
-        PgSession::connect(
-            &self.settings,
-            name,
-            &self.lease,
-            self.lock.clone(),
-            self.ledger.clone(),
-            self.wait_refresh,
-        )
-        .await
+        PgSession::connect(self, name).await
     }
 }
 

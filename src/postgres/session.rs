@@ -23,6 +23,7 @@ use crate::election::lock::LockKey;
 use crate::election::socket::LentSocket;
 use crate::election::step_down::{self, Heard, Requests};
 use crate::election::{Check, Confirmation, ConnectError, Fence, Session, SessionError};
+use crate::postgres::PgBackend;
 use crate::postgres::connect::{self, ConnectionTask, Notifications, Opened, TcpEnds, classify};
 use crate::postgres::conninfo::{ChannelBinding, ConnSettings, Host};
 use crate::postgres::describe::describe;
@@ -266,13 +267,10 @@ impl PgSession {
     /// (`check_not_transaction_pooled`), which costs a server process's start-up (about 2 ms
     /// on a local server, more on a busy one) and two round trips.
     pub async fn connect(
-        settings: &ConnSettings,
+        backend: &PgBackend,
         application_name: &str,
-        lease: &Lease,
-        lock: LockKey,
-        ledger: LedgerSettings,
-        refresh: Duration,
     ) -> Result<PgSession, ConnectError> {
+        let settings = &backend.settings;
         let budget = connect_budget(settings);
         let probe = || async {
             tokio::time::timeout(budget, connect_plain(settings, application_name))
@@ -281,15 +279,7 @@ impl PgSession {
                     ConnectError::Transient("the connection-pooler probe timed out".into())
                 })?
         };
-        let set_up = Self::open_and_set_up(
-            settings,
-            application_name,
-            lease,
-            lock,
-            ledger,
-            refresh,
-            budget,
-        );
+        let set_up = Self::open_and_set_up(backend, application_name, budget);
         // Over Unix sockets only, the probe is certain: its connection opens alongside the
         // session's, which takes a server process's start-up off the critical path. What it
         // sees is unchanged: a transaction pooler hands a client a server process at its first
@@ -329,14 +319,11 @@ impl PgSession {
     /// is a primary. True when the server sees the very TCP connection this host opened, so
     /// that no proxy, and so no pooler, stands between (see [`same_connection`]).
     async fn open_and_set_up(
-        settings: &ConnSettings,
+        backend: &PgBackend,
         application_name: &str,
-        lease: &Lease,
-        lock: LockKey,
-        ledger: LedgerSettings,
-        refresh: Duration,
         budget: Duration,
     ) -> Result<(PgSession, bool), ConnectError> {
+        let (settings, lease) = (&backend.settings, &backend.lease);
         let (opened, server_major) = open(settings, application_name, Some(lease), budget).await?;
         let tcp_ends = opened.tcp_ends;
         if Support::of(server_major) == Support::NoIdleSessionTimeout {
@@ -352,14 +339,14 @@ impl PgSession {
             });
         }
         let mut session = PgSession {
-            lock,
+            lock: backend.lock.clone(),
             lease: lease.duration(),
             try_timeout: settings.connect_timeout,
-            ledger,
+            ledger: backend.ledger.clone(),
             client: Arc::new(opened.client),
             connection: opened.connection,
             socket: opened.socket,
-            refresh,
+            refresh: backend.wait_refresh,
             waited: Arc::default(),
             notifications: Some(opened.notifications),
             step_downs: None,

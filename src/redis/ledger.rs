@@ -238,6 +238,18 @@ impl RedisLedger {
         invocation
     }
 
+    /// A script that ends a run (FINISH, FINISH_LATE): both take the occurrence, the epoch, the
+    /// outcome and the exit code first.
+    fn ending<'a>(&self, script: &'a Script, run: &LateFinish) -> redis::ScriptInvocation<'a> {
+        let mut invocation = self.invocation(script);
+        invocation
+            .arg(micros(run.at))
+            .arg(run.epoch)
+            .arg(run.outcome)
+            .arg(run.exit_code.map(|c| c.to_string()).unwrap_or_default());
+        invocation
+    }
+
     async fn run<T: redis::FromRedisValue>(
         &self,
         invocation: &redis::ScriptInvocation<'_>,
@@ -503,27 +515,15 @@ impl Ledger for RedisLedger {
     }
 
     async fn finish(&self, finish: &LateFinish, detail: Option<&str>) -> Result<bool, LedgerError> {
-        let mut invocation = self.invocation(&FINISH_SCRIPT);
-        invocation
-            .arg(micros(finish.at))
-            .arg(finish.epoch)
-            .arg(finish.outcome)
-            .arg(finish.exit_code.map(|c| c.to_string()).unwrap_or_default())
-            .arg(detail.unwrap_or_default())
-            .arg(KEEP);
+        let mut invocation = self.ending(&FINISH_SCRIPT, finish);
+        invocation.arg(detail.unwrap_or_default()).arg(KEEP);
         let done: i64 = self.run(&invocation).await?;
         Ok(done > 0)
     }
 
     async fn finish_late(&self, late: &LateFinish) -> Result<bool, LedgerError> {
-        let mut invocation = self.invocation(&FINISH_LATE_SCRIPT);
-        invocation
-            .arg(micros(late.at))
-            .arg(late.epoch)
-            .arg(late.outcome)
-            .arg(late.exit_code.map(|c| c.to_string()).unwrap_or_default())
-            .arg(micros(late.ended_at))
-            .arg(late.attempt);
+        let mut invocation = self.ending(&FINISH_LATE_SCRIPT, late);
+        invocation.arg(micros(late.ended_at)).arg(late.attempt);
         let done: i64 = self.run(&invocation).await?;
         Ok(done > 0)
     }

@@ -13,13 +13,12 @@
 //! The parts: the URL ([`url`]), one connection with its checks and TLS ([`connection`]),
 //! the keys and scripts ([`scripts`]), a session ([`session`]), the ledger ([`ledger`]),
 //! what `status` reads ([`observer`]) and the shards of `--shards K` ([`shards`]); and the
-//! Redlock quorum over several servers ([`quorum`]) with its ledger ([`quorum_ledger`]).
+//! Redlock quorum over several servers, with its own ledger ([`quorum`]).
 
 pub mod connection;
 pub mod ledger;
 pub mod observer;
 pub mod quorum;
-pub mod quorum_ledger;
 pub mod scripts;
 pub mod session;
 pub mod shards;

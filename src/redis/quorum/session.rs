@@ -1,8 +1,5 @@
-//! Redlock: one leader over a quorum of independent Redis servers, so that no single server is
-//! a point of failure. Each server runs the same scripts as a single one (`scripts.rs`); a
-//! leadership holds only while a majority of them hold this session's value.
-//!
-//! With the guards Redlock's critics ask for:
+//! A session over a quorum: one connection per reachable server, the same value on each, and
+//! the rounds that ask them all. With the guards Redlock's critics ask for:
 //!
 //! - **Acquire** on every server at once, each bounded; leadership only if a majority accepted
 //!   and the time the round took, plus a drift allowance, leaves the lease some validity.
@@ -22,7 +19,7 @@
 //!
 //! Unlike one server, a quorum does not queue its waiters: a released lock goes to whichever
 //! waiter reaches a majority first. Scheduled jobs keep their ledger on every server, and an
-//! answer counts only from a majority (`quorum_ledger.rs`).
+//! answer counts only from a majority (`ledger.rs`).
 
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, LazyLock};
@@ -33,15 +30,15 @@ use redis::{PushInfo, PushKind};
 use tokio::sync::{Notify, mpsc};
 use tokio::task::{JoinHandle, JoinSet};
 
+use super::QuorumBackend;
+use super::ledger::QuorumLedger;
 use crate::election::lease::Lease;
 use crate::election::ledger::Definition;
-use crate::election::lock::LockKey;
 use crate::election::majority::Majority;
 use crate::election::step_down::{self, Requests};
 use crate::election::{Check, Confirmation, ConnectError, Fence, Session, SessionError};
 use crate::redis::connection::{self, Connection, Purpose, ServerInfo};
 use crate::redis::ledger::RedisLedger;
-use crate::redis::quorum_ledger::{self, QuorumLedger};
 use crate::redis::scripts::{self, Keys, RELEASE_SCRIPT, RENEW_SCRIPT, ScriptArgs, nonce};
 use crate::redis::session::{acquire, enlist, invalidates, no_answer, query_error, timestamp};
 use crate::redis::url::RedisServer;
@@ -59,7 +56,7 @@ return 1
 
 /// Raises the epoch counter `key` on one server to at least `epoch`, for the fence and for a
 /// server the leader rejoins.
-async fn raise_epoch(
+pub(super) async fn raise_epoch(
     conn: &mut MultiplexedConnection,
     key: String,
     epoch: i64,
@@ -69,52 +66,14 @@ async fn raise_epoch(
     invocation.invoke_async::<i64>(conn).await
 }
 
-/// Several Redis servers, the lock, and the settings of pgleader's sessions.
-#[derive(Clone, Debug)]
-pub struct QuorumBackend {
-    pub servers: Vec<RedisServer>,
-    pub lock: LockKey,
-    pub lease: Lease,
-    /// How often a waiting follower tries again.
-    pub poll: Duration,
-    pub ledger_timeout: Duration,
-    pub user_name: Option<String>,
-}
-
-impl QuorumBackend {
-    /// A backend that only observes (`pgleader status`).
-    pub fn for_status(servers: Vec<RedisServer>, lock: LockKey) -> QuorumBackend {
-        QuorumBackend {
-            servers,
-            lock,
-            lease: Lease::new(Duration::ZERO),
-            poll: Duration::from_secs(1),
-            ledger_timeout: Duration::ZERO,
-            user_name: None,
-        }
-    }
-
-    /// How many servers make a majority.
-    pub fn quorum(&self) -> usize {
-        Majority::of(self.servers.len()).need()
-    }
-}
-
-impl std::fmt::Display for QuorumBackend {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let servers: Vec<String> = self.servers.iter().map(ToString::to_string).collect();
-        write!(f, "a quorum of {}", servers.join(", "))
-    }
-}
-
 /// What a member's connection reports, through its forwarder: (slot, generation, push).
 type Pushes = mpsc::UnboundedSender<(usize, u64, PushInfo)>;
 
 /// One server's connection in a quorum session, and what the quorum adds to it: which server
 /// it reaches, its generation, and the task that forwards its pushes to the session.
 #[derive(Debug)]
-struct Member {
-    server: RedisServer,
+pub(super) struct Member {
+    pub(super) server: RedisServer,
     /// Tells this connection's pushes from those of the connection it replaced.
     generation: u64,
     /// Forwards the connection's pushes (see [`forward`]).
@@ -125,7 +84,7 @@ struct Member {
 impl Member {
     /// A member over a connection; its pushes are forwarded, tagged with its slot and
     /// generation, to the session.
-    fn new(
+    pub(super) fn new(
         server: RedisServer,
         mut connection: Connection,
         (index, generation): (usize, u64),
@@ -162,61 +121,51 @@ impl Drop for Member {
 /// A session over a quorum: one connection per reachable server, the same nonce on each.
 #[derive(Debug)]
 pub struct QuorumSession {
-    members: Vec<Member>,
+    pub(super) members: Vec<Member>,
     /// How many servers the quorum has, reachable or not.
     total: usize,
-    args: ScriptArgs,
-    poll: Duration,
+    pub(super) args: ScriptArgs,
+    pub(super) poll: Duration,
     /// Bounds each server's answer in a round.
     per_server: Duration,
-    leading: Arc<AtomicBool>,
+    pub(super) leading: Arc<AtomicBool>,
     /// A release was published on some server.
-    released: Arc<Notify>,
+    pub(super) released: Arc<Notify>,
     /// What the members' connections report: (member, generation, push).
     pushes: mpsc::UnboundedReceiver<(usize, u64, PushInfo)>,
     /// Where new members' forwarders send.
-    out: Pushes,
+    pub(super) out: Pushes,
     /// Members whose connection ended or whose key changed under the leadership, and why.
-    lost: Vec<Option<String>>,
+    pub(super) lost: Vec<Option<String>>,
     /// Members whose connection ended: a leader connects to them again (see [`Rejoined`]).
-    gone: Vec<bool>,
+    pub(super) gone: Vec<bool>,
     /// Servers not reachable when the session connected (`None` once a leader reached them).
-    absent: Vec<Option<RedisServer>>,
+    pub(super) absent: Vec<Option<RedisServer>>,
     /// Reconnections under way, and when to try the next ones.
-    rejoins: JoinSet<Rejoined>,
-    next_rejoin: Instant,
-    generations: u64,
+    pub(super) rejoins: JoinSet<Rejoined>,
+    pub(super) next_rejoin: Instant,
+    pub(super) generations: u64,
     /// What a reconnection needs: the session's name, its lease, and the epoch it fenced.
-    name: String,
-    lease: Lease,
-    epoch: Arc<AtomicI64>,
+    pub(super) name: String,
+    pub(super) lease: Lease,
+    pub(super) epoch: Arc<AtomicI64>,
     /// Members whose key was invalidated and must be read again: tracking knows key names, not
     /// databases, so a change in another database is pushed too.
-    suspect: Vec<bool>,
+    pub(super) suspect: Vec<bool>,
     connected_at: Instant,
     user_name: Option<String>,
     ledger_timeout: Duration,
 }
 
 /// A leader's new connection to a server it had lost (its connection ended, or it was not
-/// reachable at first), with this leadership's key set there again.
-///
-/// Without it, a leader over three servers that saw one restart and then another (a rolling
-/// restart) would step down at the second, though a majority is up all along. Setting the key
-/// again is an acquire on that server, as at the start, and safe for the same reason: the
-/// script sets it only where it is free (or already this session's), and this session leads
-/// through a majority that holds it meanwhile. A server restarted within the lease may take it
-/// too: the delayed restart keeps a young server from voting for a *new* holder, and this
-/// leader is the holder the majority confirms. The keeper is not given the new socket: a kill -9
-/// of pgleader frees the key there at once, but the keeper still holds the majority it started
-/// with until the command's tree is dead.
+/// reachable at first), with this leadership's key set there again (see `rejoin.rs`).
 #[derive(Debug)]
-struct Rejoined {
+pub(super) struct Rejoined {
     /// The member's slot, or the server's place among the absent.
-    slot: Result<usize, usize>,
-    server: RedisServer,
+    pub(super) slot: Result<usize, usize>,
+    pub(super) server: RedisServer,
     /// The connection, with the key set to this session's value, or why not.
-    connection: Result<Connection, String>,
+    pub(super) connection: Result<Connection, String>,
 }
 
 /// Reads one member's pushes: a release's message wakes the waiters; everything else goes to
@@ -353,97 +302,6 @@ impl QuorumSession {
 
     fn quorum(&self) -> usize {
         Majority::of(self.total).need()
-    }
-
-    /// While leading, connects again to the servers this session lost or never reached (see
-    /// [`Rejoined`]), at most once per check interval.
-    fn start_rejoins(&mut self) {
-        self.next_rejoin = Instant::now() + self.poll;
-        let gone = self
-            .members
-            .iter()
-            .enumerate()
-            .filter(|(index, _)| self.gone[*index]);
-        let mut targets: Vec<(Result<usize, usize>, RedisServer)> = gone
-            .map(|(index, member)| (Ok(index), member.server.clone()))
-            .collect();
-        for (index, server) in self.absent.iter().enumerate() {
-            if let Some(server) = server {
-                targets.push((Err(index), server.clone()));
-            }
-        }
-        for (slot, server) in targets {
-            let (name, lease, args) = (self.name.clone(), self.lease, self.args.clone());
-            let epoch = self.epoch.load(Ordering::Relaxed);
-            let bound = server.connect_timeout * 2;
-            self.rejoins.spawn(async move {
-                let rejoin = async {
-                    let mut connection =
-                        connection::open(&server, &name, Some(&lease), Purpose::Elect).await?;
-                    let also = [args.keys.released()];
-                    enlist(&mut connection, &server, &args.keys, &args.nonce, &also).await?;
-                    let mut conn = connection.conn.clone();
-                    if !acquire(&mut conn, &args, "try", Duration::ZERO).await? {
-                        return Err("the key there is another session's".into());
-                    }
-                    raise_epoch(&mut conn, args.keys.epoch(), epoch)
-                        .await
-                        .map_err(query_error)?;
-                    Ok::<_, Box<dyn std::error::Error + Send + Sync>>(connection)
-                };
-                let connection = match tokio::time::timeout(bound, rejoin).await {
-                    Ok(result) => result.map_err(|err| err.to_string()),
-                    Err(_) => Err("no answer in time".into()),
-                };
-                Rejoined {
-                    slot,
-                    server,
-                    connection,
-                }
-            });
-        }
-    }
-
-    /// Makes a reconnection a member, if this session still leads.
-    fn install(&mut self, rejoined: Rejoined) {
-        let connection = match rejoined.connection {
-            Ok(connection) if self.leading.load(Ordering::Relaxed) => connection,
-            Ok(_) => return,
-            Err(reason) => {
-                tracing::debug!(server = %rejoined.server, %reason, "not connected again yet");
-                return;
-            }
-        };
-        self.generations += 1;
-        let index = match rejoined.slot {
-            Ok(index) => index,
-            Err(absent) => {
-                self.absent[absent] = None;
-                self.lost.push(None);
-                self.gone.push(false);
-                self.suspect.push(false);
-                self.members.len()
-            }
-        };
-        tracing::info!(
-            event = "redis_server_rejoined",
-            server = %rejoined.server,
-            "connected to {} again, and this leadership's key is set there",
-            rejoined.server
-        );
-        let forwarding = (&self.args.keys, &self.released, &self.out);
-        let member = Member::new(
-            rejoined.server,
-            connection,
-            (index, self.generations),
-            forwarding,
-        );
-        if index == self.members.len() {
-            self.members.push(member);
-        } else {
-            self.members[index] = member;
-        }
-        (self.lost[index], self.gone[index], self.suspect[index]) = (None, false, false);
     }
 
     fn round(&self) -> Round {
@@ -819,183 +677,5 @@ impl Session for QuorumSession {
             })
             .collect();
         QuorumLedger::new(members, self.total, self.ledger_timeout)
-    }
-}
-
-/// What `status` reads from a quorum: each server's view, and the holder a majority shows.
-#[derive(Debug)]
-pub struct QuorumObserver {
-    /// Each server, as logs name it, and its connection or why there is none.
-    members: Vec<(String, Result<Connection, String>)>,
-    keys: Keys,
-    stale: Duration,
-    quorum: usize,
-}
-
-impl crate::election::Observer for QuorumObserver {
-    async fn lock_view(&self) -> Result<crate::election::participant::LockView, String> {
-        let mut views = JoinSet::new();
-        for (index, (_, member)) in self.members.iter().enumerate() {
-            let Ok(connection) = member else { continue };
-            let (mut conn, keys, stale) = (connection.conn.clone(), self.keys.clone(), self.stale);
-            views.spawn(async move {
-                let view = crate::redis::ledger::view(&mut conn, &keys, "", stale);
-                let answer = tokio::time::timeout(Duration::from_secs(5), view).await;
-                (index, answer)
-            });
-        }
-        let mut seen: Vec<Result<Option<String>, String>> = self
-            .members
-            .iter()
-            .map(|(_, member)| member.as_ref().map(|_| None).map_err(Clone::clone))
-            .collect();
-        while let Some(joined) = views.join_next().await {
-            let Ok((index, answer)) = joined else {
-                continue;
-            };
-            seen[index] = match answer {
-                Ok(Ok((value, _))) => Ok(value),
-                Ok(Err(err)) => Err(err.to_string()),
-                Err(_) => Err("no answer within 5s".into()),
-            };
-        }
-        if seen.iter().all(Result::is_err) {
-            return Err("no server of the quorum could be asked".into());
-        }
-        let nonces: Vec<&str> = seen
-            .iter()
-            .filter_map(|value| scripts::holder_nonce(value.as_ref().ok()?.as_deref()?))
-            .collect();
-        let majority = nonces
-            .iter()
-            .find(|nonce| nonces.iter().filter(|other| other == nonce).count() >= self.quorum);
-        let holder = majority.and_then(|nonce| {
-            seen.iter()
-                .filter_map(|value| value.as_ref().ok()?.as_deref())
-                .find(|value| scripts::holder_nonce(value) == Some(*nonce))
-                .map(crate::redis::observer::holder)
-        });
-        Ok(crate::election::participant::LockView {
-            holder,
-            waiting: Vec::new(),
-            key_name: Some(self.keys.lock.clone()),
-            shards: None,
-            servers: self
-                .members
-                .iter()
-                .zip(seen)
-                .map(
-                    |((server, _), value)| crate::election::participant::ServerView {
-                        server: server.clone(),
-                        holder: value
-                            .map(|value| value.as_deref().map(crate::redis::observer::holder)),
-                    },
-                )
-                .collect(),
-        })
-    }
-
-    /// The history a majority of the servers tells (see [`quorum_ledger::merge`]).
-    async fn history(
-        &self,
-        limit: i64,
-    ) -> Result<Option<Vec<crate::election::ledger::Entry>>, crate::election::ledger::LedgerError>
-    {
-        let mut reads = JoinSet::new();
-        for (_, member) in &self.members {
-            let Ok(connection) = member else { continue };
-            let (mut conn, keys) = (connection.conn.clone(), self.keys.clone());
-            reads.spawn(async move {
-                let read = crate::redis::ledger::recent(&mut conn, &keys, limit);
-                tokio::time::timeout(Duration::from_secs(5), read)
-                    .await
-                    .ok()?
-                    .ok()
-            });
-        }
-        let mut histories = Vec::new();
-        while let Some(joined) = reads.join_next().await {
-            if let Ok(Some(history)) = joined {
-                histories.push(history);
-            }
-        }
-        if histories.len() < self.quorum {
-            return Err(crate::election::ledger::LedgerError::Query(format!(
-                "only {} of {} servers could tell the history, fewer than a majority",
-                histories.len(),
-                self.members.len()
-            )));
-        }
-        Ok(Some(quorum_ledger::merge(histories, limit)))
-    }
-
-    async fn server_time(&self) -> Result<jiff::Timestamp, crate::election::ledger::LedgerError> {
-        let first = self
-            .members
-            .iter()
-            .find_map(|(_, member)| member.as_ref().ok());
-        match first {
-            Some(connection) => {
-                crate::redis::ledger::server_time(&mut connection.conn.clone()).await
-            }
-            None => Err(crate::election::ledger::LedgerError::Query(
-                "no server of the quorum is reachable".into(),
-            )),
-        }
-    }
-
-    async fn ask_step_down(&self, _request: &str) -> Result<Option<u64>, String> {
-        Err("a Redlock quorum's leader does not listen for step-down requests".into())
-    }
-}
-
-impl crate::election::Backend for QuorumBackend {
-    type Session = QuorumSession;
-    type Observer = QuorumObserver;
-
-    async fn connect(&self, name: &str) -> Result<QuorumSession, ConnectError> {
-        QuorumSession::connect(self, name).await
-    }
-
-    /// Every server's view; fails only if none can be reached.
-    async fn observe(&self) -> Result<QuorumObserver, ConnectError> {
-        let name = crate::election::participant::label(Some("pgleader-status"), None);
-        let mut opening = JoinSet::new();
-        for (index, server) in self.servers.iter().enumerate() {
-            let (server, name) = (server.clone(), name.clone());
-            opening.spawn(async move {
-                let opened = connection::open(&server, &name, None, Purpose::Observe).await;
-                (index, opened.map_err(|err| err.to_string()))
-            });
-        }
-        let mut members: Vec<(String, Result<Connection, String>)> = self
-            .servers
-            .iter()
-            .map(|server| (server.to_string(), Err("not asked".to_owned())))
-            .collect();
-        while let Some(joined) = opening.join_next().await {
-            if let Ok((index, opened)) = joined {
-                members[index].1 = opened;
-            }
-        }
-        if members.iter().all(|(_, member)| member.is_err()) {
-            let reasons: Vec<String> = members
-                .iter()
-                .filter_map(|(server, member)| {
-                    Some(format!("{server}: {}", member.as_ref().err()?))
-                })
-                .collect();
-            return Err(ConnectError::Transient(reasons.join("; ")));
-        }
-        Ok(QuorumObserver {
-            members,
-            keys: Keys::of(&self.lock),
-            stale: scripts::stale(self.poll),
-            quorum: self.quorum(),
-        })
-    }
-
-    fn password_hint(&self, _reason: &str) -> String {
-        String::new()
     }
 }

@@ -1,5 +1,5 @@
 //! The ledger of scheduled runs over a quorum of Redis servers: each server keeps the same keys
-//! as a single server's ledger (`ledger.rs`), and an answer counts only when a majority gave it.
+//! as a single server's ledger (`redis/ledger.rs`), and an answer counts only when a majority gave it.
 //!
 //! Why this keeps an occurrence from running twice: a claim counts only if a majority of the
 //! servers accepted it, each in one script that checks the lock's key there still holds this
@@ -7,7 +7,7 @@
 //! and that server answers the second claim "taken", so a second majority of claims for one
 //! occurrence cannot be gathered. A claim that fell short of a majority is taken back wherever
 //! it may have landed, so it never blocks a later leader for good. A server that restarted
-//! without its data has lost its rows, but its `born` key (the server's start, see `ledger.rs`)
+//! without its data has lost its rows, but its `born` key (the server's start, see `redis/ledger.rs`)
 //! refuses every occurrence at or before the restart, so it cannot hand out a second claim.
 //!
 //! History is read from a majority too: for each occurrence, the row of the latest leadership
@@ -78,6 +78,18 @@ impl QuorumLedger {
             }
         }
         answers
+    }
+
+    /// [`each`](Self::each) for a question that carries `what`: each server's question gets a
+    /// copy of its own, since the questions outlive this call (they run as tasks).
+    async fn each_with<A, T, F, Fut>(&self, what: A, ask: F) -> Vec<Result<T, LedgerError>>
+    where
+        A: Clone,
+        T: Send + 'static,
+        F: Fn(RedisLedger, A) -> Fut,
+        Fut: Future<Output = Result<T, LedgerError>> + Send + 'static,
+    {
+        self.each(|member| ask(member, what.clone())).await
     }
 
     /// The answers of a majority, or why there are not enough: a fatal error wins (retrying
@@ -213,6 +225,17 @@ pub fn merge(histories: Vec<Vec<Entry>>, limit: i64) -> Vec<Entry> {
         .collect()
 }
 
+/// The items of several servers' lists, once each: of those `same` calls one, the first found.
+fn once_each<T>(lists: Vec<Vec<T>>, same: impl Fn(&T, &T) -> bool) -> Vec<T> {
+    let mut found: Vec<T> = Vec::new();
+    for item in lists.into_iter().flatten() {
+        if !found.iter().any(|other| same(other, &item)) {
+            found.push(item);
+        }
+    }
+    found
+}
+
 impl Ledger for QuorumLedger {
     async fn prepare(&self) -> Result<String, LedgerError> {
         let location = self.members[0].prepare().await?;
@@ -220,11 +243,9 @@ impl Ledger for QuorumLedger {
     }
 
     async fn announce(&self, fingerprints: &str) -> Result<(), LedgerError> {
-        let fingerprints = fingerprints.to_owned();
         let answers = self
-            .each(move |member| {
-                let fingerprints = fingerprints.clone();
-                async move { member.announce(&fingerprints).await }
+            .each_with(fingerprints.to_owned(), |member, fingerprints| async move {
+                member.announce(&fingerprints).await
             })
             .await;
         self.majority(answers).map(|_| ())
@@ -235,17 +256,10 @@ impl Ledger for QuorumLedger {
         let answers = self
             .each(|member| async move { member.participants().await })
             .await;
-        let mut found: Vec<Participant> = Vec::new();
-        for participant in self.majority(answers)?.into_iter().flatten() {
-            let known = found.iter().any(|other| {
-                other.application_name.is_some()
-                    && other.application_name == participant.application_name
-            });
-            if !known {
-                found.push(participant);
-            }
-        }
-        Ok(found)
+        let same = |one: &Participant, other: &Participant| {
+            one.application_name.is_some() && one.application_name == other.application_name
+        };
+        Ok(once_each(self.majority(answers)?, same))
     }
 
     /// The median of the servers' clocks: one server whose clock is off does not move it, and a
@@ -266,12 +280,7 @@ impl Ledger for QuorumLedger {
         let answers = self
             .each(|member| async move { member.interrupt_stale().await })
             .await;
-        let mut found: Vec<StaleRun> = Vec::new();
-        for run in self.majority(answers)?.into_iter().flatten() {
-            if !found.iter().any(|other| other.0 == run.0) {
-                found.push(run);
-            }
-        }
+        let mut found = once_each(self.majority(answers)?, |one, other| one.0 == other.0);
         found.sort_by_key(|run| run.0);
         Ok(found)
     }
@@ -296,11 +305,9 @@ impl Ledger for QuorumLedger {
         claimant: &Claimant,
         retries: i32,
     ) -> Result<Claim, LedgerError> {
-        let who = claimant.clone();
         let answers = self
-            .each(move |member| {
-                let who = who.clone();
-                async move { member.claim(at, &who, retries).await }
+            .each_with(claimant.clone(), |member, who| async move {
+                member.claim(at, &who, retries).await
             })
             .await;
         if let Some(LedgerError::Fatal(reason)) = answers.iter().find_map(|answer| {
@@ -335,22 +342,19 @@ impl Ledger for QuorumLedger {
     }
 
     async fn finish(&self, finish: &LateFinish, detail: Option<&str>) -> Result<bool, LedgerError> {
-        let (finish, detail) = (finish.clone(), detail.map(str::to_owned));
+        let what = (finish.clone(), detail.map(str::to_owned));
         let answers = self
-            .each(move |member| {
-                let (finish, detail) = (finish.clone(), detail.clone());
-                async move { member.finish(&finish, detail.as_deref()).await }
+            .each_with(what, |member, (finish, detail)| async move {
+                member.finish(&finish, detail.as_deref()).await
             })
             .await;
         self.agreed(answers)
     }
 
     async fn finish_late(&self, late: &LateFinish) -> Result<bool, LedgerError> {
-        let late = late.clone();
         let answers = self
-            .each(move |member| {
-                let late = late.clone();
-                async move { member.finish_late(&late).await }
+            .each_with(late.clone(), |member, late| async move {
+                member.finish_late(&late).await
             })
             .await;
         self.agreed(answers)
@@ -370,11 +374,10 @@ impl Ledger for QuorumLedger {
         detail: &str,
         claimant: &Claimant,
     ) -> Result<bool, LedgerError> {
-        let (outcome, detail, who) = (outcome.to_owned(), detail.to_owned(), claimant.clone());
+        let what = (outcome.to_owned(), detail.to_owned(), claimant.clone());
         let answers = self
-            .each(move |member| {
-                let (outcome, detail, who) = (outcome.clone(), detail.clone(), who.clone());
-                async move { member.record(at, &outcome, &detail, &who).await }
+            .each_with(what, |member, (outcome, detail, who)| async move {
+                member.record(at, &outcome, &detail, &who).await
             })
             .await;
         self.agreed(answers)
