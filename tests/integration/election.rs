@@ -6,6 +6,7 @@ use nix::sys::signal::Signal;
 use std::time::{Duration, Instant};
 
 use crate::harness::cluster::Options;
+use crate::harness::pg::{leader, leader_and_follower};
 use crate::harness::{
     Cluster, Proc, Stream, WAIT, field, patient_child, pgleader, run, unique_lock,
 };
@@ -31,9 +32,8 @@ fn lock_rows(cluster: &Cluster, key: i64) -> Vec<(i32, bool)> {
 fn the_leader_runs_the_command_and_a_follower_waits() {
     let cluster = Cluster::shared();
     let lock = unique_lock();
-    let a = run("A", cluster, lock, &[], &patient_child("A"));
+    let (a, b) = leader_and_follower(cluster, lock, &[], &patient_child("B"));
     let started = a.wait_stdout("A started");
-    let b = run("B", cluster, lock, &[], &patient_child("B"));
     let waiting = b.wait_log("waiting for the lock");
 
     // The server agrees: A's session holds the lock, B's waits for it.
@@ -116,10 +116,8 @@ fn the_command_learns_the_lock_its_session_and_a_fencing_epoch() {
 #[test]
 fn a_waiting_follower_holds_no_transaction_id_and_takes_its_epoch_after_the_grant() {
     let cluster = Cluster::shared();
-    let lock = unique_lock();
-    let a = run("A", cluster, lock, &[], &patient_child("A"));
+    let (a, b) = leader_and_follower(cluster, unique_lock(), &[], &patient_child("B"));
     let a_line = a.wait_stdout("A started");
-    let b = run("B", cluster, lock, &[], &patient_child("B"));
     let waiting = b.wait_log("waiting for the lock");
     let b_backend: i32 = field(&waiting, "backend_pid").parse().expect("backend pid");
 
@@ -324,14 +322,7 @@ fn after_the_command_exits_the_lock_goes_to_the_next_waiting_replica() {
 
 #[test]
 fn a_lone_replica_runs_the_command_again_after_the_restart_delay() {
-    let cluster = Cluster::shared();
-    let a = run(
-        "A",
-        cluster,
-        unique_lock(),
-        &["--restart-delay=0s"],
-        "echo A ran",
-    );
+    let a = leader(&["--restart-delay=0s"], "echo A ran");
     a.wait_for_nth(Stream::Stdout, "A ran", 3);
 }
 
@@ -356,10 +347,7 @@ fn status_reports_the_leader_and_the_waiters_in_order() {
     let (_, out, _) = free.finish();
     assert!(out[0].ends_with(": free"), "{out:?}");
 
-    let a = run("A", cluster, lock, &[], &patient_child("A"));
-    a.wait_stdout("A started");
-    let b = run("B", cluster, lock, &[], &patient_child("B"));
-    b.wait_log("waiting for the lock");
+    let (a, b) = leader_and_follower(cluster, lock, &[], &patient_child("B"));
     let c = run("C", cluster, lock, &[], &patient_child("C"));
     c.wait_log("waiting for the lock");
 
@@ -447,14 +435,7 @@ fn replicas_take_turns_with_relinquish_after() {
 
 #[test]
 fn a_lone_replica_leads_again_at_once_after_relinquishing() {
-    let cluster = Cluster::shared();
-    let a = run(
-        "A",
-        cluster,
-        unique_lock(),
-        &["--relinquish-after=200ms"],
-        &patient_child("A"),
-    );
+    let a = leader(&["--relinquish-after=200ms"], &patient_child("A"));
     a.wait_for_nth(Stream::Stdout, "A got TERM", 2);
     a.wait_for_nth(Stream::Stdout, "A started", 3);
 }
@@ -772,17 +753,12 @@ fn a_follower_waits_through_the_timeouts_its_database_sets() {
 #[test]
 fn a_released_lock_is_taken_at_once_not_at_the_next_turn() {
     let cluster = Cluster::shared();
-    let lock = unique_lock();
-    let a = run("A", cluster, lock, &[], &patient_child("A"));
-    a.wait_stdout("A started");
-    let b = run(
-        "B",
+    let (a, b) = leader_and_follower(
         cluster,
-        lock,
+        unique_lock(),
         &["--wait-refresh=1h"],
         &patient_child("B"),
     );
-    b.wait_log("waiting for the lock");
     a.signal(Signal::SIGTERM);
     b.wait_stdout("B started");
     b.signal(Signal::SIGTERM);

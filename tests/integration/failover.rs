@@ -5,6 +5,7 @@ use std::os::fd::AsRawFd;
 
 use nix::sys::signal::Signal;
 
+use crate::harness::pg::{leader, leader_and_follower};
 use crate::harness::{
     Cluster, Journal, Proc, Stream, WAIT, field, is_running, keepers_of,
     kill_9_never_overlaps_the_dying_tree, overlaps_seen, patient_child, pid_in, run, unique_lock,
@@ -39,10 +40,7 @@ fn with_grandchild(tag: &str) -> String {
 /// A leader A, and a follower B running `script` and waiting behind it, with the keeper B
 /// parked before it queued up (winning then costs one fork and exec): A, B and that keeper.
 fn leader_and_parked_follower(cluster: &Cluster, lock: i64, script: &str) -> (Proc, Proc, i32) {
-    let a = run("A", cluster, lock, &[], &patient_child("A"));
-    a.wait_stdout("A started");
-    let b = run("B", cluster, lock, &[], script);
-    b.wait_log("waiting for the lock");
+    let (a, b) = leader_and_follower(cluster, lock, &[], script);
     let parked = keepers_of(b.pid.as_raw());
     assert_eq!(
         parked.len(),
@@ -53,6 +51,16 @@ fn leader_and_parked_follower(cluster: &Cluster, lock: i64, script: &str) -> (Pr
     (a, b, parked[0])
 }
 
+/// Asserts that `pid` dies within the test's wait; `what` says what outlived what otherwise.
+fn assert_dies(pid: i32, what: &str) {
+    assert!(wait_gone(pid, WAIT), "{what} (pid {pid})");
+}
+
+/// Asserts that `pid` is gone already; `what` says what outlived what otherwise.
+fn assert_gone(pid: i32, what: &str) {
+    assert!(!is_running(pid), "{what} (pid {pid})");
+}
+
 /// Asserts that a killed pgleader's command, its grandchild and its keeper are all gone.
 fn assert_tree_gone(child: i32, grandchild: i32, keeper: i32) {
     for (what, pid) in [
@@ -60,10 +68,7 @@ fn assert_tree_gone(child: i32, grandchild: i32, keeper: i32) {
         ("grandchild", grandchild),
         ("keeper", keeper),
     ] {
-        assert!(
-            wait_gone(pid, WAIT),
-            "the {what} (pid {pid}) outlived pgleader"
-        );
+        assert_dies(pid, &format!("the {what} outlived pgleader"));
     }
 }
 
@@ -73,10 +78,7 @@ fn a_follower_parks_a_keeper_that_dies_with_it() {
     let (_a, b, parked) = leader_and_parked_follower(cluster, unique_lock(), &patient_child("B"));
 
     b.signal(Signal::SIGKILL);
-    assert!(
-        wait_gone(parked, WAIT),
-        "the parked keeper (pid {parked}) outlived its follower"
-    );
+    assert_dies(parked, "the parked keeper outlived its follower");
 }
 
 #[test]
@@ -117,10 +119,7 @@ fn kill_9_of_the_leader_frees_the_lock_only_after_its_whole_tree_is_gone() {
 fn the_keeper_holds_the_leaders_database_socket_with_the_leases_keepalives() {
     use nix::sys::socket::{SockaddrIn, getpeername, getsockopt, sockopt};
     let cluster = Cluster::shared();
-    let a = run(
-        "A",
-        cluster,
-        unique_lock(),
+    let a = leader(
         &["--lease=15s"],
         "echo A started keeper=$PPID; exec sleep 1000",
     );
@@ -211,13 +210,9 @@ fn sigterm_to_the_leader_hands_over_only_after_its_command_has_exited() {
 #[test]
 fn terminating_the_leaders_session_stops_its_command_at_once_not_at_the_next_check() {
     let cluster = Cluster::shared();
-    let lock = unique_lock();
     // Checks are a minute apart: only noticing the connection's end can stop the command
     // within the test's wait.
-    let a = run(
-        "A",
-        cluster,
-        lock,
+    let a = leader(
         &["--check-interval=60s", "--lease=90s"],
         &patient_child("A"),
     );
@@ -236,13 +231,7 @@ fn terminating_the_leaders_session_stops_its_command_at_once_not_at_the_next_che
 #[test]
 fn once_exits_75_when_leadership_is_lost_mid_run() {
     let cluster = Cluster::shared();
-    let a = run(
-        "A",
-        cluster,
-        unique_lock(),
-        &["--once"],
-        &patient_child("A"),
-    );
+    let a = leader(&["--once"], &patient_child("A"));
     let started = a.wait_stdout("A started");
     cluster.terminate_backend(field(&started, "backend").parse().expect("backend"));
     a.wait_stdout("A got TERM");
@@ -251,11 +240,7 @@ fn once_exits_75_when_leadership_is_lost_mid_run() {
 
 #[test]
 fn a_command_that_ignores_sigterm_is_killed_after_the_kill_timeout() {
-    let cluster = Cluster::shared();
-    let a = run(
-        "A",
-        cluster,
-        unique_lock(),
+    let a = leader(
         &["--kill-timeout=300ms"],
         "trap '' TERM; echo A started $$; while :; do sleep 1000 & wait $!; done",
     );
@@ -263,34 +248,26 @@ fn a_command_that_ignores_sigterm_is_killed_after_the_kill_timeout() {
     a.signal(Signal::SIGTERM);
     a.wait_log("did not exit within 300ms (--kill-timeout); sending SIGKILL");
     assert_eq!(a.wait_code(), 128 + 9, "{}", a.dump());
-    assert!(!is_running(child), "the command survived SIGKILL");
+    assert_gone(child, "the command survived SIGKILL");
 }
 
 #[test]
 fn leftovers_of_a_command_that_exited_are_stopped_before_the_lock_is_released() {
-    let cluster = Cluster::shared();
-    let a = run(
-        "A",
-        cluster,
-        unique_lock(),
+    let a = leader(
         &["--once", "--kill-timeout=5s"],
         "sleep 1000 & echo A left $!; exit 3",
     );
     let leftover: i32 = pid_in(&a.wait_stdout("A left"));
     assert_eq!(a.wait_code(), 3);
-    assert!(
-        !is_running(leftover),
-        "the command's background process outlived the leadership"
+    assert_gone(
+        leftover,
+        "the command's background process outlived the leadership",
     );
 }
 
 #[test]
 fn processes_that_left_the_process_group_are_killed_after_the_kill_timeout() {
-    let cluster = Cluster::shared();
-    let a = run(
-        "A",
-        cluster,
-        unique_lock(),
+    let a = leader(
         &["--kill-timeout=300ms"],
         "setsid sh -c 'echo A escaped $$; exec sleep 1000' & trap 'exit 0' TERM; echo A started; while :; do sleep 1000 & wait $!; done",
     );
@@ -301,9 +278,9 @@ fn processes_that_left_the_process_group_are_killed_after_the_kill_timeout() {
         "did not exit within 300ms (--kill-timeout); sending SIGKILL to everything it started",
     );
     a.wait_exit();
-    assert!(
-        !is_running(escaped),
-        "a process that left the group outlived the leadership"
+    assert_gone(
+        escaped,
+        "a process that left the group outlived the leadership",
     );
 }
 
@@ -359,33 +336,19 @@ fn the_lock_goes_to_the_next_leader_only_once_processes_that_left_the_group_are_
 
 #[test]
 fn kill_9_of_pgleader_also_takes_down_processes_that_left_the_group() {
-    let cluster = Cluster::shared();
-    let a = run(
-        "A",
-        cluster,
-        unique_lock(),
+    let a = leader(
         &[],
         "setsid sh -c 'echo A escaped $$; exec sleep 1000' & echo A started; wait",
     );
     let escaped: i32 = pid_in(&a.wait_stdout("A escaped"));
     a.wait_stdout("A started");
     a.signal(Signal::SIGKILL);
-    assert!(
-        wait_gone(escaped, WAIT),
-        "a process that left the group outlived pgleader"
-    );
+    assert_dies(escaped, "a process that left the group outlived pgleader");
 }
 
 #[test]
 fn a_keeper_killed_from_outside_leaves_nothing_behind_when_the_lock_is_released() {
-    let cluster = Cluster::shared();
-    let a = run(
-        "A",
-        cluster,
-        unique_lock(),
-        &["--once"],
-        &with_grandchild("A"),
-    );
+    let a = leader(&["--once"], &with_grandchild("A"));
     let grandchild: i32 = pid_in(&a.wait_stdout("A grandchild"));
     let keeper: i32 = field(&a.wait_stdout("A started"), "keeper")
         .parse()
@@ -393,24 +356,20 @@ fn a_keeper_killed_from_outside_leaves_nothing_behind_when_the_lock_is_released(
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(keeper), Signal::SIGKILL)
         .expect("kill the keeper");
     a.wait_log("released the lock");
-    assert!(
-        !is_running(grandchild),
-        "the grandchild outlived its keeper and the lock was released"
+    assert_gone(
+        grandchild,
+        "the grandchild outlived its keeper and the lock was released",
     );
     assert_eq!(a.wait_code(), 128 + 9);
 }
 
 #[test]
 fn a_stop_signal_sent_before_the_command_exists_still_reaches_it() {
-    let cluster = Cluster::shared();
     // A TERM sent to the group while the keeper is still starting the command reaches only
     // the keeper (which blocks it); pgleader sends it again once the command runs. With a
     // kill timeout of an hour, a lost TERM would hang this test.
     for _ in 0..5 {
-        let a = run(
-            "A",
-            cluster,
-            unique_lock(),
+        let a = leader(
             &["-v", "--kill-timeout=1h", "--lease=2h"],
             "exec sleep 1000",
         );

@@ -3,6 +3,7 @@
 
 use std::time::{Duration, Instant};
 
+use crate::harness::pg::leader;
 use crate::harness::pgbouncer::PgBouncer;
 use crate::harness::{
     Cluster, Journal, Proc, Proxy, Stream, WAIT, log_time, patient_child, run, run_with_url,
@@ -592,13 +593,7 @@ fn a_fresh_start_on_a_server_that_has_been_up_a_while_is_not_fenced() {
     if up < 1.5 {
         std::thread::sleep(Duration::from_secs_f64(1.5 - up));
     }
-    let a = run(
-        "A",
-        cluster,
-        unique_lock(),
-        &["--once", "--restart-fence=1s"],
-        "echo A ran",
-    );
+    let a = leader(&["--once", "--restart-fence=1s"], "echo A ran");
     a.wait_stdout("A ran");
     assert_eq!(a.wait_code(), 0);
     assert!(

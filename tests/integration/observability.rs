@@ -11,6 +11,7 @@ use nix::sys::signal::Signal;
 
 use crate::harness::cluster::free_port;
 use crate::harness::http::{address_of, get, request, wait_for_status};
+use crate::harness::pg::leader;
 use crate::harness::{
     Cluster, Proc, Stream, WAIT, field, patient_child, pgleader, require_tool, run, run_with_url,
     unique_lock,
@@ -378,8 +379,7 @@ fn the_example_alert_rules_pass_promtool_check_and_test_rules() {
 
 #[test]
 fn head_gets_the_headers_other_methods_405_unknown_paths_404_and_big_heads_431() {
-    let cluster = Cluster::shared();
-    let a = run("A", cluster, unique_lock(), &[HTTP], &patient_child("A"));
+    let a = leader(&[HTTP], &patient_child("A"));
     let address = address_of(&a);
     wait_for_status(address, "/leader", 200);
     for route in ["/leader", "/healthz", "/status", "/metrics"] {
@@ -426,13 +426,7 @@ fn a_taken_port_exits_1_and_a_bad_address_exits_2_before_the_election() {
     let cluster = Cluster::shared();
     let taken = TcpListener::bind("127.0.0.1:0").expect("bind");
     let address = taken.local_addr().expect("address");
-    let a = run(
-        "A",
-        cluster,
-        unique_lock(),
-        &[&format!("--http={address}")],
-        "echo A started",
-    );
+    let a = leader(&[&format!("--http={address}")], "echo A started");
     let (status, stdout, stderr) = a.finish();
     assert_eq!(status.code(), Some(1), "{}", a.dump());
     let all = stderr.join("\n");

@@ -5,6 +5,7 @@ pub mod cluster;
 pub mod http;
 pub mod namespace;
 pub mod nemesis;
+pub mod pg;
 pub mod pgbouncer;
 pub mod process;
 pub mod proxy;

@@ -1,0 +1,26 @@
+//! The two set-ups the PostgreSQL tests keep writing: a leader alone on a lock of its own, and
+//! a leader with a follower queued behind it. Named once, a test reads as what it does to them.
+
+use super::{Cluster, Proc, patient_child, run, unique_lock};
+
+/// pgleader A running `script` with `args` on the shared cluster, on a lock no other test
+/// uses: a leader with no rival, for what it does to its command.
+pub fn leader(args: &[&str], script: &str) -> Proc {
+    run("A", Cluster::shared(), unique_lock(), args, script)
+}
+
+/// A leading `lock` with a patient child (its command started), then B, running `script` with
+/// `args`, queued behind it (it logged that it waits). Their lines stay readable with
+/// `a.wait_stdout("A started")` and `b.wait_log("waiting for the lock")`.
+pub fn leader_and_follower(
+    cluster: &Cluster,
+    lock: i64,
+    args: &[&str],
+    script: &str,
+) -> (Proc, Proc) {
+    let a = run("A", cluster, lock, &[], &patient_child("A"));
+    a.wait_stdout("A started");
+    let b = run("B", cluster, lock, args, script);
+    b.wait_log("waiting for the lock");
+    (a, b)
+}
