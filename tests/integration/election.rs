@@ -6,9 +6,9 @@ use nix::sys::signal::Signal;
 use std::time::{Duration, Instant};
 
 use crate::harness::cluster::Options;
-use crate::harness::pg::{leader, leader_and_follower};
+use crate::harness::pg::{leader, leader_and_follower, patient_leader, status};
 use crate::harness::{
-    Cluster, Proc, Stream, WAIT, field, patient_child, pgleader, run, unique_lock,
+    Cluster, Proc, Stream, WAIT, field, kill_9, patient_child, pgleader, run, unique_lock,
 };
 
 /// The server's view of a lock: (backend pid, granted) for each session holding or waiting.
@@ -167,8 +167,7 @@ fn a_waiting_follower_holds_no_transaction_id_and_takes_its_epoch_after_the_gran
 #[test]
 fn sessions_show_host_and_pid_in_pg_stat_activity() {
     let cluster = Cluster::shared();
-    let lock = unique_lock();
-    let a = run("A", cluster, lock, &[], &patient_child("A"));
+    let a = patient_leader(cluster, unique_lock());
     let line = a.wait_stdout("A started");
     let backend: i32 = field(&line, "backend").parse().expect("backend");
     let name: String = cluster
@@ -257,8 +256,7 @@ fn once_exits_with_the_commands_status() {
 fn no_wait_exits_with_the_busy_code_when_another_instance_leads() {
     let cluster = Cluster::shared();
     let lock = unique_lock();
-    let a = run("A", cluster, lock, &[], &patient_child("A"));
-    a.wait_stdout("A started");
+    let a = patient_leader(cluster, lock);
 
     let busy = run("busy", cluster, lock, &["--no-wait"], "echo busy ran");
     assert_eq!(busy.wait_code(), 0, "the default busy code is 0");
@@ -312,8 +310,7 @@ fn after_the_command_exits_the_lock_goes_to_the_next_waiting_replica() {
     let sleep_pid: i32 = field(&a.wait_log("started the command"), "pid")
         .parse()
         .expect("pid");
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(sleep_pid), Signal::SIGKILL)
-        .expect("kill the command");
+    kill_9(sleep_pid);
     a.wait_log("the command exited");
     a.wait_log("released the lock");
     a.wait_log("entering the election again in 1h");
@@ -331,16 +328,12 @@ fn status_reports_the_leader_and_the_waiters_in_order() {
     let cluster = Cluster::shared();
     let lock = unique_lock();
     let status = |json: bool| {
-        let mut command = pgleader();
-        command.env("PGLEADER_DATABASE_URL", cluster.url()).args([
+        status(
             "status",
-            "--lock-id",
-            &lock.to_string(),
-        ]);
-        if json {
-            command.arg("--json");
-        }
-        Proc::spawn("status", command)
+            cluster,
+            lock,
+            if json { &["--json"] } else { &[] },
+        )
     };
     let free = status(false);
     assert_eq!(free.wait_code(), 3, "a free lock exits 3");
@@ -568,13 +561,7 @@ fn waiting_followers_hold_back_neither_vacuum_nor_create_index_concurrently() {
         "echo A ran",
     );
     a.wait_stdout("A ran");
-    let mut status = pgleader();
-    status.env("PGLEADER_DATABASE_URL", cluster.url()).args([
-        "status",
-        &format!("--lock-id={lock}"),
-        "--watch",
-    ]);
-    let status = Proc::spawn("status", status);
+    let status = status("status", &cluster, lock, &["--watch"]);
     let followers = ["B", "C"].map(|name| {
         let follower = run(name, &cluster, lock, &[&refresh], &patient_child(name));
         follower.wait_log("waiting for the lock");

@@ -7,7 +7,7 @@ use nix::sys::signal::Signal;
 
 use crate::harness::pg::{leader, leader_and_follower};
 use crate::harness::{
-    Cluster, Journal, Proc, Stream, WAIT, field, is_running, keepers_of,
+    Cluster, Journal, Proc, Stream, WAIT, field, is_running, keepers_of, kill_9,
     kill_9_never_overlaps_the_dying_tree, overlaps_seen, patient_child, pid_in, run, unique_lock,
     wait_gone,
 };
@@ -353,8 +353,7 @@ fn a_keeper_killed_from_outside_leaves_nothing_behind_when_the_lock_is_released(
     let keeper: i32 = field(&a.wait_stdout("A started"), "keeper")
         .parse()
         .expect("keeper");
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(keeper), Signal::SIGKILL)
-        .expect("kill the keeper");
+    kill_9(keeper);
     a.wait_log("released the lock");
     assert_gone(
         grandchild,

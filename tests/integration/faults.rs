@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 use crate::harness::pg::leader;
 use crate::harness::pgbouncer::PgBouncer;
 use crate::harness::{
-    Cluster, Journal, Proc, Proxy, Stream, WAIT, log_time, patient_child, run, run_with_url,
-    unique_lock,
+    Cluster, Journal, Proc, Proxy, Stream, WAIT, kill_9, log_time, patient_child, run,
+    run_with_url, unique_lock,
 };
 
 /// Timings that make a leader cut off from the server give up within half a second and the
@@ -526,11 +526,8 @@ fn the_restart_fence_also_covers_a_crashed_server_process() {
     let backend: i32 = crate::harness::field(&started, "backend")
         .parse()
         .expect("backend");
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(backend),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .expect("crash a server process");
+    // A crash of a server process.
+    kill_9(backend);
     a.wait_log("leadership lost");
     b.wait_stdout("B started");
     assert_eq!(journal.lines(), ["A-started", "A-stopped", "B-started"]);

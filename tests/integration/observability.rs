@@ -11,7 +11,7 @@ use nix::sys::signal::Signal;
 
 use crate::harness::cluster::free_port;
 use crate::harness::http::{address_of, get, request, wait_for_status};
-use crate::harness::pg::leader;
+use crate::harness::pg::{leader, patient_leader, status};
 use crate::harness::{
     Cluster, Proc, Stream, WAIT, field, patient_child, pgleader, require_tool, run, run_with_url,
     unique_lock,
@@ -515,8 +515,7 @@ fn closed_by_server(stream: &mut TcpStream) -> bool {
 fn idle_slow_and_greedy_clients_cannot_hold_up_a_failover() {
     let cluster = Cluster::shared();
     let lock = unique_lock();
-    let a = run("A", cluster, lock, &[], &patient_child("A"));
-    a.wait_stdout("A started");
+    let a = patient_leader(cluster, lock);
     let b = run("B", cluster, lock, &[HTTP], &patient_child("B"));
     let b_http = address_of(&b);
     b.wait_log("waiting for the lock");
@@ -584,22 +583,16 @@ fn status_watch_prints_each_change_of_holder_and_waiters_until_interrupted() {
     let cluster = Cluster::shared();
     let lock = unique_lock();
     let watch = |json: bool| {
-        let mut command = pgleader();
-        command.env("PGLEADER_DATABASE_URL", cluster.url()).args([
-            "status",
-            &format!("--lock-id={lock}"),
-            "--watch",
-        ]);
         if json {
-            command.arg("--json");
+            status("watch --json", cluster, lock, &["--watch", "--json"])
+        } else {
+            status("watch", cluster, lock, &["--watch"])
         }
-        Proc::spawn(if json { "watch --json" } else { "watch" }, command)
     };
     let (text, json) = (watch(false), watch(true));
     text.wait_stdout(": free; nobody waiting");
 
-    let a = run("A", cluster, lock, &[], &patient_child("A"));
-    a.wait_stdout("A started");
+    let a = patient_leader(cluster, lock);
     let a_line = text.wait_stdout(&format!("leader pgleader {}@", a.pid));
     assert!(a_line.contains("nobody waiting"), "{a_line}");
     // B hands over after 2 s of leading: with nobody waiting it leads again at once, on a new

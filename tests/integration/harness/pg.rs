@@ -1,12 +1,32 @@
-//! The two set-ups the PostgreSQL tests keep writing: a leader alone on a lock of its own, and
-//! a leader with a follower queued behind it. Named once, a test reads as what it does to them.
+//! The set-ups the PostgreSQL tests keep writing: a leader alone on a lock of its own, a leader
+//! with a follower queued behind it, `status` on a lock. Named once, a test reads as what it
+//! does to them.
 
-use super::{Cluster, Proc, patient_child, run, unique_lock};
+use super::{Cluster, Proc, patient_child, pgleader, run, unique_lock};
 
 /// pgleader A running `script` with `args` on the shared cluster, on a lock no other test
 /// uses: a leader with no rival, for what it does to its command.
 pub fn leader(args: &[&str], script: &str) -> Proc {
     run("A", Cluster::shared(), unique_lock(), args, script)
+}
+
+/// pgleader A leading `lock` with a [`patient_child`], its command started (its line stays
+/// readable with `a.wait_stdout("A started")`).
+pub fn patient_leader(cluster: &Cluster, lock: i64) -> Proc {
+    let a = run("A", cluster, lock, &[], &patient_child("A"));
+    a.wait_stdout("A started");
+    a
+}
+
+/// `pgleader status --lock-id=<lock> <args...>` against `cluster`.
+pub fn status(name: &str, cluster: &Cluster, lock: i64, args: &[&str]) -> Proc {
+    let mut command = pgleader();
+    command
+        .env("PGLEADER_DATABASE_URL", cluster.url())
+        .arg("status")
+        .arg(format!("--lock-id={lock}"))
+        .args(args);
+    Proc::spawn(name, command)
 }
 
 /// A leading `lock` with a patient child (its command started), then B, running `script` with
@@ -18,8 +38,7 @@ pub fn leader_and_follower(
     args: &[&str],
     script: &str,
 ) -> (Proc, Proc) {
-    let a = run("A", cluster, lock, &[], &patient_child("A"));
-    a.wait_stdout("A started");
+    let a = patient_leader(cluster, lock);
     let b = run("B", cluster, lock, args, script);
     b.wait_log("waiting for the lock");
     (a, b)

@@ -452,3 +452,9 @@ pub fn is_running(pid: i32) -> bool {
         Err(_) => false,
     }
 }
+
+/// Kills process `pid` -9 from outside pgleader (its command, its keeper, a server process),
+/// as an operator or the OOM killer would.
+pub fn kill_9(pid: i32) {
+    kill(Pid::from_raw(pid), Signal::SIGKILL).unwrap_or_else(|err| panic!("kill -9 {pid}: {err}"));
+}
