@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 use crate::harness::cluster::Options;
 use crate::harness::pg::{leader, leader_and_follower, patient_leader, status};
 use crate::harness::{
-    Cluster, Proc, Stream, WAIT, field, kill_9, patient_child, pgleader, run, unique_lock,
+    Cluster, Proc, Stream, WAIT, field, kill_9, patient_child, pgleader, pid_field, run,
+    unique_lock,
 };
 
 /// The server's view of a lock: (backend pid, granted) for each session holding or waiting.
@@ -37,8 +38,8 @@ fn the_leader_runs_the_command_and_a_follower_waits() {
     let waiting = b.wait_log("waiting for the lock");
 
     // The server agrees: A's session holds the lock, B's waits for it.
-    let a_backend: i32 = field(&started, "backend").parse().expect("backend pid");
-    let b_backend: i32 = field(&waiting, "backend_pid").parse().expect("backend pid");
+    let a_backend = pid_field(&started, "backend");
+    let b_backend = pid_field(&waiting, "backend_pid");
     // B logs that it waits as it sends its pg_advisory_lock: on a loaded machine the server
     // may list it a moment later.
     let deadline = std::time::Instant::now() + crate::harness::WAIT;
@@ -119,7 +120,7 @@ fn a_waiting_follower_holds_no_transaction_id_and_takes_its_epoch_after_the_gran
     let (a, b) = leader_and_follower(cluster, unique_lock(), &[], &patient_child("B"));
     let a_line = a.wait_stdout("A started");
     let waiting = b.wait_log("waiting for the lock");
-    let b_backend: i32 = field(&waiting, "backend_pid").parse().expect("backend pid");
+    let b_backend = pid_field(&waiting, "backend_pid");
 
     // B's statement waits for the lock and takes the fence once granted: while it waits, the
     // server shows it waiting on a lock, with no transaction id of its own.
@@ -168,8 +169,7 @@ fn a_waiting_follower_holds_no_transaction_id_and_takes_its_epoch_after_the_gran
 fn sessions_show_host_and_pid_in_pg_stat_activity() {
     let cluster = Cluster::shared();
     let a = patient_leader(cluster, unique_lock());
-    let line = a.wait_stdout("A started");
-    let backend: i32 = field(&line, "backend").parse().expect("backend");
+    let backend = pid_field(&a.wait_stdout("A started"), "backend");
     let name: String = cluster
         .client()
         .query_one(
@@ -307,9 +307,7 @@ fn after_the_command_exits_the_lock_goes_to_the_next_waiting_replica() {
 
     // A's command ends on its own: A releases, B (already waiting) takes over, A waits out
     // its restart delay.
-    let sleep_pid: i32 = field(&a.wait_log("started the command"), "pid")
-        .parse()
-        .expect("pid");
+    let sleep_pid = pid_field(&a.wait_log("started the command"), "pid");
     kill_9(sleep_pid);
     a.wait_log("the command exited");
     a.wait_log("released the lock");
@@ -693,7 +691,7 @@ fn a_follower_waits_through_the_timeouts_its_database_sets() {
     a.wait_stdout("A started");
     let b = on("B");
     let waiting = b.wait_log("waiting for the lock");
-    let backend: i32 = field(&waiting, "backend_pid").parse().expect("backend pid");
+    let backend = pid_field(&waiting, "backend_pid");
 
     // Three turns of B's wait after its first, each a transaction of its own, all in the one
     // session.

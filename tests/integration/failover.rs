@@ -5,11 +5,11 @@ use std::os::fd::AsRawFd;
 
 use nix::sys::signal::Signal;
 
-use crate::harness::pg::{leader, leader_and_follower};
+use crate::harness::pg::{SLOW_CHECKS, leader, leader_and_follower};
 use crate::harness::{
-    Cluster, Journal, Proc, Stream, WAIT, field, is_running, keepers_of, kill_9,
-    kill_9_never_overlaps_the_dying_tree, overlaps_seen, patient_child, pid_in, run, unique_lock,
-    wait_gone,
+    Cluster, Journal, Proc, Stream, WAIT, is_running, keepers_of, kill_9,
+    kill_9_never_overlaps_the_dying_tree, overlaps_seen, patient_child, pid_field, pid_in, run,
+    unique_lock, wait_gone,
 };
 
 #[test]
@@ -19,7 +19,7 @@ fn kill_9_of_the_leader_takes_its_command_and_grandchild_down_and_a_follower_tak
     let a = run("A", cluster, lock, &[], &with_grandchild("A"));
     let started = a.wait_stdout("A started");
     let child = pid_in(&started);
-    let keeper: i32 = field(&started, "keeper").parse().expect("keeper pid");
+    let keeper = pid_field(&started, "keeper");
     let grandchild: i32 = pid_in(&a.wait_stdout("A grandchild"));
     let b = run("B", cluster, lock, &[], &patient_child("B"));
     b.wait_log("waiting for the lock");
@@ -89,7 +89,7 @@ fn kill_9_of_a_leader_that_won_with_a_parked_keeper_takes_its_whole_tree_down() 
 
     a.signal(Signal::SIGTERM);
     let started = b.wait_stdout("B started");
-    let keeper: i32 = field(&started, "keeper").parse().expect("keeper pid");
+    let keeper = pid_field(&started, "keeper");
     assert_eq!(
         keeper, parked,
         "the command did not start under the parked keeper"
@@ -123,9 +123,7 @@ fn the_keeper_holds_the_leaders_database_socket_with_the_leases_keepalives() {
         &["--lease=15s"],
         "echo A started keeper=$PPID; exec sleep 1000",
     );
-    let keeper: i32 = field(&a.wait_stdout("A started"), "keeper")
-        .parse()
-        .expect("keeper pid");
+    let keeper = pid_field(&a.wait_stdout("A started"), "keeper");
     // The keeper gets the sockets to hold over its channel: among its descriptors, exactly one
     // is a TCP connection, and it is the one to the server.
     let tcp: Vec<(std::os::fd::OwnedFd, SockaddrIn)> =
@@ -210,14 +208,9 @@ fn sigterm_to_the_leader_hands_over_only_after_its_command_has_exited() {
 #[test]
 fn terminating_the_leaders_session_stops_its_command_at_once_not_at_the_next_check() {
     let cluster = Cluster::shared();
-    // Checks are a minute apart: only noticing the connection's end can stop the command
-    // within the test's wait.
-    let a = leader(
-        &["--check-interval=60s", "--lease=90s"],
-        &patient_child("A"),
-    );
+    let a = leader(&SLOW_CHECKS, &patient_child("A"));
     let started = a.wait_stdout("A started");
-    cluster.terminate_backend(field(&started, "backend").parse().expect("backend"));
+    cluster.terminate_backend(pid_field(&started, "backend"));
     a.wait_stdout("A got TERM");
     let lost = a.wait_log("leadership lost");
     assert!(
@@ -233,7 +226,7 @@ fn once_exits_75_when_leadership_is_lost_mid_run() {
     let cluster = Cluster::shared();
     let a = leader(&["--once"], &patient_child("A"));
     let started = a.wait_stdout("A started");
-    cluster.terminate_backend(field(&started, "backend").parse().expect("backend"));
+    cluster.terminate_backend(pid_field(&started, "backend"));
     a.wait_stdout("A got TERM");
     assert_eq!(a.wait_code(), 75, "{}", a.dump());
 }
@@ -350,9 +343,7 @@ fn kill_9_of_pgleader_also_takes_down_processes_that_left_the_group() {
 fn a_keeper_killed_from_outside_leaves_nothing_behind_when_the_lock_is_released() {
     let a = leader(&["--once"], &with_grandchild("A"));
     let grandchild: i32 = pid_in(&a.wait_stdout("A grandchild"));
-    let keeper: i32 = field(&a.wait_stdout("A started"), "keeper")
-        .parse()
-        .expect("keeper");
+    let keeper = pid_field(&a.wait_stdout("A started"), "keeper");
     kill_9(keeper);
     a.wait_log("released the lock");
     assert_gone(

@@ -8,7 +8,9 @@ use std::time::Instant;
 
 use nix::sys::signal::Signal;
 
-use crate::harness::{Cluster, Proc, Stream, WAIT, patient_child, pgleader, unique_lock};
+use crate::harness::{
+    Cluster, Proc, Stream, WAIT, patient_child, pgleader, pid_field, unique_lock,
+};
 
 /// A socket standing in for systemd's notification socket.
 struct NotifySocket {
@@ -194,9 +196,7 @@ fn leadership_lost_shows_in_the_status() {
     let mut socket = NotifySocket::at_path("lost");
     let a = run_notified("A", cluster, lock, &socket, &[], &patient_child("A"));
     let started = a.wait_stdout("A started");
-    let backend: i32 = crate::harness::field(&started, "backend")
-        .parse()
-        .expect("backend pid");
+    let backend = pid_field(&started, "backend");
     socket.wait_for("READY=1", &a);
     cluster.terminate_backend(backend);
     socket.wait_for("STATUS=leadership lost (the connection ended", &a);

@@ -6,7 +6,7 @@ use nix::sys::signal::Signal;
 use std::time::{Duration, Instant};
 
 use crate::harness::pg::{leader, leader_and_follower};
-use crate::harness::{Cluster, WAIT, field, patient_child, unique_lock};
+use crate::harness::{Cluster, WAIT, patient_child, pid_field, unique_lock};
 
 #[test]
 fn signals_are_passed_on_to_the_commands_process_group() {
@@ -74,7 +74,7 @@ fn sigterm_while_waiting_for_the_lock_exits_at_once_with_0() {
 
     // The abandoned acquisition's session is closed, not left in the lock's queue: the server
     // drops it (it checks waiting clients' sockets every second).
-    let backend: i32 = field(&waiting, "backend_pid").parse().expect("backend pid");
+    let backend = pid_field(&waiting, "backend_pid");
     let deadline = Instant::now() + WAIT;
     let mut client = cluster.client();
     while client

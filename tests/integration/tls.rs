@@ -9,7 +9,7 @@ use nix::sys::signal::Signal;
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose};
 
 use crate::harness::cluster::{Options, SECRET_PASSWORD, SECRET_USER, ServerTls};
-use crate::harness::{Cluster, Proc, field, patient_child, pgleader, unique_lock};
+use crate::harness::{Cluster, Proc, patient_child, pgleader, pid_field, unique_lock};
 
 /// The only name (besides 127.0.0.1) the server's certificate is for.
 const SERVER_NAME: &str = "pgleader-test.invalid";
@@ -165,7 +165,7 @@ fn require_and_prefer_encrypt_the_session() {
             .args(["--", "sh", "-c", &patient_child("A")]);
         let a = Proc::spawn(mode, command);
         let started = a.wait_stdout("A started");
-        let backend: i32 = field(&started, "backend").parse().expect("backend pid");
+        let backend = pid_field(&started, "backend");
         assert!(encrypted(server, backend), "sslmode={mode}: not encrypted");
         a.signal(Signal::SIGTERM);
         assert_eq!(a.wait_code(), 0, "{}", a.dump());

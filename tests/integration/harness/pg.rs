@@ -4,6 +4,10 @@
 
 use super::{Cluster, Proc, patient_child, pgleader, run, unique_lock};
 
+/// Checks a minute apart: only noticing the connection's end, not a check, can stop a command
+/// within a test's waits.
+pub const SLOW_CHECKS: [&str; 2] = ["--check-interval=60s", "--lease=90s"];
+
 /// pgleader A running `script` with `args` on the shared cluster, on a lock no other test
 /// uses: a leader with no rival, for what it does to its command.
 pub fn leader(args: &[&str], script: &str) -> Proc {

@@ -458,3 +458,11 @@ pub fn is_running(pid: i32) -> bool {
 pub fn kill_9(pid: i32) {
     kill(Pid::from_raw(pid), Signal::SIGKILL).unwrap_or_else(|err| panic!("kill -9 {pid}: {err}"));
 }
+
+/// The pid after `key=` in a line (`backend=`, `backend_pid=`, `keeper=`, `pid=`).
+pub fn pid_field(line: &str, key: &str) -> i32 {
+    let value = super::field(line, key);
+    value
+        .parse()
+        .unwrap_or_else(|err| panic!("{key}={value:?} in {line:?} is not a pid: {err}"))
+}
