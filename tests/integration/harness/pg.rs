@@ -4,6 +4,11 @@
 
 use super::{Cluster, Proc, patient_child, pgleader, run, unique_lock};
 
+/// Asserts that `stderr` never shows `password`.
+pub fn assert_password_hidden(stderr: &str, password: &str) {
+    assert!(!stderr.contains(password), "the password leaked:\n{stderr}");
+}
+
 /// Checks a minute apart: only noticing the connection's end, not a check, can stop a command
 /// within a test's waits.
 pub const SLOW_CHECKS: [&str; 2] = ["--check-interval=60s", "--lease=90s"];
