@@ -149,10 +149,7 @@ fn only_a_connection_through_something_else_is_probed_for_a_transaction_pooler()
     assert_eq!(direct.wait_code(), 0, "{}", direct.dump());
     direct.wait_log("nothing stands between, no pooler probe needed");
     assert!(
-        !direct
-            .lines(Stream::Stderr)
-            .iter()
-            .any(|line| line.contains("probing for")),
+        !direct.printed(Stream::Stderr, "probing for"),
         "{}",
         direct.dump()
     );
@@ -399,11 +396,7 @@ fn a_leader_paused_longer_than_the_lease_loses_the_lock_and_stops_at_once_when_r
         return;
     }
     let b_started = b.wait_stdout("B started");
-    assert!(
-        !a.lines(Stream::Stdout)
-            .iter()
-            .any(|line| line.contains("A got TERM"))
-    );
+    assert!(!a.printed(Stream::Stdout, "A got TERM"));
     let epoch = |line: &str| {
         crate::harness::field(line, "epoch")
             .parse::<i64>()
@@ -480,14 +473,8 @@ fn a_leader_paused_before_its_command_started_never_starts_it_once_resumed() {
     );
     // Back in the queue: whatever happened to the old leadership is over.
     a.wait_for_nth(Stream::Stderr, "waiting for the lock", 2);
-    let started = a
-        .lines(Stream::Stdout)
-        .iter()
-        .any(|line| line.contains("A started"));
-    let stopped = a
-        .lines(Stream::Stderr)
-        .iter()
-        .any(|line| line.contains("stopping the command"));
+    let started = a.printed(Stream::Stdout, "A started");
+    let stopped = a.printed(Stream::Stderr, "stopping the command");
     assert!(
         !started && !stopped,
         "A started its command after its leadership had expired:\n{}",
@@ -576,9 +563,7 @@ fn a_fresh_start_on_a_server_that_has_been_up_a_while_is_not_fenced() {
     a.wait_stdout("A ran");
     assert_eq!(a.wait_code(), 0);
     assert!(
-        !a.lines(Stream::Stderr)
-            .iter()
-            .any(|line| line.contains("--restart-fence")),
+        !a.printed(Stream::Stderr, "--restart-fence"),
         "{}",
         a.dump()
     );

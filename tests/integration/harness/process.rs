@@ -140,6 +140,12 @@ impl Proc {
         self.wait_for(Stream::Stderr, needle)
     }
 
+    /// Whether a line on `stream` so far contains `needle` (it does not wait: for what must
+    /// not have happened).
+    pub fn printed(&self, stream: Stream, needle: &str) -> bool {
+        self.lines(stream).iter().any(|line| line.contains(needle))
+    }
+
     /// Waits for the process to exit; returns its status. Every line it wrote before it exited
     /// is in [`Proc::lines`] by then.
     pub fn wait_exit(&self) -> ExitStatus {
