@@ -646,8 +646,7 @@ fn waiting_followers_hold_back_neither_vacuum_nor_create_index_concurrently() {
 
     status.signal(Signal::SIGTERM);
     status.wait_exit();
-    a.signal(Signal::SIGTERM);
-    assert_eq!(a.wait_code(), 0, "{}", a.dump());
+    a.terminate_cleanly();
     for follower in &followers {
         follower.signal(Signal::SIGTERM);
         follower.wait_exit();

@@ -267,8 +267,7 @@ fn the_docker_images_entrypoint_leads_follows_and_stops_cleanly() {
     a.wait_stdout("nightly-report: stopping");
     assert_eq!(a.wait_code(), 0, "{}", a.dump());
     b.wait_stdout(&format!("nightly-report: leading (lock {lock}"));
-    b.signal(Signal::SIGTERM);
-    assert_eq!(b.wait_code(), 0, "{}", b.dump());
+    b.terminate_cleanly();
 }
 
 #[test]
@@ -310,8 +309,7 @@ fn the_readmes_first_lines_install_run_and_test_as_written() {
         }));
     let run = Proc::spawn("README's run line", command);
     run.wait_stdout(&format!("nightly-report: leading (lock {lock}"));
-    run.signal(Signal::SIGTERM);
-    assert_eq!(run.wait_code(), 0, "{}", run.dump());
+    run.terminate_cleanly();
 }
 
 /// The documents of a Kubernetes manifest.

@@ -574,8 +574,7 @@ fn idle_slow_and_greedy_clients_cannot_hold_up_a_failover() {
     }
     let (leader, _) = wait_for_status(b_http, "/leader", 200);
     assert_eq!(leader.body, "leader\n");
-    b.signal(Signal::SIGTERM);
-    assert_eq!(b.wait_code(), 0, "{}", b.dump());
+    b.terminate_cleanly();
 }
 
 #[test]

@@ -5,7 +5,6 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use nix::sys::signal::Signal;
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose};
 
 use crate::harness::cluster::{Options, SECRET_PASSWORD, SECRET_USER, ServerTls};
@@ -168,8 +167,7 @@ fn require_and_prefer_encrypt_the_session() {
         let started = a.wait_stdout("A started");
         let backend = pid_field(&started, "backend");
         assert!(encrypted(server, backend), "sslmode={mode}: not encrypted");
-        a.signal(Signal::SIGTERM);
-        assert_eq!(a.wait_code(), 0, "{}", a.dump());
+        a.terminate_cleanly();
     }
 }
 

@@ -140,6 +140,13 @@ impl Proc {
         self.wait_for(Stream::Stderr, needle)
     }
 
+    /// Sends SIGTERM, as a service manager stops a service, and asserts that the process exits
+    /// 0 (for pgleader: its command stopped and it let go of the lock without an error).
+    pub fn terminate_cleanly(&self) {
+        self.signal(Signal::SIGTERM);
+        assert_eq!(self.wait_code(), 0, "{}", self.dump());
+    }
+
     /// Whether a line on `stream` so far contains `needle` (it does not wait: for what must
     /// not have happened).
     pub fn printed(&self, stream: Stream, needle: &str) -> bool {
