@@ -9,7 +9,9 @@ use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, 
 
 use crate::harness::cluster::{Options, SECRET_PASSWORD, SECRET_USER, ServerTls};
 use crate::harness::pg::assert_password_hidden;
-use crate::harness::{Cluster, Proc, patient_child, pgleader, pid_field, unique_lock};
+use crate::harness::{
+    Cluster, Proc, assert_permanent_error, patient_child, pgleader, pid_field, unique_lock,
+};
 
 /// The only name (besides 127.0.0.1) the server's certificate is for.
 const SERVER_NAME: &str = "pgleader-test.invalid";
@@ -119,22 +121,13 @@ fn run_once(url: &str, env: &[(&str, String)]) -> (i32, String, Vec<String>) {
     (code, stderr.join("\n"), stdout)
 }
 
-/// Asserts a refusal: exit 1 at once, the expected words, no retry.
-fn assert_refused(url: &str, expected: &[&str]) -> String {
+/// Asserts a refusal: exit 1 at once, the command never run, each of `expected` in the log,
+/// no retry.
+fn assert_refused(url: &str, expected: &[&str]) {
     let (code, stderr, stdout) = run_once(url, &[]);
     assert_eq!(code, 1, "{url}:\n{stderr}");
     assert!(stdout.is_empty(), "the command ran: {stdout:?}");
-    for words in expected {
-        assert!(
-            stderr.contains(words),
-            "{url}: expected {words:?} in:\n{stderr}"
-        );
-    }
-    assert!(
-        !stderr.contains("retrying"),
-        "a permanent error was retried:\n{stderr}"
-    );
-    stderr
+    assert_permanent_error(url, &stderr, expected);
 }
 
 /// Whether the server sees this backend's connection as encrypted.
@@ -290,16 +283,15 @@ fn prefer_falls_back_to_plaintext_when_the_handshake_fails() {
     // The certificate check fails (wrong CA), so prefer tries again without TLS, as libpq
     // does; this server takes no plaintext, which ends it.
     let server = server();
-    let stderr = assert_refused(
+    assert_refused(
         &server.url(
             "127.0.0.1",
             &format!("sslmode=prefer&sslrootcert={}", server.file("wrong-ca.crt")),
         ),
-        &["no encryption"],
-    );
-    assert!(
-        stderr.contains("the TLS handshake failed; connecting without TLS"),
-        "{stderr}"
+        &[
+            "no encryption",
+            "the TLS handshake failed; connecting without TLS",
+        ],
     );
 }
 

@@ -466,6 +466,21 @@ pub fn is_running(pid: i32) -> bool {
     }
 }
 
+/// Asserts that the log `stderr` of a refused `url` says each of `expected`, and that the
+/// error was taken as permanent: reported, not retried.
+pub fn assert_permanent_error(url: &str, stderr: &str, expected: &[&str]) {
+    for words in expected {
+        assert!(
+            stderr.contains(words),
+            "{url}: expected {words:?} in:\n{stderr}"
+        );
+    }
+    assert!(
+        !stderr.contains("retrying"),
+        "{url}: a permanent error was retried:\n{stderr}"
+    );
+}
+
 /// Kills process `pid` -9 from outside pgleader (its command, its keeper, a server process),
 /// as an operator or the OOM killer would.
 pub fn kill_9(pid: i32) {
