@@ -198,21 +198,18 @@ fn sigterm_to_the_leader_hands_over_only_after_its_command_has_exited() {
     let b = run("B", cluster, lock, &[], &journal.quick_child("B"));
     b.wait_log("waiting for the lock");
 
-    a.signal(Signal::SIGTERM);
+    a.terminate_cleanly();
     b.wait_stdout("B started");
-    assert_eq!(a.wait_code(), 0, "{}", a.dump());
     a.wait_log("released the lock");
     assert_eq!(journal.lines(), ["A-started", "A-stopped", "B-started"]);
 }
 
 #[test]
 fn terminating_the_leaders_session_stops_its_command_at_once_not_at_the_next_check() {
-    let cluster = Cluster::shared();
     let a = leader(&SLOW_CHECKS, &patient_child("A"));
     let started = a.wait_stdout("A started");
-    cluster.terminate_backend(pid_field(&started, "backend"));
-    a.wait_stdout("A got TERM");
-    let lost = a.wait_log("leadership lost");
+    Cluster::shared().terminate_backend(pid_field(&started, "backend"));
+    let lost = a.wait_lost_leadership();
     assert!(
         lost.contains("terminating connection due to administrator command"),
         "{lost}"

@@ -115,8 +115,7 @@ fn a_cut_connection_stops_the_command_at_once() {
     );
     a.wait_stdout("A started");
     proxy.cut();
-    a.wait_stdout("A got TERM");
-    let lost = a.wait_log("leadership lost");
+    let lost = a.wait_lost_leadership();
     assert!(lost.contains("the connection ended"), "{lost}");
 }
 
@@ -409,8 +408,7 @@ fn a_leader_paused_longer_than_the_lease_loses_the_lock_and_stops_at_once_when_r
 
     // Resumed, A sees at once that its leadership is over and stops its command.
     a.signal(nix::sys::signal::Signal::SIGCONT);
-    a.wait_stdout("A got TERM");
-    let lost = a.wait_log("leadership lost");
+    let lost = a.wait_lost_leadership();
     assert!(
         lost.contains("no successful check") || lost.contains("the connection ended"),
         "{lost}"

@@ -147,8 +147,7 @@ fn under_tls_a_killed_leader_is_replaced_before_the_ttl_and_a_deleted_key_stops_
     assert!(holder.contains(&format!(":{}@", b.pid)), "{holder}");
 
     assert_eq!(server.redis.cli(&["DEL", &key]), "1");
-    b.wait_stdout("B got TERM");
-    let lost = b.wait_log("leadership lost");
+    let lost = b.wait_lost_leadership();
     assert!(lost.contains("changed by another client"), "{lost}");
     b.signal(Signal::SIGTERM);
     b.wait_exit();

@@ -147,6 +147,13 @@ impl Proc {
         assert_eq!(self.wait_code(), 0, "{}", self.dump());
     }
 
+    /// Waits until a leader running a `patient_child` tagged with this process' name loses its
+    /// leadership: the command gets TERM and the log says why. Returns that log line.
+    pub fn wait_lost_leadership(&self) -> String {
+        self.wait_stdout(&format!("{} got TERM", self.name));
+        self.wait_log("leadership lost")
+    }
+
     /// Whether a line on `stream` so far contains `needle` (it does not wait: for what must
     /// not have happened).
     pub fn printed(&self, stream: Stream, needle: &str) -> bool {
