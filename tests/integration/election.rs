@@ -6,7 +6,7 @@ use nix::sys::signal::Signal;
 use std::time::{Duration, Instant};
 
 use crate::harness::cluster::Options;
-use crate::harness::pg::{leader, leader_and_follower, patient_leader, status};
+use crate::harness::pg::{leader, leader_and_follower, leader_on, patient_leader, status};
 use crate::harness::{
     Cluster, Proc, Stream, WAIT, field, kill_9, patient_child, pgleader, pid_field, run,
     unique_lock,
@@ -293,13 +293,7 @@ fn no_wait_exits_with_the_busy_code_when_another_instance_leads() {
 fn after_the_command_exits_the_lock_goes_to_the_next_waiting_replica() {
     let cluster = Cluster::shared();
     let lock = unique_lock();
-    let a = run(
-        "A",
-        cluster,
-        lock,
-        &["--restart-delay=1h"],
-        "echo A ran; exec sleep 1000",
-    );
+    let a = leader_on(lock, &["--restart-delay=1h"], "echo A ran; exec sleep 1000");
     a.wait_stdout("A ran");
     let b = run("B", cluster, lock, &[], &patient_child("B"));
     b.wait_log("waiting for the lock");
@@ -395,21 +389,10 @@ fn replicas_take_turns_with_relinquish_after() {
     let cluster = Cluster::shared();
     let lock = unique_lock();
     let journal = crate::harness::Journal::new("relinquish");
-    let a = run(
-        "A",
-        cluster,
-        lock,
-        &["--relinquish-after=300ms"],
-        &journal.child("A", "0"),
-    );
+    let every_300ms = ["--relinquish-after=300ms"];
+    let a = run("A", cluster, lock, &every_300ms, &journal.child("A", "0"));
     a.wait_stdout("A started");
-    let b = run(
-        "B",
-        cluster,
-        lock,
-        &["--relinquish-after=300ms"],
-        &journal.child("B", "0"),
-    );
+    let b = run("B", cluster, lock, &every_300ms, &journal.child("B", "0"));
     b.wait_for_nth(Stream::Stdout, "B started", 2);
     a.wait_for_nth(Stream::Stdout, "A started", 3);
     a.wait_log("handing leadership over (--relinquish-after)");
@@ -447,15 +430,8 @@ fn replicas_take_turns_on_a_relinquish_schedule() {
 
 #[test]
 fn json_logs_carry_a_stable_set_of_fields() {
-    let cluster = Cluster::shared();
     let lock = unique_lock();
-    let a = run(
-        "A",
-        cluster,
-        lock,
-        &["--log-format=json", "--once"],
-        "echo ran; exit 3",
-    );
+    let a = leader_on(lock, &["--log-format=json", "--once"], "echo ran; exit 3");
     assert_eq!(a.wait_code(), 3);
     let (_, _, stderr) = a.finish();
     let events: Vec<serde_json::Value> = stderr

@@ -11,7 +11,7 @@ use nix::sys::signal::Signal;
 
 use crate::harness::cluster::free_port;
 use crate::harness::http::{address_of, get, request, wait_for_status};
-use crate::harness::pg::{leader, patient_leader, status};
+use crate::harness::pg::{leader, leader_on, patient_leader, status};
 use crate::harness::{
     Cluster, Proc, Stream, WAIT, field, patient_child, pgleader, require_tool, run, run_with_url,
     unique_lock,
@@ -142,12 +142,9 @@ fn leader_and_follower_answer_every_route_and_the_follower_leads_right_after_a_k
 
 #[test]
 fn the_metrics_pass_promtool_and_count_what_happened() {
-    let cluster = Cluster::shared();
     let lock = unique_lock();
     // The command fails after 300 ms, and the leader waits a minute before competing again.
-    let a = run(
-        "A",
-        cluster,
+    let a = leader_on(
         lock,
         &[HTTP, "--restart-delay=60s", "--check-interval=50ms"],
         "echo A started epoch=$PGLEADER_EPOCH; sleep 0.3; exit 3",

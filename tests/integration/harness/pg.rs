@@ -16,7 +16,13 @@ pub const SLOW_CHECKS: [&str; 2] = ["--check-interval=60s", "--lease=90s"];
 /// pgleader A running `script` with `args` on the shared cluster, on a lock no other test
 /// uses: a leader with no rival, for what it does to its command.
 pub fn leader(args: &[&str], script: &str) -> Proc {
-    run("A", Cluster::shared(), unique_lock(), args, script)
+    leader_on(unique_lock(), args, script)
+}
+
+/// pgleader A running `script` with `args` on `lock` of the shared cluster, for a test that
+/// names the lock again (to a follower, to `status`, in what it expects).
+pub fn leader_on(lock: i64, args: &[&str], script: &str) -> Proc {
+    run("A", Cluster::shared(), lock, args, script)
 }
 
 /// pgleader A leading `lock` with a [`patient_child`], its command started (its line stays
