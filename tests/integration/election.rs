@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use crate::harness::cluster::Options;
 use crate::harness::pg::{leader, leader_and_follower, leader_on, patient_leader, status};
 use crate::harness::{
-    Cluster, Proc, Stream, WAIT, field, kill_9, patient_child, pgleader, pid_field, run,
-    unique_lock,
+    Cluster, Proc, Stream, WAIT, field, kill_9, patient_child, pgleader, pid_field, poll_until,
+    run, unique_lock,
 };
 
 /// The server's view of a lock: (backend pid, granted) for each session holding or waiting.
@@ -124,29 +124,21 @@ fn a_waiting_follower_holds_no_transaction_id_and_takes_its_epoch_after_the_gran
     // B's statement waits for the lock and takes the fence once granted: while it waits, the
     // server shows it waiting on a lock, with no transaction id of its own.
     let mut client = cluster.client();
-    let deadline = Instant::now() + WAIT;
-    loop {
-        let row = client
-            .query_opt(
-                "SELECT backend_xid IS NULL FROM pg_stat_activity \
-                 WHERE pid = $1 AND wait_event_type = 'Lock' AND wait_event = 'advisory'",
-                &[&b_backend],
-            )
-            .expect("read pg_stat_activity");
-        if let Some(row) = row {
-            assert!(
-                row.get::<_, bool>(0),
-                "a waiting follower holds a transaction id"
-            );
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "B never waited on the server\n{}",
-            b.dump()
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    let holds_no_xid: bool = poll_until(
+        Duration::from_millis(10),
+        || format!("B never waited on the server\n{}", b.dump()),
+        || {
+            client
+                .query_opt(
+                    "SELECT backend_xid IS NULL FROM pg_stat_activity \
+                     WHERE pid = $1 AND wait_event_type = 'Lock' AND wait_event = 'advisory'",
+                    &[&b_backend],
+                )
+                .expect("read pg_stat_activity")
+                .map(|row| row.get(0))
+        },
+    );
+    assert!(holds_no_xid, "a waiting follower holds a transaction id");
     // A transaction id handed out while B waits: B's epoch, taken after the grant, is larger.
     let during_wait: i64 = client
         .query_one("SELECT pg_current_xact_id()::text::int8", &[])

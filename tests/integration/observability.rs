@@ -424,14 +424,12 @@ fn a_taken_port_exits_1_and_a_bad_address_exits_2_before_the_election() {
     let taken = TcpListener::bind("127.0.0.1:0").expect("bind");
     let address = taken.local_addr().expect("address");
     let a = leader(&[&format!("--http={address}")], "echo A started");
-    let (status, stdout, stderr) = a.finish();
-    assert_eq!(status.code(), Some(1), "{}", a.dump());
-    let all = stderr.join("\n");
+    let all = a.log_after_exit(1);
     assert!(
         all.contains(&format!("cannot listen on {address} (--http)")) && all.contains("in use"),
         "{all}"
     );
-    assert!(stdout.is_empty(), "{}", a.dump());
+    assert!(a.lines(Stream::Stdout).is_empty(), "{}", a.dump());
     assert!(
         !all.contains("connected") && !all.contains("waiting for the lock"),
         "entered the election before failing: {all}"
@@ -448,10 +446,7 @@ fn a_taken_port_exits_1_and_a_bad_address_exits_2_before_the_election() {
             command.env("PGLEADER_HTTP", bad);
         }
         command.args(["--lock-id=1", "--", "true"]);
-        let process = Proc::spawn("bad address", command);
-        let (status, _, stderr) = process.finish();
-        assert_eq!(status.code(), Some(2), "{}", process.dump());
-        let all = stderr.join("\n");
+        let all = Proc::spawn("bad address", command).log_after_exit(2);
         assert!(
             all.contains("--http") && all.contains("127.0.0.1:9187"),
             "the message should name the option and show the form: {all}"

@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicI64, Ordering};
 pub use cluster::Cluster;
 pub use process::{
     Proc, Stream, WAIT, assert_permanent_error, is_running, keepers_of, kill_9, pid_field,
-    wait_gone,
+    poll_until, wait_gone,
 };
 pub use proxy::Proxy;
 pub use redis::Redis;

@@ -181,6 +181,14 @@ impl Proc {
             .unwrap_or_else(|| panic!("{} died by a signal: {status}\n{}", self.name, self.dump()))
     }
 
+    /// Waits for the process to exit, asserts that it exited with `code`, and returns its log
+    /// (stderr) as one text.
+    pub fn log_after_exit(&self, code: i32) -> String {
+        let (status, _, stderr) = self.finish();
+        assert_eq!(status.code(), Some(code), "{}", self.dump());
+        stderr.join("\n")
+    }
+
     /// Whether the process has exited (and what it wrote is collected, as for `wait_exit`).
     pub fn has_exited(&self) -> bool {
         self.output
@@ -470,6 +478,23 @@ pub fn is_running(pid: i32) -> bool {
             .rsplit_once(") ")
             .is_some_and(|(_, rest)| rest.starts_with('Z') || rest.starts_with('X')),
         Err(_) => false,
+    }
+}
+
+/// Calls `probe` every `every` until it answers, and returns the answer; fails the test with
+/// `failure()` if [`WAIT`] passes first.
+pub fn poll_until<T>(
+    every: Duration,
+    failure: impl Fn() -> String,
+    mut probe: impl FnMut() -> Option<T>,
+) -> T {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if let Some(answer) = probe() {
+            return answer;
+        }
+        assert!(Instant::now() < deadline, "{}", failure());
+        std::thread::sleep(every);
     }
 }
 
