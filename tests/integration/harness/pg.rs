@@ -1,17 +1,8 @@
-//! The set-ups the PostgreSQL tests keep writing: a leader alone on a lock of its own, a leader
-//! with a follower queued behind it, `status` on a lock. Named once, a test reads as what it
-//! does to them.
+//! What the PostgreSQL tests keep writing: a leader alone on a lock of its own, a leader with a
+//! follower queued behind it, `status` on a lock, checks too slow to notice anything, a
+//! password that must not show. Named once, a test reads as what it does to them.
 
 use super::{Cluster, Proc, patient_child, pgleader, run, unique_lock};
-
-/// Asserts that `stderr` never shows `password`.
-pub fn assert_password_hidden(stderr: &str, password: &str) {
-    assert!(!stderr.contains(password), "the password leaked:\n{stderr}");
-}
-
-/// Checks a minute apart: only noticing the connection's end, not a check, can stop a command
-/// within a test's waits.
-pub const SLOW_CHECKS: [&str; 2] = ["--check-interval=60s", "--lease=90s"];
 
 /// pgleader A running `script` with `args` on the shared cluster, on a lock no other test
 /// uses: a leader with no rival, for what it does to its command.
@@ -58,3 +49,12 @@ pub fn leader_and_follower(
     b.wait_log("waiting for the lock");
     (a, b)
 }
+
+/// Asserts that `stderr` never shows `password`.
+pub fn assert_password_hidden(stderr: &str, password: &str) {
+    assert!(!stderr.contains(password), "the password leaked:\n{stderr}");
+}
+
+/// Checks a minute apart: only noticing the connection's end, not a check, can stop a command
+/// within a test's waits.
+pub const SLOW_CHECKS: [&str; 2] = ["--check-interval=60s", "--lease=90s"];
