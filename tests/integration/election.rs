@@ -6,8 +6,10 @@ use nix::sys::signal::Signal;
 use std::time::{Duration, Instant};
 
 use crate::harness::cluster::Options;
+use crate::harness::pg::{leader, leader_and_follower, leader_on, patient_leader, status};
 use crate::harness::{
-    Cluster, Proc, Stream, WAIT, field, patient_child, pgleader, run, unique_lock,
+    Cluster, Proc, Stream, WAIT, field, kill_9, patient_child, pgleader, pid_field, poll_until,
+    run, unique_lock,
 };
 
 /// The server's view of a lock: (backend pid, granted) for each session holding or waiting.
@@ -31,14 +33,13 @@ fn lock_rows(cluster: &Cluster, key: i64) -> Vec<(i32, bool)> {
 fn the_leader_runs_the_command_and_a_follower_waits() {
     let cluster = Cluster::shared();
     let lock = unique_lock();
-    let a = run("A", cluster, lock, &[], &patient_child("A"));
+    let (a, b) = leader_and_follower(cluster, lock, &[], &patient_child("B"));
     let started = a.wait_stdout("A started");
-    let b = run("B", cluster, lock, &[], &patient_child("B"));
     let waiting = b.wait_log("waiting for the lock");
 
     // The server agrees: A's session holds the lock, B's waits for it.
-    let a_backend: i32 = field(&started, "backend").parse().expect("backend pid");
-    let b_backend: i32 = field(&waiting, "backend_pid").parse().expect("backend pid");
+    let a_backend = pid_field(&started, "backend");
+    let b_backend = pid_field(&waiting, "backend_pid");
     // B logs that it waits as it sends its pg_advisory_lock: on a loaded machine the server
     // may list it a moment later.
     let deadline = std::time::Instant::now() + crate::harness::WAIT;
@@ -53,9 +54,8 @@ fn the_leader_runs_the_command_and_a_follower_waits() {
         "B ran its command while A leads"
     );
 
-    a.signal(Signal::SIGTERM);
+    a.terminate_cleanly();
     a.wait_stdout("A got TERM");
-    assert_eq!(a.wait_code(), 0, "{}", a.dump());
     b.wait_stdout("B started");
 }
 
@@ -116,39 +116,29 @@ fn the_command_learns_the_lock_its_session_and_a_fencing_epoch() {
 #[test]
 fn a_waiting_follower_holds_no_transaction_id_and_takes_its_epoch_after_the_grant() {
     let cluster = Cluster::shared();
-    let lock = unique_lock();
-    let a = run("A", cluster, lock, &[], &patient_child("A"));
+    let (a, b) = leader_and_follower(cluster, unique_lock(), &[], &patient_child("B"));
     let a_line = a.wait_stdout("A started");
-    let b = run("B", cluster, lock, &[], &patient_child("B"));
     let waiting = b.wait_log("waiting for the lock");
-    let b_backend: i32 = field(&waiting, "backend_pid").parse().expect("backend pid");
+    let b_backend = pid_field(&waiting, "backend_pid");
 
     // B's statement waits for the lock and takes the fence once granted: while it waits, the
     // server shows it waiting on a lock, with no transaction id of its own.
     let mut client = cluster.client();
-    let deadline = Instant::now() + WAIT;
-    loop {
-        let row = client
-            .query_opt(
-                "SELECT backend_xid IS NULL FROM pg_stat_activity \
-                 WHERE pid = $1 AND wait_event_type = 'Lock' AND wait_event = 'advisory'",
-                &[&b_backend],
-            )
-            .expect("read pg_stat_activity");
-        if let Some(row) = row {
-            assert!(
-                row.get::<_, bool>(0),
-                "a waiting follower holds a transaction id"
-            );
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "B never waited on the server\n{}",
-            b.dump()
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    let holds_no_xid: bool = poll_until(
+        Duration::from_millis(10),
+        || format!("B never waited on the server\n{}", b.dump()),
+        || {
+            client
+                .query_opt(
+                    "SELECT backend_xid IS NULL FROM pg_stat_activity \
+                     WHERE pid = $1 AND wait_event_type = 'Lock' AND wait_event = 'advisory'",
+                    &[&b_backend],
+                )
+                .expect("read pg_stat_activity")
+                .map(|row| row.get(0))
+        },
+    );
+    assert!(holds_no_xid, "a waiting follower holds a transaction id");
     // A transaction id handed out while B waits: B's epoch, taken after the grant, is larger.
     let during_wait: i64 = client
         .query_one("SELECT pg_current_xact_id()::text::int8", &[])
@@ -169,10 +159,8 @@ fn a_waiting_follower_holds_no_transaction_id_and_takes_its_epoch_after_the_gran
 #[test]
 fn sessions_show_host_and_pid_in_pg_stat_activity() {
     let cluster = Cluster::shared();
-    let lock = unique_lock();
-    let a = run("A", cluster, lock, &[], &patient_child("A"));
-    let line = a.wait_stdout("A started");
-    let backend: i32 = field(&line, "backend").parse().expect("backend");
+    let a = patient_leader(cluster, unique_lock());
+    let backend = pid_field(&a.wait_stdout("A started"), "backend");
     let name: String = cluster
         .client()
         .query_one(
@@ -259,8 +247,7 @@ fn once_exits_with_the_commands_status() {
 fn no_wait_exits_with_the_busy_code_when_another_instance_leads() {
     let cluster = Cluster::shared();
     let lock = unique_lock();
-    let a = run("A", cluster, lock, &[], &patient_child("A"));
-    a.wait_stdout("A started");
+    let a = patient_leader(cluster, lock);
 
     let busy = run("busy", cluster, lock, &["--no-wait"], "echo busy ran");
     assert_eq!(busy.wait_code(), 0, "the default busy code is 0");
@@ -298,24 +285,15 @@ fn no_wait_exits_with_the_busy_code_when_another_instance_leads() {
 fn after_the_command_exits_the_lock_goes_to_the_next_waiting_replica() {
     let cluster = Cluster::shared();
     let lock = unique_lock();
-    let a = run(
-        "A",
-        cluster,
-        lock,
-        &["--restart-delay=1h"],
-        "echo A ran; exec sleep 1000",
-    );
+    let a = leader_on(lock, &["--restart-delay=1h"], "echo A ran; exec sleep 1000");
     a.wait_stdout("A ran");
     let b = run("B", cluster, lock, &[], &patient_child("B"));
     b.wait_log("waiting for the lock");
 
     // A's command ends on its own: A releases, B (already waiting) takes over, A waits out
     // its restart delay.
-    let sleep_pid: i32 = field(&a.wait_log("started the command"), "pid")
-        .parse()
-        .expect("pid");
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(sleep_pid), Signal::SIGKILL)
-        .expect("kill the command");
+    let sleep_pid = pid_field(&a.wait_log("started the command"), "pid");
+    kill_9(sleep_pid);
     a.wait_log("the command exited");
     a.wait_log("released the lock");
     a.wait_log("entering the election again in 1h");
@@ -324,14 +302,7 @@ fn after_the_command_exits_the_lock_goes_to_the_next_waiting_replica() {
 
 #[test]
 fn a_lone_replica_runs_the_command_again_after_the_restart_delay() {
-    let cluster = Cluster::shared();
-    let a = run(
-        "A",
-        cluster,
-        unique_lock(),
-        &["--restart-delay=0s"],
-        "echo A ran",
-    );
+    let a = leader(&["--restart-delay=0s"], "echo A ran");
     a.wait_for_nth(Stream::Stdout, "A ran", 3);
 }
 
@@ -340,26 +311,19 @@ fn status_reports_the_leader_and_the_waiters_in_order() {
     let cluster = Cluster::shared();
     let lock = unique_lock();
     let status = |json: bool| {
-        let mut command = pgleader();
-        command.env("PGLEADER_DATABASE_URL", cluster.url()).args([
+        status(
             "status",
-            "--lock-id",
-            &lock.to_string(),
-        ]);
-        if json {
-            command.arg("--json");
-        }
-        Proc::spawn("status", command)
+            cluster,
+            lock,
+            if json { &["--json"] } else { &[] },
+        )
     };
     let free = status(false);
     assert_eq!(free.wait_code(), 3, "a free lock exits 3");
     let (_, out, _) = free.finish();
     assert!(out[0].ends_with(": free"), "{out:?}");
 
-    let a = run("A", cluster, lock, &[], &patient_child("A"));
-    a.wait_stdout("A started");
-    let b = run("B", cluster, lock, &[], &patient_child("B"));
-    b.wait_log("waiting for the lock");
+    let (a, b) = leader_and_follower(cluster, lock, &[], &patient_child("B"));
     let c = run("C", cluster, lock, &[], &patient_child("C"));
     c.wait_log("waiting for the lock");
 
@@ -417,21 +381,10 @@ fn replicas_take_turns_with_relinquish_after() {
     let cluster = Cluster::shared();
     let lock = unique_lock();
     let journal = crate::harness::Journal::new("relinquish");
-    let a = run(
-        "A",
-        cluster,
-        lock,
-        &["--relinquish-after=300ms"],
-        &journal.child("A", "0"),
-    );
+    let every_300ms = ["--relinquish-after=300ms"];
+    let a = run("A", cluster, lock, &every_300ms, &journal.child("A", "0"));
     a.wait_stdout("A started");
-    let b = run(
-        "B",
-        cluster,
-        lock,
-        &["--relinquish-after=300ms"],
-        &journal.child("B", "0"),
-    );
+    let b = run("B", cluster, lock, &every_300ms, &journal.child("B", "0"));
     b.wait_for_nth(Stream::Stdout, "B started", 2);
     a.wait_for_nth(Stream::Stdout, "A started", 3);
     a.wait_log("handing leadership over (--relinquish-after)");
@@ -447,14 +400,7 @@ fn replicas_take_turns_with_relinquish_after() {
 
 #[test]
 fn a_lone_replica_leads_again_at_once_after_relinquishing() {
-    let cluster = Cluster::shared();
-    let a = run(
-        "A",
-        cluster,
-        unique_lock(),
-        &["--relinquish-after=200ms"],
-        &patient_child("A"),
-    );
+    let a = leader(&["--relinquish-after=200ms"], &patient_child("A"));
     a.wait_for_nth(Stream::Stdout, "A got TERM", 2);
     a.wait_for_nth(Stream::Stdout, "A started", 3);
 }
@@ -476,15 +422,8 @@ fn replicas_take_turns_on_a_relinquish_schedule() {
 
 #[test]
 fn json_logs_carry_a_stable_set_of_fields() {
-    let cluster = Cluster::shared();
     let lock = unique_lock();
-    let a = run(
-        "A",
-        cluster,
-        lock,
-        &["--log-format=json", "--once"],
-        "echo ran; exit 3",
-    );
+    let a = leader_on(lock, &["--log-format=json", "--once"], "echo ran; exit 3");
     assert_eq!(a.wait_code(), 3);
     let (_, _, stderr) = a.finish();
     let events: Vec<serde_json::Value> = stderr
@@ -587,13 +526,7 @@ fn waiting_followers_hold_back_neither_vacuum_nor_create_index_concurrently() {
         "echo A ran",
     );
     a.wait_stdout("A ran");
-    let mut status = pgleader();
-    status.env("PGLEADER_DATABASE_URL", cluster.url()).args([
-        "status",
-        &format!("--lock-id={lock}"),
-        "--watch",
-    ]);
-    let status = Proc::spawn("status", status);
+    let status = status("status", &cluster, lock, &["--watch"]);
     let followers = ["B", "C"].map(|name| {
         let follower = run(name, &cluster, lock, &[&refresh], &patient_child(name));
         follower.wait_log("waiting for the lock");
@@ -680,8 +613,7 @@ fn waiting_followers_hold_back_neither_vacuum_nor_create_index_concurrently() {
 
     status.signal(Signal::SIGTERM);
     status.wait_exit();
-    a.signal(Signal::SIGTERM);
-    assert_eq!(a.wait_code(), 0, "{}", a.dump());
+    a.terminate_cleanly();
     for follower in &followers {
         follower.signal(Signal::SIGTERM);
         follower.wait_exit();
@@ -725,7 +657,7 @@ fn a_follower_waits_through_the_timeouts_its_database_sets() {
     a.wait_stdout("A started");
     let b = on("B");
     let waiting = b.wait_log("waiting for the lock");
-    let backend: i32 = field(&waiting, "backend_pid").parse().expect("backend pid");
+    let backend = pid_field(&waiting, "backend_pid");
 
     // Three turns of B's wait after its first, each a transaction of its own, all in the one
     // session.
@@ -772,17 +704,12 @@ fn a_follower_waits_through_the_timeouts_its_database_sets() {
 #[test]
 fn a_released_lock_is_taken_at_once_not_at_the_next_turn() {
     let cluster = Cluster::shared();
-    let lock = unique_lock();
-    let a = run("A", cluster, lock, &[], &patient_child("A"));
-    a.wait_stdout("A started");
-    let b = run(
-        "B",
+    let (a, b) = leader_and_follower(
         cluster,
-        lock,
+        unique_lock(),
         &["--wait-refresh=1h"],
         &patient_child("B"),
     );
-    b.wait_log("waiting for the lock");
     a.signal(Signal::SIGTERM);
     b.wait_stdout("B started");
     b.signal(Signal::SIGTERM);

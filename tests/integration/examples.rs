@@ -15,6 +15,7 @@ use nix::sys::signal::Signal;
 use yaml_rust2::{Yaml, YamlLoader};
 
 use crate::harness::cluster::free_port;
+use crate::harness::pg::leader;
 use crate::harness::{Cluster, Proc, WAIT, http, pgleader, require_tool, unique_lock, unit_values};
 
 fn example(path: &str) -> PathBuf {
@@ -142,11 +143,7 @@ fn the_units_success_exit_status_is_what_pgleader_exits_with_after_a_stop() {
         .map(|code| code.parse().expect("a numeric exit status"))
         .collect();
     // A command that does not handle TERM dies of the TERM pgleader passes on.
-    let cluster = Cluster::shared();
-    let a = crate::harness::run(
-        "A",
-        cluster,
-        unique_lock(),
+    let a = leader(
         &[],
         "echo A started; while :; do sleep 1000 & wait $!; done",
     );
@@ -270,8 +267,7 @@ fn the_docker_images_entrypoint_leads_follows_and_stops_cleanly() {
     a.wait_stdout("nightly-report: stopping");
     assert_eq!(a.wait_code(), 0, "{}", a.dump());
     b.wait_stdout(&format!("nightly-report: leading (lock {lock}"));
-    b.signal(Signal::SIGTERM);
-    assert_eq!(b.wait_code(), 0, "{}", b.dump());
+    b.terminate_cleanly();
 }
 
 #[test]
@@ -313,8 +309,7 @@ fn the_readmes_first_lines_install_run_and_test_as_written() {
         }));
     let run = Proc::spawn("README's run line", command);
     run.wait_stdout(&format!("nightly-report: leading (lock {lock}"));
-    run.signal(Signal::SIGTERM);
-    assert_eq!(run.wait_code(), 0, "{}", run.dump());
+    run.terminate_cleanly();
 }
 
 /// The documents of a Kubernetes manifest.

@@ -5,10 +5,11 @@ use std::os::fd::AsRawFd;
 
 use nix::sys::signal::Signal;
 
+use crate::harness::pg::{SLOW_CHECKS, leader, leader_and_follower};
 use crate::harness::{
-    Cluster, Journal, Proc, Stream, WAIT, field, is_running, keepers_of,
-    kill_9_never_overlaps_the_dying_tree, overlaps_seen, patient_child, pid_in, run, unique_lock,
-    wait_gone,
+    Cluster, Journal, Proc, Stream, WAIT, is_running, keepers_of, kill_9,
+    kill_9_never_overlaps_the_dying_tree, overlaps_seen, patient_child, pid_field, pid_in, run,
+    unique_lock, wait_gone,
 };
 
 #[test]
@@ -18,7 +19,7 @@ fn kill_9_of_the_leader_takes_its_command_and_grandchild_down_and_a_follower_tak
     let a = run("A", cluster, lock, &[], &with_grandchild("A"));
     let started = a.wait_stdout("A started");
     let child = pid_in(&started);
-    let keeper: i32 = field(&started, "keeper").parse().expect("keeper pid");
+    let keeper = pid_field(&started, "keeper");
     let grandchild: i32 = pid_in(&a.wait_stdout("A grandchild"));
     let b = run("B", cluster, lock, &[], &patient_child("B"));
     b.wait_log("waiting for the lock");
@@ -39,10 +40,7 @@ fn with_grandchild(tag: &str) -> String {
 /// A leader A, and a follower B running `script` and waiting behind it, with the keeper B
 /// parked before it queued up (winning then costs one fork and exec): A, B and that keeper.
 fn leader_and_parked_follower(cluster: &Cluster, lock: i64, script: &str) -> (Proc, Proc, i32) {
-    let a = run("A", cluster, lock, &[], &patient_child("A"));
-    a.wait_stdout("A started");
-    let b = run("B", cluster, lock, &[], script);
-    b.wait_log("waiting for the lock");
+    let (a, b) = leader_and_follower(cluster, lock, &[], script);
     let parked = keepers_of(b.pid.as_raw());
     assert_eq!(
         parked.len(),
@@ -53,6 +51,16 @@ fn leader_and_parked_follower(cluster: &Cluster, lock: i64, script: &str) -> (Pr
     (a, b, parked[0])
 }
 
+/// Asserts that `pid` dies within the test's wait; `what` says what outlived what otherwise.
+fn assert_dies(pid: i32, what: &str) {
+    assert!(wait_gone(pid, WAIT), "{what} (pid {pid})");
+}
+
+/// Asserts that `pid` is gone already; `what` says what outlived what otherwise.
+fn assert_gone(pid: i32, what: &str) {
+    assert!(!is_running(pid), "{what} (pid {pid})");
+}
+
 /// Asserts that a killed pgleader's command, its grandchild and its keeper are all gone.
 fn assert_tree_gone(child: i32, grandchild: i32, keeper: i32) {
     for (what, pid) in [
@@ -60,10 +68,7 @@ fn assert_tree_gone(child: i32, grandchild: i32, keeper: i32) {
         ("grandchild", grandchild),
         ("keeper", keeper),
     ] {
-        assert!(
-            wait_gone(pid, WAIT),
-            "the {what} (pid {pid}) outlived pgleader"
-        );
+        assert_dies(pid, &format!("the {what} outlived pgleader"));
     }
 }
 
@@ -73,10 +78,7 @@ fn a_follower_parks_a_keeper_that_dies_with_it() {
     let (_a, b, parked) = leader_and_parked_follower(cluster, unique_lock(), &patient_child("B"));
 
     b.signal(Signal::SIGKILL);
-    assert!(
-        wait_gone(parked, WAIT),
-        "the parked keeper (pid {parked}) outlived its follower"
-    );
+    assert_dies(parked, "the parked keeper outlived its follower");
 }
 
 #[test]
@@ -87,7 +89,7 @@ fn kill_9_of_a_leader_that_won_with_a_parked_keeper_takes_its_whole_tree_down() 
 
     a.signal(Signal::SIGTERM);
     let started = b.wait_stdout("B started");
-    let keeper: i32 = field(&started, "keeper").parse().expect("keeper pid");
+    let keeper = pid_field(&started, "keeper");
     assert_eq!(
         keeper, parked,
         "the command did not start under the parked keeper"
@@ -117,16 +119,11 @@ fn kill_9_of_the_leader_frees_the_lock_only_after_its_whole_tree_is_gone() {
 fn the_keeper_holds_the_leaders_database_socket_with_the_leases_keepalives() {
     use nix::sys::socket::{SockaddrIn, getpeername, getsockopt, sockopt};
     let cluster = Cluster::shared();
-    let a = run(
-        "A",
-        cluster,
-        unique_lock(),
+    let a = leader(
         &["--lease=15s"],
         "echo A started keeper=$PPID; exec sleep 1000",
     );
-    let keeper: i32 = field(&a.wait_stdout("A started"), "keeper")
-        .parse()
-        .expect("keeper pid");
+    let keeper = pid_field(&a.wait_stdout("A started"), "keeper");
     // The keeper gets the sockets to hold over its channel: among its descriptors, exactly one
     // is a TCP connection, and it is the one to the server.
     let tcp: Vec<(std::os::fd::OwnedFd, SockaddrIn)> =
@@ -201,30 +198,18 @@ fn sigterm_to_the_leader_hands_over_only_after_its_command_has_exited() {
     let b = run("B", cluster, lock, &[], &journal.quick_child("B"));
     b.wait_log("waiting for the lock");
 
-    a.signal(Signal::SIGTERM);
+    a.terminate_cleanly();
     b.wait_stdout("B started");
-    assert_eq!(a.wait_code(), 0, "{}", a.dump());
     a.wait_log("released the lock");
     assert_eq!(journal.lines(), ["A-started", "A-stopped", "B-started"]);
 }
 
 #[test]
 fn terminating_the_leaders_session_stops_its_command_at_once_not_at_the_next_check() {
-    let cluster = Cluster::shared();
-    let lock = unique_lock();
-    // Checks are a minute apart: only noticing the connection's end can stop the command
-    // within the test's wait.
-    let a = run(
-        "A",
-        cluster,
-        lock,
-        &["--check-interval=60s", "--lease=90s"],
-        &patient_child("A"),
-    );
+    let a = leader(&SLOW_CHECKS, &patient_child("A"));
     let started = a.wait_stdout("A started");
-    cluster.terminate_backend(field(&started, "backend").parse().expect("backend"));
-    a.wait_stdout("A got TERM");
-    let lost = a.wait_log("leadership lost");
+    Cluster::shared().terminate_backend(pid_field(&started, "backend"));
+    let lost = a.wait_lost_leadership();
     assert!(
         lost.contains("terminating connection due to administrator command"),
         "{lost}"
@@ -236,26 +221,16 @@ fn terminating_the_leaders_session_stops_its_command_at_once_not_at_the_next_che
 #[test]
 fn once_exits_75_when_leadership_is_lost_mid_run() {
     let cluster = Cluster::shared();
-    let a = run(
-        "A",
-        cluster,
-        unique_lock(),
-        &["--once"],
-        &patient_child("A"),
-    );
+    let a = leader(&["--once"], &patient_child("A"));
     let started = a.wait_stdout("A started");
-    cluster.terminate_backend(field(&started, "backend").parse().expect("backend"));
+    cluster.terminate_backend(pid_field(&started, "backend"));
     a.wait_stdout("A got TERM");
     assert_eq!(a.wait_code(), 75, "{}", a.dump());
 }
 
 #[test]
 fn a_command_that_ignores_sigterm_is_killed_after_the_kill_timeout() {
-    let cluster = Cluster::shared();
-    let a = run(
-        "A",
-        cluster,
-        unique_lock(),
+    let a = leader(
         &["--kill-timeout=300ms"],
         "trap '' TERM; echo A started $$; while :; do sleep 1000 & wait $!; done",
     );
@@ -263,34 +238,26 @@ fn a_command_that_ignores_sigterm_is_killed_after_the_kill_timeout() {
     a.signal(Signal::SIGTERM);
     a.wait_log("did not exit within 300ms (--kill-timeout); sending SIGKILL");
     assert_eq!(a.wait_code(), 128 + 9, "{}", a.dump());
-    assert!(!is_running(child), "the command survived SIGKILL");
+    assert_gone(child, "the command survived SIGKILL");
 }
 
 #[test]
 fn leftovers_of_a_command_that_exited_are_stopped_before_the_lock_is_released() {
-    let cluster = Cluster::shared();
-    let a = run(
-        "A",
-        cluster,
-        unique_lock(),
+    let a = leader(
         &["--once", "--kill-timeout=5s"],
         "sleep 1000 & echo A left $!; exit 3",
     );
     let leftover: i32 = pid_in(&a.wait_stdout("A left"));
     assert_eq!(a.wait_code(), 3);
-    assert!(
-        !is_running(leftover),
-        "the command's background process outlived the leadership"
+    assert_gone(
+        leftover,
+        "the command's background process outlived the leadership",
     );
 }
 
 #[test]
 fn processes_that_left_the_process_group_are_killed_after_the_kill_timeout() {
-    let cluster = Cluster::shared();
-    let a = run(
-        "A",
-        cluster,
-        unique_lock(),
+    let a = leader(
         &["--kill-timeout=300ms"],
         "setsid sh -c 'echo A escaped $$; exec sleep 1000' & trap 'exit 0' TERM; echo A started; while :; do sleep 1000 & wait $!; done",
     );
@@ -301,9 +268,9 @@ fn processes_that_left_the_process_group_are_killed_after_the_kill_timeout() {
         "did not exit within 300ms (--kill-timeout); sending SIGKILL to everything it started",
     );
     a.wait_exit();
-    assert!(
-        !is_running(escaped),
-        "a process that left the group outlived the leadership"
+    assert_gone(
+        escaped,
+        "a process that left the group outlived the leadership",
     );
 }
 
@@ -359,58 +326,37 @@ fn the_lock_goes_to_the_next_leader_only_once_processes_that_left_the_group_are_
 
 #[test]
 fn kill_9_of_pgleader_also_takes_down_processes_that_left_the_group() {
-    let cluster = Cluster::shared();
-    let a = run(
-        "A",
-        cluster,
-        unique_lock(),
+    let a = leader(
         &[],
         "setsid sh -c 'echo A escaped $$; exec sleep 1000' & echo A started; wait",
     );
     let escaped: i32 = pid_in(&a.wait_stdout("A escaped"));
     a.wait_stdout("A started");
     a.signal(Signal::SIGKILL);
-    assert!(
-        wait_gone(escaped, WAIT),
-        "a process that left the group outlived pgleader"
-    );
+    assert_dies(escaped, "a process that left the group outlived pgleader");
 }
 
 #[test]
 fn a_keeper_killed_from_outside_leaves_nothing_behind_when_the_lock_is_released() {
-    let cluster = Cluster::shared();
-    let a = run(
-        "A",
-        cluster,
-        unique_lock(),
-        &["--once"],
-        &with_grandchild("A"),
-    );
+    let a = leader(&["--once"], &with_grandchild("A"));
     let grandchild: i32 = pid_in(&a.wait_stdout("A grandchild"));
-    let keeper: i32 = field(&a.wait_stdout("A started"), "keeper")
-        .parse()
-        .expect("keeper");
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(keeper), Signal::SIGKILL)
-        .expect("kill the keeper");
+    let keeper = pid_field(&a.wait_stdout("A started"), "keeper");
+    kill_9(keeper);
     a.wait_log("released the lock");
-    assert!(
-        !is_running(grandchild),
-        "the grandchild outlived its keeper and the lock was released"
+    assert_gone(
+        grandchild,
+        "the grandchild outlived its keeper and the lock was released",
     );
     assert_eq!(a.wait_code(), 128 + 9);
 }
 
 #[test]
 fn a_stop_signal_sent_before_the_command_exists_still_reaches_it() {
-    let cluster = Cluster::shared();
     // A TERM sent to the group while the keeper is still starting the command reaches only
     // the keeper (which blocks it); pgleader sends it again once the command runs. With a
     // kill timeout of an hour, a lost TERM would hang this test.
     for _ in 0..5 {
-        let a = run(
-            "A",
-            cluster,
-            unique_lock(),
+        let a = leader(
             &["-v", "--kill-timeout=1h", "--lease=2h"],
             "exec sleep 1000",
         );

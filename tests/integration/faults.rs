@@ -3,10 +3,11 @@
 
 use std::time::{Duration, Instant};
 
+use crate::harness::pg::{SLOW_CHECKS, leader};
 use crate::harness::pgbouncer::PgBouncer;
 use crate::harness::{
-    Cluster, Journal, Proc, Proxy, Stream, WAIT, log_time, patient_child, run, run_with_url,
-    unique_lock,
+    Cluster, Journal, Proc, Proxy, Stream, WAIT, kill_9, log_time, patient_child, pid_field, run,
+    run_with_url, unique_lock,
 };
 
 /// Timings that make a leader cut off from the server give up within half a second and the
@@ -109,13 +110,12 @@ fn a_cut_connection_stops_the_command_at_once() {
         "A",
         &proxy.url(),
         unique_lock(),
-        &["--check-interval=60s", "--lease=90s"],
+        &SLOW_CHECKS,
         &patient_child("A"),
     );
     a.wait_stdout("A started");
     proxy.cut();
-    a.wait_stdout("A got TERM");
-    let lost = a.wait_log("leadership lost");
+    let lost = a.wait_lost_leadership();
     assert!(lost.contains("the connection ended"), "{lost}");
 }
 
@@ -148,10 +148,7 @@ fn only_a_connection_through_something_else_is_probed_for_a_transaction_pooler()
     assert_eq!(direct.wait_code(), 0, "{}", direct.dump());
     direct.wait_log("nothing stands between, no pooler probe needed");
     assert!(
-        !direct
-            .lines(Stream::Stderr)
-            .iter()
-            .any(|line| line.contains("probing for")),
+        !direct.printed(Stream::Stderr, "probing for"),
         "{}",
         direct.dump()
     );
@@ -227,9 +224,7 @@ fn a_standby_is_never_led_through_and_a_host_list_finds_the_primary() {
     );
     let a = run_with_url("A", &hosts, lock, &[], &patient_child("A"));
     let started = a.wait_stdout("A started");
-    let backend: i32 = crate::harness::field(&started, "backend")
-        .parse()
-        .expect("backend");
+    let backend = pid_field(&started, "backend");
     let on_primary: i64 = primary
         .client()
         .query_one(
@@ -349,11 +344,7 @@ fn takeover_delay_keeps_the_next_command_clear_of_a_terminated_leaders_shutdown(
     let started = a.wait_stdout("A started");
     let b = run("B", cluster, lock, &[], &journal.quick_child("B"));
     b.wait_log("waiting for the lock");
-    cluster.terminate_backend(
-        crate::harness::field(&started, "backend")
-            .parse()
-            .expect("backend"),
-    );
+    cluster.terminate_backend(pid_field(&started, "backend"));
     b.wait_stdout("B started");
     a.wait_log("the command exited");
     assert_eq!(journal.lines(), ["A-started", "B-started", "A-stopped"]);
@@ -372,11 +363,7 @@ fn takeover_delay_keeps_the_next_command_clear_of_a_terminated_leaders_shutdown(
         &journal.quick_child("D"),
     );
     d.wait_log("waiting for the lock");
-    cluster.terminate_backend(
-        crate::harness::field(&started, "backend")
-            .parse()
-            .expect("backend"),
-    );
+    cluster.terminate_backend(pid_field(&started, "backend"));
     d.wait_log("starting the command in 2s (--takeover-delay)");
     d.wait_stdout("D started");
     assert_eq!(journal.lines(), ["C-started", "C-stopped", "D-started"]);
@@ -386,10 +373,9 @@ fn takeover_delay_keeps_the_next_command_clear_of_a_terminated_leaders_shutdown(
 fn a_leader_paused_longer_than_the_lease_loses_the_lock_and_stops_at_once_when_resumed() {
     let cluster = Cluster::shared();
     let lock = unique_lock();
-    let timings = QUICK_LEASE;
-    let a = run("A", cluster, lock, &timings, &patient_child("A"));
+    let a = run("A", cluster, lock, &QUICK_LEASE, &patient_child("A"));
     let a_started = a.wait_stdout("A started");
-    let b = run("B", cluster, lock, &timings, &patient_child("B"));
+    let b = run("B", cluster, lock, &QUICK_LEASE, &patient_child("B"));
     b.wait_log("waiting for the lock");
 
     // pgleader (not its command) is frozen: it can neither check nor stop anything. The
@@ -409,11 +395,7 @@ fn a_leader_paused_longer_than_the_lease_loses_the_lock_and_stops_at_once_when_r
         return;
     }
     let b_started = b.wait_stdout("B started");
-    assert!(
-        !a.lines(Stream::Stdout)
-            .iter()
-            .any(|line| line.contains("A got TERM"))
-    );
+    assert!(!a.printed(Stream::Stdout, "A got TERM"));
     let epoch = |line: &str| {
         crate::harness::field(line, "epoch")
             .parse::<i64>()
@@ -426,20 +408,17 @@ fn a_leader_paused_longer_than_the_lease_loses_the_lock_and_stops_at_once_when_r
 
     // Resumed, A sees at once that its leadership is over and stops its command.
     a.signal(nix::sys::signal::Signal::SIGCONT);
-    a.wait_stdout("A got TERM");
-    let lost = a.wait_log("leadership lost");
+    let lost = a.wait_lost_leadership();
     assert!(
         lost.contains("no successful check") || lost.contains("the connection ended"),
         "{lost}"
     );
 }
 
-#[test]
-fn the_restart_fence_keeps_a_new_leader_clear_of_a_command_still_stopping() {
-    let cluster = Cluster::new("fence");
+/// On `cluster`, with the restart fence on and a lease of 4 s: A leading with a command that
+/// takes 1.5 s to stop, and B queued behind it, both journaling their runs.
+fn fenced_leader_and_follower(cluster: &Cluster, journal: &Journal) -> (Proc, Proc) {
     let lock = unique_lock();
-    let journal = Journal::new("fence");
-    // A's command takes 1.5 s to stop; the server is back long before that.
     let timings = [
         "--check-interval=200ms",
         "--check-timeout=300ms",
@@ -447,10 +426,19 @@ fn the_restart_fence_keeps_a_new_leader_clear_of_a_command_still_stopping() {
         "--lease=4s",
         "--restart-fence=auto",
     ];
-    let a = run("A", &cluster, lock, &timings, &journal.child("A", "1.5"));
+    let a = run("A", cluster, lock, &timings, &journal.child("A", "1.5"));
     a.wait_stdout("A started");
-    let b = run("B", &cluster, lock, &timings, &journal.quick_child("B"));
+    let b = run("B", cluster, lock, &timings, &journal.quick_child("B"));
     b.wait_log("waiting for the lock");
+    (a, b)
+}
+
+#[test]
+fn the_restart_fence_keeps_a_new_leader_clear_of_a_command_still_stopping() {
+    let cluster = Cluster::new("fence");
+    let journal = Journal::new("fence");
+    // A's command takes 1.5 s to stop; the server is back long before that.
+    let (_a, b) = fenced_leader_and_follower(&cluster, &journal);
 
     cluster.stop();
     cluster.start();
@@ -463,10 +451,8 @@ fn the_restart_fence_keeps_a_new_leader_clear_of_a_command_still_stopping() {
 
 #[test]
 fn a_leader_paused_before_its_command_started_never_starts_it_once_resumed() {
-    let cluster = Cluster::shared();
-    let lock = unique_lock();
     let timings = [QUICK_LEASE.as_slice(), &["--takeover-delay=1s"]].concat();
-    let a = run("A", cluster, lock, &timings, &patient_child("A"));
+    let a = leader(&timings, &patient_child("A"));
     // Paused during its takeover delay, and resumed once both its deadline (500 ms) and its
     // start time (1 s) have passed but before the server gives up on it (3 s): the deadline
     // must win over the start.
@@ -485,14 +471,8 @@ fn a_leader_paused_before_its_command_started_never_starts_it_once_resumed() {
     );
     // Back in the queue: whatever happened to the old leadership is over.
     a.wait_for_nth(Stream::Stderr, "waiting for the lock", 2);
-    let started = a
-        .lines(Stream::Stdout)
-        .iter()
-        .any(|line| line.contains("A started"));
-    let stopped = a
-        .lines(Stream::Stderr)
-        .iter()
-        .any(|line| line.contains("stopping the command"));
+    let started = a.printed(Stream::Stdout, "A started");
+    let stopped = a.printed(Stream::Stderr, "stopping the command");
     assert!(
         !started && !stopped,
         "A started its command after its leadership had expired:\n{}",
@@ -506,30 +486,15 @@ fn the_restart_fence_also_covers_a_crashed_server_process() {
     // without restarting itself: pg_postmaster_start_time() does not move. The fence rests on
     // the age of the winner's session, which such a reset cannot leave old.
     let cluster = Cluster::new("crash");
-    let lock = unique_lock();
     let journal = Journal::new("crash");
-    let timings = [
-        "--check-interval=200ms",
-        "--check-timeout=300ms",
-        "--kill-timeout=2s",
-        "--lease=4s",
-        "--restart-fence=auto",
-    ];
-    let a = run("A", &cluster, lock, &timings, &journal.child("A", "1.5"));
+    let (a, b) = fenced_leader_and_follower(&cluster, &journal);
     let started = a.wait_stdout("A started");
-    let b = run("B", &cluster, lock, &timings, &journal.quick_child("B"));
-    b.wait_log("waiting for the lock");
     // The fence of B's first session has long passed by now: its age counts from the reset.
     b.wait_for_nth(Stream::Stderr, "waiting for the lock", 1);
 
-    let backend: i32 = crate::harness::field(&started, "backend")
-        .parse()
-        .expect("backend");
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(backend),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .expect("crash a server process");
+    let backend = pid_field(&started, "backend");
+    // A crash of a server process.
+    kill_9(backend);
     a.wait_log("leadership lost");
     b.wait_stdout("B started");
     assert_eq!(journal.lines(), ["A-started", "A-stopped", "B-started"]);
@@ -592,19 +557,11 @@ fn a_fresh_start_on_a_server_that_has_been_up_a_while_is_not_fenced() {
     if up < 1.5 {
         std::thread::sleep(Duration::from_secs_f64(1.5 - up));
     }
-    let a = run(
-        "A",
-        cluster,
-        unique_lock(),
-        &["--once", "--restart-fence=1s"],
-        "echo A ran",
-    );
+    let a = leader(&["--once", "--restart-fence=1s"], "echo A ran");
     a.wait_stdout("A ran");
     assert_eq!(a.wait_code(), 0);
     assert!(
-        !a.lines(Stream::Stderr)
-            .iter()
-            .any(|line| line.contains("--restart-fence")),
+        !a.printed(Stream::Stderr, "--restart-fence"),
         "{}",
         a.dump()
     );

@@ -8,7 +8,9 @@ use std::time::Instant;
 
 use nix::sys::signal::Signal;
 
-use crate::harness::{Cluster, Proc, Stream, WAIT, patient_child, pgleader, unique_lock};
+use crate::harness::{
+    Cluster, Proc, Stream, WAIT, patient_child, pgleader, pid_field, unique_lock,
+};
 
 /// A socket standing in for systemd's notification socket.
 struct NotifySocket {
@@ -131,6 +133,20 @@ fn run_notified(
     Proc::spawn(name, command)
 }
 
+/// pgleader A on a lock of its own, told by WATCHDOG_USEC that systemd wants a sign of life
+/// every 200 ms, with `env` besides.
+fn leader_with_a_watchdog(socket: &NotifySocket, env: &[(&str, &str)]) -> Proc {
+    let env = [&[("WATCHDOG_USEC", "200000")], env].concat();
+    run_notified(
+        "A",
+        Cluster::shared(),
+        unique_lock(),
+        socket,
+        &env,
+        &patient_child("A"),
+    )
+}
+
 #[test]
 fn ready_and_status_say_leader_or_follower_and_stopping_comes_on_shutdown() {
     let cluster = Cluster::shared();
@@ -194,9 +210,7 @@ fn leadership_lost_shows_in_the_status() {
     let mut socket = NotifySocket::at_path("lost");
     let a = run_notified("A", cluster, lock, &socket, &[], &patient_child("A"));
     let started = a.wait_stdout("A started");
-    let backend: i32 = crate::harness::field(&started, "backend")
-        .parse()
-        .expect("backend pid");
+    let backend = pid_field(&started, "backend");
     socket.wait_for("READY=1", &a);
     cluster.terminate_backend(backend);
     socket.wait_for("STATUS=leadership lost (the connection ended", &a);
@@ -207,24 +221,14 @@ fn leadership_lost_shows_in_the_status() {
         "{:#?}",
         socket.received
     );
-    a.signal(Signal::SIGTERM);
-    assert_eq!(a.wait_code(), 0, "{}", a.dump());
+    a.terminate_cleanly();
 }
 
 #[test]
 fn the_watchdog_is_pinged_every_half_of_watchdog_usec() {
-    let cluster = Cluster::shared();
-    let lock = unique_lock();
     let mut socket = NotifySocket::abstract_name("watchdog");
     // 200 ms: a ping every 100 ms.
-    let a = run_notified(
-        "A",
-        cluster,
-        lock,
-        &socket,
-        &[("WATCHDOG_USEC", "200000")],
-        &patient_child("A"),
-    );
+    let a = leader_with_a_watchdog(&socket, &[]);
     a.wait_log("pinging the systemd watchdog every 100ms");
     let started = Instant::now();
     let before = socket.count("WATCHDOG=1");
@@ -236,22 +240,13 @@ fn the_watchdog_is_pinged_every_half_of_watchdog_usec() {
         "five pings took {elapsed:?}: {:#?}",
         socket.received
     );
-    a.signal(Signal::SIGTERM);
-    assert_eq!(a.wait_code(), 0, "{}", a.dump());
+    a.terminate_cleanly();
 }
 
 #[test]
 fn a_watchdog_meant_for_another_process_is_not_fed() {
-    let cluster = Cluster::shared();
     let mut socket = NotifySocket::at_path("not-ours");
-    let a = run_notified(
-        "A",
-        cluster,
-        unique_lock(),
-        &socket,
-        &[("WATCHDOG_USEC", "200000"), ("WATCHDOG_PID", "1")],
-        &patient_child("A"),
-    );
+    let a = leader_with_a_watchdog(&socket, &[("WATCHDOG_PID", "1")]);
     a.wait_log("not feeding the systemd watchdog: WATCHDOG_PID=1 is not this process");
     socket.wait_for("READY=1", &a);
     a.signal(Signal::SIGTERM);

@@ -11,6 +11,7 @@ use nix::sys::signal::Signal;
 
 use crate::harness::cluster::free_port;
 use crate::harness::http::{address_of, get, request, wait_for_status};
+use crate::harness::pg::{leader, leader_on, patient_leader, status};
 use crate::harness::{
     Cluster, Proc, Stream, WAIT, field, patient_child, pgleader, require_tool, run, run_with_url,
     unique_lock,
@@ -141,12 +142,9 @@ fn leader_and_follower_answer_every_route_and_the_follower_leads_right_after_a_k
 
 #[test]
 fn the_metrics_pass_promtool_and_count_what_happened() {
-    let cluster = Cluster::shared();
     let lock = unique_lock();
     // The command fails after 300 ms, and the leader waits a minute before competing again.
-    let a = run(
-        "A",
-        cluster,
+    let a = leader_on(
         lock,
         &[HTTP, "--restart-delay=60s", "--check-interval=50ms"],
         "echo A started epoch=$PGLEADER_EPOCH; sleep 0.3; exit 3",
@@ -378,8 +376,7 @@ fn the_example_alert_rules_pass_promtool_check_and_test_rules() {
 
 #[test]
 fn head_gets_the_headers_other_methods_405_unknown_paths_404_and_big_heads_431() {
-    let cluster = Cluster::shared();
-    let a = run("A", cluster, unique_lock(), &[HTTP], &patient_child("A"));
+    let a = leader(&[HTTP], &patient_child("A"));
     let address = address_of(&a);
     wait_for_status(address, "/leader", 200);
     for route in ["/leader", "/healthz", "/status", "/metrics"] {
@@ -426,21 +423,13 @@ fn a_taken_port_exits_1_and_a_bad_address_exits_2_before_the_election() {
     let cluster = Cluster::shared();
     let taken = TcpListener::bind("127.0.0.1:0").expect("bind");
     let address = taken.local_addr().expect("address");
-    let a = run(
-        "A",
-        cluster,
-        unique_lock(),
-        &[&format!("--http={address}")],
-        "echo A started",
-    );
-    let (status, stdout, stderr) = a.finish();
-    assert_eq!(status.code(), Some(1), "{}", a.dump());
-    let all = stderr.join("\n");
+    let a = leader(&[&format!("--http={address}")], "echo A started");
+    let all = a.log_after_exit(1);
     assert!(
         all.contains(&format!("cannot listen on {address} (--http)")) && all.contains("in use"),
         "{all}"
     );
-    assert!(stdout.is_empty(), "{}", a.dump());
+    assert!(a.lines(Stream::Stdout).is_empty(), "{}", a.dump());
     assert!(
         !all.contains("connected") && !all.contains("waiting for the lock"),
         "entered the election before failing: {all}"
@@ -457,10 +446,7 @@ fn a_taken_port_exits_1_and_a_bad_address_exits_2_before_the_election() {
             command.env("PGLEADER_HTTP", bad);
         }
         command.args(["--lock-id=1", "--", "true"]);
-        let process = Proc::spawn("bad address", command);
-        let (status, _, stderr) = process.finish();
-        assert_eq!(status.code(), Some(2), "{}", process.dump());
-        let all = stderr.join("\n");
+        let all = Proc::spawn("bad address", command).log_after_exit(2);
         assert!(
             all.contains("--http") && all.contains("127.0.0.1:9187"),
             "the message should name the option and show the form: {all}"
@@ -521,8 +507,7 @@ fn closed_by_server(stream: &mut TcpStream) -> bool {
 fn idle_slow_and_greedy_clients_cannot_hold_up_a_failover() {
     let cluster = Cluster::shared();
     let lock = unique_lock();
-    let a = run("A", cluster, lock, &[], &patient_child("A"));
-    a.wait_stdout("A started");
+    let a = patient_leader(cluster, lock);
     let b = run("B", cluster, lock, &[HTTP], &patient_child("B"));
     let b_http = address_of(&b);
     b.wait_log("waiting for the lock");
@@ -581,8 +566,7 @@ fn idle_slow_and_greedy_clients_cannot_hold_up_a_failover() {
     }
     let (leader, _) = wait_for_status(b_http, "/leader", 200);
     assert_eq!(leader.body, "leader\n");
-    b.signal(Signal::SIGTERM);
-    assert_eq!(b.wait_code(), 0, "{}", b.dump());
+    b.terminate_cleanly();
 }
 
 #[test]
@@ -590,22 +574,16 @@ fn status_watch_prints_each_change_of_holder_and_waiters_until_interrupted() {
     let cluster = Cluster::shared();
     let lock = unique_lock();
     let watch = |json: bool| {
-        let mut command = pgleader();
-        command.env("PGLEADER_DATABASE_URL", cluster.url()).args([
-            "status",
-            &format!("--lock-id={lock}"),
-            "--watch",
-        ]);
         if json {
-            command.arg("--json");
+            status("watch --json", cluster, lock, &["--watch", "--json"])
+        } else {
+            status("watch", cluster, lock, &["--watch"])
         }
-        Proc::spawn(if json { "watch --json" } else { "watch" }, command)
     };
     let (text, json) = (watch(false), watch(true));
     text.wait_stdout(": free; nobody waiting");
 
-    let a = run("A", cluster, lock, &[], &patient_child("A"));
-    a.wait_stdout("A started");
+    let a = patient_leader(cluster, lock);
     let a_line = text.wait_stdout(&format!("leader pgleader {}@", a.pid));
     assert!(a_line.contains("nobody waiting"), "{a_line}");
     // B hands over after 2 s of leading: with nobody waiting it leads again at once, on a new

@@ -14,7 +14,7 @@ use rcgen::{CertificateParams, KeyPair};
 
 use crate::harness::redis::ServerTls;
 use crate::harness::run_named as run;
-use crate::harness::{Redis, patient_child, unique_lock};
+use crate::harness::{Redis, assert_permanent_error, patient_child, unique_lock};
 use crate::tls::authority;
 
 /// The only name the server's certificate is for: not 127.0.0.1, the address it listens on.
@@ -89,16 +89,7 @@ fn assert_refused(url: &str, expected: &[&str]) -> String {
     assert_eq!(status.code(), Some(1), "{url}: {}", a.dump());
     assert!(stdout.is_empty(), "{url}: the command ran: {}", a.dump());
     assert!(took < AT_ONCE, "{url}: refused only after {took:?}\n{text}");
-    for words in expected {
-        assert!(
-            text.contains(words),
-            "{url}: expected {words:?} in:\n{text}"
-        );
-    }
-    assert!(
-        !text.contains("retrying"),
-        "{url}: a permanent error was retried:\n{text}"
-    );
+    assert_permanent_error(url, &text, expected);
     text
 }
 
@@ -156,8 +147,7 @@ fn under_tls_a_killed_leader_is_replaced_before_the_ttl_and_a_deleted_key_stops_
     assert!(holder.contains(&format!(":{}@", b.pid)), "{holder}");
 
     assert_eq!(server.redis.cli(&["DEL", &key]), "1");
-    b.wait_stdout("B got TERM");
-    let lost = b.wait_log("leadership lost");
+    let lost = b.wait_lost_leadership();
     assert!(lost.contains("changed by another client"), "{lost}");
     b.signal(Signal::SIGTERM);
     b.wait_exit();

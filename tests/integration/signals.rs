@@ -5,11 +5,11 @@ use nix::sys::signal::Signal;
 
 use std::time::{Duration, Instant};
 
-use crate::harness::{Cluster, WAIT, field, patient_child, run, unique_lock};
+use crate::harness::pg::{leader, leader_and_follower};
+use crate::harness::{Cluster, WAIT, patient_child, pid_field, unique_lock};
 
 #[test]
 fn signals_are_passed_on_to_the_commands_process_group() {
-    let cluster = Cluster::shared();
     // The command starts a grandchild that reports signals too: they go to the whole group,
     // not only to the process pgleader's keeper started.
     let script = format!(
@@ -17,7 +17,7 @@ fn signals_are_passed_on_to_the_commands_process_group() {
         patient_child("G").replace('$', "\\$").replace('"', "\\\""),
         patient_child("A")
     );
-    let a = run("A", cluster, unique_lock(), &["--kill-timeout=1s"], &script);
+    let a = leader(&["--kill-timeout=1s"], &script);
     a.wait_stdout("A started");
     a.wait_stdout("G started");
     for signal in [
@@ -45,11 +45,7 @@ fn signals_are_passed_on_to_the_commands_process_group() {
 
 #[test]
 fn a_second_sigterm_kills_the_command_without_waiting_for_the_kill_timeout() {
-    let cluster = Cluster::shared();
-    let a = run(
-        "A",
-        cluster,
-        unique_lock(),
+    let a = leader(
         &["-v", "--kill-timeout=1h", "--lease=2h"],
         "trap 'echo A ignores TERM' TERM; echo A started; while :; do sleep 1000 & wait $!; done",
     );
@@ -69,10 +65,7 @@ fn a_second_sigterm_kills_the_command_without_waiting_for_the_kill_timeout() {
 #[test]
 fn sigterm_while_waiting_for_the_lock_exits_at_once_with_0() {
     let cluster = Cluster::shared();
-    let lock = unique_lock();
-    let a = run("A", cluster, lock, &[], &patient_child("A"));
-    a.wait_stdout("A started");
-    let b = run("B", cluster, lock, &[], &patient_child("B"));
+    let (_a, b) = leader_and_follower(cluster, unique_lock(), &[], &patient_child("B"));
     let waiting = b.wait_log("waiting for the lock");
     b.signal(Signal::SIGTERM);
     assert_eq!(b.wait_code(), 0);
@@ -81,7 +74,7 @@ fn sigterm_while_waiting_for_the_lock_exits_at_once_with_0() {
 
     // The abandoned acquisition's session is closed, not left in the lock's queue: the server
     // drops it (it checks waiting clients' sockets every second).
-    let backend: i32 = field(&waiting, "backend_pid").parse().expect("backend pid");
+    let backend = pid_field(&waiting, "backend_pid");
     let deadline = Instant::now() + WAIT;
     let mut client = cluster.client();
     while client

@@ -5,11 +5,13 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use nix::sys::signal::Signal;
 use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose};
 
 use crate::harness::cluster::{Options, SECRET_PASSWORD, SECRET_USER, ServerTls};
-use crate::harness::{Cluster, Proc, field, patient_child, pgleader, unique_lock};
+use crate::harness::pg::assert_password_hidden;
+use crate::harness::{
+    Cluster, Proc, assert_permanent_error, patient_child, pgleader, pid_field, unique_lock,
+};
 
 /// The only name (besides 127.0.0.1) the server's certificate is for.
 const SERVER_NAME: &str = "pgleader-test.invalid";
@@ -119,22 +121,13 @@ fn run_once(url: &str, env: &[(&str, String)]) -> (i32, String, Vec<String>) {
     (code, stderr.join("\n"), stdout)
 }
 
-/// Asserts a refusal: exit 1 at once, the expected words, no retry.
-fn assert_refused(url: &str, expected: &[&str]) -> String {
+/// Asserts a refusal: exit 1 at once, the command never run, each of `expected` in the log,
+/// no retry.
+fn assert_refused(url: &str, expected: &[&str]) {
     let (code, stderr, stdout) = run_once(url, &[]);
     assert_eq!(code, 1, "{url}:\n{stderr}");
     assert!(stdout.is_empty(), "the command ran: {stdout:?}");
-    for words in expected {
-        assert!(
-            stderr.contains(words),
-            "{url}: expected {words:?} in:\n{stderr}"
-        );
-    }
-    assert!(
-        !stderr.contains("retrying"),
-        "a permanent error was retried:\n{stderr}"
-    );
-    stderr
+    assert_permanent_error(url, &stderr, expected);
 }
 
 /// Whether the server sees this backend's connection as encrypted.
@@ -165,10 +158,9 @@ fn require_and_prefer_encrypt_the_session() {
             .args(["--", "sh", "-c", &patient_child("A")]);
         let a = Proc::spawn(mode, command);
         let started = a.wait_stdout("A started");
-        let backend: i32 = field(&started, "backend").parse().expect("backend pid");
+        let backend = pid_field(&started, "backend");
         assert!(encrypted(server, backend), "sslmode={mode}: not encrypted");
-        a.signal(Signal::SIGTERM);
-        assert_eq!(a.wait_code(), 0, "{}", a.dump());
+        a.terminate_cleanly();
     }
 }
 
@@ -291,16 +283,15 @@ fn prefer_falls_back_to_plaintext_when_the_handshake_fails() {
     // The certificate check fails (wrong CA), so prefer tries again without TLS, as libpq
     // does; this server takes no plaintext, which ends it.
     let server = server();
-    let stderr = assert_refused(
+    assert_refused(
         &server.url(
             "127.0.0.1",
             &format!("sslmode=prefer&sslrootcert={}", server.file("wrong-ca.crt")),
         ),
-        &["no encryption"],
-    );
-    assert!(
-        stderr.contains("the TLS handshake failed; connecting without TLS"),
-        "{stderr}"
+        &[
+            "no encryption",
+            "the TLS handshake failed; connecting without TLS",
+        ],
     );
 }
 
@@ -328,15 +319,12 @@ fn a_password_logs_in_over_tls_with_scram_and_channel_binding() {
     // layer supplies the server certificate's hash: a wrong hash would fail the login.
     let server = server();
     let url = format!(
-        "postgres://{SECRET_USER}:{SECRET_PASSWORD}@127.0.0.1:{}/postgres?sslmode=require",
-        server.cluster.port
+        "{}?sslmode=require",
+        server.cluster.url_as_secret_user(SECRET_PASSWORD)
     );
     let (code, stderr, _) = run_once(&url, &[]);
     assert_eq!(code, 0, "{stderr}");
-    assert!(
-        !stderr.contains(SECRET_PASSWORD),
-        "the password leaked:\n{stderr}"
-    );
+    assert_password_hidden(&stderr, SECRET_PASSWORD);
 }
 
 #[test]

@@ -3,7 +3,8 @@
 
 use std::os::unix::fs::PermissionsExt;
 
-use crate::harness::cluster::{SECRET_PASSWORD, SECRET_USER};
+use crate::harness::cluster::SECRET_PASSWORD;
+use crate::harness::pg::assert_password_hidden;
 use crate::harness::{Cluster, Proc, pgleader, unique_lock};
 
 fn pgleader_with(name: &str, url: Option<&str>, args: &[&str]) -> Proc {
@@ -13,6 +14,12 @@ fn pgleader_with(name: &str, url: Option<&str>, args: &[&str]) -> Proc {
     }
     command.args(args);
     Proc::spawn(name, command)
+}
+
+/// The outcome of the plainest run through `url`, `pgleader run --lock-id 1 -- true`: for
+/// what connecting does.
+fn run_true(url: &str) -> (i32, String) {
+    outcome(Some(url), &["run", "--lock-id", "1", "--", "true"])
 }
 
 /// Runs pgleader to its end; returns the exit code and everything it printed on stderr.
@@ -163,59 +170,31 @@ fn bad_arguments_are_usage_errors_that_say_what_is_wrong() {
 #[test]
 fn an_unknown_option_before_the_command_is_a_usage_error_that_suggests_the_real_one() {
     let url = Some("postgres://postgres@127.0.0.1:1/postgres");
-    let cases: &[(&[&str], &str, Option<&str>)] = &[
+    // Each case's arguments, split at spaces.
+    let cases: &[(&str, &str, Option<&str>)] = &[
         (
-            &[
-                "run",
-                "--lock-id",
-                "1",
-                "--kill-timout",
-                "5s",
-                "--",
-                "./nightly-job.sh",
-            ],
+            "run --lock-id 1 --kill-timout 5s -- ./nightly-job.sh",
             "--kill-timout",
             Some("--kill-timeout"),
         ),
         (
-            &[
-                "run",
-                "--lock-id",
-                "1",
-                "--kill-timout",
-                "5s",
-                "./nightly-job.sh",
-            ],
+            "run --lock-id 1 --kill-timout 5s ./nightly-job.sh",
             "--kill-timout",
             Some("--kill-timeout"),
         ),
         (
-            &[
-                "run",
-                "--lock-id",
-                "1",
-                "--kill-timeout=5s",
-                "--onse",
-                "true",
-            ],
+            "run --lock-id 1 --kill-timeout=5s --onse true",
             "--onse",
             Some("--once"),
         ),
-        (&["run", "--lock-id", "1", "-x", "--", "true"], "-x", None),
-        (
-            &["run", "--frobnicate", "--lock-id", "1", "true"],
-            "--frobnicate",
-            None,
-        ),
-        (
-            &["status", "--lock-id", "1", "--jsn"],
-            "--jsn",
-            Some("--json"),
-        ),
-        (&["status", "--lock-id", "1", "-x"], "-x", None),
+        ("run --lock-id 1 -x -- true", "-x", None),
+        ("run --frobnicate --lock-id 1 true", "--frobnicate", None),
+        ("status --lock-id 1 --jsn", "--jsn", Some("--json")),
+        ("status --lock-id 1 -x", "-x", None),
     ];
     for (args, unknown, suggestion) in cases {
-        let (code, stderr) = outcome(url, args);
+        let args: Vec<&str> = args.split(' ').collect();
+        let (code, stderr) = outcome(url, &args);
         assert_eq!(code, 2, "{args:?}: {stderr}");
         assert!(
             stderr.contains(&format!("unexpected argument '{unknown}'")),
@@ -295,12 +274,9 @@ fn a_bad_connection_string_is_a_usage_error_that_never_prints_the_password() {
         "host=h password='hunter2",
         "host=h password=hunter2 sslcrl=/x",
     ] {
-        let (code, stderr) = outcome(Some(url), &["run", "--lock-id", "1", "--", "true"]);
+        let (code, stderr) = run_true(url);
         assert_eq!(code, 2, "{url}: {stderr}");
-        assert!(
-            !stderr.contains("hunter2"),
-            "the password leaked:\n{stderr}"
-        );
+        assert_password_hidden(&stderr, "hunter2");
     }
 }
 
@@ -346,38 +322,26 @@ fn a_command_that_cannot_be_executed_fails_with_126() {
 #[test]
 fn a_wrong_password_stops_at_once_and_is_never_printed() {
     let cluster = Cluster::shared();
-    let url = format!(
-        "postgres://{SECRET_USER}:not-{SECRET_PASSWORD}@127.0.0.1:{}/postgres",
-        cluster.port
-    );
-    let (code, stderr) = outcome(Some(&url), &["run", "--lock-id", "1", "--", "true"]);
+    let url = cluster.url_as_secret_user(&format!("not-{SECRET_PASSWORD}"));
+    let (code, stderr) = run_true(&url);
     assert_eq!(code, 1, "{stderr}");
     assert!(
         stderr.contains("password authentication failed"),
         "{stderr}"
     );
-    assert!(
-        !stderr.contains(SECRET_PASSWORD),
-        "the password leaked:\n{stderr}"
-    );
+    assert_password_hidden(&stderr, SECRET_PASSWORD);
     assert!(
         !stderr.contains("retrying"),
         "a permanent error was retried:\n{stderr}"
     );
 
-    let right = format!(
-        "postgres://{SECRET_USER}:{SECRET_PASSWORD}@127.0.0.1:{}/postgres",
-        cluster.port
-    );
+    let right = cluster.url_as_secret_user(SECRET_PASSWORD);
     let (code, stderr) = outcome(
         Some(&right),
         &["run", "--once", "--lock-id", "1", "--", "true"],
     );
     assert_eq!(code, 0, "{stderr}");
-    assert!(
-        !stderr.contains(SECRET_PASSWORD),
-        "the password leaked:\n{stderr}"
-    );
+    assert_password_hidden(&stderr, SECRET_PASSWORD);
 }
 
 #[test]
@@ -385,11 +349,11 @@ fn channel_binding_require_is_honoured_and_gssencmode_require_refused() {
     let cluster = Cluster::shared();
     // Trust authentication has no SCRAM exchange to bind: insisting on binding must fail.
     let url = format!("{}?channel_binding=require", cluster.url());
-    let (code, stderr) = outcome(Some(&url), &["run", "--lock-id", "1", "--", "true"]);
+    let (code, stderr) = run_true(&url);
     assert_eq!(code, 1, "{stderr}");
     assert!(stderr.contains("channel binding"), "{stderr}");
     let url = format!("{}?gssencmode=require", cluster.url());
-    let (code, stderr) = outcome(Some(&url), &["run", "--lock-id", "1", "--", "true"]);
+    let (code, stderr) = run_true(&url);
     assert_eq!(code, 2, "{stderr}");
     assert!(stderr.contains("gssencmode=require"), "{stderr}");
 }
@@ -401,7 +365,7 @@ fn a_missing_database_stops_at_once() {
         "postgres://postgres@127.0.0.1:{}/no_such_database",
         cluster.port
     );
-    let (code, stderr) = outcome(Some(&url), &["run", "--lock-id", "1", "--", "true"]);
+    let (code, stderr) = run_true(&url);
     assert_eq!(code, 1, "{stderr}");
     assert!(
         stderr.contains("database \"no_such_database\" does not exist"),

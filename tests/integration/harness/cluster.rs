@@ -424,6 +424,15 @@ impl Cluster {
         format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
     }
 
+    /// A URL like [`Cluster::url`] that logs in as [`SECRET_USER`] with `password` (the right
+    /// one is [`SECRET_PASSWORD`]), which the server checks with SCRAM.
+    pub fn url_as_secret_user(&self, password: &str) -> String {
+        format!(
+            "postgres://{SECRET_USER}:{password}@127.0.0.1:{}/postgres",
+            self.port
+        )
+    }
+
     /// The harness's own connections go through the Unix socket, which pg_hba.conf always
     /// trusts, whatever TCP demands (TLS only, client certificates).
     fn admin_url(&self) -> String {

@@ -5,6 +5,7 @@ pub mod cluster;
 pub mod http;
 pub mod namespace;
 pub mod nemesis;
+pub mod pg;
 pub mod pgbouncer;
 pub mod process;
 pub mod proxy;
@@ -17,7 +18,10 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicI64, Ordering};
 
 pub use cluster::Cluster;
-pub use process::{Proc, Stream, WAIT, is_running, keepers_of, wait_gone};
+pub use process::{
+    Proc, Stream, WAIT, assert_permanent_error, is_running, keepers_of, kill_9, pid_field,
+    poll_until, wait_gone,
+};
 pub use proxy::Proxy;
 pub use redis::Redis;
 

@@ -140,6 +140,26 @@ impl Proc {
         self.wait_for(Stream::Stderr, needle)
     }
 
+    /// Sends SIGTERM, as a service manager stops a service, and asserts that the process exits
+    /// 0 (for pgleader: its command stopped and it let go of the lock without an error).
+    pub fn terminate_cleanly(&self) {
+        self.signal(Signal::SIGTERM);
+        assert_eq!(self.wait_code(), 0, "{}", self.dump());
+    }
+
+    /// Waits until a leader running a `patient_child` tagged with this process' name loses its
+    /// leadership: the command gets TERM and the log says why. Returns that log line.
+    pub fn wait_lost_leadership(&self) -> String {
+        self.wait_stdout(&format!("{} got TERM", self.name));
+        self.wait_log("leadership lost")
+    }
+
+    /// Whether a line on `stream` so far contains `needle` (it does not wait: for what must
+    /// not have happened).
+    pub fn printed(&self, stream: Stream, needle: &str) -> bool {
+        self.lines(stream).iter().any(|line| line.contains(needle))
+    }
+
     /// Waits for the process to exit; returns its status. Every line it wrote before it exited
     /// is in [`Proc::lines`] by then.
     pub fn wait_exit(&self) -> ExitStatus {
@@ -159,6 +179,14 @@ impl Proc {
         status
             .code()
             .unwrap_or_else(|| panic!("{} died by a signal: {status}\n{}", self.name, self.dump()))
+    }
+
+    /// Waits for the process to exit, asserts that it exited with `code`, and returns its log
+    /// (stderr) as one text.
+    pub fn log_after_exit(&self, code: i32) -> String {
+        let (status, _, stderr) = self.finish();
+        assert_eq!(status.code(), Some(code), "{}", self.dump());
+        stderr.join("\n")
     }
 
     /// Whether the process has exited (and what it wrote is collected, as for `wait_exit`).
@@ -451,4 +479,50 @@ pub fn is_running(pid: i32) -> bool {
             .is_some_and(|(_, rest)| rest.starts_with('Z') || rest.starts_with('X')),
         Err(_) => false,
     }
+}
+
+/// Calls `probe` every `every` until it answers, and returns the answer; fails the test with
+/// `failure()` if [`WAIT`] passes first.
+pub fn poll_until<T>(
+    every: Duration,
+    failure: impl Fn() -> String,
+    mut probe: impl FnMut() -> Option<T>,
+) -> T {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        if let Some(answer) = probe() {
+            return answer;
+        }
+        assert!(Instant::now() < deadline, "{}", failure());
+        std::thread::sleep(every);
+    }
+}
+
+/// Asserts that the log `stderr` of a refused `url` says each of `expected`, and that the
+/// error was taken as permanent: reported, not retried.
+pub fn assert_permanent_error(url: &str, stderr: &str, expected: &[&str]) {
+    for words in expected {
+        assert!(
+            stderr.contains(words),
+            "{url}: expected {words:?} in:\n{stderr}"
+        );
+    }
+    assert!(
+        !stderr.contains("retrying"),
+        "{url}: a permanent error was retried:\n{stderr}"
+    );
+}
+
+/// Kills process `pid` -9 from outside pgleader (its command, its keeper, a server process),
+/// as an operator or the OOM killer would.
+pub fn kill_9(pid: i32) {
+    kill(Pid::from_raw(pid), Signal::SIGKILL).unwrap_or_else(|err| panic!("kill -9 {pid}: {err}"));
+}
+
+/// The pid after `key=` in a line (`backend=`, `backend_pid=`, `keeper=`, `pid=`).
+pub fn pid_field(line: &str, key: &str) -> i32 {
+    let value = super::field(line, key);
+    value
+        .parse()
+        .unwrap_or_else(|err| panic!("{key}={value:?} in {line:?} is not a pid: {err}"))
 }
