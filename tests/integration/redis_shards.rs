@@ -10,6 +10,7 @@ use std::time::Duration;
 use pgleader::election::lock::LockKey;
 use pgleader::election::shards::Holder;
 use pgleader::redis::RedisBackend;
+use pgleader::redis::shards::RedisShardHolder;
 
 use nix::sys::signal::Signal;
 
@@ -19,11 +20,12 @@ use crate::harness::shards::{
     Fleet, a_capped_member_holds_no_more_than_its_cap, a_killed_replica_s_shards_run_on_the_others,
     a_member_that_leaves_frees_its_shards, a_second_replica_takes_the_surplus,
     a_sharded_replica_beside_a_plain_one_is_refused, a_surplus_goes_to_the_one_that_is_short,
-    another_count_or_a_plain_replica_is_refused_with_exit_2, another_shard_count_is_refused,
-    assert_no_overlap, commands_exited, holds, it_stops_every_command_and_exits_2, join,
-    member_holds, notified, one_replica_runs_every_shard, shard_child, started_shards,
-    status_shows_each_shard_s_replica, stop, take_share, the_end_of_b_is_heard,
-    the_surplus_goes_back_when_its_replica_stops, three_members_of_six_shards,
+    alone_with_every_shard, another_count_or_a_plain_replica_is_refused_with_exit_2,
+    another_shard_count_is_refused, assert_no_overlap, commands_exited, holds,
+    it_stops_every_command_and_exits_2, join, member_holds, notified, one_replica_runs_every_shard,
+    shard_child, started_shards, status_shows_each_shard_s_replica, stop, take_share,
+    the_end_of_b_is_heard, the_surplus_goes_back_when_its_replica_stops,
+    three_members_of_six_shards,
 };
 use crate::harness::{Journal, Proc, Redis, Stream, WAIT, field, pgleader, unique_lock};
 use crate::observability::sample;
@@ -45,14 +47,18 @@ fn unique_name(tag: &str) -> String {
     format!("shards-{tag}-{}", unique_lock())
 }
 
+/// A new name, whose keys a test reads, and a member alone on its `shards` shards.
+async fn alone_on_a_new_name(tag: &str, shards: u32) -> (String, RedisShardHolder) {
+    let name = unique_name(tag);
+    let holder = alone_with_every_shard(&backend(&name), shards).await;
+    (name, holder)
+}
+
 #[test]
 fn the_keys_of_a_sharded_name_are_the_documented_ones_with_the_lease_as_ttl() {
-    let name = unique_name("keys");
-    let backend = backend(&name);
     let redis = Redis::shared();
     block_on(async {
-        let holder = join(&backend, 3).await;
-        assert_eq!(take_share(&holder).await, BTreeSet::from([0, 1, 2]));
+        let (name, holder) = alone_on_a_new_name("keys", 3).await;
         let me = holder.id();
         for shard in 0..3 {
             let key = format!("pgleader:{{{name}}}:shard:{shard}");
@@ -81,8 +87,7 @@ fn the_keys_of_a_sharded_name_are_the_documented_ones_with_the_lease_as_ttl() {
 #[test]
 fn the_largest_shard_count_is_read_taken_and_renewed_by_one_script_each() {
     // 4096 keys in one MGET and one take: within what a script's Lua stack holds.
-    let name = unique_name("largest");
-    let backend = backend(&name);
+    let backend = backend(&unique_name("largest"));
     block_on(async {
         let a = join(&backend, 4096).await;
         assert_eq!(take_share(&a).await.len(), 4096);
@@ -123,12 +128,9 @@ fn each_take_hands_out_a_greater_epoch_than_every_earlier_one() {
 
 #[test]
 fn a_shard_key_deleted_under_its_holder_is_lost_not_re_created() {
-    let name = unique_name("deleted");
-    let backend = backend(&name);
     let redis = Redis::shared();
     block_on(async {
-        let a = join(&backend, 3).await;
-        assert_eq!(take_share(&a).await, BTreeSet::from([0, 1, 2]));
+        let (name, a) = alone_on_a_new_name("deleted", 3).await;
         redis.cli(&["DEL", &format!("pgleader:{{{name}}}:shard:1")]);
         // The read renews the others and shows shard 1 free: the room stops its command.
         assert_eq!(holds(&a).await, BTreeSet::from([0, 2]));
@@ -388,6 +390,14 @@ fn holder_client(lock: &str, member: &str) -> String {
         .to_owned()
 }
 
+/// A replica of two shards that lost both: it joins again and runs both again, never two runs
+/// of one at once; then it stops.
+fn it_runs_both_shards_again(a: &Proc) {
+    a.wait_for_nth(Stream::Stdout, "A started", 4);
+    assert_no_overlap(&[a]);
+    stop(&[a]);
+}
+
 #[test]
 fn a_killed_holder_connection_stops_every_shard_s_command_at_once_not_at_the_next_check() {
     let lock = unique_name("clientkill");
@@ -421,22 +431,18 @@ fn a_killed_holder_connection_stops_every_shard_s_command_at_once_not_at_the_nex
         "{:?}",
         killed.elapsed()
     );
-    // It joins again, and runs both shards again.
-    a.wait_for_nth(Stream::Stdout, "A started", 4);
-    assert_no_overlap(&[&a]);
-    stop(&[&a]);
+    it_runs_both_shards_again(&a);
 }
 
 #[test]
 fn a_deleted_shard_key_stops_only_that_shard_s_command_and_it_is_taken_again() {
     let fleet = RedisFleet::new("del");
-    let lock = &fleet.lock;
     let a = fleet.replica("A", "3", &Journal::new("redis-shards-del"));
     a.wait_for_nth(Stream::Stdout, "A started", 3);
     let first: i64 = field(&a.wait_stdout("A started shard=1"), "epoch")
         .parse()
         .expect("an epoch");
-    Redis::shared().cli(&["DEL", &format!("pgleader:{{{lock}}}:shard:1")]);
+    Redis::shared().cli(&["DEL", &format!("pgleader:{{{}}}:shard:1", fleet.lock)]);
     a.wait_log("no longer holds shard 1");
     a.wait_log("the command of shard 1 exited");
     // Free again, so taken again, under a greater epoch; the other shards never stopped.
@@ -467,9 +473,7 @@ fn a_frozen_server_stops_every_shard_s_command_within_the_check_bound() {
     assert!(lost.contains("check"), "{lost}");
     // check-interval + check-timeout is 700 ms; the lease (the keys' TTL) 60 s.
     assert!(bound < Duration::from_secs(3), "{bound:?}");
-    a.wait_for_nth(Stream::Stdout, "A started", 4);
-    assert_no_overlap(&[&a]);
-    stop(&[&a]);
+    it_runs_both_shards_again(&a);
 }
 
 /// What an operator sees of a sharded lock on Redis: `status` shows each shard's holder (the
@@ -526,8 +530,7 @@ fn a_lost_id_counter_never_hands_out_a_live_member_s_id() {
     let name = unique_name("ids");
     let backend = backend(&name);
     block_on(async {
-        let a = join(&backend, 2).await;
-        assert_eq!(take_share(&a).await, BTreeSet::from([0, 1]));
+        let a = alone_with_every_shard(&backend, 2).await;
         Redis::shared().cli(&["DEL", &format!("pgleader:{{{name}}}:ids")]);
         let n = join(&backend, 2).await;
         assert_ne!(n.id(), a.id(), "a live member's id was handed out again");

@@ -3,7 +3,6 @@
 //! server, the end of a member is heard by everyone at once through the watcher, and a replica
 //! that runs the name otherwise is refused. Two sessions per replica, whatever the shard count.
 
-use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use pgleader::election::lock::LockKey;
@@ -20,11 +19,11 @@ use crate::harness::shards::{
     Fleet, a_capped_member_holds_no_more_than_its_cap, a_killed_replica_s_shards_run_on_the_others,
     a_member_that_leaves_frees_its_shards, a_second_replica_takes_the_surplus,
     a_sharded_replica_beside_a_plain_one_is_refused, a_surplus_goes_to_the_one_that_is_short,
-    another_count_or_a_plain_replica_is_refused_with_exit_2, another_shard_count_is_refused,
-    assert_no_overlap, commands_exited, it_stops_every_command_and_exits_2, join,
-    one_replica_runs_every_shard, shard_child, status_shows_each_shard_s_replica, stop, take_share,
-    the_end_of_b_is_heard, the_surplus_goes_back_when_its_replica_stops,
-    three_members_of_six_shards,
+    alone_with_every_shard, another_count_or_a_plain_replica_is_refused_with_exit_2,
+    another_shard_count_is_refused, assert_no_overlap, commands_exited,
+    it_stops_every_command_and_exits_2, one_replica_runs_every_shard, shard_child,
+    status_shows_each_shard_s_replica, stop, the_end_of_b_is_heard,
+    the_surplus_goes_back_when_its_replica_stops, three_members_of_six_shards,
 };
 use crate::harness::{Cluster, Journal, Proc, Stream, WAIT, field, pgleader, run, unique_lock};
 use crate::observability::{promtool, sample};
@@ -68,8 +67,7 @@ fn the_locks_of_a_sharded_name_are_the_documented_keys_and_never_the_plain_one()
     let key = unique_key();
     let backend = backend(key);
     block_on(async {
-        let holder = join(&backend, 3).await;
-        assert_eq!(take_share(&holder).await, BTreeSet::from([0, 1, 2]));
+        let holder = alone_with_every_shard(&backend, 3).await;
         let (pid, space) = (holder.id(), holder.keys().space());
         // The hash of the key, as the documentation gives it in SQL.
         let documented: i32 = server_rows(

@@ -42,6 +42,16 @@ pub async fn join_capped<B: ShardBackend>(
     within("join", backend.join(HOLDER_NAME, shards, cap)).await
 }
 
+/// A member alone on a roster of `shards` shards, which takes them all.
+pub async fn alone_with_every_shard<B: ShardBackend>(backend: &B, shards: u32) -> B::Holder {
+    let holder = join(backend, shards).await;
+    assert_eq!(
+        take_share(&holder).await,
+        (0..shards).collect::<BTreeSet<_>>()
+    );
+    holder
+}
+
 /// Takes what the roster deals this member, and returns what it holds now.
 pub async fn take_share<H: Holder>(holder: &H) -> BTreeSet<u32> {
     let seen = within("roster", holder.roster()).await.expect("roster");
@@ -97,8 +107,7 @@ pub async fn notified<H: Holder>(holder: &mut H, prefix: &str) -> String {
 pub async fn a_surplus_goes_to_the_one_that_is_short<B: ShardBackend>(
     backend: &B,
 ) -> (B::Holder, B::Holder) {
-    let mut a = join(backend, 4).await;
-    assert_eq!(take_share(&a).await, BTreeSet::from([0, 1, 2, 3]));
+    let mut a = alone_with_every_shard(backend, 4).await;
     let mut b = join(backend, 4).await;
     assert_eq!(take_share(&b).await, BTreeSet::new());
     let joined = notified(&mut a, "joined").await;
