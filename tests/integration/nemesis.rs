@@ -7,17 +7,13 @@
 //! Seeded: the seed is printed on failure and can be replayed with PGLEADER_NEMESIS_SEED. The
 //! number of rounds is PGLEADER_NEMESIS_ROUNDS (30 by default; docs/development.md shows a longer run).
 
-use std::io::Write;
-use std::process::Command;
 use std::time::Duration;
 
-use nix::sys::signal::Signal;
-
 use crate::harness::nemesis::{
-    Chronicle, Watch, assert_one_at_a_time, collect_runs, monotonic_ns, running_share,
-    seed_and_rounds,
+    Chronicle, announce_run_and_wait, kill_or_term, monotonic_ns, pgleader_run, seed_and_rounds,
+    stop_and_wait,
 };
-use crate::harness::{Cluster, Proc, Proxy, WAIT, pgleader, unique_lock};
+use crate::harness::{Cluster, Proxy, WAIT, unique_lock};
 
 /// Not a test of its own: the command the nemesis's pgleaders run is this test binary,
 /// re-executed to run only this function with PGLEADER_NEMESIS_SLOT set. It prints its start
@@ -28,21 +24,11 @@ fn child_mode() {
     let Ok(slot) = std::env::var("PGLEADER_NEMESIS_SLOT") else {
         return;
     };
-    let started = monotonic_ns();
-    let backend = std::env::var("PGLEADER_BACKEND_PID").unwrap_or_default();
-    let epoch = std::env::var("PGLEADER_EPOCH").unwrap_or_default();
-    let mut stdout = std::io::stdout().lock();
-    let _ = writeln!(
-        stdout,
-        "nemesis-child slot={slot} pid={} started={started} backend={backend} epoch={epoch}",
-        std::process::id()
-    );
-    let _ = stdout.flush();
-    drop(stdout);
-    loop {
-        std::thread::park();
-    }
+    announce_run_and_wait(CHILD, &slot, "");
 }
+
+/// How the child's line starts.
+const CHILD: &str = "nemesis-child ";
 
 #[derive(Debug, Clone, Copy)]
 enum Fault {
@@ -61,78 +47,36 @@ const FAULTS: [Fault; 5] = [
     Fault::Restart,
 ];
 
-// Short turns of the followers' waits, so that faults land between two turns and in the
-// middle of one, not only in the first.
-const TIMINGS: [&str; 8] = [
+// Besides the nemeses' quick checks: short turns of the followers' waits, so that faults land
+// between two turns and in the middle of one, not only in the first.
+const TIMINGS: [&str; 3] = [
     "--wait-refresh=300ms",
-    "--check-interval=100ms",
-    "--check-timeout=200ms",
-    "--kill-timeout=300ms",
     "--lease=2s",
     "--takeover-delay=500ms",
-    "--restart-fence=auto",
-    "--restart-delay=0s",
 ];
 
 struct Nemesis {
     cluster: Cluster,
     lock: i64,
     proxies: Vec<Proxy>,
-    instances: Vec<Option<Proc>>,
     chronicle: Chronicle,
     /// (stopped, started) monotonic times of the server's downtimes.
     downtime: Vec<(u64, u64)>,
 }
 
-impl Watch for Nemesis {
-    fn collect(&self) -> usize {
-        collect_runs(
-            "nemesis-child ",
-            self.instances.iter().flatten(),
-            &self.chronicle.runs,
-            self.chronicle.seed,
-        )
-    }
-
-    fn chronicle(&self) -> &Chronicle {
-        &self.chronicle
-    }
-
-    fn instances(&self) -> Vec<&Proc> {
-        self.instances.iter().flatten().collect()
-    }
-
-    fn new_leader_bound(&self) -> Duration {
-        WAIT
-    }
-}
-
 impl Nemesis {
     fn spawn(&mut self, slot: usize) {
-        let mut command: Command = pgleader();
+        let mut command = pgleader_run(&format!("--lock-id={}", self.lock), &TIMINGS);
         command
             .env("PGLEADER_DATABASE_URL", self.proxies[slot].url())
-            .env("PGLEADER_NEMESIS_SLOT", slot.to_string())
-            .arg("run")
-            .arg(format!("--lock-id={}", self.lock))
-            .args(TIMINGS)
-            .arg("--")
-            .arg(std::env::current_exe().expect("the test binary"))
-            .args([
-                "--exact",
-                "nemesis::child_mode",
-                "--nocapture",
-                "--test-threads=1",
-                "-q",
-            ]);
-        self.instances[slot] = Some(Proc::spawn(&format!("instance {slot}"), command));
+            .env("PGLEADER_NEMESIS_SLOT", slot.to_string());
+        self.chronicle.start(slot, command, "nemesis::child_mode");
     }
 }
 
 #[test]
 fn no_two_commands_ever_run_at_once_under_random_faults() {
-    let (seed, rounds) = seed_and_rounds(30);
-    let mut rng = fastrand::Rng::with_seed(seed);
+    let (seed, rounds, mut rng) = seed_and_rounds(30);
     let cluster = Cluster::new("nemesis");
     let count = rng.usize(3..=5);
     let proxies: Vec<Proxy> = (0..count).map(|_| Proxy::start(cluster.port)).collect();
@@ -140,18 +84,20 @@ fn no_two_commands_ever_run_at_once_under_random_faults() {
         cluster,
         lock: unique_lock(),
         proxies,
-        instances: (0..count).map(|_| None).collect(),
         downtime: Vec::new(),
         chronicle: Chronicle::new(
             seed,
             format!("seed {seed}, {count} instances, {rounds} rounds"),
+            count,
+            CHILD,
+            WAIT,
         ),
     };
     let began = monotonic_ns();
     for slot in 0..count {
         nemesis.spawn(slot);
     }
-    let mut leader = nemesis.wait_for_new_run(0);
+    let mut leader = nemesis.chronicle.wait_for_new_run(0);
 
     for round in 0..rounds {
         let fault = FAULTS[rng.usize(..FAULTS.len())];
@@ -160,23 +106,16 @@ fn no_two_commands_ever_run_at_once_under_random_faults() {
             Fault::Kill9 | Fault::Term if rng.u8(..5) == 0 => rng.usize(..count),
             _ => leader.slot,
         };
-        nemesis.chronicle.log.push(format!(
+        nemesis.chronicle.note(format!(
             "round {round}: {fault:?} on instance {target} (leader {})",
             leader.slot
         ));
-        let known = nemesis.collect();
+        let known = nemesis.chronicle.collect();
         let hits_leader = target == leader.slot || matches!(fault, Fault::Restart);
         match fault {
             Fault::Kill9 | Fault::Term => {
-                let signal = if matches!(fault, Fault::Kill9) {
-                    Signal::SIGKILL
-                } else {
-                    Signal::SIGTERM
-                };
-                if let Some(instance) = nemesis.instances[target].take() {
-                    instance.signal(signal);
-                    instance.wait_exit();
-                }
+                let signal = kill_or_term(matches!(fault, Fault::Kill9));
+                stop_and_wait(&mut nemesis.chronicle.instances.live[target], signal);
                 nemesis.spawn(target);
             }
             Fault::Terminate => nemesis
@@ -192,7 +131,7 @@ fn no_two_commands_ever_run_at_once_under_random_faults() {
             }
         }
         if hits_leader {
-            leader = nemesis.wait_for_new_run(known);
+            leader = nemesis.chronicle.wait_for_new_run(known);
         }
         if matches!(fault, Fault::Freeze) {
             nemesis.proxies[target].thaw();
@@ -201,11 +140,7 @@ fn no_two_commands_ever_run_at_once_under_random_faults() {
         std::thread::sleep(Duration::from_millis(rng.u64(1000..2000)));
     }
 
-    let ended = monotonic_ns();
-    nemesis.collect();
-    let report = nemesis.report();
-    let runs = assert_one_at_a_time(&nemesis.chronicle.runs, ended, seed, &report);
-    let share = running_share(&runs, began, ended, &nemesis.downtime);
+    let (runs, share, report) = nemesis.chronicle.conclude(began, &nemesis.downtime);
     assert!(
         share > 0.5,
         "seed {seed}: a command ran only {:.0}% of the time the database was up\n{report}",

@@ -29,17 +29,15 @@
 //! sets the number of rounds (by default every fault once over three servers, and six rounds
 //! over five), and PGLEADER_NEMESIS_FAULTS=Partition,MajorityLost draws from those only.
 
-use std::process::Command;
 use std::time::Duration;
 
-use nix::sys::signal::Signal;
-
 use crate::harness::nemesis::{
-    Chronicle, Run, Watch, assert_one_at_a_time, collect_runs, monotonic_ns, seed_and_rounds,
+    Chronicle, Run, assert_one_at_a_time, faults_to_draw, kill_or_term, monotonic_ns, pgleader_run,
+    seed_and_rounds,
 };
-use crate::harness::{Proc, Proxy, Redis, WAIT, pgleader, unique_lock};
+use crate::harness::{Proxy, Redis, WAIT, unique_lock};
 use crate::quorum::wait_older_than;
-use crate::redis_nemesis::CHILD_ARGS;
+use crate::redis_nemesis::start_child;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Fault {
@@ -92,17 +90,9 @@ const FAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1";
 /// through a proxy of its own, so that each can be cut from a majority.
 const INSTANCES: usize = 3;
 
-/// As in the Redis nemesis: the shortest lease pgleader accepts for these checks (1616 ms), and a
-/// takeover delay above the kill timeout.
-const TIMINGS: [&str; 7] = [
-    "--check-interval=100ms",
-    "--check-timeout=200ms",
-    "--kill-timeout=300ms",
-    "--lease=1700ms",
-    "--takeover-delay=500ms",
-    "--restart-fence=auto",
-    "--restart-delay=0s",
-];
+/// As in the Redis nemesis, besides the quick checks: the shortest lease pgleader accepts for
+/// them (1616 ms), and a takeover delay above the kill timeout.
+const TIMINGS: [&str; 2] = ["--lease=1700ms", "--takeover-delay=500ms"];
 const LEASE: Duration = Duration::from_millis(1700);
 
 /// How soon the leader's command must be gone once the majority is lost: check-interval +
@@ -127,39 +117,9 @@ struct Nemesis {
     lock: String,
     /// `proxies[slot][server]`: that instance's proxy to that server, if it has one.
     proxies: Vec<Vec<Option<Proxy>>>,
-    instances: Vec<Option<Proc>>,
     /// `clocks[slot]`: the file that holds that instance's wall-clock offset.
     clocks: Vec<std::path::PathBuf>,
-    /// Instances stopped by a fault: their output still counts and goes into the report.
-    retired: Vec<Proc>,
     chronicle: Chronicle,
-}
-
-impl Watch for Nemesis {
-    fn collect(&self) -> usize {
-        collect_runs(
-            "redis-nemesis-child ",
-            self.retired.iter().chain(self.instances.iter().flatten()),
-            &self.chronicle.runs,
-            self.chronicle.seed,
-        )
-    }
-
-    fn chronicle(&self) -> &Chronicle {
-        &self.chronicle
-    }
-
-    fn instances(&self) -> Vec<&Proc> {
-        self.retired
-            .iter()
-            .chain(self.instances.iter().flatten())
-            .collect()
-    }
-
-    /// Long enough for a majority to come back and a lease to pass.
-    fn new_leader_bound(&self) -> Duration {
-        NEW_LEADER
-    }
 }
 
 impl Nemesis {
@@ -184,46 +144,17 @@ impl Nemesis {
     }
 
     fn spawn(&mut self, slot: usize, stubborn: bool) {
-        let mut command: Command = pgleader();
+        let mut command = pgleader_run(&format!("--lock={}", self.lock), &TIMINGS);
         command
             .env("LD_PRELOAD", FAKETIME)
             .env("FAKETIME_TIMESTAMP_FILE", &self.clocks[slot])
             .env("FAKETIME_NO_CACHE", "1")
-            .env("DONT_FAKE_MONOTONIC", "1")
-            .env("PGLEADER_REDIS_NEMESIS_SLOT", slot.to_string())
-            .env(
-                "PGLEADER_REDIS_NEMESIS_STUBBORN",
-                if stubborn { "1" } else { "0" },
-            )
-            .arg("run");
+            .env("DONT_FAKE_MONOTONIC", "1");
         for server in 0..self.servers.len() {
             command.args(["-d", &self.url(slot, server)]);
         }
-        command
-            .arg(format!("--lock={}", self.lock))
-            .args(TIMINGS)
-            .arg("--")
-            .arg(std::env::current_exe().expect("the test binary"))
-            .args(CHILD_ARGS);
-        self.instances[slot] = Some(Proc::spawn(&format!("instance {slot}"), command));
-    }
-
-    /// Stops an instance with `signal` and waits for it to exit.
-    fn stop(&mut self, slot: usize, signal: Signal) {
-        let Some(instance) = self.instances[slot].take() else {
-            return;
-        };
-        instance.signal(signal);
-        // Retired first, so that what it prints while it stops is still collected.
-        self.retired.push(instance);
-        let instance = self.retired.last().expect("just retired");
-        self.collect_until(&format!("the exit of instance {slot}"), WAIT, || {
-            instance.has_exited()
-        });
-        let status = instance.wait_exit();
-        self.chronicle
-            .log
-            .push(format!("  instance {slot}: {status}"));
+        // The Redis nemesis' child: it prints what the runs are collected from.
+        start_child(&mut self.chronicle, slot, stubborn, command);
     }
 
     /// Whether a server votes: up for more than the lease (by the uptime the acquire script
@@ -249,9 +180,10 @@ impl Nemesis {
         let others: Vec<usize> = (0..self.servers.len())
             .filter(|server| !except.contains(server))
             .collect();
-        self.collect_until("the other servers' votes", WAIT, || {
-            others.iter().all(|server| self.votes(*server))
-        });
+        self.chronicle
+            .collect_until("the other servers' votes", WAIT, || {
+                others.iter().all(|server| self.votes(*server))
+            });
     }
 
     /// `CLIENT KILL` of every connection of the pgleader with this pid on this server (they
@@ -283,7 +215,7 @@ impl Nemesis {
     }
 
     fn instance_pid(&self, slot: usize) -> i32 {
-        self.instances[slot]
+        self.chronicle.instances.live[slot]
             .as_ref()
             .expect("a running instance")
             .pid
@@ -301,7 +233,7 @@ fn pick(rng: &mut fastrand::Rng, from: &[usize], n: usize) -> Vec<usize> {
 }
 
 fn nemesis(server_count: usize, default_rounds: usize) {
-    let (seed, rounds) = seed_and_rounds(default_rounds);
+    let (seed, rounds, mut rng) = seed_and_rounds(default_rounds);
     eprintln!(
         "quorum nemesis over {server_count} servers: seed {seed} (PGLEADER_NEMESIS_SEED={seed} replays it), {rounds} rounds"
     );
@@ -310,19 +242,7 @@ fn nemesis(server_count: usize, default_rounds: usize) {
         "{FAKETIME} is missing: the quorum nemesis jumps pgleaders' wall clocks with libfaketime \
          (apt-get install faketime)"
     );
-    let mut rng = fastrand::Rng::with_seed(seed);
-    let faults: Vec<Fault> = match std::env::var("PGLEADER_NEMESIS_FAULTS") {
-        Ok(names) => names
-            .split(',')
-            .map(|name| {
-                *FAULTS
-                    .iter()
-                    .find(|fault| format!("{fault:?}") == name.trim())
-                    .unwrap_or_else(|| panic!("no fault {name:?}; the faults: {FAULTS:?}"))
-            })
-            .collect(),
-        Err(_) => FAULTS.to_vec(),
-    };
+    let faults = faults_to_draw(&FAULTS);
     // Every fault once, in a seeded order, then any.
     let mut plan = faults.clone();
     rng.shuffle(&mut plan);
@@ -352,14 +272,16 @@ fn nemesis(server_count: usize, default_rounds: usize) {
         lock,
         servers,
         proxies,
-        instances: (0..INSTANCES).map(|_| None).collect(),
-        retired: Vec::new(),
         chronicle: Chronicle::new(
             seed,
             format!(
                 "seed {seed}, {INSTANCES} instances over {server_count} servers (instance s reaches \
              server s directly, the others through its proxies), {rounds} rounds"
             ),
+            INSTANCES,
+            crate::redis_nemesis::CHILD,
+            // Long enough for a majority to come back and a lease to pass.
+            NEW_LEADER,
         ),
     };
     let all: Vec<usize> = (0..server_count).collect();
@@ -371,14 +293,14 @@ fn nemesis(server_count: usize, default_rounds: usize) {
         let stubborn = rng.bool();
         nemesis.spawn(slot, stubborn);
     }
-    nemesis.wait_for_new_run(0);
+    nemesis.chronicle.wait_for_new_run(0);
 
     for round in 0..rounds {
         let fault = plan
             .get(round)
             .copied()
             .unwrap_or_else(|| faults[rng.usize(..faults.len())]);
-        let leader = nemesis.leader();
+        let leader = nemesis.chronicle.leader();
         // Mostly the leader; now and then a follower.
         let target = match fault {
             Fault::Kill9
@@ -393,11 +315,11 @@ fn nemesis(server_count: usize, default_rounds: usize) {
             _ => leader.slot,
         };
         let server = rng.usize(..server_count);
-        nemesis.chronicle.log.push(format!(
+        nemesis.chronicle.note(format!(
             "round {round}: {fault:?} (leader: instance {}, client {}, epoch {})",
             leader.slot, leader.backend, leader.epoch
         ));
-        let known = nemesis.collect();
+        let known = nemesis.chronicle.collect();
         // Whether the fault surely ends the leader's leadership (it may end it in other rounds
         // too, when an earlier fault left it with a bare majority: that is allowed).
         let mut hits_leader = false;
@@ -405,16 +327,9 @@ fn nemesis(server_count: usize, default_rounds: usize) {
         let mut frozen: Vec<(usize, usize)> = Vec::new();
         match fault {
             Fault::Kill9 | Fault::Term => {
-                let signal = if fault == Fault::Kill9 {
-                    Signal::SIGKILL
-                } else {
-                    Signal::SIGTERM
-                };
-                nemesis
-                    .chronicle
-                    .log
-                    .push(format!("  on instance {target}"));
-                nemesis.stop(target, signal);
+                let signal = kill_or_term(fault == Fault::Kill9);
+                nemesis.chronicle.note(format!("  on instance {target}"));
+                nemesis.chronicle.stop(target, signal);
                 let stubborn = rng.bool();
                 nemesis.spawn(target, stubborn);
                 hits_leader = target == leader.slot;
@@ -427,7 +342,7 @@ fn nemesis(server_count: usize, default_rounds: usize) {
                     .iter()
                     .map(|server| nemesis.client_kill(*server, pid))
                     .collect();
-                nemesis.chronicle.log.push(format!(
+                nemesis.chronicle.note(format!(
                     "  instance {target}'s connections on servers {on:?}: {killed:?} killed"
                 ));
                 // Not surely a loss even when a majority of its connections is killed: a leader
@@ -439,63 +354,48 @@ fn nemesis(server_count: usize, default_rounds: usize) {
                 let answer = nemesis.servers[server].try_cli(&["DEL", &nemesis.key()]);
                 nemesis
                     .chronicle
-                    .log
-                    .push(format!("  DEL on server {server}: {answer:?}"));
+                    .note(format!("  DEL on server {server}: {answer:?}"));
             }
             Fault::FlushAll => {
                 let answer = nemesis.servers[server].try_cli(&["FLUSHALL"]);
                 nemesis
                     .chronicle
-                    .log
-                    .push(format!("  FLUSHALL on server {server}: {answer:?}"));
+                    .note(format!("  FLUSHALL on server {server}: {answer:?}"));
             }
             Fault::Restart => {
                 nemesis.settle(&[server]);
                 let length = Duration::from_millis(rng.u64(200..1500));
                 nemesis
                     .chronicle
-                    .log
-                    .push(format!("  server {server} down for {length:?}"));
+                    .note(format!("  server {server} down for {length:?}"));
                 nemesis.servers[server].crash();
-                nemesis.pause(length);
+                nemesis.chronicle.pause(length);
                 let redis = &nemesis.servers[server];
-                nemesis.during(|| redis.start());
+                nemesis.chronicle.during(|| redis.start());
             }
-            Fault::Sigstop => {
+            // A server frozen, stopped by SIGSTOP or busy in DEBUG SLEEP.
+            Fault::Sigstop | Fault::DebugSleep => {
                 nemesis.settle(&[server]);
                 let length = freeze_for(&mut rng);
-                nemesis
-                    .chronicle
-                    .log
-                    .push(format!("  server {server} stopped for {length:?}"));
-                nemesis.servers[server].freeze(true);
-                nemesis.pause(length);
-                nemesis.servers[server].freeze(false);
-            }
-            Fault::DebugSleep => {
-                nemesis.settle(&[server]);
-                let length = freeze_for(&mut rng);
-                nemesis
-                    .chronicle
-                    .log
-                    .push(format!("  DEBUG SLEEP {length:?} on server {server}"));
                 let redis = &nemesis.servers[server];
-                let seconds = format!("{:.3}", length.as_secs_f64());
-                let answer = nemesis.during(|| redis.try_cli(&["DEBUG", "SLEEP", &seconds]));
-                assert_eq!(
-                    answer.as_deref(),
-                    Ok("OK"),
-                    "seed {seed}: DEBUG SLEEP (the harness starts redis-server with \
-                     --enable-debug-command local)"
-                );
+                if fault == Fault::Sigstop {
+                    let stopped = format!("  server {server} stopped for {length:?}");
+                    nemesis.chronicle.note(stopped);
+                    redis.freeze(true);
+                    nemesis.chronicle.pause(length);
+                    redis.freeze(false);
+                } else {
+                    let slept = format!("  DEBUG SLEEP {length:?} on server {server}");
+                    nemesis.chronicle.note(slept);
+                    nemesis.chronicle.debug_sleep(redis, length);
+                }
             }
             Fault::Partition => {
                 let proxied: Vec<usize> = all.iter().copied().filter(|s| *s != target).collect();
                 let cut = pick(&mut rng, &proxied, nemesis.to_lose());
                 nemesis
                     .chronicle
-                    .log
-                    .push(format!("  instance {target} cut from servers {cut:?}"));
+                    .note(format!("  instance {target} cut from servers {cut:?}"));
                 for server in &cut {
                     nemesis.proxies[target][*server]
                         .as_ref()
@@ -508,7 +408,7 @@ fn nemesis(server_count: usize, default_rounds: usize) {
             Fault::ClockJump => {
                 // Minutes, up to two hours, either way: far beyond the lease and the checks.
                 let minutes = rng.i64(1..=120) * if rng.bool() { 1 } else { -1 };
-                nemesis.chronicle.log.push(format!(
+                nemesis.chronicle.note(format!(
                     "  instance {target}'s wall clock set {minutes:+} min from the real one"
                 ));
                 std::fs::write(&nemesis.clocks[target], format!("{minutes:+}m\n"))
@@ -519,7 +419,7 @@ fn nemesis(server_count: usize, default_rounds: usize) {
                 let lost = pick(&mut rng, &all, nemesis.to_lose());
                 let crash = rng.bool();
                 let length = Duration::from_millis(rng.u64(300..1500));
-                nemesis.chronicle.log.push(format!(
+                nemesis.chronicle.note(format!(
                     "  servers {lost:?} {} ({length:?} after the command's end)",
                     if crash { "killed" } else { "stopped" }
                 ));
@@ -532,21 +432,23 @@ fn nemesis(server_count: usize, default_rounds: usize) {
                     }
                 }
                 let pid = leader.pid;
-                nemesis.collect_until(
+                nemesis.chronicle.collect_until(
                     "the end of the leader's command once the majority was lost",
                     STOP,
                     || {
                         nemesis
-                            .runs()
+                            .chronicle
+                            .runs
                             .lock()
                             .expect("runs")
                             .get(&pid)
                             .is_some_and(|run| run.died.is_some())
                     },
                 );
-                nemesis.pause(length);
+                nemesis.chronicle.pause(length);
                 let started: Vec<Run> = nemesis
-                    .runs()
+                    .chronicle
+                    .runs
                     .lock()
                     .expect("runs")
                     .values()
@@ -556,12 +458,12 @@ fn nemesis(server_count: usize, default_rounds: usize) {
                 assert!(
                     started.is_empty(),
                     "seed {seed}: a command started without a majority: {started:?}\n{}",
-                    nemesis.report()
+                    nemesis.chronicle.report()
                 );
                 for server in &lost {
                     if crash {
                         let redis = &nemesis.servers[*server];
-                        nemesis.during(|| redis.start());
+                        nemesis.chronicle.during(|| redis.start());
                     } else {
                         nemesis.servers[*server].freeze(false);
                     }
@@ -570,21 +472,22 @@ fn nemesis(server_count: usize, default_rounds: usize) {
             }
         }
         if hits_leader {
-            let next = nemesis.wait_for_new_run(known);
-            nemesis.chronicle.log.push(format!(
-                "  new leader: instance {} (client {}, epoch {})",
-                next.slot, next.backend, next.epoch
-            ));
-        } else if nemesis.collect() > known {
-            let next = nemesis.newest();
-            nemesis.chronicle.log.push(format!(
+            let next = nemesis.chronicle.wait_for_new_run(known);
+            nemesis
+                .chronicle
+                .note(format!("  new leader: {}", next.as_leader()));
+        } else if nemesis.chronicle.collect() > known {
+            let next = nemesis.chronicle.newest();
+            nemesis.chronicle.note(format!(
                 "  leader now: instance {} (epoch {})",
                 next.slot, next.epoch
             ));
         }
         // Let the leader run a while: the experiment's own pace, not a synchronisation. A
         // cut-off pgleader stays cut off meanwhile, and its held commands arrive after.
-        nemesis.pause(Duration::from_millis(rng.u64(500..1500)));
+        nemesis
+            .chronicle
+            .pause(Duration::from_millis(rng.u64(500..1500)));
         for (slot, server) in frozen {
             nemesis.proxies[slot][server]
                 .as_ref()
@@ -594,11 +497,11 @@ fn nemesis(server_count: usize, default_rounds: usize) {
     }
 
     let ended = monotonic_ns();
-    nemesis.collect();
+    nemesis.chronicle.collect();
     for clock in &nemesis.clocks {
         let _ = std::fs::remove_file(clock);
     }
-    let report = nemesis.report();
+    let report = nemesis.chronicle.report();
     let runs = assert_one_at_a_time(&nemesis.chronicle.runs, ended, seed, &report);
     eprintln!("{}", nemesis.chronicle.log.join("\n"));
     eprintln!(

@@ -22,17 +22,14 @@
 //! PGLEADER_NEMESIS_ROUNDS (12 by default: the first ten are every fault once, in a seeded
 //! order). PGLEADER_NEMESIS_FAULTS=Partition,Del (the names below) draws from those only.
 
-use std::io::Write;
 use std::process::Command;
 use std::time::Duration;
 
-use nix::sys::signal::Signal;
-
 use crate::harness::nemesis::{
-    Chronicle, Watch, assert_one_at_a_time, collect_runs, monotonic_ns, running_share,
+    Chronicle, announce_run_and_wait, faults_to_draw, kill_or_term, monotonic_ns, pgleader_run,
     seed_and_rounds,
 };
-use crate::harness::{Proc, Proxy, Redis, WAIT, pgleader, unique_lock};
+use crate::harness::{Proxy, Redis, WAIT, unique_lock};
 
 /// Not a test of its own: the command the nemesis's pgleaders run is this test binary,
 /// re-executed to run only this function with PGLEADER_REDIS_NEMESIS_SLOT set. It prints its
@@ -49,31 +46,28 @@ fn child_mode() {
         // SAFETY: SIG_IGN is a valid disposition for SIGTERM; no handler code runs.
         unsafe { libc::signal(libc::SIGTERM, libc::SIG_IGN) };
     }
-    let started = monotonic_ns();
-    let backend = std::env::var("PGLEADER_BACKEND_PID").unwrap_or_default();
-    let epoch = std::env::var("PGLEADER_EPOCH").unwrap_or_default();
-    let mut stdout = std::io::stdout().lock();
-    let _ = writeln!(
-        stdout,
-        "redis-nemesis-child slot={slot} pid={} started={started} backend={backend} epoch={epoch} stubborn={stubborn}",
-        std::process::id()
-    );
-    let _ = stdout.flush();
-    drop(stdout);
-    loop {
-        std::thread::park();
-    }
+    announce_run_and_wait(CHILD, &slot, &format!(" stubborn={stubborn}"));
 }
 
-/// The arguments that make this test binary run [`child_mode`] only (the quorum nemesis runs
-/// the same command).
-pub(crate) const CHILD_ARGS: [&str; 5] = [
-    "--exact",
-    "redis_nemesis::child_mode",
-    "--nocapture",
-    "--test-threads=1",
-    "-q",
-];
+/// How the child's line starts (the quorum nemesis runs the same child).
+pub(crate) const CHILD: &str = "redis-nemesis-child ";
+
+/// Starts instance `slot` of a Redis nemesis (this one's or the quorum's): its pgleader's
+/// `command`, which runs [`child_mode`], SIGTERM ignored if `stubborn`.
+pub(crate) fn start_child(
+    chronicle: &mut Chronicle,
+    slot: usize,
+    stubborn: bool,
+    mut command: Command,
+) {
+    command
+        .env("PGLEADER_REDIS_NEMESIS_SLOT", slot.to_string())
+        .env(
+            "PGLEADER_REDIS_NEMESIS_STUBBORN",
+            if stubborn { "1" } else { "0" },
+        );
+    chronicle.start(slot, command, "redis_nemesis::child_mode");
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Fault {
@@ -118,18 +112,11 @@ const FAULTS: [Fault; 10] = [
 /// How many pgleaders compete; slot 0 talks to the server directly, the others through proxies.
 const INSTANCES: usize = 3;
 
-/// The lease is the shortest pgleader accepts (check-interval + check-timeout + kill-timeout +
-/// 1 s, plus 1 % for a fast server clock: 1616 ms), so a partitioned leader has no more slack
-/// than the documented rule gives it. The takeover delay is above the kill timeout.
-const TIMINGS: [&str; 7] = [
-    "--check-interval=100ms",
-    "--check-timeout=200ms",
-    "--kill-timeout=300ms",
-    "--lease=1700ms",
-    "--takeover-delay=500ms",
-    "--restart-fence=auto",
-    "--restart-delay=0s",
-];
+/// Besides the nemeses' quick checks: the lease is the shortest pgleader accepts
+/// (check-interval + check-timeout + kill-timeout + 1 s, plus 1 % for a fast server clock:
+/// 1616 ms), so a partitioned leader has no more slack than the documented rule gives it. The
+/// takeover delay is above the kill timeout.
+const TIMINGS: [&str; 2] = ["--lease=1700ms", "--takeover-delay=500ms"];
 
 /// How long a server freeze lasts: always well above check-interval + check-timeout (so the
 /// leader surely loses), sometimes below the lease (the key survives the freeze), sometimes
@@ -143,38 +130,9 @@ struct Nemesis {
     lock: String,
     /// `proxies[slot]` is the proxy of that instance, if it has one.
     proxies: Vec<Option<Proxy>>,
-    instances: Vec<Option<Proc>>,
-    /// Instances stopped by a fault: their output still counts and goes into the report.
-    retired: Vec<Proc>,
     chronicle: Chronicle,
     /// (stopped, answering again) monotonic times of the server's downtimes and freezes.
     downtime: Vec<(u64, u64)>,
-}
-
-impl Watch for Nemesis {
-    fn collect(&self) -> usize {
-        collect_runs(
-            "redis-nemesis-child ",
-            self.retired.iter().chain(self.instances.iter().flatten()),
-            &self.chronicle.runs,
-            self.chronicle.seed,
-        )
-    }
-
-    fn chronicle(&self) -> &Chronicle {
-        &self.chronicle
-    }
-
-    fn instances(&self) -> Vec<&Proc> {
-        self.retired
-            .iter()
-            .chain(self.instances.iter().flatten())
-            .collect()
-    }
-
-    fn new_leader_bound(&self) -> Duration {
-        WAIT
-    }
 }
 
 impl Nemesis {
@@ -190,59 +148,16 @@ impl Nemesis {
     }
 
     fn spawn(&mut self, slot: usize, stubborn: bool) {
-        let mut command: Command = pgleader();
-        command
-            .env("PGLEADER_DATABASE_URL", self.url(slot))
-            .env("PGLEADER_REDIS_NEMESIS_SLOT", slot.to_string())
-            .env(
-                "PGLEADER_REDIS_NEMESIS_STUBBORN",
-                if stubborn { "1" } else { "0" },
-            )
-            .arg("run")
-            .arg(format!("--lock={}", self.lock))
-            .args(TIMINGS)
-            .arg("--")
-            .arg(std::env::current_exe().expect("the test binary"))
-            .args(CHILD_ARGS);
-        self.instances[slot] = Some(Proc::spawn(&format!("instance {slot}"), command));
-    }
-
-    /// Stops an instance with `signal` and waits for it to exit.
-    fn stop(&mut self, slot: usize, signal: Signal) {
-        let Some(instance) = self.instances[slot].take() else {
-            return;
-        };
-        instance.signal(signal);
-        // Retired first, so that what it prints while it stops is still collected.
-        self.retired.push(instance);
-        let instance = self.retired.last().expect("just retired");
-        self.collect_until(&format!("the exit of instance {slot}"), WAIT, || {
-            instance.has_exited()
-        });
-        let status = instance.wait_exit();
-        self.chronicle
-            .log
-            .push(format!("  instance {slot}: {status}"));
+        let mut command = pgleader_run(&format!("--lock={}", self.lock), &TIMINGS);
+        command.env("PGLEADER_DATABASE_URL", self.url(slot));
+        start_child(&mut self.chronicle, slot, stubborn, command);
     }
 }
 
 #[test]
 fn no_two_commands_ever_run_at_once_under_random_redis_faults() {
-    let (seed, rounds) = seed_and_rounds(12);
-    let mut rng = fastrand::Rng::with_seed(seed);
-    // Only the faults PGLEADER_NEMESIS_FAULTS names (Debug names, comma-separated), if set.
-    let faults: Vec<Fault> = match std::env::var("PGLEADER_NEMESIS_FAULTS") {
-        Ok(names) => names
-            .split(',')
-            .map(|name| {
-                *FAULTS
-                    .iter()
-                    .find(|fault| format!("{fault:?}") == name.trim())
-                    .unwrap_or_else(|| panic!("no fault {name:?}; the faults: {FAULTS:?}"))
-            })
-            .collect(),
-        Err(_) => FAULTS.to_vec(),
-    };
+    let (seed, rounds, mut rng) = seed_and_rounds(12);
+    let faults = faults_to_draw(&FAULTS);
     // Every fault once, in a seeded order, then any.
     let mut plan = faults.clone();
     rng.shuffle(&mut plan);
@@ -254,14 +169,15 @@ fn no_two_commands_ever_run_at_once_under_random_redis_faults() {
         lock: format!("nemesis-{}", unique_lock()),
         redis,
         proxies,
-        instances: (0..INSTANCES).map(|_| None).collect(),
-        retired: Vec::new(),
         downtime: Vec::new(),
         chronicle: Chronicle::new(
             seed,
             format!(
                 "seed {seed}, {INSTANCES} instances (1 and 2 through proxies), {rounds} rounds"
             ),
+            INSTANCES,
+            CHILD,
+            WAIT,
         ),
     };
     let began = monotonic_ns();
@@ -269,14 +185,14 @@ fn no_two_commands_ever_run_at_once_under_random_redis_faults() {
         let stubborn = rng.bool();
         nemesis.spawn(slot, stubborn);
     }
-    nemesis.wait_for_new_run(0);
+    nemesis.chronicle.wait_for_new_run(0);
 
     for round in 0..rounds {
         let fault = plan
             .get(round)
             .copied()
             .unwrap_or_else(|| faults[rng.usize(..faults.len())]);
-        let leader = nemesis.leader();
+        let leader = nemesis.chronicle.leader();
         let behind_proxy = nemesis.proxies[leader.slot].is_some();
         // Mostly the leader; now and then a follower, for kill -9 and SIGTERM; a follower's
         // proxy when the leader has none.
@@ -287,19 +203,16 @@ fn no_two_commands_ever_run_at_once_under_random_redis_faults() {
         };
         let server_wide = matches!(fault, Fault::Sigstop | Fault::DebugSleep | Fault::Restart);
         let hits_leader = server_wide || target == leader.slot;
-        nemesis.chronicle.log.push(format!(
+        nemesis.chronicle.note(format!(
             "round {round}: {fault:?} on instance {target} (leader {}, client {}, epoch {})",
             leader.slot, leader.backend, leader.epoch
         ));
-        let known = nemesis.collect();
+        let known = nemesis.chronicle.collect();
         match fault {
             Fault::Kill9 | Fault::Term => {
-                let signal = if fault == Fault::Kill9 {
-                    Signal::SIGKILL
-                } else {
-                    Signal::SIGTERM
-                };
-                nemesis.stop(target, signal);
+                nemesis
+                    .chronicle
+                    .stop(target, kill_or_term(fault == Fault::Kill9));
                 let stubborn = rng.bool();
                 nemesis.spawn(target, stubborn);
             }
@@ -307,58 +220,38 @@ fn no_two_commands_ever_run_at_once_under_random_redis_faults() {
                 let answer = nemesis
                     .redis
                     .try_cli(&["CLIENT", "KILL", "ID", &leader.backend]);
-                nemesis
-                    .chronicle
-                    .log
-                    .push(format!("  CLIENT KILL: {answer:?}"));
+                nemesis.chronicle.note(format!("  CLIENT KILL: {answer:?}"));
             }
             Fault::Del => {
                 let answer = nemesis.redis.try_cli(&["DEL", &nemesis.key()]);
-                nemesis.chronicle.log.push(format!("  DEL: {answer:?}"));
+                nemesis.chronicle.note(format!("  DEL: {answer:?}"));
             }
             Fault::FlushAll => {
                 let answer = nemesis.redis.try_cli(&["FLUSHALL"]);
-                nemesis
-                    .chronicle
-                    .log
-                    .push(format!("  FLUSHALL: {answer:?}"));
+                nemesis.chronicle.note(format!("  FLUSHALL: {answer:?}"));
             }
             Fault::Sigstop => {
                 let length = freeze_for(&mut rng);
-                nemesis
-                    .chronicle
-                    .log
-                    .push(format!("  stopped for {length:?}"));
+                nemesis.chronicle.note(format!("  stopped for {length:?}"));
                 let stopped = monotonic_ns();
                 nemesis.redis.freeze(true);
-                nemesis.pause(length);
+                nemesis.chronicle.pause(length);
                 nemesis.redis.freeze(false);
                 nemesis.downtime.push((stopped, monotonic_ns()));
             }
             Fault::DebugSleep => {
                 let length = freeze_for(&mut rng);
-                nemesis
-                    .chronicle
-                    .log
-                    .push(format!("  DEBUG SLEEP {length:?}"));
+                nemesis.chronicle.note(format!("  DEBUG SLEEP {length:?}"));
                 let stopped = monotonic_ns();
-                let redis = &nemesis.redis;
-                let seconds = format!("{:.3}", length.as_secs_f64());
-                let answer = nemesis.during(|| redis.try_cli(&["DEBUG", "SLEEP", &seconds]));
-                assert_eq!(
-                    answer.as_deref(),
-                    Ok("OK"),
-                    "seed {seed}: DEBUG SLEEP (the harness starts redis-server with \
-                     --enable-debug-command local)"
-                );
+                nemesis.chronicle.debug_sleep(&nemesis.redis, length);
                 nemesis.downtime.push((stopped, monotonic_ns()));
             }
             Fault::Restart => {
                 let length = Duration::from_millis(rng.u64(200..1500));
-                nemesis.chronicle.log.push(format!("  down for {length:?}"));
+                nemesis.chronicle.note(format!("  down for {length:?}"));
                 let stopped = monotonic_ns();
                 nemesis.redis.crash();
-                nemesis.pause(length);
+                nemesis.chronicle.pause(length);
                 nemesis.redis.start();
                 nemesis.downtime.push((stopped, monotonic_ns()));
             }
@@ -371,28 +264,26 @@ fn no_two_commands_ever_run_at_once_under_random_redis_faults() {
             Fault::BriefPartition => {
                 // Above check-interval + check-timeout, below the lease.
                 let length = Duration::from_millis(rng.u64(600..1500));
-                nemesis
-                    .chronicle
-                    .log
-                    .push(format!("  cut off for {length:?}"));
+                nemesis.chronicle.note(format!("  cut off for {length:?}"));
                 let proxy = nemesis.proxies[target]
                     .as_ref()
                     .expect("a proxied instance");
                 proxy.freeze();
-                nemesis.pause(length);
+                nemesis.chronicle.pause(length);
                 proxy.thaw();
             }
         }
         if hits_leader {
-            let next = nemesis.wait_for_new_run(known);
-            nemesis.chronicle.log.push(format!(
-                "  new leader: instance {} (client {}, epoch {})",
-                next.slot, next.backend, next.epoch
-            ));
+            let next = nemesis.chronicle.wait_for_new_run(known);
+            nemesis
+                .chronicle
+                .note(format!("  new leader: {}", next.as_leader()));
         }
         // Let the leader run a while: the experiment's own pace, not a synchronisation. A
         // partitioned follower stays cut off meanwhile, and its stale commands arrive after.
-        nemesis.pause(Duration::from_millis(rng.u64(500..1500)));
+        nemesis
+            .chronicle
+            .pause(Duration::from_millis(rng.u64(500..1500)));
         if fault == Fault::Partition {
             nemesis.proxies[target]
                 .as_ref()
@@ -401,11 +292,7 @@ fn no_two_commands_ever_run_at_once_under_random_redis_faults() {
         }
     }
 
-    let ended = monotonic_ns();
-    nemesis.collect();
-    let report = nemesis.report();
-    let runs = assert_one_at_a_time(&nemesis.chronicle.runs, ended, seed, &report);
-    let share = running_share(&runs, began, ended, &nemesis.downtime);
+    let (runs, share, _) = nemesis.chronicle.conclude(began, &nemesis.downtime);
     eprintln!("{}", nemesis.chronicle.log.join("\n"));
     eprintln!(
         "redis nemesis: seed {seed}, {rounds} rounds, {} runs, a command ran {:.0}% of the time the server answered",

@@ -7,19 +7,28 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use pgleader::election::Session;
 use pgleader::election::lock::LockKey;
-use pgleader::election::shards::{Holder, HolderEvent, JoinError, Roster, Watcher};
+use pgleader::election::shards::Holder;
 use pgleader::redis::RedisBackend;
-use pgleader::redis::shards::{RedisShardHolder, RedisShardWatcher};
+use pgleader::redis::shards::RedisShardHolder;
 
 use nix::sys::signal::Signal;
 
 use crate::contract::{block_on, within};
 use crate::harness::http::{address_of, get};
+use crate::harness::shards::{
+    Fleet, a_capped_member_holds_no_more_than_its_cap, a_killed_replica_s_shards_run_on_the_others,
+    a_member_that_leaves_frees_its_shards, a_second_replica_takes_the_surplus,
+    a_sharded_replica_beside_a_plain_one_is_refused, a_surplus_goes_to_the_one_that_is_short,
+    alone_with_every_shard, another_count_or_a_plain_replica_is_refused_with_exit_2,
+    another_shard_count_is_refused, assert_no_overlap, commands_exited, holds,
+    it_stops_every_command_and_exits_2, join, member_holds, notified, one_replica_runs_every_shard,
+    shard_child, started_shards, status_shows_each_shard_s_replica, stop, take_share,
+    the_end_of_b_is_heard, the_surplus_goes_back_when_its_replica_stops,
+    three_members_of_six_shards,
+};
 use crate::harness::{Journal, Proc, Redis, Stream, WAIT, field, pgleader, unique_lock};
 use crate::observability::sample;
-use crate::shards::{assert_no_overlap, shard_child, sorted, started_shards};
 
 fn backend(name: &str) -> RedisBackend {
     let server = pgleader::redis::url::RedisServer::parse(&Redis::shared().url(), None, WAIT / 4)
@@ -38,64 +47,18 @@ fn unique_name(tag: &str) -> String {
     format!("shards-{tag}-{}", unique_lock())
 }
 
-async fn join(backend: &RedisBackend, shards: u32) -> RedisShardHolder {
-    within(
-        "join",
-        RedisShardHolder::join(backend, "pgleader-shards-test", shards, None),
-    )
-    .await
-    .unwrap_or_else(|err| panic!("join: {err}"))
-}
-
-/// Takes what the roster deals this member, and returns what it holds now.
-async fn take_share(holder: &RedisShardHolder) -> BTreeSet<u32> {
-    let seen = within("roster", holder.roster()).await.expect("roster");
-    let to_take = seen.roster.to_take(holder.id());
-    if !to_take.is_empty() {
-        let (won, fence) = within("take", holder.take(&to_take)).await.expect("take");
-        assert_eq!(won, to_take, "free shards were taken by someone else");
-        assert!(fence.is_some_and(|fence| fence.epoch > 0));
-    }
-    holds(holder).await
-}
-
-async fn holds(holder: &RedisShardHolder) -> BTreeSet<u32> {
-    let seen = within("roster", holder.roster()).await.expect("roster");
-    member_holds(&seen.roster, holder.id())
-}
-
-fn member_holds(roster: &Roster, id: i32) -> BTreeSet<u32> {
-    roster
-        .members
-        .iter()
-        .find(|member| member.id == id)
-        .unwrap_or_else(|| panic!("{id} is not on the roster {roster:?}"))
-        .holds
-        .clone()
-}
-
-/// Waits for a notification whose payload starts with `prefix`.
-async fn notified(holder: &mut RedisShardHolder, prefix: &str) -> String {
-    within(&format!("a notification {prefix:?}"), async {
-        loop {
-            match holder.next_event().await {
-                HolderEvent::Notified(payload) if payload.starts_with(prefix) => return payload,
-                HolderEvent::Notified(_) => {}
-                HolderEvent::Ended(reason) => panic!("the holder's session ended: {reason}"),
-            }
-        }
-    })
-    .await
+/// A new name, whose keys a test reads, and a member alone on its `shards` shards.
+async fn alone_on_a_new_name(tag: &str, shards: u32) -> (String, RedisShardHolder) {
+    let name = unique_name(tag);
+    let holder = alone_with_every_shard(&backend(&name), shards).await;
+    (name, holder)
 }
 
 #[test]
 fn the_keys_of_a_sharded_name_are_the_documented_ones_with_the_lease_as_ttl() {
-    let name = unique_name("keys");
-    let backend = backend(&name);
     let redis = Redis::shared();
     block_on(async {
-        let holder = join(&backend, 3).await;
-        assert_eq!(take_share(&holder).await, BTreeSet::from([0, 1, 2]));
+        let (name, holder) = alone_on_a_new_name("keys", 3).await;
         let me = holder.id();
         for shard in 0..3 {
             let key = format!("pgleader:{{{name}}}:shard:{shard}");
@@ -124,8 +87,7 @@ fn the_keys_of_a_sharded_name_are_the_documented_ones_with_the_lease_as_ttl() {
 #[test]
 fn the_largest_shard_count_is_read_taken_and_renewed_by_one_script_each() {
     // 4096 keys in one MGET and one take: within what a script's Lua stack holds.
-    let name = unique_name("largest");
-    let backend = backend(&name);
+    let backend = backend(&unique_name("largest"));
     block_on(async {
         let a = join(&backend, 4096).await;
         assert_eq!(take_share(&a).await.len(), 4096);
@@ -142,40 +104,12 @@ fn the_largest_shard_count_is_read_taken_and_renewed_by_one_script_each() {
 fn members_share_the_shards_out_and_a_surplus_goes_to_the_one_that_is_short() {
     let backend = backend(&unique_name("share"));
     block_on(async {
-        let mut a = join(&backend, 4).await;
-        assert_eq!(take_share(&a).await, BTreeSet::from([0, 1, 2, 3]));
-        let mut b = join(&backend, 4).await;
-        // B finds nothing free; A hears B join and gives its surplus away.
-        assert_eq!(take_share(&b).await, BTreeSet::new());
-        let joined = notified(&mut a, "joined").await;
-        assert_eq!(joined, format!("joined {}", b.id()));
-        let seen = within("roster", a.roster()).await.expect("roster");
-        let at = seen
-            .roster
-            .members
-            .iter()
-            .position(|member| member.id == a.id())
-            .expect("A is a member");
-        assert_eq!(seen.roster.shares()[at], 2);
-        // Its surplus, from the top, as the room gives it.
-        for shard in [3, 2] {
-            within("give", a.give(shard)).await.expect("give");
-        }
-        notified(&mut b, "gave 2").await;
-        assert_eq!(take_share(&b).await, BTreeSet::from([2, 3]));
-        assert_eq!(holds(&a).await, BTreeSet::from([0, 1]));
+        let (a, b) = a_surplus_goes_to_the_one_that_is_short(&backend).await;
         // A shard another member holds cannot be taken, nor given away by someone else.
         let (won, fence) = within("take", a.take(&[2])).await.expect("take");
         assert!(won.is_empty() && fence.is_none());
         assert!(within("give", a.give(3)).await.is_err());
-        let seen = within("roster", a.roster()).await.expect("roster");
-        assert_eq!(seen.roster.members.len(), 2);
-        assert!(seen.free().is_empty());
-        // A member that leaves frees what it held and says so.
-        let left = a.id();
-        within("leave", a.leave(WAIT)).await.expect("leave");
-        assert_eq!(notified(&mut b, "left").await, format!("left {left}"));
-        assert_eq!(take_share(&b).await, BTreeSet::from([0, 1, 2, 3]));
+        a_member_that_leaves_frees_its_shards(a, b).await;
     });
 }
 
@@ -194,12 +128,9 @@ fn each_take_hands_out_a_greater_epoch_than_every_earlier_one() {
 
 #[test]
 fn a_shard_key_deleted_under_its_holder_is_lost_not_re_created() {
-    let name = unique_name("deleted");
-    let backend = backend(&name);
     let redis = Redis::shared();
     block_on(async {
-        let a = join(&backend, 3).await;
-        assert_eq!(take_share(&a).await, BTreeSet::from([0, 1, 2]));
+        let (name, a) = alone_on_a_new_name("deleted", 3).await;
         redis.cli(&["DEL", &format!("pgleader:{{{name}}}:shard:1")]);
         // The read renews the others and shows shard 1 free: the room stops its command.
         assert_eq!(holds(&a).await, BTreeSet::from([0, 2]));
@@ -231,45 +162,10 @@ fn a_shard_key_deleted_under_its_holder_is_lost_not_re_created() {
 fn the_end_of_a_member_s_connection_is_heard_by_its_watcher_and_told_to_every_member() {
     let backend = backend(&unique_name("gone"));
     block_on(async {
-        let mut a = join(&backend, 6).await;
-        let b = join(&backend, 6).await;
-        let mut c = join(&backend, 6).await;
-        for holder in [&a, &b, &c] {
-            take_share(holder).await;
-        }
-        let seen = within("roster", a.roster()).await.expect("roster");
-        assert_eq!(seen.roster.shares(), vec![2, 2, 2], "{:?}", seen.roster);
-        let watcher = within(
-            "the watcher",
-            RedisShardWatcher::open(&backend, "pgleader-shards-watch"),
-        )
-        .await
-        .expect("the watcher connects");
-        let watch = watcher.watch(b.id());
-        tokio::pin!(watch);
-        assert!(
-            tokio::time::timeout(Duration::from_millis(300), &mut watch)
-                .await
-                .is_err(),
-            "the watch of a live member ended"
-        );
-        let gone = b.id();
-        let b_holds = holds(&b).await;
-        let ended = tokio::time::Instant::now();
-        // Closing the connection, as a kill -9 does once the keeper lets go.
-        drop(b);
-        within("the watch", &mut watch)
-            .await
-            .unwrap_or_else(|err| panic!("the watch failed: {err}"));
-        let heard = ended.elapsed();
-        for holder in [&mut a, &mut c] {
-            assert_eq!(notified(holder, "gone").await, format!("gone {gone}"));
-        }
-        let seen = within("roster", a.roster()).await.expect("roster");
-        assert_eq!(seen.roster.members.len(), 2);
-        assert_eq!(seen.free(), b_holds.iter().copied().collect::<Vec<_>>());
-        assert_eq!(take_share(&a).await.len(), 3);
-        assert_eq!(take_share(&c).await.len(), 3);
+        let (members, _) = three_members_of_six_shards(&backend).await;
+        let (heard, a_takes, c_takes) =
+            the_end_of_b_is_heard(&backend, members, Duration::from_millis(300)).await;
+        assert_eq!((a_takes, c_takes), (3, 3));
         // Within a check interval (100 ms here) and a round trip, long before the 15 s TTL.
         assert!(heard < Duration::from_secs(2), "heard after {heard:?}");
     });
@@ -308,20 +204,8 @@ fn a_replica_with_another_shard_count_or_without_shards_is_refused() {
     let backend = backend(&unique_name("mismatch"));
     let plain_backend = self::backend(&unique_name("plain"));
     block_on(async {
-        let a = join(&backend, 4).await;
-        let refused = within(
-            "join",
-            RedisShardHolder::join(&backend, "pgleader-shards-test", 8, None),
-        )
-        .await;
-        match refused {
-            Err(JoinError::Mismatch(reason)) => {
-                assert!(reason.contains(&format!("member {}", a.id())), "{reason}");
-                assert!(reason.contains("--shards 4"), "{reason}");
-                assert!(reason.contains("--shards 8"), "{reason}");
-            }
-            other => panic!("a replica with --shards 8 beside --shards 4 joined: {other:?}"),
-        }
+        let (a, reason) = another_shard_count_is_refused(&backend).await;
+        assert!(reason.contains(&format!("member {}", a.id())), "{reason}");
         // A plain replica of a sharded name is refused when it connects.
         match within(
             "connect",
@@ -335,49 +219,14 @@ fn a_replica_with_another_shard_count_or_without_shards_is_refused() {
             other => panic!("a plain replica connected beside a sharded one: {other:?}"),
         }
         drop(a);
-
-        // A plain replica of the same name holds its key: a sharded one refuses to join.
-        let backend = plain_backend;
-        let plain = pgleader::election::Backend::connect(&backend, "pgleader-plain")
-            .await
-            .expect("connect");
-        assert!(plain.try_acquire().await.expect("try"));
-        match within(
-            "join",
-            RedisShardHolder::join(&backend, "pgleader-shards-test", 2, None),
-        )
-        .await
-        {
-            Err(JoinError::Mismatch(reason)) => {
-                assert!(reason.contains("without --shards"), "{reason}");
-            }
-            other => panic!("a sharded replica joined beside a plain one: {other:?}"),
-        }
+        a_sharded_replica_beside_a_plain_one_is_refused(&plain_backend).await;
     });
 }
 
 #[test]
 fn a_capped_member_holds_no_more_than_its_cap_and_the_others_share_the_rest() {
     let backend = backend(&unique_name("cap"));
-    block_on(async {
-        let small = within(
-            "join",
-            RedisShardHolder::join(&backend, "pgleader-shards-test", 5, Some(1)),
-        )
-        .await
-        .expect("join");
-        let big = join(&backend, 5).await;
-        let seen = within("roster", small.roster()).await.expect("roster");
-        let capped = seen
-            .roster
-            .members
-            .iter()
-            .find(|member| member.id == small.id())
-            .expect("on the roster");
-        assert_eq!(capped.cap, Some(1));
-        assert_eq!(take_share(&small).await.len(), 1);
-        assert_eq!(take_share(&big).await.len(), 4);
-    });
+    block_on(a_capped_member_holds_no_more_than_its_cap(&backend));
 }
 
 // --- The binary: `pgleader run --shards K` against one Redis server. ---
@@ -391,60 +240,62 @@ const QUICK: [&str; 4] = [
     "--kill-timeout=5s",
 ];
 
-fn replica(tag: &str, lock: &str, shards: &str, journal: &Journal) -> Proc {
-    let mut args = QUICK.to_vec();
-    let shards = format!("--shards={shards}");
-    args.push(&shards);
-    crate::harness::run_named(
-        tag,
-        &Redis::shared().url(),
-        lock,
-        &args,
-        &shard_child(journal, tag),
-    )
+/// The replicas of one lock on the shared server, with [`QUICK`] checks.
+struct RedisFleet {
+    lock: String,
 }
 
-/// The connections a replica keeps open on the server (its client names carry its pid).
-fn connections_of(replica: &Proc) -> usize {
-    Redis::shared()
-        .cli(&["CLIENT", "LIST"])
-        .lines()
-        .filter(|line| line.contains(&format!(":{}@", replica.pid)))
-        .count()
+impl Fleet for RedisFleet {
+    fn replica(&self, tag: &str, shards: &str, journal: &Journal) -> Proc {
+        let shards = format!("--shards={shards}");
+        self.run(tag, &[&shards], &shard_child(journal, tag))
+    }
+
+    fn plain(&self, tag: &str, script: &str) -> Proc {
+        self.run(tag, &[], script)
+    }
+
+    fn lock_named(&self) -> String {
+        format!("\"{}\"", self.lock)
+    }
+
+    /// The connections it keeps open on the server (its client names carry its pid).
+    fn sessions_of(&self, replica: &Proc) -> usize {
+        Redis::shared()
+            .cli(&["CLIENT", "LIST"])
+            .lines()
+            .filter(|line| line.contains(&format!(":{}@", replica.pid)))
+            .count()
+    }
+}
+
+impl RedisFleet {
+    fn new(tag: &str) -> RedisFleet {
+        RedisFleet {
+            lock: unique_name(tag),
+        }
+    }
+
+    /// A replica with [`QUICK`] checks and `args`, on the shared server.
+    fn run(&self, tag: &str, args: &[&str], script: &str) -> Proc {
+        self.run_on(&Redis::shared().url(), tag, args, script)
+    }
+
+    fn run_on(&self, url: &str, tag: &str, args: &[&str], script: &str) -> Proc {
+        let args = [QUICK.as_slice(), args].concat();
+        crate::harness::run_named(tag, url, &self.lock, &args, script)
+    }
 }
 
 #[test]
 fn replicas_share_the_shards_out_on_redis_and_a_surplus_is_handed_over_without_overlap() {
-    let lock = unique_name("balance");
+    let fleet = RedisFleet::new("balance");
     let journal = Journal::new("redis-shards-balance");
-    let a = replica("A", &lock, "4", &journal);
-    a.wait_for_nth(Stream::Stdout, "A started", 4);
-    assert_eq!(sorted(started_shards(&a)), vec![0, 1, 2, 3]);
-    let line = a.wait_stdout("A started shard=2");
-    assert_eq!(field(&line, "shards"), "4");
-
-    // B joins: A hands two shards over (its highest), each stopped before B starts it.
-    let joined = std::time::Instant::now();
-    let b = replica("B", &lock, "4", &journal);
-    b.wait_for_nth(Stream::Stdout, "B started", 2);
-    let balanced = joined.elapsed();
-    assert_eq!(sorted(started_shards(&b)), vec![2, 3]);
-    a.wait_log("handing shard 3 over");
-    let epoch_of = |replica: &Proc, shard: u32| -> i64 {
-        let line = replica.wait_stdout(&format!("started shard={shard}"));
-        field(&line, "epoch").parse().expect("an epoch")
-    };
-    assert!(epoch_of(&b, 2) > epoch_of(&a, 2));
-
-    // B is stopped: its shards go back to A at once.
-    b.signal(Signal::SIGTERM);
-    assert_eq!(b.wait_code(), 0);
-    a.wait_for_nth(Stream::Stdout, "A started", 6);
-    assert_eq!(sorted(started_shards(&a)[4..].to_vec()), vec![2, 3]);
-    assert_no_overlap(&[&a, &b]);
-    a.signal(Signal::SIGTERM);
-    assert_eq!(a.wait_code(), 0);
+    let (a, _) = one_replica_runs_every_shard(&fleet, &journal);
+    let (b, balanced) = a_second_replica_takes_the_surplus(&fleet, &journal, &a);
+    the_surplus_goes_back_when_its_replica_stops(&a, &b);
     // Everything of the name is gone but the epoch and the id counter.
+    let lock = &fleet.lock;
     let left = Redis::shared().cli(&["KEYS", &format!("pgleader:{{{lock}}}:*")]);
     let mut left: Vec<&str> = left.lines().collect();
     left.sort_unstable();
@@ -461,94 +312,23 @@ fn replicas_share_the_shards_out_on_redis_and_a_surplus_is_handed_over_without_o
 
 #[test]
 fn a_killed_replica_s_shards_run_on_the_others_before_the_ttl_on_two_connections_each() {
-    let lock = unique_name("kill");
-    let journal = Journal::new("redis-shards-kill");
-    let a = replica("A", &lock, "6", &journal);
-    a.wait_for_nth(Stream::Stdout, "A started", 6);
-    let b = replica("B", &lock, "6", &journal);
-    b.wait_for_nth(Stream::Stdout, "B started", 3);
-    let c = replica("C", &lock, "6", &journal);
-    c.wait_for_nth(Stream::Stdout, "C started", 2);
-    a.wait_log("handing shard");
-    let c_shards = started_shards(&c);
-
-    // Two connections per replica, whatever K: the holder and the watcher.
-    for replica in [&a, &b, &c] {
-        let deadline = std::time::Instant::now() + WAIT;
-        loop {
-            let connections = connections_of(replica);
-            if connections == 2 {
-                break;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "{} keeps {connections} connections",
-                replica.name
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    let killed = std::time::Instant::now();
-    c.signal(Signal::SIGKILL);
-    a.wait_for_nth(Stream::Stdout, "A started", 7);
-    b.wait_for_nth(Stream::Stdout, "B started", 4);
-    let taken = killed.elapsed();
-    let retaken: Vec<u32> = [&a, &b]
-        .iter()
-        .flat_map(|replica| started_shards(replica).into_iter().rev().take(1))
-        .collect();
-    assert_eq!(
-        sorted(retaken),
-        sorted(c_shards),
-        "C's shards were not the ones taken"
-    );
-    assert_no_overlap(&[&a, &b]);
-    eprintln!("C's shards ran elsewhere {taken:?} after its kill -9");
+    let fleet = RedisFleet::new("kill");
+    let taken =
+        a_killed_replica_s_shards_run_on_the_others(&fleet, &Journal::new("redis-shards-kill"));
     // A check interval is 200 ms; the lease (the keys' TTL) is 60 s.
     assert!(taken < Duration::from_secs(5), "{taken:?}");
-    for replica in [&a, &b] {
-        replica.signal(Signal::SIGTERM);
-        assert_eq!(replica.wait_code(), 0);
-    }
 }
 
 #[test]
 fn on_redis_a_replica_with_another_shard_count_or_without_shards_is_refused_with_exit_2() {
-    let lock = unique_name("mismatch");
+    let fleet = RedisFleet::new("mismatch");
     let journal = Journal::new("redis-shards-mismatch");
-    let a = replica("A", &lock, "4", &journal);
-    a.wait_for_nth(Stream::Stdout, "A started", 4);
-    let b = replica("B", &lock, "8", &journal);
-    assert_eq!(b.wait_code(), 2);
-    let refusal = b.wait_log("--shards 8");
-    assert!(refusal.contains("--shards 4"), "{refusal}");
-    assert!(started_shards(&b).is_empty());
-    // A plain replica of the same lock is refused too, and never runs its command.
-    let plain = crate::harness::run_named(
-        "P",
-        &Redis::shared().url(),
-        &lock,
-        &QUICK,
-        "echo P started; exec sleep 1000",
-    );
-    assert_eq!(plain.wait_code(), 2);
-    let refusal = plain.wait_log("with --shards");
-    assert!(refusal.contains(&format!("lock \"{lock}\"")), "{refusal}");
-    assert!(plain.lines(Stream::Stdout).is_empty(), "{}", plain.dump());
-    a.signal(Signal::SIGTERM);
-    assert_eq!(a.wait_code(), 0);
+    another_count_or_a_plain_replica_is_refused_with_exit_2(&fleet, &journal);
 
     // And the other way round: a sharded replica beside a plain leader.
-    let plain = crate::harness::run_named(
-        "P",
-        &Redis::shared().url(),
-        &lock,
-        &QUICK,
-        "echo P started; exec sleep 1000",
-    );
+    let plain = fleet.plain("P", "echo P started; exec sleep 1000");
     plain.wait_stdout("P started");
-    let sharded = replica("S", &lock, "2", &journal);
+    let sharded = fleet.replica("S", "2", &journal);
     assert_eq!(sharded.wait_code(), 2);
     sharded.wait_log("without --shards");
     assert!(started_shards(&sharded).is_empty());
@@ -580,13 +360,12 @@ fn the_acl_the_readme_documents_is_enough_for_shards() {
         "+client|tracking",
     ]);
     let url = format!("redis://minimal:minimal-pw@127.0.0.1:{}", redis.port);
-    let lock = unique_name("acl");
+    let fleet = RedisFleet::new("acl");
     let journal = Journal::new("redis-shards-acl");
-    let mut args = QUICK.to_vec();
-    args.push("--shards=2");
-    let a = crate::harness::run_named("A", &url, &lock, &args, &shard_child(&journal, "A"));
+    let sharded = |tag: &str| fleet.run_on(&url, tag, &["--shards=2"], &shard_child(&journal, tag));
+    let a = sharded("A");
     a.wait_for_nth(Stream::Stdout, "A started", 2);
-    let b = crate::harness::run_named("B", &url, &lock, &args, &shard_child(&journal, "B"));
+    let b = sharded("B");
     b.wait_for_nth(Stream::Stdout, "B started", 1);
     // B's watcher hears A's end through PUBSUB NUMSUB, which the ACL allows.
     a.signal(Signal::SIGKILL);
@@ -599,8 +378,7 @@ fn the_acl_the_readme_documents_is_enough_for_shards() {
         "the documented ACL is enough for shards: {}",
         b.dump()
     );
-    b.signal(Signal::SIGTERM);
-    assert_eq!(b.wait_code(), 0);
+    stop(&[&b]);
 }
 
 /// The client id of a replica's holder connection, from its card.
@@ -610,6 +388,14 @@ fn holder_client(lock: &str, member: &str) -> String {
         .find_map(|word| word.strip_prefix("client="))
         .unwrap_or_else(|| panic!("no client in the card {card:?}"))
         .to_owned()
+}
+
+/// A replica of two shards that lost both: it joins again and runs both again, never two runs
+/// of one at once; then it stops.
+fn it_runs_both_shards_again(a: &Proc) {
+    a.wait_for_nth(Stream::Stdout, "A started", 4);
+    assert_no_overlap(&[a]);
+    stop(&[a]);
 }
 
 #[test]
@@ -645,47 +431,38 @@ fn a_killed_holder_connection_stops_every_shard_s_command_at_once_not_at_the_nex
         "{:?}",
         killed.elapsed()
     );
-    // It joins again, and runs both shards again.
-    a.wait_for_nth(Stream::Stdout, "A started", 4);
-    assert_no_overlap(&[&a]);
-    a.signal(Signal::SIGTERM);
-    assert_eq!(a.wait_code(), 0);
+    it_runs_both_shards_again(&a);
 }
 
 #[test]
 fn a_deleted_shard_key_stops_only_that_shard_s_command_and_it_is_taken_again() {
-    let lock = unique_name("del");
-    let journal = Journal::new("redis-shards-del");
-    let a = replica("A", &lock, "3", &journal);
+    let fleet = RedisFleet::new("del");
+    let a = fleet.replica("A", "3", &Journal::new("redis-shards-del"));
     a.wait_for_nth(Stream::Stdout, "A started", 3);
     let first: i64 = field(&a.wait_stdout("A started shard=1"), "epoch")
         .parse()
         .expect("an epoch");
-    Redis::shared().cli(&["DEL", &format!("pgleader:{{{lock}}}:shard:1")]);
+    Redis::shared().cli(&["DEL", &format!("pgleader:{{{}}}:shard:1", fleet.lock)]);
     a.wait_log("no longer holds shard 1");
     a.wait_log("the command of shard 1 exited");
     // Free again, so taken again, under a greater epoch; the other shards never stopped.
     let again = a.wait_for_nth(Stream::Stdout, "A started shard=1", 2);
     assert!(field(&again, "epoch").parse::<i64>().expect("an epoch") > first);
-    let stopped: Vec<String> = a
-        .lines(Stream::Stderr)
-        .into_iter()
-        .filter(|line| line.contains("the command of shard") && line.contains("exited"))
-        .collect();
-    assert_eq!(stopped.len(), 1, "{stopped:?}");
+    assert_eq!(commands_exited(&a), 1, "{}", a.dump());
     assert_no_overlap(&[&a]);
-    a.signal(Signal::SIGTERM);
-    assert_eq!(a.wait_code(), 0);
+    stop(&[&a]);
 }
 
 #[test]
 fn a_frozen_server_stops_every_shard_s_command_within_the_check_bound() {
     let redis = Redis::new("shards-frozen");
-    let lock = unique_name("frozen");
     let journal = Journal::new("redis-shards-frozen");
-    let mut args = QUICK.to_vec();
-    args.push("--shards=2");
-    let a = crate::harness::run_named("A", &redis.url(), &lock, &args, &shard_child(&journal, "A"));
+    let a = RedisFleet::new("frozen").run_on(
+        &redis.url(),
+        "A",
+        &["--shards=2"],
+        &shard_child(&journal, "A"),
+    );
     a.wait_for_nth(Stream::Stdout, "A started", 2);
     redis.freeze(true);
     let frozen = std::time::Instant::now();
@@ -696,10 +473,7 @@ fn a_frozen_server_stops_every_shard_s_command_within_the_check_bound() {
     assert!(lost.contains("check"), "{lost}");
     // check-interval + check-timeout is 700 ms; the lease (the keys' TTL) 60 s.
     assert!(bound < Duration::from_secs(3), "{bound:?}");
-    a.wait_for_nth(Stream::Stdout, "A started", 4);
-    assert_no_overlap(&[&a]);
-    a.signal(Signal::SIGTERM);
-    assert_eq!(a.wait_code(), 0);
+    it_runs_both_shards_again(&a);
 }
 
 /// What an operator sees of a sharded lock on Redis: `status` shows each shard's holder (the
@@ -707,14 +481,13 @@ fn a_frozen_server_stops_every_shard_s_command_within_the_check_bound() {
 /// per-shard metrics name the shard each replica holds.
 #[test]
 fn on_redis_status_http_and_metrics_show_which_replica_runs_which_shard() {
-    let lock = unique_name("seen");
+    let fleet = RedisFleet::new("seen");
+    let lock = &fleet.lock;
     let journal = Journal::new("redis-shards-seen");
     let sharded = |tag: &str| {
-        crate::harness::run_named(
+        fleet.run(
             tag,
-            &Redis::shared().url(),
-            &lock,
-            &[QUICK.as_slice(), &["--shards=2", "--http=127.0.0.1:0"]].concat(),
+            &["--shards=2", "--http=127.0.0.1:0"],
             &shard_child(&journal, tag),
         )
     };
@@ -731,20 +504,7 @@ fn on_redis_status_http_and_metrics_show_which_replica_runs_which_shard() {
         .args(["status", &format!("--lock={lock}")]);
     let status = Proc::spawn("status", command);
     assert_eq!(status.wait_code(), 0, "{}", status.dump());
-    let (_, out, _) = status.finish();
-    let out = out.join("\n");
-    assert!(
-        out.contains(": 2 shards on 2 replicas, every shard held"),
-        "{out}"
-    );
-    assert!(
-        out.contains(&format!("\n  shard 0: pgleader {}@", a.pid)),
-        "{out}"
-    );
-    assert!(
-        out.contains(&format!("\n  shard 1: pgleader {}@", b.pid)),
-        "{out}"
-    );
+    status_shows_each_shard_s_replica(status, 2, [&a, &b]);
 
     for (http, holds) in [(a_http, 0), (b_http, 1)] {
         assert_eq!(get(http, "/leader").status, 200);
@@ -758,10 +518,7 @@ fn on_redis_status_http_and_metrics_show_which_replica_runs_which_shard() {
             );
         }
     }
-    for replica in [&a, &b] {
-        replica.signal(Signal::SIGTERM);
-        assert_eq!(replica.wait_code(), 0, "{}", replica.dump());
-    }
+    stop(&[&a, &b]);
     assert_no_overlap(&[&a, &b]);
 }
 
@@ -773,8 +530,7 @@ fn a_lost_id_counter_never_hands_out_a_live_member_s_id() {
     let name = unique_name("ids");
     let backend = backend(&name);
     block_on(async {
-        let a = join(&backend, 2).await;
-        assert_eq!(take_share(&a).await, BTreeSet::from([0, 1]));
+        let a = alone_with_every_shard(&backend, 2).await;
         Redis::shared().cli(&["DEL", &format!("pgleader:{{{name}}}:ids")]);
         let n = join(&backend, 2).await;
         assert_ne!(n.id(), a.id(), "a live member's id was handed out again");
@@ -800,9 +556,9 @@ fn a_lost_id_counter_never_hands_out_a_live_member_s_id() {
 /// and exits 2 rather than run beside it.
 #[test]
 fn on_redis_a_sharded_replica_that_finds_a_plain_one_beside_it_later_stops_and_exits_2() {
-    let lock = unique_name("late-plain");
-    let journal = Journal::new("redis-shards-late-plain");
-    let a = replica("A", &lock, "2", &journal);
+    let fleet = RedisFleet::new("late-plain");
+    let lock = &fleet.lock;
+    let a = fleet.replica("A", "2", &Journal::new("redis-shards-late-plain"));
     a.wait_for_nth(Stream::Stdout, "A started", 2);
     let nonce = "00000000feedbeef";
     let mut subscriber = std::process::Command::new("redis-cli")
@@ -820,15 +576,8 @@ fn on_redis_a_sharded_replica_that_finds_a_plain_one_beside_it_later_stops_and_e
         &format!("pgleader:{{{lock}}}"),
         &format!("nonce={nonce} epoch=1 since=1 client=1 session=plain:1@elsewhere"),
     ]);
-    assert_eq!(a.wait_code(), 2, "{}", a.dump());
-    let refusal = a.wait_log("without --shards");
+    let refusal = it_stops_every_command_and_exits_2(&a);
     assert!(refusal.contains("session=plain:1@elsewhere"), "{refusal}");
-    let exits = a
-        .lines(Stream::Stderr)
-        .iter()
-        .filter(|line| line.contains("the command of shard") && line.contains("exited"))
-        .count();
-    assert_eq!(exits, 2, "both commands were stopped first\n{}", a.dump());
     let _ = subscriber.kill();
     let _ = subscriber.wait();
     assert_no_overlap(&[&a]);

@@ -12,15 +12,16 @@
 //! rounds are PGLEADER_NEMESIS_ROUNDS (20 by default).
 
 use std::collections::BTreeMap;
-use std::io::Write;
-use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 
-use crate::harness::nemesis::{monotonic_ns, seed_and_rounds};
-use crate::harness::{Cluster, Proc, Proxy, Redis, Stream, WAIT, pgleader, unique_lock, wait_gone};
+use crate::harness::nemesis::{
+    Mortal, announce_and_wait, collect_seen, kill_or_term, monotonic_ns, pgleader_run, run_child,
+    seed_and_rounds, stop_and_wait,
+};
+use crate::harness::{Cluster, Proc, Proxy, Redis, Stream, WAIT, unique_lock};
 
 const SHARDS: u32 = 8;
 
@@ -55,17 +56,10 @@ fn shard_child_mode() {
         // SAFETY: as above.
         unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&file), libc::LOCK_EX) };
     }
-    let mut stdout = std::io::stdout().lock();
-    let _ = writeln!(
-        stdout,
+    announce_and_wait(&format!(
         "shard-child slot={slot} shard={shard} pid={} started={started} overlap={taken}",
         std::process::id()
-    );
-    let _ = stdout.flush();
-    drop(stdout);
-    loop {
-        std::thread::park();
-    }
+    ));
 }
 
 #[derive(Debug, Clone)]
@@ -77,6 +71,12 @@ struct Run {
     died: Option<u64>,
     /// It found another run of its shard alive when it started.
     overlap: bool,
+}
+
+impl Mortal for Run {
+    fn died_at(&mut self, at: u64) {
+        self.died = Some(at);
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -105,43 +105,19 @@ const FAULTS: [Fault; 7] = [
     Fault::Restart,
 ];
 
-const REDIS_FAULTS: [Fault; 9] = [
-    Fault::Kill9,
-    Fault::Term,
-    Fault::Leave,
-    Fault::Join,
-    Fault::Terminate,
-    Fault::Freeze,
-    Fault::Restart,
-    Fault::Delete,
-    Fault::FreezeServer,
-];
+/// On Redis, drawn from besides [`FAULTS`].
+const REDIS_ONLY_FAULTS: [Fault; 2] = [Fault::Delete, Fault::FreezeServer];
 
-const TIMINGS: [&str; 8] = [
-    "--wait-refresh=300ms",
-    "--check-interval=100ms",
-    "--check-timeout=200ms",
-    "--kill-timeout=300ms",
-    "--lease=2s",
-    "--takeover-delay=0s",
-    "--restart-fence=auto",
-    "--restart-delay=0s",
-];
+/// Besides the nemeses' quick checks, on PostgreSQL.
+const TIMINGS: [&str; 3] = ["--wait-refresh=300ms", "--lease=2s", "--takeover-delay=0s"];
 
-/// On Redis, the shortest lease pgleader accepts, as the single lock's nemesis. Where the
+/// On Redis, besides the quick checks: the shortest lease pgleader accepts, as the single
+/// lock's nemesis. Where the
 /// server ends a replica's connection or deletes its keys while its pgleader lives on
 /// (`CLIENT KILL`, `DEL`), the shards are free before the old commands have stopped: the
 /// holder hears of a deleted key only at its next check, so the takeover delay is above
 /// check-interval + check-timeout + kill-timeout.
-const REDIS_TIMINGS: [&str; 7] = [
-    "--check-interval=100ms",
-    "--check-timeout=200ms",
-    "--kill-timeout=300ms",
-    "--lease=1700ms",
-    "--takeover-delay=700ms",
-    "--restart-fence=auto",
-    "--restart-delay=0s",
-];
+const REDIS_TIMINGS: [&str; 2] = ["--lease=1700ms", "--takeover-delay=700ms"];
 
 /// The server the fleet runs against.
 enum Server {
@@ -162,7 +138,6 @@ struct Fleet {
 
 impl Fleet {
     fn spawn(&mut self, slot: usize) {
-        let mut command: Command = pgleader();
         let (url, timings): (String, &[&str]) = match &self.server {
             Server::Postgres(_) => (self.proxies[slot].url(), &TIMINGS),
             Server::Redis(_) => (
@@ -170,25 +145,15 @@ impl Fleet {
                 &REDIS_TIMINGS,
             ),
         };
+        let mut command = pgleader_run(&format!("--lock-id={}", self.lock), timings);
         command
             .env("PGLEADER_DATABASE_URL", url)
             .env(
                 "PGLEADER_SHARD_NEMESIS",
                 format!("{}:{slot}", self.dir.display()),
             )
-            .arg("run")
-            .arg(format!("--lock-id={}", self.lock))
-            .arg(format!("--shards={SHARDS}"))
-            .args(timings)
-            .arg("--")
-            .arg(std::env::current_exe().expect("the test binary"))
-            .args([
-                "--exact",
-                "shard_nemesis::shard_child_mode",
-                "--nocapture",
-                "--test-threads=1",
-                "-q",
-            ]);
+            .arg(format!("--shards={SHARDS}"));
+        run_child(&mut command, "shard_nemesis::shard_child_mode");
         self.replicas[slot] = Some(Proc::spawn(&format!("replica {slot}"), command));
     }
 
@@ -201,44 +166,19 @@ impl Fleet {
     /// Records the runs that appeared since the last call, each with a thread that notes its
     /// death.
     fn collect(&self) {
-        for replica in self.replicas.iter().flatten() {
-            for line in replica.lines(Stream::Stdout) {
-                let Some(rest) = line.strip_prefix("shard-child ") else {
-                    continue;
-                };
-                let field = |key: &str| -> String {
-                    rest.split_whitespace()
-                        .find_map(|word| word.strip_prefix(&format!("{key}=")))
-                        .unwrap_or_default()
-                        .to_owned()
-                };
-                let pid: i32 = field("pid").parse().expect("pid");
-                let mut runs = self.runs.lock().expect("runs");
-                if runs.contains_key(&pid) {
-                    continue;
-                }
-                runs.insert(
-                    pid,
-                    Run {
-                        slot: field("slot").parse().expect("slot"),
-                        shard: field("shard").parse().expect("shard"),
-                        pid,
-                        started: field("started").parse().expect("started"),
-                        died: None,
-                        overlap: field("overlap") == "true",
-                    },
-                );
-                let watched = self.runs.clone();
-                std::thread::spawn(move || {
-                    if wait_gone(pid, Duration::from_secs(3600)) {
-                        let died = monotonic_ns();
-                        if let Some(run) = watched.lock().expect("runs").get_mut(&pid) {
-                            run.died = Some(died);
-                        }
-                    }
-                });
-            }
-        }
+        collect_seen(
+            "shard-child ",
+            self.replicas.iter().flatten(),
+            &self.runs,
+            |pid, line| Run {
+                slot: line.field("slot").parse().expect("slot"),
+                shard: line.field("shard").parse().expect("shard"),
+                pid,
+                started: line.field("started").parse().expect("started"),
+                died: None,
+                overlap: line.field("overlap") == "true",
+            },
+        );
     }
 
     /// How many shards each live replica runs now.
@@ -341,12 +281,12 @@ fn on_redis_no_shard_ever_runs_twice_at_once_under_random_faults_and_the_fleet_i
         std::process::id(),
         unique_lock()
     ));
-    nemesis(Server::Redis(redis), dir, &REDIS_FAULTS);
+    let faults = [FAULTS.as_slice(), &REDIS_ONLY_FAULTS].concat();
+    nemesis(Server::Redis(redis), dir, &faults);
 }
 
 fn nemesis(server: Server, dir: std::path::PathBuf, faults: &[Fault]) {
-    let (seed, rounds) = seed_and_rounds(20);
-    let mut rng = fastrand::Rng::with_seed(seed);
+    let (seed, rounds, mut rng) = seed_and_rounds(20);
     let slots = 5;
     let port = match &server {
         Server::Postgres(cluster) => cluster.port,
@@ -381,22 +321,12 @@ fn nemesis(server: Server, dir: std::path::PathBuf, faults: &[Fault]) {
         ));
         match fault {
             Fault::Kill9 | Fault::Term => {
-                let signal = if matches!(fault, Fault::Kill9) {
-                    Signal::SIGKILL
-                } else {
-                    Signal::SIGTERM
-                };
-                if let Some(replica) = fleet.replicas[target].take() {
-                    replica.signal(signal);
-                    replica.wait_exit();
-                }
+                let signal = kill_or_term(matches!(fault, Fault::Kill9));
+                stop_and_wait(&mut fleet.replicas[target], signal);
                 fleet.spawn(target);
             }
             Fault::Leave if live.len() > 3 => {
-                if let Some(replica) = fleet.replicas[target].take() {
-                    replica.signal(Signal::SIGTERM);
-                    replica.wait_exit();
-                }
+                stop_and_wait(&mut fleet.replicas[target], Signal::SIGTERM);
             }
             Fault::Join | Fault::Leave => {
                 if let Some(free) = (0..slots).find(|slot| fleet.replicas[*slot].is_none()) {

@@ -3,24 +3,29 @@
 //! server, the end of a member is heard by everyone at once through the watcher, and a replica
 //! that runs the name otherwise is refused. Two sessions per replica, whatever the shard count.
 
-use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use pgleader::election::Session;
 use pgleader::election::lock::LockKey;
-use pgleader::election::shards::{Holder, HolderEvent, JoinError, Roster, Watcher};
+use pgleader::election::shards::Holder;
 use pgleader::postgres::PgBackend;
-use pgleader::postgres::shards::{ShardHolder, ShardWatcher};
 
-use crate::contract::{NoEnvironment, block_on, within};
+use crate::contract::{NoEnvironment, block_on};
 use nix::sys::signal::Signal;
 
 use crate::election::snapshots;
 use crate::harness::cluster::Options;
 use crate::harness::http::{address_of, get, wait_for_status};
-use crate::harness::{
-    Cluster, Journal, Proc, Stream, WAIT, field, overlaps_seen, pgleader, run, unique_lock,
+use crate::harness::shards::{
+    Fleet, a_capped_member_holds_no_more_than_its_cap, a_killed_replica_s_shards_run_on_the_others,
+    a_member_that_leaves_frees_its_shards, a_second_replica_takes_the_surplus,
+    a_sharded_replica_beside_a_plain_one_is_refused, a_surplus_goes_to_the_one_that_is_short,
+    alone_with_every_shard, another_count_or_a_plain_replica_is_refused_with_exit_2,
+    another_shard_count_is_refused, assert_no_overlap, commands_exited,
+    it_stops_every_command_and_exits_2, one_replica_runs_every_shard, shard_child,
+    status_shows_each_shard_s_replica, stop, the_end_of_b_is_heard,
+    the_surplus_goes_back_when_its_replica_stops, three_members_of_six_shards,
 };
+use crate::harness::{Cluster, Journal, Proc, Stream, WAIT, field, pgleader, run, unique_lock};
 use crate::observability::{promtool, sample};
 
 fn backend(lock: i64) -> PgBackend {
@@ -40,56 +45,6 @@ fn backend(lock: i64) -> PgBackend {
 /// A key with both halves set, so that the space is their fold.
 fn unique_key() -> i64 {
     (unique_lock() << 32) | 0x0bad_cafe
-}
-
-async fn join(backend: &PgBackend, shards: u32) -> ShardHolder {
-    within(
-        "join",
-        ShardHolder::join(backend, "pgleader-shards-test", shards, None),
-    )
-    .await
-    .unwrap_or_else(|err| panic!("join: {err}"))
-}
-
-/// Takes what the roster deals this member, and returns what it holds now.
-async fn take_share(holder: &ShardHolder) -> BTreeSet<u32> {
-    let seen = within("roster", holder.roster()).await.expect("roster");
-    let to_take = seen.roster.to_take(holder.id());
-    if !to_take.is_empty() {
-        let (won, fence) = within("take", holder.take(&to_take)).await.expect("take");
-        assert_eq!(won, to_take, "free shards were taken by someone else");
-        assert!(fence.is_some_and(|fence| fence.epoch > 0));
-    }
-    holds(holder).await
-}
-
-async fn holds(holder: &ShardHolder) -> BTreeSet<u32> {
-    let seen = within("roster", holder.roster()).await.expect("roster");
-    member_holds(&seen.roster, holder.id())
-}
-
-fn member_holds(roster: &Roster, id: i32) -> BTreeSet<u32> {
-    roster
-        .members
-        .iter()
-        .find(|member| member.id == id)
-        .unwrap_or_else(|| panic!("{id} is not on the roster {roster:?}"))
-        .holds
-        .clone()
-}
-
-/// Waits for a notification whose payload starts with `prefix`.
-async fn notified(holder: &mut ShardHolder, prefix: &str) -> String {
-    within(&format!("a notification {prefix:?}"), async {
-        loop {
-            match holder.next_event().await {
-                HolderEvent::Notified(payload) if payload.starts_with(prefix) => return payload,
-                HolderEvent::Notified(_) => {}
-                HolderEvent::Ended(reason) => panic!("the holder's session ended: {reason}"),
-            }
-        }
-    })
-    .await
 }
 
 /// Runs a query on the harness' blocking client, off the runtime's thread.
@@ -112,8 +67,7 @@ fn the_locks_of_a_sharded_name_are_the_documented_keys_and_never_the_plain_one()
     let key = unique_key();
     let backend = backend(key);
     block_on(async {
-        let holder = join(&backend, 3).await;
-        assert_eq!(take_share(&holder).await, BTreeSet::from([0, 1, 2]));
+        let holder = alone_with_every_shard(&backend, 3).await;
         let (pid, space) = (holder.id(), holder.keys().space());
         // The hash of the key, as the documentation gives it in SQL.
         let documented: i32 = server_rows(
@@ -162,37 +116,9 @@ fn the_locks_of_a_sharded_name_are_the_documented_keys_and_never_the_plain_one()
 fn members_share_the_shards_out_and_a_surplus_goes_to_the_one_that_is_short() {
     let backend = backend(unique_key());
     block_on(async {
-        let mut a = join(&backend, 4).await;
-        assert_eq!(take_share(&a).await, BTreeSet::from([0, 1, 2, 3]));
-        let mut b = join(&backend, 4).await;
-        // B finds nothing free; A hears B join and gives its surplus away.
-        assert_eq!(take_share(&b).await, BTreeSet::new());
-        let joined = notified(&mut a, "joined").await;
-        assert_eq!(joined, format!("joined {}", b.id()));
-        let seen = within("roster", a.roster()).await.expect("roster");
-        let at = seen
-            .roster
-            .members
-            .iter()
-            .position(|member| member.id == a.id())
-            .expect("A is a member");
-        assert_eq!(seen.roster.shares()[at], 2);
-        // Its surplus, from the top, as the room gives it.
-        for shard in [3, 2] {
-            within("give", a.give(shard)).await.expect("give");
-        }
-        notified(&mut b, "gave 2").await;
-        assert_eq!(take_share(&b).await, BTreeSet::from([2, 3]));
-        assert_eq!(holds(&a).await, BTreeSet::from([0, 1]));
-        // Each replica holds its share on one session, whatever the count.
-        let seen = within("roster", a.roster()).await.expect("roster");
-        assert_eq!(seen.roster.members.len(), 2);
-        assert!(seen.free().is_empty());
-        // A member that leaves frees what it held and says so.
-        let left = a.id();
-        within("leave", a.leave(WAIT)).await.expect("leave");
-        assert_eq!(notified(&mut b, "left").await, format!("left {left}"));
-        assert_eq!(take_share(&b).await, BTreeSet::from([0, 1, 2, 3]));
+        let (a, b) = a_surplus_goes_to_the_one_that_is_short(&backend).await;
+        // Each replica holds its share on one session, whatever the count: two members.
+        a_member_that_leaves_frees_its_shards(a, b).await;
     });
 }
 
@@ -200,59 +126,17 @@ fn members_share_the_shards_out_and_a_surplus_goes_to_the_one_that_is_short() {
 fn the_end_of_a_member_is_heard_by_its_watcher_and_told_to_every_member() {
     let backend = backend(unique_key());
     block_on(async {
-        let mut a = join(&backend, 6).await;
-        let b = join(&backend, 6).await;
-        let mut c = join(&backend, 6).await;
-        for holder in [&a, &b, &c] {
-            take_share(holder).await;
-        }
-        let seen = within("roster", a.roster()).await.expect("roster");
-        assert_eq!(
-            seen.roster.shares(),
-            vec![2, 2, 2],
-            "the roster {:?}",
-            seen.roster
-        );
+        let ([a, b, c], seen) = three_members_of_six_shards(&backend).await;
         // Whoever's successor B is watches it, on a session of its own.
-        let (watching, watcher_of_b) = if seen.roster.successor(a.id()) == Some(b.id()) {
-            (
-                "a",
-                ShardWatcher::open(&backend, "pgleader-shards-watch").await,
-            )
+        let watching = if seen.roster.successor(a.id()) == Some(b.id()) {
+            "a"
         } else {
             assert_eq!(seen.roster.successor(c.id()), Some(b.id()));
-            (
-                "c",
-                ShardWatcher::open(&backend, "pgleader-shards-watch").await,
-            )
+            "c"
         };
-        let watcher = watcher_of_b.expect("the watcher connects");
-        let watch = watcher.watch(b.id());
-        tokio::pin!(watch);
-        assert!(
-            tokio::time::timeout(Duration::from_millis(100), &mut watch)
-                .await
-                .is_err(),
-            "the watch of a live member ended"
-        );
-        let gone = b.id();
-        let b_holds = holds(&b).await;
-        let ended = tokio::time::Instant::now();
-        // Closing the connection, as a kill -9 does once the keeper lets go.
-        drop(b);
-        within("the watch", &mut watch)
-            .await
-            .unwrap_or_else(|err| panic!("the watch failed: {err}"));
-        let heard = ended.elapsed();
         // Both remaining members are told, whoever watched.
-        for holder in [&mut a, &mut c] {
-            assert_eq!(notified(holder, "gone").await, format!("gone {gone}"));
-        }
-        let seen = within("roster", a.roster()).await.expect("roster");
-        assert_eq!(seen.roster.members.len(), 2);
-        assert_eq!(seen.free(), b_holds.iter().copied().collect::<Vec<_>>());
-        let a_takes = take_share(&a).await.len();
-        let c_takes = take_share(&c).await.len();
+        let (heard, a_takes, c_takes) =
+            the_end_of_b_is_heard(&backend, [a, b, c], Duration::from_millis(100)).await;
         assert_eq!((a_takes, c_takes), (3, 3), "after B, watched by {watching}");
         assert!(heard < WAIT);
     });
@@ -263,156 +147,77 @@ fn a_replica_with_another_shard_count_or_without_shards_is_refused() {
     let backend = backend(unique_key());
     let plain_backend = self::backend(unique_key());
     block_on(async {
-        let a = join(&backend, 4).await;
-        let refused = within(
-            "join",
-            ShardHolder::join(&backend, "pgleader-shards-test", 8, None),
-        )
-        .await;
-        match refused {
-            Err(JoinError::Mismatch(reason)) => {
-                assert!(
-                    reason.contains(&format!("server process {}", a.id())),
-                    "{reason}"
-                );
-                assert!(reason.contains("--shards 4"), "{reason}");
-                assert!(reason.contains("--shards 8"), "{reason}");
-            }
-            other => panic!("a replica with --shards 8 beside --shards 4 joined: {other:?}"),
-        }
+        let (a, reason) = another_shard_count_is_refused(&backend).await;
+        assert!(
+            reason.contains(&format!("server process {}", a.id())),
+            "{reason}"
+        );
         drop(a);
-
-        // A plain replica of the same name holds its key: a sharded one refuses to join.
-        let backend = plain_backend;
-        let plain = pgleader::election::Backend::connect(&backend, "pgleader-plain")
-            .await
-            .expect("connect");
-        assert!(plain.try_acquire().await.expect("try"));
-        match within(
-            "join",
-            ShardHolder::join(&backend, "pgleader-shards-test", 2, None),
-        )
-        .await
-        {
-            Err(JoinError::Mismatch(reason)) => {
-                assert!(reason.contains("without --shards"), "{reason}");
-                assert!(
-                    reason.contains(&format!("server process {}", plain.id())),
-                    "{reason}"
-                );
-            }
-            other => panic!("a sharded replica joined beside a plain one: {other:?}"),
-        }
+        let (plain, reason) = a_sharded_replica_beside_a_plain_one_is_refused(&plain_backend).await;
+        assert!(
+            reason.contains(&format!(
+                "server process {}",
+                pgleader::election::Session::id(&plain)
+            )),
+            "{reason}"
+        );
     });
 }
 
 #[test]
 fn a_capped_member_holds_no_more_than_its_cap_and_the_others_share_the_rest() {
     let backend = backend(unique_key());
-    block_on(async {
-        let small = within(
-            "join",
-            ShardHolder::join(&backend, "pgleader-shards-test", 5, Some(1)),
-        )
-        .await
-        .expect("join");
-        let big = join(&backend, 5).await;
-        let seen = within("roster", small.roster()).await.expect("roster");
-        let capped = seen
-            .roster
-            .members
-            .iter()
-            .find(|member| member.id == small.id())
-            .expect("on the roster");
-        assert_eq!(capped.cap, Some(1));
-        assert_eq!(take_share(&small).await.len(), 1);
-        assert_eq!(take_share(&big).await.len(), 4);
-    });
+    block_on(a_capped_member_holds_no_more_than_its_cap(&backend));
 }
 
 // --- The binary: `pgleader run --shards K`. ---
 
-/// A shard's command: before it starts it looks for a process that another run of the same
-/// shard recorded and that is still alive (`<tag> overlap`), records its own pid, prints
-/// `<tag> started shard=I shards=K epoch=E`, and becomes a sleep, which a TERM ends. (A shell
-/// that traps TERM and waits for a child sleep can miss a TERM that comes while it forks the
-/// sleep, and only the kill timeout ends it then.)
-pub(crate) fn shard_child(journal: &Journal, tag: &str) -> String {
-    let path = journal.path.display();
-    format!(
-        "for p in $(sed -n \"s/^run $PGLEADER_SHARD \\([0-9]*\\)$/\\1/p\" {path} 2>/dev/null); do \
-           if kill -0 $p 2>/dev/null; then echo {tag} overlap shard=$PGLEADER_SHARD pid=$p; fi; \
-         done; \
-         echo \"run $PGLEADER_SHARD $$\" >> {path}; \
-         echo {tag} started shard=$PGLEADER_SHARD shards=$PGLEADER_SHARDS epoch=$PGLEADER_EPOCH; \
-         exec sleep 1000"
-    )
+/// The replicas of one advisory lock on the shared cluster.
+struct PgFleet {
+    lock: i64,
 }
 
-fn replica(tag: &str, lock: i64, shards: &str, journal: &Journal) -> Proc {
-    run(
-        tag,
-        Cluster::shared(),
-        lock,
-        &[&format!("--shards={shards}"), "--kill-timeout=5s"],
-        &shard_child(journal, tag),
-    )
-}
+impl Fleet for PgFleet {
+    fn replica(&self, tag: &str, shards: &str, journal: &Journal) -> Proc {
+        run(
+            tag,
+            Cluster::shared(),
+            self.lock,
+            &[&format!("--shards={shards}"), "--kill-timeout=5s"],
+            &shard_child(journal, tag),
+        )
+    }
 
-/// The shards a replica's command started on, in the order they started.
-pub(crate) fn started_shards(replica: &Proc) -> Vec<u32> {
-    replica
-        .lines(Stream::Stdout)
-        .iter()
-        .filter(|line| line.contains(" started "))
-        .map(|line| field(line, "shard").parse().expect("a shard number"))
-        .collect()
-}
+    fn plain(&self, tag: &str, script: &str) -> Proc {
+        run(tag, Cluster::shared(), self.lock, &[], script)
+    }
 
-pub(crate) fn sorted(mut shards: Vec<u32>) -> Vec<u32> {
-    shards.sort_unstable();
-    shards
-}
+    fn lock_named(&self) -> String {
+        self.lock.to_string()
+    }
 
-pub(crate) fn assert_no_overlap(replicas: &[&Proc]) {
-    for replica in replicas {
-        // Every command here exits on TERM: none should have needed SIGKILL.
-        let killed: Vec<String> = replica
-            .lines(Stream::Stderr)
-            .into_iter()
-            .filter(|line| line.contains("--kill-timeout"))
-            .collect();
-        assert!(
-            killed.is_empty(),
-            "{}: {killed:?}\n{}",
-            replica.name,
-            replica.dump()
-        );
-        let overlaps = overlaps_seen(replica);
-        assert!(
-            overlaps.is_empty(),
-            "{}: a shard's command started while another run of it was alive: {overlaps:?}",
-            replica.name
-        );
+    fn sessions_of(&self, replica: &Proc) -> usize {
+        let sessions: i64 = Cluster::shared()
+            .client()
+            .query_one(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE $1",
+                &[&format!("%:{}@%", replica.pid)],
+            )
+            .expect("pg_stat_activity")
+            .get(0);
+        sessions.try_into().expect("a count")
     }
 }
 
 #[test]
 fn replicas_share_the_shards_out_and_a_surplus_is_handed_over_without_overlap() {
-    let lock = unique_lock();
+    let fleet = PgFleet {
+        lock: unique_lock(),
+    };
     let journal = Journal::new("shards-balance");
-    let a = replica("A", lock, "4", &journal);
-    a.wait_for_nth(Stream::Stdout, "A started", 4);
-    assert_eq!(sorted(started_shards(&a)), vec![0, 1, 2, 3]);
-    let line = a.wait_stdout("A started shard=2");
-    assert_eq!(field(&line, "shards"), "4");
+    let (a, line) = one_replica_runs_every_shard(&fleet, &journal);
     assert!(field(&line, "epoch").parse::<i64>().expect("an epoch") > 0);
-
-    // B joins: A hands two shards over (its highest), each stopped before B starts it.
-    let b = replica("B", lock, "4", &journal);
-    b.wait_for_nth(Stream::Stdout, "B started", 2);
-    assert_eq!(sorted(started_shards(&b)), vec![2, 3]);
-    a.wait_log("handing shard 3 over");
+    let (b, _) = a_second_replica_takes_the_surplus(&fleet, &journal, &a);
     let journal_lines = journal.lines();
     for shard in [2, 3] {
         let runs = journal_lines
@@ -421,119 +226,30 @@ fn replicas_share_the_shards_out_and_a_surplus_is_handed_over_without_overlap() 
             .count();
         assert_eq!(runs, 2, "{journal_lines:?}");
     }
-    // Each replica's epochs: one per take, greater for the later take.
-    let epoch_of = |replica: &Proc, shard: u32| -> i64 {
-        let line = replica.wait_stdout(&format!("started shard={shard}"));
-        field(&line, "epoch").parse().expect("an epoch")
-    };
-    assert!(epoch_of(&b, 2) > epoch_of(&a, 2));
-
-    // B is stopped: its shards go back to A at once.
-    b.signal(Signal::SIGTERM);
-    assert_eq!(b.wait_code(), 0);
-    a.wait_for_nth(Stream::Stdout, "A started", 6);
-    assert_eq!(sorted(started_shards(&a)[4..].to_vec()), vec![2, 3]);
-    assert_no_overlap(&[&a, &b]);
-    a.signal(Signal::SIGTERM);
-    assert_eq!(a.wait_code(), 0);
+    the_surplus_goes_back_when_its_replica_stops(&a, &b);
     // Every command was stopped, and its stop logged: A's six, B's two.
     for (replica, stopped) in [(&a, 6), (&b, 2)] {
-        let exits = replica
-            .lines(Stream::Stderr)
-            .iter()
-            .filter(|line| line.contains("the command of shard"))
-            .filter(|line| line.contains("exited"))
-            .count();
-        assert_eq!(exits, stopped, "{}", replica.dump());
+        assert_eq!(commands_exited(replica), stopped, "{}", replica.dump());
     }
 }
 
 #[test]
 fn a_killed_replica_s_shards_run_on_the_others_at_once_on_two_connections_each() {
-    let lock = unique_lock();
-    let journal = Journal::new("shards-kill");
-    let a = replica("A", lock, "6", &journal);
-    a.wait_for_nth(Stream::Stdout, "A started", 6);
-    let b = replica("B", lock, "6", &journal);
-    b.wait_for_nth(Stream::Stdout, "B started", 3);
-    let c = replica("C", lock, "6", &journal);
-    c.wait_for_nth(Stream::Stdout, "C started", 2);
-    // Balanced: two each (A gave three, then one; B one).
-    a.wait_log("handing shard");
-    let c_shards = started_shards(&c);
-
-    // Two sessions per replica: the holder and the watcher (a watcher given up for another
-    // successor may take a moment to leave the server's list).
-    for replica in [&a, &b, &c] {
-        let deadline = std::time::Instant::now() + WAIT;
-        loop {
-            let sessions: i64 = Cluster::shared()
-                .client()
-                .query_one(
-                    "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE $1",
-                    &[&format!("%:{}@%", replica.pid)],
-                )
-                .expect("pg_stat_activity")
-                .get(0);
-            if sessions == 2 {
-                break;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "{} keeps {sessions} sessions",
-                replica.name
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    let killed = std::time::Instant::now();
-    c.signal(Signal::SIGKILL);
-    a.wait_for_nth(Stream::Stdout, "A started", 7);
-    b.wait_for_nth(Stream::Stdout, "B started", 4);
-    let taken = killed.elapsed();
-    let retaken: Vec<u32> = [&a, &b]
-        .iter()
-        .flat_map(|replica| started_shards(replica).into_iter().rev().take(1))
-        .collect();
-    assert_eq!(
-        sorted(retaken),
-        sorted(c_shards),
-        "C's shards were not the ones taken"
-    );
-    assert_no_overlap(&[&a, &b]);
-    eprintln!("C's shards ran elsewhere {taken:?} after its kill -9");
-    for replica in [&a, &b] {
-        replica.signal(Signal::SIGTERM);
-        assert_eq!(replica.wait_code(), 0);
-    }
+    let fleet = PgFleet {
+        lock: unique_lock(),
+    };
+    a_killed_replica_s_shards_run_on_the_others(&fleet, &Journal::new("shards-kill"));
 }
 
 #[test]
 fn a_replica_with_another_shard_count_or_without_shards_is_refused_with_exit_2() {
-    let lock = unique_lock();
-    let journal = Journal::new("shards-mismatch");
-    let a = replica("A", lock, "4", &journal);
-    a.wait_for_nth(Stream::Stdout, "A started", 4);
-    let b = replica("B", lock, "8", &journal);
-    assert_eq!(b.wait_code(), 2);
-    let refusal = b.wait_log("--shards 8");
-    assert!(refusal.contains("--shards 4"), "{refusal}");
-    assert!(started_shards(&b).is_empty());
-    // A plain replica of the same lock is refused too, and never runs its command.
-    let plain = run(
-        "P",
-        Cluster::shared(),
-        lock,
-        &[],
-        "echo P started; exec sleep 1000",
+    let fleet = PgFleet {
+        lock: unique_lock(),
+    };
+    another_count_or_a_plain_replica_is_refused_with_exit_2(
+        &fleet,
+        &Journal::new("shards-mismatch"),
     );
-    assert_eq!(plain.wait_code(), 2);
-    let refusal = plain.wait_log("with --shards");
-    assert!(refusal.contains(&format!("lock {lock}")), "{refusal}");
-    assert!(plain.lines(Stream::Stdout).is_empty(), "{}", plain.dump());
-    a.signal(Signal::SIGTERM);
-    assert_eq!(a.wait_code(), 0);
 }
 
 /// Two replicas of different kinds that start at the very same moment can both pass the
@@ -556,15 +272,8 @@ fn a_sharded_replica_that_finds_a_plain_one_beside_it_later_stops_and_exits_2() 
     plain
         .execute("SELECT pg_advisory_lock($1)", &[&lock])
         .expect("take the plain lock");
-    assert_eq!(a.wait_code(), 2, "{}", a.dump());
-    let refusal = a.wait_log("without --shards");
+    let refusal = it_stops_every_command_and_exits_2(&a);
     assert!(refusal.contains(&format!("lock {lock}")), "{refusal}");
-    let exits = a
-        .lines(Stream::Stderr)
-        .iter()
-        .filter(|line| line.contains("the command of shard") && line.contains("exited"))
-        .count();
-    assert_eq!(exits, 2, "both commands were stopped first\n{}", a.dump());
     assert_no_overlap(&[&a]);
 }
 
@@ -619,6 +328,18 @@ fn shards_with_what_they_cannot_work_with_are_usage_errors_that_say_why() {
     }
 }
 
+/// A command that exits on its own keeps its shard on its replica: nothing was released.
+fn assert_released_nothing(replica: &Proc) {
+    assert!(
+        !replica
+            .lines(Stream::Stderr)
+            .iter()
+            .any(|line| line.contains("released shard")),
+        "{}",
+        replica.dump()
+    );
+}
+
 #[test]
 fn signals_are_passed_on_to_every_shard_s_command() {
     let lock = unique_lock();
@@ -643,16 +364,8 @@ fn signals_are_passed_on_to_every_shard_s_command() {
             "starting the command of shard {shard} again in 1h"
         ));
     }
-    assert!(
-        !replica
-            .lines(Stream::Stderr)
-            .iter()
-            .any(|line| line.contains("released shard")),
-        "{}",
-        replica.dump()
-    );
-    replica.signal(Signal::SIGTERM);
-    assert_eq!(replica.wait_code(), 0);
+    assert_released_nothing(&replica);
+    stop(&[&replica]);
 }
 
 #[test]
@@ -670,16 +383,8 @@ fn a_shard_whose_command_exits_starts_again_on_its_replica_after_the_restart_del
     let again = replica.wait_for_nth(Stream::Stdout, "started shard=1", 2);
     assert_eq!(field(&first, "epoch"), field(&again, "epoch"));
     replica.wait_log("starting the command of shard 1 again in 200ms");
-    replica.signal(Signal::SIGTERM);
-    assert_eq!(replica.wait_code(), 0);
-    assert!(
-        !replica
-            .lines(Stream::Stderr)
-            .iter()
-            .any(|line| line.contains("released shard")),
-        "{}",
-        replica.dump()
-    );
+    stop(&[&replica]);
+    assert_released_nothing(&replica);
 }
 
 /// What an operator sees of a sharded lock. `status` shows which replica holds which shard (in
@@ -738,20 +443,7 @@ fn status_http_and_metrics_show_which_replica_runs_which_shard() {
     };
     let text = status(&[]);
     assert_eq!(text.wait_code(), 0, "a sharded lock whose shards are held");
-    let (_, out, _) = text.finish();
-    let out = out.join("\n");
-    assert!(
-        out.contains(": 2 shards on 3 replicas, every shard held"),
-        "{out}"
-    );
-    assert!(
-        out.contains(&format!("\n  shard 0: pgleader {}@", a.pid)),
-        "{out}"
-    );
-    assert!(
-        out.contains(&format!("\n  shard 1: pgleader {}@", b.pid)),
-        "{out}"
-    );
+    let out = status_shows_each_shard_s_replica(text, 3, [&a, &b]);
     assert!(
         out.contains(&format!(
             "backend pid {}, pgleader pid {}",
@@ -825,12 +517,7 @@ fn status_http_and_metrics_show_which_replica_runs_which_shard() {
     c.wait_stdout("C started shard=0");
     wait_for_status(c_http, "/leader", 200);
     watch.wait_stdout(&format!(" 0 pgleader {}@", c.pid));
-    watch.signal(Signal::SIGTERM);
-    assert_eq!(watch.wait_code(), 0);
-    for replica in [&b, &c] {
-        replica.signal(Signal::SIGTERM);
-        assert_eq!(replica.wait_code(), 0, "{}", replica.dump());
-    }
+    stop(&[&watch, &b, &c]);
     assert_no_overlap(&[&b, &c]);
 }
 
@@ -950,10 +637,7 @@ fn a_sharded_fleet_holds_back_neither_vacuum_nor_create_index_concurrently() {
         watchers_closed <= 3,
         "{watchers_closed} watchers closed:\n{log}"
     );
-    for replica in &replicas {
-        replica.signal(Signal::SIGTERM);
-        assert_eq!(replica.wait_code(), 0, "{}", replica.dump());
-    }
     let replicas: Vec<&Proc> = replicas.iter().collect();
+    stop(&replicas);
     assert_no_overlap(&replicas);
 }

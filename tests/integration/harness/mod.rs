@@ -10,6 +10,7 @@ pub mod pgbouncer;
 pub mod process;
 pub mod proxy;
 pub mod redis;
+pub mod shards;
 pub mod spawner;
 
 use std::path::PathBuf;
