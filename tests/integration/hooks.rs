@@ -9,6 +9,7 @@
 
 use nix::sys::signal::Signal;
 
+use crate::harness::fleet::{Fleet, on_both_backends};
 use crate::harness::{
     Cluster, Journal, Proc, Redis, Stream, WAIT, assert_usage_error, field, pgleader, run,
     run_named, unique_lock, wait_gone,
@@ -42,6 +43,13 @@ fn hooks(journal: &Journal, tag: &str) -> Vec<String> {
         )
     };
     vec![hook("pre-start"), hook("post-stop")]
+}
+
+/// The test's timings and the [`hooks`] of replica `tag`: a replica's options.
+fn timed_hooks(journal: &Journal, tag: &str) -> Vec<String> {
+    let mut args: Vec<String> = TIMINGS.iter().map(|s| (*s).to_owned()).collect();
+    args.extend(hooks(journal, tag));
+    args
 }
 
 /// A command that journals its start, prints `<tag> started backend=<pid>` and waits; TERM ends
@@ -95,61 +103,12 @@ fn assert_in_order(journal: &Journal, tags: &[&str], logs: &[&Proc]) {
     }
 }
 
-/// Where the replicas of a test meet: a server's URL and the lock's option.
-struct Fleet {
-    url: String,
-    lock: String,
-}
-
-impl Fleet {
-    fn postgres() -> Fleet {
-        Fleet {
-            url: Cluster::shared().url(),
-            lock: format!("--lock-id={}", unique_lock()),
-        }
-    }
-
-    fn redis() -> Fleet {
-        Fleet {
-            url: Redis::shared().url(),
-            lock: format!("--lock=hooks-{}", unique_lock()),
-        }
-    }
-
-    /// `pgleader <subcommand> <lock> <args...>`.
-    fn pgleader(&self, subcommand: &str, args: &[String]) -> std::process::Command {
-        let mut command = pgleader();
-        command
-            .env("PGLEADER_DATABASE_URL", &self.url)
-            .arg(subcommand)
-            .arg(&self.lock)
-            .args(args);
-        command
-    }
-
-    /// A replica with the test's timings and `hooks`, running `script`.
-    fn replica(&self, name: &str, hooks: &[String], script: &str) -> Proc {
-        let mut args: Vec<String> = TIMINGS.iter().map(|s| (*s).to_owned()).collect();
-        args.extend(hooks.iter().cloned());
-        args.extend(["--", "sh", "-c", script].map(String::from));
-        Proc::spawn(name, self.pgleader("run", &args))
-    }
-
-    /// `pgleader step-down`, to its end.
-    fn step_down(&self) {
-        let client = Proc::spawn(
-            "step-down",
-            self.pgleader("step-down", &["--timeout=20s".to_owned()]),
-        );
-        assert_eq!(client.wait_code(), 0, "{}", client.dump());
-    }
-}
-
 /// A leadership passed on by SIGTERM, then by kill -9 of pgleader, then by `pgleader
 /// step-down`: A, B, C, then D, each post-stop over before the next pre-start began.
-fn hooks_run_in_order_through_sigterm_kill_9_and_step_down(fleet: Fleet) {
+fn hooks_run_in_order_through_sigterm_kill_9_and_step_down(fleet: &Fleet) {
     let journal = Journal::new("hooks");
-    let start = |tag: &str| fleet.replica(tag, &hooks(&journal, tag), &command(&journal, tag));
+    let start =
+        |tag: &str| fleet.replica(tag, &timed_hooks(&journal, tag), &command(&journal, tag));
     let a = start("A");
     a.wait_stdout("A started");
     let b = start("B");
@@ -166,7 +125,8 @@ fn hooks_run_in_order_through_sigterm_kill_9_and_step_down(fleet: Fleet) {
     let d = start("D");
     d.wait_log("waiting for the lock");
 
-    fleet.step_down();
+    let (code, out, err) = fleet.step_down();
+    assert_eq!(code, 0, "stdout: {out}\nstderr: {err}");
     d.wait_stdout("D started");
     assert_in_order(&journal, &["A", "B", "C", "D"], &[&a, &b, &c, &d]);
     assert!(
@@ -180,14 +140,10 @@ fn hooks_run_in_order_through_sigterm_kill_9_and_step_down(fleet: Fleet) {
     }
 }
 
-#[test]
-fn on_postgres_hooks_run_in_order_through_sigterm_kill_9_and_step_down() {
-    hooks_run_in_order_through_sigterm_kill_9_and_step_down(Fleet::postgres());
-}
-
-#[test]
-fn on_redis_hooks_run_in_order_through_sigterm_kill_9_and_step_down() {
-    hooks_run_in_order_through_sigterm_kill_9_and_step_down(Fleet::redis());
+on_both_backends! { &Fleet::postgres(), &Fleet::redis("hooks");
+    hooks_run_in_order_through_sigterm_kill_9_and_step_down:
+        on_postgres_hooks_run_in_order_through_sigterm_kill_9_and_step_down,
+        on_redis_hooks_run_in_order_through_sigterm_kill_9_and_step_down;
 }
 
 #[test]
@@ -195,22 +151,19 @@ fn after_the_server_ends_the_leaders_session_a_takeover_delay_keeps_the_hooks_in
     // The server frees the lock the moment it ends the session: only --takeover-delay (here
     // longer than the old leader's stop and post-stop) keeps the next pre-start behind the
     // old post-stop, as docs/operating.md says.
-    let cluster = Cluster::shared();
-    let lock = unique_lock();
+    let fleet = Fleet::postgres();
     let journal = Journal::new("terminated");
     let start = |name: &str| {
-        let mut args: Vec<String> = TIMINGS.iter().map(|s| (*s).to_owned()).collect();
-        args.extend(hooks(&journal, name));
+        let mut args = timed_hooks(&journal, name);
         args.push("--takeover-delay=2s".to_owned());
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        run(name, cluster, lock, &args, &command(&journal, name))
+        fleet.replica(name, &args, &command(&journal, name))
     };
     let a = start("A");
     let started = a.wait_stdout("A started");
     let b = start("B");
     b.wait_log("waiting for the lock");
 
-    cluster.terminate_backend(field(&started, "backend").parse().expect("backend pid"));
+    Cluster::shared().terminate_backend(field(&started, "backend").parse().expect("backend pid"));
     b.wait_stdout("B started");
     assert_in_order(&journal, &["A", "B"], &[&a, &b]);
 }
