@@ -9,20 +9,11 @@
 
 use nix::sys::signal::Signal;
 
-use crate::harness::fleet::{Fleet, on_both_backends};
+use crate::harness::fleet::{Fleet, lines_with, on_both_backends};
 use crate::harness::{
-    Cluster, Journal, Proc, Redis, Stream, WAIT, assert_usage_error, field, pgleader, run,
-    run_named, unique_lock, wait_gone,
+    Cluster, Journal, Proc, Stream, WAIT, assert_usage_error, field, pgleader, run, unique_lock,
+    wait_gone,
 };
-
-/// Timings that keep the tests quick and satisfy the lease rule with hooks.
-const TIMINGS: [&str; 5] = [
-    "--check-interval=200ms",
-    "--check-timeout=500ms",
-    "--kill-timeout=2s",
-    "--hook-timeout=3s",
-    "--lease=60s",
-];
 
 /// Shell text that journals `<what> <tag> <nanoseconds>`.
 fn stamp(journal: &Journal, what: &str, tag: &str) -> String {
@@ -45,6 +36,15 @@ fn hooks(journal: &Journal, tag: &str) -> Vec<String> {
     vec![hook("pre-start"), hook("post-stop")]
 }
 
+/// Timings that keep the tests quick and satisfy the lease rule with hooks.
+const TIMINGS: [&str; 5] = [
+    "--check-interval=200ms",
+    "--check-timeout=500ms",
+    "--kill-timeout=2s",
+    "--hook-timeout=3s",
+    "--lease=60s",
+];
+
 /// The test's timings and the [`hooks`] of replica `tag`: a replica's options.
 fn timed_hooks(journal: &Journal, tag: &str) -> Vec<String> {
     let mut args: Vec<String> = TIMINGS.iter().map(|s| (*s).to_owned()).collect();
@@ -59,6 +59,43 @@ fn command(journal: &Journal, tag: &str) -> String {
         "{}; echo {tag} started backend=$PGLEADER_BACKEND_PID; exec sleep 1000",
         stamp(journal, "command", tag)
     )
+}
+
+/// Quick checks, a lease long enough for any hook, and `--hook-timeout=<timeout>`: the options
+/// of a replica whose hook will hang.
+fn hanging_hook_options(timeout: &str) -> Vec<String> {
+    vec![
+        "--check-interval=200ms".to_owned(),
+        "--check-timeout=500ms".to_owned(),
+        format!("--hook-timeout={timeout}"),
+        "--lease=60s".to_owned(),
+    ]
+}
+
+/// A hook that hangs with a child: it writes the child's pid and its own to `pids`, and waits.
+fn hanging_tree(pids: &Journal) -> String {
+    format!(
+        "sleep 1000 & echo $! >> {p}; echo $$ >> {p}; wait",
+        p = pids.path.display()
+    )
+}
+
+/// The pids a [`hanging_tree`] wrote.
+fn pids_in(pids: &Journal) -> Vec<i32> {
+    pids.lines()
+        .iter()
+        .map(|pid| pid.parse().expect("pid"))
+        .collect()
+}
+
+/// Asserts that each of a hanging `hook`'s processes is gone (killed at its timeout).
+fn assert_gone(pids: &[i32], hook: &str) {
+    for &pid in pids {
+        assert!(
+            wait_gone(pid, WAIT),
+            "{hook}'s process {pid} outlived its timeout"
+        );
+    }
 }
 
 /// The journal's events as `(what, tag, nanoseconds)`.
@@ -220,81 +257,42 @@ fn a_failing_pre_start_never_starts_the_command_runs_post_stop_and_hands_leaders
 
 #[test]
 fn a_hanging_pre_start_is_killed_at_its_timeout_with_its_tree_and_the_command_never_starts() {
-    let redis = Redis::shared();
-    let lock = format!("hanging-pre-{}", unique_lock());
+    let fleet = Fleet::redis("hanging-pre");
     let pids = Journal::new("hanging-pre");
-    let timings = [
-        "--check-interval=200ms",
-        "--check-timeout=500ms",
-        "--hook-timeout=500ms",
-        "--lease=60s",
-    ];
-    let mut args: Vec<String> = timings.iter().map(|s| (*s).to_owned()).collect();
-    args.push(format!(
-        "--pre-start=sleep 1000 & echo $! >> {p}; echo $$ >> {p}; wait",
-        p = pids.path.display()
-    ));
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let a = run_named(
-        "A",
-        &redis.url(),
-        &lock,
-        &args,
-        "echo A started; exec sleep 1000",
-    );
+    let mut args = hanging_hook_options("500ms");
+    args.push(format!("--pre-start={}", hanging_tree(&pids)));
+    let a = fleet.replica("A", &args, "echo A started; exec sleep 1000");
     let failed = a.wait_log("--pre-start failed");
     assert!(failed.contains("ran past --hook-timeout"), "{failed}");
-    let hook_pids: Vec<i32> = pids
-        .lines()
-        .iter()
-        .map(|pid| pid.parse().expect("pid"))
-        .collect();
+    let hook_pids = pids_in(&pids);
     assert_eq!(hook_pids.len(), 2, "{}", a.dump());
-    for pid in hook_pids {
-        assert!(
-            wait_gone(pid, WAIT),
-            "pre-start's process {pid} outlived its timeout"
-        );
-    }
+    assert_gone(&hook_pids, "pre-start");
     a.wait_log("released the lock");
     assert!(a.lines(Stream::Stdout).is_empty(), "{}", a.dump());
 }
 
 #[test]
 fn a_hanging_post_stop_is_killed_at_its_timeout_and_only_then_is_the_lock_released() {
-    let cluster = Cluster::shared();
-    let lock = unique_lock();
+    let fleet = Fleet::postgres();
     let journal = Journal::new("hanging-post");
     let pids = Journal::new("hanging-post-pids");
-    let timings = [
-        "--check-interval=200ms",
-        "--check-timeout=500ms",
-        "--hook-timeout=700ms",
-        "--lease=60s",
-    ];
-    let mut args: Vec<String> = timings.iter().map(|s| (*s).to_owned()).collect();
+    let options = hanging_hook_options("700ms");
+    let mut args = options.clone();
     args.push(format!(
-        "--post-stop={}; sleep 1000 & echo $! >> {p}; echo $$ >> {p}; wait",
+        "--post-stop={}; {}",
         stamp(&journal, "post-stop-begin", "A"),
-        p = pids.path.display()
+        hanging_tree(&pids)
     ));
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let a = run("A", cluster, lock, &args, &command(&journal, "A"));
+    let a = fleet.replica("A", &args, &command(&journal, "A"));
     a.wait_stdout("A started");
-    let b = run("B", cluster, lock, &timings, &command(&journal, "B"));
+    let b = fleet.replica("B", &options, &command(&journal, "B"));
     b.wait_log("waiting for the lock");
 
     a.signal(Signal::SIGTERM);
     b.wait_stdout("B started");
     let failed = a.wait_log("--post-stop failed");
     assert!(failed.contains("ran past --hook-timeout"), "{failed}");
-    for pid in pids.lines() {
-        let pid: i32 = pid.parse().expect("pid");
-        assert!(
-            wait_gone(pid, WAIT),
-            "post-stop's process {pid} outlived its timeout"
-        );
-    }
+    assert_gone(&pids_in(&pids), "post-stop");
     let events = events(&journal);
     let at = |what: &str, tag: &str| {
         events
@@ -485,15 +483,8 @@ fn with_a_schedule_the_hooks_wrap_each_run() {
         a.dump()
     );
     // The lock was kept between the runs: one leadership.
-    assert_eq!(
-        a.lines(Stream::Stderr)
-            .iter()
-            .filter(|line| line.contains("became leader"))
-            .count(),
-        1,
-        "{}",
-        a.dump()
-    );
+    let leaderships = lines_with(&a, Stream::Stderr, &["became leader"]);
+    assert_eq!(leaderships.len(), 1, "{}", a.dump());
 }
 
 #[test]
@@ -553,11 +544,7 @@ fn a_lost_lock_during_pre_start_stops_it_and_runs_post_stop_once() {
     cluster.terminate_backend(field(&leader, "backend_pid").parse().expect("backend pid"));
     // It reconnects, wins again (alone) and runs pre-start again: one post-stop between.
     a.wait_for_nth(Stream::Stderr, "entered hook=pre-start", 2);
-    let hooks: Vec<String> = a
-        .lines(Stream::Stderr)
-        .into_iter()
-        .filter(|line| line.contains("entered hook=") || line.contains("undone hook="))
-        .collect();
+    let hooks = lines_with(&a, Stream::Stderr, &["entered hook=", "undone hook="]);
     assert_eq!(hooks.len(), 3, "{hooks:?}\n{}", a.dump());
     assert!(hooks[1].contains("undone"), "{hooks:?}\n{}", a.dump());
     assert!(a.lines(Stream::Stdout).is_empty(), "{}", a.dump());
@@ -609,10 +596,6 @@ fn with_a_schedule_a_post_stop_longer_than_the_checks_deadline_keeps_the_leaders
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let a = run("A", cluster, unique_lock(), &args, "echo ran");
     a.wait_for_nth(Stream::Stderr, "--post-stop finished", 2);
-    let lost: Vec<String> = a
-        .lines(Stream::Stderr)
-        .into_iter()
-        .filter(|line| line.contains("leadership lost") || line.contains("became leader"))
-        .collect();
+    let lost = lines_with(&a, Stream::Stderr, &["leadership lost", "became leader"]);
     assert_eq!(lost.len(), 1, "{lost:?}\n{}", a.dump());
 }

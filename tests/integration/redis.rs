@@ -6,6 +6,7 @@
 
 use nix::sys::signal::Signal;
 
+use crate::harness::fleet::lines_with;
 use crate::harness::redis::SECRET_PASSWORD;
 use crate::harness::run_named as run;
 use crate::harness::{
@@ -563,25 +564,25 @@ fn status_shows_the_leader_and_the_waiters_in_order() {
     a.wait_stdout("A started");
     let b = run("B", &redis.url(), &lock, &QUICK, &patient_child("B"));
     let b_client = field(&b.wait_log("waiting for the lock"), "backend_pid");
-    let mut command = pgleader();
-    command.args(["status", "-d", &redis.url(), "--lock", &lock, "--json"]);
-    let status = Proc::spawn("status", command);
-    let (exit, stdout, _) = status.finish();
-    assert_eq!(exit.code(), Some(0), "{}", status.dump());
+    let status = |extra: &[&str]| {
+        let mut command = pgleader();
+        command
+            .args(["status", "-d", &redis.url(), "--lock", &lock])
+            .args(extra);
+        let status = Proc::spawn("status", command);
+        let (exit, stdout, _) = status.finish();
+        assert_eq!(exit.code(), Some(0), "{}", status.dump());
+        stdout.join("\n")
+    };
     let json: serde_json::Value =
-        serde_json::from_str(&stdout.join("\n")).expect("status --json prints JSON");
+        serde_json::from_str(&status(&["--json"])).expect("status --json prints JSON");
     let text = json.to_string();
     assert!(text.contains(&format!(":{}@", a.pid)), "{text}");
     assert!(text.contains(&format!(":{}@", b.pid)), "{text}");
     assert_eq!(json["lock"]["redis_key"], format!("pgleader:{{{lock}}}"));
     // The text names what Redis knows: the key, and client ids (not PostgreSQL's backend
     // pids, and no "local socket": Redis tells no address here).
-    let mut command = pgleader();
-    command.args(["status", "-d", &redis.url(), "--lock", &lock]);
-    let status = Proc::spawn("status", command);
-    let (exit, stdout, _) = status.finish();
-    assert_eq!(exit.code(), Some(0), "{}", status.dump());
-    let text = stdout.join("\n");
+    let text = status(&[]);
     assert!(
         text.starts_with(&format!("lock {lock:?} (key pgleader:{{{lock}}}): held")),
         "{text}"
@@ -652,15 +653,8 @@ fn without_pubsub_numsub_a_crashed_leader_is_replaced_when_its_key_expires_and_i
     assert!(warning.contains("when its key expires"), "{warning}");
     a.signal(Signal::SIGKILL);
     b.wait_stdout("B started");
-    assert_eq!(
-        b.lines(Stream::Stderr)
-            .iter()
-            .filter(|line| line.contains("PUBSUB NUMSUB"))
-            .count(),
-        1,
-        "said once: {}",
-        b.dump()
-    );
+    let warnings = lines_with(&b, Stream::Stderr, &["PUBSUB NUMSUB"]);
+    assert_eq!(warnings.len(), 1, "said once: {}", b.dump());
 }
 
 #[test]
