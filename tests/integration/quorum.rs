@@ -22,8 +22,9 @@ use crate::harness::{
 
 const LEASE: Duration = Duration::from_secs(3);
 
-/// The command-line tests' checks, quick, with the sessions' lease of 3 s.
-const CLI_TIMINGS: [&str; 4] = [
+/// The command-line tests' checks, quick, with the sessions' lease of 3 s (the scheduled
+/// quorum's tests in `schedule.rs` use them too).
+pub(crate) const CLI_TIMINGS: [&str; 4] = [
     "--check-interval=200ms",
     "--check-timeout=500ms",
     "--kill-timeout=1s",

@@ -13,9 +13,11 @@ use std::time::{Duration, Instant, SystemTime};
 use chrono::{DateTime, SubsecRound, Utc};
 use nix::sys::signal::Signal;
 
+use crate::harness::fleet::printed;
 use crate::harness::{
     Cluster, Journal, Proc, Redis, Stream, WAIT, assert_usage_error, pgleader, unique_lock,
 };
+use crate::quorum::CLI_TIMINGS;
 
 /// Every two seconds: fast enough for tests, slow enough for a 2-core machine under load.
 const EVERY_TWO_SECONDS: &str = "*/2 * * * * *";
@@ -1297,9 +1299,7 @@ fn a_shutdown_during_a_run_records_it_before_the_lock_goes() {
     // file and may be ahead of the pipe.)
     b.wait_log("running the occurrence of");
     assert!(
-        !b.lines(Stream::Stderr)
-            .iter()
-            .any(|l| l.contains("its leader lost the lock while it ran")),
+        !printed(&b, Stream::Stderr, "its leader lost the lock while it ran"),
         "the lock went before the run was recorded: {}",
         b.dump()
     );
@@ -1570,17 +1570,11 @@ fn on_a_quorum_replicas_run_each_occurrence_once_through_kill_9_a_servers_death_
     }
     let lock = unique_lock();
     let journal = Journal::new("quorum-schedule");
-    let timings = [
-        "--check-interval=200ms",
-        "--check-timeout=500ms",
-        "--kill-timeout=1s",
-        "--lease=3s",
-    ];
     let urls: Vec<String> = servers.iter().map(Redis::url).collect();
     let quorum = urls.join(" ");
     let mut fleet = Fleet::of(3, "Q", |tag| {
         let job = job(&journal, tag, "1.2");
-        scheduled_on_redis(tag, &quorum, lock, EVERY_TWO_SECONDS, &timings, &job)
+        scheduled_on_redis(tag, &quorum, lock, EVERY_TWO_SECONDS, &CLI_TIMINGS, &job)
     });
     let seen = wait_starts(&journal, 2, WAIT);
     // kill -9 of the leader during a run: that occurrence is interrupted, not run again.

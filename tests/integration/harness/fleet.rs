@@ -1,7 +1,7 @@
 //! Where the replicas of one test meet, on either backend: a server's URL and the lock's option,
 //! so that a test body written once runs on PostgreSQL and on Redis (the step-down and hook
 //! tests), and the `pgleader` commands its replicas and clients run; and what a test asks of a
-//! replica's output that no single wait answers (whether a line never came).
+//! replica's output that no single wait answers (whether a line never came, how often one did).
 
 use std::ffi::OsStr;
 use std::process::Command;
