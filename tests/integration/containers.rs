@@ -16,7 +16,7 @@ use nix::sys::signal::{Signal, kill};
 use nix::sys::stat::Mode;
 use nix::unistd::{Pid, mkfifo};
 
-use crate::harness::namespace::namespace_processes;
+use crate::harness::namespace::{NsProcess, namespace_processes};
 use crate::harness::{
     Cluster, Proc, Stream, WAIT, patient_child, pgleader_under, require_tool, unique_lock,
 };
@@ -51,6 +51,24 @@ fn release(fifo: &Path) {
     });
 }
 
+/// Runs `command` (the tool `name`) to its end and asserts that it succeeded, or fails saying
+/// what the test needs: the process and its stdout.
+fn succeeds(name: &str, command: Command) -> (Proc, Vec<String>) {
+    let process = Proc::spawn(name, command);
+    let (status, stdout, stderr) = process.finish();
+    assert!(
+        status.success(),
+        "{name} failed ({}): {NEEDS}",
+        stderr.join(" ")
+    );
+    (process, stdout)
+}
+
+/// The process of `member`'s PID namespace that passes `test`.
+fn in_namespace(member: i32, test: impl Fn(&NsProcess) -> bool) -> Option<NsProcess> {
+    namespace_processes(member).into_iter().find(|p| test(p))
+}
+
 fn fifo(dir: &Path, name: &str) -> PathBuf {
     let path = dir.join(name);
     mkfifo(&path, Mode::from_bits_truncate(0o600)).expect("mkfifo");
@@ -63,13 +81,7 @@ fn as_pid_1_it_passes_signals_on_and_reaps_the_orphans_it_inherits() {
     require_tool("nsenter", NEEDS);
     let mut preflight = Command::new("unshare");
     preflight.args(["--pid", "--fork", "--mount-proc", "--kill-child", "true"]);
-    let preflight = Proc::spawn("unshare", preflight);
-    let (status, _, stderr) = preflight.finish();
-    assert!(
-        status.success(),
-        "unshare failed ({}): {NEEDS}",
-        stderr.join(" ")
-    );
+    succeeds("unshare", preflight);
 
     let dir = std::env::temp_dir().join(format!("pgleader-pid1-{}", std::process::id()));
     let _ = fs::remove_dir_all(&dir);
@@ -102,10 +114,8 @@ fn as_pid_1_it_passes_signals_on_and_reaps_the_orphans_it_inherits() {
         .next()
         .and_then(|pid| pid.parse().ok())
         .unwrap_or_else(|| panic!("unshare has no child\n{}", a.dump()));
-    let init = namespace_processes(pgleader)
-        .into_iter()
-        .find(|p| p.host_pid == pgleader)
-        .expect("pgleader in its namespace");
+    let init =
+        in_namespace(pgleader, |p| p.host_pid == pgleader).expect("pgleader in its namespace");
     assert_eq!(init.ns_pid, 1, "pgleader is not PID 1: {init:?}");
 
     // The command's orphan exits: the keeper (a subreaper) reaps it. (Before the signals
@@ -133,22 +143,13 @@ fn as_pid_1_it_passes_signals_on_and_reaps_the_orphans_it_inherits() {
                 outer.display()
             ),
         ]);
-    let exec = Proc::spawn("nsenter", enter);
-    let (status, stdout, stderr) = exec.finish();
-    assert!(
-        status.success(),
-        "nsenter failed ({}): {NEEDS}",
-        stderr.join(" ")
-    );
+    let (exec, stdout) = succeeds("nsenter", enter);
     let orphan_ns_pid: i32 = stdout
         .first()
         .and_then(|line| line.strip_prefix("orphan "))
         .and_then(|pid| pid.parse().ok())
         .unwrap_or_else(|| panic!("no orphan pid\n{}", exec.dump()));
-    let orphan = namespace_processes(pgleader)
-        .into_iter()
-        .find(|p| p.ns_pid == orphan_ns_pid)
-        .expect("the orphan runs");
+    let orphan = in_namespace(pgleader, |p| p.ns_pid == orphan_ns_pid).expect("the orphan runs");
     assert_eq!(
         orphan.parent, pgleader,
         "the orphan was not handed to PID 1: {orphan:?}"

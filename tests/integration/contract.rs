@@ -321,6 +321,20 @@ async fn held<S: Session>(session: &S) -> bool {
     )
 }
 
+/// Two sessions of `backend`, `a` holding the lock and `b` not asking yet.
+async fn a_holding<B: Backend>(backend: &B) -> (B::Session, B::Session) {
+    let (a, b) = (connect(backend, "a").await, connect(backend, "b").await);
+    assert!(try_acquire(&a).await);
+    (a, b)
+}
+
+/// Whether a wait for the lock is still pending, polled for a millisecond.
+async fn still_waiting<F: Future + Unpin>(wait: &mut F) -> bool {
+    tokio::time::timeout(Duration::from_millis(1), wait)
+        .await
+        .is_err()
+}
+
 async fn observe<B: Backend>(backend: &B) -> B::Observer {
     within("observe", backend.observe())
         .await
@@ -445,12 +459,13 @@ pub async fn a_check_fails_once_the_session_is_gone<T: Subject>(subject: &T) {
 
 pub async fn a_release_wakes_the_next_waiter<T: Subject>(subject: &T) {
     let backend = subject.backend();
-    let (a, b) = (connect(&backend, "a").await, connect(&backend, "b").await);
-    assert!(try_acquire(&a).await);
+    let (a, b) = a_holding(&backend).await;
     let b_waits = b.wait();
     tokio::pin!(b_waits);
-    let pending = tokio::time::timeout(Duration::from_millis(1), &mut b_waits).await;
-    assert!(pending.is_err(), "b waits while a holds the lock");
+    assert!(
+        still_waiting(&mut b_waits).await,
+        "b waits while a holds the lock"
+    );
     within("release", a.release(WAIT)).await.expect("released");
     within("b's grant", &mut b_waits)
         .await
@@ -460,13 +475,11 @@ pub async fn a_release_wakes_the_next_waiter<T: Subject>(subject: &T) {
 
 pub async fn an_abandoned_wait_leaves_the_lock_free<T: Subject>(subject: &T) {
     let backend = subject.backend();
-    let (a, b) = (connect(&backend, "a").await, connect(&backend, "b").await);
-    assert!(try_acquire(&a).await);
+    let (a, b) = a_holding(&backend).await;
     {
         let b_waits = b.wait();
         tokio::pin!(b_waits);
-        let pending = tokio::time::timeout(Duration::from_millis(1), &mut b_waits).await;
-        assert!(pending.is_err());
+        assert!(still_waiting(&mut b_waits).await);
         if subject.queues_waiters() {
             until_waiting(&backend, &[b.id()]).await;
         }
@@ -579,76 +592,36 @@ pub async fn the_ledger_claims_only_for_the_leader<T: Subject>(subject: &T) {
     );
 }
 
-/// One `#[test]` per contract test, for one subject.
+/// One `#[test]` per contract test, for one subject: each prepares the subject and runs the
+/// contract test of its name on it.
 macro_rules! contract_suite {
     ($backend:ident, $subject:expr) => {
+        contract_suite!(
+            $backend,
+            $subject,
+            only_one_session_acquires,
+            waiters_are_granted_the_lock_in_order,
+            a_check_confirms_only_the_holder,
+            the_end_of_the_connection_is_noticed_at_once,
+            a_check_fails_once_the_session_is_gone,
+            a_release_wakes_the_next_waiter,
+            an_abandoned_wait_leaves_the_lock_free,
+            epochs_increase_from_one_leadership_to_the_next,
+            the_ledger_claims_only_for_the_leader,
+        );
+    };
+    ($backend:ident, $subject:expr, $($test:ident),+ $(,)?) => {
         mod $backend {
             use super::*;
 
-            #[test]
-            fn only_one_session_acquires() {
-                let subject = $subject;
-                subject.prepare();
-                block_on(super::only_one_session_acquires(&subject));
-            }
-
-            #[test]
-            fn waiters_are_granted_the_lock_in_order() {
-                let subject = $subject;
-                subject.prepare();
-                block_on(super::waiters_are_granted_the_lock_in_order(&subject));
-            }
-
-            #[test]
-            fn a_check_confirms_only_the_holder() {
-                let subject = $subject;
-                subject.prepare();
-                block_on(super::a_check_confirms_only_the_holder(&subject));
-            }
-
-            #[test]
-            fn the_end_of_the_connection_is_noticed_at_once() {
-                $subject.prepare();
-                block_on(super::the_end_of_the_connection_is_noticed_at_once(
-                    &$subject,
-                ));
-            }
-
-            #[test]
-            fn a_check_fails_once_the_session_is_gone() {
-                let subject = $subject;
-                subject.prepare();
-                block_on(super::a_check_fails_once_the_session_is_gone(&subject));
-            }
-
-            #[test]
-            fn a_release_wakes_the_next_waiter() {
-                let subject = $subject;
-                subject.prepare();
-                block_on(super::a_release_wakes_the_next_waiter(&subject));
-            }
-
-            #[test]
-            fn an_abandoned_wait_leaves_the_lock_free() {
-                let subject = $subject;
-                subject.prepare();
-                block_on(super::an_abandoned_wait_leaves_the_lock_free(&subject));
-            }
-
-            #[test]
-            fn epochs_increase_from_one_leadership_to_the_next() {
-                $subject.prepare();
-                block_on(super::epochs_increase_from_one_leadership_to_the_next(
-                    &$subject,
-                ));
-            }
-
-            #[test]
-            fn the_ledger_claims_only_for_the_leader() {
-                let subject = $subject;
-                subject.prepare();
-                block_on(super::the_ledger_claims_only_for_the_leader(&subject));
-            }
+            $(
+                #[test]
+                fn $test() {
+                    let subject = $subject;
+                    subject.prepare();
+                    block_on(super::$test(&subject));
+                }
+            )+
         }
     };
 }

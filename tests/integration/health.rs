@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 
+use crate::harness::fleet::on_both_backends;
 use crate::harness::http::{get, wait_for_status};
 use crate::harness::process::wait_gone;
 use crate::harness::{Cluster, Proc, Redis, Stream, patient_child, run_with_url, unique_lock};
@@ -214,16 +215,6 @@ fn leads_only_once_healthy(process: &Proc, tag: &str, health: &Switch) {
     process.wait_exit();
 }
 
-#[test]
-fn postgres_a_failing_leader_is_replaced_and_comes_back_only_once_healthy() {
-    a_failing_leader_is_replaced_and_comes_back_only_once_healthy(Server::Postgres);
-}
-
-#[test]
-fn redis_a_failing_leader_is_replaced_and_comes_back_only_once_healthy() {
-    a_failing_leader_is_replaced_and_comes_back_only_once_healthy(Server::Redis);
-}
-
 fn a_follower_that_turns_unhealthy_leaves_the_queue(server: Server) {
     let Pair {
         a_health: _a_health,
@@ -237,16 +228,6 @@ fn a_follower_that_turns_unhealthy_leaves_the_queue(server: Server) {
     a.signal(Signal::SIGTERM);
     assert_eq!(a.wait_code(), 0, "{}", a.dump());
     leads_only_once_healthy(&b, "B", &b_health);
-}
-
-#[test]
-fn postgres_a_follower_that_turns_unhealthy_leaves_the_queue() {
-    a_follower_that_turns_unhealthy_leaves_the_queue(Server::Postgres);
-}
-
-#[test]
-fn redis_a_follower_that_turns_unhealthy_leaves_the_queue() {
-    a_follower_that_turns_unhealthy_leaves_the_queue(Server::Redis);
 }
 
 fn a_lone_unhealthy_replica_never_starts_its_command_and_says_so(server: Server) {
@@ -306,17 +287,13 @@ fn a_lone_unhealthy_replica_never_starts_its_command_and_says_so(server: Server)
     );
     let metrics = get(http, "/metrics").body;
     assert!(
-        metrics
-            .lines()
-            .any(|line| line.starts_with("pgleader_health_ok{") && line.ends_with("} 0")),
+        shows(&metrics, "pgleader_health_ok", |line| line.ends_with("} 0")),
         "{metrics}"
     );
     assert!(
-        metrics
-            .lines()
-            .any(|line| line.starts_with("pgleader_health_checks_total{")
-                && line.contains("result=\"failed\"")
-                && !line.ends_with("} 0")),
+        shows(&metrics, "pgleader_health_checks_total", |line| {
+            line.contains("result=\"failed\"") && !line.ends_with("} 0")
+        }),
         "{metrics}"
     );
 
@@ -329,23 +306,11 @@ fn a_lone_unhealthy_replica_never_starts_its_command_and_says_so(server: Server)
     assert_eq!(status["health"]["consecutive_failures"], 0, "{status}");
     let metrics = get(http, "/metrics").body;
     assert!(
-        metrics
-            .lines()
-            .any(|line| line.starts_with("pgleader_health_ok{") && line.ends_with("} 1")),
+        shows(&metrics, "pgleader_health_ok", |line| line.ends_with("} 1")),
         "{metrics}"
     );
     a.signal(Signal::SIGTERM);
     a.wait_exit();
-}
-
-#[test]
-fn postgres_a_lone_unhealthy_replica_never_starts_its_command_and_says_so() {
-    a_lone_unhealthy_replica_never_starts_its_command_and_says_so(Server::Postgres);
-}
-
-#[test]
-fn redis_a_lone_unhealthy_replica_never_starts_its_command_and_says_so() {
-    a_lone_unhealthy_replica_never_starts_its_command_and_says_so(Server::Redis);
 }
 
 /// A shard's command: prints "`tag` started shard N" and "`tag` got TERM N", waits forever.
@@ -399,14 +364,34 @@ fn an_unhealthy_sharded_replica_gives_up_every_shard_until_healthy(server: Serve
     assert_eq!(a.wait_code(), 0, "{}", a.dump());
 }
 
-#[test]
-fn postgres_an_unhealthy_sharded_replica_gives_up_every_shard_until_healthy() {
-    an_unhealthy_sharded_replica_gives_up_every_shard_until_healthy(Server::Postgres);
+on_both_backends! { Server::Postgres, Server::Redis;
+    a_failing_leader_is_replaced_and_comes_back_only_once_healthy:
+        postgres_a_failing_leader_is_replaced_and_comes_back_only_once_healthy,
+        redis_a_failing_leader_is_replaced_and_comes_back_only_once_healthy;
+    a_follower_that_turns_unhealthy_leaves_the_queue:
+        postgres_a_follower_that_turns_unhealthy_leaves_the_queue,
+        redis_a_follower_that_turns_unhealthy_leaves_the_queue;
+    a_lone_unhealthy_replica_never_starts_its_command_and_says_so:
+        postgres_a_lone_unhealthy_replica_never_starts_its_command_and_says_so,
+        redis_a_lone_unhealthy_replica_never_starts_its_command_and_says_so;
+    an_unhealthy_sharded_replica_gives_up_every_shard_until_healthy:
+        postgres_an_unhealthy_sharded_replica_gives_up_every_shard_until_healthy,
+        redis_an_unhealthy_sharded_replica_gives_up_every_shard_until_healthy;
 }
 
-#[test]
-fn redis_an_unhealthy_sharded_replica_gives_up_every_shard_until_healthy() {
-    an_unhealthy_sharded_replica_gives_up_every_shard_until_healthy(Server::Redis);
+/// Whether `/metrics` shows a series of `metric` whose line passes `test`.
+fn shows(metrics: &str, metric: &str, test: impl Fn(&str) -> bool) -> bool {
+    metrics
+        .lines()
+        .any(|line| line.starts_with(&format!("{metric}{{")) && test(line))
+}
+
+/// A file of this test's own for a probe to write to, `what` naming what it holds.
+fn scratch_file(what: &str, lock: i64) -> PathBuf {
+    std::env::temp_dir().join(format!(
+        "pgleader-health-{what}-{}-{lock}",
+        std::process::id()
+    ))
 }
 
 /// The pids a probe wrote, one a line.
@@ -421,10 +406,7 @@ fn pids_in(path: &Path) -> Vec<i32> {
 #[test]
 fn a_hanging_probe_is_killed_at_its_timeout_with_its_whole_tree() {
     let lock = unique_lock();
-    let pids = std::env::temp_dir().join(format!(
-        "pgleader-health-hang-{}-{lock}.pids",
-        std::process::id()
-    ));
+    let pids = scratch_file("hang-pids", lock);
     let _ = std::fs::remove_file(&pids);
     // A grandchild in the probe's group, one that left it with setsid, and the probe itself.
     let probe = format!(
@@ -464,10 +446,7 @@ fn a_hanging_probe_is_killed_at_its_timeout_with_its_whole_tree() {
 #[test]
 fn the_probe_runs_outside_the_command_s_process_group() {
     let lock = unique_lock();
-    let groups = std::env::temp_dir().join(format!(
-        "pgleader-health-pgid-{}-{lock}",
-        std::process::id()
-    ));
+    let groups = scratch_file("pgid", lock);
     let probe = format!(
         "--health-cmd=awk '{{print $5}}' /proc/$$/stat > {}",
         groups.display()

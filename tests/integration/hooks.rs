@@ -9,19 +9,11 @@
 
 use nix::sys::signal::Signal;
 
+use crate::harness::fleet::{Fleet, lines_with, on_both_backends};
 use crate::harness::{
-    Cluster, Journal, Proc, Redis, Stream, WAIT, assert_usage_error, field, pgleader, run,
-    run_named, unique_lock, wait_gone,
+    Cluster, Journal, Proc, Stream, WAIT, assert_usage_error, field, pgleader, run, unique_lock,
+    wait_gone,
 };
-
-/// Timings that keep the tests quick and satisfy the lease rule with hooks.
-const TIMINGS: [&str; 5] = [
-    "--check-interval=200ms",
-    "--check-timeout=500ms",
-    "--kill-timeout=2s",
-    "--hook-timeout=3s",
-    "--lease=60s",
-];
 
 /// Shell text that journals `<what> <tag> <nanoseconds>`.
 fn stamp(journal: &Journal, what: &str, tag: &str) -> String {
@@ -44,6 +36,22 @@ fn hooks(journal: &Journal, tag: &str) -> Vec<String> {
     vec![hook("pre-start"), hook("post-stop")]
 }
 
+/// Timings that keep the tests quick and satisfy the lease rule with hooks.
+const TIMINGS: [&str; 5] = [
+    "--check-interval=200ms",
+    "--check-timeout=500ms",
+    "--kill-timeout=2s",
+    "--hook-timeout=3s",
+    "--lease=60s",
+];
+
+/// The test's timings and the [`hooks`] of replica `tag`: a replica's options.
+fn timed_hooks(journal: &Journal, tag: &str) -> Vec<String> {
+    let mut args: Vec<String> = TIMINGS.iter().map(|s| (*s).to_owned()).collect();
+    args.extend(hooks(journal, tag));
+    args
+}
+
 /// A command that journals its start, prints `<tag> started backend=<pid>` and waits; TERM ends
 /// it at once.
 fn command(journal: &Journal, tag: &str) -> String {
@@ -51,6 +59,43 @@ fn command(journal: &Journal, tag: &str) -> String {
         "{}; echo {tag} started backend=$PGLEADER_BACKEND_PID; exec sleep 1000",
         stamp(journal, "command", tag)
     )
+}
+
+/// Quick checks, a lease long enough for any hook, and `--hook-timeout=<timeout>`: the options
+/// of a replica whose hook will hang.
+fn hanging_hook_options(timeout: &str) -> Vec<String> {
+    vec![
+        "--check-interval=200ms".to_owned(),
+        "--check-timeout=500ms".to_owned(),
+        format!("--hook-timeout={timeout}"),
+        "--lease=60s".to_owned(),
+    ]
+}
+
+/// A hook that hangs with a child: it writes the child's pid and its own to `pids`, and waits.
+fn hanging_tree(pids: &Journal) -> String {
+    format!(
+        "sleep 1000 & echo $! >> {p}; echo $$ >> {p}; wait",
+        p = pids.path.display()
+    )
+}
+
+/// The pids a [`hanging_tree`] wrote.
+fn pids_in(pids: &Journal) -> Vec<i32> {
+    pids.lines()
+        .iter()
+        .map(|pid| pid.parse().expect("pid"))
+        .collect()
+}
+
+/// Asserts that each of a hanging `hook`'s processes is gone (killed at its timeout).
+fn assert_gone(pids: &[i32], hook: &str) {
+    for &pid in pids {
+        assert!(
+            wait_gone(pid, WAIT),
+            "{hook}'s process {pid} outlived its timeout"
+        );
+    }
 }
 
 /// The journal's events as `(what, tag, nanoseconds)`.
@@ -95,61 +140,12 @@ fn assert_in_order(journal: &Journal, tags: &[&str], logs: &[&Proc]) {
     }
 }
 
-/// Where the replicas of a test meet: a server's URL and the lock's option.
-struct Fleet {
-    url: String,
-    lock: String,
-}
-
-impl Fleet {
-    fn postgres() -> Fleet {
-        Fleet {
-            url: Cluster::shared().url(),
-            lock: format!("--lock-id={}", unique_lock()),
-        }
-    }
-
-    fn redis() -> Fleet {
-        Fleet {
-            url: Redis::shared().url(),
-            lock: format!("--lock=hooks-{}", unique_lock()),
-        }
-    }
-
-    /// `pgleader <subcommand> <lock> <args...>`.
-    fn pgleader(&self, subcommand: &str, args: &[String]) -> std::process::Command {
-        let mut command = pgleader();
-        command
-            .env("PGLEADER_DATABASE_URL", &self.url)
-            .arg(subcommand)
-            .arg(&self.lock)
-            .args(args);
-        command
-    }
-
-    /// A replica with the test's timings and `hooks`, running `script`.
-    fn replica(&self, name: &str, hooks: &[String], script: &str) -> Proc {
-        let mut args: Vec<String> = TIMINGS.iter().map(|s| (*s).to_owned()).collect();
-        args.extend(hooks.iter().cloned());
-        args.extend(["--", "sh", "-c", script].map(String::from));
-        Proc::spawn(name, self.pgleader("run", &args))
-    }
-
-    /// `pgleader step-down`, to its end.
-    fn step_down(&self) {
-        let client = Proc::spawn(
-            "step-down",
-            self.pgleader("step-down", &["--timeout=20s".to_owned()]),
-        );
-        assert_eq!(client.wait_code(), 0, "{}", client.dump());
-    }
-}
-
 /// A leadership passed on by SIGTERM, then by kill -9 of pgleader, then by `pgleader
 /// step-down`: A, B, C, then D, each post-stop over before the next pre-start began.
-fn hooks_run_in_order_through_sigterm_kill_9_and_step_down(fleet: Fleet) {
+fn hooks_run_in_order_through_sigterm_kill_9_and_step_down(fleet: &Fleet) {
     let journal = Journal::new("hooks");
-    let start = |tag: &str| fleet.replica(tag, &hooks(&journal, tag), &command(&journal, tag));
+    let start =
+        |tag: &str| fleet.replica(tag, &timed_hooks(&journal, tag), &command(&journal, tag));
     let a = start("A");
     a.wait_stdout("A started");
     let b = start("B");
@@ -166,7 +162,8 @@ fn hooks_run_in_order_through_sigterm_kill_9_and_step_down(fleet: Fleet) {
     let d = start("D");
     d.wait_log("waiting for the lock");
 
-    fleet.step_down();
+    let (code, out, err) = fleet.step_down();
+    assert_eq!(code, 0, "stdout: {out}\nstderr: {err}");
     d.wait_stdout("D started");
     assert_in_order(&journal, &["A", "B", "C", "D"], &[&a, &b, &c, &d]);
     assert!(
@@ -180,14 +177,10 @@ fn hooks_run_in_order_through_sigterm_kill_9_and_step_down(fleet: Fleet) {
     }
 }
 
-#[test]
-fn on_postgres_hooks_run_in_order_through_sigterm_kill_9_and_step_down() {
-    hooks_run_in_order_through_sigterm_kill_9_and_step_down(Fleet::postgres());
-}
-
-#[test]
-fn on_redis_hooks_run_in_order_through_sigterm_kill_9_and_step_down() {
-    hooks_run_in_order_through_sigterm_kill_9_and_step_down(Fleet::redis());
+on_both_backends! { &Fleet::postgres(), &Fleet::redis("hooks");
+    hooks_run_in_order_through_sigterm_kill_9_and_step_down:
+        on_postgres_hooks_run_in_order_through_sigterm_kill_9_and_step_down,
+        on_redis_hooks_run_in_order_through_sigterm_kill_9_and_step_down;
 }
 
 #[test]
@@ -195,22 +188,19 @@ fn after_the_server_ends_the_leaders_session_a_takeover_delay_keeps_the_hooks_in
     // The server frees the lock the moment it ends the session: only --takeover-delay (here
     // longer than the old leader's stop and post-stop) keeps the next pre-start behind the
     // old post-stop, as docs/operating.md says.
-    let cluster = Cluster::shared();
-    let lock = unique_lock();
+    let fleet = Fleet::postgres();
     let journal = Journal::new("terminated");
     let start = |name: &str| {
-        let mut args: Vec<String> = TIMINGS.iter().map(|s| (*s).to_owned()).collect();
-        args.extend(hooks(&journal, name));
+        let mut args = timed_hooks(&journal, name);
         args.push("--takeover-delay=2s".to_owned());
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        run(name, cluster, lock, &args, &command(&journal, name))
+        fleet.replica(name, &args, &command(&journal, name))
     };
     let a = start("A");
     let started = a.wait_stdout("A started");
     let b = start("B");
     b.wait_log("waiting for the lock");
 
-    cluster.terminate_backend(field(&started, "backend").parse().expect("backend pid"));
+    Cluster::shared().terminate_backend(field(&started, "backend").parse().expect("backend pid"));
     b.wait_stdout("B started");
     assert_in_order(&journal, &["A", "B"], &[&a, &b]);
 }
@@ -267,81 +257,42 @@ fn a_failing_pre_start_never_starts_the_command_runs_post_stop_and_hands_leaders
 
 #[test]
 fn a_hanging_pre_start_is_killed_at_its_timeout_with_its_tree_and_the_command_never_starts() {
-    let redis = Redis::shared();
-    let lock = format!("hanging-pre-{}", unique_lock());
+    let fleet = Fleet::redis("hanging-pre");
     let pids = Journal::new("hanging-pre");
-    let timings = [
-        "--check-interval=200ms",
-        "--check-timeout=500ms",
-        "--hook-timeout=500ms",
-        "--lease=60s",
-    ];
-    let mut args: Vec<String> = timings.iter().map(|s| (*s).to_owned()).collect();
-    args.push(format!(
-        "--pre-start=sleep 1000 & echo $! >> {p}; echo $$ >> {p}; wait",
-        p = pids.path.display()
-    ));
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let a = run_named(
-        "A",
-        &redis.url(),
-        &lock,
-        &args,
-        "echo A started; exec sleep 1000",
-    );
+    let mut args = hanging_hook_options("500ms");
+    args.push(format!("--pre-start={}", hanging_tree(&pids)));
+    let a = fleet.replica("A", &args, "echo A started; exec sleep 1000");
     let failed = a.wait_log("--pre-start failed");
     assert!(failed.contains("ran past --hook-timeout"), "{failed}");
-    let hook_pids: Vec<i32> = pids
-        .lines()
-        .iter()
-        .map(|pid| pid.parse().expect("pid"))
-        .collect();
+    let hook_pids = pids_in(&pids);
     assert_eq!(hook_pids.len(), 2, "{}", a.dump());
-    for pid in hook_pids {
-        assert!(
-            wait_gone(pid, WAIT),
-            "pre-start's process {pid} outlived its timeout"
-        );
-    }
+    assert_gone(&hook_pids, "pre-start");
     a.wait_log("released the lock");
     assert!(a.lines(Stream::Stdout).is_empty(), "{}", a.dump());
 }
 
 #[test]
 fn a_hanging_post_stop_is_killed_at_its_timeout_and_only_then_is_the_lock_released() {
-    let cluster = Cluster::shared();
-    let lock = unique_lock();
+    let fleet = Fleet::postgres();
     let journal = Journal::new("hanging-post");
     let pids = Journal::new("hanging-post-pids");
-    let timings = [
-        "--check-interval=200ms",
-        "--check-timeout=500ms",
-        "--hook-timeout=700ms",
-        "--lease=60s",
-    ];
-    let mut args: Vec<String> = timings.iter().map(|s| (*s).to_owned()).collect();
+    let options = hanging_hook_options("700ms");
+    let mut args = options.clone();
     args.push(format!(
-        "--post-stop={}; sleep 1000 & echo $! >> {p}; echo $$ >> {p}; wait",
+        "--post-stop={}; {}",
         stamp(&journal, "post-stop-begin", "A"),
-        p = pids.path.display()
+        hanging_tree(&pids)
     ));
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let a = run("A", cluster, lock, &args, &command(&journal, "A"));
+    let a = fleet.replica("A", &args, &command(&journal, "A"));
     a.wait_stdout("A started");
-    let b = run("B", cluster, lock, &timings, &command(&journal, "B"));
+    let b = fleet.replica("B", &options, &command(&journal, "B"));
     b.wait_log("waiting for the lock");
 
     a.signal(Signal::SIGTERM);
     b.wait_stdout("B started");
     let failed = a.wait_log("--post-stop failed");
     assert!(failed.contains("ran past --hook-timeout"), "{failed}");
-    for pid in pids.lines() {
-        let pid: i32 = pid.parse().expect("pid");
-        assert!(
-            wait_gone(pid, WAIT),
-            "post-stop's process {pid} outlived its timeout"
-        );
-    }
+    assert_gone(&pids_in(&pids), "post-stop");
     let events = events(&journal);
     let at = |what: &str, tag: &str| {
         events
@@ -532,15 +483,8 @@ fn with_a_schedule_the_hooks_wrap_each_run() {
         a.dump()
     );
     // The lock was kept between the runs: one leadership.
-    assert_eq!(
-        a.lines(Stream::Stderr)
-            .iter()
-            .filter(|line| line.contains("became leader"))
-            .count(),
-        1,
-        "{}",
-        a.dump()
-    );
+    let leaderships = lines_with(&a, Stream::Stderr, &["became leader"]);
+    assert_eq!(leaderships.len(), 1, "{}", a.dump());
 }
 
 #[test]
@@ -600,11 +544,7 @@ fn a_lost_lock_during_pre_start_stops_it_and_runs_post_stop_once() {
     cluster.terminate_backend(field(&leader, "backend_pid").parse().expect("backend pid"));
     // It reconnects, wins again (alone) and runs pre-start again: one post-stop between.
     a.wait_for_nth(Stream::Stderr, "entered hook=pre-start", 2);
-    let hooks: Vec<String> = a
-        .lines(Stream::Stderr)
-        .into_iter()
-        .filter(|line| line.contains("entered hook=") || line.contains("undone hook="))
-        .collect();
+    let hooks = lines_with(&a, Stream::Stderr, &["entered hook=", "undone hook="]);
     assert_eq!(hooks.len(), 3, "{hooks:?}\n{}", a.dump());
     assert!(hooks[1].contains("undone"), "{hooks:?}\n{}", a.dump());
     assert!(a.lines(Stream::Stdout).is_empty(), "{}", a.dump());
@@ -656,10 +596,6 @@ fn with_a_schedule_a_post_stop_longer_than_the_checks_deadline_keeps_the_leaders
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let a = run("A", cluster, unique_lock(), &args, "echo ran");
     a.wait_for_nth(Stream::Stderr, "--post-stop finished", 2);
-    let lost: Vec<String> = a
-        .lines(Stream::Stderr)
-        .into_iter()
-        .filter(|line| line.contains("leadership lost") || line.contains("became leader"))
-        .collect();
+    let lost = lines_with(&a, Stream::Stderr, &["leadership lost", "became leader"]);
     assert_eq!(lost.len(), 1, "{lost:?}\n{}", a.dump());
 }

@@ -4,20 +4,32 @@
 //! follower that reaches it and two others must not win) is refused by the delayed restart, and
 //! a scheduled job's claim counts only when a majority of the servers accepts it.
 
+use std::process::Command;
 use std::time::Duration;
 
 use pgleader::election::lease::Lease;
 use pgleader::election::lock::LockKey;
 use pgleader::election::{Backend, Check, Confirmation, Session};
-use pgleader::redis::quorum::QuorumBackend;
+use pgleader::redis::quorum::{QuorumBackend, QuorumSession};
 use pgleader::redis::url::RedisServer;
 
+use crate::contract::within;
 use crate::harness::cluster::free_port;
+use crate::harness::fleet::printed;
 use crate::harness::{
     Journal, Proc, Proxy, Redis, Stream, WAIT, patient_child, pgleader, unique_lock, wait_gone,
 };
 
 const LEASE: Duration = Duration::from_secs(3);
+
+/// The command-line tests' checks, quick, with the sessions' lease of 3 s (the scheduled
+/// quorum's tests in `schedule.rs` use them too).
+pub(crate) const CLI_TIMINGS: [&str; 4] = [
+    "--check-interval=200ms",
+    "--check-timeout=500ms",
+    "--kill-timeout=1s",
+    "--lease=3s",
+];
 
 /// A URL of a server that is not there: a server this replica is cut off from.
 fn unreachable() -> String {
@@ -47,6 +59,13 @@ fn servers(n: usize) -> Vec<Redis> {
         wait_older_than_lease(redis);
     }
     servers
+}
+
+/// Three servers of the test's own, old enough to vote, and their URLs.
+fn three_servers() -> (Vec<Redis>, Vec<String>) {
+    let servers = servers(3);
+    let urls = servers.iter().map(Redis::url).collect();
+    (servers, urls)
 }
 
 fn wait_older_than_lease(redis: &Redis) {
@@ -82,22 +101,24 @@ fn block_on<T>(test: impl Future<Output = T>) -> T {
         .block_on(test)
 }
 
-async fn within<T>(what: &str, future: impl Future<Output = T>) -> T {
-    tokio::time::timeout(WAIT, future)
+/// A session of `quorum` named `name`, connected to a majority of its servers.
+async fn connect(quorum: &QuorumBackend, name: &str) -> QuorumSession {
+    within("connect", quorum.connect(name))
         .await
-        .unwrap_or_else(|_| panic!("{what}: nothing within {WAIT:?}"))
+        .unwrap_or_else(|err| panic!("{name} reaches no majority: {err}"))
+}
+
+/// Whether `session` acquired the lock.
+async fn acquires(session: &QuorumSession) -> bool {
+    within("acquire", session.try_acquire())
+        .await
+        .expect("tries")
 }
 
 /// A session that connected to a majority, acquired the lock and took its fencing token.
-async fn lead(quorum: &QuorumBackend) -> (pgleader::redis::quorum::QuorumSession, i64) {
-    let session = within("connect", quorum.connect("leader:1@test"))
-        .await
-        .expect("a majority connects");
-    assert!(
-        within("acquire", session.try_acquire())
-            .await
-            .expect("tries")
-    );
+async fn lead(quorum: &QuorumBackend) -> (QuorumSession, i64) {
+    let session = connect(quorum, "leader:1@test").await;
+    assert!(acquires(&session).await);
     let epoch = within("fence", session.fence())
         .await
         .expect("a token")
@@ -117,19 +138,10 @@ fn held(check: &Result<Check, pgleader::election::SessionError>) -> bool {
 
 #[test]
 fn a_leader_keeps_leading_when_one_server_of_three_dies_and_stops_when_two_do() {
-    let servers = servers(3);
-    let urls: Vec<String> = servers.iter().map(Redis::url).collect();
+    let (servers, urls) = three_servers();
     let quorum = backend(&urls, &format!("lose-{}", unique_lock()));
     block_on(async {
-        let mut leader = within("connect", quorum.connect("leader:1@test"))
-            .await
-            .expect("connects");
-        assert!(
-            within("acquire", leader.try_acquire())
-                .await
-                .expect("tries")
-        );
-        within("fence", leader.fence()).await.expect("a token");
+        let (mut leader, _) = lead(&quorum).await;
 
         servers[2].crash();
         assert!(
@@ -168,34 +180,20 @@ fn kleppmanns_scenario_a_server_restarted_empty_does_not_vote_for_a_second_leade
         &lock,
     );
     block_on(async {
-        let leader = within("connect", leader_view.connect("leader:1@test"))
-            .await
-            .expect("the leader reaches a majority");
+        let leader = connect(&leader_view, "leader:1@test").await;
+        assert!(acquires(&leader).await);
+        let follower = connect(&follower_view, "follower:2@test").await;
         assert!(
-            within("acquire", leader.try_acquire())
-                .await
-                .expect("tries")
-        );
-        let follower = within("connect", follower_view.connect("follower:2@test"))
-            .await
-            .expect("the follower reaches a majority");
-        assert!(
-            !within("acquire", follower.try_acquire())
-                .await
-                .expect("tries"),
+            !acquires(&follower).await,
             "C holds the leader's key: the follower has two votes of five"
         );
 
         // (The harness blocks this thread for the restart: the sessions just wait.)
         servers[2].crash();
         servers[2].start();
-        let follower = within("connect", follower_view.connect("follower:3@test"))
-            .await
-            .expect("the follower reaches a majority");
+        let follower = connect(&follower_view, "follower:3@test").await;
         assert!(
-            !within("acquire", follower.try_acquire())
-                .await
-                .expect("tries"),
+            !acquires(&follower).await,
             "C restarted empty and voted with D and E: a second leader while the first one's \
              command may still run"
         );
@@ -207,12 +205,7 @@ fn kleppmanns_scenario_a_server_restarted_empty_does_not_vote_for_a_second_leade
         );
         // Once C has been up for a lease, the old leader's command is long gone: C votes again.
         wait_older_than_lease(&servers[2]);
-        assert!(
-            within("acquire", follower.try_acquire())
-                .await
-                .expect("tries"),
-            "after a lease, C votes again"
-        );
+        assert!(acquires(&follower).await, "after a lease, C votes again");
     });
 }
 
@@ -255,7 +248,18 @@ fn epochs_keep_growing_across_majorities_even_when_one_server_hands_out_larger_o
 
 /// `pgleader run` over a quorum, through repeated `-d`.
 fn run_on(name: &str, urls: &[String], lock: &str, args: &[&str], script: &str) -> Proc {
-    let mut command = pgleader();
+    run_on_with(pgleader(), name, urls, lock, args, script)
+}
+
+/// [`run_on`], from a `pgleader` command the test has prepared (its environment).
+fn run_on_with(
+    mut command: Command,
+    name: &str,
+    urls: &[String],
+    lock: &str,
+    args: &[&str],
+    script: &str,
+) -> Proc {
     command.arg("run");
     for url in urls {
         command.args(["-d", url]);
@@ -298,26 +302,19 @@ fn the_command_line_refuses_a_quorum_it_cannot_keep_and_warns_on_an_even_one() {
 
 #[test]
 fn over_three_servers_the_leader_rides_out_one_servers_death_and_stops_at_the_seconds() {
-    let servers = servers(3);
-    let urls: Vec<String> = servers.iter().map(Redis::url).collect();
+    let (servers, urls) = three_servers();
     let lock = format!("cli-{}", unique_lock());
-    let timings = [
-        "--check-interval=200ms",
-        "--check-timeout=500ms",
-        "--kill-timeout=1s",
-        "--lease=3s",
-    ];
     // One space-separated PGLEADER_DATABASE_URL for A, repeated -d for B.
     let mut command = pgleader();
     command
         .env("PGLEADER_DATABASE_URL", urls.join(" "))
         .arg("run")
         .arg(format!("--lock={lock}"))
-        .args(timings)
+        .args(CLI_TIMINGS)
         .args(["--", "sh", "-c", &patient_child("A")]);
     let a = Proc::spawn("A", command);
     a.wait_stdout("A started");
-    let b = run_on("B", &urls, &lock, &timings, &patient_child("B"));
+    let b = run_on("B", &urls, &lock, &CLI_TIMINGS, &patient_child("B"));
     b.wait_log("waiting for the lock");
 
     servers[0].crash();
@@ -325,9 +322,7 @@ fn over_three_servers_the_leader_rides_out_one_servers_death_and_stops_at_the_se
     // window is the claim itself (nothing happens), not a stand-in for an event.
     std::thread::sleep(Duration::from_millis(1_500));
     assert!(
-        !a.lines(Stream::Stdout)
-            .iter()
-            .any(|line| line.contains("got")),
+        !printed(&a, Stream::Stdout, "got"),
         "the command was signalled with two servers of three left: {}",
         a.dump()
     );
@@ -370,18 +365,12 @@ fn a_leader_cut_from_two_servers_stops_before_a_follower_that_reaches_them_can_s
         format!("redis://127.0.0.1:{}", to_c.port()),
     ];
     let follower_urls: Vec<String> = servers.iter().map(Redis::url).collect();
-    let timings = [
-        "--check-interval=200ms",
-        "--check-timeout=500ms",
-        "--kill-timeout=1s",
-        "--lease=3s",
-    ];
     // A takes 0.8 s to stop after TERM; B must not start before A has stopped.
     let a = run_on(
         "A",
         &leader_urls,
         &lock,
-        &timings,
+        &CLI_TIMINGS,
         &journal.child("A", "0.8"),
     );
     a.wait_stdout("A started");
@@ -389,7 +378,7 @@ fn a_leader_cut_from_two_servers_stops_before_a_follower_that_reaches_them_can_s
         "B",
         &follower_urls,
         &lock,
-        &timings,
+        &CLI_TIMINGS,
         &journal.quick_child("B"),
     );
     b.wait_log("waiting for the lock");
@@ -407,17 +396,10 @@ fn a_jump_of_a_replicas_wall_clock_changes_nothing() {
         std::path::Path::new(library).is_file(),
         "{library} is missing: this test jumps pgleader's wall clock with libfaketime (apt-get install faketime)"
     );
-    let servers = servers(3);
-    let urls: Vec<String> = servers.iter().map(Redis::url).collect();
+    let (_servers, urls) = three_servers();
     let lock = format!("jump-{}", unique_lock());
     let clock = std::env::temp_dir().join(format!("pgleader-clock-{lock}"));
     std::fs::write(&clock, "+0\n").expect("write the clock file");
-    let timings = [
-        "--check-interval=200ms",
-        "--check-timeout=500ms",
-        "--kill-timeout=1s",
-        "--lease=3s",
-    ];
     // Both replicas read their wall-clock offset from the file at every call; their monotonic
     // clocks are left alone, as a wall-clock step (NTP, a VM resumed) leaves them.
     let under_faketime = |name: &str, script: &str| {
@@ -426,16 +408,8 @@ fn a_jump_of_a_replicas_wall_clock_changes_nothing() {
             .env("LD_PRELOAD", library)
             .env("FAKETIME_TIMESTAMP_FILE", &clock)
             .env("FAKETIME_NO_CACHE", "1")
-            .env("DONT_FAKE_MONOTONIC", "1")
-            .arg("run");
-        for url in &urls {
-            command.args(["-d", url]);
-        }
-        command
-            .arg(format!("--lock={lock}"))
-            .args(timings)
-            .args(["--", "sh", "-c", script]);
-        Proc::spawn(name, command)
+            .env("DONT_FAKE_MONOTONIC", "1");
+        run_on_with(command, name, &urls, &lock, &CLI_TIMINGS, script)
     };
     let a = under_faketime("A", &patient_child("A"));
     a.wait_stdout("A started");
@@ -447,9 +421,7 @@ fn a_jump_of_a_replicas_wall_clock_changes_nothing() {
         std::thread::sleep(Duration::from_millis(1_500));
     }
     assert!(
-        !a.lines(Stream::Stdout)
-            .iter()
-            .any(|line| line.contains("got")),
+        !printed(&a, Stream::Stdout, "got"),
         "a wall-clock jump stopped the leader's command: {}",
         a.dump()
     );
@@ -468,8 +440,7 @@ fn a_leader_that_lost_one_servers_connection_before_its_command_started_leaves_n
     // on; that socket's number went to the next descriptor pgleader opened, its own end of the
     // keeper's channel. Handed to the keeper as a connection to hold, it kept the channel open,
     // so the keeper never saw pgleader die and the command outlived a kill -9 of pgleader.
-    let servers = servers(3);
-    let urls: Vec<String> = servers.iter().map(Redis::url).collect();
+    let (servers, urls) = three_servers();
     let lock = format!("stale-socket-{}", unique_lock());
     let a = run_on(
         "A",
@@ -492,9 +463,7 @@ fn a_leader_that_lost_one_servers_connection_before_its_command_started_leaves_n
     }
     let started = a.wait_stdout("A started");
     assert!(
-        !a.lines(Stream::Stderr)
-            .iter()
-            .any(|line| line.contains("leadership lost")),
+        !printed(&a, Stream::Stderr, "leadership lost"),
         "two of three still hold it: {}",
         a.dump()
     );
@@ -541,8 +510,7 @@ fn has_row(redis: &Redis, lock: &str, at: jiff::Timestamp) -> bool {
 #[test]
 fn a_claim_counts_only_when_a_majority_of_the_servers_accepts_it() {
     use pgleader::election::ledger::{Claim, Claimant, Definition, Ledger};
-    let servers = servers(3);
-    let urls: Vec<String> = servers.iter().map(Redis::url).collect();
+    let (servers, urls) = three_servers();
     let lock = format!("claims-{}", unique_lock());
     let quorum = backend(&urls, &lock);
     // Occurrences after the servers started (a server refuses those before its start: it may
@@ -601,8 +569,7 @@ fn a_claim_counts_only_when_a_majority_of_the_servers_accepts_it() {
 
 #[test]
 fn a_leader_sets_its_key_again_on_a_server_that_came_back_and_rides_out_a_rolling_restart() {
-    let servers = servers(3);
-    let urls: Vec<String> = servers.iter().map(Redis::url).collect();
+    let (servers, urls) = three_servers();
     let lock = format!("rolling-{}", unique_lock());
     let quorum = backend(&urls, &lock);
     let key = format!("pgleader:{{{lock}}}");

@@ -6,6 +6,7 @@
 
 use nix::sys::signal::Signal;
 
+use crate::harness::fleet::lines_with;
 use crate::harness::redis::SECRET_PASSWORD;
 use crate::harness::run_named as run;
 use crate::harness::{
@@ -30,9 +31,69 @@ const QUICK: [&str; 3] = [
 /// within the test's waits.
 const SLOW_CHECKS: [&str; 2] = ["--check-interval=60s", "--lease=90s"];
 
+/// A server of the test's own, and a lock on it, both named after the test.
+fn own_server(tag: &str) -> (Redis, String) {
+    (Redis::new(tag), lock(tag))
+}
+
+/// The ACL rules README.md documents for pgleader's user.
+const DOCUMENTED_ACL: [&str; 12] = [
+    "~pgleader:*",
+    "&pgleader:*",
+    "+@read",
+    "+@write",
+    "+@scripting",
+    "+@pubsub",
+    "+@blocking",
+    "+time",
+    "+info",
+    "+client|id",
+    "+client|setname",
+    "+client|tracking",
+];
+
+/// `ACL SETUSER <user> on ><password> <rules...>` on `redis`.
+fn acl_user(redis: &Redis, user: &str, password: &str, rules: &[&str]) {
+    let password = format!(">{password}");
+    let mut command = vec!["ACL", "SETUSER", user, "on", &password];
+    command.extend(rules);
+    redis.cli(&command);
+}
+
+/// Asserts that `replica`'s command got TERM and that the replica logged the loss of its
+/// leadership, saying `why`.
+fn assert_lost_because(replica: &Proc, tag: &str, why: &str) {
+    let lost = stopped_by_a_lost_leadership(replica, tag);
+    assert!(lost.contains(why), "{lost}");
+}
+
+/// Runs `replica` to its end and asserts that it exited 1 (a permanent error) without running
+/// its command: its stderr, which says why.
+fn refused_for_good(replica: &Proc) -> String {
+    let (status, stdout, stderr) = replica.finish();
+    assert_eq!(status.code(), Some(1), "{}", replica.dump());
+    assert!(stdout.is_empty(), "{}", replica.dump());
+    stderr.join("\n")
+}
+
+/// A replica running a [`patient_child`] on `url`, once its command has started: the replica
+/// and the line its command printed.
+fn leading(tag: &str, url: &str, lock: &str, args: &[&str]) -> (Proc, String) {
+    let replica = run(tag, url, lock, args, &patient_child(tag));
+    let started = replica.wait_stdout(&format!("{tag} started"));
+    (replica, started)
+}
+
+/// Waits until `replica`'s command got TERM and the replica logged that it lost the
+/// leadership: that line, which says why.
+fn stopped_by_a_lost_leadership(replica: &Proc, tag: &str) -> String {
+    replica.wait_stdout(&format!("{tag} got TERM"));
+    replica.wait_log("leadership lost")
+}
+
 #[test]
 fn kill_9_of_the_leader_is_replaced_before_the_ttl_but_only_after_its_whole_tree_is_gone() {
-    let redis = Redis::shared();
+    let url = Redis::shared().url();
     let lock = lock("kill9");
     let timings = [
         "--check-interval=50ms",
@@ -41,7 +102,7 @@ fn kill_9_of_the_leader_is_replaced_before_the_ttl_but_only_after_its_whole_tree
     ];
     // Followers try every 50 ms: two or three tries during the 2 GiB process' death.
     kill_9_never_overlaps_the_dying_tree("redis", 3, |name, script| {
-        run(name, &redis.url(), &lock, &timings, script)
+        run(name, &url, &lock, &timings, script)
     });
 }
 
@@ -57,13 +118,17 @@ fn a_late_answer_to_the_acquire_never_lets_the_key_expire_before_the_leaders_dea
     let lock = lock("late-answer");
     let journal = Journal::new("redis-late-answer");
     let lease = "--lease=9100ms";
-    let a = run(
-        "A",
-        &redis.url(),
-        &lock,
-        &["--check-interval=200ms", "--kill-timeout=1s", lease],
-        &journal.quick_child("A"),
-    );
+    // A and C reach the server directly, and their commands stop at once.
+    let direct = |tag: &str, check_interval: &str| {
+        run(
+            tag,
+            &redis.url(),
+            &lock,
+            &[check_interval, "--kill-timeout=1s", lease],
+            &journal.quick_child(tag),
+        )
+    };
+    let a = direct("A", "--check-interval=200ms");
     a.wait_stdout("A started");
     // Four seconds between checks, so B's first renewal comes well after it has started, and
     // a check timeout that the late answers fit in.
@@ -91,13 +156,7 @@ fn a_late_answer_to_the_acquire_never_lets_the_key_expire_before_the_leaders_dea
         );
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
-    let c = run(
-        "C",
-        &redis.url(),
-        &lock,
-        &["--check-interval=100ms", "--kill-timeout=1s", lease],
-        &journal.quick_child("C"),
-    );
+    let c = direct("C", "--check-interval=100ms");
     c.wait_log("waiting for the lock");
     proxy.delay_replies(std::time::Duration::from_millis(2200));
     a.signal(Signal::SIGTERM);
@@ -133,17 +192,14 @@ fn sigterm_to_the_leader_hands_over_only_after_its_command_has_exited() {
 fn deleting_the_key_stops_the_command_at_once_not_at_the_next_check() {
     let redis = Redis::shared();
     let lock = lock("del");
-    let a = run("A", &redis.url(), &lock, &SLOW_CHECKS, &patient_child("A"));
-    a.wait_stdout("A started");
+    let (a, _) = leading("A", &redis.url(), &lock, &SLOW_CHECKS);
     let key = format!("pgleader:{{{lock}}}");
     assert!(
         redis.cli(&["GET", &key]).contains("session=pgleader:"),
         "the key's value names the holder"
     );
     assert_eq!(redis.cli(&["DEL", &key]), "1");
-    a.wait_stdout("A got TERM");
-    let lost = a.wait_log("leadership lost");
-    assert!(lost.contains("changed by another client"), "{lost}");
+    assert_lost_because(&a, "A", "changed by another client");
     // Never re-created by the old leader: the next holder is a new leadership.
     a.wait_log("became leader");
 }
@@ -160,14 +216,12 @@ fn deleting_the_key_after_renewals_still_stops_the_command_at_once() {
         "--kill-timeout=1s",
         "--lease=60s",
     ];
-    let a = run("A", &redis.url(), &lock, &args, &patient_child("A"));
-    a.wait_stdout("A started");
+    let (a, _) = leading("A", &redis.url(), &lock, &args);
     // Two or three renewals.
     std::thread::sleep(std::time::Duration::from_millis(2500));
     let key = format!("pgleader:{{{lock}}}");
     assert_eq!(redis.cli(&["DEL", &key]), "1");
-    a.wait_stdout("A got TERM");
-    let lost = a.wait_log("leadership lost");
+    let lost = stopped_by_a_lost_leadership(&a, "A");
     assert!(
         lost.contains("changed by another client"),
         "noticed by the next check, not by the push: {lost}"
@@ -206,8 +260,7 @@ fn waiters_that_died_while_the_lock_was_held_do_not_pile_up_in_the_queue() {
     let redis = Redis::shared();
     let lock = lock("dead-waiters");
     let queue = format!("pgleader:{{{lock}}}:queue");
-    let a = run("A", &redis.url(), &lock, &QUICK, &patient_child("A"));
-    a.wait_stdout("A started");
+    let (_a, _) = leading("A", &redis.url(), &lock, &QUICK);
     let queued = |n: &str| {
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         while redis.cli(&["LLEN", &queue]) != n {
@@ -240,23 +293,17 @@ fn waiters_that_died_while_the_lock_was_held_do_not_pile_up_in_the_queue() {
 
 #[test]
 fn flushall_and_a_foreign_set_stop_the_command_at_once() {
-    let redis = Redis::new("flush");
-    let lock = lock("flush");
+    let (redis, lock) = own_server("flush");
     let key = format!("pgleader:{{{lock}}}");
     let args = [SLOW_CHECKS[0], SLOW_CHECKS[1], "--restart-delay=60s"];
-    let a = run("A", &redis.url(), &lock, &args, &patient_child("A"));
-    a.wait_stdout("A started");
+    let (a, _) = leading("A", &redis.url(), &lock, &args);
     redis.cli(&["FLUSHALL"]);
-    a.wait_stdout("A got TERM");
-    a.wait_log("leadership lost");
+    stopped_by_a_lost_leadership(&a, "A");
     a.signal(Signal::SIGKILL);
 
-    let b = run("B", &redis.url(), &lock, &args, &patient_child("B"));
-    b.wait_stdout("B started");
+    let (b, _) = leading("B", &redis.url(), &lock, &args);
     redis.cli(&["SET", &key, "nonce=0 someone else"]);
-    b.wait_stdout("B got TERM");
-    let lost = b.wait_log("leadership lost");
-    assert!(lost.contains("changed by another client"), "{lost}");
+    assert_lost_because(&b, "B", "changed by another client");
 }
 
 #[test]
@@ -264,11 +311,9 @@ fn another_databases_flushdb_or_key_leaves_the_leader_alone() {
     // The server's tracking table knows key names, not databases: FLUSHDB of any database
     // pushes "everything changed" to every tracking client, and a write to a key of the same
     // name in another database pushes that name. Neither touches this leader's key.
-    let redis = Redis::new("otherdb");
-    let lock = lock("otherdb");
+    let (redis, lock) = own_server("otherdb");
     let key = format!("pgleader:{{{lock}}}");
-    let a = run("A", &redis.url(), &lock, &SLOW_CHECKS, &patient_child("A"));
-    a.wait_stdout("A started");
+    let (a, _) = leading("A", &redis.url(), &lock, &SLOW_CHECKS);
     redis.cli(&["-n", "5", "SET", "cache", "1"]);
     redis.cli(&["-n", "5", "FLUSHDB"]);
     redis.cli(&["-n", "5", "SET", &key, "an unrelated value"]);
@@ -286,41 +331,32 @@ fn another_databases_flushdb_or_key_leaves_the_leader_alone() {
     );
     // Its own key is still noticed at once.
     assert_eq!(redis.cli(&["DEL", &key]), "1");
-    a.wait_stdout("A got TERM");
-    let lost = a.wait_log("leadership lost");
-    assert!(lost.contains("changed by another client"), "{lost}");
+    assert_lost_because(&a, "A", "changed by another client");
 }
 
 #[test]
 fn a_killed_connection_stops_the_command_at_once() {
     let redis = Redis::shared();
     let lock = lock("clientkill");
-    let a = run("A", &redis.url(), &lock, &SLOW_CHECKS, &patient_child("A"));
-    let started = a.wait_stdout("A started");
+    let (a, started) = leading("A", &redis.url(), &lock, &SLOW_CHECKS);
     let id = field(&started, "backend");
     assert_eq!(redis.cli(&["CLIENT", "KILL", "ID", &id]), "1");
-    a.wait_stdout("A got TERM");
-    let lost = a.wait_log("leadership lost");
-    assert!(lost.contains("closed"), "{lost}");
+    assert_lost_because(&a, "A", "closed");
 }
 
 #[test]
 fn a_frozen_server_stops_the_command_within_the_check_bound() {
-    let redis = Redis::new("frozen");
-    let lock = lock("frozen");
-    let a = run("A", &redis.url(), &lock, &QUICK, &patient_child("A"));
-    a.wait_stdout("A started");
+    let (redis, lock) = own_server("frozen");
+    let (a, _) = leading("A", &redis.url(), &lock, &QUICK);
     redis.freeze(true);
-    a.wait_stdout("A got TERM");
-    let lost = a.wait_log("leadership lost");
+    let lost = stopped_by_a_lost_leadership(&a, "A");
     redis.freeze(false);
     assert!(lost.contains("check"), "{lost}");
 }
 
 #[test]
 fn epochs_keep_growing_across_a_restart_that_kept_nothing() {
-    let redis = Redis::new("restart");
-    let lock = lock("restart");
+    let (redis, lock) = own_server("restart");
     let a = run(
         "A",
         &redis.url(),
@@ -382,20 +418,20 @@ fn a_wrong_password_is_a_permanent_error_that_says_so_and_never_shows_it() {
 #[test]
 fn a_user_without_the_documented_acl_is_refused_and_one_with_it_leads() {
     let redis = Redis::new("acl");
-    redis.cli(&[
-        "ACL",
-        "SETUSER",
+    acl_user(
+        &redis,
         "narrow",
-        "on",
-        ">narrow-pw",
-        "~*",
-        "&*",
-        "+@read",
-        "+@write",
-        "+@scripting",
-        "+@pubsub",
-        "+@blocking",
-    ]);
+        "narrow-pw",
+        &[
+            "~*",
+            "&*",
+            "+@read",
+            "+@write",
+            "+@scripting",
+            "+@pubsub",
+            "+@blocking",
+        ],
+    );
     let url = format!("redis://narrow:narrow-pw@127.0.0.1:{}", redis.port);
     let a = run("A", &url, &lock("acl"), &[], "true");
     let (status, _, stderr) = a.finish();
@@ -407,25 +443,7 @@ fn a_user_without_the_documented_acl_is_refused_and_one_with_it_leads() {
     );
 
     // The ACL README.md documents.
-    redis.cli(&[
-        "ACL",
-        "SETUSER",
-        "minimal",
-        "on",
-        ">minimal-pw",
-        "~pgleader:*",
-        "&pgleader:*",
-        "+@read",
-        "+@write",
-        "+@scripting",
-        "+@pubsub",
-        "+@blocking",
-        "+time",
-        "+info",
-        "+client|id",
-        "+client|setname",
-        "+client|tracking",
-    ]);
+    acl_user(&redis, "minimal", "minimal-pw", &DOCUMENTED_ACL);
     let url = format!("redis://minimal:minimal-pw@127.0.0.1:{}", redis.port);
     let b = run("B", &url, &lock("acl"), &["--once"], "echo B ran");
     b.wait_stdout("B ran");
@@ -442,37 +460,19 @@ fn a_user_without_the_documented_acl_is_refused_and_one_with_it_leads() {
 #[test]
 fn an_acl_that_refuses_the_lock_scripts_is_a_permanent_error_not_a_retry_loop() {
     // Connecting needs only what every user has here; the first script is the first refusal.
-    let redis = Redis::new("acl-scripts");
-    let lock = lock("acl-scripts");
-    redis.cli(&[
-        "ACL",
-        "SETUSER",
+    let (redis, lock) = own_server("acl-scripts");
+    acl_user(
+        &redis,
         "noscript",
-        "on",
-        ">pw",
-        "~*",
-        "&*",
-        "+@all",
-        "-@scripting",
-    ]);
+        "pw",
+        &["~*", "&*", "+@all", "-@scripting"],
+    );
     let only_the_lock = format!("~pgleader:{{{lock}}}");
-    redis.cli(&[
-        "ACL",
-        "SETUSER",
-        "onekey",
-        "on",
-        ">pw",
-        &only_the_lock,
-        "&*",
-        "+@all",
-    ]);
+    acl_user(&redis, "onekey", "pw", &[&only_the_lock, "&*", "+@all"]);
     for user in ["noscript", "onekey"] {
         let url = format!("redis://{user}:pw@127.0.0.1:{}", redis.port);
         let a = run(user, &url, &lock, &QUICK, "echo ran");
-        let (status, stdout, stderr) = a.finish();
-        assert_eq!(status.code(), Some(1), "{}", a.dump());
-        assert!(stdout.is_empty(), "{}", a.dump());
-        let text = stderr.join("\n");
+        let text = refused_for_good(&a);
         assert!(text.contains("ACL"), "{user}: {text}");
         assert!(
             !text.contains("retrying") && text.matches("waiting for the lock").count() == 1,
@@ -488,10 +488,7 @@ fn a_database_the_server_does_not_have_is_a_permanent_error() {
     let redis = Redis::shared();
     let url = format!("{}/99", redis.url());
     let a = run("A", &url, &lock("nodb"), &[], "echo ran");
-    let (status, stdout, stderr) = a.finish();
-    assert_eq!(status.code(), Some(1), "{}", a.dump());
-    assert!(stdout.is_empty(), "{}", a.dump());
-    let text = stderr.join("\n");
+    let text = refused_for_good(&a);
     assert!(text.contains("database 99"), "{text}");
     assert!(
         !text.contains("retrying"),
@@ -567,25 +564,25 @@ fn status_shows_the_leader_and_the_waiters_in_order() {
     a.wait_stdout("A started");
     let b = run("B", &redis.url(), &lock, &QUICK, &patient_child("B"));
     let b_client = field(&b.wait_log("waiting for the lock"), "backend_pid");
-    let mut command = pgleader();
-    command.args(["status", "-d", &redis.url(), "--lock", &lock, "--json"]);
-    let status = Proc::spawn("status", command);
-    let (exit, stdout, _) = status.finish();
-    assert_eq!(exit.code(), Some(0), "{}", status.dump());
+    let status = |extra: &[&str]| {
+        let mut command = pgleader();
+        command
+            .args(["status", "-d", &redis.url(), "--lock", &lock])
+            .args(extra);
+        let status = Proc::spawn("status", command);
+        let (exit, stdout, _) = status.finish();
+        assert_eq!(exit.code(), Some(0), "{}", status.dump());
+        stdout.join("\n")
+    };
     let json: serde_json::Value =
-        serde_json::from_str(&stdout.join("\n")).expect("status --json prints JSON");
+        serde_json::from_str(&status(&["--json"])).expect("status --json prints JSON");
     let text = json.to_string();
     assert!(text.contains(&format!(":{}@", a.pid)), "{text}");
     assert!(text.contains(&format!(":{}@", b.pid)), "{text}");
     assert_eq!(json["lock"]["redis_key"], format!("pgleader:{{{lock}}}"));
     // The text names what Redis knows: the key, and client ids (not PostgreSQL's backend
     // pids, and no "local socket": Redis tells no address here).
-    let mut command = pgleader();
-    command.args(["status", "-d", &redis.url(), "--lock", &lock]);
-    let status = Proc::spawn("status", command);
-    let (exit, stdout, _) = status.finish();
-    assert_eq!(exit.code(), Some(0), "{}", status.dump());
-    let text = stdout.join("\n");
+    let text = status(&[]);
     assert!(
         text.starts_with(&format!("lock {lock:?} (key pgleader:{{{lock}}}): held")),
         "{text}"
@@ -604,8 +601,7 @@ fn status_shows_the_leader_and_the_waiters_in_order() {
 
 #[test]
 fn after_a_restart_that_kept_nothing_the_new_leader_waits_out_the_restart_fence() {
-    let redis = Redis::new("fence");
-    let lock = lock("fence");
+    let (redis, lock) = own_server("fence");
     let journal = Journal::new("redis-fence");
     let timings = [
         "--check-interval=200ms",
@@ -636,26 +632,13 @@ fn after_a_restart_that_kept_nothing_the_new_leader_waits_out_the_restart_fence(
 #[test]
 fn without_pubsub_numsub_a_crashed_leader_is_replaced_when_its_key_expires_and_it_says_so() {
     let redis = Redis::new("blind");
-    redis.cli(&[
-        "ACL",
-        "SETUSER",
+    // The documented ACL, less PUBSUB NUMSUB (taken away last, so nothing before adds it back).
+    acl_user(
+        &redis,
         "blind",
-        "on",
-        ">blind-pw",
-        "~pgleader:*",
-        "&pgleader:*",
-        "+@read",
-        "+@write",
-        "+@scripting",
-        "+@pubsub",
-        "-pubsub|numsub",
-        "+@blocking",
-        "+time",
-        "+info",
-        "+client|id",
-        "+client|setname",
-        "+client|tracking",
-    ]);
+        "blind-pw",
+        &[&DOCUMENTED_ACL[..], &["-pubsub|numsub"]].concat(),
+    );
     let url = format!("redis://blind:blind-pw@127.0.0.1:{}", redis.port);
     let lock = lock("blind");
     let timings = [
@@ -664,22 +647,14 @@ fn without_pubsub_numsub_a_crashed_leader_is_replaced_when_its_key_expires_and_i
         "--kill-timeout=1s",
         "--lease=3s",
     ];
-    let a = run("A", &url, &lock, &timings, &patient_child("A"));
-    a.wait_stdout("A started");
+    let (a, _) = leading("A", &url, &lock, &timings);
     let b = run("B", &url, &lock, &timings, &patient_child("B"));
     let warning = b.wait_log("PUBSUB NUMSUB");
     assert!(warning.contains("when its key expires"), "{warning}");
     a.signal(Signal::SIGKILL);
     b.wait_stdout("B started");
-    assert_eq!(
-        b.lines(Stream::Stderr)
-            .iter()
-            .filter(|line| line.contains("PUBSUB NUMSUB"))
-            .count(),
-        1,
-        "said once: {}",
-        b.dump()
-    );
+    let warnings = lines_with(&b, Stream::Stderr, &["PUBSUB NUMSUB"]);
+    assert_eq!(warnings.len(), 1, "said once: {}", b.dump());
 }
 
 #[test]

@@ -13,9 +13,11 @@ use std::time::{Duration, Instant, SystemTime};
 use chrono::{DateTime, SubsecRound, Utc};
 use nix::sys::signal::Signal;
 
+use crate::harness::fleet::printed;
 use crate::harness::{
     Cluster, Journal, Proc, Redis, Stream, WAIT, assert_usage_error, pgleader, unique_lock,
 };
+use crate::quorum::CLI_TIMINGS;
 
 /// Every two seconds: fast enough for tests, slow enough for a 2-core machine under load.
 const EVERY_TWO_SECONDS: &str = "*/2 * * * * *";
@@ -25,8 +27,10 @@ fn unique_table() -> String {
     format!("ledger_{}", unique_lock())
 }
 
-/// A lock and a ledger table of the test's own on the shared cluster, and a journal.
+/// A lock and a ledger table of the test's own on a cluster (the shared one unless a test
+/// needs its own), and a journal.
 struct Setup {
+    url: String,
     lock: i64,
     table: String,
     journal: Journal,
@@ -34,7 +38,12 @@ struct Setup {
 
 impl Setup {
     fn new(tag: &str) -> Setup {
+        Setup::on(Cluster::shared(), tag)
+    }
+
+    fn on(cluster: &Cluster, tag: &str) -> Setup {
         Setup {
+            url: cluster.url(),
             lock: unique_lock(),
             table: unique_table(),
             journal: Journal::new(tag),
@@ -43,14 +52,42 @@ impl Setup {
 
     /// A replica on `schedule` whose job (tagged `tag`) takes `seconds`.
     fn replica(&self, tag: &str, schedule: &str, args: &[&str], seconds: &str) -> Proc {
-        scheduled(
+        self.replica_of(self.lock, tag, schedule, args, seconds)
+    }
+
+    /// [`Setup::replica`] of another lock, with the setup's table and journal.
+    fn replica_of(
+        &self,
+        lock: i64,
+        tag: &str,
+        schedule: &str,
+        args: &[&str],
+        seconds: &str,
+    ) -> Proc {
+        let job = job(&self.journal, tag, seconds);
+        self.running(lock, &self.table, tag, schedule, args, &job)
+    }
+
+    /// A replica of `lock` with its ledger in `table` (the setup's, or another), running
+    /// `script`.
+    fn running(
+        &self,
+        lock: i64,
+        table: &str,
+        tag: &str,
+        schedule: &str,
+        args: &[&str],
+        script: &str,
+    ) -> Proc {
+        scheduled_at(
             tag,
-            Cluster::shared(),
-            self.lock,
-            &self.table,
+            pgleader(),
+            &self.url,
+            lock,
+            table,
             schedule,
             args,
-            &job(&self.journal, tag, seconds),
+            script,
         )
     }
 
@@ -82,27 +119,6 @@ fn scheduled_at(
         .args(args)
         .args(["--", "sh", "-c", script]);
     Proc::spawn(name, command)
-}
-
-fn scheduled(
-    name: &str,
-    cluster: &Cluster,
-    lock: i64,
-    table: &str,
-    schedule: &str,
-    args: &[&str],
-    script: &str,
-) -> Proc {
-    scheduled_at(
-        name,
-        pgleader(),
-        &cluster.url(),
-        lock,
-        table,
-        schedule,
-        args,
-        script,
-    )
 }
 
 /// A job that journals its start, prints `<tag> ran <occurrence>`, and takes `seconds`.
@@ -177,6 +193,36 @@ fn assert_each_started_once(seen: &[Started]) {
         twice.is_empty(),
         "occurrences started more than once: {twice:?}; {seen:?}"
     );
+}
+
+/// [`assert_each_started_once`], with epochs that never go down from one start to the next.
+fn assert_each_started_once_in_epoch_order(seen: &[Started]) {
+    assert_each_started_once(seen);
+    let epochs: Vec<i64> = seen.iter().map(|start| start.epoch).collect();
+    assert!(
+        epochs.windows(2).all(|pair| pair[0] <= pair[1]),
+        "{epochs:?}"
+    );
+}
+
+/// Asserts that the occurrence whose run was interrupted (the second start, killed with its
+/// leader) never started again.
+fn assert_not_started_again(seen: &[Started], interrupted: &str) {
+    assert!(
+        !seen
+            .iter()
+            .skip(2)
+            .any(|start| start.occurrence == interrupted),
+        "the interrupted run was started again: {seen:?}"
+    );
+}
+
+/// When `replica` printed that it ran `occurrence` (the journal is written just before).
+fn ran_at(replica: &Proc, occurrence: &str) -> Instant {
+    let (_, at) = replica
+        .wait_line(Stream::Stdout, &format!("ran {occurrence}"), 1, None, WAIT)
+        .expect("the run's line");
+    at
 }
 
 fn parse_time(text: &str) -> DateTime<Utc> {
@@ -295,27 +341,25 @@ fn holder_backend(cluster: &Cluster, lock: i64) -> i32 {
 #[test]
 fn three_replicas_run_each_occurrence_once_through_kill_9_terminate_and_restart() {
     let cluster = Cluster::new("schedule-faults");
-    let lock = unique_lock();
-    let table = unique_table();
-    let journal = Journal::new("schedule-faults");
+    let setup = Setup::on(&cluster, "schedule-faults");
+    let (lock, table, journal) = (setup.lock, &setup.table, &setup.journal);
     let mut fleet = Fleet::of(3, "R", |tag| {
-        let job = job(&journal, tag, "1.2");
-        scheduled(tag, &cluster, lock, &table, EVERY_TWO_SECONDS, &[], &job)
+        setup.replica(tag, EVERY_TWO_SECONDS, &[], "1.2")
     });
-    let seen = wait_starts(&journal, 3, WAIT);
+    let seen = wait_starts(journal, 3, WAIT);
     // kill -9 of the leader between runs: the next occurrence runs on another replica.
     let last = &seen.last().expect("a run").occurrence;
     let leader = fleet.runner(last);
     leader.wait_log(&format!("the run of {last} succeeded"));
     leader.signal(Signal::SIGKILL);
     fleet.add();
-    let seen = wait_starts(&journal, seen.len() + 2, WAIT);
+    let seen = wait_starts(journal, seen.len() + 2, WAIT);
 
     // kill -9 of the leader during a run: that occurrence is interrupted, not run again.
     let interrupted = seen.last().expect("a run").occurrence.clone();
     fleet.runner(&interrupted).signal(Signal::SIGKILL);
     fleet.add();
-    let seen = wait_starts(&journal, seen.len() + 2, WAIT);
+    let seen = wait_starts(journal, seen.len() + 2, WAIT);
 
     // pg_terminate_backend of the leader's session between runs.
     let last = seen.last().expect("a run").occurrence.clone();
@@ -323,7 +367,7 @@ fn three_replicas_run_each_occurrence_once_through_kill_9_terminate_and_restart(
         .runner(&last)
         .wait_log(&format!("the run of {last} succeeded"));
     cluster.terminate_backend(holder_backend(&cluster, lock));
-    let seen = wait_starts(&journal, seen.len() + 2, WAIT);
+    let seen = wait_starts(journal, seen.len() + 2, WAIT);
 
     // A server restart, down for three seconds.
     let stopped = Utc::now();
@@ -333,7 +377,7 @@ fn three_replicas_run_each_occurrence_once_through_kill_9_terminate_and_restart(
     // Occurrences that may be lost: those that came while the server was down, but the most
     // recent of them.
     let (down, up) = (stopped, Utc::now());
-    let seen = wait_starts(&journal, seen.len() + 3, WAIT);
+    let seen = wait_starts(journal, seen.len() + 3, WAIT);
 
     assert_each_started_once(&seen);
     // The first run may catch up an occurrence that came just before the fleet started, and
@@ -359,7 +403,7 @@ fn three_replicas_run_each_occurrence_once_through_kill_9_terminate_and_restart(
     }
     assert!(lost_in_outage.len() <= 3, "lost {lost_in_outage:?}");
 
-    let rows = ledger(&cluster, &table, lock);
+    let rows = ledger(&cluster, table, lock);
     // The last run may still be going.
     for start in &seen[..seen.len() - 1] {
         let (outcome, _) = rows
@@ -383,6 +427,53 @@ fn three_replicas_run_each_occurrence_once_through_kill_9_terminate_and_restart(
     );
 }
 
+/// Three timers (`--once`, `--busy-exit-code=3`) for the occurrence three seconds ahead, A, B and
+/// C started by `start(name, schedule, args, script)` at `offsets` (milliseconds after the
+/// occurrence; before it if negative), running a job of 0.3 s: A runs it, B and C find it
+/// taken, and the journal holds that one start. Returns the occurrence and the timers.
+fn three_timers(
+    journal: &Journal,
+    offsets: [i64; 3],
+    start: impl Fn(&str, &str, &[&str], &str) -> Proc,
+) -> (DateTime<Utc>, [Proc; 3]) {
+    let occurrence = in_seconds(3);
+    let schedule = only_at(occurrence);
+    let fire = |name: &str, offset: i64| {
+        sleep_until(occurrence + chrono::Duration::milliseconds(offset));
+        start(
+            name,
+            &schedule,
+            &["--once", "--busy-exit-code=3"],
+            &job(journal, name, "0.3"),
+        )
+    };
+    let timers = [
+        fire("A", offsets[0]),
+        fire("B", offsets[1]),
+        fire("C", offsets[2]),
+    ];
+    let codes = timers.each_ref().map(Proc::wait_code);
+    assert_eq!(codes, [0, 3, 3], "A runs, B and C find it taken");
+    let seen = starts(journal);
+    assert_eq!(seen.len(), 1, "{seen:?}");
+    assert_eq!(seen[0].occurrence, rfc3339(occurrence));
+    (occurrence, timers)
+}
+
+/// How many milliseconds after `occurrence`, on the server's clock (see [`arrival`]),
+/// `replica` printed `<tag> ran`.
+fn ran_late_by(
+    replica: &Proc,
+    tag: &str,
+    reference: (Instant, SystemTime),
+    occurrence: DateTime<Utc>,
+) -> i64 {
+    let (_, ran) = replica
+        .wait_line(Stream::Stdout, &format!("{tag} ran"), 1, None, WAIT)
+        .unwrap_or_else(|| panic!("{tag}'s run"));
+    (arrival(ran, reference) - occurrence).num_milliseconds()
+}
+
 /// Three timers (`--once`) for the same occurrence, the second half a second after the first and
 /// the third five seconds after that: one run (of a job that takes 0.3 s, as in the issue),
 /// never before the occurrence.
@@ -392,34 +483,22 @@ fn timers_run_one_occurrence_once(first_fires: i64) {
     let lock = unique_lock();
     let table = unique_table();
     let journal = Journal::new("timers");
-    let occurrence = in_seconds(3);
-    let schedule = only_at(occurrence);
-    let fire = |name: &str, at: DateTime<Utc>| {
-        sleep_until(at);
-        scheduled(
-            name,
-            cluster,
-            lock,
-            &table,
-            &schedule,
-            &["--once", "--busy-exit-code=3"],
-            &job(&journal, name, "0.3"),
-        )
-    };
-    let first = occurrence + chrono::Duration::milliseconds(first_fires);
-    let a = fire("A", first);
-    let b = fire("B", first + chrono::Duration::milliseconds(500));
-    let c = fire("C", first + chrono::Duration::milliseconds(5_500));
-    let codes = [a.wait_code(), b.wait_code(), c.wait_code()];
-    assert_eq!(codes, [0, 3, 3], "A runs, B and C find it taken");
-    let seen = starts(&journal);
-    assert_eq!(seen.len(), 1, "{seen:?}");
-    assert_eq!(seen[0].occurrence, rfc3339(occurrence));
-    assert_eq!(seen[0].tag, "A");
-    let (_, ran) = a
-        .wait_line(Stream::Stdout, "A ran", 1, None, WAIT)
-        .expect("A's run");
-    let late = (arrival(ran, reference) - occurrence).num_milliseconds();
+    let offsets = [first_fires, first_fires + 500, first_fires + 5_500];
+    let (occurrence, [a, _, c]) =
+        three_timers(&journal, offsets, |name, schedule, args, script| {
+            scheduled_at(
+                name,
+                pgleader(),
+                &cluster.url(),
+                lock,
+                &table,
+                schedule,
+                args,
+                script,
+            )
+        });
+    assert_eq!(starts(&journal)[0].tag, "A");
+    let late = ran_late_by(&a, "A", reference, occurrence);
     assert!(
         (0..1_500).contains(&late),
         "A ran {late} ms from its occurrence on the server's clock"
@@ -526,16 +605,7 @@ fn replicas_with_clocks_30_seconds_off_run_each_occurrence_once_at_the_servers_t
             .expect("it led");
         let won = arrival(won, reference);
         for start in seen.iter().filter(|s| s.tag == tag) {
-            let (_, at) = replica
-                .wait_line(
-                    Stream::Stdout,
-                    &format!("ran {}", start.occurrence),
-                    1,
-                    None,
-                    WAIT,
-                )
-                .expect("the run's line");
-            let started = arrival(at, reference);
+            let started = arrival(ran_at(replica, &start.occurrence), reference);
             let occurrence = parse_time(&start.occurrence);
             assert!(
                 started >= occurrence,
@@ -568,10 +638,7 @@ fn replicas_with_clocks_30_seconds_off_run_each_occurrence_once_at_the_servers_t
         &job(&journal, "timer", "0"),
     );
     assert_eq!(timer.wait_code(), 0, "{}", timer.dump());
-    let (_, at) = timer
-        .wait_line(Stream::Stdout, "timer ran", 1, None, WAIT)
-        .expect("the timer's run");
-    let late = (arrival(at, reference) - occurrence).num_milliseconds();
+    let late = ran_late_by(&timer, "timer", reference, occurrence);
     assert!(
         (0..1_500).contains(&late),
         "the timer ran {late} ms from its occurrence"
@@ -580,36 +647,18 @@ fn replicas_with_clocks_30_seconds_off_run_each_occurrence_once_at_the_servers_t
 
 #[test]
 fn after_the_whole_fleet_was_down_only_the_latest_missed_occurrence_runs_within_catch_up() {
-    let cluster = Cluster::shared();
-    let table = unique_table();
-    let journal = Journal::new("catch-up");
+    let setup = Setup::new("catch-up");
 
     // Every second: a replica runs a few, dies, and the fleet stays down for four seconds.
     let lock = unique_lock();
-    let a = scheduled(
-        "A",
-        cluster,
-        lock,
-        &table,
-        "* * * * * *",
-        &[],
-        &job(&journal, "A", "0"),
-    );
-    let before = wait_starts(&journal, 2, WAIT);
+    let a = setup.replica_of(lock, "A", "* * * * * *", &[], "0");
+    let before = wait_starts(&setup.journal, 2, WAIT);
     a.signal(Signal::SIGKILL);
     a.wait_exit();
     let down = Utc::now();
     std::thread::sleep(Duration::from_secs(4));
-    let b = scheduled(
-        "B",
-        cluster,
-        lock,
-        &table,
-        "* * * * * *",
-        &[],
-        &job(&journal, "B", "0"),
-    );
-    let after = wait_starts(&journal, before.len() + 2, WAIT);
+    let b = setup.replica_of(lock, "B", "* * * * * *", &[], "0");
+    let after = wait_starts(&setup.journal, before.len() + 2, WAIT);
     let first_of_b = after.iter().find(|s| s.tag == "B").expect("B ran");
     let caught_up = parse_time(&first_of_b.occurrence);
     b.wait_log(&format!("running the occurrence of {}", rfc3339(caught_up)));
@@ -632,36 +681,20 @@ fn after_the_whole_fleet_was_down_only_the_latest_missed_occurrence_runs_within_
     // first replica runs one and dies; the next starts 3 s after a later occurrence.
     let lock = unique_lock();
     let every_five = "*/5 * * * * *";
-    let first = scheduled(
-        "first",
-        cluster,
-        lock,
-        &table,
-        every_five,
-        &[],
-        &job(&journal, "first", "0"),
-    );
-    let ran = wait_starts(&journal, starts(&journal).len() + 1, WAIT);
+    let first = setup.replica_of(lock, "first", every_five, &[], "0");
+    let ran = wait_starts(&setup.journal, starts(&setup.journal).len() + 1, WAIT);
     first.signal(Signal::SIGKILL);
     first.wait_exit();
     let last = parse_time(&ran.last().expect("a run").occurrence);
     let occurrence = last + chrono::Duration::seconds(10);
     sleep_until(occurrence + chrono::Duration::seconds(3));
-    let late = scheduled(
-        "late",
-        cluster,
-        lock,
-        &table,
-        every_five,
-        &["--catch-up=2s"],
-        &job(&journal, "late", "0"),
-    );
+    let late = setup.replica_of(lock, "late", every_five, &["--catch-up=2s"], "0");
     late.wait_log(&format!(
         "the occurrence of {} was missed",
         rfc3339(occurrence)
     ));
     assert_eq!(
-        ledger(cluster, &table, lock)
+        ledger(Cluster::shared(), &setup.table, lock)
             .get(&rfc3339(occurrence))
             .map(|(o, _)| o.as_str()),
         Some("missed")
@@ -672,36 +705,26 @@ fn after_the_whole_fleet_was_down_only_the_latest_missed_occurrence_runs_within_
     let lock = unique_lock();
     let occurrence = in_seconds(0);
     sleep_until(occurrence + chrono::Duration::seconds(2));
-    let on_time = scheduled(
-        "catcher",
-        cluster,
-        lock,
-        &table,
-        &only_at(occurrence),
-        &[],
-        &job(&journal, "catcher", "0"),
-    );
+    let on_time = setup.replica_of(lock, "catcher", &only_at(occurrence), &[], "0");
     on_time.wait_log(&format!("the run of {} succeeded", rfc3339(occurrence)));
     on_time.signal(Signal::SIGTERM);
     on_time.wait_exit();
-    let again = scheduled(
-        "again",
-        cluster,
+    let again = setup.replica_of(
         lock,
-        &table,
+        "again",
         &only_at(occurrence),
         &["--once", "--busy-exit-code=3"],
-        &job(&journal, "again", "0"),
+        "0",
     );
     assert_eq!(again.wait_code(), 3, "{}", again.dump());
     again.wait_log("already claimed (succeeded)");
     assert!(
-        !starts(&journal)
+        !starts(&setup.journal)
             .iter()
             .any(|s| s.tag == "late" || s.tag == "again")
     );
     assert_eq!(
-        starts(&journal)
+        starts(&setup.journal)
             .iter()
             .filter(|s| s.tag == "catcher")
             .count(),
@@ -840,16 +863,20 @@ fn a_missing_ledger_without_create_permission_is_a_clear_error_that_gives_the_dd
     ));
     let url = format!("postgres://{role}@127.0.0.1:{}/postgres", cluster.port);
     let lock = unique_lock();
-    let refused = scheduled_at(
-        "refused",
-        pgleader(),
-        &url,
-        lock,
-        &table,
-        EVERY_TWO_SECONDS,
-        &[],
-        "true",
-    );
+    // Every attempt runs as the role, on the same lock and table.
+    let as_role = |name: &str, script: &str| {
+        scheduled_at(
+            name,
+            pgleader(),
+            &url,
+            lock,
+            &table,
+            EVERY_TWO_SECONDS,
+            &[],
+            script,
+        )
+    };
+    let refused = as_role("refused", "true");
     let (status, _, stderr) = refused.finish();
     assert_eq!(status.code(), Some(1), "{}", refused.dump());
     let stderr = stderr.join("\n");
@@ -877,16 +904,7 @@ fn a_missing_ledger_without_create_permission_is_a_clear_error_that_gives_the_dd
         .expect("table")
         .ddl();
     cluster.execute(&ddl);
-    let ungranted = scheduled_at(
-        "ungranted",
-        pgleader(),
-        &url,
-        lock,
-        &table,
-        EVERY_TWO_SECONDS,
-        &[],
-        "true",
-    );
+    let ungranted = as_role("ungranted", "true");
     let (status, _, stderr) = ungranted.finish();
     assert_eq!(status.code(), Some(1));
     assert!(
@@ -899,16 +917,7 @@ fn a_missing_ledger_without_create_permission_is_a_clear_error_that_gives_the_dd
         "GRANT SELECT, INSERT, UPDATE, DELETE ON {table} TO {role}"
     ));
     let journal = Journal::new("granted");
-    let granted = scheduled_at(
-        "granted",
-        pgleader(),
-        &url,
-        lock,
-        &table,
-        EVERY_TWO_SECONDS,
-        &[],
-        &job(&journal, "G", "0"),
-    );
+    let granted = as_role("granted", &job(&journal, "G", "0"));
     let first = wait_starts(&journal, 1, WAIT).remove(0);
     granted.wait_log(&format!("the run of {} succeeded", first.occurrence));
     assert_eq!(
@@ -919,40 +928,20 @@ fn a_missing_ledger_without_create_permission_is_a_clear_error_that_gives_the_dd
 
 #[test]
 fn a_replica_with_another_schedule_is_reported_and_never_runs_its_version() {
-    let cluster = Cluster::shared();
-    let lock = unique_lock();
-    let table = unique_table();
-    let journal = Journal::new("mismatch");
-    let a1 = scheduled(
-        "A1",
-        cluster,
-        lock,
-        &table,
-        EVERY_TWO_SECONDS,
-        &[],
-        &job(&journal, "A1", "0"),
-    );
-    wait_starts(&journal, 1, WAIT);
+    let setup = Setup::new("mismatch");
+    let lock = setup.lock;
+    let a1 = setup.replica_of(lock, "A1", EVERY_TWO_SECONDS, &[], "0");
+    wait_starts(&setup.journal, 1, WAIT);
     // B reads the same expression in another time zone; it queues before A2.
-    let b = scheduled(
-        "B",
-        cluster,
+    let b = setup.replica_of(
         lock,
-        &table,
+        "B",
         EVERY_TWO_SECONDS,
         &["--schedule-timezone=Asia/Kolkata"],
-        &job(&journal, "B", "0"),
+        "0",
     );
     b.wait_log("waiting for the lock");
-    let a2 = scheduled(
-        "A2",
-        cluster,
-        lock,
-        &table,
-        EVERY_TWO_SECONDS,
-        &[],
-        &job(&journal, "A2", "0"),
-    );
+    let a2 = setup.replica_of(lock, "A2", EVERY_TWO_SECONDS, &[], "0");
     a2.wait_log("waiting for the lock");
     // The leader notices the disagreement at its next occurrence.
     let warning = a1.wait_log("replicas with another schedule wait for this lock");
@@ -970,7 +959,7 @@ fn a_replica_with_another_schedule_is_reported_and_never_runs_its_version() {
     b.wait_log("handing the lock over");
     let a2_run = a2.wait_stdout("A2 ran");
     assert!(
-        !starts(&journal).iter().any(|s| s.tag == "B"),
+        !starts(&setup.journal).iter().any(|s| s.tag == "B"),
         "B ran its version"
     );
     assert!(
@@ -983,25 +972,9 @@ fn a_replica_with_another_schedule_is_reported_and_never_runs_its_version() {
     // A timer with another schedule, after the established one ran at its occurrence: exit 1.
     let timer_lock = unique_lock();
     let occurrence = in_seconds(1);
-    let established = scheduled(
-        "T1",
-        cluster,
-        timer_lock,
-        &table,
-        &only_at(occurrence),
-        &["--once"],
-        &job(&journal, "T1", "0"),
-    );
+    let established = setup.replica_of(timer_lock, "T1", &only_at(occurrence), &["--once"], "0");
     assert_eq!(established.wait_code(), 0, "{}", established.dump());
-    let other = scheduled(
-        "T2",
-        cluster,
-        timer_lock,
-        &table,
-        "* * * * * *",
-        &["--once"],
-        &job(&journal, "T2", "0"),
-    );
+    let other = setup.replica_of(timer_lock, "T2", "* * * * * *", &["--once"], "0");
     let (status, _, stderr) = other.finish();
     assert_eq!(status.code(), Some(1), "{}", other.dump());
     assert!(
@@ -1010,45 +983,35 @@ fn a_replica_with_another_schedule_is_reported_and_never_runs_its_version() {
             .contains("another host's timer still uses it"),
         "{stderr:?}"
     );
-    assert!(!starts(&journal).iter().any(|s| s.tag == "T2"));
+    assert!(!starts(&setup.journal).iter().any(|s| s.tag == "T2"));
 }
 
 #[test]
 fn bad_schedules_and_combinations_are_usage_errors_that_name_the_problem() {
     let cases: &[(&[&str], &str)] = &[
         (&["--schedule", "every night"], "five fields"),
-        (
-            &[
-                "--schedule",
-                "0 3 * * *",
-                "--schedule-timezone",
-                "Europe/Atlantis",
-            ],
-            "unknown time zone \"Europe/Atlantis\"",
-        ),
         (&["--schedule", "@nightly"], "unknown nickname"),
         (&["--schedule", "0 0 30 2 *"], "never matches"),
-        (
-            &["--schedule", "0 3 * * *", "--relinquish-after", "1h"],
-            "cannot be used with",
-        ),
-        (
-            &["--schedule", "0 3 * * *", "--restart-delay", "5s"],
-            "cannot be used with",
-        ),
         (&["--catch-up", "5m"], "--schedule"),
         (&["--retry-interrupted", "1"], "--schedule"),
-        (
-            &["--schedule", "0 3 * * *", "--ledger-table", "a;drop"],
-            "not a table name",
-        ),
-        (
-            &["--schedule", "0 3 * * *", "--catch-up", "soon"],
-            "--catch-up",
-        ),
     ];
     for (args, expected) in cases {
         assert_usage_error(args, expected);
+    }
+    // Beside a valid schedule: an option and its value, and what the error says.
+    let beside_a_schedule = [
+        (
+            "--schedule-timezone",
+            "Europe/Atlantis",
+            "unknown time zone \"Europe/Atlantis\"",
+        ),
+        ("--relinquish-after", "1h", "cannot be used with"),
+        ("--restart-delay", "5s", "cannot be used with"),
+        ("--ledger-table", "a;drop", "not a table name"),
+        ("--catch-up", "soon", "--catch-up"),
+    ];
+    for (option, value, expected) in beside_a_schedule {
+        assert_usage_error(&["--schedule", "0 3 * * *", option, value], expected);
     }
 }
 
@@ -1218,11 +1181,10 @@ fn a_timer_exits_with_its_commands_status_when_the_record_is_cut_off() {
             .journal
             .append("$PGLEADER_SCHEDULED_TIME $PGLEADER_EPOCH $PGLEADER_ATTEMPT T")
     );
-    let timer = scheduled(
-        "T",
-        Cluster::shared(),
+    let timer = setup.running(
         setup.lock,
         &setup.table,
+        "T",
         &only_at(occurrence),
         &["--once", "--busy-exit-code=3"],
         &script,
@@ -1294,11 +1256,10 @@ fn a_failing_command_is_recorded_and_the_next_occurrence_runs() {
             .journal
             .append("$PGLEADER_SCHEDULED_TIME $PGLEADER_EPOCH $PGLEADER_ATTEMPT F")
     );
-    let a = scheduled(
-        "F",
-        Cluster::shared(),
+    let a = setup.running(
         setup.lock,
         &setup.table,
+        "F",
         EVERY_TWO_SECONDS,
         &[],
         &script,
@@ -1338,9 +1299,7 @@ fn a_shutdown_during_a_run_records_it_before_the_lock_goes() {
     // file and may be ahead of the pipe.)
     b.wait_log("running the occurrence of");
     assert!(
-        !b.lines(Stream::Stderr)
-            .iter()
-            .any(|l| l.contains("its leader lost the lock while it ran")),
+        !printed(&b, Stream::Stderr, "its leader lost the lock while it ran"),
         "the lock went before the run was recorded: {}",
         b.dump()
     );
@@ -1403,15 +1362,7 @@ fn a_held_back_leader_catches_up_the_most_recent_occurrence() {
     let a = setup.replica("A", "* * * * * *", &["--takeover-delay=3s"], "0");
     let won = a.wait_log("became leader");
     let first = wait_starts(&setup.journal, 1, WAIT).remove(0);
-    let (_, started) = a
-        .wait_line(
-            Stream::Stdout,
-            &format!("ran {}", first.occurrence),
-            1,
-            None,
-            WAIT,
-        )
-        .expect("the run's line");
+    let started = ran_at(&a, &first.occurrence);
     let age = started.elapsed();
     let started_wall = Utc::now() - chrono::Duration::from_std(age).expect("duration");
     let lag = started_wall - parse_time(&first.occurrence);
@@ -1430,30 +1381,15 @@ fn a_held_back_leader_catches_up_the_most_recent_occurrence() {
 /// keep their own ledger, and a failover runs the same occurrence again.
 #[test]
 fn replicas_with_another_ledger_table_do_not_run_an_occurrence_twice() {
-    let lock = unique_lock();
-    let (table_a, table_b) = (unique_table(), unique_table());
-    let journal = Journal::new("two-ledgers");
+    let setup = Setup::new("two-ledgers");
+    let (lock, journal) = (setup.lock, &setup.journal);
+    let other_table = unique_table();
     let occurrence = in_seconds(2);
     let schedule = only_at(occurrence);
-    let a = scheduled(
-        "A",
-        Cluster::shared(),
-        lock,
-        &table_a,
-        &schedule,
-        &[],
-        &job(&journal, "A", "100"),
-    );
+    let a = setup.replica("A", &schedule, &[], "100");
     a.wait_log("became leader");
-    let b = scheduled(
-        "B",
-        Cluster::shared(),
-        lock,
-        &table_b,
-        &schedule,
-        &[],
-        &job(&journal, "B", "100"),
-    );
+    let b_job = job(journal, "B", "100");
+    let b = setup.running(lock, &other_table, "B", &schedule, &[], &b_job);
     b.wait_log("waiting for the lock");
     a.wait_stdout(&format!("A ran {}", rfc3339(occurrence)));
     a.signal(Signal::SIGKILL);
@@ -1470,7 +1406,7 @@ fn replicas_with_another_ledger_table_do_not_run_an_occurrence_twice() {
         again.is_none(),
         "the occurrence of {} started twice: {:?}\n{}",
         rfc3339(occurrence),
-        starts(&journal),
+        starts(journal),
         b.dump()
     );
     // Both sides said why.
@@ -1484,9 +1420,8 @@ fn replicas_with_another_ledger_table_do_not_run_an_occurrence_twice() {
 #[test]
 fn a_ledger_table_named_like_a_keyword_works() {
     let setup = Setup {
-        lock: unique_lock(),
         table: "user".to_owned(),
-        journal: Journal::new("keyword"),
+        ..Setup::new("keyword")
     };
     let occurrence = in_seconds(1);
     let timer = setup.replica("T", &only_at(occurrence), &["--once"], "0");
@@ -1504,10 +1439,11 @@ fn a_ledger_table_named_like_a_keyword_works() {
     );
 }
 
-/// `pgleader run --schedule ...` against a Redis server: the ledger lives in the lock's keys.
+/// `pgleader run --schedule ...` against Redis, one server or a quorum (its URLs separated by
+/// spaces): the ledger lives in the lock's keys.
 fn scheduled_on_redis(
     name: &str,
-    redis: &Redis,
+    url: &str,
     lock: i64,
     schedule: &str,
     args: &[&str],
@@ -1515,7 +1451,7 @@ fn scheduled_on_redis(
 ) -> Proc {
     let mut command = pgleader();
     command
-        .env("PGLEADER_DATABASE_URL", redis.url())
+        .env("PGLEADER_DATABASE_URL", url)
         .arg("run")
         .arg(format!("--lock-id={lock}"))
         .args(["--schedule", schedule])
@@ -1556,7 +1492,7 @@ fn on_redis_replicas_run_each_occurrence_once_through_kill_9_client_kill_and_res
     let timings = ["--check-interval=200ms", "--check-timeout=500ms"];
     let mut fleet = Fleet::of(3, "R", |tag| {
         let job = job(&journal, tag, "1.2");
-        scheduled_on_redis(tag, &redis, lock, EVERY_TWO_SECONDS, &timings, &job)
+        scheduled_on_redis(tag, &redis.url(), lock, EVERY_TWO_SECONDS, &timings, &job)
     });
     let seen = wait_starts(&journal, 2, WAIT);
     // kill -9 of the leader during a run: that occurrence is interrupted, not run again.
@@ -1584,12 +1520,7 @@ fn on_redis_replicas_run_each_occurrence_once_through_kill_9_client_kill_and_res
     redis.start();
     let seen = wait_starts(&journal, seen.len() + 3, WAIT);
 
-    assert_each_started_once(&seen);
-    let epochs: Vec<i64> = seen.iter().map(|start| start.epoch).collect();
-    assert!(
-        epochs.windows(2).all(|pair| pair[0] <= pair[1]),
-        "{epochs:?}"
-    );
+    assert_each_started_once_in_epoch_order(&seen);
     let rows = redis_ledger(&redis, lock);
     let after_restart = &seen[seen.len() - 3..seen.len() - 1];
     for start in after_restart {
@@ -1598,13 +1529,7 @@ fn on_redis_replicas_run_each_occurrence_once_through_kill_9_client_kill_and_res
             .unwrap_or_else(|| panic!("no ledger row for {start:?}: {rows:?}"));
         assert_ne!(outcome, "running", "{rows:?}");
     }
-    assert!(
-        !seen
-            .iter()
-            .skip(2)
-            .any(|start| start.occurrence == interrupted),
-        "the interrupted run was started again: {seen:?}"
-    );
+    assert_not_started_again(&seen, &interrupted);
 }
 
 #[test]
@@ -1612,28 +1537,13 @@ fn on_redis_timers_run_an_occurrence_once() {
     let redis = Redis::shared();
     let lock = unique_lock();
     let journal = Journal::new("redis-timers");
-    let occurrence = in_seconds(3);
-    let schedule = only_at(occurrence);
-    let fire = |name: &str, at: DateTime<Utc>| {
-        sleep_until(at);
-        scheduled_on_redis(
-            name,
-            redis,
-            lock,
-            &schedule,
-            &["--once", "--busy-exit-code=3"],
-            &job(&journal, name, "0.3"),
-        )
-    };
-    let first = occurrence + chrono::Duration::milliseconds(200);
-    let a = fire("A", first);
-    let b = fire("B", first + chrono::Duration::milliseconds(500));
-    let c = fire("C", first + chrono::Duration::milliseconds(2_500));
-    let codes = [a.wait_code(), b.wait_code(), c.wait_code()];
-    assert_eq!(codes, [0, 3, 3], "A runs, B and C find it taken");
-    let seen = starts(&journal);
-    assert_eq!(seen.len(), 1, "{seen:?}");
-    assert_eq!(seen[0].occurrence, rfc3339(occurrence));
+    let (occurrence, [_a, _b, c]) = three_timers(
+        &journal,
+        [200, 700, 2_700],
+        |name, schedule, args, script| {
+            scheduled_on_redis(name, &redis.url(), lock, schedule, args, script)
+        },
+    );
     c.wait_log("already claimed (succeeded)");
     assert_eq!(
         redis_ledger(redis, lock).get(&rfc3339(occurrence)),
@@ -1648,26 +1558,6 @@ fn on_redis_timers_run_an_occurrence_once() {
     assert!(text.contains("succeeded"), "{text}");
 }
 
-/// A scheduled replica over a quorum of Redis servers (one space-separated URL).
-fn scheduled_on_quorum(
-    name: &str,
-    servers: &[Redis],
-    lock: i64,
-    args: &[&str],
-    script: &str,
-) -> Proc {
-    let urls: Vec<String> = servers.iter().map(Redis::url).collect();
-    let mut command = pgleader();
-    command
-        .env("PGLEADER_DATABASE_URL", urls.join(" "))
-        .arg("run")
-        .arg(format!("--lock-id={lock}"))
-        .args(["--schedule", EVERY_TWO_SECONDS])
-        .args(args)
-        .args(["--", "sh", "-c", script]);
-    Proc::spawn(name, command)
-}
-
 #[test]
 fn on_a_quorum_replicas_run_each_occurrence_once_through_kill_9_a_servers_death_and_empty_restart()
 {
@@ -1680,14 +1570,11 @@ fn on_a_quorum_replicas_run_each_occurrence_once_through_kill_9_a_servers_death_
     }
     let lock = unique_lock();
     let journal = Journal::new("quorum-schedule");
-    let timings = [
-        "--check-interval=200ms",
-        "--check-timeout=500ms",
-        "--kill-timeout=1s",
-        "--lease=3s",
-    ];
+    let urls: Vec<String> = servers.iter().map(Redis::url).collect();
+    let quorum = urls.join(" ");
     let mut fleet = Fleet::of(3, "Q", |tag| {
-        scheduled_on_quorum(tag, &servers, lock, &timings, &job(&journal, tag, "1.2"))
+        let job = job(&journal, tag, "1.2");
+        scheduled_on_redis(tag, &quorum, lock, EVERY_TWO_SECONDS, &CLI_TIMINGS, &job)
     });
     let seen = wait_starts(&journal, 2, WAIT);
     // kill -9 of the leader during a run: that occurrence is interrupted, not run again.
@@ -1708,19 +1595,8 @@ fn on_a_quorum_replicas_run_each_occurrence_once_through_kill_9_a_servers_death_
     servers[1].crash();
     let seen = wait_starts(&journal, seen.len() + 2, WAIT);
 
-    assert_each_started_once(&seen);
-    let epochs: Vec<i64> = seen.iter().map(|start| start.epoch).collect();
-    assert!(
-        epochs.windows(2).all(|pair| pair[0] <= pair[1]),
-        "{epochs:?}"
-    );
-    assert!(
-        !seen
-            .iter()
-            .skip(2)
-            .any(|start| start.occurrence == interrupted),
-        "the interrupted run was started again: {seen:?}"
-    );
+    assert_each_started_once_in_epoch_order(&seen);
+    assert_not_started_again(&seen, &interrupted);
     // status reads the history from a majority (the survivor and the restarted server).
     let last = &seen[seen.len() - 2].occurrence;
     fleet

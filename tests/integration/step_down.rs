@@ -4,87 +4,45 @@
 
 use std::time::{Duration, Instant};
 
-use crate::harness::{Cluster, Proc, Redis, Stream, patient_child, pgleader, unique_lock};
+use crate::harness::fleet::{Fleet, on_both_backends, printed};
+use crate::harness::{Cluster, Proc, Stream, patient_child, pgleader, unique_lock};
 
 /// Checks quick enough that the pause before a stepped-down leader queues again is short.
 const TIMINGS: [&str; 2] = ["--check-interval=200ms", "--kill-timeout=2s"];
 
-/// Where the replicas of one test meet: a server's URL and the lock's options.
-struct Fleet {
-    url: String,
-    lock: Vec<String>,
+/// A replica running a child that reports its start and its signals.
+fn replica(fleet: &Fleet, tag: &str) -> Proc {
+    fleet.replica(tag, &TIMINGS, &patient_child(tag))
 }
 
-impl Fleet {
-    fn postgres() -> Fleet {
-        Fleet {
-            url: Cluster::shared().url(),
-            lock: vec![format!("--lock-id={}", unique_lock())],
+/// A leads, and B waits behind it.
+fn a_leader_and_a_follower(fleet: &Fleet) -> (Proc, Proc) {
+    let a = replica(fleet, "A");
+    a.wait_stdout("A started");
+    let b = replica(fleet, "B");
+    wait_for_waiters(fleet, 1);
+    (a, b)
+}
+
+/// Waits until the server shows `n` replicas waiting behind the leader.
+fn wait_for_waiters(fleet: &Fleet, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (_, out, _) = fleet.client("status", &["--json"]);
+        let status: serde_json::Value = serde_json::from_str(&out).expect("status --json");
+        let waiting = status["waiting"].as_array().map_or(0, Vec::len);
+        if waiting >= n && !status["holder"].is_null() {
+            return;
         }
-    }
-
-    fn redis() -> Fleet {
-        Fleet {
-            url: Redis::shared().url(),
-            lock: vec![format!("--lock=step-down-{}", unique_lock())],
-        }
-    }
-
-    /// A replica running a child that reports its start and its signals.
-    fn replica(&self, tag: &str) -> Proc {
-        let mut command = pgleader();
-        command
-            .env("PGLEADER_DATABASE_URL", &self.url)
-            .arg("run")
-            .args(&self.lock)
-            .args(TIMINGS)
-            .args(["--", "sh", "-c", &patient_child(tag)]);
-        Proc::spawn(tag, command)
-    }
-
-    /// `pgleader <subcommand> <lock> <args>`, run to its end: exit code, stdout, stderr.
-    fn client(&self, subcommand: &str, args: &[&str]) -> (i32, String, String) {
-        let mut command = pgleader();
-        command
-            .env("PGLEADER_DATABASE_URL", &self.url)
-            .arg(subcommand)
-            .args(&self.lock)
-            .args(args);
-        let (status, out, err) = Proc::spawn(subcommand, command).finish();
-        (
-            status.code().expect("an exit code"),
-            out.join("\n"),
-            err.join("\n"),
-        )
-    }
-
-    fn step_down(&self) -> (i32, String, String) {
-        self.client("step-down", &["--timeout=20s"])
-    }
-
-    /// Waits until the server shows `n` replicas waiting behind the leader.
-    fn wait_for_waiters(&self, n: usize) {
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            let (_, out, _) = self.client("status", &["--json"]);
-            let status: serde_json::Value = serde_json::from_str(&out).expect("status --json");
-            let waiting = status["waiting"].as_array().map_or(0, Vec::len);
-            if waiting >= n && !status["holder"].is_null() {
-                return;
-            }
-            assert!(Instant::now() < deadline, "never {n} waiters: {status}");
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        assert!(Instant::now() < deadline, "never {n} waiters: {status}");
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
 /// A steps down: B leads, A's command got its stop signal, and A is still there, waiting;
 /// stepping B down then hands it back to A, which proves A queued again.
 fn moves_leadership_and_the_old_leader_stays_a_follower(fleet: &Fleet) {
-    let a = fleet.replica("A");
-    a.wait_stdout("A started");
-    let b = fleet.replica("B");
-    fleet.wait_for_waiters(1);
+    let (a, b) = a_leader_and_a_follower(fleet);
 
     let (code, out, err) = fleet.step_down();
     assert_eq!(code, 0, "stdout: {out}\nstderr: {err}");
@@ -99,7 +57,7 @@ fn moves_leadership_and_the_old_leader_stays_a_follower(fleet: &Fleet) {
     a.wait_log("queueing again");
     assert!(!a.has_exited(), "{}", a.dump());
 
-    fleet.wait_for_waiters(1);
+    wait_for_waiters(fleet, 1);
     let (code, out, err) = fleet.step_down();
     assert_eq!(code, 0, "stdout: {out}\nstderr: {err}");
     assert!(
@@ -113,7 +71,7 @@ fn moves_leadership_and_the_old_leader_stays_a_follower(fleet: &Fleet) {
 
 /// Alone, the leader is not asked at all: exit 4, and its command keeps running.
 fn without_a_follower_the_leader_keeps_leading(fleet: &Fleet) {
-    let a = fleet.replica("A");
+    let a = replica(fleet, "A");
     a.wait_stdout("A started");
     let (code, out, err) = fleet.step_down();
     assert_eq!(code, 4, "stdout: {out}\nstderr: {err}");
@@ -121,13 +79,7 @@ fn without_a_follower_the_leader_keeps_leading(fleet: &Fleet) {
     let (code, out, _) = fleet.client("status", &[]);
     assert_eq!(code, 0, "{out}");
     assert!(out.contains(&format!("pgleader pid {}", a.pid)), "{out}");
-    assert!(
-        !a.lines(Stream::Stdout)
-            .iter()
-            .any(|line| line.contains("got")),
-        "{}",
-        a.dump()
-    );
+    assert!(!printed(&a, Stream::Stdout, "got"), "{}", a.dump());
 }
 
 /// Nobody leads: exit 3.
@@ -137,56 +89,29 @@ fn without_a_leader_there_is_nothing_to_step_down(fleet: &Fleet) {
     assert!(out.contains("no leader"), "{out}");
 }
 
-#[test]
-fn postgres_step_down_moves_leadership_and_the_old_leader_stays_a_follower() {
-    moves_leadership_and_the_old_leader_stays_a_follower(&Fleet::postgres());
-}
-
-#[test]
-fn redis_step_down_moves_leadership_and_the_old_leader_stays_a_follower() {
-    moves_leadership_and_the_old_leader_stays_a_follower(&Fleet::redis());
-}
-
-#[test]
-fn postgres_step_down_without_a_follower_leaves_the_leader_leading() {
-    without_a_follower_the_leader_keeps_leading(&Fleet::postgres());
-}
-
-#[test]
-fn redis_step_down_without_a_follower_leaves_the_leader_leading() {
-    without_a_follower_the_leader_keeps_leading(&Fleet::redis());
-}
-
-#[test]
-fn postgres_step_down_without_a_leader_exits_3() {
-    without_a_leader_there_is_nothing_to_step_down(&Fleet::postgres());
-}
-
-#[test]
-fn redis_step_down_without_a_leader_exits_3() {
-    without_a_leader_there_is_nothing_to_step_down(&Fleet::redis());
+on_both_backends! { &Fleet::postgres(), &Fleet::redis("step-down");
+    moves_leadership_and_the_old_leader_stays_a_follower:
+        postgres_step_down_moves_leadership_and_the_old_leader_stays_a_follower,
+        redis_step_down_moves_leadership_and_the_old_leader_stays_a_follower;
+    without_a_follower_the_leader_keeps_leading:
+        postgres_step_down_without_a_follower_leaves_the_leader_leading,
+        redis_step_down_without_a_follower_leaves_the_leader_leading;
+    without_a_leader_there_is_nothing_to_step_down:
+        postgres_step_down_without_a_leader_exits_3,
+        redis_step_down_without_a_leader_exits_3;
 }
 
 /// `--to` is refused before anything is asked: the leader keeps leading.
 #[test]
 fn to_is_refused_on_both_backends_and_the_leader_keeps_leading() {
-    for fleet in [Fleet::postgres(), Fleet::redis()] {
-        let a = fleet.replica("A");
-        a.wait_stdout("A started");
-        let _b = fleet.replica("B");
-        fleet.wait_for_waiters(1);
+    for fleet in [Fleet::postgres(), Fleet::redis("step-down")] {
+        let (a, _b) = a_leader_and_a_follower(&fleet);
         let (code, out, err) = fleet.client("step-down", &["--to", "web-2"]);
         assert_eq!(code, 2, "stdout: {out}\nstderr: {err}");
         assert!(err.contains("--to web-2: a step-down cannot pick"), "{err}");
         let (_, out, _) = fleet.client("status", &[]);
         assert!(out.contains(&format!("pgleader pid {}", a.pid)), "{out}");
-        assert!(
-            !a.lines(Stream::Stdout)
-                .iter()
-                .any(|line| line.contains("got")),
-            "{}",
-            a.dump()
-        );
+        assert!(!printed(&a, Stream::Stdout, "got"), "{}", a.dump());
     }
 }
 
@@ -253,10 +178,7 @@ fn on_postgres_a_request_from_a_session_of_another_role_is_ignored() {
         .batch_execute(&format!("CREATE ROLE {role} LOGIN"))
         .expect("create the role");
     let fleet = Fleet::postgres();
-    let a = fleet.replica("A");
-    a.wait_stdout("A started");
-    let _b = fleet.replica("B");
-    fleet.wait_for_waiters(1);
+    let (a, _b) = a_leader_and_a_follower(&fleet);
 
     let stranger = Fleet {
         url: format!("postgres://{role}@127.0.0.1:{}/postgres", cluster.port),
@@ -265,13 +187,7 @@ fn on_postgres_a_request_from_a_session_of_another_role_is_ignored() {
     let (code, out, err) = stranger.client("step-down", &["--timeout=2s"]);
     assert_eq!(code, 5, "stdout: {out}\nstderr: {err}");
     a.wait_log("ignored a step-down request");
-    assert!(
-        !a.lines(Stream::Stdout)
-            .iter()
-            .any(|line| line.contains("got TERM")),
-        "{}",
-        a.dump()
-    );
+    assert!(!printed(&a, Stream::Stdout, "got TERM"), "{}", a.dump());
     // The leader's own role may.
     let (code, out, err) = fleet.step_down();
     assert_eq!(code, 0, "stdout: {out}\nstderr: {err}");
@@ -285,30 +201,22 @@ fn a_handoff_slower_than_the_timeout_exits_5() {
     // A command that ignores TERM holds the handoff up to its --kill-timeout.
     let fleet = Fleet::postgres();
     let stubborn = |tag: &str| {
-        let mut command = pgleader();
-        command
-            .env("PGLEADER_DATABASE_URL", &fleet.url)
-            .arg("run")
-            .args(&fleet.lock)
-            .args([
+        fleet.replica(
+            tag,
+            &[
                 "--check-interval=200ms",
                 "--kill-timeout=10s",
                 "--lease=20s",
-            ])
-            .args([
-                "--",
-                "sh",
-                "-c",
-                &format!(
-                    "trap 'echo {tag} got TERM' TERM; echo {tag} started; while :; do sleep 1; done"
-                ),
-            ]);
-        Proc::spawn(tag, command)
+            ],
+            &format!(
+                "trap 'echo {tag} got TERM' TERM; echo {tag} started; while :; do sleep 1; done"
+            ),
+        )
     };
     let a = stubborn("A");
     a.wait_stdout("A started");
     let _b = stubborn("B");
-    fleet.wait_for_waiters(1);
+    wait_for_waiters(&fleet, 1);
 
     let (code, out, err) = fleet.client("step-down", &["--timeout=1s"]);
     assert_eq!(code, 5, "stdout: {out}\nstderr: {err}");

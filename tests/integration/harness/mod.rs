@@ -2,6 +2,7 @@
 //! output captured, and small helpers to build child commands.
 
 pub mod cluster;
+pub mod fleet;
 pub mod http;
 pub mod namespace;
 pub mod nemesis;
