@@ -12,6 +12,7 @@ mod failover;
 mod faults;
 mod health;
 mod hooks;
+mod house;
 mod nemesis;
 mod notify;
 mod observability;
