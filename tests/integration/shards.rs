@@ -521,10 +521,6 @@ fn status_http_and_metrics_show_which_replica_runs_which_shard() {
     assert_no_overlap(&[&b, &c]);
 }
 
-/// A sharded fleet holds back VACUUM no more than waiting followers do: the watchers wait in
-/// turns of --wait-refresh, the holders hold no snapshot between statements. Rows deleted while
-/// the fleet runs are removed, an index is built concurrently, no session of the fleet shows a
-/// snapshot older than two turns, and the server logs nothing at ERROR or WARNING for it.
 /// Whether the session that logged `fatal` had just failed to send its last answer: a watcher
 /// whose wait returned as its replica closed it. PostgreSQL then ends the session at its next
 /// interrupt check, after the statement, so the FATAL comes without the statement beside it.
@@ -543,6 +539,10 @@ fn answered_as_it_closed(before: &[&str], fatal: &str) -> bool {
         .is_some_and(|line| line.contains("LOG:  could not send data to client"))
 }
 
+/// A sharded fleet holds back VACUUM no more than waiting followers do: the watchers wait in
+/// turns of --wait-refresh, the holders hold no snapshot between statements. Rows deleted while
+/// the fleet runs are removed, an index is built concurrently, no session of the fleet shows a
+/// snapshot older than two turns, and the server logs nothing at ERROR or WARNING for it.
 #[test]
 fn a_sharded_fleet_holds_back_neither_vacuum_nor_create_index_concurrently() {
     const REFRESH: Duration = Duration::from_secs(1);
@@ -656,6 +656,16 @@ fn a_sharded_fleet_holds_back_neither_vacuum_nor_create_index_concurrently() {
         watchers_closed <= 3,
         "{watchers_closed} watchers closed:\n{log}"
     );
+    // So a session ended without its statement beside it was no holder's or member's either.
+    for replica in &replicas {
+        for loss in ["no longer holds shard", "lost every shard"] {
+            assert!(
+                !replica.printed(Stream::Stderr, loss),
+                "{} lost a shard beside VACUUM",
+                replica.name
+            );
+        }
+    }
     let replicas: Vec<&Proc> = replicas.iter().collect();
     stop(&replicas);
     assert_no_overlap(&replicas);
