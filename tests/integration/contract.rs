@@ -15,7 +15,7 @@ use pgleader::election::ledger::{Claim, Claimant, Definition, Ledger};
 use pgleader::election::lock::LockKey;
 use pgleader::election::{Backend, Check, Confirmation, Observer, Session};
 
-use crate::harness::{Cluster, Redis, WAIT, unique_lock};
+use crate::harness::{Cluster, Redis, WAIT, unique_lock, within};
 
 /// A backend under test.
 pub trait Subject {
@@ -285,13 +285,6 @@ pub fn block_on(test: impl Future<Output = ()>) {
         .build()
         .expect("a runtime")
         .block_on(test);
-}
-
-/// Every wait in the suite is bounded.
-pub async fn within<T>(what: &str, future: impl Future<Output = T>) -> T {
-    tokio::time::timeout(WAIT, future)
-        .await
-        .unwrap_or_else(|_| panic!("{what}: nothing within {WAIT:?}"))
 }
 
 async fn connect<B: Backend>(backend: &B, name: &str) -> B::Session {

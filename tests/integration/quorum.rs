@@ -13,9 +13,8 @@ use pgleader::election::{Backend, Check, Confirmation, Session};
 use pgleader::redis::quorum::{QuorumBackend, QuorumSession};
 use pgleader::redis::url::RedisServer;
 
-use crate::contract::within;
 use crate::harness::cluster::free_port;
-use crate::harness::fleet::printed;
+use crate::harness::within;
 use crate::harness::{
     Journal, Proc, Proxy, Redis, Stream, WAIT, patient_child, pgleader, unique_lock, wait_gone,
 };
@@ -322,7 +321,7 @@ fn over_three_servers_the_leader_rides_out_one_servers_death_and_stops_at_the_se
     // window is the claim itself (nothing happens), not a stand-in for an event.
     std::thread::sleep(Duration::from_millis(1_500));
     assert!(
-        !printed(&a, Stream::Stdout, "got"),
+        !a.printed(Stream::Stdout, "got"),
         "the command was signalled with two servers of three left: {}",
         a.dump()
     );
@@ -421,7 +420,7 @@ fn a_jump_of_a_replicas_wall_clock_changes_nothing() {
         std::thread::sleep(Duration::from_millis(1_500));
     }
     assert!(
-        !printed(&a, Stream::Stdout, "got"),
+        !a.printed(Stream::Stdout, "got"),
         "a wall-clock jump stopped the leader's command: {}",
         a.dump()
     );
@@ -463,7 +462,7 @@ fn a_leader_that_lost_one_servers_connection_before_its_command_started_leaves_n
     }
     let started = a.wait_stdout("A started");
     assert!(
-        !printed(&a, Stream::Stderr, "leadership lost"),
+        !a.printed(Stream::Stderr, "leadership lost"),
         "two of three still hold it: {}",
         a.dump()
     );

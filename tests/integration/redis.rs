@@ -7,7 +7,7 @@
 use nix::sys::signal::Signal;
 
 use crate::harness::fleet::lines_with;
-use crate::harness::redis::SECRET_PASSWORD;
+use crate::harness::redis::{DOCUMENTED_ACL, SECRET_PASSWORD};
 use crate::harness::run_named as run;
 use crate::harness::{
     Journal, Proc, Proxy, Redis, Stream, field, kill_9_never_overlaps_the_dying_tree,
@@ -34,30 +34,6 @@ const SLOW_CHECKS: [&str; 2] = ["--check-interval=60s", "--lease=90s"];
 /// A server of the test's own, and a lock on it, both named after the test.
 fn own_server(tag: &str) -> (Redis, String) {
     (Redis::new(tag), lock(tag))
-}
-
-/// The ACL rules README.md documents for pgleader's user.
-const DOCUMENTED_ACL: [&str; 12] = [
-    "~pgleader:*",
-    "&pgleader:*",
-    "+@read",
-    "+@write",
-    "+@scripting",
-    "+@pubsub",
-    "+@blocking",
-    "+time",
-    "+info",
-    "+client|id",
-    "+client|setname",
-    "+client|tracking",
-];
-
-/// `ACL SETUSER <user> on ><password> <rules...>` on `redis`.
-fn acl_user(redis: &Redis, user: &str, password: &str, rules: &[&str]) {
-    let password = format!(">{password}");
-    let mut command = vec!["ACL", "SETUSER", user, "on", &password];
-    command.extend(rules);
-    redis.cli(&command);
 }
 
 /// Asserts that `replica`'s command got TERM and that the replica logged the loss of its
@@ -418,8 +394,7 @@ fn a_wrong_password_is_a_permanent_error_that_says_so_and_never_shows_it() {
 #[test]
 fn a_user_without_the_documented_acl_is_refused_and_one_with_it_leads() {
     let redis = Redis::new("acl");
-    acl_user(
-        &redis,
+    redis.acl_user(
         "narrow",
         "narrow-pw",
         &[
@@ -443,7 +418,7 @@ fn a_user_without_the_documented_acl_is_refused_and_one_with_it_leads() {
     );
 
     // The ACL README.md documents.
-    acl_user(&redis, "minimal", "minimal-pw", &DOCUMENTED_ACL);
+    redis.acl_user("minimal", "minimal-pw", &DOCUMENTED_ACL);
     let url = format!("redis://minimal:minimal-pw@127.0.0.1:{}", redis.port);
     let b = run("B", &url, &lock("acl"), &["--once"], "echo B ran");
     b.wait_stdout("B ran");
@@ -461,14 +436,9 @@ fn a_user_without_the_documented_acl_is_refused_and_one_with_it_leads() {
 fn an_acl_that_refuses_the_lock_scripts_is_a_permanent_error_not_a_retry_loop() {
     // Connecting needs only what every user has here; the first script is the first refusal.
     let (redis, lock) = own_server("acl-scripts");
-    acl_user(
-        &redis,
-        "noscript",
-        "pw",
-        &["~*", "&*", "+@all", "-@scripting"],
-    );
+    redis.acl_user("noscript", "pw", &["~*", "&*", "+@all", "-@scripting"]);
     let only_the_lock = format!("~pgleader:{{{lock}}}");
-    acl_user(&redis, "onekey", "pw", &[&only_the_lock, "&*", "+@all"]);
+    redis.acl_user("onekey", "pw", &[&only_the_lock, "&*", "+@all"]);
     for user in ["noscript", "onekey"] {
         let url = format!("redis://{user}:pw@127.0.0.1:{}", redis.port);
         let a = run(user, &url, &lock, &QUICK, "echo ran");
@@ -633,8 +603,7 @@ fn after_a_restart_that_kept_nothing_the_new_leader_waits_out_the_restart_fence(
 fn without_pubsub_numsub_a_crashed_leader_is_replaced_when_its_key_expires_and_it_says_so() {
     let redis = Redis::new("blind");
     // The documented ACL, less PUBSUB NUMSUB (taken away last, so nothing before adds it back).
-    acl_user(
-        &redis,
+    redis.acl_user(
         "blind",
         "blind-pw",
         &[&DOCUMENTED_ACL[..], &["-pubsub|numsub"]].concat(),

@@ -14,8 +14,9 @@ use pgleader::redis::shards::RedisShardHolder;
 
 use nix::sys::signal::Signal;
 
-use crate::contract::{block_on, within};
+use crate::contract::block_on;
 use crate::harness::http::{address_of, get};
+use crate::harness::redis::DOCUMENTED_ACL;
 use crate::harness::shards::{
     Fleet, a_capped_member_holds_no_more_than_its_cap, a_killed_replica_s_shards_run_on_the_others,
     a_member_that_leaves_frees_its_shards, a_second_replica_takes_the_surplus,
@@ -27,6 +28,7 @@ use crate::harness::shards::{
     the_end_of_b_is_heard, the_surplus_goes_back_when_its_replica_stops,
     three_members_of_six_shards,
 };
+use crate::harness::within;
 use crate::harness::{Journal, Proc, Redis, Stream, WAIT, field, pgleader, unique_lock};
 use crate::observability::sample;
 
@@ -340,25 +342,7 @@ fn on_redis_a_replica_with_another_shard_count_or_without_shards_is_refused_with
 #[test]
 fn the_acl_the_readme_documents_is_enough_for_shards() {
     let redis = Redis::new("shards-acl");
-    redis.cli(&[
-        "ACL",
-        "SETUSER",
-        "minimal",
-        "on",
-        ">minimal-pw",
-        "~pgleader:*",
-        "&pgleader:*",
-        "+@read",
-        "+@write",
-        "+@scripting",
-        "+@pubsub",
-        "+@blocking",
-        "+time",
-        "+info",
-        "+client|id",
-        "+client|setname",
-        "+client|tracking",
-    ]);
+    redis.acl_user("minimal", "minimal-pw", &DOCUMENTED_ACL);
     let url = format!("redis://minimal:minimal-pw@127.0.0.1:{}", redis.port);
     let fleet = RedisFleet::new("acl");
     let journal = Journal::new("redis-shards-acl");

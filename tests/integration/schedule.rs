@@ -13,7 +13,6 @@ use std::time::{Duration, Instant, SystemTime};
 use chrono::{DateTime, SubsecRound, Utc};
 use nix::sys::signal::Signal;
 
-use crate::harness::fleet::printed;
 use crate::harness::{
     Cluster, Journal, Proc, Redis, Stream, WAIT, assert_usage_error, pgleader, unique_lock,
 };
@@ -1299,7 +1298,7 @@ fn a_shutdown_during_a_run_records_it_before_the_lock_goes() {
     // file and may be ahead of the pipe.)
     b.wait_log("running the occurrence of");
     assert!(
-        !printed(&b, Stream::Stderr, "its leader lost the lock while it ran"),
+        !b.printed(Stream::Stderr, "its leader lost the lock while it ran"),
         "the lock went before the run was recorded: {}",
         b.dump()
     );

@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use crate::harness::fleet::{Fleet, on_both_backends, printed};
+use crate::harness::fleet::{Fleet, on_both_backends};
 use crate::harness::{Cluster, Proc, Stream, patient_child, pgleader, unique_lock};
 
 /// Checks quick enough that the pause before a stepped-down leader queues again is short.
@@ -79,7 +79,7 @@ fn without_a_follower_the_leader_keeps_leading(fleet: &Fleet) {
     let (code, out, _) = fleet.client("status", &[]);
     assert_eq!(code, 0, "{out}");
     assert!(out.contains(&format!("pgleader pid {}", a.pid)), "{out}");
-    assert!(!printed(&a, Stream::Stdout, "got"), "{}", a.dump());
+    assert!(!a.printed(Stream::Stdout, "got"), "{}", a.dump());
 }
 
 /// Nobody leads: exit 3.
@@ -111,7 +111,7 @@ fn to_is_refused_on_both_backends_and_the_leader_keeps_leading() {
         assert!(err.contains("--to web-2: a step-down cannot pick"), "{err}");
         let (_, out, _) = fleet.client("status", &[]);
         assert!(out.contains(&format!("pgleader pid {}", a.pid)), "{out}");
-        assert!(!printed(&a, Stream::Stdout, "got"), "{}", a.dump());
+        assert!(!a.printed(Stream::Stdout, "got"), "{}", a.dump());
     }
 }
 
@@ -187,7 +187,7 @@ fn on_postgres_a_request_from_a_session_of_another_role_is_ignored() {
     let (code, out, err) = stranger.client("step-down", &["--timeout=2s"]);
     assert_eq!(code, 5, "stdout: {out}\nstderr: {err}");
     a.wait_log("ignored a step-down request");
-    assert!(!printed(&a, Stream::Stdout, "got TERM"), "{}", a.dump());
+    assert!(!a.printed(Stream::Stdout, "got TERM"), "{}", a.dump());
     // The leader's own role may.
     let (code, out, err) = fleet.step_down();
     assert_eq!(code, 0, "stdout: {out}\nstderr: {err}");

@@ -67,12 +67,6 @@ impl Fleet {
     }
 }
 
-/// Whether any line `replica` wrote so far to `stream` contains `text`: for the claims that
-/// something did not happen (`!printed(&a, Stream::Stdout, "got")`: its command got no signal).
-pub fn printed(replica: &Proc, stream: Stream, text: &str) -> bool {
-    !lines_with(replica, stream, &[text]).is_empty()
-}
-
 /// The lines `replica` wrote so far to `stream` that contain any of `texts`: what it said, and
 /// how often, once a wait has shown that it is done saying it.
 pub fn lines_with(replica: &Proc, stream: Stream, texts: &[&str]) -> Vec<String> {

@@ -191,6 +191,13 @@ pub fn field(line: &str, key: &str) -> String {
         .to_owned()
 }
 
+/// Bounds an async step of a test, as every wait in the suite is bounded.
+pub async fn within<T>(what: &str, step: impl Future<Output = T>) -> T {
+    tokio::time::timeout(WAIT, step)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: nothing within {WAIT:?}"))
+}
+
 /// The pid a child printed as the third word of a line: `<tag> started <pid>`,
 /// `<tag> escaped <pid>`.
 pub fn pid_in(line: &str) -> i32 {

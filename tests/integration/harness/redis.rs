@@ -20,6 +20,22 @@ const INSTALL_HINT: &str = "redis-server and redis-cli are needed for the Redis 
 /// A password the tests' ACL user has.
 pub const SECRET_PASSWORD: &str = "s3cret-redis-pw";
 
+/// The ACL rules README.md documents for pgleader's user.
+pub const DOCUMENTED_ACL: [&str; 12] = [
+    "~pgleader:*",
+    "&pgleader:*",
+    "+@read",
+    "+@write",
+    "+@scripting",
+    "+@pubsub",
+    "+@blocking",
+    "+time",
+    "+info",
+    "+client|id",
+    "+client|setname",
+    "+client|tracking",
+];
+
 /// One Redis server of a test's own (or the shared one).
 #[derive(Debug)]
 pub struct Redis {
@@ -196,6 +212,14 @@ impl Redis {
     /// The CA file that verifies a TLS server's certificate.
     pub fn ca_file(&self) -> Option<&Path> {
         self.tls_ca.as_deref()
+    }
+
+    /// `ACL SETUSER <user> on ><password> <rules...>`.
+    pub fn acl_user(&self, user: &str, password: &str, rules: &[&str]) {
+        let password = format!(">{password}");
+        let mut command = vec!["ACL", "SETUSER", user, "on", &password];
+        command.extend(rules);
+        self.cli(&command);
     }
 
     /// Runs one command through redis-cli and returns its output, trimmed; panics on failure.

@@ -13,15 +13,7 @@ use pgleader::election::shards::{
 };
 use pgleader::election::{Backend, Session};
 
-use super::{Journal, Proc, Stream, WAIT, field, overlaps_seen};
-
-/// Bounds a step, as the contract suite's `within` does (the benchmark, which shares the
-/// harness, has no contract suite).
-async fn within<T>(what: &str, step: impl Future<Output = T>) -> T {
-    tokio::time::timeout(WAIT, step)
-        .await
-        .unwrap_or_else(|_| panic!("{what}: nothing within {WAIT:?}"))
-}
+use super::{Journal, Proc, Stream, WAIT, field, overlaps_seen, within};
 
 /// The name every holder of these tests gives its session.
 const HOLDER_NAME: &str = "pgleader-shards-test";
