@@ -1,5 +1,6 @@
 //! The ledger of scheduled runs over a quorum of Redis servers: each server keeps the same keys
-//! as a single server's ledger (`redis/ledger.rs`), and an answer counts only when a majority gave it.
+//! as a single server's ledger (`redis/ledger.rs`), and an answer counts only when a majority
+//! gave it.
 //!
 //! Why this keeps an occurrence from running twice: a claim counts only if a majority of the
 //! servers accepted it, each in one script that checks the lock's key there still holds this
@@ -7,8 +8,9 @@
 //! and that server answers the second claim "taken", so a second majority of claims for one
 //! occurrence cannot be gathered. A claim that fell short of a majority is taken back wherever
 //! it may have landed, so it never blocks a later leader for good. A server that restarted
-//! without its data has lost its rows, but its `born` key (the server's start, see `redis/ledger.rs`)
-//! refuses every occurrence at or before the restart, so it cannot hand out a second claim.
+//! without its data has lost its rows, but its `born` key (the server's start, see
+//! `redis/ledger.rs`) refuses every occurrence at or before the restart, so it cannot hand out a
+//! second claim.
 //!
 //! History is read from a majority too: for each occurrence, the row of the latest leadership
 //! (epoch, then attempt) wins, an ended row before a running one, so a row that a minority kept
