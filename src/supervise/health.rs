@@ -43,9 +43,10 @@ use crate::operate::metrics::HealthResult;
 use crate::operate::notify;
 use crate::operate::telemetry::{HealthState, HealthView, Telemetry};
 use crate::supervise::hook::Hooks;
-use crate::supervise::inbox::{Inbox, KEEPER_GRACE, status_of};
+use crate::supervise::inbox::Inbox;
 use crate::supervise::job::{CommandLine, Parked};
 use crate::supervise::keeper::Report;
+use crate::supervise::stop::{KEEPER_GRACE, status_of};
 use crate::time::for_people as fmt;
 
 /// `--health-cmd` and its companions.
@@ -157,7 +158,7 @@ impl Health {
         loop {
             let event = tokio::select! {
                 () = self.passed() => return true,
-                event = inbox.signals.recv() => event,
+                event = inbox.next_signal() => event,
             };
             if inbox.idle_signal(event) {
                 return false;

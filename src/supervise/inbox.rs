@@ -1,17 +1,18 @@
 //! What the supervisor hears besides the backend, and what it does to the command in answer:
-//! the signal events (TERM and INT to shut down, others to pass on, CHLD to reap), and stopping
-//! a job (the stop signal to its process group, `--kill-timeout`, SIGKILL through the keeper,
-//! and waiting until no process of the group is left).
+//! the signal events (TERM and INT to shut down, others to pass on, CHLD to reap), and the
+//! single leader's way of stopping its job: awaiting the stop machine (`stop.rs`) step by step.
 //!
 //! The [`Inbox`] owns the signal channel and remembers when a shutdown was asked for, so that a
 //! second TERM can escalate to SIGKILL wherever it arrives: while the command runs, while it is
-//! being stopped, or while pgleader waits.
+//! being stopped, or while pgleader waits. Whoever runs many commands at once (`commands.rs`)
+//! asks it the same question ([`Inbox::shutdown_signal`]) and passes signals on and reaps
+//! through the same two functions ([`forward`], [`reap`]).
 
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
 use tokio::sync::mpsc::UnboundedReceiver;
-use tokio::time::{Instant, sleep};
+use tokio::time::{Instant, sleep, sleep_until};
 use tracing::{debug, info, warn};
 
 use crate::exit::ChildStatus;
@@ -19,52 +20,85 @@ use crate::operate::metrics::LossReason;
 use crate::operate::notify;
 use crate::operate::telemetry::Telemetry;
 use crate::supervise::job::{self, Job};
-use crate::supervise::keeper::Report;
 use crate::supervise::signals::SignalEvent;
-use crate::time::for_people as fmt;
-
-/// How long the keeper may take to kill everything the command started before its process
-/// group is SIGKILLed directly (which kills the keeper too).
-pub const KEEPER_GRACE: Duration = Duration::from_secs(1);
+use crate::supervise::stop::{Label, Stop, StopRules};
 
 /// A second TERM or INT sends SIGKILL at once, unless it follows the first this closely.
 pub const REPEAT_WINDOW: Duration = Duration::from_secs(1);
 
-enum StopEvent {
-    GraceOver,
-    KeeperStuck,
-    Signal(Option<SignalEvent>),
-    Report(Report),
+/// What a TERM or INT asks for, given the ones before it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shutdown {
+    /// The first: finish what is under way, then exit.
+    First,
+    /// The same signal again at once (`timeout(1)` and some process managers send TERM to the
+    /// process and to its group): nothing more.
+    Repeated,
+    /// A later one: kill now.
+    Insist,
 }
 
 /// The signal events, the shutdown state, and where transitions are published.
 #[derive(Debug)]
 pub struct Inbox {
-    pub signals: UnboundedReceiver<SignalEvent>,
+    signals: UnboundedReceiver<SignalEvent>,
+    /// False once the signal channel has closed (which means: shut down).
+    signals_open: bool,
     /// When the first TERM or INT arrived: finish what is under way, then exit.
     pub shutdown_requested: Option<Instant>,
     /// Where the state goes for the HTTP endpoint; publishing never waits.
     pub telemetry: Telemetry,
-    /// `--kill-timeout`.
-    pub kill_timeout: Duration,
-    /// `--hook-timeout`: how long the keeper may run `--post-stop` once the command's tree is
-    /// gone.
-    pub hook_timeout: Duration,
+    /// `--kill-timeout` and `--hook-timeout`, for every stop.
+    pub rules: StopRules,
 }
 
 impl Inbox {
     pub fn new(
         signals: UnboundedReceiver<SignalEvent>,
         telemetry: Telemetry,
-        kill_timeout: Duration,
-        hook_timeout: Duration,
+        rules: StopRules,
     ) -> Inbox {
         Inbox {
             signals,
+            signals_open: true,
             shutdown_requested: None,
             telemetry,
-            kill_timeout,
-            hook_timeout,
+            rules,
+        }
+    }
+
+    /// The next signal event; `None` once, when the channel closes (nothing more can come: no
+    /// second TERM, no SIGCHLD), and never anything after that. Cancel-safe.
+    pub async fn next_signal(&mut self) -> Option<SignalEvent> {
+        if !self.signals_open {
+            return std::future::pending().await;
+        }
+        let event = self.signals.recv().await;
+        self.signals_open = event.is_some();
+        event
+    }
+
+    /// Whether the signal channel still works (see [`Inbox::next_signal`]).
+    pub fn signals_open(&self) -> bool {
+        self.signals_open
+    }
+
+    /// What a TERM or INT asks for, given the ones before it; the first is remembered.
+    pub fn shutdown_signal(&mut self, received: Signal) -> Shutdown {
+        match self.shutdown_requested {
+            Some(first) if first.elapsed() < REPEAT_WINDOW => {
+                debug!(
+                    event = "repeated_signal",
+                    signal = received.as_str(),
+                    "ignoring a repeated shutdown signal"
+                );
+                Shutdown::Repeated
+            }
+            Some(_) => Shutdown::Insist,
+            None => {
+                self.shutdown_requested = Some(Instant::now());
+                Shutdown::First
+            }
         }
     }
 
@@ -82,6 +116,14 @@ impl Inbox {
             .leadership_lost(LossReason::Shutdown, "shutting down");
     }
 
+    /// The first TERM or INT while not leading, or while the command is being stopped
+    /// already: logged as `what` happens next, told to systemd and published.
+    fn note_shutdown(&mut self, signal: Signal, what: &str) {
+        info!(event = "shutdown", signal = signal.as_str(), "{what}");
+        notify::stopping(what);
+        self.telemetry.shutting_down();
+    }
+
     /// Stops a job if there is one; its status if it ran.
     pub async fn stop_if_running(
         &mut self,
@@ -89,217 +131,55 @@ impl Inbox {
         signal: Signal,
     ) -> Option<ChildStatus> {
         match job {
-            Some(job) => Some(self.stop(job, signal, None, false).await),
+            Some(job) => Some(self.stop(job, signal, None).await),
             None => None,
         }
     }
 
-    /// Stops a job: `signal` (and SIGCONT, for a stopped command) to its process group; once
-    /// the kill timeout runs out, or on a second TERM/INT, the keeper SIGKILLs everything the
-    /// command started. Returns once the keeper has reported that nothing is left or, without
-    /// that report (it was killed from outside), once it is reaped and no member of the group
-    /// is left.
-    /// `leftovers_only` when the command itself has exited already and only what it left
-    /// behind is being stopped.
+    /// Stops a job by the stop machine's rules (`stop.rs`). `ended` is how the command ended
+    /// when only what it left behind is being stopped (see `Stop::begin`); otherwise its end
+    /// is published. Returns once nothing of the job is left.
     pub async fn stop(
         &mut self,
-        mut job: Job,
+        job: Job,
         signal: Signal,
-        mut status: Option<ChildStatus>,
-        leftovers_only: bool,
+        ended: Option<ChildStatus>,
     ) -> ChildStatus {
-        let pgid = job.pgid().as_raw();
-        // What the command should have received by now; sent again if it starts only now (a
-        // signal sent to the group before it existed reached just the keeper). Sent before the
-        // log line: the next leader waits for this command's end.
-        let mut current = signal;
-        send_stop_signal(&job, current);
-        if !leftovers_only {
-            info!(
-                event = "stopping",
-                pgid,
-                signal = signal.as_str(),
-                "stopping the command: {} to its process group",
-                signal.as_str()
-            );
-        }
-        let grace = sleep(self.kill_timeout);
-        tokio::pin!(grace);
-        let keeper_grace = sleep(Duration::MAX);
-        tokio::pin!(keeper_grace);
-        // A stop signal of SIGKILL went through the keeper already (see `send_stop_signal`).
-        let (mut escalated, mut keeper_killed) = (signal == Signal::SIGKILL, false);
-        if escalated {
-            keeper_grace.as_mut().reset(Instant::now() + KEEPER_GRACE);
-        }
-        // The keeper said the tree is gone and `--post-stop` runs: the kill timeout is over,
-        // the hook has a timeout of its own.
-        let mut post_stop = false;
-        while !job.is_finished() {
-            let event = tokio::select! {
-                _ = &mut grace, if !escalated && !post_stop => StopEvent::GraceOver,
-                _ = &mut keeper_grace, if (escalated || post_stop) && !keeper_killed => StopEvent::KeeperStuck,
-                event = self.signals.recv() => StopEvent::Signal(event),
-                report = job.next_report() => StopEvent::Report(report),
-            };
-            let escalate = match event {
-                StopEvent::GraceOver => {
-                    warn!(
-                        event = "kill",
-                        pgid,
-                        "the command did not exit within {} (--kill-timeout); sending SIGKILL to everything it started",
-                        fmt(self.kill_timeout)
-                    );
-                    true
-                }
-                StopEvent::KeeperStuck => {
-                    warn!(
-                        event = "kill",
-                        pgid, "the keeper did not finish; sending SIGKILL to the process group"
-                    );
-                    job.kill_groups();
-                    keeper_killed = true;
-                    false
-                }
-                StopEvent::Signal(Some(SignalEvent::Shutdown(received))) => {
-                    match self.shutdown_requested {
-                        // `timeout(1)` and some process managers send the same TERM twice in a
-                        // row (to the process and to its group); only a later one insists.
-                        Some(first) if first.elapsed() < REPEAT_WINDOW => {
-                            debug!(
-                                event = "repeated_signal",
-                                signal = received.as_str(),
-                                "ignoring a repeated shutdown signal"
-                            );
-                            false
-                        }
-                        Some(_) if post_stop => {
-                            warn!(
-                                event = "kill",
-                                pgid,
-                                signal = received.as_str(),
-                                "second shutdown signal: killing --post-stop"
-                            );
-                            let _ = job.abort();
-                            false
-                        }
-                        Some(_) => {
-                            warn!(
-                                event = "kill",
-                                pgid,
-                                signal = received.as_str(),
-                                "second shutdown signal: sending SIGKILL"
-                            );
-                            true
-                        }
-                        None => {
-                            self.shutdown_requested = Some(Instant::now());
-                            info!(
-                                event = "shutdown",
-                                signal = received.as_str(),
-                                "shutting down once the command has stopped"
-                            );
-                            notify::stopping("shutting down once the command has stopped");
-                            self.telemetry.shutting_down();
-                            if !escalated {
-                                current = received;
-                                send_stop_signal(&job, current);
-                            }
-                            false
-                        }
-                    }
-                }
-                StopEvent::Signal(event) => {
-                    self.handle_signal(event, Some(&mut job));
-                    false
-                }
-                StopEvent::Report(report) => {
-                    match report {
-                        Report::Exited(_) | Report::Killed(_) => {
-                            let ended = status_of(report);
-                            if !leftovers_only {
-                                info!(event = "child_exited", status = %ended, exit_code = ended.exit_code(), "the command exited");
-                            }
-                            status.get_or_insert(ended);
-                        }
-                        // The keeper exits with 126/127 right after; its status stands for
-                        // the command's.
-                        Report::SpawnFailed(_) => {}
-                        // `job.is_finished()` now says so.
-                        Report::Done(_) => {}
-                        // The keeper logged it; post-stop comes next.
-                        Report::PreStartFailed(_) => {}
-                        Report::PostStop(_) => {
-                            post_stop = true;
-                            keeper_grace
-                                .as_mut()
-                                .reset(Instant::now() + self.hook_timeout + KEEPER_GRACE);
-                        }
-                        Report::Started(pid) => {
-                            debug!(
-                                event = "child_started",
-                                pid, "the command started while being stopped"
-                            );
-                            send_stop_signal(&job, current);
-                        }
-                    }
-                    false
-                }
-            };
-            if escalate && !escalated {
-                escalated = true;
-                current = Signal::SIGKILL;
-                if job.kill_everything().is_err() {
-                    job.kill_groups();
-                }
-                keeper_grace.as_mut().reset(Instant::now() + KEEPER_GRACE);
-            }
-        }
-        for report in job.remaining_reports() {
-            if matches!(report, Report::Exited(_) | Report::Killed(_)) {
-                status.get_or_insert(status_of(report));
-            }
-        }
-        // The keeper's own word that nothing is left is enough; without it (the keeper was
-        // killed from outside), the process table is read until the group is gone.
-        if !job.reported_done() {
-            self.wait_until_group_gone(&job).await;
-        }
-        debug!(event = "group_stopped", pgid, "the process group is gone");
-        let status = status
-            .or_else(|| job.keeper_status())
-            .unwrap_or(ChildStatus::Signaled(Signal::SIGKILL));
-        if !leftovers_only {
+        let stop = Stop::begin(&job, signal, self.rules, Label::leader(), ended);
+        let status = self.drive(job, stop).await;
+        if ended.is_none() {
             self.telemetry.command_exited(status);
         }
         status
     }
 
-    /// Waits until no member of the job's process group is alive, SIGKILLing them meanwhile.
-    /// Normally there is none by the time the keeper is reaped; there can be when the keeper was
-    /// killed from outside (its children are then reparented to init), or when a killed
-    /// process is stuck in the kernel (an NFS write) and dies only when the call returns.
-    pub async fn wait_until_group_gone(&mut self, job: &Job) {
-        let pgid = job.pgid().as_raw();
-        let started = Instant::now();
-        let mut next_warning = started;
+    /// Awaits each step of a stop until nothing of the job is left, and answers signals
+    /// meanwhile: a first TERM/INT becomes the stop signal, a second one insists.
+    async fn drive(&mut self, mut job: Job, mut stop: Stop) -> ChildStatus {
         loop {
-            let members = job.group_members();
-            if members.is_empty() {
-                return;
+            if let Some(status) = stop.finish(&mut job, Instant::now()) {
+                return status;
             }
-            if Instant::now() >= next_warning {
-                warn!(
-                    event = "group_alive",
-                    pgid,
-                    "{} process(es) of the command's group are still alive after {} (pids {members:?}); sending SIGKILL and waiting before releasing the lock",
-                    members.len(),
-                    fmt(started.elapsed())
-                );
-                next_warning = Instant::now() + Duration::from_secs(5);
+            let timer = stop.next_timer();
+            tokio::select! {
+                _ = async { match timer { Some(at) => sleep_until(at).await, None => std::future::pending().await } } => {
+                    stop.on_timer(&job, Instant::now());
+                }
+                event = self.next_signal() => match event {
+                    Some(SignalEvent::Shutdown(received)) => match self.shutdown_signal(received) {
+                        Shutdown::First => {
+                            self.note_shutdown(received, "shutting down once the command has stopped");
+                            stop.retarget(&job, received);
+                        }
+                        Shutdown::Repeated => {}
+                        Shutdown::Insist => stop.insist(&job, received),
+                    },
+                    other => {
+                        self.handle_signal(other, Some(&mut job));
+                    }
+                },
+                report = job.next_report() => stop.on_report(&job, report),
             }
-            job.kill_groups();
-            sleep(Duration::from_millis(10)).await;
         }
     }
 
@@ -307,30 +187,11 @@ impl Inbox {
     pub fn handle_signal(&mut self, event: Option<SignalEvent>, job: Option<&mut Job>) -> bool {
         match event {
             Some(SignalEvent::Forward(signal)) => {
-                if let Some(job) = job {
-                    debug!(
-                        event = "forward",
-                        signal = signal.as_str(),
-                        "passing the signal on to the command"
-                    );
-                    if let Err(err) = job.signal(signal) {
-                        warn!(event = "signal_failed", reason = %err, "cannot pass the signal on");
-                    }
-                }
+                forward(signal, job.into_iter().map(|job| &*job));
                 false
             }
             Some(SignalEvent::ChildStateChanged) => {
-                let mut job = job;
-                for (pid, status) in job::reap_all() {
-                    let ours = job.as_mut().is_some_and(|job| job.note_reaped(pid, status));
-                    if !ours {
-                        debug!(
-                            event = "reaped",
-                            pid = pid.as_raw(),
-                            "reaped an orphaned process"
-                        );
-                    }
-                }
+                reap(job.into_iter());
                 true
             }
             Some(SignalEvent::Shutdown(_)) | None => false,
@@ -339,19 +200,14 @@ impl Inbox {
 
     /// The keeper vanished without the supervisor stopping it (killed from outside): returns
     /// the command's status once the job is fully gone.
-    pub fn finish_vanished(&mut self, job: Option<&mut Job>) -> Option<ChildStatus> {
-        let job = job?;
-        if !job.is_finished() {
+    pub async fn finish_vanished(&mut self, job: &mut Option<Job>) -> Option<ChildStatus> {
+        if !job.as_ref()?.is_finished() {
             return None;
         }
-        let status = job
-            .remaining_reports()
-            .into_iter()
-            .find(|report| matches!(report, Report::Exited(_) | Report::Killed(_)))
-            .map(status_of)
-            .or_else(|| job.keeper_status())
-            .unwrap_or(ChildStatus::Signaled(Signal::SIGKILL));
-        info!(event = "child_exited", status = %status, exit_code = status.exit_code(), "the command exited");
+        let job = job.take()?;
+        // What the keeper left in its group may not be gone: the stop machine waits for it.
+        let stop = Stop::vanished(&job, self.rules, Label::leader());
+        let status = self.drive(job, stop).await;
         self.telemetry.command_exited(status);
         Some(status)
     }
@@ -361,13 +217,7 @@ impl Inbox {
         match event {
             Some(SignalEvent::Shutdown(signal)) => {
                 self.shutdown_requested = Some(Instant::now());
-                info!(
-                    event = "shutdown",
-                    signal = signal.as_str(),
-                    "shutting down"
-                );
-                notify::stopping("shutting down");
-                self.telemetry.shutting_down();
+                self.note_shutdown(signal, "shutting down");
                 true
             }
             None => true,
@@ -385,7 +235,7 @@ impl Inbox {
         loop {
             let event = tokio::select! {
                 _ = &mut until => return true,
-                event = self.signals.recv() => event,
+                event = self.next_signal() => event,
             };
             if self.idle_signal(event) {
                 return false;
@@ -394,35 +244,31 @@ impl Inbox {
     }
 }
 
-/// A stop signal for the command's process group, followed by SIGCONT so that a stopped
-/// command can act on it (as systemd does). SIGKILL goes through the keeper instead, which
-/// leads the group and could not survive it: it kills what the command started, wherever it
-/// went, and then still runs `--post-stop`.
-pub fn send_stop_signal(job: &Job, signal: Signal) {
-    if signal == Signal::SIGKILL {
-        if job.kill_everything().is_err() {
-            job.kill_groups();
+/// Passes a signal on to the process group of each job.
+pub fn forward<'a>(signal: Signal, jobs: impl Iterator<Item = &'a Job>) {
+    debug!(
+        event = "forward",
+        signal = signal.as_str(),
+        "passing the signal on to the command"
+    );
+    for job in jobs {
+        if let Err(err) = job.signal(signal) {
+            warn!(event = "signal_failed", reason = %err, "cannot pass the signal on");
         }
-        return;
-    }
-    if let Err(err) = job.signal(signal) {
-        warn!(event = "signal_failed", pgid = job.pgid().as_raw(), reason = %err, "cannot signal the process group");
-    }
-    if signal != Signal::SIGCONT {
-        let _ = job.signal(Signal::SIGCONT);
     }
 }
 
-pub fn status_of(report: Report) -> ChildStatus {
-    match report {
-        Report::Killed(signal) => Signal::try_from(signal)
-            .map(ChildStatus::Signaled)
-            .unwrap_or(ChildStatus::Exited(128 + signal)),
-        Report::Exited(code) => ChildStatus::Exited(code),
-        Report::Started(_)
-        | Report::SpawnFailed(_)
-        | Report::Done(_)
-        | Report::PreStartFailed(_)
-        | Report::PostStop(_) => ChildStatus::Exited(0),
+/// Reaps every child that exited, telling the job whose keeper it was.
+pub fn reap<'a>(mut jobs: impl Iterator<Item = &'a mut Job>) {
+    let mut jobs: Vec<&mut Job> = jobs.by_ref().collect();
+    for (pid, status) in job::reap_all() {
+        let ours = jobs.iter_mut().any(|job| job.note_reaped(pid, status));
+        if !ours {
+            debug!(
+                event = "reaped",
+                pid = pid.as_raw(),
+                "reaped an orphaned process"
+            );
+        }
     }
 }

@@ -6,6 +6,7 @@
 //! Everything here works through the election's boundary (`election/`): the supervisor is
 //! generic over the backend and knows nothing of SQL or of any backend's types.
 
+pub mod commands;
 pub mod duty;
 pub mod health;
 pub mod hook;
@@ -16,6 +17,7 @@ pub mod procfs;
 pub mod sharded;
 pub mod signals;
 pub mod spawn;
+pub mod stop;
 pub mod supervisor;
 
 use std::time::Duration;
@@ -108,6 +110,14 @@ impl Settings {
             );
         }
         delay
+    }
+
+    /// The timings every stop of a command follows (`stop.rs`).
+    pub fn stop_rules(&self) -> stop::StopRules {
+        stop::StopRules {
+            kill_timeout: self.kill_timeout,
+            hook_timeout: self.hooks.timeout,
+        }
     }
 
     /// What every leader's command finds in its environment: the lock, the session that holds

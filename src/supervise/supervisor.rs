@@ -69,12 +69,7 @@ pub async fn run<B: Backend>(
         health,
         connect_deadline: duty.connect_deadline(),
         duty,
-        inbox: Inbox::new(
-            signals,
-            telemetry,
-            settings.kill_timeout,
-            settings.hooks.timeout,
-        ),
+        inbox: Inbox::new(signals, telemetry, settings.stop_rules()),
         backend,
         settings,
         backoff: Backoff::default(),

@@ -23,7 +23,7 @@ impl<B: Backend> Supervisor<B> {
             let result = loop {
                 let event = tokio::select! {
                     result = &mut attempt => Ok(result),
-                    event = self.inbox.signals.recv() => Err(event),
+                    event = self.inbox.next_signal() => Err(event),
                 };
                 match event {
                     Ok(result) => break result,
@@ -131,7 +131,7 @@ impl<B: Backend> Supervisor<B> {
             let event = tokio::select! {
                 biased;
                 reason = session.ended() => WaitEvent::Ended(reason),
-                event = self.inbox.signals.recv() => WaitEvent::Signal(event),
+                event = self.inbox.next_signal() => WaitEvent::Signal(event),
                 () = self.health.turned_unhealthy() => WaitEvent::Unhealthy,
                 result = &mut wait => WaitEvent::Done(result),
             };

@@ -16,10 +16,10 @@ use crate::operate::notify;
 use crate::schedule::calendar::rfc3339;
 use crate::supervise::duty::{Next, Shift};
 use crate::supervise::hook;
-use crate::supervise::inbox::status_of;
 use crate::supervise::job::{CommandError, Job};
 use crate::supervise::keeper::Report;
 use crate::supervise::signals::SignalEvent;
+use crate::supervise::stop::{Label, status_of};
 use crate::time::for_people as fmt;
 
 impl<B: Backend> Supervisor<B> {
@@ -100,7 +100,7 @@ impl<B: Backend> Supervisor<B> {
             handed: None,
         });
 
-        loop {
+        'leading: loop {
             // Biased: after a stall (SIGSTOP, a VM pause, a starved CPU) several arms are ready
             // at once, and the end of the leadership must win over everything, starting the
             // command above all.
@@ -109,7 +109,7 @@ impl<B: Backend> Supervisor<B> {
                 reason = session.ended() => LeadEvent::Ended(reason),
                 _ = sleep_until(deadline) => LeadEvent::Deadline,
                 result = async { match &mut check { Some((_, future)) => future.await, None => std::future::pending().await } } => LeadEvent::CheckDone(result),
-                event = self.inbox.signals.recv() => LeadEvent::Signal(event),
+                event = self.inbox.next_signal() => LeadEvent::Signal(event),
                 report = async { match &mut job { Some(job) => job.next_report().await, None => std::future::pending().await } } => LeadEvent::Report(report),
                 _ = sleep_until(next_check), if check.is_none() => LeadEvent::CheckDue,
                 _ = sleep_until(relinquish_at.map_or(deadline, |(at, _)| at)), if relinquish_at.is_some() => LeadEvent::Relinquish,
@@ -117,310 +117,304 @@ impl<B: Backend> Supervisor<B> {
                 () = self.health.turned_unhealthy() => LeadEvent::Unhealthy,
                 next = shift.next() => LeadEvent::Duty(next),
             };
-            let (loss, lost_reason) = match event {
-                LeadEvent::Duty(Next::Start(_)) if Instant::now() >= deadline => (
-                    LossReason::CheckTimeout,
-                    "the leadership expired before the command could start".to_owned(),
-                ),
-                LeadEvent::Duty(Next::Start(scheduled)) => {
-                    let env = self.child_env(session.id(), epoch, scheduled);
-                    job = Some(self.spawn(&env, &session.sockets()).await?);
-                    if let Some(timeline) = &mut timeline {
-                        timeline.handed.get_or_insert_with(Instant::now);
+            let status = 'exited: {
+                let (loss, lost_reason) = match event {
+                    LeadEvent::Duty(Next::Start(_)) if Instant::now() >= deadline => (
+                        LossReason::CheckTimeout,
+                        "the leadership expired before the command could start".to_owned(),
+                    ),
+                    LeadEvent::Duty(Next::Start(scheduled)) => {
+                        let env = self.child_env(session.id(), epoch, scheduled);
+                        job = Some(self.spawn(&env, &session.sockets()).await?);
+                        if let Some(timeline) = &mut timeline {
+                            timeline.handed.get_or_insert_with(Instant::now);
+                        }
+                        shift.started();
+                        continue 'leading;
                     }
-                    shift.started();
-                    continue;
-                }
-                LeadEvent::Duty(Next::Done) => {
-                    self.inbox
-                        .telemetry
-                        .leadership_lost(LossReason::CommandExited, "the timer's run is over");
-                    self.step_down(None, &mut shift, session, None, Leave::Release)
-                        .await;
-                    return Ok(Led::Exited(
-                        last_status.unwrap_or(ChildStatus::Signaled(Signal::SIGKILL)),
-                    ));
-                }
-                LeadEvent::Duty(Next::NothingToRun) => {
-                    self.inbox
-                        .telemetry
-                        .leadership_lost(LossReason::Relinquished, "nothing for this timer to run");
-                    self.step_down(None, &mut shift, session, None, Leave::Release)
-                        .await;
-                    return Ok(Led::NothingToRun);
-                }
-                LeadEvent::Duty(Next::Disagree(reason)) => {
-                    self.inbox
-                        .telemetry
-                        .leadership_lost(LossReason::Relinquished, &reason);
-                    let why = "its replica disagrees on the schedule";
-                    self.step_down(job.take(), &mut shift, session, Some(why), Leave::Release)
-                        .await;
-                    if self.settings.once {
+                    LeadEvent::Duty(Next::Done) => {
+                        self.inbox
+                            .telemetry
+                            .leadership_lost(LossReason::CommandExited, "the timer's run is over");
+                        self.step_down(None, &mut shift, session, None, Leave::Release)
+                            .await;
+                        return Ok(Led::Exited(
+                            last_status.unwrap_or(ChildStatus::Signaled(Signal::SIGKILL)),
+                        ));
+                    }
+                    LeadEvent::Duty(Next::NothingToRun) => {
+                        self.inbox.telemetry.leadership_lost(
+                            LossReason::Relinquished,
+                            "nothing for this timer to run",
+                        );
+                        self.step_down(None, &mut shift, session, None, Leave::Release)
+                            .await;
+                        return Ok(Led::NothingToRun);
+                    }
+                    LeadEvent::Duty(Next::Disagree(reason)) => {
+                        self.inbox
+                            .telemetry
+                            .leadership_lost(LossReason::Relinquished, &reason);
+                        let why = "its replica disagrees on the schedule";
+                        self.step_down(job.take(), &mut shift, session, Some(why), Leave::Release)
+                            .await;
+                        if self.settings.once {
+                            bail!("{reason}");
+                        }
+                        warn!(event = "schedule_mismatch", lock = %lock, "{reason}; handing the lock over");
+                        return Ok(Led::HandedOver);
+                    }
+                    LeadEvent::Duty(Next::Failed(LedgerError::Fatal(reason))) => {
+                        self.inbox
+                            .telemetry
+                            .leadership_lost(LossReason::LedgerFailed, &reason);
+                        let why = "the ledger cannot be used";
+                        self.step_down(job.take(), &mut shift, session, Some(why), Leave::Release)
+                            .await;
                         bail!("{reason}");
                     }
-                    warn!(event = "schedule_mismatch", lock = %lock, "{reason}; handing the lock over");
-                    return Ok(Led::HandedOver);
-                }
-                LeadEvent::Duty(Next::Failed(LedgerError::Fatal(reason))) => {
-                    self.inbox
-                        .telemetry
-                        .leadership_lost(LossReason::LedgerFailed, &reason);
-                    let why = "the ledger cannot be used";
-                    self.step_down(job.take(), &mut shift, session, Some(why), Leave::Release)
-                        .await;
-                    bail!("{reason}");
-                }
-                LeadEvent::Duty(Next::Failed(
-                    LedgerError::Query(reason) | LedgerError::Busy(reason),
-                )) => (
-                    LossReason::LedgerFailed,
-                    format!("a ledger statement failed: {reason}"),
-                ),
-                LeadEvent::CheckDue => {
-                    check = Some((Instant::now(), Box::pin(session.confirm())));
-                    continue;
-                }
-                LeadEvent::CheckDone(result) => {
-                    let sent = check.take().map_or_else(Instant::now, |(sent, _)| sent);
-                    let held = matches!(
-                        &result,
-                        Ok(Check {
-                            confirmation: Confirmation::Held,
-                            ..
-                        })
-                    );
-                    self.inbox.telemetry.check_completed(sent.elapsed(), held);
-                    match result {
-                        Ok(Check {
-                            confirmation: Confirmation::Held,
-                            server_time,
-                        }) => {
-                            debug!(event = "confirmed", lock = %lock, "the session still holds the lock");
-                            shift.observe_check(sent, Instant::now(), server_time);
-                            deadline = sent + interval + timeout;
-                            next_check = sent + interval;
-                            continue;
-                        }
-                        Ok(Check {
-                            confirmation: Confirmation::NotHeld,
-                            ..
-                        }) => (
-                            LossReason::NotHeld,
-                            "the check found that this session no longer holds the lock".to_owned(),
-                        ),
-                        Err(err @ SessionError::Unsafe(_)) => {
-                            self.inbox
-                                .telemetry
-                                .leadership_lost(LossReason::CheckFailed, &err.to_string());
-                            let kill_signal = self.settings.kill_signal;
-                            let status = self.inbox.stop_if_running(job.take(), kill_signal).await;
-                            drop(session);
-                            log_final(status);
-                            return Err(err.into());
-                        }
-                        Err(SessionError::Query(reason)) => (
-                            LossReason::CheckFailed,
-                            format!("the check failed: {reason}"),
-                        ),
-                    }
-                }
-                LeadEvent::Deadline => (
-                    LossReason::CheckTimeout,
-                    format!(
-                        "no successful check for {} (--check-interval + --check-timeout)",
-                        fmt(interval + timeout)
+                    LeadEvent::Duty(Next::Failed(
+                        LedgerError::Query(reason) | LedgerError::Busy(reason),
+                    )) => (
+                        LossReason::LedgerFailed,
+                        format!("a ledger statement failed: {reason}"),
                     ),
-                ),
-                LeadEvent::Ended(reason) => (
-                    LossReason::ConnectionEnded,
-                    format!("the connection ended: {reason}"),
-                ),
-                LeadEvent::Relinquish => {
-                    let why = relinquish_at.map_or("", |(_, why)| why);
-                    info!(event = "relinquish", lock = %lock, "handing leadership over ({why})");
-                    notify::status(&format!("handing leadership over ({why})"));
-                    self.inbox.telemetry.leadership_lost(
-                        LossReason::Relinquished,
-                        &format!("handing over ({why})"),
-                    );
-                    let status = self
-                        .step_down(job.take(), &mut shift, session, Some(why), Leave::Release)
-                        .await;
-                    return Ok(Led::Relinquished(status));
-                }
-                LeadEvent::StepDown(request) => {
-                    info!(event = "step_down", lock = %lock, request = %request, "asked to step down (pgleader step-down): stopping the command, then releasing the lock for the next waiting replica");
-                    notify::status("stepping down on request");
-                    self.inbox.telemetry.leadership_lost(
-                        LossReason::SteppedDown,
-                        &format!("asked to step down (request {request})"),
-                    );
-                    let why = "asked to step down";
-                    let status = self
-                        .step_down(job.take(), &mut shift, session, Some(why), Leave::Release)
-                        .await;
-                    return Ok(Led::SteppedDown(status));
-                }
-                LeadEvent::Unhealthy => {
-                    let why = "the health probe failed (--health-cmd)";
-                    warn!(event = "health_step_down", lock = %lock, "stepping down: {why}; not queueing again until it passes");
-                    notify::status("unhealthy: stepping down until the health probe passes");
-                    self.inbox
-                        .telemetry
-                        .leadership_lost(LossReason::Unhealthy, why);
-                    let status = self
-                        .step_down(job.take(), &mut shift, session, Some(why), Leave::Release)
-                        .await;
-                    return Ok(Led::Unhealthy(status));
-                }
-                LeadEvent::Signal(Some(SignalEvent::Shutdown(signal))) => {
-                    self.inbox.begin_shutdown(
-                        signal,
-                        "shutting down: stopping the command, then releasing the lock",
-                    );
-                    let status = self.inbox.stop_if_running(job.take(), signal).await;
-                    shift
-                        .settle(Some((status, "pgleader was shut down")), timeout)
-                        .await;
-                    self.step_down(None, &mut shift, session, None, Leave::Release)
-                        .await;
-                    return Ok(Led::Shutdown(status));
-                }
-                LeadEvent::Signal(event) => {
-                    if self.inbox.handle_signal(event, job.as_mut())
-                        && let Some(status) = self.inbox.finish_vanished(job.as_mut())
-                    {
-                        if !shift.is_scheduled() {
-                            self.inbox
-                                .telemetry
-                                .leadership_lost(LossReason::CommandExited, "the command exited");
-                        }
-                        // The keeper is gone but what it left in its group may not be.
-                        if let Some(job) = job.take() {
-                            self.inbox.wait_until_group_gone(&job).await;
-                        }
-                        if shift.exited(status) {
-                            last_status = Some(status);
-                            self.park_keeper().await;
-                            continue;
-                        }
-                        self.release(session).await;
-                        return Ok(Led::Exited(status));
+                    LeadEvent::CheckDue => {
+                        check = Some((Instant::now(), Box::pin(session.confirm())));
+                        continue 'leading;
                     }
-                    continue;
-                }
-                LeadEvent::Report(Report::Started(pid)) => {
-                    if let Some(timeline) = timeline.take() {
-                        timeline.log(Instant::now());
-                    }
-                    info!(event = "child_started", pid, command = %self.settings.command.display(), "started the command");
-                    self.inbox.telemetry.command_started(pid);
-                    self.pre_start_failures = 0;
-                    continue;
-                }
-                LeadEvent::Report(Report::SpawnFailed(errno)) => {
-                    let err = CommandError::from_errno(
-                        self.settings.command.program().as_os_str(),
-                        errno,
-                    );
-                    self.inbox
-                        .telemetry
-                        .leadership_lost(LossReason::CommandExited, &err.to_string());
-                    // The keeper runs --post-stop (undoing --pre-start), then exits.
-                    let kill_signal = self.settings.kill_signal;
-                    let _ = self.inbox.stop_if_running(job.take(), kill_signal).await;
-                    // Recorded as failed, with 126 or 127, like a shell would report it.
-                    shift.exited(ChildStatus::Exited(i32::from(err.exit_code())));
-                    shift.settle(None, timeout).await;
-                    self.step_down(None, &mut shift, session, None, Leave::Release)
-                        .await;
-                    return Err(err.into());
-                }
-                // Come after the command's end, which `Inbox::stop` below reads them after.
-                LeadEvent::Report(Report::Done(_) | Report::PostStop(_)) => continue,
-                LeadEvent::Report(Report::PreStartFailed(code)) => {
-                    let why = format!("its --pre-start failed ({})", hook::describe(code));
-                    self.inbox
-                        .telemetry
-                        .leadership_lost(LossReason::PreStartFailed, &why);
-                    notify::status(&format!("{why}; releasing the lock"));
-                    // The keeper runs --post-stop, then reports that nothing is left.
-                    if let Some(job) = job.take() {
-                        let kill_signal = self.settings.kill_signal;
-                        self.inbox.stop(job, kill_signal, None, true).await;
-                    }
-                    shift.settle(Some((None, &why)), timeout).await;
-                    self.duty.end(&shift);
-                    self.release(session).await;
-                    return Ok(Led::PreStartFailed);
-                }
-                LeadEvent::Report(report) => {
-                    let status = status_of(report);
-                    info!(event = "child_exited", status = %status, exit_code = status.exit_code(), "the command exited");
-                    self.inbox.telemetry.command_exited(status);
-                    let scheduled = shift.is_scheduled();
-                    if !scheduled {
-                        self.inbox.telemetry.leadership_lost(
-                            LossReason::CommandExited,
-                            &format!("the command exited ({status})"),
+                    LeadEvent::CheckDone(result) => {
+                        let sent = check.take().map_or_else(Instant::now, |(sent, _)| sent);
+                        let held = matches!(
+                            &result,
+                            Ok(Check {
+                                confirmation: Confirmation::Held,
+                                ..
+                            })
                         );
-                    }
-                    notify::status(&if scheduled {
-                        format!("the command exited ({status}); waiting for the next occurrence")
-                    } else {
-                        format!("the command exited ({status}); releasing the lock")
-                    });
-                    // Whatever the command left behind in its process group goes too, before
-                    // the lock is released.
-                    if let Some(job) = job.take() {
-                        let kill_signal = self.settings.kill_signal;
-                        self.inbox.stop(job, kill_signal, Some(status), true).await;
-                    }
-                    // A scheduled leader keeps the lock between runs, and parks a fresh keeper
-                    // for the next occurrence.
-                    if shift.exited(status) {
-                        last_status = Some(status);
-                        // The stop (what the run left, its --post-stop) held no checks.
-                        if let Some(sent) = self.confirm_now(&session, &mut shift).await {
-                            deadline = sent + interval + timeout;
-                            next_check = sent + interval;
+                        self.inbox.telemetry.check_completed(sent.elapsed(), held);
+                        match result {
+                            Ok(Check {
+                                confirmation: Confirmation::Held,
+                                server_time,
+                            }) => {
+                                debug!(event = "confirmed", lock = %lock, "the session still holds the lock");
+                                shift.observe_check(sent, Instant::now(), server_time);
+                                deadline = sent + interval + timeout;
+                                next_check = sent + interval;
+                                continue 'leading;
+                            }
+                            Ok(Check {
+                                confirmation: Confirmation::NotHeld,
+                                ..
+                            }) => (
+                                LossReason::NotHeld,
+                                "the check found that this session no longer holds the lock"
+                                    .to_owned(),
+                            ),
+                            Err(err @ SessionError::Unsafe(_)) => {
+                                self.inbox
+                                    .telemetry
+                                    .leadership_lost(LossReason::CheckFailed, &err.to_string());
+                                let kill_signal = self.settings.kill_signal;
+                                let status =
+                                    self.inbox.stop_if_running(job.take(), kill_signal).await;
+                                drop(session);
+                                log_final(status);
+                                return Err(err.into());
+                            }
+                            Err(SessionError::Query(reason)) => (
+                                LossReason::CheckFailed,
+                                format!("the check failed: {reason}"),
+                            ),
                         }
-                        self.park_keeper().await;
-                        continue;
                     }
-                    self.release(session).await;
-                    return Ok(Led::Exited(status));
+                    LeadEvent::Deadline => (
+                        LossReason::CheckTimeout,
+                        format!(
+                            "no successful check for {} (--check-interval + --check-timeout)",
+                            fmt(interval + timeout)
+                        ),
+                    ),
+                    LeadEvent::Ended(reason) => (
+                        LossReason::ConnectionEnded,
+                        format!("the connection ended: {reason}"),
+                    ),
+                    LeadEvent::Relinquish => {
+                        let why = relinquish_at.map_or("", |(_, why)| why);
+                        info!(event = "relinquish", lock = %lock, "handing leadership over ({why})");
+                        notify::status(&format!("handing leadership over ({why})"));
+                        self.inbox.telemetry.leadership_lost(
+                            LossReason::Relinquished,
+                            &format!("handing over ({why})"),
+                        );
+                        let status = self
+                            .step_down(job.take(), &mut shift, session, Some(why), Leave::Release)
+                            .await;
+                        return Ok(Led::Relinquished(status));
+                    }
+                    LeadEvent::StepDown(request) => {
+                        info!(event = "step_down", lock = %lock, request = %request, "asked to step down (pgleader step-down): stopping the command, then releasing the lock for the next waiting replica");
+                        notify::status("stepping down on request");
+                        self.inbox.telemetry.leadership_lost(
+                            LossReason::SteppedDown,
+                            &format!("asked to step down (request {request})"),
+                        );
+                        let why = "asked to step down";
+                        let status = self
+                            .step_down(job.take(), &mut shift, session, Some(why), Leave::Release)
+                            .await;
+                        return Ok(Led::SteppedDown(status));
+                    }
+                    LeadEvent::Unhealthy => {
+                        let why = "the health probe failed (--health-cmd)";
+                        warn!(event = "health_step_down", lock = %lock, "stepping down: {why}; not queueing again until it passes");
+                        notify::status("unhealthy: stepping down until the health probe passes");
+                        self.inbox
+                            .telemetry
+                            .leadership_lost(LossReason::Unhealthy, why);
+                        let status = self
+                            .step_down(job.take(), &mut shift, session, Some(why), Leave::Release)
+                            .await;
+                        return Ok(Led::Unhealthy(status));
+                    }
+                    LeadEvent::Signal(Some(SignalEvent::Shutdown(signal))) => {
+                        self.inbox.begin_shutdown(
+                            signal,
+                            "shutting down: stopping the command, then releasing the lock",
+                        );
+                        let status = self.inbox.stop_if_running(job.take(), signal).await;
+                        shift
+                            .settle(Some((status, "pgleader was shut down")), timeout)
+                            .await;
+                        self.step_down(None, &mut shift, session, None, Leave::Release)
+                            .await;
+                        return Ok(Led::Shutdown(status));
+                    }
+                    LeadEvent::Signal(event) => {
+                        // A keeper killed from outside: the command is gone with it.
+                        if self.inbox.handle_signal(event, job.as_mut())
+                            && let Some(status) = self.inbox.finish_vanished(&mut job).await
+                        {
+                            break 'exited status;
+                        }
+                        continue 'leading;
+                    }
+                    LeadEvent::Report(Report::Started(pid)) => {
+                        if let Some(timeline) = timeline.take() {
+                            timeline.log(Instant::now());
+                        }
+                        info!(event = "child_started", pid, command = %self.settings.command.display(), "started the command");
+                        self.inbox.telemetry.command_started(pid);
+                        self.pre_start_failures = 0;
+                        continue 'leading;
+                    }
+                    LeadEvent::Report(Report::SpawnFailed(errno)) => {
+                        let err = CommandError::from_errno(
+                            self.settings.command.program().as_os_str(),
+                            errno,
+                        );
+                        self.inbox
+                            .telemetry
+                            .leadership_lost(LossReason::CommandExited, &err.to_string());
+                        // The keeper runs --post-stop (undoing --pre-start), then exits.
+                        let kill_signal = self.settings.kill_signal;
+                        let _ = self.inbox.stop_if_running(job.take(), kill_signal).await;
+                        // Recorded as failed, with 126 or 127, like a shell would report it.
+                        shift.exited(ChildStatus::Exited(i32::from(err.exit_code())));
+                        shift.settle(None, timeout).await;
+                        self.step_down(None, &mut shift, session, None, Leave::Release)
+                            .await;
+                        return Err(err.into());
+                    }
+                    // Come after the command's end, which `Inbox::stop` below reads them after.
+                    LeadEvent::Report(Report::Done(_) | Report::PostStop(_)) => continue 'leading,
+                    LeadEvent::Report(Report::PreStartFailed(code)) => {
+                        let why = format!("its --pre-start failed ({})", hook::describe(code));
+                        self.inbox
+                            .telemetry
+                            .leadership_lost(LossReason::PreStartFailed, &why);
+                        notify::status(&format!("{why}; releasing the lock"));
+                        // The keeper runs --post-stop, then reports that nothing is left.
+                        if let Some(job) = job.take() {
+                            let kill_signal = self.settings.kill_signal;
+                            // Stopped as a command that ended with its --pre-start.
+                            let ended = ChildStatus::Exited(code.max(1));
+                            self.inbox.stop(job, kill_signal, Some(ended)).await;
+                        }
+                        shift.settle(Some((None, &why)), timeout).await;
+                        self.duty.end(&shift);
+                        self.release(session).await;
+                        return Ok(Led::PreStartFailed);
+                    }
+                    LeadEvent::Report(report) => {
+                        let status = status_of(report);
+                        Label::leader().log_exited(status);
+                        self.inbox.telemetry.command_exited(status);
+                        // Whatever the command left behind in its process group goes too, before
+                        // the lock is released.
+                        if let Some(job) = job.take() {
+                            let kill_signal = self.settings.kill_signal;
+                            self.inbox.stop(job, kill_signal, Some(status)).await;
+                        }
+                        break 'exited status;
+                    }
+                };
+                warn!(event = "leadership_lost", lock = %lock, reason = %lost_reason, "leadership lost");
+                self.inbox.telemetry.leadership_lost(loss, &lost_reason);
+                self.last_disturbance = Some(Instant::now());
+                notify::status(&format!(
+                    "leadership lost ({lost_reason}); stopping the command"
+                ));
+                // If the session still works, the ledger learns the truth now (a statement that
+                // succeeds on it runs while it holds the lock); else the next leader marks the run
+                // interrupted, and this replica records a finished run's outcome on its next
+                // session. The session is closed only then: until the command is gone, it keeps
+                // the lock (or the server has already freed it, in which case closing changes
+                // nothing).
+                let status = self
+                    .step_down(
+                        job.take(),
+                        &mut shift,
+                        session,
+                        Some(&lost_reason),
+                        Leave::Close,
+                    )
+                    .await;
+                if status.is_none()
+                    && self.duty.has_unrecorded()
+                    && let Some(status) = last_status
+                {
+                    return Ok(Led::Unrecorded(status));
                 }
+                return Ok(Led::Lost { status });
             };
-            warn!(event = "leadership_lost", lock = %lock, reason = %lost_reason, "leadership lost");
-            self.inbox.telemetry.leadership_lost(loss, &lost_reason);
-            self.last_disturbance = Some(Instant::now());
-            notify::status(&format!(
-                "leadership lost ({lost_reason}); stopping the command"
-            ));
-            // If the session still works, the ledger learns the truth now (a statement that
-            // succeeds on it runs while it holds the lock); else the next leader marks the run
-            // interrupted, and this replica records a finished run's outcome on its next
-            // session. The session is closed only then: until the command is gone, it keeps
-            // the lock (or the server has already freed it, in which case closing changes
-            // nothing).
-            let status = self
-                .step_down(
-                    job.take(),
-                    &mut shift,
-                    session,
-                    Some(&lost_reason),
-                    Leave::Close,
-                )
-                .await;
-            if status.is_none()
-                && self.duty.has_unrecorded()
-                && let Some(status) = last_status
-            {
-                return Ok(Led::Unrecorded(status));
+            // The command exited on its own, and nothing of it is left.
+            let scheduled = shift.is_scheduled();
+            if !scheduled {
+                self.inbox.telemetry.leadership_lost(
+                    LossReason::CommandExited,
+                    &format!("the command exited ({status})"),
+                );
             }
-            return Ok(Led::Lost { status });
+            notify::status(&if scheduled {
+                format!("the command exited ({status}); waiting for the next occurrence")
+            } else {
+                format!("the command exited ({status}); releasing the lock")
+            });
+            // A scheduled leader keeps the lock between runs, and parks a fresh keeper for the
+            // next occurrence.
+            if !shift.exited(status) {
+                self.release(session).await;
+                return Ok(Led::Exited(status));
+            }
+            last_status = Some(status);
+            // The stop (what the run left, its --post-stop) held no checks.
+            if let Some(sent) = self.confirm_now(&session, &mut shift).await {
+                deadline = sent + interval + timeout;
+                next_check = sent + interval;
+            }
+            self.park_keeper().await;
         }
     }
 

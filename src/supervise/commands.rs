@@ -1,0 +1,422 @@
+//! Many commands at once under one replica: a table of commands keyed by what each one is (a
+//! shard number today, a crontab job's name next), each started under a keeper of its own,
+//! stopped by the one stop machine (`stop.rs`), reported on and signalled from one loop.
+//!
+//! The table decides nothing about who runs what: its owner (the shard room's roster, a
+//! crontab's schedules) inserts an entry when a command may run, says when it must stop and
+//! what happens once its tree is gone ([`After`]), and drives the table from its own `select!`
+//! with the table's reports ([`Commands::next_report`]) and timer ([`Commands::next_timer`]).
+//! Stopping one command never holds up the others: nothing here awaits a stop.
+
+use std::collections::BTreeMap;
+use std::task::Poll;
+use std::time::Duration;
+
+use jiff::Timestamp;
+use nix::sys::signal::Signal;
+use tokio::time::Instant;
+use tracing::info;
+
+use crate::exit::ChildStatus;
+use crate::operate::telemetry::{CommandState, CommandView};
+use crate::supervise::hook;
+use crate::supervise::inbox;
+use crate::supervise::job::{CommandError, CommandLine, Job};
+use crate::supervise::keeper::Report;
+use crate::supervise::stop::{Label, Stop, StopRules};
+use crate::time::for_people as fmt;
+
+/// What a command is known by in the table, and how its log lines name it.
+pub trait Key: Ord + Clone {
+    fn label(&self) -> Label;
+}
+
+/// A shard, by its number.
+impl Key for u32 {
+    fn label(&self) -> Label {
+        Label::shard(*self)
+    }
+}
+
+/// What happens to an entry once its command's whole tree is gone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum After {
+    /// Removed, and handed to the owner to give away (a shard released for a replica short of
+    /// its share).
+    Give,
+    /// Kept, and its command started again after `--restart-delay` (it exited on its own).
+    Restart,
+    /// Removed: the lock is gone already, or the whole session is being left.
+    Forget,
+}
+
+/// How an entry whose command's tree is gone was settled.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Settled {
+    /// Kept: its command starts again later.
+    Restarting,
+    /// Removed, for the owner to give away.
+    Give,
+    /// Removed.
+    Gone,
+}
+
+/// One command of the table, with what its owner knows of it (`item`).
+#[derive(Debug)]
+struct Entry<T> {
+    item: T,
+    /// When its command may start: what the owner said, `--restart-delay` after it exited on
+    /// its own, longer while its `--pre-start` keeps failing.
+    start_at: Instant,
+    /// `None` until the command starts.
+    job: Option<Job>,
+    /// Set once the command is being stopped, or has exited and what it left is.
+    stopping: Option<Stopping>,
+    /// How the command ended before any stop began (on its own, or its `--pre-start` failed).
+    ended: Option<ChildStatus>,
+    /// Its command's last start and exit: what `/status` shows.
+    started: Option<(i32, Timestamp)>,
+    last_exit: Option<(ChildStatus, Timestamp)>,
+    /// `--pre-start` failures in a row: the next try waits longer each time.
+    pre_start_failures: u32,
+}
+
+impl<T> Entry<T> {
+    /// The job and its stop, while one is under way.
+    fn stop_under_way(&mut self) -> Option<(&Job, &mut Stop)> {
+        match (&self.job, &mut self.stopping) {
+            (
+                Some(job),
+                Some(Stopping {
+                    stop: Some(stop), ..
+                }),
+            ) => Some((job, stop)),
+            _ => None,
+        }
+    }
+}
+
+/// A stop under way, and what follows it.
+#[derive(Debug)]
+struct Stopping {
+    after: After,
+    /// `None` when the command never started: nothing to stop.
+    stop: Option<Stop>,
+}
+
+/// The table.
+#[derive(Debug)]
+pub struct Commands<K: Key, T> {
+    entries: BTreeMap<K, Entry<T>>,
+    rules: StopRules,
+    kill_signal: Signal,
+    restart_delay: Duration,
+}
+
+impl<K: Key, T> Commands<K, T> {
+    /// An empty table whose commands stop by `rules` with `kill_signal`, and start again
+    /// `restart_delay` after they exit on their own.
+    pub fn new(rules: StopRules, kill_signal: Signal, restart_delay: Duration) -> Self {
+        Commands {
+            entries: BTreeMap::new(),
+            rules,
+            kill_signal,
+            restart_delay,
+        }
+    }
+
+    /// Adds a command that may start at `start_at`.
+    pub fn insert(&mut self, key: K, item: T, start_at: Instant) {
+        self.entries.insert(
+            key,
+            Entry {
+                item,
+                start_at,
+                job: None,
+                stopping: None,
+                ended: None,
+                started: None,
+                last_exit: None,
+                pre_start_failures: 0,
+            },
+        );
+    }
+
+    pub fn contains_key(&self, key: &K) -> bool {
+        self.entries.contains_key(key)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Every entry, in key order, with what follows its stop if one is under way.
+    pub fn iter(&self) -> impl DoubleEndedIterator<Item = (&K, &T, Option<After>)> {
+        self.entries.iter().map(|(key, entry)| {
+            (
+                key,
+                &entry.item,
+                entry.stopping.as_ref().map(|stopping| stopping.after),
+            )
+        })
+    }
+
+    /// Starts stopping `key`'s command: the kill signal to its group, and so on by the stop
+    /// machine's rules; once its tree is gone, `after`. A stop under way keeps going, and a
+    /// `Forget` overrides what it was to be followed by: nothing is left to give, nothing to
+    /// restart.
+    pub fn stop(&mut self, key: &K, signal: Signal, after: After) {
+        let Some(entry) = self.entries.get_mut(key) else {
+            return;
+        };
+        if let Some(stopping) = &mut entry.stopping {
+            if after == After::Forget {
+                stopping.after = After::Forget;
+            }
+            return;
+        }
+        let stop = entry
+            .job
+            .as_ref()
+            .map(|job| Stop::begin(job, signal, self.rules, key.label(), entry.ended));
+        entry.stopping = Some(Stopping { after, stop });
+    }
+
+    /// Stops every command with `signal`.
+    pub fn stop_all(&mut self, signal: Signal, after: After) {
+        let keys: Vec<K> = self.entries.keys().cloned().collect();
+        for key in keys {
+            self.stop(&key, signal, after);
+        }
+    }
+
+    /// Passes a signal on to every command's process group.
+    pub fn forward(&self, signal: Signal) {
+        inbox::forward(signal, self.entries.values().filter_map(|e| e.job.as_ref()));
+    }
+
+    /// Reaps every child that exited, telling the job whose keeper it was.
+    pub fn reap(&mut self) {
+        inbox::reap(self.entries.values_mut().filter_map(|e| e.job.as_mut()));
+    }
+
+    /// A second TERM or INT: every stop under way insists (`Stop::insist`).
+    pub fn insist(&mut self, received: Signal) {
+        for entry in self.entries.values_mut() {
+            if let Some((job, stop)) = entry.stop_under_way() {
+                stop.insist(job, received);
+            }
+        }
+    }
+
+    /// The next report from any command's keeper. Cancel-safe.
+    pub async fn next_report(&mut self) -> (K, Report) {
+        std::future::poll_fn(|cx| {
+            for (key, entry) in self.entries.iter_mut() {
+                if let Some(job) = &mut entry.job
+                    && let Poll::Ready(report) = job.poll_report(cx)
+                {
+                    return Poll::Ready((key.clone(), report));
+                }
+            }
+            Poll::Pending
+        })
+        .await
+    }
+
+    /// A keeper's report about `key`'s command, `command`. An error means the command cannot
+    /// be run at all.
+    pub fn on_report(
+        &mut self,
+        key: &K,
+        report: Report,
+        command: &CommandLine,
+    ) -> Result<(), CommandError> {
+        let kill_signal = self.kill_signal;
+        let Some(entry) = self.entries.get_mut(key) else {
+            return Ok(());
+        };
+        let label = key.label();
+        match report {
+            Report::Started(pid) => {
+                info!(event = "child_started", shard = label.shard, pid, command = %command.display(), "started the command{}", label.of());
+                entry.started = Some((pid, Timestamp::now()));
+                entry.pre_start_failures = 0;
+            }
+            Report::SpawnFailed(errno) => {
+                return Err(CommandError::from_errno(
+                    command.program().as_os_str(),
+                    errno,
+                ));
+            }
+            Report::Exited(_) | Report::Killed(_) if entry.stopping.is_none() => {
+                // On its own: what it left in its group goes too; the entry stays and its
+                // command starts again after --restart-delay.
+                let status = crate::supervise::stop::status_of(report);
+                label.log_exited(status);
+                entry.ended = Some(status);
+                self.stop(key, kill_signal, After::Restart);
+                return Ok(());
+            }
+            // The keeper logged why; its post-stop runs next, and the command is tried again
+            // later, 1s doubling up to a minute while its pre-start keeps failing.
+            Report::PreStartFailed(code) => {
+                entry.ended.get_or_insert(ChildStatus::Exited(code.max(1)));
+                entry.pre_start_failures = entry.pre_start_failures.saturating_add(1);
+                self.stop(key, kill_signal, After::Restart);
+                return Ok(());
+            }
+            _ => {}
+        }
+        if let Some((job, stop)) = entry.stop_under_way() {
+            stop.on_report(job, report);
+        }
+        Ok(())
+    }
+
+    /// Starts the commands whose start time has come (when `may_start`), each through `start`,
+    /// and moves stops along.
+    pub fn on_timer(
+        &mut self,
+        may_start: bool,
+        mut start: impl FnMut(&K, &T) -> anyhow::Result<Job>,
+    ) -> anyhow::Result<()> {
+        let now = Instant::now();
+        for (key, entry) in &mut self.entries {
+            if let Some((job, stop)) = entry.stop_under_way() {
+                stop.on_timer(job, now);
+            } else if may_start
+                && entry.job.is_none()
+                && entry.stopping.is_none()
+                && entry.start_at <= now
+            {
+                entry.job = Some(start(key, &entry.item)?);
+                entry.ended = None;
+            }
+        }
+        Ok(())
+    }
+
+    /// The next moment a timer is due: a delayed start, a stop's next step.
+    pub fn next_timer(&self) -> Option<Instant> {
+        self.entries
+            .values()
+            .filter_map(|entry| match (&entry.job, &entry.stopping) {
+                (None, None) => Some(entry.start_at),
+                (
+                    _,
+                    Some(Stopping {
+                        stop: Some(stop), ..
+                    }),
+                ) => stop.next_timer(),
+                _ => None,
+            })
+            .min()
+    }
+
+    /// Settles the entries whose commands are wholly gone: each is kept for a restart (unless
+    /// `quiet`: the session is being left or pgleader shuts down), or removed. Returns each,
+    /// with how its command ended if it ran.
+    pub fn settle(&mut self, quiet: bool) -> Vec<(K, Option<ChildStatus>, Settled)> {
+        let now = Instant::now();
+        let mut settled = Vec::new();
+        for (key, entry) in &mut self.entries {
+            let status = match (&mut entry.job, &mut entry.stopping) {
+                (None, None) => continue,
+                (None, Some(_)) => None,
+                (Some(job), stopping) => {
+                    // Its keeper vanished (killed from outside) without being stopped: what it
+                    // left in its group goes, and the command starts again.
+                    if stopping.is_none() {
+                        if !job.is_finished() {
+                            continue;
+                        }
+                        let stop = Stop::vanished(job, self.rules, key.label());
+                        *stopping = Some(Stopping {
+                            after: After::Restart,
+                            stop: Some(stop),
+                        });
+                    }
+                    let Some(Stopping {
+                        stop: Some(stop), ..
+                    }) = stopping
+                    else {
+                        continue;
+                    };
+                    match stop.finish(job, now) {
+                        Some(status) => Some(status),
+                        None => continue,
+                    }
+                }
+            };
+            if let Some(status) = status {
+                entry.started = None;
+                entry.last_exit = Some((status, Timestamp::now()));
+            }
+            let after = entry.stopping.as_ref().map_or(After::Restart, |s| s.after);
+            let outcome = match after {
+                After::Restart if !quiet => {
+                    entry.job = None;
+                    entry.stopping = None;
+                    let label = key.label();
+                    if entry.pre_start_failures > 0 {
+                        let sit_out = hook::sit_out_after(entry.pre_start_failures);
+                        entry.start_at = now + sit_out;
+                        info!(
+                            event = "sitting_out",
+                            shard = label.shard,
+                            "trying {} again in {} (--pre-start failed {} time(s) in a row)",
+                            label.name(),
+                            fmt(sit_out),
+                            entry.pre_start_failures
+                        );
+                    } else {
+                        entry.start_at = now + self.restart_delay;
+                        if !self.restart_delay.is_zero() {
+                            info!(
+                                event = "restart_delay",
+                                shard = label.shard,
+                                "starting the command{} again in {} (--restart-delay)",
+                                label.of(),
+                                fmt(self.restart_delay)
+                            );
+                        }
+                    }
+                    Settled::Restarting
+                }
+                After::Give if !quiet => Settled::Give,
+                _ => Settled::Gone,
+            };
+            settled.push((key.clone(), status, outcome));
+        }
+        for (key, _, outcome) in &settled {
+            if *outcome != Settled::Restarting {
+                self.entries.remove(key);
+            }
+        }
+        settled
+    }
+
+    /// What the HTTP endpoint shows of each command.
+    pub fn views(&self) -> impl Iterator<Item = (&K, &T, CommandView)> {
+        self.entries.iter().map(|(key, entry)| {
+            let state = match (&entry.started, &entry.stopping) {
+                (Some(_), Some(_)) => CommandState::Stopping,
+                (Some(_), None) => CommandState::Running,
+                (None, None) => CommandState::Waiting,
+                (None, Some(_)) => CommandState::NotRunning,
+            };
+            let view = CommandView {
+                state,
+                pid: entry.started.map(|(pid, _)| pid),
+                started_at: entry.started.map(|(_, at)| at),
+                last_exit: entry.last_exit,
+            };
+            (key, &entry.item, view)
+        })
+    }
+}

@@ -1,0 +1,381 @@
+//! How a command is stopped: the one set of rules for every command pgleader runs, the single
+//! leader's, a shard's, and whatever runs many commands next (DESIGN.md, invariant 10).
+//!
+//! The rules: the stop signal to the command's process group, then SIGCONT (a stopped command
+//! must be able to act on it), sent again if the command starts only now (a signal sent to the
+//! group before it existed reached just the keeper); once `--kill-timeout` runs out, or on a
+//! second TERM/INT, SIGKILL to everything the command started, through the keeper; a keeper
+//! that does not finish within [`KEEPER_GRACE`] has its group SIGKILLed directly; once the
+//! keeper says the tree is gone and `--post-stop` runs, the kill timeout is over and the hook
+//! has its own timeout (plus the keeper's grace); and a keeper killed from outside is not taken
+//! at its word: the process table is read until no process of the group is left.
+//!
+//! [`Stop`] is a state machine that owns no task and no timer: its owner tells it what
+//! happened (a report from the keeper, a timer that came due, a second TERM) and asks it when
+//! its next timer is due and whether the command is wholly gone. The single leader awaits it in
+//! a small loop (`Inbox::stop`); a table of many commands polls one per command from its own
+//! loop (`commands.rs`), so that stopping one never holds up the others.
+
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use tokio::time::Instant;
+use tracing::{debug, info, warn};
+
+use crate::exit::ChildStatus;
+use crate::supervise::job::Job;
+use crate::supervise::keeper::Report;
+use crate::time::for_people as fmt;
+
+/// How long the keeper may take to kill everything the command started before its process
+/// group is SIGKILLed directly (which kills the keeper too).
+pub const KEEPER_GRACE: Duration = Duration::from_secs(1);
+
+/// How often the process table is read for what is left of a group whose keeper was killed
+/// from outside.
+const GROUP_RECHECK: Duration = Duration::from_millis(10);
+
+/// How often a group that will not die is complained about.
+const GROUP_WARNING_EVERY: Duration = Duration::from_secs(5);
+
+/// The timings every stop follows: `--kill-timeout` and `--hook-timeout`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StopRules {
+    pub kill_timeout: Duration,
+    /// How long the keeper may run `--post-stop` once the command's tree is gone.
+    pub hook_timeout: Duration,
+}
+
+/// Whose command a log line is about: the single leader's (no field, "the command"), or one of
+/// many (a `shard` field, "the command of shard 3").
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Label {
+    /// The `shard` field of the log lines, for a shard's command.
+    pub shard: Option<u32>,
+    /// What the command is called among many ("shard 3"); `None` for the single leader's.
+    name: Option<String>,
+}
+
+impl Label {
+    /// The single leader's command.
+    pub fn leader() -> Label {
+        Label::default()
+    }
+
+    /// Shard `index`'s command.
+    pub fn shard(index: u32) -> Label {
+        Label {
+            shard: Some(index),
+            name: Some(format!("shard {index}")),
+        }
+    }
+
+    /// What follows "the command" or "the keeper" in a message: nothing, or " of shard 3".
+    pub fn of(&self) -> String {
+        self.name
+            .as_ref()
+            .map_or_else(String::new, |name| format!(" of {name}"))
+    }
+
+    /// What the command is called among many ("shard 3"), or "the command".
+    pub fn name(&self) -> &str {
+        self.name.as_deref().unwrap_or("the command")
+    }
+
+    /// Logs that the command exited, with how.
+    pub fn log_exited(&self, status: ChildStatus) {
+        info!(event = "child_exited", shard = self.shard, status = %status, exit_code = status.exit_code(), "the command{} exited", self.of());
+    }
+}
+
+/// A stop under way.
+#[derive(Debug)]
+pub struct Stop {
+    label: Label,
+    rules: StopRules,
+    pgid: i32,
+    /// The signal the command should have by now: sent again if it starts only now.
+    signal: Signal,
+    /// When the kill timeout runs out; `None` once SIGKILL was sent or `--post-stop` runs.
+    kill_at: Option<Instant>,
+    /// SIGKILL went to everything the command started.
+    escalated: bool,
+    /// The keeper said the tree is gone and runs `--post-stop`.
+    post_stop: bool,
+    /// When the keeper is given up on and its group SIGKILLed directly; `None` until SIGKILL
+    /// or `--post-stop`, and once that was done.
+    keeper_kill_at: Option<Instant>,
+    /// When to read the process table again, for a group whose keeper was killed from outside.
+    recheck_at: Option<Instant>,
+    /// When such a group was first found alive, and when to complain about it next.
+    alive_since: Option<(Instant, Instant)>,
+    /// How the command ended, once a report (or the caller) said so.
+    status: Option<ChildStatus>,
+    /// Whether the command's end was logged (or known before the stop began).
+    exit_logged: bool,
+}
+
+impl Stop {
+    /// Begins stopping `job`: `signal` to its process group (SIGKILL through the keeper).
+    /// `ended` is how the command ended when only what it left behind is being stopped (it
+    /// exited on its own, or its `--pre-start` failed); otherwise the stop is logged, and so is
+    /// the command's end.
+    pub fn begin(
+        job: &Job,
+        signal: Signal,
+        rules: StopRules,
+        label: Label,
+        ended: Option<ChildStatus>,
+    ) -> Stop {
+        Stop::new(job, signal, rules, label, ended, ended.is_none())
+    }
+
+    /// Clears up after a keeper that vanished (killed from outside) without being stopped:
+    /// SIGKILL to what it left in its group, and the command's end logged once it is known.
+    pub fn vanished(job: &Job, rules: StopRules, label: Label) -> Stop {
+        Stop::new(job, Signal::SIGKILL, rules, label, None, false)
+    }
+
+    fn new(
+        job: &Job,
+        signal: Signal,
+        rules: StopRules,
+        label: Label,
+        ended: Option<ChildStatus>,
+        announce: bool,
+    ) -> Stop {
+        let pgid = job.pgid().as_raw();
+        // Sent before the log line: the next leader waits for this command's end.
+        send_stop_signal(job, signal);
+        if announce {
+            info!(
+                event = "stopping",
+                shard = label.shard,
+                pgid,
+                signal = signal.as_str(),
+                "stopping the command{}: {} to its process group",
+                label.of(),
+                signal.as_str()
+            );
+        }
+        let now = Instant::now();
+        let escalated = signal == Signal::SIGKILL;
+        Stop {
+            label,
+            rules,
+            pgid,
+            signal,
+            kill_at: (!escalated).then_some(now + rules.kill_timeout),
+            escalated,
+            post_stop: false,
+            // A stop signal of SIGKILL went through the keeper already.
+            keeper_kill_at: escalated.then_some(now + KEEPER_GRACE),
+            recheck_at: None,
+            alive_since: None,
+            status: ended,
+            exit_logged: ended.is_some(),
+        }
+    }
+
+    /// Whose command this is.
+    pub fn label(&self) -> &Label {
+        &self.label
+    }
+
+    /// The next moment [`Stop::on_timer`] has something to do.
+    pub fn next_timer(&self) -> Option<Instant> {
+        [self.kill_at, self.keeper_kill_at, self.recheck_at]
+            .into_iter()
+            .flatten()
+            .min()
+    }
+
+    /// Takes the steps whose time has come: SIGKILL once the kill timeout ran out, SIGKILL to
+    /// the group of a keeper that did not finish.
+    pub fn on_timer(&mut self, job: &Job, now: Instant) {
+        if self.kill_at.is_some_and(|at| at <= now) && !job.is_finished() {
+            warn!(
+                event = "kill",
+                shard = self.label.shard,
+                pgid = self.pgid,
+                "the command{} did not exit within {} (--kill-timeout); sending SIGKILL to everything it started",
+                self.label.of(),
+                fmt(self.rules.kill_timeout)
+            );
+            self.escalate(job);
+        } else if self.keeper_kill_at.is_some_and(|at| at <= now) {
+            warn!(
+                event = "kill",
+                shard = self.label.shard,
+                pgid = self.pgid,
+                "the keeper{} did not finish; sending SIGKILL to the process group",
+                self.label.of()
+            );
+            job.kill_groups();
+            self.keeper_kill_at = None;
+        }
+    }
+
+    /// A report from the keeper while the command is being stopped.
+    pub fn on_report(&mut self, job: &Job, report: Report) {
+        match report {
+            Report::Exited(_) | Report::Killed(_) => {
+                let ended = *self.status.get_or_insert(status_of(report));
+                if !std::mem::replace(&mut self.exit_logged, true) {
+                    self.label.log_exited(ended);
+                }
+            }
+            Report::Started(pid) => {
+                debug!(
+                    event = "child_started",
+                    shard = self.label.shard,
+                    pid,
+                    "the command started while being stopped"
+                );
+                send_stop_signal(job, self.signal);
+            }
+            Report::PostStop(_) => {
+                self.post_stop = true;
+                self.kill_at = None;
+                self.keeper_kill_at = Some(Instant::now() + self.rules.hook_timeout + KEEPER_GRACE);
+            }
+            // The keeper exits with 126/127 right after; its status stands for the command's.
+            // `Done`: `job.is_finished()` now says so. `PreStartFailed`: the keeper logged it;
+            // post-stop comes next.
+            Report::SpawnFailed(_) | Report::Done(_) | Report::PreStartFailed(_) => {}
+        }
+    }
+
+    /// The first TERM or INT arrived while the command was being stopped: unless SIGKILL went
+    /// already, the command gets that signal instead.
+    pub fn retarget(&mut self, job: &Job, signal: Signal) {
+        if !self.escalated {
+            self.signal = signal;
+            send_stop_signal(job, signal);
+        }
+    }
+
+    /// A second TERM or INT: SIGKILL to everything at once; once that went, or while
+    /// `--post-stop` runs, the keeper ends that too.
+    pub fn insist(&mut self, job: &Job, received: Signal) {
+        let ending_all = self.escalated || self.post_stop;
+        warn!(
+            event = "kill",
+            shard = self.label.shard,
+            pgid = self.pgid,
+            signal = received.as_str(),
+            "second shutdown signal: {}",
+            if ending_all {
+                "killing --post-stop"
+            } else {
+                "sending SIGKILL"
+            }
+        );
+        if ending_all {
+            let _ = job.abort();
+        } else {
+            self.escalate(job);
+        }
+    }
+
+    /// How the command ended once nothing of it is left, else `None` (and the next timer says
+    /// when to ask again).
+    pub fn finish(&mut self, job: &mut Job, now: Instant) -> Option<ChildStatus> {
+        if !job.is_finished() {
+            return None;
+        }
+        for report in job.remaining_reports() {
+            if matches!(report, Report::Exited(_) | Report::Killed(_)) {
+                self.status.get_or_insert(status_of(report));
+            }
+        }
+        // The keeper's own word that nothing is left is enough; without it (the keeper was
+        // killed from outside, its children reparented to init, or a killed process is stuck
+        // in the kernel) the process table is read until the group is gone.
+        if !job.reported_done() {
+            if self.recheck_at.is_some_and(|at| at > now) {
+                return None;
+            }
+            let members = job.group_members();
+            if !members.is_empty() {
+                let (since, warn_at) = self.alive_since.get_or_insert((now, now));
+                if now >= *warn_at {
+                    warn!(
+                        event = "group_alive",
+                        shard = self.label.shard,
+                        pgid = self.pgid,
+                        "{} process(es) of the command's group are still alive after {} (pids {members:?}); sending SIGKILL and waiting before releasing the lock",
+                        members.len(),
+                        fmt(now.duration_since(*since))
+                    );
+                    *warn_at = now + GROUP_WARNING_EVERY;
+                }
+                job.kill_groups();
+                // SIGKILL went to the group: the stop's own steps are over.
+                (self.kill_at, self.keeper_kill_at) = (None, None);
+                self.recheck_at = Some(now + GROUP_RECHECK);
+                return None;
+            }
+        }
+        debug!(
+            event = "group_stopped",
+            shard = self.label.shard,
+            pgid = self.pgid,
+            "the process group is gone"
+        );
+        // A report the keeper sent just before it was reaped may not be readable: its own
+        // exit status stands for the command's then.
+        let status = self
+            .status
+            .or_else(|| job.keeper_status())
+            .unwrap_or(ChildStatus::Signaled(Signal::SIGKILL));
+        if !std::mem::replace(&mut self.exit_logged, true) {
+            self.label.log_exited(status);
+        }
+        Some(status)
+    }
+
+    /// SIGKILL to everything the command started, through the keeper (or to the group
+    /// directly if the keeper cannot be asked), and a grace for the keeper to finish.
+    fn escalate(&mut self, job: &Job) {
+        self.escalated = true;
+        self.signal = Signal::SIGKILL;
+        self.kill_at = None;
+        send_stop_signal(job, Signal::SIGKILL);
+        self.keeper_kill_at = Some(Instant::now() + KEEPER_GRACE);
+    }
+}
+
+/// A stop signal for the command's process group, followed by SIGCONT so that a stopped
+/// command can act on it (as systemd does). SIGKILL goes through the keeper instead, which
+/// leads the group and could not survive it: it kills what the command started, wherever it
+/// went, and then still runs `--post-stop`.
+fn send_stop_signal(job: &Job, signal: Signal) {
+    if signal == Signal::SIGKILL {
+        if job.kill_everything().is_err() {
+            job.kill_groups();
+        }
+        return;
+    }
+    if let Err(err) = job.signal(signal) {
+        warn!(event = "signal_failed", pgid = job.pgid().as_raw(), reason = %err, "cannot signal the process group");
+    }
+    if signal != Signal::SIGCONT {
+        let _ = job.signal(Signal::SIGCONT);
+    }
+}
+
+/// How the command ended, from the keeper's report of its end.
+pub fn status_of(report: Report) -> ChildStatus {
+    match report {
+        Report::Killed(signal) => Signal::try_from(signal)
+            .map(ChildStatus::Signaled)
+            .unwrap_or(ChildStatus::Exited(128 + signal)),
+        Report::Exited(code) => ChildStatus::Exited(code),
+        Report::Started(_)
+        | Report::SpawnFailed(_)
+        | Report::Done(_)
+        | Report::PreStartFailed(_)
+        | Report::PostStop(_) => ChildStatus::Exited(0),
+    }
+}
