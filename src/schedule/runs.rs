@@ -36,7 +36,7 @@ use tracing::{debug, info, warn};
 use crate::election::ledger::{Claim, Claimant, LateFinish, Ledger, LedgerError};
 use crate::election::lock::LockKey;
 use crate::exit::ChildStatus;
-use crate::schedule::agreement::{self, Verdict};
+use crate::schedule::agreement::{Agreement, Verdict, agree};
 use crate::schedule::calendar::{Schedule, rfc3339};
 use crate::schedule::clock::ServerClock;
 use crate::schedule::{
@@ -103,13 +103,6 @@ struct Began {
 enum ClaimResult {
     Disagree(String),
     Claim(Claim, Agreement),
-}
-
-/// What the agreement check found: the verdict, and whether a live replica records the lock's
-/// runs in another ledger table.
-struct Agreement {
-    verdict: Verdict,
-    foreign_ledger: Option<String>,
 }
 
 type Pending = Pin<Box<dyn Future<Output = Done>>>;
@@ -860,57 +853,4 @@ fn describe(passed: &[Timestamp], verb: &str) -> String {
             rfc3339(passed[n - 1])
         )
     }
-}
-
-/// Checks the replicas' agreement on the schedule, and on the ledger table, on the leader's
-/// session.
-async fn agree<L: Ledger>(
-    ledger: &L,
-    schedule: &Schedule,
-    clock: &ServerClock,
-    once: bool,
-    own_ledger: &str,
-) -> Result<Agreement, LedgerError> {
-    let newest = ledger.recent(1).await?.into_iter().next();
-    let live = ledger.participants().await?;
-    let foreign: Vec<String> = agreement::foreign_ledgers(&live, own_ledger)
-        .iter()
-        .map(|p| p.describe_briefly())
-        .collect();
-    let foreign_ledger = (!foreign.is_empty()).then(|| {
-        format!(
-            "{} record(s) this lock's runs in another ledger table; an occurrence could run once in each. Give every replica the same --ledger-table (and the same search_path)",
-            foreign.join(", ")
-        )
-    });
-    let verdict = agreement::judge(
-        schedule.expression(),
-        schedule.timezone(),
-        newest.as_ref(),
-        &live,
-        once,
-    );
-    let verdict = match &verdict {
-        Verdict::Undecided { established } => {
-            let still_used = match Schedule::parse(&established.0, &established.1) {
-                Ok(old) => match old.latest_at_or_before(clock.now()) {
-                    Some(at) => ledger.has(at).await?,
-                    None => false,
-                },
-                // A definition this version cannot read is not one any replica of it runs.
-                Err(_) => false,
-            };
-            agreement::settle(
-                schedule.expression(),
-                schedule.timezone(),
-                established,
-                still_used,
-            )
-        }
-        _ => verdict,
-    };
-    Ok(Agreement {
-        verdict,
-        foreign_ledger,
-    })
 }
