@@ -6,7 +6,9 @@ use nix::sys::signal::Signal;
 use std::time::{Duration, Instant};
 
 use crate::harness::cluster::Options;
-use crate::harness::pg::{leader, leader_and_follower, leader_on, patient_leader, status};
+use crate::harness::pg::{
+    leader, leader_and_follower, leader_on, patient_leader, snapshots, status,
+};
 use crate::harness::{
     Cluster, Proc, Stream, WAIT, field, kill_9, patient_child, pgleader, pid_field, poll_until,
     run, unique_lock,
@@ -468,27 +470,6 @@ fn json_logs_carry_a_stable_set_of_fields() {
             "released"
         ]
     );
-}
-
-/// The server's view of pgleader's sessions (leaders, followers, status) that hold a snapshot:
-/// (backend pid, whether it waits for a lock, seconds since its transaction began).
-///
-/// pg_stat_activity reads each backend's fields one by one, not at one instant: a session
-/// caught between two turns can show its last snapshot's xmin with no transaction (a null
-/// `xact_start`). It holds no snapshot then, so its age is 0.
-pub(crate) fn snapshots(client: &mut postgres::Client) -> Vec<(i32, bool, f64)> {
-    client
-        .query(
-            "SELECT pid, wait_event IS NOT DISTINCT FROM 'advisory', \
-                    coalesce(extract(epoch FROM clock_timestamp() - xact_start)::float8, 0) \
-               FROM pg_stat_activity \
-              WHERE application_name LIKE 'pgleader%' AND backend_xmin IS NOT NULL",
-            &[],
-        )
-        .expect("read pg_stat_activity")
-        .iter()
-        .map(|row| (row.get(0), row.get(1), row.get(2)))
-        .collect()
 }
 
 /// A follower waits in turns of --wait-refresh, each a transaction of its own: no snapshot of

@@ -12,9 +12,9 @@ use pgleader::postgres::PgBackend;
 use crate::contract::{NoEnvironment, block_on};
 use nix::sys::signal::Signal;
 
-use crate::election::snapshots;
 use crate::harness::cluster::Options;
 use crate::harness::http::{address_of, get, wait_for_status};
+use crate::harness::pg::snapshots;
 use crate::harness::shards::{
     Fleet, a_capped_member_holds_no_more_than_its_cap, a_killed_replica_s_shards_run_on_the_others,
     a_member_that_leaves_frees_its_shards, a_second_replica_takes_the_surplus,

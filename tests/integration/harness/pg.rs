@@ -58,3 +58,24 @@ pub fn assert_password_hidden(stderr: &str, password: &str) {
 /// Checks a minute apart: only noticing the connection's end, not a check, can stop a command
 /// within a test's waits.
 pub const SLOW_CHECKS: [&str; 2] = ["--check-interval=60s", "--lease=90s"];
+
+/// The server's view of pgleader's sessions (leaders, followers, status) that hold a snapshot:
+/// (backend pid, whether it waits for a lock, seconds since its transaction began).
+///
+/// pg_stat_activity reads each backend's fields one by one, not at one instant: a session
+/// caught between two turns can show its last snapshot's xmin with no transaction (a null
+/// `xact_start`). It holds no snapshot then, so its age is 0.
+pub fn snapshots(client: &mut postgres::Client) -> Vec<(i32, bool, f64)> {
+    client
+        .query(
+            "SELECT pid, wait_event IS NOT DISTINCT FROM 'advisory', \
+                    coalesce(extract(epoch FROM clock_timestamp() - xact_start)::float8, 0) \
+               FROM pg_stat_activity \
+              WHERE application_name LIKE 'pgleader%' AND backend_xmin IS NOT NULL",
+            &[],
+        )
+        .expect("read pg_stat_activity")
+        .iter()
+        .map(|row| (row.get(0), row.get(1), row.get(2)))
+        .collect()
+}
