@@ -4,9 +4,9 @@
 //!
 //! It runs as tasks on pgleader's one runtime thread, beside the supervisor, and only reads:
 //! each answer is made from a clone of the published state or from atomic counters (see
-//! `telemetry.rs`), so a client can never hold up the supervisor. Running on the same thread is
-//! deliberate: if pgleader's event loop were stuck, the endpoint would stop answering too, which
-//! is what a liveness probe should see.
+//! `telemetry.rs`; what each route says is `telemetry/answers.rs`), so a client can never hold
+//! up the supervisor. Running on the same thread is deliberate: if pgleader's event loop were
+//! stuck, the endpoint would stop answering too, which is what a liveness probe should see.
 //!
 //! A client cannot pile up work or hold resources for long either: at most
 //! [`MAX_CONNECTIONS`] connections at once (beyond that a new one is closed at once), request

@@ -22,12 +22,17 @@
 //!    and this one takes over: unless it is a timer (`--once`) with no live replica to vouch
 //!    for the fleet, in which case the established definition still counts as in use when
 //!    its own latest occurrence was run; timers of the old definition could fire again.
+//!
+//! [`judge`] and [`settle`] apply the rules to the evidence; [`agree`] gathers it on the
+//! leader's session, as a leadership begins and before each claim, and `runs.rs` acts on what
+//! it found.
 
 use std::fmt::Write as _;
 
-use crate::election::ledger::Entry;
+use crate::election::ledger::{Entry, Ledger, LedgerError};
 use crate::election::participant::Participant;
-use crate::schedule::calendar::fingerprint_of;
+use crate::schedule::calendar::{Schedule, fingerprint_of};
+use crate::schedule::clock::ServerClock;
 
 /// The live replicas that record this lock's runs in another ledger table than `own` (a
 /// table fingerprint): a configuration error, which would let an occurrence run once in each.
@@ -128,6 +133,67 @@ pub fn settle(
             ),
         }
     }
+}
+
+/// What the agreement check found: the verdict, and whether a live replica records the lock's
+/// runs in another ledger table.
+#[derive(Debug)]
+pub struct Agreement {
+    pub verdict: Verdict,
+    pub foreign_ledger: Option<String>,
+}
+
+/// Checks the replicas' agreement on the schedule, and on the ledger table, on the leader's
+/// session.
+pub async fn agree<L: Ledger>(
+    ledger: &L,
+    schedule: &Schedule,
+    clock: &ServerClock,
+    once: bool,
+    own_ledger: &str,
+) -> Result<Agreement, LedgerError> {
+    let newest = ledger.recent(1).await?.into_iter().next();
+    let live = ledger.participants().await?;
+    let foreign: Vec<String> = foreign_ledgers(&live, own_ledger)
+        .iter()
+        .map(|p| p.describe_briefly())
+        .collect();
+    let foreign_ledger = (!foreign.is_empty()).then(|| {
+        format!(
+            "{} record(s) this lock's runs in another ledger table; an occurrence could run once in each. Give every replica the same --ledger-table (and the same search_path)",
+            foreign.join(", ")
+        )
+    });
+    let verdict = judge(
+        schedule.expression(),
+        schedule.timezone(),
+        newest.as_ref(),
+        &live,
+        once,
+    );
+    let verdict = match &verdict {
+        Verdict::Undecided { established } => {
+            let still_used = match Schedule::parse(&established.0, &established.1) {
+                Ok(old) => match old.latest_at_or_before(clock.now()) {
+                    Some(at) => ledger.has(at).await?,
+                    None => false,
+                },
+                // A definition this version cannot read is not one any replica of it runs.
+                Err(_) => false,
+            };
+            settle(
+                schedule.expression(),
+                schedule.timezone(),
+                established,
+                still_used,
+            )
+        }
+        _ => verdict,
+    };
+    Ok(Agreement {
+        verdict,
+        foreign_ledger,
+    })
 }
 
 fn list(participants: &[&Participant]) -> String {

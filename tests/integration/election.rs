@@ -5,8 +5,10 @@ use nix::sys::signal::Signal;
 
 use std::time::{Duration, Instant};
 
-use crate::harness::cluster::Options;
-use crate::harness::pg::{leader, leader_and_follower, leader_on, patient_leader, status};
+use crate::harness::pg::{
+    assert_vacuum_not_held_back, leader, leader_and_follower, leader_on, patient_leader, status,
+    vacuum_cluster,
+};
 use crate::harness::{
     Cluster, Proc, Stream, WAIT, field, kill_9, patient_child, pgleader, pid_field, poll_until,
     run, unique_lock,
@@ -470,27 +472,6 @@ fn json_logs_carry_a_stable_set_of_fields() {
     );
 }
 
-/// The server's view of pgleader's sessions (leaders, followers, status) that hold a snapshot:
-/// (backend pid, whether it waits for a lock, seconds since its transaction began).
-///
-/// pg_stat_activity reads each backend's fields one by one, not at one instant: a session
-/// caught between two turns can show its last snapshot's xmin with no transaction (a null
-/// `xact_start`). It holds no snapshot then, so its age is 0.
-pub(crate) fn snapshots(client: &mut postgres::Client) -> Vec<(i32, bool, f64)> {
-    client
-        .query(
-            "SELECT pid, wait_event IS NOT DISTINCT FROM 'advisory', \
-                    coalesce(extract(epoch FROM clock_timestamp() - xact_start)::float8, 0) \
-               FROM pg_stat_activity \
-              WHERE application_name LIKE 'pgleader%' AND backend_xmin IS NOT NULL",
-            &[],
-        )
-        .expect("read pg_stat_activity")
-        .iter()
-        .map(|row| (row.get(0), row.get(1), row.get(2)))
-        .collect()
-}
-
 /// A follower waits in turns of --wait-refresh, each a transaction of its own: no snapshot of
 /// a waiting follower outlives a turn, so VACUUM removes the rows deleted while followers wait,
 /// in the very database they wait in, CREATE INDEX CONCURRENTLY there finishes, and the server
@@ -499,24 +480,10 @@ pub(crate) fn snapshots(client: &mut postgres::Client) -> Vec<(i32, bool, f64)> 
 /// reads beside it: neither holds a snapshot for long either.
 #[test]
 fn waiting_followers_hold_back_neither_vacuum_nor_create_index_concurrently() {
-    const ROWS: i64 = 1000;
     const REFRESH: Duration = Duration::from_secs(2);
     // A cluster of its own, so that its log holds only this test's sessions.
-    let cluster = Cluster::with_options(
-        "vacuum",
-        Options {
-            settings: vec!["log_line_prefix = '%m [%p] %a: '".into()],
-            ..Options::default()
-        },
-    );
+    let (cluster, mut client) = vacuum_cluster("vacuum");
     let lock = unique_lock();
-    let mut client = cluster.client();
-    client
-        .batch_execute(&format!(
-            "CREATE EXTENSION pgstattuple; CREATE TABLE t (i int); \
-             INSERT INTO t SELECT generate_series(1, {ROWS})"
-        ))
-        .expect("setting up the table (pgstattuple is in PostgreSQL's contrib)");
     let refresh = format!("--wait-refresh={}ms", REFRESH.as_millis());
     let a = run(
         "A",
@@ -533,53 +500,9 @@ fn waiting_followers_hold_back_neither_vacuum_nor_create_index_concurrently() {
         follower
     });
 
-    // Rows deleted while the followers wait: VACUUM removes them all once the snapshots taken
-    // before the delete are gone, within a turn. Before, the one statement's snapshot held
-    // them for as long as the followers waited.
-    client.batch_execute("DELETE FROM t").expect("delete");
-    let deadline = Instant::now() + WAIT;
-    loop {
-        client.batch_execute("VACUUM t").expect("vacuum");
-        let dead: i64 = client
-            .query_one("SELECT dead_tuple_count FROM pgstattuple('t')", &[])
-            .expect("pgstattuple")
-            .get(0);
-        if dead == 0 {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{dead} rows deleted while followers wait are still not removable after {WAIT:?}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    // CREATE INDEX CONCURRENTLY waits for every snapshot older than its own to go: bounded
-    // here, so that a follower that held one would fail the test rather than hang it.
-    client
-        .batch_execute(&format!("SET statement_timeout = {}", WAIT.as_millis()))
-        .expect("set statement_timeout");
-    client
-        .batch_execute("CREATE INDEX CONCURRENTLY t_i ON t (i)")
-        .expect("CREATE INDEX CONCURRENTLY beside waiting followers");
-
-    // Three more turns of every follower: each snapshot the server shows is younger than a
-    // turn (with a turn's margin for a loaded machine).
-    let watch_until = Instant::now() + REFRESH * 3;
-    let mut waiting = std::collections::BTreeSet::new();
-    while Instant::now() < watch_until {
-        for (pid, waits, age) in snapshots(&mut client) {
-            if waits {
-                waiting.insert(pid);
-            }
-            assert!(
-                age < REFRESH.as_secs_f64() * 2.0,
-                "backend {pid} has held its snapshot for {age:.1} s, past --wait-refresh \
-                 {REFRESH:?}\n{}",
-                cluster.log()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    // Rows deleted while the followers wait are removed within a turn: no snapshot of theirs
+    // holds them back for as long as they wait.
+    let waiting = assert_vacuum_not_held_back(&cluster, &mut client, REFRESH, "waiting followers");
     assert_eq!(
         waiting.len(),
         2,

@@ -12,9 +12,8 @@ use pgleader::postgres::PgBackend;
 use crate::contract::{NoEnvironment, block_on};
 use nix::sys::signal::Signal;
 
-use crate::election::snapshots;
-use crate::harness::cluster::Options;
 use crate::harness::http::{address_of, get, wait_for_status};
+use crate::harness::pg::{assert_vacuum_not_held_back, snapshots, vacuum_cluster};
 use crate::harness::shards::{
     Fleet, a_capped_member_holds_no_more_than_its_cap, a_killed_replica_s_shards_run_on_the_others,
     a_member_that_leaves_frees_its_shards, a_second_replica_takes_the_surplus,
@@ -546,22 +545,9 @@ fn answered_as_it_closed(before: &[&str], fatal: &str) -> bool {
 #[test]
 fn a_sharded_fleet_holds_back_neither_vacuum_nor_create_index_concurrently() {
     const REFRESH: Duration = Duration::from_secs(1);
-    let cluster = Cluster::with_options(
-        "shards-vacuum",
-        Options {
-            settings: vec!["log_line_prefix = '%m [%p] %a: '".into()],
-            ..Options::default()
-        },
-    );
+    let (cluster, mut client) = vacuum_cluster("shards-vacuum");
     let lock = unique_lock();
     let journal = Journal::new("shards-vacuum");
-    let mut client = cluster.client();
-    client
-        .batch_execute(
-            "CREATE EXTENSION pgstattuple; CREATE TABLE t (i int); \
-             INSERT INTO t SELECT generate_series(1, 1000)",
-        )
-        .expect("setting up the table (pgstattuple is in PostgreSQL's contrib)");
     let refresh = format!("--wait-refresh={}ms", REFRESH.as_millis());
     let replicas: Vec<Proc> = ["A", "B", "C"]
         .into_iter()
@@ -589,40 +575,7 @@ fn a_sharded_fleet_holds_back_neither_vacuum_nor_create_index_concurrently() {
         std::thread::sleep(Duration::from_millis(20));
     }
 
-    client.batch_execute("DELETE FROM t").expect("delete");
-    let deadline = Instant::now() + WAIT;
-    loop {
-        client.batch_execute("VACUUM t").expect("vacuum");
-        let dead: i64 = client
-            .query_one("SELECT dead_tuple_count FROM pgstattuple('t')", &[])
-            .expect("pgstattuple")
-            .get(0);
-        if dead == 0 {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{dead} rows deleted beside the sharded fleet are still not removable after {WAIT:?}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    client
-        .batch_execute(&format!("SET statement_timeout = {}", WAIT.as_millis()))
-        .expect("set statement_timeout");
-    client
-        .batch_execute("CREATE INDEX CONCURRENTLY t_i ON t (i)")
-        .expect("CREATE INDEX CONCURRENTLY beside a sharded fleet");
-    let watch_until = Instant::now() + REFRESH * 3;
-    while Instant::now() < watch_until {
-        for (pid, _, age) in snapshots(&mut client) {
-            assert!(
-                age < REFRESH.as_secs_f64() * 2.0,
-                "backend {pid} has held its snapshot for {age:.1} s, past --wait-refresh \
-                 {REFRESH:?}"
-            );
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    assert_vacuum_not_held_back(&cluster, &mut client, REFRESH, "a sharded fleet");
     // Nothing at ERROR or WARNING. A watcher whose replica retargets it after a join is closed
     // in its wait, which the server logs once at FATAL, with the wait's statement: at most one
     // per watcher and join, never per turn.
