@@ -14,12 +14,15 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::fs;
 use std::net::IpAddr;
-use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
 
 use thiserror::Error;
+
+// Re-exported: callers (and the integration tests) that named it here still do.
+pub use crate::environment::{Environment, ProcessEnvironment};
 
 /// The Unix-socket directory of Debian's and Ubuntu's PostgreSQL packages, psql's default there.
 pub const DEFAULT_SOCKET_DIR: &str = "/var/run/postgresql";
@@ -280,41 +283,6 @@ const UNSUPPORTED: &[&str] = &[
 
 /// The parameters found in a connection string, before the environment and defaults apply.
 type Params = BTreeMap<String, String>;
-
-/// A source of environment variables, so tests can supply their own.
-pub trait Environment {
-    fn var(&self, name: &str) -> Option<String>;
-    /// The home directory, for `~/.pgpass`.
-    fn home(&self) -> Option<PathBuf> {
-        self.var("HOME").map(PathBuf::from)
-    }
-    /// The operating-system user name, psql's default user.
-    fn os_user(&self) -> Option<String>;
-    /// Whether a Unix socket exists at this path.
-    fn socket_exists(&self, path: &Path) -> bool;
-}
-
-/// The real process environment.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct ProcessEnvironment;
-
-impl Environment for ProcessEnvironment {
-    fn var(&self, name: &str) -> Option<String> {
-        std::env::var(name).ok().filter(|value| !value.is_empty())
-    }
-
-    fn os_user(&self) -> Option<String> {
-        nix::unistd::User::from_uid(nix::unistd::geteuid())
-            .ok()
-            .flatten()
-            .map(|user| user.name)
-            .or_else(|| self.var("USER"))
-    }
-
-    fn socket_exists(&self, path: &Path) -> bool {
-        fs::metadata(path).is_ok_and(|meta| meta.file_type().is_socket())
-    }
-}
 
 /// Resolves the settings: the connection string (if any), then `PG*` variables, then psql's
 /// defaults. Returns the settings and warnings worth logging (ignored options, an unsafe
