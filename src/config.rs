@@ -147,7 +147,7 @@ impl RunConfig {
             Some(_) => ledger_table(&args.ledger)?,
             None => TableName::default(),
         };
-        let command = CommandLine::resolve(args.command, std::env::var_os("PATH").as_deref())?;
+        let command = CommandLine::resolve(args.command, env.var_os("PATH").as_deref())?;
         let session_name = participant::label(
             database.application_name(),
             schedule

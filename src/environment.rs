@@ -3,6 +3,7 @@
 //! their own; a leaf that imports nothing of the crate, so that the command line's settings
 //! (`config.rs`) and the backends' connection settings read the environment the same way.
 
+use std::ffi::OsString;
 use std::fs;
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
@@ -10,6 +11,12 @@ use std::path::{Path, PathBuf};
 /// A source of environment variables, so tests can supply their own.
 pub trait Environment {
     fn var(&self, name: &str) -> Option<String>;
+    /// A variable as the operating system holds it, set but empty or not UTF-8 as it may be:
+    /// `PATH`, where an empty value means the current directory. A test's environment, whose
+    /// values are all text, may leave it to `var`.
+    fn var_os(&self, name: &str) -> Option<OsString> {
+        self.var(name).map(OsString::from)
+    }
     /// The home directory, for `~/.pgpass`.
     fn home(&self) -> Option<PathBuf> {
         self.var("HOME").map(PathBuf::from)
@@ -27,6 +34,10 @@ pub struct ProcessEnvironment;
 impl Environment for ProcessEnvironment {
     fn var(&self, name: &str) -> Option<String> {
         std::env::var(name).ok().filter(|value| !value.is_empty())
+    }
+
+    fn var_os(&self, name: &str) -> Option<OsString> {
+        std::env::var_os(name)
     }
 
     fn os_user(&self) -> Option<String> {
