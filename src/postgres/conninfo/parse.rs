@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 use thiserror::Error;
 
 use super::settings::DEFAULT_PORT;
+use crate::percent::{self, CutShort, PercentError};
 
 /// A connection string that cannot be used, or a setting pgleader does not support.
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -206,10 +207,10 @@ fn parse_url(rest: &str) -> Result<Params, ConnInfoError> {
             None => (userinfo, None),
         };
         if !user.is_empty() {
-            params.insert("user".into(), percent_decode(user, "the user name")?);
+            params.insert("user".into(), url_part(user, "the user name")?);
         }
         if let Some(password) = password {
-            params.insert("password".into(), percent_decode(password, "the password")?);
+            params.insert("password".into(), url_part(password, "the password")?);
         }
     }
     if !hostlist.is_empty() {
@@ -217,7 +218,7 @@ fn parse_url(rest: &str) -> Result<Params, ConnInfoError> {
         let mut ports = Vec::new();
         for spec in hostlist.split(',') {
             let (host, port) = split_host_port(spec)?;
-            hosts.push(percent_decode(host, "a host name")?);
+            hosts.push(url_part(host, "a host name")?);
             ports.push(port.map(str::to_owned));
         }
         if hosts.iter().any(|host| !host.is_empty()) {
@@ -235,18 +236,15 @@ fn parse_url(rest: &str) -> Result<Params, ConnInfoError> {
     if let Some(dbname) = dbname
         && !dbname.is_empty()
     {
-        params.insert(
-            "dbname".into(),
-            percent_decode(dbname, "the database name")?,
-        );
+        params.insert("dbname".into(), url_part(dbname, "the database name")?);
     }
     if let Some(query) = query {
         for pair in query.split('&').filter(|pair| !pair.is_empty()) {
             let (key, value) = pair
                 .split_once('=')
                 .ok_or_else(|| ConnInfoError::Url("a query parameter has no '=value'".into()))?;
-            let key = percent_decode(key, "a parameter name")?;
-            let value = percent_decode(value, "a parameter value")?;
+            let key = url_part(key, "a parameter name")?;
+            let value = url_part(value, "a parameter value")?;
             // libpq accepts ssl=true as a synonym of sslmode=require in URLs.
             if key == "ssl" && value == "true" {
                 params.insert("sslmode".into(), "require".into());
@@ -280,28 +278,14 @@ fn split_host_port(spec: &str) -> Result<(&str, Option<&str>), ConnInfoError> {
     })
 }
 
-fn percent_decode(text: &str, what: &str) -> Result<String, ConnInfoError> {
-    let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = bytes
-                .get(i + 1..i + 3)
-                .and_then(|hex| std::str::from_utf8(hex).ok())
-                .and_then(|hex| u8::from_str_radix(hex, 16).ok())
-                .ok_or_else(|| {
-                    ConnInfoError::Url(format!("{what} has an invalid percent-encoding"))
-                })?;
-            out.push(hex);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out)
-        .map_err(|_| ConnInfoError::Url(format!("{what} is not valid UTF-8 once decoded")))
+/// A URL's part, percent-decoded; the error names the part (`what`), never its text.
+fn url_part(text: &str, what: &str) -> Result<String, ConnInfoError> {
+    percent::decode(text, CutShort::Refuse).map_err(|err| {
+        ConnInfoError::Url(match err {
+            PercentError::InvalidEscape => format!("{what} has an invalid percent-encoding"),
+            PercentError::NotUtf8 => format!("{what} is not valid UTF-8 once decoded"),
+        })
+    })
 }
 
 /// `key=value key='quoted value' key = value`, with `\` escaping the next character.
