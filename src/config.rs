@@ -11,8 +11,9 @@ use crate::election::lease::{Lease, StopTimings};
 use crate::election::lock::LockKey;
 use crate::election::majority::Majority;
 use crate::election::participant;
+use crate::environment::Environment;
 use crate::postgres::PgBackend;
-use crate::postgres::conninfo::{self, ConnSettings, Environment};
+use crate::postgres::conninfo::{self, ConnSettings};
 use crate::postgres::ledger::TableName;
 use crate::redis::RedisBackend;
 use crate::redis::quorum::QuorumBackend;
@@ -146,7 +147,7 @@ impl RunConfig {
             Some(_) => ledger_table(&args.ledger)?,
             None => TableName::default(),
         };
-        let command = CommandLine::resolve(args.command, std::env::var_os("PATH").as_deref())?;
+        let command = CommandLine::resolve(args.command, env.var_os("PATH").as_deref())?;
         let session_name = participant::label(
             database.application_name(),
             schedule

@@ -5,7 +5,7 @@
 //! The binary (`main.rs`) parses the command line and calls [`execute`]; the modules below
 //! each own one concern, on floors that import only downwards:
 //!
-//! - [`time`], [`exit`], [`cli`]: leaves;
+//! - [`time`], [`exit`], [`cli`], [`environment`], [`percent`]: leaves;
 //! - [`election`]: the boundary every backend implements (traits, the lock's key, the lease
 //!   rule, backoff, participants, the ledger's contract);
 //! - [`schedule`]: cron on the server's clock, catch-up, agreement (no backend types);
@@ -20,8 +20,10 @@
 pub mod cli;
 pub mod config;
 pub mod election;
+pub mod environment;
 pub mod exit;
 pub mod operate;
+pub mod percent;
 pub mod postgres;
 pub mod redis;
 pub mod schedule;

@@ -6,8 +6,9 @@
 //! ([`conninfo`], `.pgpass` included), connecting over a socket pgleader opens itself, so that
 //! a leader's keeper can hold it ([`connect`]), TLS through rustls ([`tls`]), the session and
 //! its set-up, standby and pooler checks ([`session`]), the oldest supported server
-//! ([`version`]), how statements name the lock in `pg_locks` ([`locks`]), the ledger table
-//! ([`ledger`]), what `status` reads ([`observer`]) and a sharded lock's sessions ([`shards`]).
+//! ([`version`]), the lock's statements and how they name it in `pg_locks` ([`locks`]), the
+//! ledger table ([`ledger`]), what `status` reads ([`observer`]) and a sharded lock's sessions
+//! ([`shards`]).
 
 pub mod connect;
 pub mod conninfo;

@@ -4,7 +4,7 @@
 //!
 //! Waiters are listed in the order they began waiting: by the start of the statement they wait
 //! in (`query_start`). A follower queues again at every turn of that statement (see
-//! `session::wait_sql`), so the server grants a released lock in the order they last queued
+//! `locks::wait_sql`), so the server grants a released lock in the order they last queued
 //! (`pg_locks.waitstart`), which changes from turn to turn; the order they came in does not,
 //! and `status --watch` prints a line only when something real changed.
 

@@ -10,8 +10,8 @@
 //! prepared statements, which a pooler could leave behind on a server connection.
 
 use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
 use tokio_postgres::Client;
@@ -28,7 +28,10 @@ use crate::postgres::connect::{self, ConnectionTask, Notifications, Opened, TcpE
 use crate::postgres::conninfo::{ChannelBinding, ConnSettings, Host};
 use crate::postgres::describe::describe;
 use crate::postgres::ledger::{PgLedger, TableName};
-use crate::postgres::locks::{self, held_here, step_down_channel};
+use crate::postgres::locks::{
+    BACKEND_PID_SQL, CONFIRM_SQL, FENCE_SETTING, FENCE_SQL, SENDER_MAY_ASK, TRY_SQL, UNLOCK_SQL,
+    WON_SQL, setup_identity, setup_sql, step_down_channel, wait_sql,
+};
 use crate::postgres::version::{self, Support};
 
 /// Why leading through a standby is refused (and retried: a failover may promote it).
@@ -67,7 +70,7 @@ pub struct PgSession {
     connection: ConnectionTask,
     /// The connection's socket, owned by the connection task; lent to a leader's keeper.
     socket: LentSocket,
-    /// How often a waiting follower queues again, with a new snapshot (see `wait_sql`).
+    /// How often a waiting follower queues again, with a new snapshot (see `locks::wait_sql`).
     refresh: Duration,
     /// Whether `wait` won the lock, and so left the fence in `FENCE_SETTING`.
     waited: Arc<AtomicBool>,
@@ -90,12 +93,6 @@ impl Drop for PgSession {
         self.connection.abort();
     }
 }
-
-/// Whether the session `$1` (a step-down request's sender) runs as this session's role or one
-/// that is a member of it (a superuser is): NOTIFY needs no privilege, so without this any
-/// role that can connect could bounce the leader.
-const SENDER_MAY_ASK: &str = "SELECT coalesce((SELECT pg_catalog.pg_has_role(a.usesysid, \
-     current_user, 'MEMBER') FROM pg_catalog.pg_stat_activity a WHERE a.pid = $1), false)";
 
 /// How long the sender's role may take to read; a request whose sender cannot be checked is
 /// not obeyed.
@@ -132,117 +129,6 @@ fn pass_on_if_allowed(client: Arc<Client>, requests: Heard, request: String, sen
         }
     });
 }
-
-/// The session's server process, whether the server is a standby, the server's view of the
-/// connection's two ends (the client's, then its own; null over a Unix socket), and a replica
-/// that runs `lock`'s name with `--shards`, if any: all in the set-up's round trip.
-fn setup_identity(lock: &LockKey) -> String {
-    format!(
-        "SELECT pg_catalog.pg_backend_pid(), pg_catalog.pg_is_in_recovery(), \
-         pg_catalog.host(pg_catalog.inet_client_addr()), pg_catalog.inet_client_port(), \
-         pg_catalog.host(pg_catalog.inet_server_addr()), pg_catalog.inet_server_port(), {}",
-        locks::sharded_replica(lock)
-    )
-}
-const TRY_SQL: &str = "SELECT pg_catalog.pg_try_advisory_lock($1), pg_catalog.pg_backend_pid()";
-const BACKEND_PID_SQL: &str = "SELECT pg_catalog.pg_backend_pid()";
-const UNLOCK_SQL: &str = "SELECT pg_catalog.pg_advisory_unlock($1)";
-
-/// Seconds since the server last freed every lock at once (see `fence`).
-const SINCE_RESET_SQL: &str = "extract(epoch FROM pg_catalog.clock_timestamp() - GREATEST(\
-    pg_catalog.pg_postmaster_start_time(), \
-    (SELECT stats_reset FROM pg_catalog.pg_stat_bgwriter)))::float8";
-
-/// A new leader's fencing token (see `fence`). pg_current_xact_id: PostgreSQL 13 or later,
-/// which `version` already demands.
-const TOKEN_SQL: &str = "pg_catalog.pg_current_xact_id()::text::int8";
-
-/// What makes the token's commit wait for a WAL flush (see `fence`).
-const FLUSH_SQL: &str = "pg_catalog.pg_logical_emit_message(true, 'pgleader', 'epoch') IS NOT NULL";
-
-/// The token, the flush, the restart fence's figure and the server's clock.
-static FENCE_COLUMNS: LazyLock<String> = LazyLock::new(|| {
-    format!("{TOKEN_SQL}, {FLUSH_SQL}, {SINCE_RESET_SQL}, pg_catalog.clock_timestamp()")
-});
-
-/// The fence alone, after `pg_try_advisory_lock` won.
-static FENCE_SQL: LazyLock<String> = LazyLock::new(|| format!("SELECT {}", *FENCE_COLUMNS));
-
-/// Where a follower's wait leaves the fence it took at the grant, for `fence` to read: a
-/// setting of the session's own (a placeholder variable, which any role may set).
-const FENCE_SETTING: &str = "pgleader.fence";
-
-/// What `fence` reads after a wait won: the backend, the server's clock, and the fence the
-/// wait left in `FENCE_SETTING` ("TOKEN SECONDS_SINCE_RESET").
-static WON_SQL: LazyLock<String> = LazyLock::new(|| {
-    format!(
-        "SELECT pg_catalog.pg_backend_pid(), pg_catalog.clock_timestamp(), \
-         pg_catalog.current_setting('{FENCE_SETTING}')"
-    )
-});
-
-/// A follower's wait: a loop on the server, in one `DO` statement, so that no client round
-/// trip is spent on it.
-///
-/// A running statement holds a snapshot, and a snapshot holds back VACUUM (and `CREATE INDEX
-/// CONCURRENTLY`) in the whole database. So each turn waits for the lock at most a little less
-/// than `refresh` (`lock_timeout`, set for that transaction alone), catches the timeout inside
-/// the block (a caught error is not logged by the server, where one sent to the client would be
-/// logged at ERROR), commits, and queues again in a new transaction with a new snapshot. The
-/// server grants a released lock at once to whoever is queued; between two turns a follower is
-/// out of the queue for the few microseconds the commit takes, and comes back behind those who
-/// queued meanwhile: followers are served in the order they last queued, not the order they
-/// came. `refresh` zero waits in one turn, holding its snapshot for the whole wait.
-///
-/// The fence comes with the lock, in the statement that waits (OFFSET 0 keeps the subquery, and
-/// so the lock, ahead of the fence's columns), and so does storing it: one statement, planned
-/// before the first wait, so that its catalog look-ups (about 2 ms in a new server process) are
-/// done by the grant, which then runs no statement the block has not planned yet. The
-/// transaction id is taken only once the lock is granted, so a waiting follower holds none; the
-/// statement ends by committing it, flushed, before the server reports the statement done.
-fn wait_sql(key: i64, refresh: Duration) -> String {
-    in_turns(
-        refresh,
-        &format!(
-            "PERFORM pg_catalog.set_config('{FENCE_SETTING}', \
-                 pg_catalog.concat_ws(' ', {TOKEN_SQL}, {SINCE_RESET_SQL}), false), {FLUSH_SQL} \
-               FROM (SELECT pg_catalog.pg_advisory_lock({key}) OFFSET 0) AS granted;"
-        ),
-    )
-}
-
-/// A wait for a lock in turns of a little less than `refresh` each (zero: one turn), as a `DO`
-/// statement: `body` asks for the lock (and does whatever comes with it); a turn that times
-/// out commits and asks again, in a new transaction with a new snapshot (see `wait_sql`).
-pub(super) fn in_turns(refresh: Duration, body: &str) -> String {
-    // A little under `refresh`: the turn's snapshot is taken just before it queues, and is let
-    // go a moment after the timeout, so that no snapshot outlives `refresh`.
-    let lock_timeout = if refresh.is_zero() {
-        0
-    } else {
-        (refresh.as_millis() * 19 / 20).max(1)
-    };
-    format!(
-        "DO $pgleader$ BEGIN LOOP \
-           BEGIN \
-             PERFORM pg_catalog.set_config('lock_timeout', '{lock_timeout}', true); \
-             {body} \
-             EXIT; \
-           EXCEPTION WHEN lock_not_available THEN NULL; \
-           END; \
-           COMMIT; \
-         END LOOP; END $pgleader$"
-    )
-}
-
-/// The leader's check: this backend (the same as ever) holds the lock, and the server's clock.
-/// Written once: it runs every check interval.
-static CONFIRM_SQL: LazyLock<String> = LazyLock::new(|| {
-    format!(
-        "SELECT pg_catalog.pg_backend_pid(), pg_catalog.clock_timestamp(), {}",
-        held_here("$1", "$2")
-    )
-});
 
 impl PgSession {
     /// The holder session of a replica that ran this lock's name with `--shards` when this
@@ -519,7 +405,7 @@ impl Session for PgSession {
     }
 
     /// Blocks until the lock is granted (no polling: the server queues waiters, and grants a
-    /// released lock at once), and takes the fence in the same statement (see `wait_sql`).
+    /// released lock at once), and takes the fence in the same statement (see `locks::wait_sql`).
     fn wait(&self) -> impl Future<Output = Result<(), SessionError>> + 'static {
         let (client, waited) = (self.client.clone(), self.waited.clone());
         let sql = wait_sql(self.lock.key(), self.refresh);
@@ -603,7 +489,7 @@ impl Session for PgSession {
     /// without flushing: the (transactional) logical message makes the commit wait for its WAL
     /// to be flushed. A server configured with `synchronous_commit = off` would commit even that
     /// without waiting (measured too: the id came back), which is why the session sets it `on`
-    /// (see `setup_sql`). The command cannot start before the commit is flushed: the token
+    /// (see `locks::setup_sql`). The command cannot start before the commit is flushed: the token
     /// exists only then, and the command needs it in its environment.
     ///
     /// The server freed every lock when it last started, or when it last reset after the crash
@@ -756,50 +642,13 @@ fn driver_config(settings: &ConnSettings, application_name: &str) -> tokio_postg
     config
 }
 
-/// The statements that prepare a session, sent in one round trip. Waiting for the lock must
-/// never time out on the server's side; the lease settings bound how long the server keeps
-/// the lock of a leader that vanished (see `election/lease.rs`); the epoch's commit must reach disk
-/// (and a synchronous standby, if there is one) even where the server's default is
-/// `synchronous_commit = off`.
-fn setup_sql(lease: &Lease, server_major: u32) -> String {
-    let mut sql = String::from(
-        "SET statement_timeout = 0; SET lock_timeout = 0; SET idle_in_transaction_session_timeout = 0; \
-         SET synchronous_commit = on;",
-    );
-    sql.push_str(&format!(
-        " SET tcp_keepalives_idle = {}; SET tcp_keepalives_interval = {}; SET tcp_keepalives_count = {};",
-        lease.keepalive_idle().as_secs(),
-        lease.keepalive_interval().as_secs(),
-        lease.keepalive_count(),
-    ));
-    if server_major >= 12 || server_major == 0 {
-        sql.push_str(&format!(
-            " SET tcp_user_timeout = {};",
-            lease.duration().as_millis()
-        ));
-    }
-    if server_major >= 14 {
-        sql.push_str(&format!(
-            " SET idle_session_timeout = {}; SET client_connection_check_interval = {};",
-            lease.duration().as_millis(),
-            lease.client_check_interval().as_millis(),
-        ));
-    }
-    // PostgreSQL 17's transaction_timeout also bounds a single statement's implicit
-    // transaction: set for the role or database, it would end followers' waits.
-    if server_major >= 17 {
-        sql.push_str(" SET transaction_timeout = 0;");
-    }
-    sql
-}
-
 /// "15.4 (Debian 15.4-1)" → 15; "9.6.3" → 9.
 fn parse_major_version(version: &str) -> Option<u32> {
     let digits: String = version.chars().take_while(char::is_ascii_digit).collect();
     digits.parse().ok()
 }
 
-/// The fence's columns (`FENCE_COLUMNS`).
+/// The fence's columns (`locks::FENCE_COLUMNS`).
 fn fence_of(row: &tokio_postgres::Row) -> Fence {
     Fence {
         epoch: row.get(0),
@@ -927,21 +776,6 @@ mod tests {
     }
 
     #[test]
-    fn a_turn_of_the_wait_ends_a_little_before_the_refresh_and_zero_never_ends() {
-        let timeout_of = |refresh: Duration| {
-            let sql = wait_sql(-42, refresh);
-            assert!(sql.contains("pg_advisory_lock(-42)"), "{sql}");
-            let (_, rest) = sql
-                .split_once("set_config('lock_timeout', '")
-                .expect("the turn's lock_timeout");
-            rest.split_once('\'').expect("quoted").0.to_owned()
-        };
-        assert_eq!(timeout_of(Duration::from_secs(10)), "9500");
-        assert_eq!(timeout_of(Duration::from_millis(100)), "95");
-        assert_eq!(timeout_of(Duration::ZERO), "0");
-    }
-
-    #[test]
     fn reads_the_fence_a_won_wait_left() {
         let now = jiff::Timestamp::UNIX_EPOCH;
         let fence = left_fence("7361 12.5", now).expect("a fence");
@@ -950,18 +784,5 @@ mod tests {
         assert_eq!(fence.server_time, now);
         assert!(left_fence("", now).is_err());
         assert!(left_fence("7361", now).is_err());
-    }
-
-    #[test]
-    fn the_idle_session_timeout_is_set_only_where_it_exists() {
-        let lease = Lease::new(Duration::from_secs(15));
-        assert!(!setup_sql(&lease, 13).contains("idle_session_timeout"));
-        let sql = setup_sql(&lease, 15);
-        assert!(sql.contains("idle_session_timeout = 15000"), "{sql}");
-        assert!(!sql.contains("transaction_timeout = 0;"), "{sql}");
-        assert!(setup_sql(&lease, 17).contains("SET transaction_timeout = 0;"));
-        assert!(sql.contains("synchronous_commit = on"), "{sql}");
-        assert!(sql.contains("statement_timeout = 0"), "{sql}");
-        assert!(sql.contains("lock_timeout = 0"), "{sql}");
     }
 }

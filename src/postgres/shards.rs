@@ -47,8 +47,8 @@ use crate::election::{ConnectError, Fence, Session, SessionError};
 use crate::postgres::PgBackend;
 use crate::postgres::connect::Notifications;
 use crate::postgres::describe::describe;
-use crate::postgres::locks::{SHARD_CAP_BASE, SHARD_COUNT_BASE, shard_space};
-use crate::postgres::session::{PgSession, in_turns, query_error};
+use crate::postgres::locks::{SHARD_CAP_BASE, SHARD_COUNT_BASE, in_turns, shard_space};
+use crate::postgres::session::{PgSession, query_error};
 
 /// The member locks' range: a server process id is below 2^22 on Linux.
 const MEMBER_FLOOR: i32 = -(1 << 22);

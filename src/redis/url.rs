@@ -9,6 +9,8 @@ use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::percent::{self, CutShort};
+
 /// The default port of a Redis server.
 const DEFAULT_PORT: u16 = 6379;
 
@@ -95,7 +97,7 @@ impl RedisServer {
                 })?,
         };
         let decode = |text: &str| {
-            percent_decode(text).ok_or_else(|| {
+            percent::decode(text, CutShort::Keep).map_err(|_| {
                 "the Redis URL's user or password is not valid UTF-8 after percent-decoding"
                     .to_owned()
             })
@@ -133,24 +135,6 @@ impl RedisServer {
         }
         Ok(server)
     }
-}
-
-/// Percent-decodes a URL component.
-fn percent_decode(text: &str) -> Option<String> {
-    let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' && i + 3 <= bytes.len() {
-            let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).ok()?;
-            out.push(u8::from_str_radix(hex, 16).ok()?);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).ok()
 }
 
 impl fmt::Display for RedisServer {
@@ -208,6 +192,14 @@ mod tests {
         let server = RedisServer::parse("redis://:url@localhost", Some("pw".into()), TIMEOUT)
             .expect("a valid URL");
         assert_eq!(server.password, Some(Secret("url".into())), "the URL wins");
+    }
+
+    #[test]
+    fn a_percent_sign_without_two_digits_after_it_is_kept() {
+        let server = RedisServer::parse("redis://:50%@localhost", None, TIMEOUT).expect("valid");
+        assert_eq!(server.password, Some(Secret("50%".into())));
+        let err = RedisServer::parse("redis://:a%zz@localhost", None, TIMEOUT).expect_err("%zz");
+        assert!(err.contains("percent-decoding"), "{err}");
     }
 
     #[test]
