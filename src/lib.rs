@@ -33,18 +33,19 @@ pub mod time;
 use anyhow::Context;
 use tracing::warn;
 
-use crate::cli::{Command, RunArgs, StatusArgs, StepDownArgs};
+use crate::cli::{Command, CronArgs, RunArgs, StatusArgs, StepDownArgs};
 use crate::config::{Database, Elector, RunConfig, UsageError};
 use crate::election::lock::LockKey;
 use crate::election::shards::JoinError;
 use crate::election::{Backend, ConnectError};
+use crate::environment::ProcessEnvironment;
 use crate::operate::step_down::Refused;
 use crate::operate::telemetry::{self, Telemetry};
-use crate::operate::{http, notify, status, watch};
+use crate::operate::{crontab_check, http, notify, status, watch};
 use crate::postgres::PgBackend;
-use crate::postgres::conninfo::ProcessEnvironment;
 use crate::redis::RedisBackend;
 use crate::redis::quorum::QuorumBackend;
+use crate::schedule::crontab::Crontab;
 use crate::supervise::job::CommandError;
 use crate::supervise::{sharded, signals, supervisor};
 
@@ -55,7 +56,29 @@ pub async fn execute(command: Command) -> anyhow::Result<u8> {
         Command::Run(args) => run(*args).await,
         Command::Status(args) => status(args).await,
         Command::StepDown(args) => step_down(args).await,
+        Command::Cron(args) => cron(args),
     }
+}
+
+/// `pgleader cron`: so far, `--check` only.
+fn cron(args: CronArgs) -> anyhow::Result<u8> {
+    let crontab = Crontab::read(&args.crontab).map_err(|err| UsageError(err.to_string()))?;
+    if !args.check {
+        return Err(UsageError(
+            "running a crontab across the fleet is not built yet; `pgleader cron --check CRONTAB` reads and checks one".into(),
+        )
+        .into());
+    }
+    let from = match &args.from {
+        Some(text) => text.parse::<jiff::Timestamp>().map_err(|err| {
+            UsageError(format!(
+                "--from {text:?}: {err} (expected an RFC 3339 instant such as 2027-03-27T12:00:00Z)"
+            ))
+        })?,
+        None => jiff::Timestamp::now(),
+    };
+    print!("{}", crontab_check::report(&crontab, from, args.next));
+    Ok(exit::SUCCESS)
 }
 
 async fn run(args: RunArgs) -> anyhow::Result<u8> {

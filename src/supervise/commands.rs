@@ -4,8 +4,10 @@
 //!
 //! The table decides nothing about who runs what: its owner (the shard room's roster, a
 //! crontab's schedules) inserts an entry when a command may run, says when it must stop and
-//! what happens once its tree is gone ([`After`]), and drives the table from its own `select!`
-//! with the table's reports ([`Commands::next_report`]) and timer ([`Commands::next_timer`]).
+//! what happens once its tree is gone ([`After`]), and drives the table from its own `select!`:
+//! the table's reports ([`Commands::next_report`] into [`Commands::on_report`]), its timer
+//! ([`Commands::next_timer`] into [`Commands::on_timer`]), SIGCHLD into [`Commands::reap`],
+//! and after every event [`Commands::settle`], which says which commands are wholly gone.
 //! Stopping one command never holds up the others: nothing here awaits a stop.
 
 use std::collections::BTreeMap;
@@ -23,7 +25,7 @@ use crate::supervise::hook;
 use crate::supervise::inbox;
 use crate::supervise::job::{CommandError, CommandLine, Job};
 use crate::supervise::keeper::Report;
-use crate::supervise::stop::{Label, Stop, StopRules};
+use crate::supervise::stop::{Label, Stop, StopRules, status_of};
 use crate::time::for_people as fmt;
 
 /// What a command is known by in the table, and how its log lines name it.
@@ -204,6 +206,16 @@ impl<K: Key, T> Commands<K, T> {
         inbox::reap(self.entries.values_mut().filter_map(|e| e.job.as_mut()));
     }
 
+    /// The first TERM or INT: every stop under way sends that signal instead
+    /// (`Stop::retarget`).
+    pub fn retarget(&mut self, signal: Signal) {
+        for entry in self.entries.values_mut() {
+            if let Some((job, stop)) = entry.stop_under_way() {
+                stop.retarget(job, signal);
+            }
+        }
+    }
+
     /// A second TERM or INT: every stop under way insists (`Stop::insist`).
     pub fn insist(&mut self, received: Signal) {
         for entry in self.entries.values_mut() {
@@ -243,7 +255,7 @@ impl<K: Key, T> Commands<K, T> {
         let label = key.label();
         match report {
             Report::Started(pid) => {
-                info!(event = "child_started", shard = label.shard, pid, command = %command.display(), "started the command{}", label.of());
+                info!(event = "child_started", shard = label.shard, job = label.job.as_deref(), pid, command = %command.display(), "started the command{}", label.of());
                 entry.started = Some((pid, Timestamp::now()));
                 entry.pre_start_failures = 0;
             }
@@ -253,20 +265,22 @@ impl<K: Key, T> Commands<K, T> {
                     errno,
                 ));
             }
-            Report::Exited(_) | Report::Killed(_) if entry.stopping.is_none() => {
-                // On its own: what it left in its group goes too; the entry stays and its
-                // command starts again after --restart-delay.
-                let status = crate::supervise::stop::status_of(report);
-                label.log_exited(status);
-                entry.ended = Some(status);
-                self.stop(key, kill_signal, After::Restart);
-                return Ok(());
-            }
             // The keeper logged why; its post-stop runs next, and the command is tried again
             // later, 1s doubling up to a minute while its pre-start keeps failing.
             Report::PreStartFailed(code) => {
-                entry.ended.get_or_insert(ChildStatus::Exited(code.max(1)));
                 entry.pre_start_failures = entry.pre_start_failures.saturating_add(1);
+                if entry.stopping.is_none() {
+                    entry.ended = Some(ChildStatus::Exited(code.max(1)));
+                    self.stop(key, kill_signal, After::Restart);
+                    return Ok(());
+                }
+            }
+            Report::Exited(_) | Report::Killed(_) if entry.stopping.is_none() => {
+                // On its own: what it left in its group goes too; the entry stays and its
+                // command starts again after --restart-delay.
+                let status = status_of(report);
+                label.log_exited(status);
+                entry.ended = Some(status);
                 self.stop(key, kill_signal, After::Restart);
                 return Ok(());
             }
@@ -369,6 +383,7 @@ impl<K: Key, T> Commands<K, T> {
                         info!(
                             event = "sitting_out",
                             shard = label.shard,
+                            job = label.job.as_deref(),
                             "trying {} again in {} (--pre-start failed {} time(s) in a row)",
                             label.name(),
                             fmt(sit_out),
@@ -380,6 +395,7 @@ impl<K: Key, T> Commands<K, T> {
                             info!(
                                 event = "restart_delay",
                                 shard = label.shard,
+                                job = label.job.as_deref(),
                                 "starting the command{} again in {} (--restart-delay)",
                                 label.of(),
                                 fmt(self.restart_delay)

@@ -20,8 +20,9 @@ use crate::operate::metrics::LossReason;
 use crate::operate::notify;
 use crate::operate::telemetry::Telemetry;
 use crate::supervise::job::{self, Job};
+use crate::supervise::keeper::Report;
 use crate::supervise::signals::SignalEvent;
-use crate::supervise::stop::{Label, Stop, StopRules};
+use crate::supervise::stop::{Label, Stop, StopRules, status_of};
 
 /// A second TERM or INT sends SIGKILL at once, unless it follows the first this closely.
 pub const REPEAT_WINDOW: Duration = Duration::from_secs(1);
@@ -76,11 +77,6 @@ impl Inbox {
         let event = self.signals.recv().await;
         self.signals_open = event.is_some();
         event
-    }
-
-    /// Whether the signal channel still works (see [`Inbox::next_signal`]).
-    pub fn signals_open(&self) -> bool {
-        self.signals_open
     }
 
     /// What a TERM or INT asks for, given the ones before it; the first is remembered.
@@ -166,6 +162,12 @@ impl Inbox {
                     stop.on_timer(&job, Instant::now());
                 }
                 event = self.next_signal() => match event {
+                    // Nothing more can come (no second TERM, no SIGCHLD): as a TERM.
+                    None if self.shutdown_requested.is_none() => {
+                        self.shutdown_requested = Some(Instant::now());
+                        self.note_shutdown(Signal::SIGTERM, "shutting down once the command has stopped");
+                        stop.retarget(&job, Signal::SIGTERM);
+                    }
                     Some(SignalEvent::Shutdown(received)) => match self.shutdown_signal(received) {
                         Shutdown::First => {
                             self.note_shutdown(received, "shutting down once the command has stopped");
@@ -198,18 +200,19 @@ impl Inbox {
         }
     }
 
-    /// The keeper vanished without the supervisor stopping it (killed from outside): returns
-    /// the command's status once the job is fully gone.
-    pub async fn finish_vanished(&mut self, job: &mut Option<Job>) -> Option<ChildStatus> {
-        if !job.as_ref()?.is_finished() {
-            return None;
-        }
-        let job = job.take()?;
-        // What the keeper left in its group may not be gone: the stop machine waits for it.
-        let stop = Stop::vanished(&job, self.rules, Label::leader());
-        let status = self.drive(job, stop).await;
+    /// The keeper vanished without the supervisor stopping it (killed from outside): how the
+    /// command ended, logged and published. What it left in its group is still to be stopped.
+    pub fn vanished(&mut self, job: &mut Job) -> ChildStatus {
+        let status = job
+            .remaining_reports()
+            .into_iter()
+            .find(|report| matches!(report, Report::Exited(_) | Report::Killed(_)))
+            .map(status_of)
+            .or_else(|| job.keeper_status())
+            .unwrap_or(ChildStatus::Signaled(Signal::SIGKILL));
+        Label::leader().log_exited(status);
         self.telemetry.command_exited(status);
-        Some(status)
+        status
     }
 
     /// Handles a signal while no command runs. Returns true if pgleader should shut down.
@@ -246,12 +249,13 @@ impl Inbox {
 
 /// Passes a signal on to the process group of each job.
 pub fn forward<'a>(signal: Signal, jobs: impl Iterator<Item = &'a Job>) {
-    debug!(
-        event = "forward",
-        signal = signal.as_str(),
-        "passing the signal on to the command"
-    );
     for job in jobs {
+        debug!(
+            event = "forward",
+            signal = signal.as_str(),
+            pgid = job.pgid().as_raw(),
+            "passing the signal on to the command"
+        );
         if let Err(err) = job.signal(signal) {
             warn!(event = "signal_failed", reason = %err, "cannot pass the signal on");
         }

@@ -12,9 +12,10 @@
 //!
 //! [`Stop`] is a state machine that owns no task and no timer: its owner tells it what
 //! happened (a report from the keeper, a timer that came due, a second TERM) and asks it when
-//! its next timer is due and whether the command is wholly gone. The single leader awaits it in
-//! a small loop (`Inbox::stop`); a table of many commands polls one per command from its own
-//! loop (`commands.rs`), so that stopping one never holds up the others.
+//! its next timer is due and whether the command is wholly gone ([`Stop::finish`], asked again
+//! after every event and at every timer). The single leader awaits it in a small loop
+//! (`Inbox::stop`, through `Inbox::drive`); a table of many commands polls one per command from
+//! its own loop (`commands.rs`), so that stopping one never holds up the others.
 
 use std::time::Duration;
 
@@ -47,11 +48,13 @@ pub struct StopRules {
 }
 
 /// Whose command a log line is about: the single leader's (no field, "the command"), or one of
-/// many (a `shard` field, "the command of shard 3").
+/// many (a `shard` field, "the command of shard 3"; a `job` field, "the command of job report").
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Label {
     /// The `shard` field of the log lines, for a shard's command.
     pub shard: Option<u32>,
+    /// The `job` field of the log lines, for a crontab job's command.
+    pub job: Option<String>,
     /// What the command is called among many ("shard 3"); `None` for the single leader's.
     name: Option<String>,
 }
@@ -66,7 +69,17 @@ impl Label {
     pub fn shard(index: u32) -> Label {
         Label {
             shard: Some(index),
+            job: None,
             name: Some(format!("shard {index}")),
+        }
+    }
+
+    /// A crontab job's command.
+    pub fn job(name: &str) -> Label {
+        Label {
+            shard: None,
+            job: Some(name.to_owned()),
+            name: Some(format!("job {name}")),
         }
     }
 
@@ -84,7 +97,7 @@ impl Label {
 
     /// Logs that the command exited, with how.
     pub fn log_exited(&self, status: ChildStatus) {
-        info!(event = "child_exited", shard = self.shard, status = %status, exit_code = status.exit_code(), "the command{} exited", self.of());
+        info!(event = "child_exited", shard = self.shard, job = self.job.as_deref(), status = %status, exit_code = status.exit_code(), "the command{} exited", self.of());
     }
 }
 
@@ -151,6 +164,7 @@ impl Stop {
             info!(
                 event = "stopping",
                 shard = label.shard,
+                job = label.job.as_deref(),
                 pgid,
                 signal = signal.as_str(),
                 "stopping the command{}: {} to its process group",
@@ -197,6 +211,7 @@ impl Stop {
             warn!(
                 event = "kill",
                 shard = self.label.shard,
+                job = self.label.job.as_deref(),
                 pgid = self.pgid,
                 "the command{} did not exit within {} (--kill-timeout); sending SIGKILL to everything it started",
                 self.label.of(),
@@ -207,6 +222,7 @@ impl Stop {
             warn!(
                 event = "kill",
                 shard = self.label.shard,
+                job = self.label.job.as_deref(),
                 pgid = self.pgid,
                 "the keeper{} did not finish; sending SIGKILL to the process group",
                 self.label.of()
@@ -229,6 +245,7 @@ impl Stop {
                 debug!(
                     event = "child_started",
                     shard = self.label.shard,
+                    job = self.label.job.as_deref(),
                     pid,
                     "the command started while being stopped"
                 );
@@ -239,10 +256,15 @@ impl Stop {
                 self.kill_at = None;
                 self.keeper_kill_at = Some(Instant::now() + self.rules.hook_timeout + KEEPER_GRACE);
             }
+            // The keeper logged it; post-stop comes next. The command never ran: its end is
+            // not "exited" (the keeper's own exit status would say 0).
+            Report::PreStartFailed(code) => {
+                self.status.get_or_insert(ChildStatus::Exited(code.max(1)));
+                self.exit_logged = true;
+            }
             // The keeper exits with 126/127 right after; its status stands for the command's.
-            // `Done`: `job.is_finished()` now says so. `PreStartFailed`: the keeper logged it;
-            // post-stop comes next.
-            Report::SpawnFailed(_) | Report::Done(_) | Report::PreStartFailed(_) => {}
+            // `Done`: `job.is_finished()` now says so.
+            Report::SpawnFailed(_) | Report::Done(_) => {}
         }
     }
 
@@ -258,28 +280,31 @@ impl Stop {
     /// A second TERM or INT: SIGKILL to everything at once; once that went, or while
     /// `--post-stop` runs, the keeper ends that too.
     pub fn insist(&mut self, job: &Job, received: Signal) {
-        let ending_all = self.escalated || self.post_stop;
+        let what = if self.post_stop {
+            "killing --post-stop"
+        } else if self.escalated {
+            "SIGKILL was sent already; ending everything now"
+        } else {
+            "sending SIGKILL"
+        };
         warn!(
             event = "kill",
             shard = self.label.shard,
+            job = self.label.job.as_deref(),
             pgid = self.pgid,
             signal = received.as_str(),
-            "second shutdown signal: {}",
-            if ending_all {
-                "killing --post-stop"
-            } else {
-                "sending SIGKILL"
-            }
+            "second shutdown signal: {what}"
         );
-        if ending_all {
+        if self.escalated || self.post_stop {
             let _ = job.abort();
         } else {
             self.escalate(job);
         }
     }
 
-    /// How the command ended once nothing of it is left, else `None` (and the next timer says
-    /// when to ask again).
+    /// How the command ended once nothing of it is left, else `None`: ask again after the next
+    /// event or at the next timer. Without the keeper's word that nothing is left, this is
+    /// where the group is SIGKILLed and the process table read again every 10 ms.
     pub fn finish(&mut self, job: &mut Job, now: Instant) -> Option<ChildStatus> {
         if !job.is_finished() {
             return None;
@@ -303,6 +328,7 @@ impl Stop {
                     warn!(
                         event = "group_alive",
                         shard = self.label.shard,
+                        job = self.label.job.as_deref(),
                         pgid = self.pgid,
                         "{} process(es) of the command's group are still alive after {} (pids {members:?}); sending SIGKILL and waiting before releasing the lock",
                         members.len(),
@@ -320,6 +346,7 @@ impl Stop {
         debug!(
             event = "group_stopped",
             shard = self.label.shard,
+            job = self.label.job.as_deref(),
             pgid = self.pgid,
             "the process group is gone"
         );

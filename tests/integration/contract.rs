@@ -259,7 +259,7 @@ static SERVER_MAJOR: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
 /// No PG* variables, no ~/.pgpass: the URL says everything.
 pub struct NoEnvironment;
 
-impl pgleader::postgres::conninfo::Environment for NoEnvironment {
+impl pgleader::environment::Environment for NoEnvironment {
     fn var(&self, _: &str) -> Option<String> {
         None
     }

@@ -25,6 +25,3 @@ pub use settings::{
     ChannelBinding, ConnSettings, DEFAULT_CONNECT_TIMEOUT, DEFAULT_PORT, DEFAULT_SOCKET_DIR,
     Endpoint, Host, Password, SYSTEM_ROOTS, SslMode, TargetSessionAttrs, TlsSettings,
 };
-
-// Re-exported: callers (and the integration tests) that named it here still do.
-pub use crate::environment::{Environment, ProcessEnvironment};

@@ -647,6 +647,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
             signal,
             "shutting down: stopping every shard's command, then releasing the shards",
         );
+        self.shards.retarget(signal);
         self.shards.stop_all(signal, After::Forget);
     }
 
@@ -655,10 +656,11 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
     /// means the session is in doubt.
     async fn finish_stopped(&mut self, link: &mut Link<B>) -> Result<(), SessionError> {
         let quiet = link.leaving.is_some() || self.inbox.shutdown_requested.is_some();
-        for (index, status, settled) in self.shards.settle(quiet) {
-            if let Some(status) = status {
-                self.inbox.telemetry.shard_command_exited(status);
-            }
+        let settled = self.shards.settle(quiet);
+        for status in settled.iter().filter_map(|(_, status, _)| *status) {
+            self.inbox.telemetry.shard_command_exited(status);
+        }
+        for (index, _, settled) in settled {
             if settled != Settled::Give {
                 continue;
             }

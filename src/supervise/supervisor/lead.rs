@@ -117,7 +117,7 @@ impl<B: Backend> Supervisor<B> {
                 () = self.health.turned_unhealthy() => LeadEvent::Unhealthy,
                 next = shift.next() => LeadEvent::Duty(next),
             };
-            let status = 'exited: {
+            let (status, leftovers) = 'exited: {
                 let (loss, lost_reason) = match event {
                     LeadEvent::Duty(Next::Start(_)) if Instant::now() >= deadline => (
                         LossReason::CheckTimeout,
@@ -278,7 +278,12 @@ impl<B: Backend> Supervisor<B> {
                             .await;
                         return Ok(Led::Unhealthy(status));
                     }
-                    LeadEvent::Signal(Some(SignalEvent::Shutdown(signal))) => {
+                    // A closed signal channel (nothing more can come) counts as a TERM.
+                    LeadEvent::Signal(event @ (Some(SignalEvent::Shutdown(_)) | None)) => {
+                        let signal = match event {
+                            Some(SignalEvent::Shutdown(signal)) => signal,
+                            _ => Signal::SIGTERM,
+                        };
                         self.inbox.begin_shutdown(
                             signal,
                             "shutting down: stopping the command, then releasing the lock",
@@ -294,9 +299,12 @@ impl<B: Backend> Supervisor<B> {
                     LeadEvent::Signal(event) => {
                         // A keeper killed from outside: the command is gone with it.
                         if self.inbox.handle_signal(event, job.as_mut())
-                            && let Some(status) = self.inbox.finish_vanished(&mut job).await
+                            && let Some(mut vanished) = job.take_if(|job| job.is_finished())
                         {
-                            break 'exited status;
+                            let status = self.inbox.vanished(&mut vanished);
+                            // Whatever it left in its group is SIGKILLed: no keeper is left to
+                            // stop it gracefully.
+                            break 'exited (status, Some((vanished, Signal::SIGKILL)));
                         }
                         continue 'leading;
                     }
@@ -351,13 +359,8 @@ impl<B: Backend> Supervisor<B> {
                         let status = status_of(report);
                         Label::leader().log_exited(status);
                         self.inbox.telemetry.command_exited(status);
-                        // Whatever the command left behind in its process group goes too, before
-                        // the lock is released.
-                        if let Some(job) = job.take() {
-                            let kill_signal = self.settings.kill_signal;
-                            self.inbox.stop(job, kill_signal, Some(status)).await;
-                        }
-                        break 'exited status;
+                        let kill_signal = self.settings.kill_signal;
+                        break 'exited (status, job.take().map(|job| (job, kill_signal)));
                     }
                 };
                 warn!(event = "leadership_lost", lock = %lock, reason = %lost_reason, "leadership lost");
@@ -389,7 +392,7 @@ impl<B: Backend> Supervisor<B> {
                 }
                 return Ok(Led::Lost { status });
             };
-            // The command exited on its own, and nothing of it is left.
+            // The command exited on its own.
             let scheduled = shift.is_scheduled();
             if !scheduled {
                 self.inbox.telemetry.leadership_lost(
@@ -402,11 +405,21 @@ impl<B: Backend> Supervisor<B> {
             } else {
                 format!("the command exited ({status}); releasing the lock")
             });
+            // Whatever it left behind in its process group goes too, before the lock is
+            // released or the next occurrence runs.
+            if let Some((job, signal)) = leftovers {
+                self.inbox.stop(job, signal, Some(status)).await;
+            }
             // A scheduled leader keeps the lock between runs, and parks a fresh keeper for the
-            // next occurrence.
+            // next occurrence; unless a TERM came while the leftovers were being stopped.
             if !shift.exited(status) {
                 self.release(session).await;
                 return Ok(Led::Exited(status));
+            }
+            if self.inbox.shutdown_requested.is_some() {
+                self.step_down(None, &mut shift, session, None, Leave::Release)
+                    .await;
+                return Ok(Led::Shutdown(None));
             }
             last_status = Some(status);
             // The stop (what the run left, its --post-stop) held no checks.
