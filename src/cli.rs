@@ -3,6 +3,7 @@
 
 use std::ffi::OsString;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::builder::BoolishValueParser;
@@ -70,6 +71,10 @@ pub enum Command {
     /// follower, so that the next waiting replica takes over; print who led and who leads now
     #[command(after_help = AFTER_HELP)]
     StepDown(StepDownArgs),
+    /// Read a crontab (as supercronic and cron read it) for running across the fleet, each
+    /// occurrence of each job once; so far, --check it: running it is not built yet
+    #[command(after_help = AFTER_HELP)]
+    Cron(CronArgs),
 }
 
 /// Global: accepted before or after the subcommand, and listed under their own heading so that
@@ -428,6 +433,33 @@ pub struct StatusArgs {
     /// time its holder or its waiters change, until interrupted
     #[arg(long)]
     pub watch: bool,
+}
+
+/// `pgleader cron`.
+#[derive(Debug, Args)]
+pub struct CronArgs {
+    /// The crontab: five-field lines (six or seven with a year, seconds first in seven, as
+    /// supercronic reads them), @hourly and its kind, @every DURATION, NAME=value lines
+    /// (CRON_TZ= sets the zone of the jobs below it, SHELL= their shell), and per-job options in
+    /// a comment above a job: # pgleader: name=NAME overlap=skip|allow|replace catch-up=1h
+    /// timeout=30m
+    #[arg(value_name = "CRONTAB")]
+    pub crontab: PathBuf,
+
+    /// Read and check the crontab without connecting; print each job (name, schedule, zone,
+    /// command, options) with its next occurrences; exit 0, or 2 naming the file, the line and
+    /// what is wrong
+    #[arg(long)]
+    pub check: bool,
+
+    /// With --check: list the occurrences after this instant (RFC 3339, such as
+    /// 2027-03-27T12:00:00Z) rather than after now
+    #[arg(long, value_name = "TIME", requires = "check")]
+    pub from: Option<String>,
+
+    /// With --check: how many occurrences to list for each job
+    #[arg(long, value_name = "COUNT", default_value_t = 3, requires = "check")]
+    pub next: usize,
 }
 
 /// `pgleader step-down`. The request travels through the lock's own server: whoever may

@@ -4,6 +4,7 @@
 //! which publishes into them, and above `election/` and `schedule/`: `status` and `status
 //! --watch` read any backend through the election's `Observer`, never a backend's own types.
 
+pub mod crontab_check;
 pub mod docs;
 pub mod http;
 pub mod logging;

@@ -43,19 +43,40 @@ fn zones() -> &'static TimeZoneDatabase {
     ZONES.get_or_init(TimeZoneDatabase::bundled)
 }
 
+/// A time zone by its IANA name (`Europe/Paris`, or `UTC`), from the tz database compiled into
+/// pgleader.
+pub fn zone(name: &str) -> Result<TimeZone, String> {
+    zones().get(name.trim()).map_err(|_| {
+        format!(
+            "unknown time zone {:?} (expected an IANA name such as UTC, Europe/Paris or America/New_York)",
+            name.trim()
+        )
+    })
+}
+
 impl Schedule {
     /// Parses a cron expression (five fields, six with seconds first, or `@hourly`, `@daily`,
     /// `@weekly`, `@monthly`, `@yearly`) read in `timezone` (an IANA name such as
     /// `Europe/Paris`, or `UTC`).
     pub fn parse(expression: &str, timezone: &str) -> Result<Schedule, String> {
-        let timezone = zones().get(timezone.trim()).map_err(|_| {
-            format!(
-                "unknown time zone {:?} (expected an IANA name such as UTC, Europe/Paris or America/New_York)",
-                timezone.trim()
-            )
-        })?;
+        let timezone = zone(timezone)?;
+        Schedule::from_canonical(canonical(expression)?, timezone)
+    }
+
+    /// A crontab line's schedule, as `crontab.rs` read it: seven fields, seconds first and
+    /// year last (a year of `*` leaves the canonical form at six fields, as `--schedule`'s).
+    pub fn from_crontab_fields(fields: [&str; 7], timezone: TimeZone) -> Result<Schedule, String> {
+        let fields = match fields {
+            [seconds, minute, hour, day, month, weekday, "*"] => {
+                vec![seconds, minute, hour, day, month, weekday]
+            }
+            all => all.to_vec(),
+        };
+        Schedule::from_canonical(fields.join(" ").to_ascii_uppercase(), timezone)
+    }
+
+    fn from_canonical(expression: String, timezone: TimeZone) -> Result<Schedule, String> {
         let zone_name = timezone.iana_name().unwrap_or("UTC").to_owned();
-        let expression = canonical(expression)?;
         let cron = CronParser::builder()
             .seconds(Seconds::Required)
             .build()
@@ -75,7 +96,8 @@ impl Schedule {
         Ok(schedule)
     }
 
-    /// The canonical expression: six fields, seconds first.
+    /// The canonical expression: six fields, seconds first (seven, year last, for a crontab
+    /// line that names years).
     pub fn expression(&self) -> &str {
         &self.expression
     }
@@ -112,7 +134,7 @@ impl Schedule {
     }
 
     /// An instant on this schedule's wall clock.
-    fn local(&self, at: Timestamp) -> Option<Zoned> {
+    pub fn local(&self, at: Timestamp) -> Option<Zoned> {
         Some(at.to_zoned(self.timezone.clone()))
     }
 

@@ -12,6 +12,7 @@
 pub mod agreement;
 pub mod calendar;
 pub mod clock;
+pub mod crontab;
 pub mod report;
 pub mod runs;
 

@@ -1,0 +1,70 @@
+//! `pgleader cron --check`: a crontab as pgleader reads it, job by job, with the next
+//! occurrences of each in its own zone, so that a file can be checked (in CI, in a Dockerfile's
+//! build) before any replica runs it, and a daylight-saving night can be looked at in advance.
+
+use std::fmt::Write;
+
+use jiff::Timestamp;
+
+use crate::schedule::crontab::{CronJob, Crontab, When};
+use crate::time::for_people as fmt;
+
+/// The report: a line for the file, then a paragraph for each job.
+pub fn report(crontab: &Crontab, from: Timestamp, count: usize) -> String {
+    let mut out = String::new();
+    let jobs = crontab.jobs.len();
+    let _ = writeln!(
+        out,
+        "{}: {jobs} job{}",
+        crontab.path.display(),
+        if jobs == 1 { "" } else { "s" }
+    );
+    for job in &crontab.jobs {
+        let _ = writeln!(out, "\n{} (line {})", job.name, job.line);
+        let _ = writeln!(out, "  schedule  {}", schedule(job));
+        let _ = writeln!(out, "  command   {} -c {:?}", job.shell, job.command);
+        let _ = writeln!(
+            out,
+            "  options   overlap={} catch-up={} timeout={}",
+            job.overlap.as_str(),
+            fmt(job.catch_up),
+            job.timeout
+                .map_or_else(|| "none".to_owned(), |timeout| fmt(timeout).to_string())
+        );
+        for (index, at) in occurrences(job, from, count).into_iter().enumerate() {
+            let label = if index == 0 { "  next" } else { "" };
+            let _ = writeln!(out, "{label:<12}{at}");
+        }
+    }
+    out
+}
+
+fn schedule(job: &CronJob) -> String {
+    match &job.when {
+        When::Cron(schedule) => format!(
+            "{} in {} (seconds first)",
+            schedule.expression(),
+            schedule.timezone()
+        ),
+        When::Every(every) => format!("@every {} (from the Unix epoch, UTC)", fmt(*every)),
+    }
+}
+
+/// The next `count` occurrences after `from`, as the wall clock of the job's zone shows them.
+fn occurrences(job: &CronJob, from: Timestamp, count: usize) -> Vec<String> {
+    let mut found = Vec::new();
+    let mut at = from;
+    while found.len() < count {
+        let Some(next) = job.when.next_after(at) else {
+            break;
+        };
+        let wall_clock = match &job.when {
+            When::Cron(schedule) => schedule.local(next),
+            When::Every(_) => None,
+        }
+        .unwrap_or_else(|| next.to_zoned(jiff::tz::TimeZone::UTC));
+        found.push(wall_clock.strftime("%Y-%m-%d %H:%M:%S %:z").to_string());
+        at = next;
+    }
+    found
+}
