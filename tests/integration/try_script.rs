@@ -14,8 +14,8 @@ use crate::examples::readme_first_block;
 use crate::harness::{Proc, WAIT, is_running, poll_until, require_tool, unique_lock};
 
 /// README's `scripts/try` with `args`, in a temporary directory of its own (which the cluster's
-/// user can enter), from a clean environment.
-fn start(name: &str, args: &[&str]) -> (Proc, PathBuf) {
+/// user can enter), from a clean environment and `env`.
+fn start(name: &str, args: &[&str], env: &[(&str, &str)]) -> (Proc, PathBuf) {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let block = readme_first_block();
     let words: Vec<&str> = block[0].split_whitespace().collect();
@@ -34,6 +34,7 @@ fn start(name: &str, args: &[&str]) -> (Proc, PathBuf) {
             std::env::var_os("PATH").unwrap_or_else(|| "/usr/bin:/bin".into()),
         )
         .env("TMPDIR", &tmp)
+        .envs(env.iter().copied())
         .args(&words[1..])
         .args(args)
         .args(["--binary", env!("CARGO_BIN_EXE_pgleader")]);
@@ -123,7 +124,9 @@ fn replica_in(run: &Proc, needle: &str) -> String {
 /// Runs the script to its end: one replica leads, another takes over after the kill -9 and
 /// the script says how long it took; nothing of the run is left.
 fn leads_takes_over_and_leaves_nothing(args: &[&str]) {
-    let (run, tmp) = start("scripts/try", args);
+    // As everywhere in the suite (harness::clean): the server is seconds old, and the first
+    // leader need not wait out the restart fence here.
+    let (run, tmp) = start("scripts/try", args, &[("PGLEADER_RESTART_FENCE", "0")]);
     let killed = replica_in(&run, ", the leader)");
     let took_over = run.wait_stdout("took over: its command started");
     let processes = processes_of(run.pid.as_raw(), &tmp);
@@ -164,7 +167,9 @@ fn the_try_script_does_the_same_on_redis() {
 
 #[test]
 fn the_try_script_interrupted_midway_leaves_nothing_behind() {
-    let (run, tmp) = start("scripts/try", &[]);
+    // With the restart fence, as a newcomer runs it: the first leader waits it out, seconds in
+    // which the script is surely midway.
+    let (run, tmp) = start("scripts/try", &[], &[]);
     run.wait_stdout("three replicas of the demo");
     // Interrupted while the three replicas run, once each has connected.
     let processes = poll_until(
