@@ -1,4 +1,5 @@
-//! The examples work as written: README's first lines; the systemd unit passes
+//! The examples work as written: README's first block is the scripts (`try_script.rs` runs
+//! the first) and .ci/run tests the way it says; the systemd unit passes
 //! `systemd-analyze verify` and its `SuccessExitStatus` is what pgleader exits with after a
 //! stop; the Docker image's entrypoint and command, run as Docker would run them, lead, follow
 //! and stop cleanly (the release tests, `tests/release`, build and run the image itself with
@@ -8,6 +9,7 @@
 //! HAProxy run on loopback).
 
 use std::fs;
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -270,46 +272,81 @@ fn the_docker_images_entrypoint_leads_follows_and_stops_cleanly() {
     b.terminate_cleanly();
 }
 
-#[test]
-fn the_readmes_first_lines_install_run_and_test_as_written() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let readme = read(&root.join("README.md"));
-    let block: Vec<&str> = readme
+/// README's first block: its commands, without their comments.
+pub fn readme_first_block() -> Vec<String> {
+    let readme = read(&Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md"));
+    readme
         .split("```sh\n")
         .nth(1)
         .and_then(|rest| rest.split("```").next())
         .expect("a sh block in README.md")
         .lines()
-        .map(|line| line.split(" #").next().unwrap_or_default().trim())
-        .collect();
-    assert_eq!(block.len(), 3, "{block:?}");
-    // The install and test lines are what .ci/run (and a fresh clone) runs.
-    assert_eq!(block[0], "cargo install --locked --path .");
-    assert_eq!(block[2], "cargo test --locked");
-    let words: Vec<&str> = block[1].split_whitespace().collect();
-    assert_eq!(words[0], "pgleader", "{block:?}");
+        .map(|line| {
+            line.split(" #")
+                .next()
+                .unwrap_or_default()
+                .trim()
+                .to_owned()
+        })
+        .collect()
+}
 
-    // The run line, from a clone's root, with the binary `cargo install` would install and a
-    // local server found the way psql finds it (here through PG* variables).
-    let cluster = Cluster::shared();
-    let lock = format!("nightly-report-{}", unique_lock());
-    let mut command = pgleader();
-    command
-        .current_dir(root)
-        .env("PGHOST", "127.0.0.1")
-        .env("PGPORT", cluster.port.to_string())
-        .env("PGUSER", "postgres")
-        .env("PGDATABASE", "postgres")
-        .args(words[1..].iter().map(|word| {
-            if *word == "nightly-report" {
-                lock.as_str()
-            } else {
-                word
+#[test]
+fn the_readmes_first_block_is_the_scripts_and_ci_runs_its_test_command() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    // See it work, then pass the tests (try_script.rs runs the first).
+    let block = readme_first_block();
+    assert_eq!(block, ["scripts/try", "scripts/test"]);
+    for script in &block {
+        let mode = fs::metadata(root.join(script))
+            .unwrap_or_else(|err| panic!("{script}: {err}"))
+            .permissions()
+            .mode();
+        assert!(mode & 0o111 != 0, "{script} is not executable");
+    }
+    // .ci/run tests the way README says, and otherwise runs only the release's own tests.
+    let ci = read(&root.join(".ci/run"));
+    let tests: Vec<&str> = ci
+        .lines()
+        .map(str::trim)
+        .filter(|line| !line.starts_with('#'))
+        .filter(|line| line.contains("cargo test") || line.contains("scripts/test"))
+        .collect();
+    assert_eq!(
+        tests,
+        [
+            "timed scripts/test",
+            "timed cargo test --locked --test release"
+        ]
+    );
+    // scripts/test runs `cargo test --locked` once what it needs is there: every tool a test
+    // requires is on its list.
+    let test = read(&root.join("scripts/test"));
+    assert_eq!(
+        test.lines().rev().find(|line| !line.is_empty()),
+        Some(r#"cargo test --locked "$@""#)
+    );
+    for file in fs::read_dir(root.join("tests/integration")).expect("read tests/integration") {
+        let path = file.expect("an entry").path();
+        if path.extension().is_none_or(|ext| ext != "rs") {
+            continue;
+        }
+        for call in read(&path).split("require_tool(").skip(1) {
+            let Some(tool) = call.trim_start().strip_prefix('"') else {
+                continue;
+            };
+            let tool = tool.split('"').next().unwrap_or_default();
+            // (This file's own search for the calls is no call.)
+            if !tool.chars().all(|c| c.is_ascii_alphanumeric() || c == '-') {
+                continue;
             }
-        }));
-    let run = Proc::spawn("README's run line", command);
-    run.wait_stdout(&format!("nightly-report: leading (lock {lock}"));
-    run.terminate_cleanly();
+            assert!(
+                test.contains(&format!(" {tool}")),
+                "{} requires {tool}, which scripts/test does not install",
+                path.display()
+            );
+        }
+    }
 }
 
 /// The documents of a Kubernetes manifest.

@@ -29,5 +29,6 @@ mod shards;
 mod signals;
 mod step_down;
 mod tls;
+mod try_script;
 mod usage;
 mod versions;

@@ -399,6 +399,70 @@ fn an_unreachable_database_is_retried_with_backoff_until_shutdown() {
 }
 
 #[test]
+fn the_first_line_where_nothing_listens_says_where_it_looked_and_how_to_look_elsewhere() {
+    // Nothing listens on port 1, nor in a socket directory that does not exist.
+    let missing = std::env::temp_dir().join(format!("pgleader-no-server-{}", unique_lock()));
+    let socket = missing.display().to_string();
+    let cases: [(&[(&str, &str)], String); 4] = [
+        (
+            &[("PGHOST", "127.0.0.1"), ("PGPORT", "1"), ("PGUSER", "app")],
+            "app@127.0.0.1:1/app".to_owned(),
+        ),
+        (
+            &[("PGHOST", &socket), ("PGUSER", "app")],
+            format!("app@{socket}/.s.PGSQL.5432/app"),
+        ),
+        (
+            &[(
+                "PGLEADER_DATABASE_URL",
+                "postgres://app:s3cret-pw@127.0.0.1:1/appdb",
+            )],
+            "app@127.0.0.1:1/appdb".to_owned(),
+        ),
+        (
+            &[("PGLEADER_DATABASE_URL", "redis://app:s3cret-pw@127.0.0.1:1")],
+            "redis://app@127.0.0.1:1".to_owned(),
+        ),
+    ];
+    for (env, looked) in cases {
+        let mut command = pgleader();
+        command
+            .envs(env.iter().copied())
+            .args(["run", "--lock", "nothing-listens", "--", "true"]);
+        let process = Proc::spawn("nothing listens", command);
+        process.wait_for_nth(
+            crate::harness::Stream::Stderr,
+            "cannot connect; retrying",
+            3,
+        );
+        process.signal(nix::sys::signal::Signal::SIGTERM);
+        let (_, _, stderr) = process.finish();
+        let failures: Vec<&String> = stderr
+            .iter()
+            .filter(|line| line.contains("cannot connect; retrying"))
+            .collect();
+        assert!(
+            failures[0].contains(&format!(
+                "; nothing listens at {looked}: to connect elsewhere, give -d URL or set \
+                 PGLEADER_DATABASE_URL (PostgreSQL also reads PGHOST, PGPORT, PGUSER and \
+                 PGDATABASE, as psql does) server="
+            )),
+            "{}",
+            process.dump()
+        );
+        // Said once: the retries stay one short line each.
+        assert!(
+            failures[1..]
+                .iter()
+                .all(|line| !line.contains("nothing listens")),
+            "{}",
+            process.dump()
+        );
+        assert!(!stderr.join("\n").contains("s3cret"), "{}", process.dump());
+    }
+}
+
+#[test]
 fn psql_style_environment_variables_are_honoured() {
     let cluster = Cluster::shared();
     let mut command = pgleader();
