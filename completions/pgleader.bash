@@ -16,6 +16,9 @@ _pgleader() {
             ",$1")
                 cmd="pgleader"
                 ;;
+            pgleader,cron)
+                cmd="pgleader__subcmd__cron"
+                ;;
             pgleader,help)
                 cmd="pgleader__subcmd__help"
                 ;;
@@ -27,6 +30,9 @@ _pgleader() {
                 ;;
             pgleader,step-down)
                 cmd="pgleader__subcmd__step__subcmd__down"
+                ;;
+            pgleader__subcmd__help,cron)
+                cmd="pgleader__subcmd__help__subcmd__cron"
                 ;;
             pgleader__subcmd__help,help)
                 cmd="pgleader__subcmd__help__subcmd__help"
@@ -47,7 +53,7 @@ _pgleader() {
 
     case "${cmd}" in
         pgleader)
-            opts="-v -q -h -V --log-format --verbose --quiet --help --version run status step-down help"
+            opts="-v -q -h -V --log-format --verbose --quiet --help --version run status step-down cron help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 1 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -64,9 +70,49 @@ _pgleader() {
             COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
             return 0
             ;;
-        pgleader__subcmd__help)
-            opts="run status step-down help"
+        pgleader__subcmd__cron)
+            opts="-v -q -h -V --check --from --next --log-format --verbose --quiet --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                --from)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --next)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --log-format)
+                    COMPREPLY=($(compgen -W "text json" -- "${cur}"))
+                    return 0
+                    ;;
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        pgleader__subcmd__help)
+            opts="run status step-down cron help"
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        pgleader__subcmd__help__subcmd__cron)
+            opts=""
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
             fi

@@ -33,6 +33,7 @@ complete -c pgleader -n "__fish_pgleader_needs_command" -s V -l version -d 'Prin
 complete -c pgleader -n "__fish_pgleader_needs_command" -f -a "run" -d 'Run a command while, and only while, this instance holds the lock'
 complete -c pgleader -n "__fish_pgleader_needs_command" -f -a "status" -d 'Show who holds the lock and who waits for it (sharded: who holds which shard)'
 complete -c pgleader -n "__fish_pgleader_needs_command" -f -a "step-down" -d 'Ask the leader to stop its command gracefully, release the lock and stay on as a follower, so that the next waiting replica takes over; print who led and who leads now'
+complete -c pgleader -n "__fish_pgleader_needs_command" -f -a "cron" -d 'Read a crontab (as supercronic and cron read it) for running across the fleet, each occurrence of each job once; so far, --check it: running it is not built yet'
 complete -c pgleader -n "__fish_pgleader_needs_command" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
 complete -c pgleader -n "__fish_pgleader_using_subcommand run" -l lock-id -d 'The lock\'s key: a signed 64-bit integer, as pg_advisory_lock(bigint) takes it (on Redis: the key pgleader:{ID}) [env: PGLEADER_LOCK_ID]' -r
 complete -c pgleader -n "__fish_pgleader_using_subcommand run" -l lock -d 'The lock\'s name, hashed to a key with PostgreSQL\'s hashtextextended(NAME, 0) (on Redis: the key pgleader:{NAME}) [env: PGLEADER_LOCK]' -r
@@ -95,7 +96,17 @@ complete -c pgleader -n "__fish_pgleader_using_subcommand step-down" -s v -l ver
 complete -c pgleader -n "__fish_pgleader_using_subcommand step-down" -s q -l quiet -d 'Log less: -q only warnings and errors, -qq only errors'
 complete -c pgleader -n "__fish_pgleader_using_subcommand step-down" -s h -l help -d 'Print help'
 complete -c pgleader -n "__fish_pgleader_using_subcommand step-down" -s V -l version -d 'Print version'
-complete -c pgleader -n "__fish_pgleader_using_subcommand help; and not __fish_seen_subcommand_from run status step-down help" -f -a "run" -d 'Run a command while, and only while, this instance holds the lock'
-complete -c pgleader -n "__fish_pgleader_using_subcommand help; and not __fish_seen_subcommand_from run status step-down help" -f -a "status" -d 'Show who holds the lock and who waits for it (sharded: who holds which shard)'
-complete -c pgleader -n "__fish_pgleader_using_subcommand help; and not __fish_seen_subcommand_from run status step-down help" -f -a "step-down" -d 'Ask the leader to stop its command gracefully, release the lock and stay on as a follower, so that the next waiting replica takes over; print who led and who leads now'
-complete -c pgleader -n "__fish_pgleader_using_subcommand help; and not __fish_seen_subcommand_from run status step-down help" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
+complete -c pgleader -n "__fish_pgleader_using_subcommand cron" -l from -d 'With --check: list the occurrences after this instant (RFC 3339, such as 2027-03-27T12:00:00Z) rather than after now' -r
+complete -c pgleader -n "__fish_pgleader_using_subcommand cron" -l next -d 'With --check: how many occurrences to list for each job' -r
+complete -c pgleader -n "__fish_pgleader_using_subcommand cron" -l log-format -d 'Log format: one line of text per event, or one JSON object per line' -r -f -a "text\t''
+json\t''"
+complete -c pgleader -n "__fish_pgleader_using_subcommand cron" -l check -d 'Read and check the crontab without connecting; print each job (name, schedule, zone, command, options) with its next occurrences; exit 0, or 2 naming the file, the line and what is wrong'
+complete -c pgleader -n "__fish_pgleader_using_subcommand cron" -s v -l verbose -d 'Log more: -v adds debug details (every check, every reaped process), -vv everything'
+complete -c pgleader -n "__fish_pgleader_using_subcommand cron" -s q -l quiet -d 'Log less: -q only warnings and errors, -qq only errors'
+complete -c pgleader -n "__fish_pgleader_using_subcommand cron" -s h -l help -d 'Print help'
+complete -c pgleader -n "__fish_pgleader_using_subcommand cron" -s V -l version -d 'Print version'
+complete -c pgleader -n "__fish_pgleader_using_subcommand help; and not __fish_seen_subcommand_from run status step-down cron help" -f -a "run" -d 'Run a command while, and only while, this instance holds the lock'
+complete -c pgleader -n "__fish_pgleader_using_subcommand help; and not __fish_seen_subcommand_from run status step-down cron help" -f -a "status" -d 'Show who holds the lock and who waits for it (sharded: who holds which shard)'
+complete -c pgleader -n "__fish_pgleader_using_subcommand help; and not __fish_seen_subcommand_from run status step-down cron help" -f -a "step-down" -d 'Ask the leader to stop its command gracefully, release the lock and stay on as a follower, so that the next waiting replica takes over; print who led and who leads now'
+complete -c pgleader -n "__fish_pgleader_using_subcommand help; and not __fish_seen_subcommand_from run status step-down cron help" -f -a "cron" -d 'Read a crontab (as supercronic and cron read it) for running across the fleet, each occurrence of each job once; so far, --check it: running it is not built yet'
+complete -c pgleader -n "__fish_pgleader_using_subcommand help; and not __fish_seen_subcommand_from run status step-down cron help" -f -a "help" -d 'Print this message or the help of the given subcommand(s)'
