@@ -69,6 +69,31 @@ pub enum ConnectError {
     Conflict(String),
 }
 
+impl ConnectError {
+    /// Whether the attempt found nothing listening: refused, or no socket file. A transient
+    /// error carries the OS error in its text (`... (os error 111)`).
+    pub fn nothing_listens(&self) -> bool {
+        let reason = self.to_string();
+        [libc::ECONNREFUSED, libc::ENOENT]
+            .iter()
+            .any(|code| reason.contains(&format!("(os error {code})")))
+    }
+}
+
+/// What the first "cannot connect" line adds when nothing listens at `server` and nothing was
+/// ever reached: most likely the wrong place (a new machine without a server), and how to
+/// point pgleader elsewhere. Empty otherwise.
+pub fn elsewhere_hint(err: &ConnectError, first: bool, server: &str) -> String {
+    if !first || !err.nothing_listens() {
+        return String::new();
+    }
+    format!(
+        "; nothing listens at {server}: to connect elsewhere, give -d URL or set \
+         PGLEADER_DATABASE_URL (PostgreSQL also reads PGHOST, PGPORT, PGUSER and PGDATABASE, as \
+         psql does)"
+    )
+}
+
 /// A failure on an established session.
 #[derive(Debug, Error)]
 pub enum SessionError {

@@ -424,22 +424,28 @@ fn the_first_line_where_nothing_listens_says_where_it_looked_and_how_to_look_els
             "redis://app@127.0.0.1:1".to_owned(),
         ),
     ];
-    for (env, looked) in cases {
+    // A single leader's line, and a sharded replica's.
+    let runs: [(&[&str], &str); 2] = [
+        (&[], "cannot connect; retrying"),
+        (&["--shards", "2"], "cannot join; retrying"),
+    ];
+    for ((env, looked), (extra, retrying)) in cases
+        .iter()
+        .flat_map(|case| runs.iter().map(move |run| (case, run)))
+    {
         let mut command = pgleader();
         command
             .envs(env.iter().copied())
-            .args(["run", "--lock", "nothing-listens", "--", "true"]);
+            .args(["run", "--lock", "nothing-listens"])
+            .args(*extra)
+            .args(["--", "true"]);
         let process = Proc::spawn("nothing listens", command);
-        process.wait_for_nth(
-            crate::harness::Stream::Stderr,
-            "cannot connect; retrying",
-            3,
-        );
+        process.wait_for_nth(crate::harness::Stream::Stderr, retrying, 3);
         process.signal(nix::sys::signal::Signal::SIGTERM);
         let (_, _, stderr) = process.finish();
         let failures: Vec<&String> = stderr
             .iter()
-            .filter(|line| line.contains("cannot connect; retrying"))
+            .filter(|line| line.contains(retrying))
             .collect();
         assert!(
             failures[0].contains(&format!(

@@ -39,7 +39,7 @@ use tracing::{debug, info, warn};
 
 use crate::election::backoff::Backoff;
 use crate::election::shards::{Holder, HolderEvent, JoinError, Seen, ShardBackend, Watcher};
-use crate::election::{ConnectError, SessionError};
+use crate::election::{ConnectError, SessionError, elsewhere_hint};
 use crate::exit::Outcome;
 use crate::operate::metrics::LossReason;
 use crate::operate::notify;
@@ -202,10 +202,17 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                 Err(JoinError::Session(err @ SessionError::Unsafe(_))) => return Err(err.into()),
                 Err(err) => err,
             };
+            // Said once, in the first line (see `elsewhere_hint`).
+            let elsewhere = match &err {
+                JoinError::Connect(connect) => {
+                    elsewhere_hint(connect, self.last_disturbance.is_none(), &server)
+                }
+                _ => String::new(),
+            };
             self.last_disturbance = Some(Instant::now());
             let delay = self.backoff.next_delay();
             self.inbox.telemetry.connect_failed(&err.to_string(), delay);
-            warn!(event = "connect_failed", server = %server, reason = %err, "cannot join; retrying in {}", fmt(delay));
+            warn!(event = "connect_failed", server = %server, reason = %err, "cannot join; retrying in {}{elsewhere}", fmt(delay));
             if !self.inbox.pause(delay).await {
                 return Ok(None);
             }

@@ -6,7 +6,7 @@ use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
 use super::{Acquired, STABLE_SESSION, Supervisor, WaitEvent};
-use crate::election::{Backend, ConnectError, Session, SessionError};
+use crate::election::{Backend, ConnectError, Session, SessionError, elsewhere_hint};
 use crate::operate::notify;
 use crate::time::for_people as fmt;
 
@@ -64,17 +64,9 @@ impl<B: Backend> Supervisor<B> {
                     );
                 }
                 err => {
-                    // Nothing listens, and never a disturbance before: most likely the wrong
-                    // place (a new machine without a server). Said once, in the first line.
-                    let elsewhere = if self.last_disturbance.is_none() && nothing_listens(&err) {
-                        format!(
-                            "; nothing listens at {server}: to connect elsewhere, give -d URL or set \
-                             PGLEADER_DATABASE_URL (PostgreSQL also reads PGHOST, PGPORT, PGUSER and \
-                             PGDATABASE, as psql does)"
-                        )
-                    } else {
-                        String::new()
-                    };
+                    // Said once, in the first line.
+                    let first = self.last_disturbance.is_none();
+                    let elsewhere = elsewhere_hint(&err, first, &server);
                     self.last_disturbance = Some(Instant::now());
                     let delay = self.backoff.next_delay();
                     self.inbox.telemetry.connect_failed(&err.to_string(), delay);
@@ -178,13 +170,4 @@ impl<B: Backend> Supervisor<B> {
             }
         }
     }
-}
-
-/// Whether a connection attempt found nothing listening: refused, or no socket file. A
-/// transient error carries the OS error in its text (`... (os error 111)`).
-fn nothing_listens(err: &ConnectError) -> bool {
-    let reason = err.to_string();
-    [libc::ECONNREFUSED, libc::ENOENT]
-        .iter()
-        .any(|code| reason.contains(&format!("(os error {code})")))
 }
