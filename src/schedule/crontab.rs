@@ -70,6 +70,63 @@ pub struct CronJob {
     pub timeout: Option<Duration>,
 }
 
+impl CronJob {
+    /// Eight hex digits that identify the job's definition: its schedule and zone, command,
+    /// shell, environment and options; not its name nor its line. Replicas whose files define
+    /// a job alike agree on it, and one that differs (a rolling deploy half done) shows.
+    pub fn fingerprint(&self) -> String {
+        let mut text = format!(
+            "{}\u{1f}{}\u{1f}{}\u{1f}{}\u{1f}{}\u{1f}{:?}",
+            self.when,
+            self.command,
+            self.shell,
+            self.overlap.as_str(),
+            self.catch_up.as_secs(),
+            self.timeout.map(|timeout| timeout.as_secs())
+        );
+        for (name, value) in &self.env {
+            text.push_str(&format!("\u{1f}{name}={value}"));
+        }
+        calendar::fingerprint_of(&text, "")
+    }
+}
+
+/// How a reread crontab differs from the one before, job by job (by name).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Changes {
+    /// Jobs the new file has and the old one did not: they start.
+    pub added: Vec<String>,
+    /// Jobs the old file had and the new one does not: no longer scheduled (a run in progress
+    /// finishes).
+    pub removed: Vec<String>,
+    /// Jobs in both whose definition changed: the next occurrence follows the new one.
+    pub changed: Vec<String>,
+    /// Jobs in both, defined alike (their line may have moved): their runs are not touched.
+    pub unchanged: Vec<String>,
+}
+
+impl Changes {
+    /// Compares two readings of a crontab.
+    pub fn between(old: &Crontab, new: &Crontab) -> Changes {
+        let mut changes = Changes::default();
+        for job in &new.jobs {
+            match old.jobs.iter().find(|before| before.name == job.name) {
+                None => changes.added.push(job.name.clone()),
+                Some(before) if before.fingerprint() != job.fingerprint() => {
+                    changes.changed.push(job.name.clone());
+                }
+                Some(_) => changes.unchanged.push(job.name.clone()),
+            }
+        }
+        for job in &old.jobs {
+            if !new.jobs.iter().any(|after| after.name == job.name) {
+                changes.removed.push(job.name.clone());
+            }
+        }
+        changes
+    }
+}
+
 /// When a job runs.
 #[derive(Clone, Debug, PartialEq)]
 pub enum When {
@@ -628,6 +685,37 @@ mod tests {
         let named = name_from_command(&long);
         assert!(named.len() <= 57 && named.starts_with("xxx"), "{named}");
         assert_ne!(name_from_command("echo A"), name_from_command("echo a"));
+    }
+
+    #[test]
+    fn a_reread_file_tells_added_removed_changed_and_unchanged_jobs_apart() {
+        let old = parse(
+            "# pgleader: name=stays\n0 3 * * * a\n\
+             # pgleader: name=moves\n0 4 * * * b\n\
+             # pgleader: name=goes\n0 5 * * * c\n\
+             # pgleader: name=retimed\n0 6 * * * d\n",
+        )
+        .expect("parse");
+        let new = parse(
+            "\n# pgleader: name=moves\n0 4 * * * b\n\
+             # pgleader: name=stays\n0 3 * * * a\n\
+             # pgleader: name=retimed\n0 7 * * * d\n\
+             # pgleader: name=new\n0 8 * * * e\n",
+        )
+        .expect("parse");
+        assert_eq!(
+            Changes::between(&old, &new),
+            Changes {
+                added: vec!["new".into()],
+                removed: vec!["goes".into()],
+                changed: vec!["retimed".into()],
+                unchanged: vec!["moves".into(), "stays".into()],
+            }
+        );
+        // What a job's command sees is part of its definition; where it stands is not.
+        let env = parse("A=1\n# pgleader: name=stays\n0 3 * * * a\n").expect("parse");
+        assert_ne!(env.jobs[0].fingerprint(), old.jobs[0].fingerprint());
+        assert_eq!(new.jobs[1].fingerprint(), old.jobs[0].fingerprint());
     }
 
     #[test]
