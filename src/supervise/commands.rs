@@ -380,25 +380,25 @@ impl<K: Key, T> Commands<K, T> {
                     if entry.pre_start_failures > 0 {
                         let sit_out = hook::sit_out_after(entry.pre_start_failures);
                         entry.start_at = now + sit_out;
-                        info!(
-                            event = "sitting_out",
-                            shard = label.shard,
-                            job = label.job.as_deref(),
-                            "trying {} again in {} (--pre-start failed {} time(s) in a row)",
-                            label.name(),
-                            fmt(sit_out),
-                            entry.pre_start_failures
+                        label.info(
+                            "sitting_out",
+                            format_args!(
+                                "trying {} again in {} (--pre-start failed {} time(s) in a row)",
+                                label.name(),
+                                fmt(sit_out),
+                                entry.pre_start_failures
+                            ),
                         );
                     } else {
                         entry.start_at = now + self.restart_delay;
                         if !self.restart_delay.is_zero() {
-                            info!(
-                                event = "restart_delay",
-                                shard = label.shard,
-                                job = label.job.as_deref(),
-                                "starting the command{} again in {} (--restart-delay)",
-                                label.of(),
-                                fmt(self.restart_delay)
+                            label.info(
+                                "restart_delay",
+                                format_args!(
+                                    "starting the command{} again in {} (--restart-delay)",
+                                    label.of(),
+                                    fmt(self.restart_delay)
+                                ),
                             );
                         }
                     }

@@ -95,6 +95,29 @@ impl Label {
         self.name.as_deref().unwrap_or("the command")
     }
 
+    /// Logs an event about this command at info level, with its `shard` or `job` field.
+    pub fn info(&self, event: &'static str, message: std::fmt::Arguments) {
+        info!(
+            event,
+            shard = self.shard,
+            job = self.job.as_deref(),
+            "{message}"
+        );
+    }
+
+    /// Logs a SIGKILL sent to this command's group (`--kill-timeout`, a second TERM, a keeper
+    /// that does not finish), with the group and the signal received if one was.
+    fn warn_kill(&self, pgid: i32, received: Option<Signal>, message: std::fmt::Arguments) {
+        warn!(
+            event = "kill",
+            shard = self.shard,
+            job = self.job.as_deref(),
+            pgid,
+            signal = received.map(Signal::as_str),
+            "{message}"
+        );
+    }
+
     /// Logs that the command exited, with how.
     pub fn log_exited(&self, status: ChildStatus) {
         info!(event = "child_exited", shard = self.shard, job = self.job.as_deref(), status = %status, exit_code = status.exit_code(), "the command{} exited", self.of());
@@ -208,24 +231,24 @@ impl Stop {
     /// the group of a keeper that did not finish.
     pub fn on_timer(&mut self, job: &Job, now: Instant) {
         if self.kill_at.is_some_and(|at| at <= now) && !job.is_finished() {
-            warn!(
-                event = "kill",
-                shard = self.label.shard,
-                job = self.label.job.as_deref(),
-                pgid = self.pgid,
-                "the command{} did not exit within {} (--kill-timeout); sending SIGKILL to everything it started",
-                self.label.of(),
-                fmt(self.rules.kill_timeout)
+            self.label.warn_kill(
+                self.pgid,
+                None,
+                format_args!(
+                    "the command{} did not exit within {} (--kill-timeout); sending SIGKILL to everything it started",
+                    self.label.of(),
+                    fmt(self.rules.kill_timeout)
+                ),
             );
             self.escalate(job);
         } else if self.keeper_kill_at.is_some_and(|at| at <= now) {
-            warn!(
-                event = "kill",
-                shard = self.label.shard,
-                job = self.label.job.as_deref(),
-                pgid = self.pgid,
-                "the keeper{} did not finish; sending SIGKILL to the process group",
-                self.label.of()
+            self.label.warn_kill(
+                self.pgid,
+                None,
+                format_args!(
+                    "the keeper{} did not finish; sending SIGKILL to the process group",
+                    self.label.of()
+                ),
             );
             job.kill_groups();
             self.keeper_kill_at = None;
@@ -287,13 +310,10 @@ impl Stop {
         } else {
             "sending SIGKILL"
         };
-        warn!(
-            event = "kill",
-            shard = self.label.shard,
-            job = self.label.job.as_deref(),
-            pgid = self.pgid,
-            signal = received.as_str(),
-            "second shutdown signal: {what}"
+        self.label.warn_kill(
+            self.pgid,
+            Some(received),
+            format_args!("second shutdown signal: {what}"),
         );
         if self.escalated || self.post_stop {
             let _ = job.abort();
