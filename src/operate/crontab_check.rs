@@ -6,7 +6,7 @@ use std::fmt::Write;
 
 use jiff::Timestamp;
 
-use crate::schedule::crontab::{CronJob, Crontab, When};
+use crate::schedule::crontab::{CronJob, Crontab};
 use crate::time::for_people as fmt;
 
 /// The report: a line for the file, then a paragraph for each job.
@@ -40,13 +40,13 @@ pub fn report(crontab: &Crontab, from: Timestamp, count: usize) -> String {
 }
 
 fn schedule(job: &CronJob) -> String {
-    match &job.when {
-        When::Cron(schedule) => format!(
+    match job.when.period() {
+        Some(every) => format!("@every {} (from the Unix epoch, UTC)", fmt(every)),
+        None => format!(
             "{} in {} (seconds first)",
-            schedule.expression(),
-            schedule.timezone()
+            job.when.expression(),
+            job.when.timezone()
         ),
-        When::Every(every) => format!("@every {} (from the Unix epoch, UTC)", fmt(*every)),
     }
 }
 
@@ -58,11 +58,10 @@ fn occurrences(job: &CronJob, from: Timestamp, count: usize) -> Vec<String> {
         let Some(next) = job.when.next_after(at) else {
             break;
         };
-        let wall_clock = match &job.when {
-            When::Cron(schedule) => schedule.local(next),
-            When::Every(_) => None,
-        }
-        .unwrap_or_else(|| next.to_zoned(jiff::tz::TimeZone::UTC));
+        let wall_clock = job
+            .when
+            .local(next)
+            .unwrap_or_else(|| next.to_zoned(jiff::tz::TimeZone::UTC));
         found.push(wall_clock.strftime("%Y-%m-%d %H:%M:%S %:z").to_string());
         at = next;
     }

@@ -24,11 +24,21 @@ pub use crate::time::rfc3339;
 /// A schedule: when, and in which zone's wall clock.
 #[derive(Clone, Debug)]
 pub struct Schedule {
-    cron: Cron,
+    rule: Rule,
     expression: String,
     timezone: TimeZone,
     /// The zone's IANA name, as the tz database spells it.
     zone_name: String,
+}
+
+/// What gives the occurrences.
+#[derive(Clone, Debug)]
+enum Rule {
+    /// A cron expression, on the zone's wall clock.
+    Cron(Box<Cron>),
+    /// Every this many seconds, counted from the Unix epoch (a crontab's `@every`): the same
+    /// instants on every replica, whatever the zone.
+    Every(u64),
 }
 
 impl PartialEq for Schedule {
@@ -75,6 +85,29 @@ impl Schedule {
         Schedule::from_canonical(fields.join(" ").to_ascii_uppercase(), timezone)
     }
 
+    /// A crontab's `@every DURATION`: every multiple of `every` (whole seconds, at least one)
+    /// since the Unix epoch, in UTC.
+    pub fn every(every: Duration) -> Result<Schedule, String> {
+        if every < Duration::from_secs(1) || every.subsec_nanos() != 0 {
+            return Err("@every counts whole seconds, at least 1s".into());
+        }
+        let seconds = every.as_secs();
+        Ok(Schedule {
+            rule: Rule::Every(seconds),
+            expression: format!("@every {seconds}s"),
+            timezone: TimeZone::UTC,
+            zone_name: "UTC".to_owned(),
+        })
+    }
+
+    /// For `@every`: the period.
+    pub fn period(&self) -> Option<Duration> {
+        match self.rule {
+            Rule::Every(seconds) => Some(Duration::from_secs(seconds)),
+            Rule::Cron(_) => None,
+        }
+    }
+
     fn from_canonical(expression: String, timezone: TimeZone) -> Result<Schedule, String> {
         let zone_name = timezone.iana_name().unwrap_or("UTC").to_owned();
         let cron = CronParser::builder()
@@ -85,7 +118,7 @@ impl Schedule {
                 format!("{err} (expected a cron expression such as \"0 3 * * *\" or @daily)")
             })?;
         let schedule = Schedule {
-            cron,
+            rule: Rule::Cron(Box::new(cron)),
             expression,
             timezone,
             zone_name,
@@ -117,20 +150,33 @@ impl Schedule {
 
     /// The latest occurrence at or before `at`.
     pub fn latest_at_or_before(&self, at: Timestamp) -> Option<Timestamp> {
-        self.cron
-            .find_previous_occurrence(&self.local(at)?, true)
-            .ok()
-            .map(|found| found.timestamp())
-            .filter(|found| *found <= at)
+        match &self.rule {
+            Rule::Cron(cron) => cron
+                .find_previous_occurrence(&self.local(at)?, true)
+                .ok()
+                .map(|found| found.timestamp())
+                .filter(|found| *found <= at),
+            Rule::Every(seconds) => {
+                let step = i64::try_from(*seconds).ok()?;
+                Timestamp::from_second(at.as_second().div_euclid(step).checked_mul(step)?).ok()
+            }
+        }
     }
 
     /// The first occurrence strictly after `at`.
     pub fn next_after(&self, at: Timestamp) -> Option<Timestamp> {
-        self.cron
-            .find_next_occurrence(&self.local(at)?, false)
-            .ok()
-            .map(|found| found.timestamp())
-            .filter(|found| *found > at)
+        match &self.rule {
+            Rule::Cron(cron) => cron
+                .find_next_occurrence(&self.local(at)?, false)
+                .ok()
+                .map(|found| found.timestamp())
+                .filter(|found| *found > at),
+            Rule::Every(seconds) => {
+                let step = i64::try_from(*seconds).ok()?;
+                let next = (at.as_second().div_euclid(step) + 1).checked_mul(step)?;
+                Timestamp::from_second(next).ok()
+            }
+        }
     }
 
     /// An instant on this schedule's wall clock.
@@ -198,6 +244,27 @@ mod tests {
 
     fn utc(text: &str) -> Timestamp {
         text.parse().expect("date")
+    }
+
+    #[test]
+    fn every_counts_whole_periods_from_the_unix_epoch() {
+        let every = Schedule::every(Duration::from_secs(90)).expect("every");
+        assert_eq!(every.expression(), "@every 90s");
+        assert_eq!(every.timezone(), "UTC");
+        assert_eq!(every.period(), Some(Duration::from_secs(90)));
+        let at = utc("2026-11-26T12:00:00Z");
+        assert_eq!(every.next_after(at), Some(utc("2026-11-26T12:01:30Z")));
+        assert_eq!(
+            every.latest_at_or_before(utc("2026-11-26T12:01:29Z")),
+            Some(at)
+        );
+        assert_eq!(
+            every.latest_at_or_before(utc("2026-11-26T12:01:30Z")),
+            Some(utc("2026-11-26T12:01:30Z"))
+        );
+        assert_eq!(every.gap_after(at), Some(Duration::from_secs(90)));
+        assert!(Schedule::every(Duration::from_millis(1500)).is_err());
+        assert!(Schedule::every(Duration::ZERO).is_err());
     }
 
     #[test]

@@ -24,11 +24,9 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use jiff::Timestamp;
 use jiff::tz::TimeZone;
 
 use crate::schedule::calendar::{self, Schedule};
-use crate::time::for_people as fmt_duration;
 
 /// The shell a job's command runs through when no `SHELL=` line says otherwise.
 pub const DEFAULT_SHELL: &str = "/bin/sh";
@@ -56,7 +54,7 @@ pub struct CronJob {
     pub name: String,
     /// Its line in the file, from 1.
     pub line: usize,
-    pub when: When,
+    pub when: Schedule,
     /// The command, as written, run through `shell -c`.
     pub command: String,
     pub shell: String,
@@ -124,41 +122,6 @@ impl Changes {
             }
         }
         changes
-    }
-}
-
-/// When a job runs.
-#[derive(Clone, Debug, PartialEq)]
-pub enum When {
-    /// A cron schedule read in a zone.
-    Cron(Box<Schedule>),
-    /// `@every DURATION`: at every multiple of the duration since the Unix epoch, on the
-    /// server's clock, so that every replica counts the same occurrences.
-    Every(Duration),
-}
-
-impl When {
-    /// The first occurrence strictly after `at`.
-    pub fn next_after(&self, at: Timestamp) -> Option<Timestamp> {
-        match self {
-            When::Cron(schedule) => schedule.next_after(at),
-            When::Every(every) => {
-                let step = i64::try_from(every.as_secs())
-                    .ok()
-                    .filter(|step| *step > 0)?;
-                let next = (at.as_second().div_euclid(step) + 1).checked_mul(step)?;
-                Timestamp::from_second(next).ok()
-            }
-        }
-    }
-}
-
-impl fmt::Display for When {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            When::Cron(schedule) => write!(f, "{schedule}"),
-            When::Every(every) => write!(f, "@every {}", fmt_duration(*every)),
-        }
     }
 }
 
@@ -396,7 +359,7 @@ fn environment_line(line: &str) -> Option<(String, String)> {
 }
 
 /// A job line's schedule and command: seven fields, then six, then five, then a nickname.
-fn job_line<'a>(line: &'a str, zone: &TimeZone) -> Result<(When, &'a str), String> {
+fn job_line<'a>(line: &'a str, zone: &TimeZone) -> Result<(Schedule, &'a str), String> {
     let tokens = tokens(line);
     if let Some((first, _)) = tokens.first()
         && first.starts_with('@')
@@ -416,9 +379,7 @@ fn job_line<'a>(line: &'a str, zone: &TimeZone) -> Result<(When, &'a str), Strin
             _ => continue,
         };
         match Schedule::from_crontab_fields(seven, zone.clone()) {
-            Ok(schedule) => {
-                return Ok((When::Cron(Box::new(schedule)), rest(line, &tokens, count)));
-            }
+            Ok(schedule) => return Ok((schedule, rest(line, &tokens, count))),
             // The five-field reading's complaint is the one a crontab's author understands.
             Err(err) if count == 5 => five_error = Some((fields.join(" "), err)),
             Err(_) => {}
@@ -435,7 +396,7 @@ fn nickname<'a>(
     line: &'a str,
     tokens: &[(&'a str, usize)],
     zone: &TimeZone,
-) -> Result<(When, &'a str), String> {
+) -> Result<(Schedule, &'a str), String> {
     let nickname = tokens[0].0.to_ascii_lowercase();
     if nickname == "@every" {
         let Some((every, _)) = tokens.get(1) else {
@@ -444,13 +405,7 @@ fn nickname<'a>(
         let every = humantime::parse_duration(every).map_err(|err| {
             format!("@every {every}: {err} (expected a duration such as 30s or 5m)")
         })?;
-        if every < Duration::from_secs(1) {
-            return Err("@every needs at least 1s".into());
-        }
-        if every.subsec_nanos() != 0 {
-            return Err("@every counts whole seconds".into());
-        }
-        return Ok((When::Every(every), rest(line, tokens, 2)));
+        return Ok((Schedule::every(every)?, rest(line, tokens, 2)));
     }
     let fields = match nickname.as_str() {
         "@yearly" | "@annually" => ["0", "0", "0", "1", "1", "*", "*"],
@@ -466,7 +421,7 @@ fn nickname<'a>(
         }
     };
     let schedule = Schedule::from_crontab_fields(fields, zone.clone())?;
-    Ok((When::Cron(Box::new(schedule)), rest(line, tokens, 1)))
+    Ok((schedule, rest(line, tokens, 1)))
 }
 
 /// The whitespace-separated words of a line, with where each starts.
@@ -585,10 +540,7 @@ mod tests {
     }
 
     fn schedule(job: &CronJob) -> String {
-        match &job.when {
-            When::Cron(schedule) => format!("{} {}", schedule.expression(), schedule.timezone()),
-            When::Every(every) => format!("@every {}", every.as_secs()),
-        }
+        format!("{} {}", job.when.expression(), job.when.timezone())
     }
 
     #[test]
@@ -615,7 +567,7 @@ mod tests {
                 ("0 0 3 * * * 2030 UTC".to_owned(), "echo six"),
                 ("*/10 0 3 * * * 2030 UTC".to_owned(), "echo seven"),
                 ("0 0 * * * * UTC".to_owned(), "echo hourly"),
-                ("@every 30".to_owned(), "echo every"),
+                ("@every 30s UTC".to_owned(), "echo every"),
             ]
         );
     }
