@@ -42,26 +42,32 @@ use crate::etcd::Etcd;
 use crate::harness::Cluster;
 use crate::redis_lock::{PgleaderRedis, RedisPy};
 use crate::report::Report;
-use crate::tools::{PARTITION_ARGS, PREVIOUS_LABEL, Pgleader, Tool, first_line};
+use crate::tools::{
+    PARTITION_ARGS, PREVIOUS_LABEL, PREVIOUS_REDIS_LABEL, Pgleader, STATIC_LABEL,
+    STATIC_REDIS_LABEL, Tool, first_line,
+};
 
-const USAGE: &str = "usage: cargo bench --bench failover [-- [--quick] [--only http|redis|quorum|failover] [--runs N] [--out PATH] [--static PATH] [--previous PATH]]
+const USAGE: &str = "usage: cargo bench --bench failover [-- [--quick] [--only http|redis|quorum|failover|shards] [--runs N] [--out PATH] [--static PATH] [--previous PATH]]
   --quick        a few runs per scenario and short windows (CI); the report goes under target/
   --only http    only scenario 9 (the HTTP endpoint) and the idle cost with --http; the report
                  goes under target/ (BENCHMARKS.md is written by full runs only)
-  --only redis   only the Redis rows: pgleader on Redis beside redis-py's Lock; the report goes
-                 under target/
+  --only redis   only the Redis rows: pgleader on Redis beside redis-py's Lock (with --previous
+                 or --static, beside that build's too); the report goes under target/
   --only quorum  only the Redlock rows: pgleader over three Redis servers beside npm redlock,
                  and pgleader on one server for comparison; the report goes under target/
-  --only failover  only pgleader's kill -9, SIGTERM, step-down and start scenarios, the new leader's steps
-                 and the idle cost (with --previous, beside that build); the report goes under
-                 target/
+  --only failover  only pgleader's kill -9, SIGTERM, step-down and start scenarios, the new
+                 leader's steps and the idle cost (with --previous or --static, beside that
+                 build's); the report goes under target/
   --only shards  only the shards' scenarios: kill -9 of a replica and a replica joining, for
-                 K = 16 and 64 on 4 replicas, a replica's cost, and the same fleet as K plain
-                 processes per replica; the report goes under target/
+                 K = 16 and 64 on 4 replicas, a replica's cost (with --previous or --static,
+                 beside that build's), and the same fleet as K plain processes per replica; the
+                 report goes under target/
   --runs N       runs per scenario (default 20, or 3 with --quick)
   --out PATH     where to write the report (default BENCHMARKS.md, or target/.../BENCHMARKS.quick.md)
-  --static PATH  also run pgleader's failover, start-up and cost scenarios with this binary (the
-                 release's static one, dist/pgleader-<version>-x86_64-linux), beside cargo's
+  --static PATH  also run pgleader's failover, start-up, cost and shards' scenarios, on
+                 PostgreSQL and on Redis, with this binary (the release's static one,
+                 dist/pgleader-<version>-x86_64-linux), beside cargo's, scenario by scenario;
+                 not with --only http or quorum
   --previous PATH  the same with a previous build of pgleader (a release build of an earlier
                  commit), to compare in one run";
 
@@ -161,6 +167,13 @@ impl Plan {
                 other => return Err(format!("unknown argument {other:?}")),
             }
         }
+        if (only_http || only_quorum) && (static_binary.is_some() || previous_binary.is_some()) {
+            return Err(
+                "--static and --previous measure the PostgreSQL, Redis and shards' rows; \
+                 --only http and --only quorum run cargo's build alone"
+                    .into(),
+            );
+        }
         let runs = runs.unwrap_or(if quick { 3 } else { 20 });
         Ok(Plan {
             static_binary,
@@ -195,6 +208,52 @@ impl Plan {
                 }
             }),
         })
+    }
+}
+
+/// A pgleader binary measured beside cargo's (`--previous`, `--static`), and its rows' labels.
+#[derive(Debug)]
+struct Build {
+    binary: PathBuf,
+    /// On PostgreSQL.
+    label: &'static str,
+    /// On Redis.
+    redis_label: &'static str,
+}
+
+impl Plan {
+    /// The binaries to measure beside cargo's, in the order their rows follow its rows.
+    fn other_builds(&self) -> Vec<Build> {
+        [
+            (&self.previous_binary, PREVIOUS_LABEL, PREVIOUS_REDIS_LABEL),
+            (&self.static_binary, STATIC_LABEL, STATIC_REDIS_LABEL),
+        ]
+        .into_iter()
+        .filter_map(|(binary, label, redis_label)| {
+            Some(Build {
+                binary: binary.clone()?,
+                label,
+                redis_label,
+            })
+        })
+        .collect()
+    }
+
+    /// The other builds against `cluster`.
+    fn other_pgleaders(&self, cluster: &Arc<Cluster>) -> Vec<Pgleader> {
+        self.other_builds()
+            .into_iter()
+            .map(|build| Pgleader::with_binary(cluster.clone(), build.binary, build.label))
+            .collect()
+    }
+
+    /// pgleader on the Redis `server`: cargo's build, then the other builds.
+    fn pgleaders_on_redis(&self, server: &Arc<redis_lock::Server>) -> Vec<PgleaderRedis> {
+        let mut pgleaders = vec![PgleaderRedis::new(server.clone())];
+        pgleaders.extend(self.other_builds().into_iter().map(|build| {
+            PgleaderRedis::with_binary(server.clone(), build.binary, build.redis_label)
+        }));
+        pgleaders
     }
 }
 
@@ -258,14 +317,7 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
     eprintln!("bench: starting PostgreSQL, etcd and Redis (one server, and a quorum of three)");
     let cluster = bench_cluster("bench");
     let pgleader = Pgleader::new(cluster.clone());
-    let static_pgleader = plan
-        .static_binary
-        .clone()
-        .map(|binary| Pgleader::with_binary(cluster.clone(), binary, STATIC_LABEL));
-    let previous_pgleader = plan
-        .previous_binary
-        .clone()
-        .map(|binary| Pgleader::with_binary(cluster.clone(), binary, PREVIOUS_LABEL));
+    let others = plan.other_pgleaders(&cluster);
     let etcd = Etcd::start()?;
     let redis_server = Arc::new(redis_lock::Server::start()?);
     let quorum = redlock::Quorum::start()?;
@@ -274,8 +326,7 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
     pgleader.wait_until_server_is(Duration::from_secs(10))?;
     // The other binaries' rows come right after cargo's, in the same run.
     let mut pgleaders: Vec<&Pgleader> = vec![&pgleader];
-    pgleaders.extend(static_pgleader.as_ref());
-    pgleaders.extend(previous_pgleader.as_ref());
+    pgleaders.extend(&others);
     let mut tools: Vec<&dyn Tool> = pgleaders.iter().map(|p| *p as &dyn Tool).collect();
     tools.push(&etcd);
 
@@ -304,7 +355,9 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
     for &tool in &tools {
         rows.extend(scenarios::sigterm(tool, plan.runs, true));
     }
-    rows.extend(scenarios::step_down(&pgleader, plan.runs));
+    for pgleader in &pgleaders {
+        rows.extend(scenarios::step_down(*pgleader, plan.runs));
+    }
     for pgleader in &pgleaders {
         rows.extend(scenarios::end_session(
             *pgleader,
@@ -358,7 +411,7 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
     });
     rows.extend(http::scrape(&pgleader, plan.runs * 10));
     rows.extend(http::leader_after_kill9(&pgleader, plan.runs));
-    let (shard_rows, shard_costs, fleets) = shard_scenarios(&pgleader, plan);
+    let (shard_rows, shard_costs, fleets) = shard_scenarios(&pgleaders, plan);
     rows.extend(shard_rows);
     costs.extend(shard_costs);
     sort_by_scenario(&mut rows);
@@ -432,25 +485,29 @@ fn redis_scenarios(
     server: &Arc<redis_lock::Server>,
     plan: &Plan,
 ) -> anyhow::Result<(Vec<figures::Row>, Vec<figures::Cost>)> {
-    let on_redis = PgleaderRedis {
-        server: server.clone(),
-    };
+    // With --previous or --static, their rows come right after cargo's, scenario by scenario.
+    let pgleaders = plan.pgleaders_on_redis(server);
     let redis_py = RedisPy {
         server: server.clone(),
     };
-    let tools = [&on_redis as &dyn Tool, &redis_py];
+    let mut tools: Vec<&dyn Tool> = pgleaders.iter().map(|p| p as &dyn Tool).collect();
+    tools.push(&redis_py);
     server.wait_until_up(Duration::from_secs(10))?;
     let mut rows = Vec::new();
-    rows.extend(scenarios::kill9(&on_redis, plan.runs));
+    for pgleader in &pgleaders {
+        rows.extend(scenarios::kill9(pgleader, plan.runs));
+    }
     rows.extend(scenarios::kill9(&redis_py, plan.lease_runs));
-    for tool in tools {
+    for &tool in &tools {
         rows.extend(scenarios::sigterm(tool, plan.runs, false));
     }
-    rows.extend(scenarios::step_down(&on_redis, plan.runs));
-    for tool in tools {
+    for pgleader in &pgleaders {
+        rows.extend(scenarios::step_down(pgleader, plan.runs));
+    }
+    for &tool in &tools {
         rows.extend(scenarios::key_deleted(tool, plan.runs));
     }
-    for tool in tools {
+    for &tool in &tools {
         rows.extend(scenarios::start(tool, plan.runs));
     }
     Ok((rows, tools::idle_costs(&tools, plan.cost_window)))
@@ -467,6 +524,7 @@ fn run_redis_only(plan: &Plan) -> anyhow::Result<Report> {
     let (mut rows, costs) = redis_scenarios(&server, plan)?;
     sort_by_scenario(&mut rows);
     let mut environment = environment_of_machine();
+    environment.extend(previous_environment(plan.previous_binary.as_deref()));
     environment.extend(redis_environment(&server));
     let report = Report {
         only: Some(report::ONLY_REDIS),
@@ -529,9 +587,7 @@ fn run_quorum_only(plan: &Plan) -> anyhow::Result<Report> {
     let server = Arc::new(redis_lock::Server::start()?);
     let quorum = redlock::Quorum::start()?;
     server.wait_until_up(Duration::from_secs(10))?;
-    let on_one = PgleaderRedis {
-        server: server.clone(),
-    };
+    let on_one = PgleaderRedis::new(server.clone());
     let mut rows = scenarios::start(&on_one, plan.runs);
     rows.extend(scenarios::sigterm(&on_one, plan.runs, false));
     let (quorum_rows, costs) = quorum_scenarios(&quorum, plan)?;
@@ -559,13 +615,7 @@ fn run_failover_only(plan: &Plan) -> anyhow::Result<Report> {
     eprintln!("bench: starting PostgreSQL");
     let cluster = bench_cluster("bench-failover");
     let pgleader = Pgleader::new(cluster.clone());
-    let others: Vec<Pgleader> = [
-        (plan.previous_binary.clone(), PREVIOUS_LABEL),
-        (plan.static_binary.clone(), STATIC_LABEL),
-    ]
-    .into_iter()
-    .filter_map(|(binary, label)| Some(Pgleader::with_binary(cluster.clone(), binary?, label)))
-    .collect();
+    let others = plan.other_pgleaders(&cluster);
     pgleader.wait_until_server_is(Duration::from_secs(10))?;
     let mut pgleaders = vec![&pgleader];
     pgleaders.extend(&others);
@@ -582,7 +632,9 @@ fn run_failover_only(plan: &Plan) -> anyhow::Result<Report> {
     for pgleader in &pgleaders {
         rows.extend(scenarios::sigterm(*pgleader, plan.runs, false));
     }
-    rows.extend(scenarios::step_down(&pgleader, plan.runs));
+    for pgleader in &pgleaders {
+        rows.extend(scenarios::step_down(*pgleader, plan.runs));
+    }
     for pgleader in &pgleaders {
         rows.extend(scenarios::start(*pgleader, plan.runs));
     }
@@ -600,13 +652,7 @@ fn run_failover_only(plan: &Plan) -> anyhow::Result<Report> {
         only: Some(report::ONLY_FAILOVER),
         started,
         took: began.elapsed(),
-        environment: environment(
-            &pgleader,
-            None,
-            None,
-            plan.static_binary.as_deref(),
-            plan.previous_binary.as_deref(),
-        ),
+        environment: environment_on_postgres(&pgleader, plan),
         settings: settings(plan),
         rows,
         costs,
@@ -621,27 +667,46 @@ fn run_failover_only(plan: &Plan) -> anyhow::Result<Report> {
 }
 
 /// Scenarios 11 to 13 (issue 28): a sharded fleet's failover and balance for K = 16 and 64,
-/// what a replica costs, and the same fleet as K plain processes per replica.
+/// what a replica costs, and the same fleet as K plain processes per replica. `pgleaders`:
+/// cargo's build first, then the other builds, whose rows of 11 and 12 follow its rows, K by K;
+/// 13 compares `--shards` with plain processes, with cargo's build only.
 fn shard_scenarios(
-    pgleader: &Pgleader,
+    pgleaders: &[&Pgleader],
     plan: &Plan,
 ) -> (Vec<figures::Row>, Vec<figures::Cost>, Vec<figures::Fleet>) {
     let mut rows = Vec::new();
-    let postgres = shards::Launcher::postgres(pgleader);
+    let postgres: Vec<shards::Launcher> = pgleaders
+        .iter()
+        .map(|pgleader| shards::Launcher::postgres(pgleader))
+        .collect();
     for k in [16, 64] {
-        rows.extend(shards::kill9_and_join(&postgres, k, plan.runs));
+        for launcher in &postgres {
+            rows.extend(shards::kill9_and_join(launcher, k, plan.runs));
+        }
     }
     // On one Redis server, where a dead replica is found by its watcher's question every
     // --check-interval (200 ms here, as in the Redis rows).
-    match redis_lock::Server::start() {
+    match redis_lock::Server::start().and_then(|server| {
+        // Past pgleader's restart fence, as in the Redis rows, for every build alike.
+        server.wait_until_up(Duration::from_secs(10))?;
+        Ok(Arc::new(server))
+    }) {
         Ok(server) => {
-            let redis = redis_lock::shard_launcher(&server);
-            rows.extend(shards::kill9_and_join(&redis, 16, plan.runs));
+            for pgleader in plan.pgleaders_on_redis(&server) {
+                rows.extend(shards::kill9_and_join(
+                    &pgleader.shard_launcher(),
+                    16,
+                    plan.runs,
+                ));
+            }
         }
         Err(err) => eprintln!("bench: no Redis server for the shards on Redis: {err:#}"),
     }
-    let costs = shards::costs(pgleader, &[16, 64], plan.cost_window);
-    let fleets = shards::by_hand(pgleader, 16);
+    let costs = shards::costs(pgleaders, &[16, 64], plan.cost_window);
+    let fleets = pgleaders
+        .first()
+        .map(|pgleader| shards::by_hand(pgleader, 16))
+        .unwrap_or_default();
     (rows, costs, fleets)
 }
 
@@ -650,11 +715,15 @@ fn run_shards_only(plan: &Plan) -> anyhow::Result<Report> {
     let began = Instant::now();
     let started = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
     let pgleader = pgleader_on_own_server("bench-shards")?;
-    let (rows, costs, fleets) = shard_scenarios(&pgleader, plan);
+    let others = plan.other_pgleaders(&pgleader.cluster);
+    let mut pgleaders = vec![&pgleader];
+    pgleaders.extend(&others);
+    let (mut rows, costs, fleets) = shard_scenarios(&pgleaders, plan);
+    sort_by_scenario(&mut rows);
     let report = Report {
         only: Some(report::ONLY_SHARDS),
         took: began.elapsed(),
-        environment: environment(&pgleader, None, None, None, None),
+        environment: environment_on_postgres(&pgleader, plan),
         rows,
         costs,
         fleets,
@@ -702,9 +771,6 @@ fn sort_by_scenario(rows: &mut [figures::Row]) {
         )
     });
 }
-
-/// The report's label for the rows of the `--static` binary.
-const STATIC_LABEL: &str = "pgleader static";
 
 /// A file's size in bytes, with MB beside it.
 fn size(path: &Path) -> String {
@@ -791,12 +857,7 @@ fn environment(
             .durability()
             .unwrap_or_else(|err| format!("unknown ({err})")),
     ));
-    if let Some(previous) = previous_binary {
-        environment.push((
-            "previous build",
-            format!("{} ({})", previous.display(), size(previous)),
-        ));
-    }
+    environment.extend(previous_environment(previous_binary));
     if let Some(etcd) = etcd {
         let etcdctl = first_line(
             Command::new("etcdctl")
@@ -811,6 +872,28 @@ fn environment(
     }
     environment.extend(sizes(static_binary));
     environment
+}
+
+/// The environment of a run on PostgreSQL alone, with the other builds (`--static`,
+/// `--previous`) if given.
+fn environment_on_postgres(pgleader: &Pgleader, plan: &Plan) -> Vec<(&'static str, String)> {
+    environment(
+        pgleader,
+        None,
+        None,
+        plan.static_binary.as_deref(),
+        plan.previous_binary.as_deref(),
+    )
+}
+
+/// The previous build measured beside cargo's, if any.
+fn previous_environment(previous: Option<&Path>) -> Option<(&'static str, String)> {
+    previous.map(|previous| {
+        (
+            "previous build",
+            format!("{} ({})", previous.display(), size(previous)),
+        )
+    })
 }
 
 /// The Redis server's and the peer's versions.

@@ -24,7 +24,7 @@ use crate::harness::{self, Proxy, field, unique_lock};
 use crate::procfs;
 use crate::tools::{
     Candidate, LockServer, REDIS_LABEL, REDIS_PY_LABEL, SETTLE, SETUP_WAIT, Tool, Usage,
-    child_script, first_line, peer_candidate, wait_queued,
+    child_script, client_command, first_line, peer_candidate, run_command, wait_queued,
 };
 
 /// The redis-py release the peer runs, pinned so that runs compare.
@@ -331,13 +331,15 @@ impl Commands {
 }
 
 /// An idle leader alone for a window, then with a follower for another; the follower's
-/// commands are what the second window adds to the first.
+/// commands are what the second window adds to the first. `keeper`: whether the leader's only
+/// child is a keeper, measured on its own (pgleader's), or the command itself (a peer's).
 fn measure_cost(
     tool: &dyn Tool,
     server: &Server,
     window: Duration,
     spawn: &dyn Fn(&str, i64) -> Candidate,
     roles: [&'static str; 2],
+    keeper: bool,
 ) -> anyhow::Result<Vec<Cost>> {
     let lock = unique_lock();
     let leader = spawn("A", lock);
@@ -345,11 +347,10 @@ fn measure_cost(
         .started(None, SETUP_WAIT)
         .with_context(|| format!("the leader never started\n{}", leader.dump()))?;
     sleep(SETTLE * 3);
-    // pgleader's keeper is the leader's only child; the peer's child is the command itself.
     let keeper = procfs::children(leader.pid())
         .first()
         .copied()
-        .filter(|_| tool.label() == REDIS_LABEL);
+        .filter(|_| keeper);
     let (alone, alone_usage) = server.commands_over(window, &[leader.pid()], keeper)?;
     let follower = spawn("B", lock);
     wait_queued(tool, lock, 2, SETUP_WAIT).with_context(|| follower.dump())?;
@@ -371,31 +372,64 @@ fn measure_cost(
 /// pgleader against the benchmark's Redis, with `--check-interval 200ms`.
 pub struct PgleaderRedis {
     pub server: Arc<Server>,
+    /// Which binary: cargo's build (None), or another one such as a previous build.
+    binary: Option<PathBuf>,
+    label: &'static str,
 }
 
 impl PgleaderRedis {
+    /// The binary cargo built for the benchmark.
+    pub fn new(server: Arc<Server>) -> PgleaderRedis {
+        PgleaderRedis {
+            server,
+            binary: None,
+            label: REDIS_LABEL,
+        }
+    }
+
+    /// Another binary, labelled apart in the report, against the same server.
+    pub fn with_binary(server: Arc<Server>, binary: PathBuf, label: &'static str) -> PgleaderRedis {
+        PgleaderRedis {
+            binary: Some(binary),
+            label,
+            ..PgleaderRedis::new(server)
+        }
+    }
+
     fn key(lock: i64) -> String {
         format!("pgleader:{{{lock}}}")
     }
 
+    fn command(&self, lock: i64, options: &[&str], script: &str) -> Command {
+        run_command(
+            self.binary.as_deref(),
+            &self.server.url(),
+            lock,
+            options,
+            script,
+        )
+    }
+
     fn spawn(&self, tag: &str, lock: i64, options: &[&str]) -> Candidate {
-        let mut command = harness::pgleader();
-        // pgleader's own defaults, restart fence included (the harness turns it off for tests).
-        command
-            .env_remove("PGLEADER_RESTART_FENCE")
-            .env("PGLEADER_DATABASE_URL", self.server.url())
-            .env("BENCH_REDIS_KEY", PgleaderRedis::key(lock))
-            .arg("run")
-            .arg(format!("--lock-id={lock}"))
-            .args(options)
-            .args(["--", "sh", "-c", &child_script(tag)]);
+        let mut command = self.command(lock, options, &child_script(tag));
+        command.env("BENCH_REDIS_KEY", PgleaderRedis::key(lock));
         Candidate::spawn(tag, command)
+    }
+
+    /// Replicas with `--shards`, checking every 200 ms as the Redis rows do.
+    pub fn shard_launcher(&self) -> crate::shards::Launcher<'_> {
+        crate::shards::Launcher {
+            label: self.label,
+            command: Box::new(|lock, options, script| self.command(lock, options, script)),
+            handoff_bound: self.handoff_bound(),
+            options: &[CHECK_INTERVAL],
+        }
     }
 }
 
 impl Tool for PgleaderRedis {
     fn label(&self) -> &'static str {
-        REDIS_LABEL
+        self.label
     }
 
     fn candidate(&self, tag: &str, lock: i64, _proxy: Option<&Proxy>) -> Candidate {
@@ -429,12 +463,12 @@ impl Tool for PgleaderRedis {
     }
 
     fn step_down(&self, lock: i64) -> Option<Command> {
-        let mut command = harness::pgleader();
-        command
-            .env("PGLEADER_DATABASE_URL", self.server.url())
-            .arg("step-down")
-            .arg(format!("--lock-id={lock}"));
-        Some(command)
+        Some(client_command(
+            self.binary.as_deref(),
+            &self.server.url(),
+            "step-down",
+            lock,
+        ))
     }
 
     fn cost(&self, window: Duration) -> anyhow::Result<Vec<Cost>> {
@@ -444,6 +478,7 @@ impl Tool for PgleaderRedis {
             window,
             &|tag, lock| self.spawn(tag, lock, &[CHECK_INTERVAL]),
             ["leader", "follower"],
+            true,
         )?;
         // And with pgleader's default check interval (1 s), which sets a follower's rate.
         costs.extend(measure_cost(
@@ -455,28 +490,9 @@ impl Tool for PgleaderRedis {
                 "leader, default --check-interval (1 s)",
                 "follower, default --check-interval (1 s)",
             ],
+            true,
         )?);
         Ok(costs)
-    }
-}
-
-/// pgleader with `--shards` on `server`, checking every 200 ms as the Redis rows do.
-pub fn shard_launcher(server: &Server) -> crate::shards::Launcher<'_> {
-    crate::shards::Launcher {
-        label: REDIS_LABEL,
-        command: Box::new(move |lock, options, script| {
-            let mut command = harness::pgleader();
-            command
-                .env_remove("PGLEADER_RESTART_FENCE")
-                .env("PGLEADER_DATABASE_URL", server.url())
-                .arg("run")
-                .arg(format!("--lock-id={lock}"))
-                .args(options)
-                .args(["--", "sh", "-c", script]);
-            command
-        }),
-        handoff_bound: Duration::from_secs(10),
-        options: &[CHECK_INTERVAL],
     }
 }
 
@@ -558,6 +574,7 @@ impl Tool for RedisPy {
             window,
             &|tag, lock| self.candidate(tag, lock, None),
             ["leader", "follower"],
+            false,
         )
     }
 }

@@ -244,15 +244,21 @@ pub fn kill9_and_join(launcher: &Launcher, shards: u32, runs: usize) -> Vec<Row>
     ]
 }
 
-/// What a replica at its share costs, for each K: its pgleader and its keepers (one per shard
-/// it runs), and the statements the server gets from its sessions.
-pub fn costs(pgleader: &Pgleader, shards: &[u32], window: Duration) -> Vec<Cost> {
+/// What a replica at its share costs, for each K and each of `pgleaders` (binaries side by
+/// side, K by K): its pgleader and its keepers (one per shard it runs), and the statements the
+/// server gets from its sessions.
+pub fn costs(pgleaders: &[&Pgleader], shards: &[u32], window: Duration) -> Vec<Cost> {
     let mut costs = Vec::new();
     for &k in shards {
-        eprintln!("bench: 12. cost of a sharded replica at its share, K = {k}");
-        match cost(pgleader, k, window) {
-            Ok(cost) => costs.push(cost),
-            Err(err) => eprintln!("bench:   failed: {err:#}"),
+        for pgleader in pgleaders {
+            eprintln!(
+                "bench: 12. cost of a sharded replica at its share, K = {k} ({})",
+                pgleader.label()
+            );
+            match cost(pgleader, k, window) {
+                Ok(cost) => costs.push(cost),
+                Err(err) => eprintln!("bench:   failed: {err:#}"),
+            }
         }
     }
     costs

@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::os::unix::process::CommandExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::thread::sleep;
@@ -33,6 +33,12 @@ pub const QUORUM_LABEL: &str = "pgleader on 3 Redis";
 pub const REDLOCK_LABEL: &str = "npm redlock (3 servers)";
 /// pgleader's `--previous` binary.
 pub const PREVIOUS_LABEL: &str = "pgleader previous";
+/// The same on Redis.
+pub const PREVIOUS_REDIS_LABEL: &str = "pgleader previous on Redis";
+/// pgleader's `--static` binary.
+pub const STATIC_LABEL: &str = "pgleader static";
+/// The same on Redis.
+pub const STATIC_REDIS_LABEL: &str = "pgleader static on Redis";
 
 /// How long a candidate may take to start, connect and queue up outside the measurement.
 pub const SETUP_WAIT: Duration = Duration::from_secs(30);
@@ -256,6 +262,46 @@ pub fn wait_queued(tool: &dyn Tool, lock: i64, n: usize, timeout: Duration) -> a
     }
 }
 
+/// `pgleader` with the integration tests' clean environment: `binary`, or cargo's build.
+fn pgleader_binary(binary: Option<&Path>) -> Command {
+    match binary {
+        Some(binary) => harness::clean(Command::new(binary)),
+        None => harness::pgleader(),
+    }
+}
+
+/// `pgleader run --lock-id=<lock> <options> -- sh -c <script>` against `url`, with `binary`
+/// (cargo's build if `None`) and pgleader's own defaults, restart fence included (the harness
+/// turns it off for tests).
+pub fn run_command(
+    binary: Option<&Path>,
+    url: &str,
+    lock: i64,
+    options: &[&str],
+    script: &str,
+) -> Command {
+    let mut command = pgleader_binary(binary);
+    command
+        .env_remove("PGLEADER_RESTART_FENCE")
+        .env("PGLEADER_DATABASE_URL", url)
+        .arg("run")
+        .arg(format!("--lock-id={lock}"))
+        .args(options)
+        .args(["--", "sh", "-c", script]);
+    command
+}
+
+/// `pgleader <subcommand> --lock-id=<lock>` against `url`, with `binary` (cargo's build if
+/// `None`).
+pub fn client_command(binary: Option<&Path>, url: &str, subcommand: &str, lock: i64) -> Command {
+    let mut command = pgleader_binary(binary);
+    command
+        .env("PGLEADER_DATABASE_URL", url)
+        .arg(subcommand)
+        .arg(format!("--lock-id={lock}"));
+    command
+}
+
 /// pgleader against the benchmark's PostgreSQL.
 pub struct Pgleader {
     pub cluster: Arc<Cluster>,
@@ -356,20 +402,8 @@ impl Pgleader {
         script: &str,
     ) -> Command {
         let url = proxy.map_or_else(|| self.cluster.url(), Proxy::url);
-        let mut command = match &self.binary {
-            Some(binary) => harness::clean(Command::new(binary)),
-            None => harness::pgleader(),
-        };
-        // pgleader's own defaults, restart fence included (the harness turns it off for tests).
-        command
-            .env_remove("PGLEADER_RESTART_FENCE")
-            .env("PGLEADER_DATABASE_URL", url)
-            .arg("run")
-            .arg(format!("--lock-id={lock}"))
-            .args(self.extra)
-            .args(extra)
-            .args(["--", "sh", "-c", script]);
-        command
+        let options = [self.extra, extra].concat();
+        run_command(self.binary.as_deref(), &url, lock, &options, script)
     }
 
     /// The server sessions of pgleader process `pid` (its session name ends `:<pid>@<host>`).
@@ -499,15 +533,12 @@ impl Pgleader {
 impl Pgleader {
     /// `pgleader <subcommand> --lock-id=<lock>` against the server, with this binary.
     pub fn client(&self, subcommand: &str, lock: i64) -> Command {
-        let mut command = match &self.binary {
-            Some(binary) => harness::clean(Command::new(binary)),
-            None => harness::pgleader(),
-        };
-        command
-            .env("PGLEADER_DATABASE_URL", self.cluster.url())
-            .arg(subcommand)
-            .arg(format!("--lock-id={lock}"));
-        command
+        client_command(
+            self.binary.as_deref(),
+            &self.cluster.url(),
+            subcommand,
+            lock,
+        )
     }
 }
 
