@@ -18,7 +18,7 @@
 //! all the members that are short, in id order, so that two of them do not reach for the same
 //! one ([`Roster::to_take`]); a member over its share gives the surplus away (its
 //! highest-numbered shards), after stopping their commands: the sharded room
-//! (`supervise/sharded.rs`) decides which, since only it knows which of its shards it is giving
+//! (`supervise/sharded/`) decides which, since only it knows which of its shards it is giving
 //! already. Shares add up to K (or to the sum of the caps), so a surplus
 //! somewhere means a shortfall somewhere else, and a shard given away is taken at once.
 

@@ -3,6 +3,10 @@
 //! room (`--shards`: a command per shard it holds), the job and its keeper process, the signals
 //! pgleader receives, and what `/proc` says about a process group.
 //!
+//! Every command, whoever runs it, is stopped by one set of rules (`stop.rs`): the single
+//! leader awaits them (`inbox.rs`), and whatever runs many commands at once keeps them in a
+//! table (`commands.rs`) that drives one stop per command.
+//!
 //! Everything here works through the election's boundary (`election/`): the supervisor is
 //! generic over the backend and knows nothing of SQL or of any backend's types.
 
@@ -55,7 +59,7 @@ pub struct Settings {
     pub schedule: Option<Plan>,
     /// How long connecting may take (bounds preparing a session's ledger too).
     pub connect_timeout: Duration,
-    /// `--shards` and `--max-shards`: run the command once per shard (see `sharded.rs`).
+    /// `--shards` and `--max-shards`: run the command once per shard (see `sharded/`).
     pub shards: Option<Sharding>,
     /// `--health-cmd` and its companions (see `health.rs`).
     pub health: Option<health::HealthCheck>,
