@@ -20,9 +20,8 @@ use crate::operate::metrics::LossReason;
 use crate::operate::notify;
 use crate::operate::telemetry::Telemetry;
 use crate::supervise::job::{self, Job};
-use crate::supervise::keeper::Report;
 use crate::supervise::signals::SignalEvent;
-use crate::supervise::stop::{Label, Stop, StopRules, status_of};
+use crate::supervise::stop::{Label, Stop, StopRules, end_of};
 
 /// A second TERM or INT sends SIGKILL at once, unless it follows the first this closely.
 pub const REPEAT_WINDOW: Duration = Duration::from_secs(1);
@@ -161,25 +160,25 @@ impl Inbox {
                 _ = async { match timer { Some(at) => sleep_until(at).await, None => std::future::pending().await } } => {
                     stop.on_timer(&job, Instant::now());
                 }
-                event = self.next_signal() => match event {
-                    // Nothing more can come (no second TERM, no SIGCHLD): as a TERM.
-                    None if self.shutdown_requested.is_none() => {
-                        self.shutdown_requested = Some(Instant::now());
-                        self.note_shutdown(Signal::SIGTERM, "shutting down once the command has stopped");
-                        stop.retarget(&job, Signal::SIGTERM);
-                    }
-                    Some(SignalEvent::Shutdown(received)) => match self.shutdown_signal(received) {
-                        Shutdown::First => {
+                event = self.next_signal() => {
+                    let shutdown = match event {
+                        Some(SignalEvent::Shutdown(received)) => Some(received),
+                        // Nothing more can come (no second TERM, no SIGCHLD): as a TERM.
+                        None if self.shutdown_requested.is_none() => Some(Signal::SIGTERM),
+                        other => {
+                            self.handle_signal(other, Some(&mut job));
+                            None
+                        }
+                    };
+                    match shutdown.map(|received| (received, self.shutdown_signal(received))) {
+                        Some((received, Shutdown::First)) => {
                             self.note_shutdown(received, "shutting down once the command has stopped");
                             stop.retarget(&job, received);
                         }
-                        Shutdown::Repeated => {}
-                        Shutdown::Insist => stop.insist(&job, received),
-                    },
-                    other => {
-                        self.handle_signal(other, Some(&mut job));
+                        Some((received, Shutdown::Insist)) => stop.insist(&job, received),
+                        Some((_, Shutdown::Repeated)) | None => {}
                     }
-                },
+                }
                 report = job.next_report() => stop.on_report(&job, report),
             }
         }
@@ -203,16 +202,15 @@ impl Inbox {
     /// The keeper vanished without the supervisor stopping it (killed from outside): how the
     /// command ended, logged and published. What it left in its group is still to be stopped.
     pub fn vanished(&mut self, job: &mut Job) -> ChildStatus {
-        let status = job
-            .remaining_reports()
-            .into_iter()
-            .find(|report| matches!(report, Report::Exited(_) | Report::Killed(_)))
-            .map(status_of)
-            .or_else(|| job.keeper_status())
-            .unwrap_or(ChildStatus::Signaled(Signal::SIGKILL));
+        let status = end_of(job, None);
+        self.command_exited(status);
+        status
+    }
+
+    /// The command exited on its own: logged and published.
+    pub fn command_exited(&mut self, status: ChildStatus) {
         Label::leader().log_exited(status);
         self.telemetry.command_exited(status);
-        status
     }
 
     /// Handles a signal while no command runs. Returns true if pgleader should shut down.
@@ -263,8 +261,8 @@ pub fn forward<'a>(signal: Signal, jobs: impl Iterator<Item = &'a Job>) {
 }
 
 /// Reaps every child that exited, telling the job whose keeper it was.
-pub fn reap<'a>(mut jobs: impl Iterator<Item = &'a mut Job>) {
-    let mut jobs: Vec<&mut Job> = jobs.by_ref().collect();
+pub fn reap<'a>(jobs: impl Iterator<Item = &'a mut Job>) {
+    let mut jobs: Vec<&mut Job> = jobs.collect();
     for (pid, status) in job::reap_all() {
         let ours = jobs.iter_mut().any(|job| job.note_reaped(pid, status));
         if !ours {

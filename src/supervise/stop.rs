@@ -130,12 +130,11 @@ pub struct Stop {
     label: Label,
     rules: StopRules,
     pgid: i32,
-    /// The signal the command should have by now: sent again if it starts only now.
+    /// The signal the command should have by now: sent again if it starts only now. Once it
+    /// is SIGKILL, the stop has escalated.
     signal: Signal,
     /// When the kill timeout runs out; `None` once SIGKILL was sent or `--post-stop` runs.
     kill_at: Option<Instant>,
-    /// SIGKILL went to everything the command started.
-    escalated: bool,
     /// The keeper said the tree is gone and runs `--post-stop`.
     post_stop: bool,
     /// When the keeper is given up on and its group SIGKILLed directly; `None` until SIGKILL
@@ -203,7 +202,6 @@ impl Stop {
             pgid,
             signal,
             kill_at: (!escalated).then_some(now + rules.kill_timeout),
-            escalated,
             post_stop: false,
             // A stop signal of SIGKILL went through the keeper already.
             keeper_kill_at: escalated.then_some(now + KEEPER_GRACE),
@@ -214,9 +212,9 @@ impl Stop {
         }
     }
 
-    /// Whose command this is.
-    pub fn label(&self) -> &Label {
-        &self.label
+    /// Whether SIGKILL went to everything the command started.
+    fn escalated(&self) -> bool {
+        self.signal == Signal::SIGKILL
     }
 
     /// The next moment [`Stop::on_timer`] has something to do.
@@ -294,7 +292,7 @@ impl Stop {
     /// The first TERM or INT arrived while the command was being stopped: unless SIGKILL went
     /// already, the command gets that signal instead.
     pub fn retarget(&mut self, job: &Job, signal: Signal) {
-        if !self.escalated {
+        if !self.escalated() {
             self.signal = signal;
             send_stop_signal(job, signal);
         }
@@ -305,7 +303,7 @@ impl Stop {
     pub fn insist(&mut self, job: &Job, received: Signal) {
         let what = if self.post_stop {
             "killing --post-stop"
-        } else if self.escalated {
+        } else if self.escalated() {
             "SIGKILL was sent already; ending everything now"
         } else {
             "sending SIGKILL"
@@ -315,7 +313,7 @@ impl Stop {
             Some(received),
             format_args!("second shutdown signal: {what}"),
         );
-        if self.escalated || self.post_stop {
+        if self.escalated() || self.post_stop {
             let _ = job.abort();
         } else {
             self.escalate(job);
@@ -328,11 +326,6 @@ impl Stop {
     pub fn finish(&mut self, job: &mut Job, now: Instant) -> Option<ChildStatus> {
         if !job.is_finished() {
             return None;
-        }
-        for report in job.remaining_reports() {
-            if matches!(report, Report::Exited(_) | Report::Killed(_)) {
-                self.status.get_or_insert(status_of(report));
-            }
         }
         // The keeper's own word that nothing is left is enough; without it (the keeper was
         // killed from outside, its children reparented to init, or a killed process is stuck
@@ -370,12 +363,7 @@ impl Stop {
             pgid = self.pgid,
             "the process group is gone"
         );
-        // A report the keeper sent just before it was reaped may not be readable: its own
-        // exit status stands for the command's then.
-        let status = self
-            .status
-            .or_else(|| job.keeper_status())
-            .unwrap_or(ChildStatus::Signaled(Signal::SIGKILL));
+        let status = end_of(job, self.status);
         if !std::mem::replace(&mut self.exit_logged, true) {
             self.label.log_exited(status);
         }
@@ -385,7 +373,6 @@ impl Stop {
     /// SIGKILL to everything the command started, through the keeper (or to the group
     /// directly if the keeper cannot be asked), and a grace for the keeper to finish.
     fn escalate(&mut self, job: &Job) {
-        self.escalated = true;
         self.signal = Signal::SIGKILL;
         self.kill_at = None;
         send_stop_signal(job, Signal::SIGKILL);
@@ -410,6 +397,21 @@ fn send_stop_signal(job: &Job, signal: Signal) {
     if signal != Signal::SIGCONT {
         let _ = job.signal(Signal::SIGCONT);
     }
+}
+
+/// How the command of a job that is wholly gone ended: as `known`, else as the keeper reported
+/// it in a report not read yet, else as the keeper's own exit status says (a report sent just
+/// before it was reaped may not be readable), else killed.
+pub fn end_of(job: &mut Job, known: Option<ChildStatus>) -> ChildStatus {
+    known
+        .or_else(|| {
+            job.remaining_reports()
+                .into_iter()
+                .find(|report| matches!(report, Report::Exited(_) | Report::Killed(_)))
+                .map(status_of)
+        })
+        .or_else(|| job.keeper_status())
+        .unwrap_or(ChildStatus::Signaled(Signal::SIGKILL))
 }
 
 /// How the command ended, from the keeper's report of its end.

@@ -19,7 +19,7 @@ use crate::supervise::hook;
 use crate::supervise::job::{CommandError, Job};
 use crate::supervise::keeper::Report;
 use crate::supervise::signals::SignalEvent;
-use crate::supervise::stop::{Label, status_of};
+use crate::supervise::stop::status_of;
 use crate::time::for_people as fmt;
 
 impl<B: Backend> Supervisor<B> {
@@ -357,8 +357,7 @@ impl<B: Backend> Supervisor<B> {
                     }
                     LeadEvent::Report(report) => {
                         let status = status_of(report);
-                        Label::leader().log_exited(status);
-                        self.inbox.telemetry.command_exited(status);
+                        self.inbox.command_exited(status);
                         let kill_signal = self.settings.kill_signal;
                         break 'exited (status, job.take().map(|job| (job, kill_signal)));
                     }
