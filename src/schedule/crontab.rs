@@ -573,6 +573,55 @@ mod tests {
     }
 
     #[test]
+    fn a_crontab_as_people_write_it_is_read_as_written() {
+        // Padded columns, tabs, a trailing comment (part of the command, as for cron), a `%`,
+        // and a last line without a newline.
+        let tab = parse(
+            "# m h  dom mon dow   command\n\
+             MAILTO=\"\"\n\
+             PATH=/usr/local/bin:/usr/bin:/bin\n\
+             \n  */5  *   *   *   *    /app/bin/sync --quiet   # every five\n\
+             0    3   *   *   1-5  date +%Y-%m-%d >> /var/log/nightly.log 2>&1\n\
+             \t@daily\tfind /tmp -mtime +7 -delete\n\
+             30 2 * * * echo last",
+        )
+        .expect("parse");
+        let got: Vec<(String, usize, &str)> = tab
+            .jobs
+            .iter()
+            .map(|job| (schedule(job), job.line, job.command.as_str()))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (
+                    "0 */5 * * * * UTC".to_owned(),
+                    5,
+                    "/app/bin/sync --quiet   # every five"
+                ),
+                (
+                    "0 0 3 * * 1-5 UTC".to_owned(),
+                    6,
+                    "date +%Y-%m-%d >> /var/log/nightly.log 2>&1"
+                ),
+                (
+                    "0 0 0 * * * UTC".to_owned(),
+                    7,
+                    "find /tmp -mtime +7 -delete"
+                ),
+                ("0 30 2 * * * UTC".to_owned(), 8, "echo last"),
+            ]
+        );
+        assert_eq!(
+            tab.jobs[0].env,
+            vec![
+                ("MAILTO".into(), String::new()),
+                ("PATH".into(), "/usr/local/bin:/usr/bin:/bin".into())
+            ]
+        );
+    }
+
+    #[test]
     fn environment_lines_apply_to_the_jobs_below_them() {
         let tab = parse(
             "CRON_TZ=Europe/Paris\n\
