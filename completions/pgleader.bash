@@ -71,12 +71,96 @@ _pgleader() {
             return 0
             ;;
         pgleader__subcmd__cron)
-            opts="-v -q -h -V --check --from --next --log-format --verbose --quiet --help --version"
+            opts="-d -v -q -h -V --lock-id --lock --database-url --check-interval --check-timeout --kill-signal --kill-timeout --lease --takeover-delay --ledger-table --health-cmd --health-interval --health-timeout --health-retries --restart-fence --wait-refresh --pre-start --post-stop --hook-timeout --http --check --from --next --log-format --verbose --quiet --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
             fi
             case "${prev}" in
+                --lock-id)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --lock)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --database-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                -d)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --check-interval)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --check-timeout)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --kill-signal)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --kill-timeout)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --lease)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --takeover-delay)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --ledger-table)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --health-cmd)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --health-interval)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --health-timeout)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --health-retries)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --restart-fence)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --wait-refresh)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --pre-start)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --post-stop)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --hook-timeout)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --http)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
                 --from)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
@@ -181,7 +265,7 @@ _pgleader() {
             return 0
             ;;
         pgleader__subcmd__run)
-            opts="-d -v -q -h -V --lock-id --lock --database-url --once --no-wait --busy-exit-code --check-interval --check-timeout --kill-signal --kill-timeout --restart-delay --lease --takeover-delay --relinquish-after --relinquish-schedule --schedule --schedule-timezone --catch-up --retry-interrupted --ledger-table --shards --max-shards --health-cmd --health-interval --health-timeout --health-retries --restart-fence --wait-refresh --pre-start --post-stop --hook-timeout --http --log-format --verbose --quiet --help --version"
+            opts="-d -v -q -h -V --lock-id --lock --database-url --check-interval --check-timeout --kill-signal --kill-timeout --lease --takeover-delay --ledger-table --health-cmd --health-interval --health-timeout --health-retries --restart-fence --wait-refresh --pre-start --post-stop --hook-timeout --http --once --no-wait --busy-exit-code --restart-delay --relinquish-after --relinquish-schedule --schedule --schedule-timezone --catch-up --retry-interrupted --shards --max-shards --log-format --verbose --quiet --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -203,10 +287,6 @@ _pgleader() {
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
-                --busy-exit-code)
-                    COMPREPLY=($(compgen -f "${cur}"))
-                    return 0
-                    ;;
                 --check-interval)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
@@ -223,10 +303,6 @@ _pgleader() {
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
-                --restart-delay)
-                    COMPREPLY=($(compgen -f "${cur}"))
-                    return 0
-                    ;;
                 --lease)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
@@ -235,39 +311,7 @@ _pgleader() {
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
-                --relinquish-after)
-                    COMPREPLY=($(compgen -f "${cur}"))
-                    return 0
-                    ;;
-                --relinquish-schedule)
-                    COMPREPLY=($(compgen -f "${cur}"))
-                    return 0
-                    ;;
-                --schedule)
-                    COMPREPLY=($(compgen -f "${cur}"))
-                    return 0
-                    ;;
-                --schedule-timezone)
-                    COMPREPLY=($(compgen -f "${cur}"))
-                    return 0
-                    ;;
-                --catch-up)
-                    COMPREPLY=($(compgen -f "${cur}"))
-                    return 0
-                    ;;
-                --retry-interrupted)
-                    COMPREPLY=($(compgen -f "${cur}"))
-                    return 0
-                    ;;
                 --ledger-table)
-                    COMPREPLY=($(compgen -f "${cur}"))
-                    return 0
-                    ;;
-                --shards)
-                    COMPREPLY=($(compgen -f "${cur}"))
-                    return 0
-                    ;;
-                --max-shards)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;
@@ -308,6 +352,46 @@ _pgleader() {
                     return 0
                     ;;
                 --http)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --busy-exit-code)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --restart-delay)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --relinquish-after)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --relinquish-schedule)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --schedule)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --schedule-timezone)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --catch-up)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --retry-interrupted)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --shards)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --max-shards)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;

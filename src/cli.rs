@@ -71,10 +71,10 @@ pub enum Command {
     /// follower, so that the next waiting replica takes over; print who led and who leads now
     #[command(after_help = AFTER_HELP)]
     StepDown(StepDownArgs),
-    /// Read a crontab (as supercronic and cron read it) for running across the fleet, each
-    /// occurrence of each job once; so far, --check it: running it is not built yet
+    /// Run a crontab (read as supercronic and cron read it) across the fleet: each occurrence of
+    /// each job once, the jobs shared out over the replicas; or --check it without connecting
     #[command(after_help = AFTER_HELP)]
-    Cron(CronArgs),
+    Cron(Box<CronArgs>),
 }
 
 /// Global: accepted before or after the subcommand, and listed under their own heading so that
@@ -145,10 +145,7 @@ pub struct ConnectionArgs {
 #[derive(Debug, Args)]
 pub struct RunArgs {
     #[command(flatten)]
-    pub lock: LockArgs,
-
-    #[command(flatten)]
-    pub connection: ConnectionArgs,
+    pub replica: ReplicaArgs,
 
     /// Wait for leadership, run the command once, and exit with its status
     #[arg(long, env = "PGLEADER_ONCE", value_parser = BoolishValueParser::new())]
@@ -169,43 +166,11 @@ pub struct RunArgs {
     )]
     pub busy_exit_code: u8,
 
-    /// How often the leader confirms on its session that it still holds the lock
-    #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = positive_duration, env = "PGLEADER_CHECK_INTERVAL")]
-    pub check_interval: Duration,
-
-    /// How long a confirmation may take before leadership counts as lost
-    #[arg(long, value_name = "DURATION", default_value = "2s", value_parser = positive_duration, env = "PGLEADER_CHECK_TIMEOUT")]
-    pub check_timeout: Duration,
-
-    /// Signal sent to the command's process group to stop it when leadership is lost or the
-    /// command is restarted (TERM, SIGTERM or 15). On shutdown, the signal pgleader received is
-    /// passed on instead
-    #[arg(long, value_name = "SIGNAL", default_value = "TERM", value_parser = parse_signal, env = "PGLEADER_KILL_SIGNAL")]
-    pub kill_signal: Signal,
-
-    /// How long the command may take to exit after the stop signal before its process group is
-    /// sent SIGKILL. 0 sends SIGKILL at once
-    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = duration, env = "PGLEADER_KILL_TIMEOUT")]
-    pub kill_timeout: Duration,
-
     /// Without --once: after the command exits on its own, release the lock and wait this long
     /// before entering the election again, so another replica can take its turn. 0 re-enters
     /// at once
     #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = duration, env = "PGLEADER_RESTART_DELAY")]
     pub restart_delay: Duration,
-
-    /// How long the server keeps the lock of a leader it no longer hears from (silent network
-    /// partition, frozen host). Must exceed --check-interval + --check-timeout + --kill-timeout
-    /// by at least 1s, so that the old command is gone before anyone else can win. On Redis it
-    /// is the key's TTL, and must also allow for the server's clock running 1% fast
-    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = positive_duration, env = "PGLEADER_LEASE")]
-    pub lease: Duration,
-
-    /// After winning the lock, wait this long before starting the command: a fence for the
-    /// case where an administrator or a server restart ends the old leader's session while its
-    /// command still runs. 0 starts at once
-    #[arg(long, value_name = "DURATION", default_value = "0s", value_parser = duration, env = "PGLEADER_TAKEOVER_DELAY")]
-    pub takeover_delay: Duration,
 
     /// After leading this long, stop the command gracefully, release the lock and let the next
     /// waiting replica lead: a planned handoff. A lone replica leads again at once
@@ -256,9 +221,6 @@ pub struct RunArgs {
     )]
     pub retry_interrupted: u32,
 
-    #[command(flatten)]
-    pub ledger: LedgerArgs,
-
     /// PostgreSQL or one Redis server: run K numbered instances of the command across the
     /// replicas of this lock,
     /// each exactly once, shared out evenly among the replicas that run (a replica over its
@@ -285,6 +247,65 @@ pub struct RunArgs {
         requires = "shards"
     )]
     pub max_shards: Option<u32>,
+
+    /// The command to run, with its arguments, which are passed on untouched (options included).
+    /// A command whose name starts with "-" must follow --
+    // No allow_hyphen_values: an unknown option before the command must be a usage error (with
+    // a suggestion), not a command that is not found. trailing_var_arg still hands everything
+    // after the first word to the command, options included.
+    #[arg(
+        value_name = "COMMAND",
+        required = true,
+        num_args = 1..,
+        trailing_var_arg = true
+    )]
+    pub command: Vec<OsString>,
+}
+
+/// What every replica of a fleet is given, whatever it runs (`run`, `cron`): the lock, the
+/// server, the timing of checks and stops, the ledger, health checks, hooks and HTTP.
+#[derive(Debug, Args)]
+pub struct ReplicaArgs {
+    #[command(flatten)]
+    pub lock: LockArgs,
+
+    #[command(flatten)]
+    pub connection: ConnectionArgs,
+
+    /// How often the leader confirms on its session that it still holds the lock
+    #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = positive_duration, env = "PGLEADER_CHECK_INTERVAL")]
+    pub check_interval: Duration,
+
+    /// How long a confirmation may take before leadership counts as lost
+    #[arg(long, value_name = "DURATION", default_value = "2s", value_parser = positive_duration, env = "PGLEADER_CHECK_TIMEOUT")]
+    pub check_timeout: Duration,
+
+    /// Signal sent to the command's process group to stop it when leadership is lost or the
+    /// command is restarted (TERM, SIGTERM or 15). On shutdown, the signal pgleader received is
+    /// passed on instead
+    #[arg(long, value_name = "SIGNAL", default_value = "TERM", value_parser = parse_signal, env = "PGLEADER_KILL_SIGNAL")]
+    pub kill_signal: Signal,
+
+    /// How long the command may take to exit after the stop signal before its process group is
+    /// sent SIGKILL. 0 sends SIGKILL at once
+    #[arg(long, value_name = "DURATION", default_value = "5s", value_parser = duration, env = "PGLEADER_KILL_TIMEOUT")]
+    pub kill_timeout: Duration,
+
+    /// How long the server keeps the lock of a leader it no longer hears from (silent network
+    /// partition, frozen host). Must exceed --check-interval + --check-timeout + --kill-timeout
+    /// by at least 1s, so that the old command is gone before anyone else can win. On Redis it
+    /// is the key's TTL, and must also allow for the server's clock running 1% fast
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = positive_duration, env = "PGLEADER_LEASE")]
+    pub lease: Duration,
+
+    /// After winning the lock, wait this long before starting the command: a fence for the
+    /// case where an administrator or a server restart ends the old leader's session while its
+    /// command still runs. 0 starts at once
+    #[arg(long, value_name = "DURATION", default_value = "0s", value_parser = duration, env = "PGLEADER_TAKEOVER_DELAY")]
+    pub takeover_delay: Duration,
+
+    #[command(flatten)]
+    pub ledger: LedgerArgs,
 
     /// Run this shell command line (sh -c, stdin from /dev/null) to check that this replica is
     /// fit to lead: at start-up, then --health-interval after each probe ends, in every phase.
@@ -384,19 +405,6 @@ pub struct RunArgs {
     /// interface (port 0: any free port, which the log names). Off unless given
     #[arg(long, value_name = "ADDR", value_parser = http_address, env = "PGLEADER_HTTP")]
     pub http: Option<SocketAddr>,
-
-    /// The command to run, with its arguments, which are passed on untouched (options included).
-    /// A command whose name starts with "-" must follow --
-    // No allow_hyphen_values: an unknown option before the command must be a usage error (with
-    // a suggestion), not a command that is not found. trailing_var_arg still hands everything
-    // after the first word to the command, options included.
-    #[arg(
-        value_name = "COMMAND",
-        required = true,
-        num_args = 1..,
-        trailing_var_arg = true
-    )]
-    pub command: Vec<OsString>,
 }
 
 /// Where scheduled runs are recorded.
@@ -438,6 +446,9 @@ pub struct StatusArgs {
 /// `pgleader cron`.
 #[derive(Debug, Args)]
 pub struct CronArgs {
+    #[command(flatten)]
+    pub replica: ReplicaArgs,
+
     /// The crontab: five-field lines (six or seven with a year, seconds first in seven, as
     /// supercronic reads them), @hourly and its kind, @every DURATION, NAME=value lines
     /// (CRON_TZ= sets the zone of the jobs below it, SHELL= their shell), and per-job options in

@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 
 use thiserror::Error;
 
-use crate::cli::{ConnectionArgs, LedgerArgs, LockArgs, RestartFence, RunArgs};
+use crate::cli::{ConnectionArgs, CronArgs, LedgerArgs, LockArgs, RestartFence, RunArgs};
 use crate::election::lease::{Lease, StopTimings};
 use crate::election::lock::LockKey;
 use crate::election::majority::Majority;
@@ -20,6 +20,7 @@ use crate::redis::quorum::QuorumBackend;
 use crate::redis::url::{RedisServer, is_redis_url};
 use crate::schedule::Plan;
 use crate::schedule::calendar::Schedule;
+use crate::schedule::crontab::{Crontab, Overlap};
 use crate::supervise::health::HealthCheck;
 use crate::supervise::hook::Hooks;
 use crate::supervise::job::CommandLine;
@@ -38,6 +39,8 @@ pub struct RunConfig {
     pub supervision: Settings,
     /// Where to serve /leader, /healthz, /status and /metrics, if anywhere.
     pub http: Option<SocketAddr>,
+    /// `pgleader cron`: the crontab whose jobs the fleet shares out.
+    pub crontab: Option<Crontab>,
 }
 
 /// The backend a URL's scheme chose, configured. `lib.rs` matches it once and runs the
@@ -108,18 +111,82 @@ impl RunConfig {
         args: RunArgs,
         env: &dyn Environment,
     ) -> anyhow::Result<(RunConfig, Vec<String>)> {
-        let lock = lock_key(&args.lock, env)?;
-        let database = database(&args.connection, env)?;
-        let lease = Lease::new(args.lease);
+        Self::build(args, env, false)
+    }
+
+    /// Validates `pgleader cron`'s arguments for `crontab`: what a replica of a fleet is
+    /// given, as `run` takes it, and nothing that `cron` does not do yet.
+    pub fn for_cron(
+        args: CronArgs,
+        crontab: Crontab,
+        env: &dyn Environment,
+    ) -> anyhow::Result<(RunConfig, Vec<String>)> {
+        for job in &crontab.jobs {
+            let at = format!("{}:{}", crontab.path.display(), job.line);
+            if job.overlap != Overlap::Skip {
+                return Err(UsageError(format!(
+                    "{at}: overlap={} is not built yet: a job still running when its next \
+                     occurrence comes skips it (overlap=skip, the default)",
+                    job.overlap.as_str()
+                ))
+                .into());
+            }
+            if job.timeout.is_some() {
+                return Err(UsageError(format!(
+                    "{at}: timeout= is not built yet; stop a run that takes too long inside \
+                     its command (timeout 30m CMD)"
+                ))
+                .into());
+            }
+        }
+        let run = RunArgs {
+            replica: args.replica,
+            once: false,
+            no_wait: false,
+            busy_exit_code: 0,
+            restart_delay: std::time::Duration::ZERO,
+            relinquish_after: None,
+            relinquish_schedule: None,
+            schedule: None,
+            schedule_timezone: "UTC".into(),
+            catch_up: std::time::Duration::ZERO,
+            retry_interrupted: 0,
+            shards: None,
+            max_shards: None,
+            // Each job's command is its own (`SHELL -c LINE`); this one is never run.
+            command: vec![crate::schedule::crontab::DEFAULT_SHELL.into()],
+        };
+        let (mut config, warnings) = Self::build(run, env, true)?;
+        if !matches!(config.backend, Elector::Postgres(_)) {
+            return Err(UsageError(
+                "a crontab across the fleet runs on PostgreSQL only so far; on Redis, run one \
+                 pgleader run --schedule per job"
+                    .into(),
+            )
+            .into());
+        }
+        config.crontab = Some(crontab);
+        Ok((config, warnings))
+    }
+
+    /// [`RunConfig::from_args`], with a ledger whether or not `--schedule` asks for one.
+    fn build(
+        args: RunArgs,
+        env: &dyn Environment,
+        ledger: bool,
+    ) -> anyhow::Result<(RunConfig, Vec<String>)> {
+        let lock = lock_key(&args.replica.lock, env)?;
+        let database = database(&args.replica.connection, env)?;
+        let lease = Lease::new(args.replica.lease);
         let hooks = Hooks {
-            pre_start: args.pre_start.clone(),
-            post_stop: args.post_stop.clone(),
-            timeout: args.hook_timeout,
+            pre_start: args.replica.pre_start.clone(),
+            post_stop: args.replica.post_stop.clone(),
+            timeout: args.replica.hook_timeout,
         };
         let stop = StopTimings {
-            check_interval: args.check_interval,
-            check_timeout: args.check_timeout,
-            kill_timeout: args.kill_timeout,
+            check_interval: args.replica.check_interval,
+            check_timeout: args.replica.check_timeout,
+            kill_timeout: args.replica.kill_timeout,
             // Pre-start is stopped like the command; only post-stop runs after the kill timeout.
             hook_timeout: hooks.post_stop.is_some().then_some(hooks.timeout),
         };
@@ -128,7 +195,7 @@ impl RunConfig {
             Database::Redis(_) | Database::Quorum(_) => lease.validate_ttl(&stop),
         }
         .map_err(UsageError)?;
-        no_ledger_table_on_redis(&args.ledger, &database)?;
+        no_ledger_table_on_redis(&args.replica.ledger, &database)?;
         let shards = sharding(&args, &database)?;
         let health = health_check(&args)?;
         let schedule = match &args.schedule {
@@ -138,13 +205,15 @@ impl RunConfig {
                 catch_up: args.catch_up,
                 retry_interrupted: args.retry_interrupted,
                 once: args.once || args.no_wait,
-                busy_retry: args.check_timeout / 2,
+                busy_retry: args.replica.check_timeout / 2,
+                job: None,
             }),
             None => None,
         };
         // Without a schedule there is no ledger, and --ledger-table is not looked at.
         let table = match &schedule {
-            Some(_) => ledger_table(&args.ledger)?,
+            Some(_) => ledger_table(&args.replica.ledger)?,
+            None if ledger => ledger_table(&args.replica.ledger)?,
             None => TableName::default(),
         };
         let command = CommandLine::resolve(args.command, env.var_os("PATH").as_deref())?;
@@ -158,26 +227,26 @@ impl RunConfig {
         let connect_timeout = database.connect_timeout();
         // A leader's ledger statements share its session with the checks: well under
         // --check-timeout, so that a check is never held up past its deadline.
-        let ledger_statement_timeout = args.check_timeout / 2;
+        let ledger_statement_timeout = args.replica.check_timeout / 2;
         let supervision = Settings {
             session_name,
             command,
             once: args.once || args.no_wait,
             no_wait: args.no_wait,
             busy_exit_code: args.busy_exit_code,
-            check_interval: args.check_interval,
-            check_timeout: args.check_timeout,
-            kill_signal: args.kill_signal,
-            kill_timeout: args.kill_timeout,
+            check_interval: args.replica.check_interval,
+            check_timeout: args.replica.check_timeout,
+            kill_signal: args.replica.kill_signal,
+            kill_timeout: args.replica.kill_timeout,
             restart_delay: args.restart_delay,
-            takeover_delay: args.takeover_delay,
+            takeover_delay: args.replica.takeover_delay,
             relinquish_after: args.relinquish_after,
             relinquish_schedule: args.relinquish_schedule,
             schedule,
             connect_timeout,
             shards,
             health,
-            restart_fence: match args.restart_fence {
+            restart_fence: match args.replica.restart_fence {
                 RestartFence::Fixed(duration) => duration,
                 RestartFence::Auto => stop.total() + crate::election::lease::MARGIN,
             },
@@ -192,7 +261,7 @@ impl RunConfig {
                     lease,
                     table,
                     ledger_statement_timeout,
-                    args.wait_refresh,
+                    args.replica.wait_refresh,
                 )),
                 connection.warnings,
             ),
@@ -201,7 +270,7 @@ impl RunConfig {
                     server,
                     lock,
                     lease,
-                    poll: args.check_interval,
+                    poll: args.replica.check_interval,
                     ledger_timeout: ledger_statement_timeout,
                     user_name: None,
                 }),
@@ -224,7 +293,7 @@ impl RunConfig {
                         servers,
                         lock,
                         lease,
-                        poll: args.check_interval,
+                        poll: args.replica.check_interval,
                         ledger_timeout: ledger_statement_timeout,
                         user_name: None,
                     }),
@@ -235,7 +304,8 @@ impl RunConfig {
         let config = RunConfig {
             backend,
             supervision,
-            http: args.http,
+            http: args.replica.http,
+            crontab: None,
         };
         Ok((config, warnings))
     }
@@ -243,7 +313,7 @@ impl RunConfig {
 
 /// `--health-cmd` and its companions, or why they cannot be used with what else was asked for.
 fn health_check(args: &RunArgs) -> Result<Option<HealthCheck>, UsageError> {
-    let Some(command) = &args.health_cmd else {
+    let Some(command) = &args.replica.health_cmd else {
         return Ok(None);
     };
     if args.no_wait || (args.once && args.schedule.is_some()) {
@@ -259,9 +329,9 @@ fn health_check(args: &RunArgs) -> Result<Option<HealthCheck>, UsageError> {
     }
     Ok(Some(HealthCheck {
         command: command.clone(),
-        interval: args.health_interval,
-        timeout: args.health_timeout,
-        retries: args.health_retries,
+        interval: args.replica.health_interval,
+        timeout: args.replica.health_timeout,
+        retries: args.replica.health_retries,
     }))
 }
 

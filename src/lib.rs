@@ -31,6 +31,7 @@ pub mod supervise;
 pub mod time;
 
 use anyhow::Context;
+use tokio::sync::mpsc::UnboundedReceiver;
 use tracing::warn;
 
 use crate::cli::{Command, CronArgs, RunArgs, StatusArgs, StepDownArgs};
@@ -47,6 +48,8 @@ use crate::redis::RedisBackend;
 use crate::redis::quorum::QuorumBackend;
 use crate::schedule::crontab::Crontab;
 use crate::supervise::job::CommandError;
+use crate::supervise::sharded::Fleet;
+use crate::supervise::signals::SignalEvent;
 use crate::supervise::{sharded, signals, supervisor};
 
 /// Runs a subcommand to its end and returns the exit code. Must run inside a tokio runtime
@@ -56,18 +59,19 @@ pub async fn execute(command: Command) -> anyhow::Result<u8> {
         Command::Run(args) => run(*args).await,
         Command::Status(args) => status(args).await,
         Command::StepDown(args) => step_down(args).await,
-        Command::Cron(args) => cron(args),
+        Command::Cron(args) => cron(*args).await,
     }
 }
 
-/// `pgleader cron`: so far, `--check` only.
-fn cron(args: CronArgs) -> anyhow::Result<u8> {
+/// `pgleader cron`: `--check` reads the crontab and says what it would run; otherwise this
+/// replica runs its share of the crontab's jobs.
+async fn cron(args: CronArgs) -> anyhow::Result<u8> {
     let crontab = Crontab::read(&args.crontab).map_err(|err| UsageError(err.to_string()))?;
     if !args.check {
-        return Err(UsageError(
-            "running a crontab across the fleet is not built yet; `pgleader cron --check CRONTAB` reads and checks one".into(),
-        )
-        .into());
+        // Listen first: from here on TERM and INT are pgleader's to handle.
+        let signals = signals::listen().context("cannot listen for signals")?;
+        let (config, warnings) = RunConfig::for_cron(args, crontab, &ProcessEnvironment)?;
+        return supervise(config, warnings, signals).await;
     }
     let from = match &args.from {
         Some(text) => text.parse::<jiff::Timestamp>().map_err(|err| {
@@ -85,6 +89,16 @@ async fn run(args: RunArgs) -> anyhow::Result<u8> {
     // Listen first: from here on TERM and INT are pgleader's to handle.
     let signals = signals::listen().context("cannot listen for signals")?;
     let (config, warnings) = RunConfig::from_args(args, &ProcessEnvironment)?;
+    supervise(config, warnings, signals).await
+}
+
+/// Runs a replica as `config` says: the single leader's supervisor, or the sharded room (for
+/// shards or a crontab's jobs).
+async fn supervise(
+    config: RunConfig,
+    warnings: Vec<String>,
+    signals: UnboundedReceiver<SignalEvent>,
+) -> anyhow::Result<u8> {
     for warning in warnings {
         warn!(event = "config", "{warning}");
     }
@@ -94,7 +108,12 @@ async fn run(args: RunArgs) -> anyhow::Result<u8> {
         connection: config.backend.to_string(),
         check_deadline: settings.check_interval + settings.check_timeout,
         schedule: settings.schedule.as_ref().map(|plan| plan.schedule.clone()),
-        shards: settings.shards.map(|sharding| sharding.count),
+        shards: settings.shards.map(|sharding| sharding.count).or_else(|| {
+            config
+                .crontab
+                .as_ref()
+                .map(|crontab| crontab.jobs.len() as u32)
+        }),
         health_check: settings.health.is_some(),
     });
     // Bound before the election: a port that is taken stops pgleader before it can win.
@@ -102,20 +121,25 @@ async fn run(args: RunArgs) -> anyhow::Result<u8> {
         http::spawn(http::bind(address).await?, telemetry.clone());
     }
     notify::init();
-    let outcome = match config.backend {
-        Elector::Postgres(backend) => match config.supervision.shards {
-            Some(sharding) => {
-                sharded::run(backend, config.supervision, sharding, signals, telemetry).await?
-            }
-            None => supervisor::run(backend, config.supervision, signals, telemetry).await?,
-        },
-        Elector::Redis(backend) => match config.supervision.shards {
-            Some(sharding) => {
-                sharded::run(backend, config.supervision, sharding, signals, telemetry).await?
-            }
-            None => supervisor::run(backend, config.supervision, signals, telemetry).await?,
-        },
-        Elector::Quorum(backend) => {
+    let fleet = match (config.crontab, config.supervision.shards) {
+        (Some(crontab), _) => Some(Fleet::Crontab(crontab)),
+        (None, Some(sharding)) => Some(Fleet::Shards(sharding)),
+        (None, None) => None,
+    };
+    let outcome = match (config.backend, fleet) {
+        (Elector::Postgres(backend), Some(fleet)) => {
+            sharded::run(backend, config.supervision, fleet, signals, telemetry).await?
+        }
+        (Elector::Postgres(backend), None) => {
+            supervisor::run(backend, config.supervision, signals, telemetry).await?
+        }
+        (Elector::Redis(backend), Some(fleet)) => {
+            sharded::run(backend, config.supervision, fleet, signals, telemetry).await?
+        }
+        (Elector::Redis(backend), None) => {
+            supervisor::run(backend, config.supervision, signals, telemetry).await?
+        }
+        (Elector::Quorum(backend), _) => {
             supervisor::run(backend, config.supervision, signals, telemetry).await?
         }
     };

@@ -24,11 +24,73 @@
 
 use std::collections::BTreeSet;
 use std::fmt::Display;
+use std::sync::Arc;
 use std::time::Duration;
 
 use thiserror::Error;
 
+use crate::election::ledger::{Definition, Ledger};
+use crate::election::lock::LockKey;
 use crate::election::{ConnectError, Fence, SessionError};
+
+/// What a sharded lock shares out: K numbered shards (`--shards K`), or the jobs of a crontab
+/// (`pgleader cron`), each known by a number derived from its name. The two kinds never run
+/// side by side on one name: each replica says which it runs ([`Items::marker`]) and a replica
+/// that finds the other kind refuses to go on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Items {
+    /// Shards `0..K`.
+    Numbered(u32),
+    /// A crontab's jobs: the numbers of the jobs this replica knows. A replica shares out only
+    /// the jobs it knows, and never takes one it does not, so that in a rolling deploy a job
+    /// only some replicas know runs on one of those.
+    Listed(Arc<BTreeSet<u32>>),
+}
+
+impl Items {
+    /// Whether `item` is one of these.
+    pub fn contains(&self, item: u32) -> bool {
+        match self {
+            Items::Numbered(count) => item < *count,
+            Items::Listed(items) => items.contains(&item),
+        }
+    }
+
+    /// How many there are.
+    pub fn len(&self) -> u32 {
+        match self {
+            Items::Numbered(count) => *count,
+            Items::Listed(items) => items.len() as u32,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Every item, in order.
+    pub fn iter(&self) -> Box<dyn Iterator<Item = u32> + '_> {
+        match self {
+            Items::Numbered(count) => Box::new(0..*count),
+            Items::Listed(items) => Box::new(items.iter().copied()),
+        }
+    }
+
+    /// What a replica says it runs, for the others to compare: the shard count, or 0 for a
+    /// crontab (a shard count is never 0).
+    pub fn marker(&self) -> u32 {
+        match self {
+            Items::Numbered(count) => *count,
+            Items::Listed(_) => 0,
+        }
+    }
+}
+
+impl Default for Items {
+    fn default() -> Self {
+        Items::Numbered(0)
+    }
+}
 
 /// Why a replica cannot take part in a sharded lock.
 #[derive(Debug, Error)]
@@ -71,12 +133,12 @@ pub trait ShardBackend: Display {
     type Holder: Holder;
     type Watcher: Watcher;
 
-    /// Connects and joins the roster of `shards` shards, taking at most `cap`; refuses to go
-    /// on beside a replica that runs the name otherwise ([`JoinError::Mismatch`]).
+    /// Connects and joins the roster of `items`, taking at most `cap`; refuses to go on beside
+    /// a replica that runs the name otherwise ([`JoinError::Mismatch`]).
     fn join(
         &self,
         name: &str,
-        shards: u32,
+        items: &Items,
         cap: Option<u32>,
     ) -> impl Future<Output = Result<Self::Holder, JoinError>>;
 
@@ -95,6 +157,23 @@ pub enum HolderEvent {
 
 /// A replica's holder session: its membership and the shards it runs.
 pub trait Holder {
+    /// The ledger of a crontab's jobs, on this session.
+    type Ledger: Ledger;
+
+    /// The ledger of one crontab job, `item`, recorded under `job`'s key, whose claims succeed
+    /// only while this session holds that item. `None` where the backend keeps no ledger for
+    /// a sharded lock's items (the configuration refuses a crontab there).
+    fn ledger(&self, job: &LockKey, item: u32, definition: &Definition) -> Option<Self::Ledger>;
+
+    /// Makes the ledger ready for use on this session (creating its storage when missing) and
+    /// says where it lives, once per session before any job's [`Holder::ledger`] claims.
+    fn prepare_ledger(
+        &self,
+    ) -> impl Future<Output = Result<String, crate::election::ledger::LedgerError>>;
+
+    /// Changes what this member shares out (a crontab reread): the next roster reads these.
+    fn set_items(&mut self, items: Items);
+
     /// The member's id on the roster (PostgreSQL: the holder session's backend pid).
     fn id(&self) -> i32;
 
@@ -152,10 +231,10 @@ pub struct Member {
     pub holds: BTreeSet<u32>,
 }
 
-/// Every member of a sharded lock, and the shard count they run with.
+/// Every member of a sharded lock, and what they share out.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Roster {
-    pub shards: u32,
+    pub items: Items,
     /// Sorted by id.
     pub members: Vec<Member>,
 }
@@ -166,7 +245,7 @@ impl Roster {
         let n = self.members.len();
         let mut shares = vec![0; n];
         let mut open: Vec<usize> = (0..n).collect();
-        let mut left = self.shards;
+        let mut left = self.items.len();
         // Water-filling: members whose cap is below an even split get their cap, and the rest
         // is split again among the others.
         loop {
@@ -204,14 +283,14 @@ impl Roster {
         shares
     }
 
-    /// The shards no member holds.
+    /// The items no member holds.
     pub fn free(&self) -> Vec<u32> {
         let held: BTreeSet<u32> = self
             .members
             .iter()
             .flat_map(|member| member.holds.iter().copied())
             .collect();
-        (0..self.shards).filter(|i| !held.contains(i)).collect()
+        self.items.iter().filter(|i| !held.contains(i)).collect()
     }
 
     /// The free shards member `me` takes, up to its share, in order of preference: none when
@@ -281,7 +360,10 @@ mod tests {
     }
 
     fn roster(shards: u32, members: Vec<Member>) -> Roster {
-        Roster { shards, members }
+        Roster {
+            items: Items::Numbered(shards),
+            members,
+        }
     }
 
     #[test]

@@ -28,7 +28,7 @@ use crate::election::ledger::{
 use crate::election::lock::LockKey;
 use crate::election::participant::{self, Participant};
 use crate::postgres::describe::describe;
-use crate::postgres::locks::{LOCK_ROWS, held_here as leads, this_lock};
+use crate::postgres::locks::{LOCK_ROWS, held_here_of_form, this_lock};
 
 /// The default table name.
 pub const DEFAULT_TABLE: &str = "pgleader_ledger";
@@ -113,6 +113,17 @@ impl Default for TableName {
     }
 }
 
+/// What a leader's ledger statements need from the backend's settings.
+#[derive(Clone, Debug)]
+pub struct LedgerSettings {
+    pub table: TableName,
+    /// The application name the user gave (the session's name starts with it).
+    pub user_name: Option<String>,
+    /// How long one of a leader's ledger statements may wait: well under --check-timeout, so
+    /// that the checks, which share the session, are not held up past their deadline.
+    pub statement_timeout: Duration,
+}
+
 /// The ledger of one lock and one schedule definition, on one session: the statements,
 /// prepared as text for its table, and the session's client.
 #[derive(Clone, Debug)]
@@ -121,10 +132,20 @@ pub struct PgLedger {
     inner: Arc<Statements>,
 }
 
+/// The advisory lock a leader's writes to the ledger require its session to hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Guard {
+    /// The plain lock of the ledger's own key (`--schedule`).
+    Plain,
+    /// A crontab job's lock: the two-int4 key `(space, item)` of a sharded lock's items.
+    Item { space: i32, item: u32 },
+}
+
 #[derive(Debug)]
 struct Statements {
     table: TableName,
     lock: LockKey,
+    guard: Guard,
     definition: Definition,
     /// The application name the user gave, which the session's name starts with.
     user_name: Option<String>,
@@ -147,13 +168,15 @@ impl PgLedger {
     /// bounds how long the transaction may sit idle.
     pub fn new(
         client: Arc<Client>,
-        table: TableName,
-        lock: LockKey,
-        definition: Definition,
-        user_name: Option<String>,
-        statement_timeout: Duration,
+        settings: &LedgerSettings,
         lease: Duration,
+        lock: LockKey,
+        guard: Guard,
+        definition: Definition,
     ) -> PgLedger {
+        let table = settings.table.clone();
+        let user_name = settings.user_name.clone();
+        let statement_timeout = settings.statement_timeout;
         let t = table.sql();
         let bound = statement_timeout.as_millis().max(1);
         // While the transaction is open, idle_session_timeout does not count; a leader that
@@ -163,6 +186,11 @@ impl PgLedger {
             "BEGIN; SET LOCAL statement_timeout = {bound}; SET LOCAL lock_timeout = {bound}; \
              SET LOCAL idle_in_transaction_session_timeout = {lease}"
         );
+        let subid = match guard {
+            Guard::Plain => 1,
+            Guard::Item { .. } => 2,
+        };
+        let leads = |classid: &str, objid: &str| held_here_of_form(classid, objid, subid);
         let leads_claim = leads("$10", "$11");
         let claim = format!(
             "WITH now AS (SELECT pg_catalog.clock_timestamp() AS t),
@@ -238,6 +266,7 @@ impl PgLedger {
             inner: Arc::new(Statements {
                 table,
                 lock,
+                guard,
                 definition,
                 user_name,
                 begin,
@@ -275,9 +304,13 @@ impl PgLedger {
         Ok(value)
     }
 
+    /// The ledger's key, and the guarding lock's classid and objid as `pg_locks` shows them.
     fn key_params(&self) -> (i64, u32, u32) {
         let lock = &self.inner.lock;
-        (lock.key(), lock.classid(), lock.objid())
+        match self.inner.guard {
+            Guard::Plain => (lock.key(), lock.classid(), lock.objid()),
+            Guard::Item { space, item } => (lock.key(), space as u32, item),
+        }
     }
 
     fn classify(&self, err: tokio_postgres::Error) -> LedgerError {

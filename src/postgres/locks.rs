@@ -52,10 +52,16 @@ pub fn sharded_replica(lock: &LockKey) -> String {
 /// The condition on `l` that selects the advisory lock whose classid and objid are the
 /// statement's parameters `classid` and `objid` (`$1`, `$2`, ...), in this database.
 pub fn this_lock(classid: &str, objid: &str) -> String {
+    lock_of_form(classid, objid, 1)
+}
+
+/// The condition on `l` that selects the advisory lock `classid`, `objid` of the form `subid`:
+/// 1 for a bigint key, 2 for two int4 (a shard's or a crontab job's).
+fn lock_of_form(classid: &str, objid: &str, subid: u8) -> String {
     format!(
         "l.locktype = 'advisory' \
          AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database()) \
-         AND l.classid = {classid} AND l.objid = {objid} AND l.objsubid = 1"
+         AND l.classid = {classid} AND l.objid = {objid} AND l.objsubid = {subid}"
     )
 }
 
@@ -63,9 +69,14 @@ pub fn this_lock(classid: &str, objid: &str) -> String {
 /// write a leader makes to the ledger, so that a session that lost the lock a moment ago
 /// changes nothing.
 pub fn held_here(classid: &str, objid: &str) -> String {
+    held_here_of_form(classid, objid, 1)
+}
+
+/// [`held_here`] for a lock of the form `subid` (see [`lock_of_form`]).
+pub fn held_here_of_form(classid: &str, objid: &str, subid: u8) -> String {
     format!(
         "EXISTS (SELECT FROM {LOCK_ROWS} WHERE {} AND l.granted AND l.pid = pg_catalog.pg_backend_pid())",
-        this_lock(classid, objid)
+        lock_of_form(classid, objid, subid)
     )
 }
 

@@ -29,9 +29,10 @@ use crate::election::lock::LockKey;
 use crate::election::participant;
 use crate::election::{Backend, ConnectError};
 use conninfo::ConnSettings;
+use ledger::LedgerSettings;
 use ledger::TableName;
 use observer::PgObserver;
-use session::{LedgerSettings, PgSession};
+use session::PgSession;
 
 /// A PostgreSQL server (or several, for a failover-aware URL), the lock and the settings of
 /// pgleader's sessions.

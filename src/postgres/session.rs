@@ -27,7 +27,7 @@ use crate::postgres::PgBackend;
 use crate::postgres::connect::{self, ConnectionTask, Notifications, Opened, TcpEnds, classify};
 use crate::postgres::conninfo::{ChannelBinding, ConnSettings, Host};
 use crate::postgres::describe::describe;
-use crate::postgres::ledger::{PgLedger, TableName};
+use crate::postgres::ledger::{Guard, LedgerSettings, PgLedger};
 use crate::postgres::locks::{
     BACKEND_PID_SQL, CONFIRM_SQL, FENCE_SETTING, FENCE_SQL, SENDER_MAY_ASK, TRY_SQL, UNLOCK_SQL,
     WON_SQL, setup_identity, setup_sql, step_down_channel, wait_sql,
@@ -45,17 +45,6 @@ fn pooler(evidence: &str) -> String {
          in transaction mode), where advisory locks leak or vanish. Connect directly to \
          PostgreSQL or through a session-mode pool"
     )
-}
-
-/// What a leader's ledger statements need from the backend's settings.
-#[derive(Clone, Debug)]
-pub struct LedgerSettings {
-    pub table: TableName,
-    /// The application name the user gave (the session's name starts with it).
-    pub user_name: Option<String>,
-    /// How long one of a leader's ledger statements may wait: well under --check-timeout, so
-    /// that the checks, which share the session, are not held up past their deadline.
-    pub statement_timeout: Duration,
 }
 
 /// An open session for one lock, with the task that drives its connection.
@@ -131,6 +120,19 @@ fn pass_on_if_allowed(client: Arc<Client>, requests: Heard, request: String, sen
 }
 
 impl PgSession {
+    /// The ledger of `lock` on this session, whose writes require that the session holds
+    /// `guard`'s lock.
+    pub fn ledger_of(&self, lock: &LockKey, guard: Guard, definition: &Definition) -> PgLedger {
+        PgLedger::new(
+            self.client.clone(),
+            &self.ledger,
+            self.lease,
+            lock.clone(),
+            guard,
+            definition.clone(),
+        )
+    }
+
     /// The holder session of a replica that ran this lock's name with `--shards` when this
     /// session was set up.
     pub(super) fn sharded_replica_beside(&self) -> Option<i32> {
@@ -546,15 +548,7 @@ impl Session for PgSession {
     }
 
     fn ledger(&self, definition: &Definition) -> PgLedger {
-        PgLedger::new(
-            self.client.clone(),
-            self.ledger.table.clone(),
-            self.lock.clone(),
-            definition.clone(),
-            self.ledger.user_name.clone(),
-            self.ledger.statement_timeout,
-            self.lease,
-        )
+        self.ledger_of(&self.lock.clone(), Guard::Plain, definition)
     }
 }
 

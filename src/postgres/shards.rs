@@ -38,15 +38,17 @@ use std::time::Duration;
 use tokio_postgres::Client;
 use tokio_postgres::types::Type;
 
+use crate::election::ledger::{Definition, Ledger, LedgerError};
 use crate::election::lock::LockKey;
 use crate::election::participant::{Participant, ShardReplica, ShardsView};
 use crate::election::shards::{
-    Holder, HolderEvent, JoinError, Member, Roster, Seen, ShardBackend, Watcher,
+    Holder, HolderEvent, Items, JoinError, Member, Roster, Seen, ShardBackend, Watcher,
 };
 use crate::election::{ConnectError, Fence, Session, SessionError};
 use crate::postgres::PgBackend;
 use crate::postgres::connect::Notifications;
 use crate::postgres::describe::describe;
+use crate::postgres::ledger::{Guard, PgLedger};
 use crate::postgres::locks::{SHARD_CAP_BASE, SHARD_COUNT_BASE, in_turns, shard_space};
 use crate::postgres::session::{PgSession, query_error};
 
@@ -199,10 +201,18 @@ pub async fn view(client: &Client, lock: &LockKey) -> Result<Option<ShardsView>,
     }))
 }
 
-/// Reads a roster from `ROSTER_SQL`'s rows, as seen by a member running `shards` shards.
+/// How a replica that says `marker` runs the name (see [`Items::marker`]).
+pub fn kind_of(marker: u32) -> String {
+    match marker {
+        0 => "as a crontab (pgleader cron)".to_owned(),
+        count => format!("with --shards {count}"),
+    }
+}
+
+/// Reads a roster from `ROSTER_SQL`'s rows, as seen by a member that shares out `items`.
 fn read_roster(
     keys: &ShardKeys,
-    shards: u32,
+    items: &Items,
     rows: &[tokio_postgres::Row],
 ) -> Result<Seen, SessionError> {
     let first = rows
@@ -248,13 +258,18 @@ fn read_roster(
             member.cap = Some(cap);
         }
     }
-    let mut mismatch = counts.iter().find(|(_, count)| *count != shards).map(|(pid, count)| {
-        format!(
-            "the replica of server process {pid} runs this lock with --shards {count}, this one \
-             with --shards {shards}: every replica of a lock must run with the same shard count \
-             (stop them all to change it)"
-        )
-    });
+    let marker = items.marker();
+    let mut mismatch = counts
+        .iter()
+        .find(|(_, count)| *count != marker)
+        .map(|(pid, count)| {
+            format!(
+                "the replica of server process {pid} runs this lock {}, this one {}: every replica \
+             of a lock must run it the same way (stop them all to change it)",
+                kind_of(*count),
+                kind_of(marker)
+            )
+        });
     if let (None, Some(pid)) = (&mismatch, plain) {
         mismatch = Some(format!(
             "the replica of server process {pid} runs lock {} without --shards: a lock runs \
@@ -264,7 +279,7 @@ fn read_roster(
     }
     let mut taken = BTreeSet::new();
     for (pid, shard) in holds {
-        if shard >= shards {
+        if !items.contains(shard) {
             continue;
         }
         match members.get_mut(&pid) {
@@ -278,7 +293,7 @@ fn read_roster(
     }
     Ok(Seen {
         roster: Roster {
-            shards,
+            items: items.clone(),
             members: members.into_values().collect(),
         },
         taken,
@@ -302,7 +317,7 @@ pub(super) fn refusal(pid: i32, lock: &LockKey) -> ConnectError {
 pub struct ShardHolder {
     session: PgSession,
     keys: ShardKeys,
-    shards: u32,
+    items: Items,
     notifications: Notifications,
 }
 
@@ -312,12 +327,12 @@ impl ShardHolder {
     pub async fn join(
         backend: &PgBackend,
         name: &str,
-        shards: u32,
+        items: &Items,
         cap: Option<u32>,
     ) -> Result<ShardHolder, JoinError> {
         assert!(
-            (1..=MAX_SHARDS).contains(&shards),
-            "a shard count is checked at start-up"
+            items.marker() <= MAX_SHARDS && items.iter().all(|item| item < 1 << 30),
+            "a shard count and job numbers are checked at start-up"
         );
         let mut session = backend.session(name).await?;
         let notifications = session
@@ -330,7 +345,7 @@ impl ShardHolder {
              SELECT pg_catalog.pg_advisory_lock({space}, -pg_catalog.pg_backend_pid()); \
              SELECT pg_catalog.pg_advisory_lock_shared({space}, {count});",
             channel = keys.channel(),
-            count = ShardKeys::count_marker(shards),
+            count = ShardKeys::count_marker(items.marker()),
         );
         if let Some(cap) = cap {
             join.push_str(&format!(
@@ -347,7 +362,7 @@ impl ShardHolder {
         let holder = ShardHolder {
             session,
             keys,
-            shards,
+            items: items.clone(),
             notifications,
         };
         let seen = Holder::roster(&holder).await?;
@@ -366,6 +381,31 @@ impl ShardHolder {
 }
 
 impl Holder for ShardHolder {
+    type Ledger = PgLedger;
+
+    fn ledger(&self, job: &LockKey, item: u32, definition: &Definition) -> Option<PgLedger> {
+        let guard = Guard::Item {
+            space: self.keys.space,
+            item,
+        };
+        Some(self.session.ledger_of(job, guard, definition))
+    }
+
+    async fn prepare_ledger(&self) -> Result<String, LedgerError> {
+        let definition = Definition {
+            expression: String::new(),
+            timezone: String::new(),
+        };
+        self.session
+            .ledger_of(&self.keys.plain, Guard::Plain, &definition)
+            .prepare()
+            .await
+    }
+
+    fn set_items(&mut self, items: Items) {
+        self.items = items;
+    }
+
     /// The holder session's server process: the member's id on the roster.
     fn id(&self) -> i32 {
         self.session.id()
@@ -395,7 +435,7 @@ impl Holder for ShardHolder {
     /// Reads the roster: who runs the name, what each holds, and the server's clock.
     fn roster(&self) -> impl Future<Output = Result<Seen, SessionError>> + 'static {
         let client = self.session.client().clone();
-        let (keys, shards, me) = (self.keys.clone(), self.shards, self.id());
+        let (keys, items, me) = (self.keys.clone(), self.items.clone(), self.id());
         async move {
             let (space, classid, objid) =
                 (keys.space as u32, keys.plain.classid(), keys.plain.objid());
@@ -410,7 +450,7 @@ impl Holder for ShardHolder {
                 )
                 .await
                 .map_err(query_error)?;
-            let seen = read_roster(&keys, shards, &rows)?;
+            let seen = read_roster(&keys, &items, &rows)?;
             let pid: i32 = rows.first().map_or(0, |row| row.get(0));
             if pid != me {
                 return Err(SessionError::Unsafe(format!(
@@ -546,10 +586,10 @@ impl ShardBackend for PgBackend {
     async fn join(
         &self,
         name: &str,
-        shards: u32,
+        items: &Items,
         cap: Option<u32>,
     ) -> Result<ShardHolder, JoinError> {
-        ShardHolder::join(self, name, shards, cap).await
+        ShardHolder::join(self, name, items, cap).await
     }
 
     async fn watcher(&self, name: &str) -> Result<ShardWatcher, ConnectError> {

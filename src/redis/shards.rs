@@ -44,10 +44,11 @@ use std::time::Duration;
 use redis::aio::MultiplexedConnection;
 use redis::{PushKind, Script, Value};
 
+use crate::election::ledger::{Definition, LedgerError};
 use crate::election::lock::LockKey;
 use crate::election::participant::{ShardReplica, ShardsView};
 use crate::election::shards::{
-    Holder, HolderEvent, JoinError, Member, Roster, Seen, ShardBackend, Watcher,
+    Holder, HolderEvent, Items, JoinError, Member, Roster, Seen, ShardBackend, Watcher,
 };
 use crate::election::{ConnectError, Fence, SessionError};
 use crate::redis::RedisBackend;
@@ -511,6 +512,20 @@ fn who(value: &str) -> String {
 }
 
 impl Holder for RedisShardHolder {
+    type Ledger = crate::redis::ledger::RedisLedger;
+
+    /// A crontab across the fleet is not built on Redis yet (the configuration refuses it).
+    fn ledger(&self, _job: &LockKey, _item: u32, _definition: &Definition) -> Option<Self::Ledger> {
+        None
+    }
+
+    async fn prepare_ledger(&self) -> Result<String, LedgerError> {
+        Ok(String::new())
+    }
+
+    /// Only numbered shards run on Redis: nothing changes.
+    fn set_items(&mut self, _items: Items) {}
+
     /// The member id the join handed out (`pgleader:{NAME}:member:<id>`).
     fn id(&self) -> i32 {
         self.me
@@ -696,7 +711,7 @@ fn read_roster(
     }
     Ok(Seen {
         roster: Roster {
-            shards,
+            items: Items::Numbered(shards),
             members: members.into_values().collect(),
         },
         taken,
@@ -803,10 +818,15 @@ impl ShardBackend for RedisBackend {
     async fn join(
         &self,
         name: &str,
-        shards: u32,
+        items: &Items,
         cap: Option<u32>,
     ) -> Result<RedisShardHolder, JoinError> {
-        RedisShardHolder::join(self, name, shards, cap).await
+        let Items::Numbered(shards) = items else {
+            return Err(JoinError::Mismatch(
+                "a crontab across the fleet runs on PostgreSQL only so far".into(),
+            ));
+        };
+        RedisShardHolder::join(self, name, *shards, cap).await
     }
 
     async fn watcher(&self, name: &str) -> Result<RedisShardWatcher, ConnectError> {

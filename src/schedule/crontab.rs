@@ -26,6 +26,7 @@ use std::time::Duration;
 
 use jiff::tz::TimeZone;
 
+use crate::election::lock::LockKey;
 use crate::schedule::calendar::{self, Schedule};
 
 /// The shell a job's command runs through when no `SHELL=` line says otherwise.
@@ -69,6 +70,14 @@ pub struct CronJob {
 }
 
 impl CronJob {
+    /// The number the fleet knows the job by: its item in the sharded lock of the crontab's
+    /// name (on PostgreSQL the second int4 of its advisory lock), 30 bits of a hash of its
+    /// name, so that every replica, whatever else its file holds, calls it the same.
+    pub fn item(&self) -> u32 {
+        let key = LockKey::from_name(&format!("pgleader job {}", self.name)).key();
+        (key as u64 as u32) & ((1 << 30) - 1)
+    }
+
     /// Eight hex digits that identify the job's definition: its schedule and zone, command,
     /// shell, environment and options; not its name nor its line. Replicas whose files define
     /// a job alike agree on it, and one that differs (a rolling deploy half done) shows.
@@ -487,6 +496,20 @@ fn name_jobs(jobs: &mut [CronJob]) -> Result<(), (usize, String)> {
                 format!(
                     "two jobs are named {:?} (lines {first} and {})",
                     job.name, job.line
+                ),
+            ));
+        }
+    }
+    // A job's lock is its item number: two names of one number would share it.
+    let mut items: HashMap<u32, (&str, usize)> = HashMap::new();
+    for job in jobs.iter() {
+        if let Some((other, line)) = items.insert(job.item(), (&job.name, job.line)) {
+            return Err((
+                job.line,
+                format!(
+                    "the job names {other:?} (line {line}) and {:?} hash alike, so one lock would \
+                     serve both; rename one of them",
+                    job.name
                 ),
             ));
         }

@@ -41,6 +41,8 @@ pub struct Plan {
     /// How long to wait before trying again a ledger statement that was rolled back for
     /// waiting too long (the backend bounds each statement by about as much).
     pub busy_retry: Duration,
+    /// A crontab job's name, for the `job` field of the log lines; `None` for `--schedule`.
+    pub job: Option<String>,
 }
 
 impl Plan {

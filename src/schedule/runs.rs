@@ -31,10 +31,11 @@ mod catch_up;
 
 use std::collections::VecDeque;
 use std::pin::Pin;
+use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use jiff::Timestamp;
-use tokio::time::{Instant, sleep_until};
+use tokio::time::{Instant, Sleep, sleep_until};
 use tracing::{debug, info, warn};
 
 use crate::election::ledger::{Claim, Claimant, LateFinish, Ledger, LedgerError};
@@ -134,6 +135,8 @@ pub struct Runs<L: Ledger> {
     foreign_ledger_seen: Option<Instant>,
     /// Where runs and outcomes are published for the HTTP endpoint.
     publish: Publish,
+    /// What [`Runs::poll_next`] waits on: the next occurrence, or the end of a pause.
+    timer: Pin<Box<Sleep>>,
 }
 
 impl<L: Ledger> std::fmt::Debug for Runs<L> {
@@ -168,6 +171,7 @@ impl<L: Ledger> Runs<L> {
         if offset.abs() >= 1.0 {
             info!(
                 event = "clock_offset",
+                job = plan.job.as_deref(),
                 offset_seconds = format!("{offset:+.3}"),
                 "this host's clock is {:.3} s {} the database server's; the schedule follows the server's clock",
                 offset.abs(),
@@ -194,6 +198,7 @@ impl<L: Ledger> Runs<L> {
             warned: None,
             foreign_ledger_seen: start.foreign_ledger_seen,
             publish: start.publish,
+            timer: Box::pin(sleep_until(Instant::now())),
         }
     }
 
@@ -264,12 +269,19 @@ impl<L: Ledger> Runs<L> {
     /// flight when the future is dropped, and nothing is lost between its answer and the
     /// event it leads to.
     pub async fn next(&mut self) -> RunsEvent {
+        std::future::poll_fn(|cx| self.poll_next(cx)).await
+    }
+
+    /// [`Runs::next`] as a poll, so that a table of many runs (a crontab's jobs) can wait on
+    /// them all at once: the statement in flight and the timer live in `self`, so a poll that
+    /// returns pending keeps its wake-up.
+    pub fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<RunsEvent> {
         loop {
             if let Some((_, op)) = self.op.as_mut() {
-                let done = op.await;
+                let done = ready!(op.as_mut().poll(cx));
                 let (step, _) = self.op.take().expect("the statement in flight");
                 if let Some(event) = self.on_done(step, done) {
-                    return event;
+                    return Poll::Ready(event);
                 }
                 continue;
             }
@@ -284,16 +296,19 @@ impl<L: Ledger> Runs<L> {
             if self.queue.is_empty()
                 && let Some(event) = self.closing.take()
             {
-                return event;
+                return Poll::Ready(event);
             }
             let due = self.due.map(|at| (at, self.wake_for(at)));
             let wake = match (paused, due) {
-                (None, None) => return std::future::pending().await,
+                (None, None) => return Poll::Pending,
                 (Some(pause), Some((_, due))) => pause.min(due),
                 (Some(pause), None) => pause,
                 (None, Some((_, due))) => due,
             };
-            sleep_until(wake).await;
+            if self.timer.deadline() != wake {
+                self.timer.as_mut().reset(wake);
+            }
+            ready!(self.timer.as_mut().poll(cx));
             if let Some((at, due)) = due
                 && due <= Instant::now()
             {
@@ -325,9 +340,9 @@ impl<L: Ledger> Runs<L> {
         let next = next.as_deref().unwrap_or("none");
         let at = rfc3339(run.at);
         if succeeded {
-            info!(event = "scheduled_run_finished", occurrence = %at, attempt = run.attempt, outcome, exit_code = status.exit_code(), next, "the run of {at} succeeded");
+            info!(event = "scheduled_run_finished", job = self.plan.job.as_deref(), occurrence = %at, attempt = run.attempt, outcome, exit_code = status.exit_code(), next, "the run of {at} succeeded");
         } else {
-            warn!(event = "scheduled_run_finished", occurrence = %at, attempt = run.attempt, outcome, status = %status, exit_code = status.exit_code(), next, "the run of {at} failed ({status})");
+            warn!(event = "scheduled_run_finished", job = self.plan.job.as_deref(), occurrence = %at, attempt = run.attempt, outcome, status = %status, exit_code = status.exit_code(), next, "the run of {at} failed ({status})");
         }
         let finish = LateFinish {
             at: run.at,
@@ -403,12 +418,12 @@ impl<L: Ledger> Runs<L> {
             };
             let at = rfc3339(run.at);
             if !run.started {
-                debug!(event = "unclaimed", occurrence = %at, "taking back the claim of {at}: its command never started");
+                debug!(event = "unclaimed", job = self.plan.job.as_deref(), occurrence = %at, "taking back the claim of {at}: its command never started");
                 let _ = self.ledger.unclaim(run.at, self.claimant.epoch).await;
                 return;
             }
             let (status, why) = stopped.unwrap_or((None, "its leader stepped down"));
-            warn!(event = "scheduled_run_interrupted", occurrence = %at, reason = why, "the run of {at} was interrupted: {why}");
+            warn!(event = "scheduled_run_interrupted", job = self.plan.job.as_deref(), occurrence = %at, reason = why, "the run of {at} was interrupted: {why}");
             let finish = LateFinish {
                 at: run.at,
                 epoch: self.claimant.epoch,
@@ -420,13 +435,14 @@ impl<L: Ledger> Runs<L> {
             match self.ledger.finish(&finish, Some(why)).await {
                 Ok(_) => self.publish(run.at, finish.outcome, finish.exit_code),
                 Err(err) => {
-                    warn!(event = "ledger_failed", reason = %err, "cannot record the interrupted run; the next leader will")
+                    warn!(event = "ledger_failed", job = self.plan.job.as_deref(), reason = %err, "cannot record the interrupted run; the next leader will")
                 }
             }
         };
         if tokio::time::timeout(timeout, work).await.is_err() {
             warn!(
                 event = "ledger_failed",
+                job = self.plan.job.as_deref(),
                 "no answer while settling the ledger; the next leader will record what is missing"
             );
         }
@@ -445,6 +461,7 @@ impl<L: Ledger> Runs<L> {
             Step::Begin => {
                 let publish = self.publish.clone();
                 let schedule = self.plan.schedule.clone();
+                let job = self.plan.job.clone();
                 Box::pin(async move {
                     let result = async {
                         for (at, host, pid) in ledger.interrupt_stale().await? {
@@ -458,7 +475,7 @@ impl<L: Ledger> Runs<L> {
                                 host: host.clone(),
                             });
                             warn!(
-                                event = "scheduled_run_interrupted",
+                                event = "scheduled_run_interrupted", job = job.as_deref(),
                                 occurrence = %rfc3339(at),
                                 "the run of {} (by pgleader pid {} on {}) was interrupted: its leader lost the lock while it ran",
                                 rfc3339(at),
@@ -522,7 +539,7 @@ impl<L: Ledger> Runs<L> {
         if let Some(LedgerError::Busy(reason)) = failed {
             // Rolled back: the same statement again, a moment later.
             let retry = self.plan.busy_retry.max(Duration::from_millis(100));
-            warn!(event = "ledger_busy", reason = %reason, "a ledger statement waited too long and was rolled back; trying again in {}", for_people(retry));
+            warn!(event = "ledger_busy", job = self.plan.job.as_deref(), reason = %reason, "a ledger statement waited too long and was rolled back; trying again in {}", for_people(retry));
             self.queue.push_front(step);
             self.paused_until = Some(Instant::now() + retry);
             return None;
@@ -565,9 +582,9 @@ impl<L: Ledger> Runs<L> {
                 {
                     if recorded {
                         self.publish(at, outcome, None);
-                        warn!(event = "occurrence_not_run", occurrence = %rfc3339(at), outcome, reason = %detail, "the occurrence of {} was {outcome}: {detail}", rfc3339(at));
+                        warn!(event = "occurrence_not_run", job = self.plan.job.as_deref(), occurrence = %rfc3339(at), outcome, reason = %detail, "the occurrence of {} was {outcome}: {detail}", rfc3339(at));
                     } else {
-                        debug!(event = "occurrence_not_run", occurrence = %rfc3339(at), outcome, "the occurrence of {} is already recorded", rfc3339(at));
+                        debug!(event = "occurrence_not_run", job = self.plan.job.as_deref(), occurrence = %rfc3339(at), outcome, "the occurrence of {} is already recorded", rfc3339(at));
                     }
                 }
                 None
@@ -575,7 +592,7 @@ impl<L: Ledger> Runs<L> {
             Done::Finished(Ok(updated)) => {
                 self.finishing = None;
                 if !updated && let Step::Finish(finish) = step {
-                    warn!(event = "ledger_conflict", occurrence = %rfc3339(finish.at), "the ledger row of {} was no longer this leader's to update", rfc3339(finish.at));
+                    warn!(event = "ledger_conflict", job = self.plan.job.as_deref(), occurrence = %rfc3339(finish.at), "the ledger row of {} was no longer this leader's to update", rfc3339(finish.at));
                 }
                 None
             }
@@ -594,7 +611,7 @@ impl<L: Ledger> Runs<L> {
                 self.due = self.after(at);
                 let late = crate::time::elapsed(at, self.clock.now());
                 info!(
-                    event = "scheduled_run",
+                    event = "scheduled_run", job = self.plan.job.as_deref(),
                     occurrence = %rfc3339(at),
                     attempt,
                     late_ms = late.as_millis() as u64,
@@ -609,13 +626,13 @@ impl<L: Ledger> Runs<L> {
             }
             Claim::Early { server_now } => {
                 let ahead = crate::time::elapsed(server_now, at);
-                debug!(event = "early", occurrence = %rfc3339(at), "the server's clock has not reached the occurrence yet; waiting {} more", for_people(ahead));
+                debug!(event = "early", job = self.plan.job.as_deref(), occurrence = %rfc3339(at), "the server's clock has not reached the occurrence yet; waiting {} more", for_people(ahead));
                 self.early_until = Some(Instant::now() + ahead.max(Duration::from_millis(1)));
                 self.due = Some(at);
                 None
             }
             Claim::NotLeader => {
-                warn!(event = "ledger_conflict", occurrence = %rfc3339(at), "the claim of {} was refused: this session no longer holds the lock", rfc3339(at));
+                warn!(event = "ledger_conflict", job = self.plan.job.as_deref(), occurrence = %rfc3339(at), "the claim of {} was refused: this session no longer holds the lock", rfc3339(at));
                 Some(RunsEvent::Failed(LedgerError::Query(
                     "the ledger refused a claim: this session no longer holds the lock".to_owned(),
                 )))
@@ -632,15 +649,15 @@ impl<L: Ledger> Runs<L> {
                 let interrupted =
                     matches!(&other, Claim::Taken { outcome } if outcome == "interrupted");
                 if self.plan.once {
-                    info!(event = "occurrence_taken", occurrence = %rfc3339(at), "not running the occurrence of {}: {why}", rfc3339(at));
+                    info!(event = "occurrence_taken", job = self.plan.job.as_deref(), occurrence = %rfc3339(at), "not running the occurrence of {}: {why}", rfc3339(at));
                     self.publish(at, "busy", None);
                     self.due = None;
                     return Some(RunsEvent::NothingToRun);
                 }
                 if probing && !interrupted {
-                    debug!(event = "occurrence_taken", occurrence = %rfc3339(at), "the occurrence of {} needs no catching up: {why}", rfc3339(at));
+                    debug!(event = "occurrence_taken", job = self.plan.job.as_deref(), occurrence = %rfc3339(at), "the occurrence of {} needs no catching up: {why}", rfc3339(at));
                 } else {
-                    info!(event = "occurrence_taken", occurrence = %rfc3339(at), "not running the occurrence of {}: {why}", rfc3339(at));
+                    info!(event = "occurrence_taken", job = self.plan.job.as_deref(), occurrence = %rfc3339(at), "not running the occurrence of {}: {why}", rfc3339(at));
                 }
                 self.due = self.after(at);
                 None
@@ -663,7 +680,7 @@ impl<L: Ledger> Runs<L> {
         match agreement.verdict {
             Verdict::Disagree { reason } => Some(RunsEvent::Disagree(reason)),
             Verdict::Adopt { change } => {
-                warn!(event = "schedule_changed", lock = %self.lock, "{change}");
+                warn!(event = "schedule_changed", job = self.plan.job.as_deref(), lock = %self.lock, "{change}");
                 None
             }
             Verdict::Agree {
@@ -678,7 +695,7 @@ impl<L: Ledger> Runs<L> {
 
     fn warn_once(&mut self, event: &'static str, text: String) {
         if self.warned.as_deref() != Some(text.as_str()) {
-            warn!(event, lock = %self.lock, "{text}");
+            warn!(event, job = self.plan.job.as_deref(), lock = %self.lock, "{text}");
             self.warned = Some(text);
         }
     }

@@ -46,7 +46,8 @@ pub enum After {
     /// Removed, and handed to the owner to give away (a shard released for a replica short of
     /// its share).
     Give,
-    /// Kept, and its command started again after `--restart-delay` (it exited on its own).
+    /// Kept, and its command started again after `--restart-delay` (it exited on its own), or
+    /// when its owner asks ([`Restart::WhenAsked`]).
     Restart,
     /// Removed: the lock is gone already, or the whole session is being left.
     Forget,
@@ -63,10 +64,24 @@ pub enum Settled {
     Gone,
 }
 
+/// When a command that exited on its own starts again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Restart {
+    /// After this delay (`--restart-delay`): a service, a shard.
+    After(Duration),
+    /// When the owner says so ([`Commands::start_now`]): a crontab job, at its next occurrence.
+    WhenAsked,
+}
+
+/// Far enough ahead to mean "not until asked".
+const NOT_UNTIL_ASKED: Duration = Duration::from_secs(100 * 365 * 86_400);
+
 /// One command of the table, with what its owner knows of it (`item`).
 #[derive(Debug)]
 struct Entry<T> {
     item: T,
+    /// How its log lines name it.
+    label: Label,
     /// When its command may start: what the owner said, `--restart-delay` after it exited on
     /// its own, longer while its `--pre-start` keeps failing.
     start_at: Instant,
@@ -112,27 +127,30 @@ pub struct Commands<K: Key, T> {
     entries: BTreeMap<K, Entry<T>>,
     rules: StopRules,
     kill_signal: Signal,
-    restart_delay: Duration,
+    restart: Restart,
 }
 
 impl<K: Key, T> Commands<K, T> {
-    /// An empty table whose commands stop by `rules` with `kill_signal`, and start again
-    /// `restart_delay` after they exit on their own.
-    pub fn new(rules: StopRules, kill_signal: Signal, restart_delay: Duration) -> Self {
+    /// An empty table whose commands stop by `rules` with `kill_signal`, and start again as
+    /// `restart` says after they exit on their own.
+    pub fn new(rules: StopRules, kill_signal: Signal, restart: Restart) -> Self {
         Commands {
             entries: BTreeMap::new(),
             rules,
             kill_signal,
-            restart_delay,
+            restart,
         }
     }
 
-    /// Adds a command that may start at `start_at`.
-    pub fn insert(&mut self, key: K, item: T, start_at: Instant) {
+    /// Adds a command that may start at `start_at` (`None`: when asked, [`Commands::start_now`]),
+    /// named in the log as `label`.
+    pub fn insert(&mut self, key: K, label: Label, item: T, start_at: Option<Instant>) {
+        let start_at = start_at.unwrap_or_else(|| Instant::now() + NOT_UNTIL_ASKED);
         self.entries.insert(
             key,
             Entry {
                 item,
+                label,
                 start_at,
                 job: None,
                 stopping: None,
@@ -146,6 +164,30 @@ impl<K: Key, T> Commands<K, T> {
 
     pub fn contains_key(&self, key: &K) -> bool {
         self.entries.contains_key(key)
+    }
+
+    /// What the owner keeps of `key`'s entry.
+    pub fn item_mut(&mut self, key: &K) -> Option<&mut T> {
+        self.entries.get_mut(key).map(|entry| &mut entry.item)
+    }
+
+    /// Whether `key`'s command has been started (and not yet settled).
+    pub fn is_started(&self, key: &K) -> bool {
+        self.entries
+            .get(key)
+            .is_some_and(|entry| entry.job.is_some())
+    }
+
+    /// Lets `key`'s command start at the next [`Commands::on_timer`], unless it runs or is
+    /// being stopped. False if it cannot start now.
+    pub fn start_now(&mut self, key: &K) -> bool {
+        match self.entries.get_mut(key) {
+            Some(entry) if entry.job.is_none() && entry.stopping.is_none() => {
+                entry.start_at = Instant::now();
+                true
+            }
+            _ => false,
+        }
     }
 
     pub fn is_empty(&self) -> bool {
@@ -184,7 +226,7 @@ impl<K: Key, T> Commands<K, T> {
         let stop = entry
             .job
             .as_ref()
-            .map(|job| Stop::begin(job, signal, self.rules, key.label(), entry.ended));
+            .map(|job| Stop::begin(job, signal, self.rules, entry.label.clone(), entry.ended));
         entry.stopping = Some(Stopping { after, stop });
     }
 
@@ -252,7 +294,7 @@ impl<K: Key, T> Commands<K, T> {
         let Some(entry) = self.entries.get_mut(key) else {
             return Ok(());
         };
-        let label = key.label();
+        let label = entry.label.clone();
         match report {
             Report::Started(pid) => {
                 info!(event = "child_started", shard = label.shard, job = label.job.as_deref(), pid, command = %command.display(), "started the command{}", label.of());
@@ -349,7 +391,7 @@ impl<K: Key, T> Commands<K, T> {
                         if !job.is_finished() {
                             continue;
                         }
-                        let stop = Stop::vanished(job, self.rules, key.label());
+                        let stop = Stop::vanished(job, self.rules, entry.label.clone());
                         *stopping = Some(Stopping {
                             after: After::Restart,
                             stop: Some(stop),
@@ -376,7 +418,15 @@ impl<K: Key, T> Commands<K, T> {
                 After::Restart if !quiet => {
                     entry.job = None;
                     entry.stopping = None;
-                    let label = key.label();
+                    let label = entry.label.clone();
+                    let restart_delay = match self.restart {
+                        Restart::After(delay) => delay,
+                        Restart::WhenAsked => {
+                            entry.start_at = now + NOT_UNTIL_ASKED;
+                            settled.push((key.clone(), status, Settled::Restarting));
+                            continue;
+                        }
+                    };
                     if entry.pre_start_failures > 0 {
                         let sit_out = hook::sit_out_after(entry.pre_start_failures);
                         entry.start_at = now + sit_out;
@@ -390,14 +440,14 @@ impl<K: Key, T> Commands<K, T> {
                             ),
                         );
                     } else {
-                        entry.start_at = now + self.restart_delay;
-                        if !self.restart_delay.is_zero() {
+                        entry.start_at = now + restart_delay;
+                        if !restart_delay.is_zero() {
                             label.info(
                                 "restart_delay",
                                 format_args!(
                                     "starting the command{} again in {} (--restart-delay)",
                                     label.of(),
-                                    fmt(self.restart_delay)
+                                    fmt(restart_delay)
                                 ),
                             );
                         }

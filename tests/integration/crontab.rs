@@ -7,10 +7,10 @@ use std::path::PathBuf;
 use crate::harness::{Proc, pgleader};
 
 /// A crontab file of this test's own, removed when dropped.
-struct File(PathBuf);
+pub struct File(pub PathBuf);
 
 impl File {
-    fn new(name: &str, text: &str) -> File {
+    pub fn new(name: &str, text: &str) -> File {
         let path =
             std::env::temp_dir().join(format!("pgleader-crontab-{}-{name}", std::process::id()));
         std::fs::write(&path, text).expect("write the crontab");
@@ -182,10 +182,26 @@ fn a_bad_crontab_is_refused_with_its_file_line_and_what_is_wrong() {
 }
 
 #[test]
-fn running_a_crontab_without_check_is_refused_until_it_is_built() {
-    let file = File::new("run", "0 3 * * * true\n");
-    let (code, stdout, stderr) = cron(&file, &[]);
+fn what_cron_does_not_do_yet_is_refused_with_exit_2_before_anything_runs() {
+    let allow = File::new(
+        "allow",
+        "# pgleader: name=report overlap=allow\n0 3 * * * true\n",
+    );
+    let (code, stdout, stderr) = cron(
+        &allow,
+        &["--lock-id=1", "-d", "postgres://nobody@127.0.0.1:1/x"],
+    );
     assert_eq!(code, 2, "{stderr}");
-    assert!(stderr.contains("not built yet"), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "{}:2: overlap=allow is not built yet",
+            allow.0.display()
+        )),
+        "{stderr}"
+    );
     assert!(stdout.is_empty());
+    let plain = File::new("on-redis", "0 3 * * * true\n");
+    let (code, _, stderr) = cron(&plain, &["--lock-id=1", "-d", "redis://127.0.0.1:1"]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("PostgreSQL only so far"), "{stderr}");
 }

@@ -5,6 +5,7 @@ mod harness;
 
 mod containers;
 mod contract;
+mod cron_fleet;
 mod crontab;
 mod docs;
 mod election;

@@ -45,7 +45,7 @@ impl<L: Ledger> Runs<L> {
                 .map_or(EARLY_WINDOW, |gap| gap / 2);
             let nearer = latest.is_none_or(|latest| ahead < age(latest));
             if ahead <= EARLY_WINDOW.min(half_gap) && nearer {
-                info!(event = "waiting_for_occurrence", occurrence = %rfc3339(next), "waiting {} for the occurrence of {} on the server's clock", for_people(ahead), rfc3339(next));
+                info!(event = "waiting_for_occurrence", job = self.plan.job.as_deref(), occurrence = %rfc3339(next), "waiting {} for the occurrence of {} on the server's clock", for_people(ahead), rfc3339(next));
                 self.due = Some(next);
                 return;
             }
@@ -65,7 +65,7 @@ impl<L: Ledger> Runs<L> {
         let blocked = foreign_ledger_blocks_catch_up(self.foreign_ledger_seen, catch_up);
         match latest {
             Some(latest) if blocked => {
-                warn!(event = "no_catch_up", occurrence = %rfc3339(latest), "not catching up the occurrence of {}: a replica that records this lock's runs in another ledger table was seen lately and may have run it", rfc3339(latest));
+                warn!(event = "no_catch_up", job = self.plan.job.as_deref(), occurrence = %rfc3339(latest), "not catching up the occurrence of {}: a replica that records this lock's runs in another ledger table was seen lately and may have run it", rfc3339(latest));
                 self.due = if self.plan.once { None } else { next };
             }
             Some(latest) if age(latest) <= catch_up => {
@@ -75,7 +75,7 @@ impl<L: Ledger> Runs<L> {
             // The ledger has nothing of this lock yet: the fleet never ran it, so nothing was
             // missed. (A schedule deployed at noon does not report the night's occurrence.)
             Some(latest) if newest.is_none() => {
-                debug!(event = "first_leader", occurrence = %rfc3339(latest), "the latest occurrence, {}, came before this schedule ever ran and is older than --catch-up", rfc3339(latest));
+                debug!(event = "first_leader", job = self.plan.job.as_deref(), occurrence = %rfc3339(latest), "the latest occurrence, {}, came before this schedule ever ran and is older than --catch-up", rfc3339(latest));
                 self.due = if self.plan.once { None } else { next };
             }
             Some(latest) => {
@@ -85,10 +85,14 @@ impl<L: Ledger> Runs<L> {
             None => self.due = if self.plan.once { None } else { next },
         }
         if self.plan.once && self.due.is_none() {
-            info!(event = "nothing_due", "no occurrence is due for this timer");
+            info!(
+                event = "nothing_due",
+                job = self.plan.job.as_deref(),
+                "no occurrence is due for this timer"
+            );
             self.closing = Some(RunsEvent::NothingToRun);
         } else if let Some(at) = self.due {
-            debug!(event = "next_occurrence", occurrence = %rfc3339(at), "next occurrence: {}", rfc3339(at));
+            debug!(event = "next_occurrence", job = self.plan.job.as_deref(), occurrence = %rfc3339(at), "next occurrence: {}", rfc3339(at));
         }
     }
 

@@ -25,6 +25,7 @@
 //! are gone, leaves the fleet (so that the others share its shards out), and joins again only
 //! once a probe passes.
 
+mod jobs;
 mod link;
 
 use std::os::fd::RawFd;
@@ -38,21 +39,39 @@ use tokio::time::{Instant, sleep_until};
 use tracing::{debug, info, warn};
 
 use crate::election::backoff::Backoff;
-use crate::election::shards::{Holder, HolderEvent, JoinError, Seen, ShardBackend, Watcher};
+use crate::election::ledger::LedgerError;
+use crate::election::shards::{Holder, HolderEvent, Items, JoinError, Seen, ShardBackend, Watcher};
 use crate::election::{ConnectError, SessionError, elsewhere_hint};
 use crate::exit::Outcome;
 use crate::operate::metrics::LossReason;
 use crate::operate::notify;
 use crate::operate::telemetry::{ShardView, Telemetry};
-use crate::supervise::commands::{After, Commands, Settled};
+use crate::schedule::clock::ServerClock;
+use crate::schedule::crontab::Crontab;
+use crate::schedule::runs::RunsEvent;
+use crate::supervise::commands::{After, Commands, Restart, Settled};
 use crate::supervise::health::Health;
 use crate::supervise::inbox::{Inbox, Shutdown};
 use crate::supervise::job::Parked;
 use crate::supervise::keeper::Report;
 use crate::supervise::signals::SignalEvent;
+use crate::supervise::stop::Label;
 use crate::supervise::{Settings, Sharding};
 use crate::time::for_people as fmt;
+use jobs::Jobs;
 use link::{Link, Watching, alongside, no_answer};
+
+/// What a replica of a sharded lock shares out with the others.
+#[derive(Debug)]
+pub enum Fleet {
+    /// `pgleader run --shards K`: the command once per shard.
+    Shards(Sharding),
+    /// `pgleader cron`: the crontab's jobs, each occurrence once.
+    Crontab(Crontab),
+}
+
+/// The ledger a backend's holder session keeps a crontab's runs in.
+type LedgerOf<B> = <<B as ShardBackend>::Holder as Holder>::Ledger;
 
 /// A session that lived this long was healthy: the next reconnection happens at once.
 const STABLE_SESSION: Duration = Duration::from_secs(2);
@@ -68,7 +87,7 @@ const TRANSIENT_FOR: Duration = Duration::from_secs(1);
 pub async fn run<B: ShardBackend + Clone + 'static>(
     backend: B,
     settings: Settings,
-    sharding: Sharding,
+    fleet: Fleet,
     signals: UnboundedReceiver<SignalEvent>,
     telemetry: Telemetry,
 ) -> anyhow::Result<Outcome> {
@@ -76,17 +95,27 @@ pub async fn run<B: ShardBackend + Clone + 'static>(
         Some(check) => Health::start(check, telemetry.clone())?,
         None => Health::none(),
     };
+    let (items, cap, jobs, restart) = match fleet {
+        Fleet::Shards(sharding) => (
+            Items::Numbered(sharding.count),
+            sharding.cap,
+            None,
+            Restart::After(settings.restart_delay),
+        ),
+        Fleet::Crontab(crontab) => {
+            let jobs = Jobs::new(&settings.lock, &crontab)?;
+            (jobs.items(), None, Some(jobs), Restart::WhenAsked)
+        }
+    };
     let mut room = Room {
         health,
         inbox: Inbox::new(signals, telemetry, settings.stop_rules()),
-        shards: Commands::new(
-            settings.stop_rules(),
-            settings.kill_signal,
-            settings.restart_delay,
-        ),
+        shards: Commands::new(settings.stop_rules(), settings.kill_signal, restart),
         backend,
         settings,
-        sharding,
+        items,
+        cap,
+        jobs,
         backoff: Backoff::default(),
         last_disturbance: None,
         leftover_watchers: Vec::new(),
@@ -124,7 +153,12 @@ pub async fn run<B: ShardBackend + Clone + 'static>(
 struct Room<B: ShardBackend> {
     backend: B,
     settings: Settings,
-    sharding: Sharding,
+    /// What this replica shares out: shards, or its crontab's jobs.
+    items: Items,
+    /// `--max-shards`.
+    cap: Option<u32>,
+    /// A crontab's jobs, and the runs of those this replica owns.
+    jobs: Option<Jobs<LedgerOf<B>>>,
     inbox: Inbox,
     backoff: Backoff,
     /// The shards this replica holds, with their commands.
@@ -143,6 +177,8 @@ struct Shard {
     epoch: i64,
     /// When it was taken: what `/status` shows.
     taken_at: Timestamp,
+    /// A crontab job's occurrence its command runs (or is about to run) for, and the attempt.
+    run: Option<(Timestamp, i32)>,
 }
 
 enum Served {
@@ -164,6 +200,8 @@ enum Event<W> {
     Report(u32, Report),
     Timer,
     Unhealthy,
+    /// An owned crontab job's runs ask for something.
+    Runs(u32, RunsEvent),
 }
 
 impl<B: ShardBackend + Clone + 'static> Room<B> {
@@ -173,11 +211,9 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
         let server = self.backend.to_string();
         self.inbox.telemetry.connecting();
         loop {
-            let attempt = self.backend.join(
-                &self.settings.session_name,
-                self.sharding.count,
-                self.sharding.cap,
-            );
+            let attempt = self
+                .backend
+                .join(&self.settings.session_name, &self.items, self.cap);
             tokio::pin!(attempt);
             let result = loop {
                 tokio::select! {
@@ -244,7 +280,36 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
             changed_at: None,
         };
         let me = link.me;
-        info!(event = "joined", lock = %lock, backend_pid = me, shards = self.sharding.count, "joined the replicas of this lock, {} shards", self.sharding.count);
+        match &self.jobs {
+            Some(_) => {
+                info!(event = "joined", lock = %lock, backend_pid = me, jobs = self.items.len(), "joined the replicas of this crontab, {} jobs", self.items.len())
+            }
+            None => {
+                info!(event = "joined", lock = %lock, backend_pid = me, shards = self.items.len(), "joined the replicas of this lock, {} shards", self.items.len())
+            }
+        }
+        if let Some(jobs) = &mut self.jobs {
+            let prepared = tokio::time::timeout(timeout, link.holder.prepare_ledger()).await;
+            match prepared {
+                Ok(Ok(location)) => {
+                    jobs.set_own_ledger(crate::schedule::ledger_fingerprint(&location));
+                }
+                Ok(Err(LedgerError::Fatal(reason))) => {
+                    let _ = link.holder.leave(timeout).await;
+                    bail!("{reason}");
+                }
+                Ok(Err(err)) => {
+                    warn!(event = "ledger_failed", lock = %lock, reason = %err, "cannot prepare the ledger; joining again");
+                    let _ = link.holder.leave(timeout).await;
+                    return Ok(Served::Lost);
+                }
+                Err(_) => {
+                    warn!(event = "ledger_failed", lock = %lock, "no answer while preparing the ledger; joining again");
+                    let _ = link.holder.leave(timeout).await;
+                    return Ok(Served::Lost);
+                }
+            }
+        }
         notify::status(&format!("running shards of lock {lock}"));
         self.inbox.telemetry.following(me);
         link.read_soon(false, timeout);
@@ -291,6 +356,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
             let leaving = link.leaving.is_some();
             let health = &mut self.health;
             let shards = &mut self.shards;
+            let jobs = &mut self.jobs;
             let Link {
                 holder,
                 deadline,
@@ -316,6 +382,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                 _ = async { match timer { Some(at) => sleep_until(at).await, None => std::future::pending().await } } => Event::Timer,
                 result = async { match watching.as_mut().and_then(|w| w.watch.as_mut()) { Some(watch) => watch.await, None => std::future::pending().await } } => Event::Watched(result),
                 (member, result) = async { match opening { Some((_, future)) => future.await, None => std::future::pending().await } } => Event::Opened(member, result),
+                (item, event) = std::future::poll_fn(|cx| match jobs.as_mut() { Some(jobs) => jobs.poll_next(cx), None => std::task::Poll::Pending }), if !quiet => Event::Runs(item, event),
                 _ = sleep_until(*next_read), if read.is_none() && !quiet => Event::ReadDue,
                 }
             };
@@ -376,6 +443,9 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                         Ok(_) if quiet => {}
                         Ok(seen) => {
                             link.deadline = sent + interval + timeout;
+                            if let Some(jobs) = &mut self.jobs {
+                                jobs.observe_clock(sent, Instant::now(), seen.server_time);
+                            }
                             link.next_read = sent + interval;
                             if seen.taken.is_empty() {
                                 link.transient_since = None;
@@ -456,11 +526,15 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                 }
                 Event::Signal(event) => self.on_signal(event),
                 Event::Report(index, report) => {
-                    let command = &self.settings.command;
+                    let command = match self.jobs.as_ref().and_then(|jobs| jobs.definition(index)) {
+                        Some(definition) => &definition.command,
+                        None => &self.settings.command,
+                    };
                     if let Err(err) = self.shards.on_report(&index, report, command) {
                         self.fail(&mut link, err.into());
                     }
                 }
+                Event::Runs(item, event) => self.on_runs(&mut link, item, event),
                 Event::Timer => {
                     if let Err(err) = self.on_timer(me, &link.holder.sockets()) {
                         self.fail(&mut link, err);
@@ -556,10 +630,12 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
             return Ok(());
         }
         link.changed_at = Some(Instant::now());
+        let sent = Instant::now();
         let (won, fence) = tokio::time::timeout(link.left(timeout), holder.take(&wanted))
             .await
             .map_err(|_| Failure::Session(no_answer("taking shards")))?
             .map_err(Failure::Session)?;
+        let received = Instant::now();
         let Some(fence) = fence else {
             return Ok(());
         };
@@ -569,19 +645,30 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
             link.joined.elapsed(),
         );
         for index in won {
-            info!(event = "leader", lock = %lock, shard = index, epoch = fence.epoch, backend_pid = me, "took shard {index}");
             if self.shards.contains_key(&index) {
                 continue;
             }
+            let shard = Shard {
+                epoch: fence.epoch,
+                taken_at: Timestamp::now(),
+                run: None,
+            };
             self.inbox.telemetry.shard_taken(index, fence.epoch);
-            self.shards.insert(
-                index,
-                Shard {
-                    epoch: fence.epoch,
-                    taken_at: Timestamp::now(),
-                },
-                Instant::now() + delay,
-            );
+            match &mut self.jobs {
+                None => {
+                    info!(event = "leader", lock = %lock, shard = index, epoch = fence.epoch, backend_pid = me, "took shard {index}");
+                    let start_at = Some(Instant::now() + delay);
+                    self.shards
+                        .insert(index, Label::shard(index), shard, start_at);
+                }
+                Some(jobs) => {
+                    let label = jobs.label(index);
+                    info!(event = "leader", lock = %lock, job = label.job.as_deref(), epoch = fence.epoch, backend_pid = me, "took {}", label.name());
+                    let clock = ServerClock::sample(sent, received, fence.server_time);
+                    jobs.own(index, holder, fence.epoch, clock, Instant::now() + delay);
+                    self.shards.insert(index, label, shard, None);
+                }
+            }
         }
         self.on_timer(me, &holder.sockets()).map_err(Failure::Fatal)
     }
@@ -594,12 +681,24 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
         // Nor while the probe says unhealthy (it may have turned so while shards were being
         // taken): the loop hears it next and gives them all up.
         let may_start = !sockets.is_empty() && self.health.is_healthy();
-        let (settings, count) = (&self.settings, self.sharding.count);
+        let (settings, count, jobs) = (&self.settings, self.items.len(), &self.jobs);
         self.shards.on_timer(may_start, |index, shard| {
             let mut env = settings.leader_env(me, shard.epoch);
-            env.push(("PGLEADER_SHARD", index.to_string()));
-            env.push(("PGLEADER_SHARDS", count.to_string()));
-            let job = Parked::spawn(&settings.command, &settings.hooks)
+            let command = match (jobs, shard.run) {
+                (Some(jobs), Some((occurrence, attempt))) => {
+                    let definition = jobs
+                        .definition(*index)
+                        .ok_or_else(|| anyhow::anyhow!("job {index} is not in the crontab"))?;
+                    env.extend(jobs.env(*index, occurrence, attempt));
+                    &definition.command
+                }
+                _ => {
+                    env.push(("PGLEADER_SHARD", index.to_string()));
+                    env.push(("PGLEADER_SHARDS", count.to_string()));
+                    &settings.command
+                }
+            };
+            let job = Parked::spawn(command, &settings.hooks)
                 .and_then(|parked| parked.start(&env, sockets))
                 .map_err(|err| anyhow::anyhow!("cannot start the keeper process: {err}"))?;
             debug!(
@@ -610,6 +709,54 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
             );
             Ok(job)
         })
+    }
+
+    /// An owned crontab job's runs ask for something: start its command for a claimed
+    /// occurrence, or give up on the session.
+    fn on_runs(&mut self, link: &mut Link<B>, item: u32, event: RunsEvent) {
+        let lock = self.settings.lock.clone();
+        match event {
+            RunsEvent::Start {
+                occurrence,
+                attempt,
+            } => {
+                let Some(shard) = self.shards.item_mut(&item) else {
+                    return;
+                };
+                shard.run = Some((occurrence, attempt));
+                // Not while it is being stopped (given away, lost): the claim is taken back
+                // when its runs are settled.
+                if !self.shards.start_now(&item) {
+                    return;
+                }
+                if let Err(err) = self.on_timer(link.me, &link.holder.sockets()) {
+                    self.fail(link, err);
+                    return;
+                }
+                if let Some(jobs) = &mut self.jobs
+                    && self.shards.is_started(&item)
+                {
+                    jobs.started(item);
+                }
+            }
+            RunsEvent::Disagree(reason) => {
+                let label = self
+                    .jobs
+                    .as_ref()
+                    .map(|jobs| jobs.label(item))
+                    .unwrap_or_default();
+                warn!(event = "schedule_mismatch", lock = %lock, job = label.job.as_deref(), "{}: {reason}", label.name());
+            }
+            RunsEvent::Failed(LedgerError::Fatal(reason)) => {
+                self.fail(link, anyhow::anyhow!("{reason}"));
+            }
+            RunsEvent::Failed(err) => {
+                let reason = format!("a ledger statement failed: {err}");
+                self.lose_all(&reason, LossReason::CheckFailed);
+                link.leave_for(reason);
+            }
+            RunsEvent::Done | RunsEvent::NothingToRun => {}
+        }
     }
 
     /// A command cannot run at all: every command is killed, and the session left with `err`
@@ -666,6 +813,31 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
         let settled = self.shards.settle(quiet);
         for status in settled.iter().filter_map(|(_, status, _)| *status) {
             self.inbox.telemetry.shard_command_exited(status);
+        }
+        if let Some(jobs) = &mut self.jobs {
+            let shutting_down = self.inbox.shutdown_requested.is_some();
+            // The session is lost or in doubt: its statements could only wait; the job's next
+            // owner marks what ran here as interrupted.
+            let in_doubt = link.leaving.is_some() && !shutting_down && !link.unhealthy;
+            for (index, status, settled) in &settled {
+                match settled {
+                    Settled::Restarting => {
+                        if let Some(status) = status {
+                            jobs.exited(*index, *status);
+                        }
+                    }
+                    _ if in_doubt => jobs.forget(*index),
+                    Settled::Give | Settled::Gone => {
+                        let why = match settled {
+                            Settled::Give => "its job moved to another replica",
+                            _ if shutting_down => "pgleader was shut down",
+                            _ => "this replica no longer holds the job",
+                        };
+                        let timeout = self.settings.check_timeout;
+                        jobs.disown(*index, Some((*status, why)), timeout).await;
+                    }
+                }
+            }
         }
         for (index, _, settled) in settled {
             if settled != Settled::Give {

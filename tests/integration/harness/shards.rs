@@ -9,7 +9,7 @@ use std::fmt::Debug;
 use std::time::{Duration, Instant};
 
 use pgleader::election::shards::{
-    Holder, HolderEvent, JoinError, Member, Roster, Seen, ShardBackend, Watcher,
+    Holder, HolderEvent, Items, JoinError, Member, Roster, Seen, ShardBackend, Watcher,
 };
 use pgleader::election::{Backend, Session};
 
@@ -31,7 +31,11 @@ pub async fn join_capped<B: ShardBackend>(
     shards: u32,
     cap: Option<u32>,
 ) -> Result<B::Holder, JoinError> {
-    within("join", backend.join(HOLDER_NAME, shards, cap)).await
+    within(
+        "join",
+        backend.join(HOLDER_NAME, &Items::Numbered(shards), cap),
+    )
+    .await
 }
 
 /// A member alone on a roster of `shards` shards, which takes them all.

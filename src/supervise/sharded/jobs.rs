@@ -1,0 +1,228 @@
+//! A crontab's jobs in the sharded room (`pgleader cron`): the jobs are the items the roster
+//! shares out, and a replica runs the occurrences of the jobs it owns.
+//!
+//! Owning a job is holding its item's lock; whether an occurrence may run is the ledger's
+//! business, per job, on the holder session: each owned job has its own scheduled runs
+//! ([`Runs`], the same rules as `--schedule`), whose claims succeed only while the session
+//! holds that job's lock, so a job moved to another replica a moment ago is never run twice.
+//! The room keeps each owned job in its table of commands (keyed by the item), with no command
+//! until an occurrence is claimed; this file says which job an item is, builds its command
+//! and environment, and waits on every owned job's runs at once.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::ffi::OsString;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use jiff::Timestamp;
+use tokio::time::Instant;
+
+use crate::election::ledger::{Claimant, Ledger};
+use crate::election::lock::LockKey;
+use crate::election::participant::host_name;
+use crate::election::shards::{Holder, Items};
+use crate::exit::ChildStatus;
+use crate::schedule::calendar::rfc3339;
+use crate::schedule::clock::ServerClock;
+use crate::schedule::crontab::{CronJob, Crontab};
+use crate::schedule::runs::{self, Runs, RunsEvent};
+use crate::schedule::{Plan, Publish};
+use crate::supervise::job::{CommandError, CommandLine};
+use crate::supervise::stop::Label;
+
+/// A job as this replica's crontab defines it.
+#[derive(Debug)]
+pub struct Definition {
+    pub job: CronJob,
+    /// `SHELL -c COMMAND`.
+    pub command: CommandLine,
+    /// The key its ledger rows are kept under: the fleet's lock and the job's name.
+    pub key: LockKey,
+}
+
+/// The jobs this replica knows, and the runs of those it owns.
+pub struct Jobs<L: Ledger> {
+    definitions: BTreeMap<u32, Definition>,
+    runs: BTreeMap<u32, Runs<L>>,
+    /// This replica's ledger, as the holder session's preparation fingerprinted it.
+    own_ledger: String,
+}
+
+impl<L: Ledger> std::fmt::Debug for Jobs<L> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Jobs")
+            .field("jobs", &self.definitions.len())
+            .field("owned", &self.runs.keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+impl<L: Ledger> Jobs<L> {
+    /// The jobs of `crontab`, run for the fleet of `lock`.
+    pub fn new(lock: &LockKey, crontab: &Crontab) -> Result<Jobs<L>, CommandError> {
+        let mut definitions = BTreeMap::new();
+        for job in &crontab.jobs {
+            let argv: Vec<OsString> = vec![
+                job.shell.clone().into(),
+                "-c".into(),
+                job.command.clone().into(),
+            ];
+            let command = CommandLine::resolve(argv, std::env::var_os("PATH").as_deref())?;
+            definitions.insert(
+                job.item(),
+                Definition {
+                    key: job_key(lock, &job.name),
+                    job: job.clone(),
+                    command,
+                },
+            );
+        }
+        Ok(Jobs {
+            definitions,
+            runs: BTreeMap::new(),
+            own_ledger: String::new(),
+        })
+    }
+
+    /// The items the roster shares out: every job this replica knows.
+    pub fn items(&self) -> Items {
+        Items::Listed(Arc::new(
+            self.definitions.keys().copied().collect::<BTreeSet<u32>>(),
+        ))
+    }
+
+    /// Where this replica's ledger lives (see `schedule::ledger_fingerprint`).
+    pub fn set_own_ledger(&mut self, fingerprint: String) {
+        self.own_ledger = fingerprint;
+    }
+
+    pub fn definition(&self, item: u32) -> Option<&Definition> {
+        self.definitions.get(&item)
+    }
+
+    /// How the log names item `item`'s command.
+    pub fn label(&self, item: u32) -> Label {
+        match self.definitions.get(&item) {
+            Some(definition) => Label::job(&definition.job.name),
+            None => Label::shard(item),
+        }
+    }
+
+    /// Starts owning `item`: its runs begin, claiming through `holder`'s ledger, with the fencing token
+    /// `epoch`, the server's clock `clock`, and no start before `not_before`.
+    pub fn own(
+        &mut self,
+        item: u32,
+        holder: &impl Holder<Ledger = L>,
+        epoch: i64,
+        clock: ServerClock,
+        not_before: Instant,
+    ) {
+        let Some(definition) = self.definitions.get(&item) else {
+            return;
+        };
+        let job = &definition.job;
+        let plan = Plan {
+            schedule: job.when.clone(),
+            catch_up: job.catch_up,
+            retry_interrupted: 0,
+            once: false,
+            busy_retry: Duration::from_millis(500),
+            job: Some(job.name.clone()),
+        };
+        let start = runs::Start {
+            claimant: Claimant {
+                host: host_name(),
+                pid: std::process::id() as i32,
+                epoch,
+            },
+            clock,
+            not_before,
+            own_ledger: self.own_ledger.clone(),
+            foreign_ledger_seen: None,
+            publish: Publish(Rc::new(|_| {})),
+        };
+        let Some(ledger) = holder.ledger(&definition.key, item, &plan.definition()) else {
+            return;
+        };
+        self.runs
+            .insert(item, Runs::new(plan, definition.key.clone(), ledger, start));
+    }
+
+    /// The next thing an owned job's runs ask for. Cancel-safe.
+    pub fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<(u32, RunsEvent)> {
+        for (item, runs) in &mut self.runs {
+            if let Poll::Ready(event) = runs.poll_next(cx) {
+                return Poll::Ready((*item, event));
+            }
+        }
+        Poll::Pending
+    }
+
+    /// Item `item`'s command started for its claimed occurrence.
+    pub fn started(&mut self, item: u32) {
+        if let Some(runs) = self.runs.get_mut(&item) {
+            runs.started();
+        }
+    }
+
+    /// Item `item`'s command exited on its own: its runs record how.
+    pub fn exited(&mut self, item: u32, status: ChildStatus) {
+        if let Some(runs) = self.runs.get_mut(&item) {
+            runs.exited(status);
+        }
+    }
+
+    /// A roster read, sent at `sent` and answered at `received`, read the server's clock.
+    pub fn observe_clock(&mut self, sent: Instant, received: Instant, server: Timestamp) {
+        for runs in self.runs.values_mut() {
+            runs.observe_check(sent, received, server);
+        }
+    }
+
+    /// Stops owning `item`: its ledger is brought up to date (a run that was stopped is
+    /// recorded as interrupted, `stopped` saying how and why), bounded by `timeout`.
+    pub async fn disown(
+        &mut self,
+        item: u32,
+        stopped: Option<(Option<ChildStatus>, &str)>,
+        timeout: Duration,
+    ) {
+        if let Some(mut runs) = self.runs.remove(&item) {
+            runs.settle(stopped, timeout).await;
+        }
+    }
+
+    /// Stops owning `item` without a word to the ledger (the session is lost or in doubt: the
+    /// job's next owner marks what was running as interrupted).
+    pub fn forget(&mut self, item: u32) {
+        self.runs.remove(&item);
+    }
+
+    /// The environment of item `item`'s command for the occurrence `occurrence`, beside the
+    /// leader's: the crontab's variables for the job (`SHELL` and `CRON_TZ` among them, as cron
+    /// passes them on), then pgleader's.
+    pub fn env(&self, item: u32, occurrence: Timestamp, attempt: i32) -> Vec<(&str, String)> {
+        let Some(definition) = self.definitions.get(&item) else {
+            return Vec::new();
+        };
+        let mut env: Vec<(&str, String)> = definition
+            .job
+            .env
+            .iter()
+            .map(|(name, value)| (name.as_str(), value.clone()))
+            .collect();
+        env.push(("PGLEADER_JOB", definition.job.name.clone()));
+        env.push(("PGLEADER_SCHEDULED_TIME", rfc3339(occurrence)));
+        env.push(("PGLEADER_ATTEMPT", attempt.to_string()));
+        env
+    }
+}
+
+/// The key a job's ledger rows are kept under: the fleet's lock and the job's name, apart by
+/// a character no name holds (U+001F).
+pub fn job_key(lock: &LockKey, job: &str) -> LockKey {
+    LockKey::from_name(&format!("{}\u{1f}{job}", lock.key()))
+}

@@ -1,0 +1,255 @@
+//! `pgleader cron CRONTAB` on several replicas against a real PostgreSQL: the jobs are shared
+//! out evenly, each occurrence of each job runs once across the fleet, a job still running
+//! when its next occurrence comes skips it, and the jobs of a replica killed -9 run on the
+//! others from their very next occurrence.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant, SystemTime};
+
+use nix::sys::signal::Signal;
+
+use crate::crontab::File;
+use crate::harness::{Cluster, Proc, Stream, WAIT, field, pgleader, unique_lock};
+
+/// A crontab of `jobs` every-second jobs, `j1` to `jN`, each running `command` (which sees
+/// PGLEADER_JOB and PGLEADER_SCHEDULED_TIME).
+fn every_second(tag: &str, jobs: usize, command: &str) -> File {
+    let mut text = String::from("# every second, seven fields as supercronic reads them\n");
+    for n in 1..=jobs {
+        text.push_str(&format!("# pgleader: name=j{n}\n* * * * * * * {command}\n"));
+    }
+    File::new(tag, &text)
+}
+
+/// What every job prints when it runs.
+const RAN: &str = "echo ran job=$PGLEADER_JOB at=$PGLEADER_SCHEDULED_TIME epoch=$PGLEADER_EPOCH";
+
+/// `pgleader cron --lock-id LOCK FILE` on the shared cluster.
+fn replica(name: &str, lock: i64, file: &File) -> Proc {
+    let mut command = pgleader();
+    command
+        .env("PGLEADER_DATABASE_URL", Cluster::shared().url())
+        .arg("cron")
+        .arg(format!("--lock-id={lock}"))
+        .arg(&file.0);
+    Proc::spawn(name, command)
+}
+
+/// Every run the replicas printed: (job, occurrence) → the replicas that ran it.
+fn runs(replicas: &[&Proc]) -> BTreeMap<(String, String), Vec<String>> {
+    let mut seen: BTreeMap<(String, String), Vec<String>> = BTreeMap::new();
+    for replica in replicas {
+        for line in replica.lines(Stream::Stdout) {
+            if line.starts_with("ran ") {
+                seen.entry((field(&line, "job"), field(&line, "at")))
+                    .or_default()
+                    .push(replica.name.clone());
+            }
+        }
+    }
+    seen
+}
+
+/// Fails, naming them, if any occurrence of any job ran twice.
+fn assert_each_occurrence_once(replicas: &[&Proc]) {
+    let twice: Vec<_> = runs(replicas)
+        .into_iter()
+        .filter(|(_, by)| by.len() > 1)
+        .collect();
+    assert!(
+        twice.is_empty(),
+        "occurrences that ran more than once: {twice:?}"
+    );
+}
+
+/// Who ran each job's latest occurrence, once every job has one at or after `since` (an RFC
+/// 3339 instant, compared as text).
+fn latest_runners(replicas: &[&Proc], since: &str) -> BTreeMap<String, String> {
+    let mut latest: BTreeMap<String, (String, String)> = BTreeMap::new();
+    for ((job, at), by) in runs(replicas) {
+        if at.as_str() >= since {
+            let entry = latest
+                .entry(job)
+                .or_insert_with(|| (at.clone(), by[0].clone()));
+            if at >= entry.0 {
+                *entry = (at, by[0].clone());
+            }
+        }
+    }
+    latest.into_iter().map(|(job, (_, by))| (job, by)).collect()
+}
+
+/// How many jobs each replica ran the latest occurrence of.
+fn shares(runners: &BTreeMap<String, String>) -> BTreeMap<String, usize> {
+    let mut shares = BTreeMap::new();
+    for by in runners.values() {
+        *shares.entry(by.clone()).or_insert(0) += 1;
+    }
+    shares
+}
+
+fn rfc3339(at: SystemTime) -> String {
+    jiff::Timestamp::try_from(at)
+        .expect("a time")
+        .strftime("%Y-%m-%dT%H:%M:%SZ")
+        .to_string()
+}
+
+/// Waits until, from a moment on, the latest occurrence of each of `jobs` jobs ran on the
+/// replicas as `expected` says (replica → how many jobs), and returns who runs which.
+fn wait_for_shares(
+    replicas: &[&Proc],
+    jobs: usize,
+    expected: &[(&str, usize)],
+) -> BTreeMap<String, String> {
+    let expected: BTreeMap<String, usize> = expected
+        .iter()
+        .map(|(name, count)| ((*name).to_owned(), *count))
+        .collect();
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let since = rfc3339(SystemTime::now() - Duration::from_secs(1));
+        std::thread::sleep(Duration::from_millis(1500));
+        let runners = latest_runners(replicas, &since);
+        if runners.len() == jobs && shares(&runners) == expected {
+            return runners;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the jobs were not shared out as {expected:?} within {WAIT:?}: {:?}\n{}",
+            shares(&runners),
+            replicas
+                .iter()
+                .map(|replica| replica.dump())
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+    }
+}
+
+#[test]
+fn the_jobs_are_shared_out_evenly_and_each_occurrence_runs_once() {
+    let lock = unique_lock();
+    let file = every_second("shared", 6, RAN);
+    let a = replica("A", lock, &file);
+    wait_for_shares(&[&a], 6, &[("A", 6)]);
+    let b = replica("B", lock, &file);
+    let c = replica("C", lock, &file);
+    let runners = wait_for_shares(&[&a, &b, &c], 6, &[("A", 2), ("B", 2), ("C", 2)]);
+    // Each replica read the whole file.
+    for replica in [&a, &b, &c] {
+        let line = replica.wait_log("joined the replicas of this crontab");
+        assert_eq!(field(&line, "jobs"), "6");
+    }
+    // A job moved to another replica keeps one ledger: its history goes on there.
+    let mut client = Cluster::shared().client();
+    for job in runners.keys() {
+        let rows = client
+            .query(
+                "SELECT count(DISTINCT scheduled_for), count(*) FROM pgleader_ledger \
+                 WHERE lock_key = hashtextextended($1, 0) AND outcome = 'succeeded'",
+                &[&format!("{lock}\u{1f}{job}")],
+            )
+            .expect("the ledger");
+        let (distinct, all): (i64, i64) = (rows[0].get(0), rows[0].get(1));
+        assert!(distinct >= 3, "{job}: {distinct} runs in the ledger");
+        assert_eq!(distinct, all, "{job}: an occurrence recorded twice");
+    }
+    for replica in [&c, &b, &a] {
+        replica.terminate_cleanly();
+    }
+    assert_each_occurrence_once(&[&a, &b, &c]);
+}
+
+#[test]
+fn the_jobs_of_a_replica_killed_9_run_on_the_others_from_their_next_occurrence() {
+    let lock = unique_lock();
+    let file = every_second("killed", 4, RAN);
+    let a = replica("A", lock, &file);
+    wait_for_shares(&[&a], 4, &[("A", 4)]);
+    let b = replica("B", lock, &file);
+    let runners = wait_for_shares(&[&a, &b], 4, &[("A", 2), ("B", 2)]);
+    let b_jobs: BTreeSet<String> = runners
+        .iter()
+        .filter(|(_, by)| by.as_str() == "B")
+        .map(|(job, _)| job.clone())
+        .collect();
+    let killed = SystemTime::now();
+    b.signal(Signal::SIGKILL);
+    assert!(b.wait_exit().code().is_none());
+    // The first occurrence after the kill starts at the next whole second: A runs it for
+    // every job B had, and the one after it at the latest (a kill a hair before the second).
+    let next = rfc3339(killed + Duration::from_secs(1));
+    let after_next = rfc3339(killed + Duration::from_secs(2));
+    for job in &b_jobs {
+        let deadline = Instant::now() + WAIT;
+        let first = loop {
+            let first = runs(&[&a])
+                .into_keys()
+                .filter(|(j, at)| j == job && at.as_str() >= next.as_str())
+                .map(|(_, at)| at)
+                .next();
+            if let Some(first) = first {
+                break first;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "A never ran {job} after the kill\n{}",
+                a.dump()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        assert!(
+            first <= after_next,
+            "{job}'s first run on A after the kill was {first}, the kill came before {next}\n{}",
+            a.dump()
+        );
+    }
+    a.terminate_cleanly();
+    assert_each_occurrence_once(&[&a, &b]);
+}
+
+#[test]
+fn a_job_still_running_at_its_next_occurrence_skips_it_and_never_overlaps() {
+    let lock = unique_lock();
+    let file = every_second(
+        "overlap",
+        1,
+        "echo start at=$PGLEADER_SCHEDULED_TIME; sleep 2.5; echo end at=$PGLEADER_SCHEDULED_TIME",
+    );
+    let a = replica("A", lock, &file);
+    let b = replica("B", lock, &file);
+    let skipped = [&a, &b]
+        .iter()
+        .find_map(|replica| {
+            replica
+                .wait_line(Stream::Stderr, "was skipped: the run of", 1, None, WAIT)
+                .map(|(line, _)| line)
+        })
+        .expect("a skipped occurrence");
+    assert_eq!(field(&skipped, "job"), "j1", "{skipped}");
+    let runner = if a.printed(Stream::Stdout, "end at=") {
+        &a
+    } else {
+        &b
+    };
+    runner.wait_for_nth(Stream::Stdout, "end at=", 2);
+    // Start, end, start, end: never two runs at once.
+    let events: Vec<String> = runner
+        .lines(Stream::Stdout)
+        .into_iter()
+        .filter(|line| line.starts_with("start") || line.starts_with("end"))
+        .collect();
+    for pair in events.chunks(2) {
+        if let [start, end] = pair {
+            assert!(
+                start.starts_with("start") && end.starts_with("end"),
+                "{events:?}"
+            );
+            assert_eq!(field(start, "at"), field(end, "at"), "{events:?}");
+        }
+    }
+    for replica in [&a, &b] {
+        replica.terminate_cleanly();
+    }
+}
