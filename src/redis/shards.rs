@@ -524,7 +524,9 @@ impl Holder for RedisShardHolder {
     }
 
     /// Only numbered shards run on Redis: nothing changes.
-    fn set_items(&mut self, _items: Items) {}
+    async fn set_items(&mut self, _items: Items) -> Result<(), SessionError> {
+        Ok(())
+    }
 
     /// The member id the join handed out (`pgleader:{NAME}:member:<id>`).
     fn id(&self) -> i32 {
@@ -692,6 +694,7 @@ fn read_roster(
                 id,
                 cap,
                 holds: BTreeSet::new(),
+                knows: None,
             },
         );
     }
@@ -866,12 +869,14 @@ mod tests {
                 Member {
                     id: 2,
                     cap: None,
-                    holds: BTreeSet::from([0])
+                    holds: BTreeSet::from([0]),
+                    knows: None,
                 },
                 Member {
                     id: 5,
                     cap: Some(1),
-                    holds: BTreeSet::from([2])
+                    holds: BTreeSet::from([2]),
+                    knows: None,
                 },
             ]
         );

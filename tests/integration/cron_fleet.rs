@@ -219,20 +219,30 @@ fn a_job_still_running_at_its_next_occurrence_skips_it_and_never_overlaps() {
     );
     let a = replica("A", lock, &file);
     let b = replica("B", lock, &file);
-    let skipped = [&a, &b]
-        .iter()
-        .find_map(|replica| {
+    // The replica that owns the job says it skipped an occurrence.
+    let deadline = Instant::now() + WAIT;
+    let (runner, skipped) = loop {
+        let found = [&a, &b].into_iter().find_map(|replica| {
             replica
-                .wait_line(Stream::Stderr, "was skipped: the run of", 1, None, WAIT)
-                .map(|(line, _)| line)
-        })
-        .expect("a skipped occurrence");
-    assert_eq!(field(&skipped, "job"), "j1", "{skipped}");
-    let runner = if a.printed(Stream::Stdout, "end at=") {
-        &a
-    } else {
-        &b
+                .wait_line(
+                    Stream::Stderr,
+                    "was skipped: the run of",
+                    1,
+                    None,
+                    Duration::ZERO,
+                )
+                .map(|(line, _)| (replica, line))
+        });
+        if let Some(found) = found {
+            break found;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no occurrence was skipped within {WAIT:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
     };
+    assert_eq!(field(&skipped, "job"), "j1", "{skipped}");
     runner.wait_for_nth(Stream::Stdout, "end at=", 2);
     // Start, end, start, end: never two runs at once.
     let events: Vec<String> = runner
@@ -252,4 +262,112 @@ fn a_job_still_running_at_its_next_occurrence_skips_it_and_never_overlaps() {
     for replica in [&a, &b] {
         replica.terminate_cleanly();
     }
+}
+
+#[test]
+fn sighup_rereads_the_file_and_a_bad_one_leaves_the_old_running() {
+    let lock = unique_lock();
+    let file = every_second("reread", 2, RAN);
+    let a = replica("A", lock, &file);
+    let b = replica("B", lock, &file);
+    wait_for_shares(&[&a, &b], 2, &[("A", 1), ("B", 1)]);
+
+    // A line that does not parse: both say where, and go on with the file read before.
+    std::fs::write(
+        &file.0,
+        "# pgleader: name=j1\n* * * * * * * echo ran\n61 * * * * true\n",
+    )
+    .expect("write the crontab");
+    for replica in [&a, &b] {
+        replica.signal(Signal::SIGHUP);
+        let refused = replica.wait_log("the crontab read before keeps running");
+        assert!(
+            refused.contains(&format!("{}:3", file.0.display())),
+            "{refused}"
+        );
+    }
+    wait_for_shares(&[&a, &b], 2, &[("A", 1), ("B", 1)]);
+
+    // j1 changed, j2 removed, j3 added.
+    std::fs::write(
+        &file.0,
+        format!(
+            "# pgleader: name=j1\n* * * * * * * {RAN} v=2\n\
+             # pgleader: name=j3\n* * * * * * * {RAN}\n"
+        ),
+    )
+    .expect("write the crontab");
+    let reread = Instant::now();
+    for replica in [&a, &b] {
+        replica.signal(Signal::SIGHUP);
+        let line = replica.wait_log("reread the crontab");
+        assert_eq!(
+            (
+                field(&line, "added"),
+                field(&line, "removed"),
+                field(&line, "changed")
+            ),
+            ("1".into(), "1".into(), "1".into()),
+            "{line}"
+        );
+    }
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let since = rfc3339(SystemTime::now() - Duration::from_secs(1));
+        std::thread::sleep(Duration::from_millis(1500));
+        let runners = latest_runners(&[&a, &b], &since);
+        let v2 = [&a, &b].iter().any(|replica| {
+            replica
+                .lines(Stream::Stdout)
+                .iter()
+                .any(|line| line.contains("job=j1 ") && line.ends_with("v=2"))
+        });
+        if runners.keys().cloned().collect::<Vec<_>>() == ["j1", "j3"]
+            && shares(&runners).values().all(|&count| count == 1)
+            && v2
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the reread file was not followed within {WAIT:?} of {reread:?}: {runners:?}\n{}\n{}",
+            a.dump(),
+            b.dump()
+        );
+    }
+    for replica in [&a, &b] {
+        replica.terminate_cleanly();
+    }
+    assert_each_occurrence_once(&[&a, &b]);
+}
+
+#[test]
+fn in_a_rolling_deploy_a_job_only_some_replicas_know_runs_on_one_of_those() {
+    let lock = unique_lock();
+    let job = |name: &str| format!("# pgleader: name={name}\n* * * * * * * {RAN}\n");
+    let old = File::new("rolling-old", &[job("j1"), job("j2"), job("old")].concat());
+    let new = File::new("rolling-new", &[job("j1"), job("j2"), job("new")].concat());
+    let a = replica("A", lock, &old);
+    let b = replica("B", lock, &new);
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let since = rfc3339(SystemTime::now() - Duration::from_secs(1));
+        std::thread::sleep(Duration::from_millis(1500));
+        let runners = latest_runners(&[&a, &b], &since);
+        if runners.len() == 4 {
+            assert_eq!(runners["old"], "A", "{runners:?}");
+            assert_eq!(runners["new"], "B", "{runners:?}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not every job ran within {WAIT:?}: {runners:?}\n{}\n{}",
+            a.dump(),
+            b.dump()
+        );
+    }
+    for replica in [&a, &b] {
+        replica.terminate_cleanly();
+    }
+    assert_each_occurrence_once(&[&a, &b]);
 }

@@ -36,7 +36,7 @@ use jiff::Timestamp;
 use nix::sys::signal::Signal;
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::time::{Instant, sleep_until};
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 use crate::election::backoff::Backoff;
 use crate::election::ledger::LedgerError;
@@ -107,9 +107,11 @@ pub async fn run<B: ShardBackend + Clone + 'static>(
             (jobs.items(), None, Some(jobs), Restart::WhenAsked)
         }
     };
+    let mut inbox = Inbox::new(signals, telemetry, settings.stop_rules());
+    inbox.hup_rereads = jobs.is_some();
     let mut room = Room {
         health,
-        inbox: Inbox::new(signals, telemetry, settings.stop_rules()),
+        inbox,
         shards: Commands::new(settings.stop_rules(), settings.kill_signal, restart),
         backend,
         settings,
@@ -546,6 +548,9 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                 self.lose_all(&reason, LossReason::CheckFailed);
                 link.leave_for(reason);
             }
+            if std::mem::take(&mut self.inbox.reread_requested) && !quiet {
+                self.reread(&mut link).await;
+            }
             self.publish(me);
         }
     }
@@ -569,11 +574,14 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
             )));
         };
         let mine = &seen.roster.members[at].holds;
+        // A job a reread removed is not shared out any more, so the roster does not show it:
+        // its last run finishes, then it is given up.
         let lost: Vec<u32> = self
             .shards
             .iter()
             .filter(|(index, _, after)| !mine.contains(index) && *after != Some(After::Forget))
             .map(|(index, _, _)| *index)
+            .filter(|index| self.items.contains(*index))
             .collect();
         for index in lost {
             warn!(event = "leadership_lost", lock = %lock, shard = index, "the check found that this session no longer holds shard {index}; stopping its command");
@@ -598,7 +606,11 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
             .iter()
             .filter(|(_, _, after)| *after == Some(After::Give))
             .count();
-        let keeping = self.shards.len() - giving;
+        let keeping = self
+            .shards
+            .iter()
+            .filter(|(index, _, after)| *after != Some(After::Give) && self.items.contains(**index))
+            .count();
         if keeping > share {
             let surplus: Vec<u32> = self
                 .shards
@@ -606,6 +618,8 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                 .rev()
                 .filter(|(_, _, after)| after.is_none())
                 .map(|(index, _, _)| *index)
+                // Never a job only this replica knows: nobody else would take it.
+                .filter(|index| seen.roster.known_elsewhere(*index, me))
                 .take(keeping - share)
                 .collect();
             for index in surplus {
@@ -711,6 +725,87 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
         })
     }
 
+    /// SIGHUP under `pgleader cron`: rereads the crontab. Added jobs are shared out, removed
+    /// ones no longer scheduled (a run in progress finishes first), changed ones follow their
+    /// new definition from their next occurrence (after a run in progress), unchanged ones are
+    /// not touched. A file that cannot be used is logged and the one read before keeps running.
+    async fn reread(&mut self, link: &mut Link<B>) {
+        let lock = self.settings.lock.clone();
+        let Some(jobs) = &mut self.jobs else {
+            return;
+        };
+        let path = jobs.path().to_owned();
+        info!(event = "rereading", lock = %lock, "SIGHUP: rereading the crontab {}", path.display());
+        let crontab = match Crontab::read(&path) {
+            Ok(crontab) => crontab,
+            Err(err) => {
+                error!(event = "crontab_refused", lock = %lock, "{err}; the crontab read before keeps running");
+                return;
+            }
+        };
+        if let Some(unsupported) = crontab.unsupported() {
+            error!(event = "crontab_refused", lock = %lock, "{unsupported}; the crontab read before keeps running");
+            return;
+        }
+        let reread = match jobs.reread(&lock, crontab) {
+            Ok(reread) => reread,
+            Err(err) => {
+                error!(event = "crontab_refused", lock = %lock, "{err}; the crontab read before keeps running");
+                return;
+            }
+        };
+        let changes = &reread.changes;
+        for (what, names) in [
+            ("added", &changes.added),
+            ("removed", &changes.removed),
+            ("changed", &changes.changed),
+        ] {
+            for name in names {
+                info!(event = "job_reread", lock = %lock, job = %name, change = what, "job {name} {what}");
+            }
+        }
+        info!(event = "crontab_reread", lock = %lock, added = changes.added.len(), removed = changes.removed.len(), changed = changes.changed.len(), unchanged = changes.unchanged.len(), "reread the crontab: {} added, {} removed, {} changed, {} unchanged", changes.added.len(), changes.removed.len(), changes.changed.len(), changes.unchanged.len());
+        let timeout = self.settings.check_timeout;
+        for item in reread.removed {
+            if !self.shards.is_started(&item) {
+                jobs.disown(item, None, timeout).await;
+                self.shards
+                    .stop(&item, self.settings.kill_signal, After::Give);
+            }
+        }
+        for item in reread.changed {
+            if self.shards.is_started(&item) {
+                jobs.redefine_later(item);
+                continue;
+            }
+            let epoch = self.shards.item_mut(&item).map_or(0, |shard| shard.epoch);
+            jobs.disown(item, None, timeout).await;
+            if let Some(clock) = jobs.clock() {
+                jobs.own(item, &link.holder, epoch, clock, Instant::now());
+            }
+        }
+        self.items = jobs.items();
+        let told = tokio::time::timeout(
+            link.left(timeout),
+            link.holder.set_items(self.items.clone()),
+        )
+        .await;
+        let failed = match told {
+            Ok(Ok(())) => None,
+            Ok(Err(err)) => Some(format!("a statement failed: {err}")),
+            Err(_) => Some(format!(
+                "a statement failed: {}",
+                no_answer("rereading the crontab")
+            )),
+        };
+        if let Some(reason) = failed {
+            self.lose_all(&reason, LossReason::CheckFailed);
+            link.leave_for(reason);
+            return;
+        }
+        link.read_soon(false, timeout);
+    }
+
     /// An owned crontab job's runs ask for something: start its command for a claimed
     /// occurrence, or give up on the session.
     fn on_runs(&mut self, link: &mut Link<B>, item: u32, event: RunsEvent) {
@@ -779,6 +874,9 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
 
     fn on_signal(&mut self, event: Option<SignalEvent>) {
         match event {
+            Some(SignalEvent::Forward(Signal::SIGHUP)) if self.inbox.hup_rereads => {
+                self.inbox.reread_requested = true;
+            }
             Some(SignalEvent::Forward(signal)) => self.shards.forward(signal),
             Some(SignalEvent::ChildStateChanged) => self.shards.reap(),
             Some(SignalEvent::Shutdown(signal)) => match self.inbox.shutdown_signal(signal) {
@@ -809,8 +907,24 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
     /// restart, or forgotten. A give is bounded by what is left of the deadline; an error
     /// means the session is in doubt.
     async fn finish_stopped(&mut self, link: &mut Link<B>) -> Result<(), SessionError> {
-        let quiet = link.leaving.is_some() || self.inbox.shutdown_requested.is_some();
-        let settled = self.shards.settle(quiet);
+        loop {
+            let quiet = link.leaving.is_some() || self.inbox.shutdown_requested.is_some();
+            let settled = self.shards.settle(quiet);
+            if settled.is_empty() {
+                return Ok(());
+            }
+            self.settled(link, settled, quiet).await?;
+        }
+    }
+
+    /// Acts on the entries [`Commands::settle`] settled: records a crontab job's run, gives a
+    /// shard or a job away.
+    async fn settled(
+        &mut self,
+        link: &mut Link<B>,
+        settled: Vec<(u32, Option<crate::exit::ChildStatus>, Settled)>,
+        quiet: bool,
+    ) -> Result<(), SessionError> {
         for status in settled.iter().filter_map(|(_, status, _)| *status) {
             self.inbox.telemetry.shard_command_exited(status);
         }
@@ -824,6 +938,19 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                     Settled::Restarting => {
                         if let Some(status) = status {
                             jobs.exited(*index, *status);
+                        }
+                        let timeout = self.settings.check_timeout;
+                        if jobs.is_retired(*index) {
+                            // Removed from the file: its last run is recorded, then it goes.
+                            jobs.disown(*index, None, timeout).await;
+                            self.shards
+                                .stop(index, self.settings.kill_signal, After::Give);
+                        } else if jobs.take_redefinition(*index) {
+                            let epoch = self.shards.item_mut(index).map_or(0, |shard| shard.epoch);
+                            jobs.disown(*index, None, timeout).await;
+                            if let Some(clock) = jobs.clock() {
+                                jobs.own(*index, &link.holder, epoch, clock, Instant::now());
+                            }
                         }
                     }
                     _ if in_doubt => jobs.forget(*index),
