@@ -203,11 +203,6 @@ impl Crontab {
                      occurrence comes skips it (overlap=skip, the default)",
                     job.overlap.as_str()
                 ))
-            } else if job.timeout.is_some() {
-                Some(format!(
-                    "{at}: timeout= is not built yet; stop a run that takes too long inside \
-                     its command (timeout 30m CMD)"
-                ))
             } else {
                 None
             }

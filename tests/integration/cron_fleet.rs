@@ -371,3 +371,36 @@ fn in_a_rolling_deploy_a_job_only_some_replicas_know_runs_on_one_of_those() {
     }
     assert_each_occurrence_once(&[&a, &b]);
 }
+
+#[test]
+fn a_run_that_takes_its_timeout_is_stopped_and_recorded_as_failed() {
+    let lock = unique_lock();
+    let file = File::new(
+        "timeout",
+        "# pgleader: name=slow timeout=1s\n\
+         */3 * * * * * * trap 'echo got TERM at=$PGLEADER_SCHEDULED_TIME; exit 3' TERM; \
+         echo start at=$PGLEADER_SCHEDULED_TIME; sleep 30 & wait\n",
+    );
+    let a = replica("A", lock, &file);
+    let started = a.wait_stdout("start at=");
+    let stopped = a.wait_log("has taken its timeout=1s");
+    assert_eq!(field(&stopped, "job"), "slow", "{stopped}");
+    let term = a.wait_stdout("got TERM");
+    assert_eq!(field(&term, "at"), field(&started, "at"));
+    a.wait_log("failed (exit code 3)");
+    // The next occurrence runs as usual.
+    a.wait_for_nth(Stream::Stdout, "start at=", 2);
+    a.terminate_cleanly();
+    let mut client = Cluster::shared().client();
+    let at = field(&started, "at");
+    let rows = client
+        .query(
+            "SELECT outcome, exit_code FROM pgleader_ledger \
+             WHERE lock_key = hashtextextended($1, 0) AND scheduled_for = $2::text::timestamptz",
+            &[&format!("{lock}\u{1f}slow"), &at],
+        )
+        .expect("the ledger");
+    assert_eq!(rows.len(), 1, "{at}");
+    assert_eq!(rows[0].get::<_, String>(0), "failed");
+    assert_eq!(rows[0].get::<_, Option<i32>>(1), Some(3));
+}

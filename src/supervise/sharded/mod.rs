@@ -181,6 +181,8 @@ struct Shard {
     taken_at: Timestamp,
     /// A crontab job's occurrence its command runs (or is about to run) for, and the attempt.
     run: Option<(Timestamp, i32)>,
+    /// When a crontab job's run has taken its `timeout=` and is stopped.
+    timeout_at: Option<Instant>,
 }
 
 enum Served {
@@ -204,6 +206,8 @@ enum Event<W> {
     Unhealthy,
     /// An owned crontab job's runs ask for something.
     Runs(u32, RunsEvent),
+    /// A crontab job's run has taken its `timeout=`.
+    RunTimeout,
 }
 
 impl<B: ShardBackend + Clone + 'static> Room<B> {
@@ -353,6 +357,12 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                 }
             }
             let timer = self.shards.next_timer();
+            let run_timeout = self
+                .shards
+                .iter()
+                .filter(|(_, _, after)| after.is_none())
+                .filter_map(|(_, shard, _)| shard.timeout_at)
+                .min();
             let holds_any = !self.shards.is_empty();
             let quiet = link.leaving.is_some() || self.inbox.shutdown_requested.is_some();
             let leaving = link.leaving.is_some();
@@ -382,6 +392,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                 event = self.inbox.next_signal() => Event::Signal(event),
                 (index, report) = shards.next_report() => Event::Report(index, report),
                 _ = async { match timer { Some(at) => sleep_until(at).await, None => std::future::pending().await } } => Event::Timer,
+                _ = async { match run_timeout { Some(at) => sleep_until(at).await, None => std::future::pending().await } } => Event::RunTimeout,
                 result = async { match watching.as_mut().and_then(|w| w.watch.as_mut()) { Some(watch) => watch.await, None => std::future::pending().await } } => Event::Watched(result),
                 (member, result) = async { match opening { Some((_, future)) => future.await, None => std::future::pending().await } } => Event::Opened(member, result),
                 (item, event) = std::future::poll_fn(|cx| match jobs.as_mut() { Some(jobs) => jobs.poll_next(cx), None => std::task::Poll::Pending }), if !quiet => Event::Runs(item, event),
@@ -542,6 +553,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                         self.fail(&mut link, err);
                     }
                 }
+                Event::RunTimeout => self.stop_timed_out(),
             }
             if let Err(err) = self.finish_stopped(&mut link).await {
                 let reason = format!("a statement failed: {err}");
@@ -666,6 +678,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                 epoch: fence.epoch,
                 taken_at: Timestamp::now(),
                 run: None,
+                timeout_at: None,
             };
             self.inbox.telemetry.shard_taken(index, fence.epoch);
             match &mut self.jobs {
@@ -832,6 +845,10 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                     && self.shards.is_started(&item)
                 {
                     jobs.started(item);
+                    let timeout = jobs.definition(item).and_then(|d| d.job.timeout);
+                    if let Some(shard) = self.shards.item_mut(&item) {
+                        shard.timeout_at = timeout.map(|timeout| Instant::now() + timeout);
+                    }
                 }
             }
             RunsEvent::Disagree(reason) => {
@@ -851,6 +868,32 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                 link.leave_for(reason);
             }
             RunsEvent::Done | RunsEvent::NothingToRun => {}
+        }
+    }
+
+    /// Stops the crontab runs that have taken their job's `timeout=`: the stop signal, then
+    /// SIGKILL after `--kill-timeout`, as any stop; the run is recorded as failed.
+    fn stop_timed_out(&mut self) {
+        let now = Instant::now();
+        let due: Vec<u32> = self
+            .shards
+            .iter()
+            .filter(|(_, shard, after)| {
+                after.is_none() && shard.timeout_at.is_some_and(|at| at <= now)
+            })
+            .map(|(item, _, _)| *item)
+            .collect();
+        for item in due {
+            if let Some(shard) = self.shards.item_mut(&item) {
+                shard.timeout_at = None;
+            }
+            let (label, timeout) = match self.jobs.as_ref().and_then(|jobs| jobs.definition(item)) {
+                Some(definition) => (Label::job(&definition.job.name), definition.job.timeout),
+                None => (Label::shard(item), None),
+            };
+            warn!(event = "run_timed_out", lock = %self.settings.lock, job = label.job.as_deref(), "the run of {} has taken its timeout={}; stopping it", label.name(), timeout.map_or_else(String::new, |timeout| fmt(timeout).to_string()));
+            self.shards
+                .stop(&item, self.settings.kill_signal, After::Restart);
         }
     }
 
@@ -938,6 +981,9 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                     Settled::Restarting => {
                         if let Some(status) = status {
                             jobs.exited(*index, *status);
+                        }
+                        if let Some(shard) = self.shards.item_mut(index) {
+                            shard.timeout_at = None;
                         }
                         let timeout = self.settings.check_timeout;
                         if jobs.is_retired(*index) {
