@@ -192,6 +192,7 @@ impl RunConfig {
                 once: args.once || args.no_wait,
                 busy_retry: args.replica.check_timeout / 2,
                 job: None,
+                replace_running: false,
             }),
             None => None,
         };

@@ -197,11 +197,11 @@ impl Crontab {
     pub fn unsupported(&self) -> Option<String> {
         self.jobs.iter().find_map(|job| {
             let at = format!("{}:{}", self.path.display(), job.line);
-            if job.overlap != Overlap::Skip {
+            if job.overlap == Overlap::Allow {
                 Some(format!(
-                    "{at}: overlap={} is not built yet: a job still running when its next \
-                     occurrence comes skips it (overlap=skip, the default)",
-                    job.overlap.as_str()
+                    "{at}: overlap=allow is not built yet: a job still running when its next \
+                     occurrence comes skips it (overlap=skip, the default) or is stopped for it \
+                     (overlap=replace)"
                 ))
             } else {
                 None

@@ -404,3 +404,39 @@ fn a_run_that_takes_its_timeout_is_stopped_and_recorded_as_failed() {
     assert_eq!(rows[0].get::<_, String>(0), "failed");
     assert_eq!(rows[0].get::<_, Option<i32>>(1), Some(3));
 }
+
+#[test]
+fn with_overlap_replace_the_next_occurrence_stops_the_run_still_going_and_runs() {
+    let lock = unique_lock();
+    let file = File::new(
+        "replace",
+        "# pgleader: name=feed overlap=replace\n\
+         */2 * * * * * * trap 'echo got TERM at=$PGLEADER_SCHEDULED_TIME; exit 0' TERM; \
+         echo start at=$PGLEADER_SCHEDULED_TIME; sleep 30 & wait\n",
+    );
+    let a = replica("A", lock, &file);
+    let first = field(&a.wait_stdout("start at="), "at");
+    let replaced = a.wait_log("was replaced by the occurrence of");
+    assert_eq!(field(&replaced, "job"), "feed", "{replaced}");
+    let term = a.wait_stdout("got TERM");
+    assert_eq!(field(&term, "at"), first);
+    let second = field(&a.wait_for_nth(Stream::Stdout, "start at=", 2), "at");
+    assert!(second > first, "{first} then {second}");
+    // Never two runs at once: the second started after the first got its TERM.
+    let lines = a.lines(Stream::Stdout);
+    let position = |needle: &str| lines.iter().position(|line| line.contains(needle));
+    assert!(
+        position("got TERM") < position(&format!("start at={second}")),
+        "{lines:?}"
+    );
+    a.terminate_cleanly();
+    let mut client = Cluster::shared().client();
+    let rows = client
+        .query(
+            "SELECT outcome FROM pgleader_ledger \
+             WHERE lock_key = hashtextextended($1, 0) AND scheduled_for = $2::text::timestamptz",
+            &[&format!("{lock}\u{1f}feed"), &first],
+        )
+        .expect("the ledger");
+    assert_eq!(rows[0].get::<_, String>(0), "interrupted");
+}

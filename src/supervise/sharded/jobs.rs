@@ -26,7 +26,7 @@ use crate::election::shards::{Holder, Items};
 use crate::exit::ChildStatus;
 use crate::schedule::calendar::rfc3339;
 use crate::schedule::clock::ServerClock;
-use crate::schedule::crontab::{Changes, CronJob, Crontab};
+use crate::schedule::crontab::{Changes, CronJob, Crontab, Overlap};
 use crate::schedule::runs::{self, Runs, RunsEvent};
 use crate::schedule::{Plan, Publish};
 use crate::supervise::job::{CommandError, CommandLine};
@@ -199,6 +199,7 @@ impl<L: Ledger> Jobs<L> {
             once: false,
             busy_retry: Duration::from_millis(500),
             job: Some(job.name.clone()),
+            replace_running: job.overlap == Overlap::Replace,
         };
         let start = runs::Start {
             claimant: Claimant {

@@ -867,6 +867,16 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                 self.lose_all(&reason, LossReason::CheckFailed);
                 link.leave_for(reason);
             }
+            RunsEvent::Replace { occurrence } => {
+                let label = self
+                    .jobs
+                    .as_ref()
+                    .map(|jobs| jobs.label(item))
+                    .unwrap_or_default();
+                info!(event = "replacing_run", lock = %lock, job = label.job.as_deref(), "the occurrence of {} of {} has come while its previous run still goes: stopping that run (overlap=replace)", crate::schedule::calendar::rfc3339(occurrence), label.name());
+                self.shards
+                    .stop(&item, self.settings.kill_signal, After::Restart);
+            }
             RunsEvent::Done | RunsEvent::NothingToRun => {}
         }
     }
