@@ -44,7 +44,17 @@ pub enum Items {
     /// A crontab's jobs: the numbers of the jobs this replica knows. A replica shares out only
     /// the jobs it knows, and never takes one it does not, so that in a rolling deploy a job
     /// only some replicas know runs on one of those.
-    Listed(Arc<BTreeSet<u32>>),
+    Listed(Arc<Listing>),
+}
+
+/// A crontab's jobs as one replica's file defines them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Listing {
+    /// Each job's number.
+    pub items: BTreeSet<u32>,
+    /// Each job's definition, as 32 bits of a hash of its name and definition: replicas that
+    /// define a job alike say the same number, so one that defines it otherwise shows.
+    pub definitions: BTreeSet<u32>,
 }
 
 impl Items {
@@ -52,7 +62,7 @@ impl Items {
     pub fn contains(&self, item: u32) -> bool {
         match self {
             Items::Numbered(count) => item < *count,
-            Items::Listed(items) => items.contains(&item),
+            Items::Listed(listing) => listing.items.contains(&item),
         }
     }
 
@@ -60,7 +70,7 @@ impl Items {
     pub fn len(&self) -> u32 {
         match self {
             Items::Numbered(count) => *count,
-            Items::Listed(items) => items.len() as u32,
+            Items::Listed(listing) => listing.items.len() as u32,
         }
     }
 
@@ -72,7 +82,7 @@ impl Items {
     pub fn iter(&self) -> Box<dyn Iterator<Item = u32> + '_> {
         match self {
             Items::Numbered(count) => Box::new(0..*count),
-            Items::Listed(items) => Box::new(items.iter().copied()),
+            Items::Listed(listing) => Box::new(listing.items.iter().copied()),
         }
     }
 
@@ -232,6 +242,8 @@ pub struct Member {
     pub holds: BTreeSet<u32>,
     /// The items it knows (a crontab's jobs in its file); `None`: every one (shards).
     pub knows: Option<BTreeSet<u32>>,
+    /// The definitions of the jobs it knows (see [`Listing::definitions`]).
+    pub defines: BTreeSet<u32>,
 }
 
 impl Member {
@@ -382,6 +394,7 @@ mod tests {
     fn member(id: i32, cap: Option<u32>, holds: &[u32]) -> Member {
         Member {
             knows: None,
+            defines: BTreeSet::new(),
             id,
             cap,
             holds: holds.iter().copied().collect(),
@@ -502,7 +515,12 @@ mod tests {
             knows: Some(knows.iter().copied().collect()),
             ..member(id, None, &[])
         };
-        let jobs = |items: &[u32]| Items::Listed(Arc::new(items.iter().copied().collect()));
+        let jobs = |items: &[u32]| {
+            Items::Listed(Arc::new(Listing {
+                items: items.iter().copied().collect(),
+                definitions: BTreeSet::new(),
+            }))
+        };
         // 2 knows two of the three: it gets one of those, 1 the other two.
         let r = Roster {
             items: jobs(&[10, 20, 30]),

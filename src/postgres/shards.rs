@@ -42,7 +42,7 @@ use crate::election::ledger::{Definition, Ledger, LedgerError};
 use crate::election::lock::LockKey;
 use crate::election::participant::{Participant, ShardReplica, ShardsView};
 use crate::election::shards::{
-    Holder, HolderEvent, Items, JoinError, Member, Roster, Seen, ShardBackend, Watcher,
+    Holder, HolderEvent, Items, JoinError, Listing, Member, Roster, Seen, ShardBackend, Watcher,
 };
 use crate::election::{ConnectError, Fence, Session, SessionError};
 use crate::postgres::PgBackend;
@@ -50,7 +50,7 @@ use crate::postgres::connect::Notifications;
 use crate::postgres::describe::describe;
 use crate::postgres::ledger::{Guard, PgLedger};
 use crate::postgres::locks::{
-    SHARD_CAP_BASE, SHARD_COUNT_BASE, in_turns, knows_space, shard_space,
+    SHARD_CAP_BASE, SHARD_COUNT_BASE, defines_space, in_turns, knows_space, shard_space,
 };
 use crate::postgres::session::{PgSession, query_error};
 
@@ -69,6 +69,8 @@ pub struct ShardKeys {
     space: i32,
     /// The first int4 of a crontab's "knows job n" markers.
     knows: i32,
+    /// The first int4 of a crontab's "defines a job so" markers.
+    defines: i32,
     /// The plain key of the same name, to tell a replica that runs it without `--shards`.
     plain: LockKey,
 }
@@ -78,6 +80,7 @@ impl ShardKeys {
         ShardKeys {
             space: shard_space(lock),
             knows: knows_space(lock),
+            defines: defines_space(lock),
             plain: lock.clone(),
         }
     }
@@ -115,7 +118,7 @@ const ROSTER_SQL: &str = "SELECT me.pid, me.now, l.pid, l.objid::int8, l.objsubi
             WHERE datname = pg_catalog.current_database()) \
         AND ((l.classid = $1 AND l.objsubid = 2 AND l.granted) \
             OR (l.classid = $2 AND l.objid = $3 AND l.objsubid = 1) \
-            OR (l.classid = $4 AND l.objsubid = 2 AND l.granted))";
+            OR (l.classid IN ($4, $5) AND l.objsubid = 2 AND l.granted))";
 
 /// Takes the "knows job n" markers of `$2`, shared, in space `$1`: never waits, since nobody
 /// takes them exclusively.
@@ -237,6 +240,7 @@ fn read_roster(
     let mut members: BTreeMap<i32, Member> = BTreeMap::new();
     let (mut holds, mut counts, mut caps, mut plain) = (Vec::new(), Vec::new(), Vec::new(), None);
     let mut knows: BTreeMap<i32, BTreeSet<u32>> = BTreeMap::new();
+    let mut defines: BTreeMap<i32, BTreeSet<u32>> = BTreeMap::new();
     for row in rows {
         let (Some(pid), Some(objid), Some(subid), Some(exclusive)) = (
             row.get::<_, Option<i32>>(2),
@@ -250,8 +254,13 @@ fn read_roster(
             plain.get_or_insert(pid);
             continue;
         }
-        if row.get::<_, Option<i64>>(6) == Some(i64::from(keys.knows as u32)) {
+        let classid = row.get::<_, Option<i64>>(6);
+        if classid == Some(i64::from(keys.knows as u32)) {
             knows.entry(pid).or_default().insert(objid as u32);
+            continue;
+        }
+        if classid == Some(i64::from(keys.defines as u32)) {
+            defines.entry(pid).or_default().insert(objid as u32);
             continue;
         }
         let n = objid as u32 as i32;
@@ -266,6 +275,7 @@ fn read_roster(
                         cap: None,
                         holds,
                         knows: None,
+                        defines: BTreeSet::new(),
                     },
                 );
             }
@@ -282,6 +292,7 @@ fn read_roster(
     if let Items::Listed(_) = items {
         for member in members.values_mut() {
             member.knows = Some(knows.remove(&member.id).unwrap_or_default());
+            member.defines = defines.remove(&member.id).unwrap_or_default();
         }
     }
     let marker = items.marker();
@@ -324,9 +335,12 @@ fn read_roster(
         }
     }
     let items = match items {
-        Items::Listed(listed) if !unknown.is_empty() => Items::Listed(std::sync::Arc::new(
-            listed.union(&unknown).copied().collect(),
-        )),
+        Items::Listed(listing) if !unknown.is_empty() => {
+            Items::Listed(std::sync::Arc::new(Listing {
+                items: listing.items.union(&unknown).copied().collect(),
+                definitions: listing.definitions.clone(),
+            }))
+        }
         items => items.clone(),
     };
     Ok(Seen {
@@ -482,11 +496,12 @@ impl Holder for ShardHolder {
         let client = self.session.client().clone();
         let (keys, items, me) = (self.keys.clone(), self.items.clone(), self.id());
         async move {
-            let (space, classid, objid, knows) = (
+            let (space, classid, objid, knows, defines) = (
                 keys.space as u32,
                 keys.plain.classid(),
                 keys.plain.objid(),
                 keys.knows as u32,
+                keys.defines as u32,
             );
             let rows = client
                 .query_typed(
@@ -496,6 +511,7 @@ impl Holder for ShardHolder {
                         (&classid, Type::OID),
                         (&objid, Type::OID),
                         (&knows, Type::OID),
+                        (&defines, Type::OID),
                     ],
                 )
                 .await
@@ -613,18 +629,26 @@ impl ShardHolder {
             self.items = items.clone();
             return Ok(());
         };
-        let added: Vec<i32> = new.difference(old).map(|&item| item as i32).collect();
-        let removed: Vec<i32> = old.difference(new).map(|&item| item as i32).collect();
-        for (sql, items) in [(KNOW_SQL, added), (FORGET_SQL, removed)] {
-            if items.is_empty() {
+        let changes = |new: &BTreeSet<u32>, old: &BTreeSet<u32>| -> [Vec<i32>; 2] {
+            [
+                new.difference(old).map(|&n| n as i32).collect(),
+                old.difference(new).map(|&n| n as i32).collect(),
+            ]
+        };
+        let [know, forget] = changes(&new.items, &old.items);
+        let [define, undefine] = changes(&new.definitions, &old.definitions);
+        for (sql, space, numbers) in [
+            (KNOW_SQL, self.keys.knows, know),
+            (FORGET_SQL, self.keys.knows, forget),
+            (KNOW_SQL, self.keys.defines, define),
+            (FORGET_SQL, self.keys.defines, undefine),
+        ] {
+            if numbers.is_empty() {
                 continue;
             }
             self.session
                 .client()
-                .query_typed(
-                    sql,
-                    &[(&self.keys.knows, Type::INT4), (&items, Type::INT4_ARRAY)],
-                )
+                .query_typed(sql, &[(&space, Type::INT4), (&numbers, Type::INT4_ARRAY)])
                 .await
                 .map_err(query_error)?;
         }

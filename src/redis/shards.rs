@@ -695,6 +695,7 @@ fn read_roster(
                 cap,
                 holds: BTreeSet::new(),
                 knows: None,
+                defines: BTreeSet::new(),
             },
         );
     }
@@ -871,12 +872,14 @@ mod tests {
                     cap: None,
                     holds: BTreeSet::from([0]),
                     knows: None,
+                    defines: BTreeSet::new(),
                 },
                 Member {
                     id: 5,
                     cap: Some(1),
                     holds: BTreeSet::from([2]),
                     knows: None,
+                    defines: BTreeSet::new(),
                 },
             ]
         );

@@ -345,8 +345,11 @@ fn sighup_rereads_the_file_and_a_bad_one_leaves_the_old_running() {
 fn in_a_rolling_deploy_a_job_only_some_replicas_know_runs_on_one_of_those() {
     let lock = unique_lock();
     let job = |name: &str| format!("# pgleader: name={name}\n* * * * * * * {RAN}\n");
+    // j2 is defined otherwise in the new file: it runs under one definition at a time, and
+    // the disagreement shows once, not at every occurrence.
+    let j2 = format!("# pgleader: name=j2\n* * * * * * * {RAN} v=2\n");
     let old = File::new("rolling-old", &[job("j1"), job("j2"), job("old")].concat());
-    let new = File::new("rolling-new", &[job("j1"), job("j2"), job("new")].concat());
+    let new = File::new("rolling-new", &[job("j1"), j2, job("new")].concat());
     let a = replica("A", lock, &old);
     let b = replica("B", lock, &new);
     let deadline = Instant::now() + WAIT;
@@ -367,7 +370,17 @@ fn in_a_rolling_deploy_a_job_only_some_replicas_know_runs_on_one_of_those() {
         );
     }
     for replica in [&a, &b] {
+        let line = replica.wait_log("is defined otherwise by the replica of member");
+        assert_eq!(field(&line, "job"), "j2", "{line}");
+    }
+    for replica in [&a, &b] {
         replica.terminate_cleanly();
+        let mismatches = replica
+            .lines(Stream::Stderr)
+            .iter()
+            .filter(|line| line.contains("is defined otherwise"))
+            .count();
+        assert_eq!(mismatches, 1, "{}", replica.dump());
     }
     assert_each_occurrence_once(&[&a, &b]);
 }

@@ -18,11 +18,12 @@ use std::time::Duration;
 
 use jiff::Timestamp;
 use tokio::time::Instant;
+use tracing::{info, warn};
 
 use crate::election::ledger::{Claimant, Ledger};
 use crate::election::lock::LockKey;
 use crate::election::participant::host_name;
-use crate::election::shards::{Holder, Items};
+use crate::election::shards::{Holder, Items, Listing, Roster};
 use crate::exit::ChildStatus;
 use crate::schedule::calendar::rfc3339;
 use crate::schedule::clock::ServerClock;
@@ -59,6 +60,8 @@ pub struct Jobs<L: Ledger> {
     own_ledger: String,
     /// The latest sample of the server's clock.
     clock: Option<ServerClock>,
+    /// The jobs another member defines otherwise, with that member, as last logged.
+    disagreeing: BTreeSet<(String, i32)>,
 }
 
 /// What a reread changed among the jobs this replica owns.
@@ -91,6 +94,7 @@ impl<L: Ledger> Jobs<L> {
             redefined: BTreeSet::new(),
             own_ledger: String::new(),
             clock: None,
+            disagreeing: BTreeSet::new(),
         })
     }
 
@@ -155,10 +159,43 @@ impl<L: Ledger> Jobs<L> {
         self.redefined.remove(&item)
     }
 
-    /// The items the roster shares out: every job of this replica's file.
+    /// The items the roster shares out: every job of this replica's file, with how it defines
+    /// each.
     pub fn items(&self) -> Items {
-        let items = self.crontab.jobs.iter().map(CronJob::item);
-        Items::Listed(Arc::new(items.collect::<BTreeSet<u32>>()))
+        let jobs = &self.crontab.jobs;
+        Items::Listed(Arc::new(Listing {
+            items: jobs.iter().map(CronJob::item).collect(),
+            definitions: jobs.iter().map(CronJob::definition_marker).collect(),
+        }))
+    }
+
+    /// Logs, once per job and member, that another member defines a job otherwise than this
+    /// replica's file (a rolling deploy half done), and once more when they agree again.
+    pub fn note_disagreements(&mut self, roster: &Roster, me: i32, lock: &LockKey) {
+        let now = self.disagreements(roster, me);
+        for (job, member) in now.difference(&self.disagreeing) {
+            warn!(event = "job_definition_mismatch", lock = %lock, job = %job, member, "job {job} is defined otherwise by the replica of member {member} (its file differs from this one's: a rolling deploy?); whichever replica owns it runs it under its own definition, one at a time");
+        }
+        for (job, member) in self.disagreeing.difference(&now) {
+            info!(event = "job_definition_agreed", lock = %lock, job = %job, member, "job {job} is no longer defined otherwise by the replica of member {member}");
+        }
+        self.disagreeing = now;
+    }
+
+    /// The jobs this replica owns or knows that another member defines otherwise: (job name,
+    /// that member's id), from a roster. A member that knows a job and does not say this
+    /// replica's definition of it defines it otherwise.
+    fn disagreements(&self, roster: &Roster, me: i32) -> BTreeSet<(String, i32)> {
+        let mut found = BTreeSet::new();
+        for job in &self.crontab.jobs {
+            let (item, marker) = (job.item(), job.definition_marker());
+            for member in roster.members.iter().filter(|member| member.id != me) {
+                if member.knows(item) && !member.defines.contains(&marker) {
+                    found.insert((job.name.clone(), member.id));
+                }
+            }
+        }
+        found
     }
 
     /// Where this replica's ledger lives (see `schedule::ledger_fingerprint`).

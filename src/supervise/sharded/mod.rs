@@ -458,6 +458,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                             link.deadline = sent + interval + timeout;
                             if let Some(jobs) = &mut self.jobs {
                                 jobs.observe_clock(sent, Instant::now(), seen.server_time);
+                                jobs.note_disagreements(&seen.roster, me, &lock);
                             }
                             link.next_read = sent + interval;
                             if seen.taken.is_empty() {
