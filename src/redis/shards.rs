@@ -361,11 +361,17 @@ pub async fn view(
     else {
         return Ok(None);
     };
-    let holders: Vec<Option<String>> = if count == 0 {
+    // A crontab's items are its jobs' numbers, which no card lists: its item keys say.
+    let items: Vec<u32> = if count == 0 {
+        item_keys(conn, &keys).await.map_err(fail)?
+    } else {
+        (0..count).collect()
+    };
+    let holders: Vec<Option<String>> = if items.is_empty() {
         Vec::new()
     } else {
         redis::cmd("MGET")
-            .arg((0..count).map(|n| keys.shard(n)).collect::<Vec<_>>())
+            .arg(items.iter().map(|n| keys.shard(*n)).collect::<Vec<_>>())
             .query_async(conn)
             .await
             .map_err(fail)?
@@ -375,20 +381,62 @@ pub async fn view(
         .map(|(id, card)| ShardReplica {
             participant: participant(card, true),
             cap: scripts::field(card, "cap").and_then(|cap| cap.parse().ok()),
-            holds: holders
+            holds: items
                 .iter()
-                .enumerate()
+                .zip(&holders)
                 .filter(|(_, value)| {
                     value
                         .as_deref()
                         .and_then(|value| scripts::field(value, "member"))
                         == Some(id.to_string().as_str())
                 })
-                .map(|(n, _)| n as u32)
+                .map(|(n, _)| *n)
                 .collect(),
         })
         .collect();
     Ok(Some(ShardsView { count, replicas }))
+}
+
+/// The numbers of the item keys of a name that exist now, in order (`SCAN`, for `status`).
+async fn item_keys(
+    conn: &mut MultiplexedConnection,
+    keys: &ShardKeys,
+) -> redis::RedisResult<Vec<u32>> {
+    let prefix = keys.shard(0);
+    let prefix = &prefix[..prefix.len() - 1];
+    let pattern = format!("{}*", glob_escape(prefix));
+    let mut found = BTreeSet::new();
+    let mut cursor = 0_u64;
+    loop {
+        let (next, page): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(&pattern)
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(conn)
+            .await?;
+        found.extend(
+            page.iter()
+                .filter_map(|key| key.strip_prefix(prefix)?.parse::<u32>().ok()),
+        );
+        if next == 0 {
+            return Ok(found.into_iter().collect());
+        }
+        cursor = next;
+    }
+}
+
+/// `text` matched literally by a `SCAN MATCH` pattern.
+fn glob_escape(text: &str) -> String {
+    let mut escaped = String::with_capacity(text.len());
+    for c in text.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            escaped.push('\\');
+        }
+        escaped.push(c);
+    }
+    escaped
 }
 
 /// What every script of one member is given.
@@ -940,6 +988,14 @@ impl ShardBackend for RedisBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_name_s_item_keys_are_scanned_for_literally() {
+        assert_eq!(
+            glob_escape("pgleader:{a*[b]?\\}:shard:"),
+            "pgleader:{a\\*\\[b\\]\\?\\\\}:shard:"
+        );
+    }
 
     #[test]
     fn the_keys_are_the_documented_ones() {

@@ -20,7 +20,7 @@ use crate::cron_fleet::{
     stop_and_assert_each_occurrence_once, three_replicas_share_six_jobs,
 };
 use crate::crontab::File;
-use crate::harness::{Proc, Redis, WAIT, unique_lock, within};
+use crate::harness::{Proc, Redis, WAIT, pgleader, unique_lock, within};
 use crate::redis_shards::{QUICK, backend, unique_name};
 
 /// `pgleader cron --lock-id LOCK FILE` on the shared server, with quick checks and a lease
@@ -57,6 +57,21 @@ fn on_redis_the_jobs_are_shared_out_evenly_and_each_occurrence_runs_once() {
     let lock = unique_lock();
     let ([a, b, c], runners) = three_replicas_share_six_jobs(&redis_replica(lock));
     let replicas = [&a, &b, &c];
+    // `status` finds each replica's jobs by their item keys, as PostgreSQL's by their locks.
+    let mut command = pgleader();
+    command
+        .env("PGLEADER_DATABASE_URL", redis.url())
+        .args(["status", &format!("--lock-id={lock}")]);
+    let (code, out, err) = Proc::spawn("status", command).finish();
+    assert_eq!(code.code(), Some(0), "{err:?}");
+    let out = out.join("\n");
+    assert!(out.contains("on 3 replicas, every shard held"), "{out}");
+    let held: usize = out
+        .lines()
+        .filter_map(|line| line.split_once(": shards ").map(|(_, held)| held))
+        .map(|held| held.split(", ").count())
+        .sum();
+    assert_eq!(held, 6, "{out}");
     stop_and_assert_each_occurrence_once(&replicas);
     // The ledger says the same as the jobs' output: each succeeded row by the pgleader that
     // printed it, and every printed run has its row. A job that moved keeps one history.
