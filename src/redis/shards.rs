@@ -726,9 +726,8 @@ impl Holder for RedisShardHolder {
             let mut seen = read_roster(&args.items, &flat, &holders, timestamp(seconds, micros))?;
             if let Some(plain) = plain {
                 seen.mismatch = Some(format!(
-                    "the replica ({}) runs this lock without --shards: a lock runs either \
-                     sharded on every replica or on none",
-                    who(&plain)
+                    "a replica runs this lock without --shards ({plain}): a lock runs either \
+                     sharded on every replica or on none"
                 ));
             }
             Ok(seen)
