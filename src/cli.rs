@@ -452,8 +452,8 @@ pub struct CronArgs {
     /// The crontab: five-field lines (six or seven with a year, seconds first in seven, as
     /// supercronic reads them), @hourly and its kind, @every DURATION, NAME=value lines
     /// (CRON_TZ= sets the zone of the jobs below it, SHELL= their shell), and per-job options in
-    /// a comment above a job: # pgleader: name=NAME overlap=skip|allow|replace catch-up=1h
-    /// timeout=30m
+    /// a comment above a job: # pgleader: name=NAME overlap=skip|replace catch-up=1h timeout=30m
+    /// (overlap=allow is not built yet). SIGHUP rereads it
     #[arg(value_name = "CRONTAB")]
     pub crontab: PathBuf,
 

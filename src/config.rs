@@ -20,7 +20,7 @@ use crate::redis::quorum::QuorumBackend;
 use crate::redis::url::{RedisServer, is_redis_url};
 use crate::schedule::Plan;
 use crate::schedule::calendar::Schedule;
-use crate::schedule::crontab::{Crontab, Overlap};
+use crate::schedule::crontab::Crontab;
 use crate::supervise::health::HealthCheck;
 use crate::supervise::hook::Hooks;
 use crate::supervise::job::CommandLine;
@@ -121,23 +121,8 @@ impl RunConfig {
         crontab: Crontab,
         env: &dyn Environment,
     ) -> anyhow::Result<(RunConfig, Vec<String>)> {
-        for job in &crontab.jobs {
-            let at = format!("{}:{}", crontab.path.display(), job.line);
-            if job.overlap != Overlap::Skip {
-                return Err(UsageError(format!(
-                    "{at}: overlap={} is not built yet: a job still running when its next \
-                     occurrence comes skips it (overlap=skip, the default)",
-                    job.overlap.as_str()
-                ))
-                .into());
-            }
-            if job.timeout.is_some() {
-                return Err(UsageError(format!(
-                    "{at}: timeout= is not built yet; stop a run that takes too long inside \
-                     its command (timeout 30m CMD)"
-                ))
-                .into());
-            }
+        if let Some(unsupported) = crontab.unsupported() {
+            return Err(UsageError(unsupported).into());
         }
         let run = RunArgs {
             replica: args.replica,
@@ -209,6 +194,7 @@ impl RunConfig {
                 once: args.once || args.no_wait,
                 busy_retry: args.replica.check_timeout / 2,
                 job: None,
+                replace_running: false,
             }),
             None => None,
         };

@@ -44,7 +44,17 @@ pub enum Items {
     /// A crontab's jobs: the numbers of the jobs this replica knows. A replica shares out only
     /// the jobs it knows, and never takes one it does not, so that in a rolling deploy a job
     /// only some replicas know runs on one of those.
-    Listed(Arc<BTreeSet<u32>>),
+    Listed(Arc<Listing>),
+}
+
+/// A crontab's jobs as one replica's file defines them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Listing {
+    /// Each job's number.
+    pub items: BTreeSet<u32>,
+    /// Each job's definition, as 32 bits of a hash of its name and definition: replicas that
+    /// define a job alike say the same number, so one that defines it otherwise shows.
+    pub definitions: BTreeSet<u32>,
 }
 
 impl Items {
@@ -52,7 +62,7 @@ impl Items {
     pub fn contains(&self, item: u32) -> bool {
         match self {
             Items::Numbered(count) => item < *count,
-            Items::Listed(items) => items.contains(&item),
+            Items::Listed(listing) => listing.items.contains(&item),
         }
     }
 
@@ -60,7 +70,7 @@ impl Items {
     pub fn len(&self) -> u32 {
         match self {
             Items::Numbered(count) => *count,
-            Items::Listed(items) => items.len() as u32,
+            Items::Listed(listing) => listing.items.len() as u32,
         }
     }
 
@@ -72,7 +82,7 @@ impl Items {
     pub fn iter(&self) -> Box<dyn Iterator<Item = u32> + '_> {
         match self {
             Items::Numbered(count) => Box::new(0..*count),
-            Items::Listed(items) => Box::new(items.iter().copied()),
+            Items::Listed(listing) => Box::new(listing.items.iter().copied()),
         }
     }
 
@@ -180,8 +190,9 @@ pub trait Holder {
         &self,
     ) -> impl Future<Output = Result<String, crate::election::ledger::LedgerError>>;
 
-    /// Changes what this member shares out (a crontab reread): the next roster reads these.
-    fn set_items(&mut self, items: Items);
+    /// Changes what this member shares out (a crontab reread): the next roster reads these,
+    /// and the others learn which jobs it knows.
+    fn set_items(&mut self, items: Items) -> impl Future<Output = Result<(), SessionError>>;
 
     /// The member's id on the roster (PostgreSQL: the holder session's backend pid).
     fn id(&self) -> i32;
@@ -238,6 +249,19 @@ pub struct Member {
     pub cap: Option<u32>,
     /// The shards it holds.
     pub holds: BTreeSet<u32>,
+    /// The items it knows (a crontab's jobs in its file); `None`: every one (shards).
+    pub knows: Option<BTreeSet<u32>>,
+    /// The definitions of the jobs it knows (see [`Listing::definitions`]).
+    pub defines: BTreeSet<u32>,
+}
+
+impl Member {
+    /// Whether it knows `item`, and so may take it.
+    pub fn knows(&self, item: u32) -> bool {
+        self.knows
+            .as_ref()
+            .is_none_or(|knows| knows.contains(&item))
+    }
 }
 
 /// Every member of a sharded lock, and what they share out.
@@ -302,44 +326,60 @@ impl Roster {
         self.items.iter().filter(|i| !held.contains(i)).collect()
     }
 
-    /// The free shards member `me` takes, up to its share, in order of preference: none when
-    /// it holds its share or more, or is not on the roster.
+    /// The free items member `me` takes, up to its share, in order of preference: none when
+    /// it holds its share or more, or is not on the roster. An item is dealt only to a member
+    /// that knows it (a crontab job in its file); one that no member short of its share knows
+    /// goes to the member that knows it and holds the fewest, so that a job only some replicas
+    /// know runs, on one of those.
     pub fn to_take(&self, me: i32) -> Vec<u32> {
         let Some(at) = self.members.iter().position(|member| member.id == me) else {
             return Vec::new();
         };
         let shares = self.shares();
-        // Deal the free shards out among the members that are short, in id order, one at a
-        // time, so that each reaches for its own. A shard dealt to a member that does not take
+        // Deal the free items out among the members that are short, in id order, one at a
+        // time, so that each reaches for its own. An item dealt to a member that does not take
         // it (it read an older roster) is dealt again from the next roster.
-        let mut short: Vec<(usize, u32)> = self
+        let mut wanted: Vec<u32> = self
             .members
             .iter()
             .enumerate()
-            .filter_map(|(i, member)| {
-                let held = member.holds.len() as u32;
-                (held < shares[i]).then(|| (i, shares[i] - held))
-            })
+            .map(|(i, member)| shares[i].saturating_sub(member.holds.len() as u32))
             .collect();
-        let mut free = self.free().into_iter();
+        let mut held: Vec<usize> = self.members.iter().map(|m| m.holds.len()).collect();
+        let n = self.members.len();
+        let mut next = 0;
         let mut take = Vec::new();
-        'deal: loop {
-            let mut dealt = false;
-            for (i, wanted) in short.iter_mut().filter(|(_, wanted)| *wanted > 0) {
-                let Some(shard) = free.next() else {
-                    break 'deal;
-                };
-                *wanted -= 1;
-                dealt = true;
-                if *i == at {
-                    take.push(shard);
+        for item in self.free() {
+            let short = (0..n)
+                .map(|k| (next + k) % n)
+                .find(|&i| wanted[i] > 0 && self.members[i].knows(item));
+            let to = match short {
+                Some(i) => {
+                    wanted[i] -= 1;
+                    next = (i + 1) % n;
+                    Some(i)
                 }
-            }
-            if !dealt {
-                break;
+                // Nobody short knows it: the knower that holds the fewest.
+                None => (0..n)
+                    .filter(|&i| self.members[i].knows(item))
+                    .filter(|&i| self.members[i].knows.is_some())
+                    .min_by_key(|&i| (held[i], self.members[i].id)),
+            };
+            if let Some(i) = to {
+                held[i] += 1;
+                if i == at {
+                    take.push(item);
+                }
             }
         }
         take
+    }
+
+    /// Whether a member other than `me` knows `item`: one `me` may hand over.
+    pub fn known_elsewhere(&self, item: u32, me: i32) -> bool {
+        self.members
+            .iter()
+            .any(|member| member.id != me && member.knows(item))
     }
 
     /// The member after `me` in id order, wrapping round: the one whose end `me` watches for,
@@ -362,6 +402,8 @@ mod tests {
 
     fn member(id: i32, cap: Option<u32>, holds: &[u32]) -> Member {
         Member {
+            knows: None,
+            defines: BTreeSet::new(),
             id,
             cap,
             holds: holds.iter().copied().collect(),
@@ -474,6 +516,37 @@ mod tests {
         assert_eq!(r.to_take(1), vec![4, 6]);
         assert_eq!(r.to_take(2), vec![5]);
         assert_eq!(r.to_take(3), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn a_job_is_dealt_only_to_a_member_that_knows_it() {
+        let knowing = |id: i32, knows: &[u32]| Member {
+            knows: Some(knows.iter().copied().collect()),
+            ..member(id, None, &[])
+        };
+        let jobs = |items: &[u32]| {
+            Items::Listed(Arc::new(Listing {
+                items: items.iter().copied().collect(),
+                definitions: BTreeSet::new(),
+            }))
+        };
+        // 2 knows two of the three: it gets one of those, 1 the other two.
+        let r = Roster {
+            items: jobs(&[10, 20, 30]),
+            members: vec![knowing(1, &[10, 20, 30]), knowing(2, &[10, 20])],
+        };
+        assert_eq!(r.to_take(1), vec![10, 30]);
+        assert_eq!(r.to_take(2), vec![20]);
+        // A job only a member at its share knows still runs, there; and it is never handed
+        // over, since nobody else would take it.
+        let r = Roster {
+            items: jobs(&[10, 20, 30]),
+            members: vec![knowing(1, &[10, 20]), knowing(2, &[10, 20, 30])],
+        };
+        assert_eq!(r.to_take(1), vec![10]);
+        assert_eq!(r.to_take(2), vec![20, 30]);
+        assert!(!r.known_elsewhere(30, 2));
+        assert!(r.known_elsewhere(20, 2));
     }
 
     #[test]

@@ -224,6 +224,20 @@ const SECTIONS: &[Section] = &[
         ],
     },
     Section {
+        heading: "CRONTAB",
+        body: &[
+            Para(
+                "pgleader cron CRONTAB, on every replica with the same --lock and file, runs a crontab across the fleet (PostgreSQL so far): each occurrence of each job at most once, on the database server's clock, through the ledger as --schedule does, each job claimed only while its owner's session holds the job's lock. The jobs are the items of a sharded lock of that name: shared out evenly by count over the replicas (with --health-cmd, the healthy ones), moved within milliseconds when a replica dies or leaves, on two connections per replica whatever the number of jobs. A replica takes only jobs its own file has, so in a rolling deploy a job only some replicas know runs on one of those.",
+            ),
+            Para(
+                "The file is read as supercronic reads it: seven fields (seconds first, year last), six (year last), five, or @hourly, @daily, @weekly, @monthly, @yearly and @every DURATION; NAME=value lines, with CRON_TZ= (the zone of the schedules below it, UTC where none applies) and SHELL= (the shell, /bin/sh by default); each line applies to the jobs below it, as in cron. A comment directly above a job sets its options: # pgleader: name=NAME catch-up=DURATION timeout=DURATION (a run that takes longer is stopped and recorded as failed). A job is known by its name, or without one by a name made from its command. Each command runs through SHELL -c, with the crontab's variables, PGLEADER_JOB, PGLEADER_SCHEDULED_TIME, PGLEADER_ATTEMPT and PGLEADER_EPOCH. A job still running when its next occurrence comes skips it; with overlap=replace that run is stopped, recorded as interrupted, and the new occurrence runs once it is gone. overlap=allow and Redis are not built yet and are refused with exit status 2.",
+            ),
+            Para(
+                "HUP rereads the file: added jobs start, removed ones are no longer scheduled (a run in progress finishes), changed ones follow their new definition, unchanged ones are not touched; a file that cannot be used is logged with its file and line, and the one read before keeps running. TERM and INT stop every running command, record its run as interrupted, release the jobs and exit. pgleader cron --check CRONTAB reads the file without connecting and prints each job with its next occurrences (--from TIME, --next COUNT); exit status 2 names the file and line of a bad one.",
+            ),
+        ],
+    },
+    Section {
         heading: "TLS",
         body: &[
             Para(
@@ -323,7 +337,7 @@ const SECTIONS: &[Section] = &[
         heading: "SIGNALS",
         body: &[
             Para(
-                "The command runs in a process group of its own, led by a small keeper process of pgleader's. pgleader passes HUP, QUIT, USR1, USR2 and WINCH on to that process group, and TERM and INT too. TERM and INT also shut pgleader down: it waits for the command to exit (up to --kill-timeout, then SIGKILL), releases the lock and exits. A second TERM or INT sends SIGKILL at once. A replica waiting for the lock keeps a keeper ready, parked, so that winning costs one fork and exec, the command's; the parked keeper exits with pgleader, having started nothing.",
+                "The command runs in a process group of its own, led by a small keeper process of pgleader's. pgleader passes HUP, QUIT, USR1, USR2 and WINCH on to that process group, and TERM and INT too (under pgleader cron, HUP rereads the crontab instead). TERM and INT also shut pgleader down: it waits for the command to exit (up to --kill-timeout, then SIGKILL), releases the lock and exits. A second TERM or INT sends SIGKILL at once. A replica waiting for the lock keeps a keeper ready, parked, so that winning costs one fork and exec, the command's; the parked keeper exits with pgleader, having started nothing.",
             ),
             Para(
                 "The stop signal is followed by SIGCONT, so that a stopped command can act on it. When --kill-timeout runs out, the keeper SIGKILLs every process the command started, including those that left its process group with setsid (the keeper is a child subreaper, so they come back to it). If pgleader itself dies, even by SIGKILL, the keeper notices and does the same, so no part of the command outlives pgleader. Processes the command leaves behind when it exits are stopped too, and the lock is released only once the keeper has reaped every one of them (or, were the keeper killed from outside, once no member of the command's process group is alive).",
@@ -389,6 +403,10 @@ const SECTIONS: &[Section] = &[
             Entry(
                 "pgleader run --once --lock nightly --schedule '0 3 * * *' --schedule-timezone Europe/Paris -- ./nightly-job.sh",
                 "From cron or a systemd timer on every host: the first timer runs that night's occurrence; later ones exit 0 at once.",
+            ),
+            Entry(
+                "pgleader cron --lock app-cron /app/crontab",
+                "On every replica: each occurrence of each job of the crontab runs once, the jobs shared out over the replicas.",
             ),
             Entry(
                 "pgleader run --lock consumer --relinquish-schedule '0 0 * * *' -- ./consume",

@@ -34,6 +34,19 @@ pub fn shard_space(lock: &LockKey) -> i32 {
     LockKey::from_name(&format!("pgleader shards {}", lock.key())).key() as i32
 }
 
+/// The first int4 of the "knows job n" markers of a crontab run under `lock`'s name:
+/// `hashtextextended('pgleader knows ' || key, 0)::bit(32)::int4` in SQL. Apart from
+/// [`shard_space`], whose second int4s are all taken by the jobs and the markers.
+pub fn knows_space(lock: &LockKey) -> i32 {
+    LockKey::from_name(&format!("pgleader knows {}", lock.key())).key() as i32
+}
+
+/// The first int4 of the "defines a job so" markers of a crontab run under `lock`'s name:
+/// `hashtextextended('pgleader defines ' || key, 0)::bit(32)::int4` in SQL.
+pub fn defines_space(lock: &LockKey) -> i32 {
+    LockKey::from_name(&format!("pgleader defines {}", lock.key())).key() as i32
+}
+
 /// A scalar subquery: the server process of a session that runs `lock`'s name with
 /// `--shards` (it holds a "runs with K shards" marker), or null.
 pub fn sharded_replica(lock: &LockKey) -> String {

@@ -42,14 +42,17 @@ use crate::election::ledger::{Definition, Ledger, LedgerError};
 use crate::election::lock::LockKey;
 use crate::election::participant::{Participant, ShardReplica, ShardsView};
 use crate::election::shards::{
-    Holder, HolderEvent, Items, JoinError, Member, Roster, Seen, ShardBackend, Watcher, kind_of,
+    Holder, HolderEvent, Items, JoinError, Listing, Member, Roster, Seen, ShardBackend, Watcher,
+    kind_of,
 };
 use crate::election::{ConnectError, Fence, Session, SessionError};
 use crate::postgres::PgBackend;
 use crate::postgres::connect::Notifications;
 use crate::postgres::describe::describe;
 use crate::postgres::ledger::{Guard, PgLedger};
-use crate::postgres::locks::{SHARD_CAP_BASE, SHARD_COUNT_BASE, in_turns, shard_space};
+use crate::postgres::locks::{
+    SHARD_CAP_BASE, SHARD_COUNT_BASE, defines_space, in_turns, knows_space, shard_space,
+};
 use crate::postgres::session::{PgSession, query_error};
 
 /// The member locks' range: a server process id is below 2^22 on Linux.
@@ -65,6 +68,10 @@ pub const MAX_SHARDS: u32 = 1 << 20;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ShardKeys {
     space: i32,
+    /// The first int4 of a crontab's "knows job n" markers.
+    knows: i32,
+    /// The first int4 of a crontab's "defines a job so" markers.
+    defines: i32,
     /// The plain key of the same name, to tell a replica that runs it without `--shards`.
     plain: LockKey,
 }
@@ -73,6 +80,8 @@ impl ShardKeys {
     pub fn of(lock: &LockKey) -> ShardKeys {
         ShardKeys {
             space: shard_space(lock),
+            knows: knows_space(lock),
+            defines: defines_space(lock),
             plain: lock.clone(),
         }
     }
@@ -103,13 +112,23 @@ impl ShardKeys {
 /// Every granted advisory lock of the name, and the plain key's too (waiting or not), with
 /// the server's clock and this session's server process: one row even when there is no lock.
 const ROSTER_SQL: &str = "SELECT me.pid, me.now, l.pid, l.objid::int8, l.objsubid::int4, \
-        l.mode = 'ExclusiveLock' \
+        l.mode = 'ExclusiveLock', l.classid::int8 \
     FROM (SELECT pg_catalog.pg_backend_pid() AS pid, pg_catalog.clock_timestamp() AS now) me \
     LEFT JOIN pg_catalog.pg_locks l ON l.locktype = 'advisory' \
         AND l.database = (SELECT oid FROM pg_catalog.pg_database \
             WHERE datname = pg_catalog.current_database()) \
         AND ((l.classid = $1 AND l.objsubid = 2 AND l.granted) \
-            OR (l.classid = $2 AND l.objid = $3 AND l.objsubid = 1))";
+            OR (l.classid = $2 AND l.objid = $3 AND l.objsubid = 1) \
+            OR (l.classid IN ($4, $5) AND l.objsubid = 2 AND l.granted))";
+
+/// Takes the "knows job n" markers of `$2`, shared, in space `$1`: never waits, since nobody
+/// takes them exclusively.
+const KNOW_SQL: &str = "SELECT pg_catalog.pg_advisory_lock_shared($1::int4, i) \
+    FROM pg_catalog.unnest($2::int4[]) AS i";
+
+/// Lets the markers of jobs `$2` go.
+const FORGET_SQL: &str = "SELECT pg_catalog.pg_advisory_unlock_shared($1::int4, i) \
+    FROM pg_catalog.unnest($2::int4[]) AS i";
 
 /// Tries each shard, and tells the others when it took any: a take changes the holdings the
 /// shares are computed from (who gets the one more), so a member that read the roster before
@@ -213,6 +232,8 @@ fn read_roster(
     let server_time: jiff::Timestamp = first.get(1);
     let mut members: BTreeMap<i32, Member> = BTreeMap::new();
     let (mut holds, mut counts, mut caps, mut plain) = (Vec::new(), Vec::new(), Vec::new(), None);
+    let mut knows: BTreeMap<i32, BTreeSet<u32>> = BTreeMap::new();
+    let mut defines: BTreeMap<i32, BTreeSet<u32>> = BTreeMap::new();
     for row in rows {
         let (Some(pid), Some(objid), Some(subid), Some(exclusive)) = (
             row.get::<_, Option<i32>>(2),
@@ -226,6 +247,15 @@ fn read_roster(
             plain.get_or_insert(pid);
             continue;
         }
+        let classid = row.get::<_, Option<i64>>(6);
+        if classid == Some(i64::from(keys.knows as u32)) {
+            knows.entry(pid).or_default().insert(objid as u32);
+            continue;
+        }
+        if classid == Some(i64::from(keys.defines as u32)) {
+            defines.entry(pid).or_default().insert(objid as u32);
+            continue;
+        }
         let n = objid as u32 as i32;
         match n {
             0.. if exclusive => holds.push((pid, n as u32)),
@@ -237,6 +267,8 @@ fn read_roster(
                         id: pid,
                         cap: None,
                         holds,
+                        knows: None,
+                        defines: BTreeSet::new(),
                     },
                 );
             }
@@ -248,6 +280,12 @@ fn read_roster(
     for (pid, cap) in caps {
         if let Some(member) = members.get_mut(&pid) {
             member.cap = Some(cap);
+        }
+    }
+    if let Items::Listed(_) = items {
+        for member in members.values_mut() {
+            member.knows = Some(knows.remove(&member.id).unwrap_or_default());
+            member.defines = defines.remove(&member.id).unwrap_or_default();
         }
     }
     let marker = items.marker();
@@ -270,22 +308,37 @@ fn read_roster(
         ));
     }
     let mut taken = BTreeSet::new();
+    // A crontab's job held by a member that knows it and this replica does not (a rolling
+    // deploy) still counts among the jobs shared out, so that every replica computes the same
+    // shares whatever its own file holds.
+    let mut unknown = BTreeSet::new();
     for (pid, shard) in holds {
-        if !items.contains(shard) {
-            continue;
-        }
+        let known = items.contains(shard);
         match members.get_mut(&pid) {
-            Some(member) => {
+            Some(member) if known || matches!(items, Items::Listed(_)) => {
                 member.holds.insert(shard);
+                if !known {
+                    unknown.insert(shard);
+                }
             }
-            None => {
+            None if known => {
                 taken.insert(shard);
             }
+            _ => {}
         }
     }
+    let items = match items {
+        Items::Listed(listing) if !unknown.is_empty() => {
+            Items::Listed(std::sync::Arc::new(Listing {
+                items: listing.items.union(&unknown).copied().collect(),
+                definitions: listing.definitions.clone(),
+            }))
+        }
+        items => items.clone(),
+    };
     Ok(Seen {
         roster: Roster {
-            items: items.clone(),
+            items,
             members: members.into_values().collect(),
         },
         taken,
@@ -351,12 +404,16 @@ impl ShardHolder {
             .batch_execute(&join)
             .await
             .map_err(query_error)?;
-        let holder = ShardHolder {
+        let mut holder = ShardHolder {
             session,
             keys,
-            items: items.clone(),
+            items: Items::Listed(Default::default()),
             notifications,
         };
+        match items {
+            Items::Listed(_) => holder.know(items).await?,
+            Items::Numbered(_) => holder.items = items.clone(),
+        }
         let seen = Holder::roster(&holder).await?;
         if let Some(reason) = seen.mismatch {
             return Err(JoinError::Mismatch(reason));
@@ -394,8 +451,11 @@ impl Holder for ShardHolder {
             .await
     }
 
-    fn set_items(&mut self, items: Items) {
-        self.items = items;
+    /// Takes the markers of the jobs added and lets those of the jobs removed go, then tells
+    /// the others, so that they deal the new ones out (to a replica that knows them).
+    async fn set_items(&mut self, items: Items) -> Result<(), SessionError> {
+        self.know(&items).await?;
+        self.notify_others("knows").await
     }
 
     /// The holder session's server process: the member's id on the roster.
@@ -429,8 +489,13 @@ impl Holder for ShardHolder {
         let client = self.session.client().clone();
         let (keys, items, me) = (self.keys.clone(), self.items.clone(), self.id());
         async move {
-            let (space, classid, objid) =
-                (keys.space as u32, keys.plain.classid(), keys.plain.objid());
+            let (space, classid, objid, knows, defines) = (
+                keys.space as u32,
+                keys.plain.classid(),
+                keys.plain.objid(),
+                keys.knows as u32,
+                keys.defines as u32,
+            );
             let rows = client
                 .query_typed(
                     ROSTER_SQL,
@@ -438,6 +503,8 @@ impl Holder for ShardHolder {
                         (&space, Type::OID),
                         (&classid, Type::OID),
                         (&objid, Type::OID),
+                        (&knows, Type::OID),
+                        (&defines, Type::OID),
                     ],
                 )
                 .await
@@ -549,6 +616,39 @@ impl Holder for ShardHolder {
 }
 
 impl ShardHolder {
+    /// Holds the "knows job n" marker of each of a crontab's `items`, and of no other job.
+    async fn know(&mut self, items: &Items) -> Result<(), SessionError> {
+        let (Items::Listed(new), Items::Listed(old)) = (items, &self.items) else {
+            self.items = items.clone();
+            return Ok(());
+        };
+        let changes = |new: &BTreeSet<u32>, old: &BTreeSet<u32>| -> [Vec<i32>; 2] {
+            [
+                new.difference(old).map(|&n| n as i32).collect(),
+                old.difference(new).map(|&n| n as i32).collect(),
+            ]
+        };
+        let [know, forget] = changes(&new.items, &old.items);
+        let [define, undefine] = changes(&new.definitions, &old.definitions);
+        for (sql, space, numbers) in [
+            (KNOW_SQL, self.keys.knows, know),
+            (FORGET_SQL, self.keys.knows, forget),
+            (KNOW_SQL, self.keys.defines, define),
+            (FORGET_SQL, self.keys.defines, undefine),
+        ] {
+            if numbers.is_empty() {
+                continue;
+            }
+            self.session
+                .client()
+                .query_typed(sql, &[(&space, Type::INT4), (&numbers, Type::INT4_ARRAY)])
+                .await
+                .map_err(query_error)?;
+        }
+        self.items = items.clone();
+        Ok(())
+    }
+
     async fn notify_others(&self, payload: &str) -> Result<(), SessionError> {
         let channel = self.keys.channel();
         self.session

@@ -467,7 +467,7 @@ impl Args {
         let mut invocation = self.invocation(script);
         invocation.arg(self.items.marker());
         if let Items::Listed(jobs) = &self.items {
-            for job in jobs.iter() {
+            for job in &jobs.items {
                 invocation.arg(*job);
             }
         }
@@ -664,8 +664,9 @@ impl Holder for RedisShardHolder {
     }
 
     /// The next roster reads (and renews) these items, and a leave releases these.
-    fn set_items(&mut self, items: Items) {
+    async fn set_items(&mut self, items: Items) -> Result<(), SessionError> {
         self.args.items = items;
+        Ok(())
     }
 
     /// The member id the join handed out (`pgleader:{NAME}:member:<id>`).
@@ -843,6 +844,8 @@ fn read_roster(
                 id,
                 cap,
                 holds: BTreeSet::new(),
+                knows: None,
+                defines: BTreeSet::new(),
             },
         );
     }
@@ -1029,12 +1032,16 @@ mod tests {
                 Member {
                     id: 2,
                     cap: None,
-                    holds: BTreeSet::from([0])
+                    holds: BTreeSet::from([0]),
+                    knows: None,
+                    defines: BTreeSet::new(),
                 },
                 Member {
                     id: 5,
                     cap: Some(1),
-                    holds: BTreeSet::from([2])
+                    holds: BTreeSet::from([2]),
+                    knows: None,
+                    defines: BTreeSet::new(),
                 },
             ]
         );

@@ -70,6 +70,18 @@ pub struct CronJob {
 }
 
 impl CronJob {
+    /// 32 bits of a hash of the job's name and definition ([`CronJob::fingerprint`]): what a
+    /// replica says of how it defines the job, so that replicas that define it otherwise see
+    /// each other (on PostgreSQL, the second int4 of a shared advisory lock).
+    pub fn definition_marker(&self) -> u32 {
+        let key = LockKey::from_name(&format!(
+            "pgleader defines {} {}",
+            self.name,
+            self.fingerprint()
+        ));
+        key.key() as u64 as u32
+    }
+
     /// The number the fleet knows the job by: its item in the sharded lock of the crontab's
     /// name (on PostgreSQL the second int4 of its advisory lock), 30 bits of a hash of its
     /// name, so that every replica, whatever else its file holds, calls it the same.
@@ -190,6 +202,23 @@ impl Crontab {
             message: "the crontab is not UTF-8 text".into(),
         })?;
         Crontab::parse(path, &text)
+    }
+
+    /// What `pgleader cron` cannot run yet in this crontab: the first job whose options ask
+    /// for it, as a message naming the file and line.
+    pub fn unsupported(&self) -> Option<String> {
+        self.jobs.iter().find_map(|job| {
+            let at = format!("{}:{}", self.path.display(), job.line);
+            if job.overlap == Overlap::Allow {
+                Some(format!(
+                    "{at}: overlap=allow is not built yet: a job still running when its next \
+                     occurrence comes skips it (overlap=skip, the default) or is stopped for it \
+                     (overlap=replace)"
+                ))
+            } else {
+                None
+            }
+        })
     }
 
     /// Checks the crontab `text`, read from `path`.

@@ -43,6 +43,9 @@ pub struct Plan {
     pub busy_retry: Duration,
     /// A crontab job's name, for the `job` field of the log lines; `None` for `--schedule`.
     pub job: Option<String>,
+    /// `overlap=replace`: an occurrence that comes while the previous run still goes stops
+    /// that run (recorded as interrupted) and runs instead; otherwise it is skipped.
+    pub replace_running: bool,
 }
 
 impl Plan {

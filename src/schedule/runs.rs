@@ -59,6 +59,10 @@ pub enum RunsEvent {
     NothingToRun,
     /// The replicas disagree on the schedule and this one must not run its version.
     Disagree(String),
+    /// `overlap=replace`: the occurrence `occurrence` has come while the previous run still
+    /// goes; stop that run ([`Runs::exited`] then records it as interrupted and claims this
+    /// one).
+    Replace { occurrence: Timestamp },
     /// A ledger statement failed for good (`Fatal`) or the session is in trouble (`Query`).
     Failed(LedgerError),
 }
@@ -123,6 +127,10 @@ pub struct Runs<L: Ledger> {
     /// The claim of `due` waits until then: the server said it was early.
     early_until: Option<Instant>,
     running: Option<Run>,
+    /// `overlap=replace`: the running command is being stopped for this occurrence.
+    replacing: Option<Timestamp>,
+    /// Said at the next poll.
+    ask: Option<RunsEvent>,
     /// How the last run ended, until the ledger has it.
     finishing: Option<LateFinish>,
     /// Emitted once the queue has drained.
@@ -192,6 +200,8 @@ impl<L: Ledger> Runs<L> {
             due: None,
             early_until: None,
             running: None,
+            replacing: None,
+            ask: None,
             finishing: None,
             closing: None,
             probing: false,
@@ -298,7 +308,14 @@ impl<L: Ledger> Runs<L> {
             {
                 return Poll::Ready(event);
             }
-            let due = self.due.map(|at| (at, self.wake_for(at)));
+            if let Some(event) = self.ask.take() {
+                return Poll::Ready(event);
+            }
+            // While a run is being replaced, its successor waits for it to be gone.
+            let due = self
+                .due
+                .filter(|_| self.replacing.is_none())
+                .map(|at| (at, self.wake_for(at)));
             let wake = match (paused, due) {
                 (None, None) => return Poll::Pending,
                 (Some(pause), Some((_, due))) => pause.min(due),
@@ -335,11 +352,18 @@ impl<L: Ledger> Runs<L> {
             return;
         };
         let succeeded = status == ChildStatus::Exited(0);
-        let outcome = if succeeded { "succeeded" } else { "failed" };
+        let replaced = self.replacing.take();
+        let outcome = match replaced {
+            Some(_) => "interrupted",
+            None if succeeded => "succeeded",
+            None => "failed",
+        };
         let next = self.due.filter(|_| !self.plan.once).map(rfc3339);
         let next = next.as_deref().unwrap_or("none");
         let at = rfc3339(run.at);
-        if succeeded {
+        if let Some(by) = replaced {
+            warn!(event = "scheduled_run_interrupted", job = self.plan.job.as_deref(), occurrence = %at, attempt = run.attempt, outcome, status = %status, next, "the run of {at} was replaced by the occurrence of {} (overlap=replace)", rfc3339(by));
+        } else if succeeded {
             info!(event = "scheduled_run_finished", job = self.plan.job.as_deref(), occurrence = %at, attempt = run.attempt, outcome, exit_code = status.exit_code(), next, "the run of {at} succeeded");
         } else {
             warn!(event = "scheduled_run_finished", job = self.plan.job.as_deref(), occurrence = %at, attempt = run.attempt, outcome, status = %status, exit_code = status.exit_code(), next, "the run of {at} failed ({status})");

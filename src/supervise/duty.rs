@@ -208,6 +208,8 @@ impl<S: Session> Shift<S> {
                 RunsEvent::Done => Next::Done,
                 RunsEvent::NothingToRun => Next::NothingToRun,
                 RunsEvent::Disagree(reason) => Next::Disagree(reason),
+                // Only a crontab job with overlap=replace asks for it; --schedule skips.
+                RunsEvent::Replace { .. } => unreachable!("--schedule never replaces a run"),
                 RunsEvent::Failed(err) => Next::Failed(err),
             },
         }

@@ -50,6 +50,10 @@ pub struct Inbox {
     pub telemetry: Telemetry,
     /// `--kill-timeout` and `--hook-timeout`, for every stop.
     pub rules: StopRules,
+    /// `pgleader cron`: HUP rereads the crontab rather than being passed on.
+    pub hup_rereads: bool,
+    /// A HUP that asks for a reread came and is not acted on yet.
+    pub reread_requested: bool,
 }
 
 impl Inbox {
@@ -64,6 +68,8 @@ impl Inbox {
             shutdown_requested: None,
             telemetry,
             rules,
+            hup_rereads: false,
+            reread_requested: false,
         }
     }
 
@@ -187,6 +193,10 @@ impl Inbox {
     /// Handles a signal event while a job may run. Returns true if a child was reaped.
     pub fn handle_signal(&mut self, event: Option<SignalEvent>, job: Option<&mut Job>) -> bool {
         match event {
+            Some(SignalEvent::Forward(Signal::SIGHUP)) if self.hup_rereads => {
+                self.reread_requested = true;
+                false
+            }
             Some(SignalEvent::Forward(signal)) => {
                 forward(signal, job.into_iter().map(|job| &*job));
                 false

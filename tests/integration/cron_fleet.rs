@@ -323,8 +323,13 @@ pub fn shards_and_a_crontab_on_one_lock_refuse_each_other(
 // --- On PostgreSQL. ---
 
 /// `pgleader cron --lock-id LOCK FILE` on the shared cluster.
+fn replica(name: &str, lock: i64, file: &File) -> Proc {
+    cron_replica(name, &Cluster::shared().url(), lock, &[], file)
+}
+
+/// [`replica`] as a scenario's [`Spawn`].
 fn pg_replica(lock: i64) -> impl Fn(&str, &File) -> Proc {
-    move |name, file| cron_replica(name, &Cluster::shared().url(), lock, &[], file)
+    move |name, file| replica(name, lock, file)
 }
 
 #[test]
@@ -365,4 +370,194 @@ fn shards_and_a_crontab_on_one_lock_refuse_each_other_with_exit_2() {
     shards_and_a_crontab_on_one_lock_refuse_each_other(&pg_replica(lock), &|name, args| {
         run_replica(name, &url, lock, args)
     });
+}
+
+#[test]
+fn sighup_rereads_the_file_and_a_bad_one_leaves_the_old_running() {
+    let lock = unique_lock();
+    let file = every_second("reread", 2, RAN);
+    let a = replica("A", lock, &file);
+    let b = replica("B", lock, &file);
+    wait_for_shares(&[&a, &b], 2, &[("A", 1), ("B", 1)]);
+
+    // A line that does not parse: both say where, and go on with the file read before.
+    std::fs::write(
+        &file.0,
+        "# pgleader: name=j1\n* * * * * * * echo ran\n61 * * * * true\n",
+    )
+    .expect("write the crontab");
+    for replica in [&a, &b] {
+        replica.signal(Signal::SIGHUP);
+        let refused = replica.wait_log("the crontab read before keeps running");
+        assert!(
+            refused.contains(&format!("{}:3", file.0.display())),
+            "{refused}"
+        );
+    }
+    wait_for_shares(&[&a, &b], 2, &[("A", 1), ("B", 1)]);
+
+    // j1 changed, j2 removed, j3 added.
+    std::fs::write(
+        &file.0,
+        format!(
+            "# pgleader: name=j1\n* * * * * * * {RAN} v=2\n\
+             # pgleader: name=j3\n* * * * * * * {RAN}\n"
+        ),
+    )
+    .expect("write the crontab");
+    let reread = Instant::now();
+    for replica in [&a, &b] {
+        replica.signal(Signal::SIGHUP);
+        let line = replica.wait_log("reread the crontab");
+        assert_eq!(
+            (
+                field(&line, "added"),
+                field(&line, "removed"),
+                field(&line, "changed")
+            ),
+            ("1".into(), "1".into(), "1".into()),
+            "{line}"
+        );
+    }
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let since = rfc3339(SystemTime::now() - Duration::from_secs(1));
+        std::thread::sleep(Duration::from_millis(1500));
+        let runners = latest_runners(&[&a, &b], &since);
+        let v2 = [&a, &b].iter().any(|replica| {
+            replica
+                .lines(Stream::Stdout)
+                .iter()
+                .any(|line| line.contains("job=j1 ") && line.ends_with("v=2"))
+        });
+        if runners.keys().cloned().collect::<Vec<_>>() == ["j1", "j3"]
+            && shares(&runners).values().all(|&count| count == 1)
+            && v2
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the reread file was not followed within {WAIT:?} of {reread:?}: {runners:?}\n{}\n{}",
+            a.dump(),
+            b.dump()
+        );
+    }
+    for replica in [&a, &b] {
+        replica.terminate_cleanly();
+    }
+    assert_each_occurrence_once(&[&a, &b]);
+}
+
+#[test]
+fn in_a_rolling_deploy_a_job_only_some_replicas_know_runs_on_one_of_those() {
+    let lock = unique_lock();
+    let job = |name: &str| format!("# pgleader: name={name}\n* * * * * * * {RAN}\n");
+    // j2 is defined otherwise in the new file: it runs under one definition at a time, and
+    // the disagreement shows once, not at every occurrence.
+    let j2 = format!("# pgleader: name=j2\n* * * * * * * {RAN} v=2\n");
+    let old = File::new("rolling-old", &[job("j1"), job("j2"), job("old")].concat());
+    let new = File::new("rolling-new", &[job("j1"), j2, job("new")].concat());
+    let a = replica("A", lock, &old);
+    let b = replica("B", lock, &new);
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let since = rfc3339(SystemTime::now() - Duration::from_secs(1));
+        std::thread::sleep(Duration::from_millis(1500));
+        let runners = latest_runners(&[&a, &b], &since);
+        if runners.len() == 4 {
+            assert_eq!(runners["old"], "A", "{runners:?}");
+            assert_eq!(runners["new"], "B", "{runners:?}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not every job ran within {WAIT:?}: {runners:?}\n{}\n{}",
+            a.dump(),
+            b.dump()
+        );
+    }
+    for replica in [&a, &b] {
+        let line = replica.wait_log("is defined otherwise by the replica of member");
+        assert_eq!(field(&line, "job"), "j2", "{line}");
+    }
+    for replica in [&a, &b] {
+        replica.terminate_cleanly();
+        let mismatches = replica
+            .lines(Stream::Stderr)
+            .iter()
+            .filter(|line| line.contains("is defined otherwise"))
+            .count();
+        assert_eq!(mismatches, 1, "{}", replica.dump());
+    }
+    assert_each_occurrence_once(&[&a, &b]);
+}
+
+#[test]
+fn a_run_that_takes_its_timeout_is_stopped_and_recorded_as_failed() {
+    let lock = unique_lock();
+    let file = File::new(
+        "timeout",
+        "# pgleader: name=slow timeout=1s\n\
+         */3 * * * * * * trap 'echo got TERM at=$PGLEADER_SCHEDULED_TIME; exit 3' TERM; \
+         echo start at=$PGLEADER_SCHEDULED_TIME; sleep 30 & wait\n",
+    );
+    let a = replica("A", lock, &file);
+    let started = a.wait_stdout("start at=");
+    let stopped = a.wait_log("has taken its timeout=1s");
+    assert_eq!(field(&stopped, "job"), "slow", "{stopped}");
+    let term = a.wait_stdout("got TERM");
+    assert_eq!(field(&term, "at"), field(&started, "at"));
+    a.wait_log("failed (exit code 3)");
+    // The next occurrence runs as usual.
+    a.wait_for_nth(Stream::Stdout, "start at=", 2);
+    a.terminate_cleanly();
+    let mut client = Cluster::shared().client();
+    let at = field(&started, "at");
+    let rows = client
+        .query(
+            "SELECT outcome, exit_code FROM pgleader_ledger \
+             WHERE lock_key = hashtextextended($1, 0) AND scheduled_for = $2::text::timestamptz",
+            &[&format!("{lock}\u{1f}slow"), &at],
+        )
+        .expect("the ledger");
+    assert_eq!(rows.len(), 1, "{at}");
+    assert_eq!(rows[0].get::<_, String>(0), "failed");
+    assert_eq!(rows[0].get::<_, Option<i32>>(1), Some(3));
+}
+
+#[test]
+fn with_overlap_replace_the_next_occurrence_stops_the_run_still_going_and_runs() {
+    let lock = unique_lock();
+    let file = File::new(
+        "replace",
+        "# pgleader: name=feed overlap=replace\n\
+         */2 * * * * * * trap 'echo got TERM at=$PGLEADER_SCHEDULED_TIME; exit 0' TERM; \
+         echo start at=$PGLEADER_SCHEDULED_TIME; sleep 30 & wait\n",
+    );
+    let a = replica("A", lock, &file);
+    let first = field(&a.wait_stdout("start at="), "at");
+    let replaced = a.wait_log("was replaced by the occurrence of");
+    assert_eq!(field(&replaced, "job"), "feed", "{replaced}");
+    let term = a.wait_stdout("got TERM");
+    assert_eq!(field(&term, "at"), first);
+    let second = field(&a.wait_for_nth(Stream::Stdout, "start at=", 2), "at");
+    assert!(second > first, "{first} then {second}");
+    // Never two runs at once: the second started after the first got its TERM.
+    let lines = a.lines(Stream::Stdout);
+    let position = |needle: &str| lines.iter().position(|line| line.contains(needle));
+    assert!(
+        position("got TERM") < position(&format!("start at={second}")),
+        "{lines:?}"
+    );
+    a.terminate_cleanly();
+    let mut client = Cluster::shared().client();
+    let rows = client
+        .query(
+            "SELECT outcome FROM pgleader_ledger \
+             WHERE lock_key = hashtextextended($1, 0) AND scheduled_for = $2::text::timestamptz",
+            &[&format!("{lock}\u{1f}feed"), &first],
+        )
+        .expect("the ledger");
+    assert_eq!(rows[0].get::<_, String>(0), "interrupted");
 }

@@ -11,7 +11,7 @@ use std::time::Duration;
 use jiff::Timestamp;
 use pgleader::election::ledger::{Claim, Claimant, Definition, Ledger};
 use pgleader::election::lock::LockKey;
-use pgleader::election::shards::{Holder, Items, ShardBackend};
+use pgleader::election::shards::{Holder, Items, Listing, ShardBackend};
 
 use crate::contract::block_on;
 use crate::cron_fleet::{
@@ -181,7 +181,10 @@ fn a_job_s_claim_succeeds_only_while_its_item_key_holds_its_member_s_nonce() {
     up_two_seconds(redis);
     let name = unique_name("cron-guard");
     let backend = backend(&name);
-    let items = Items::Listed(Arc::new(BTreeSet::from([7, 9])));
+    let items = Items::Listed(Arc::new(Listing {
+        items: BTreeSet::from([7, 9]),
+        definitions: BTreeSet::new(),
+    }));
     // The key a job's rows are kept under: the fleet's and the job's name, apart by U+001F
     // (the sharded room's `jobs::job_key`).
     let job = LockKey::from_name(&format!("{}\u{1f}nightly", backend.lock.key()));

@@ -106,6 +106,13 @@ impl<L: Ledger> Runs<L> {
             .latest_at_or_before(now)
             .map_or(at, |latest| latest.max(at));
         let passed = self.between(at, latest);
+        if self.running.is_some() && self.plan.replace_running {
+            // Once the run is gone (`exited`), this occurrence is claimed as any other.
+            self.due = Some(at);
+            self.replacing = Some(latest);
+            self.ask = Some(RunsEvent::Replace { occurrence: latest });
+            return;
+        }
         if let Some(run) = self.running {
             let mut detail = format!("the run of {} was still going", rfc3339(run.at));
             if !passed.is_empty() {

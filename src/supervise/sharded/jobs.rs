@@ -18,15 +18,16 @@ use std::time::Duration;
 
 use jiff::Timestamp;
 use tokio::time::Instant;
+use tracing::{info, warn};
 
 use crate::election::ledger::{Claimant, Ledger};
 use crate::election::lock::LockKey;
 use crate::election::participant::host_name;
-use crate::election::shards::{Holder, Items};
+use crate::election::shards::{Holder, Items, Listing, Roster};
 use crate::exit::ChildStatus;
 use crate::schedule::calendar::rfc3339;
 use crate::schedule::clock::ServerClock;
-use crate::schedule::crontab::{CronJob, Crontab};
+use crate::schedule::crontab::{Changes, CronJob, Crontab, Overlap};
 use crate::schedule::runs::{self, Runs, RunsEvent};
 use crate::schedule::{Plan, Publish};
 use crate::supervise::job::{CommandError, CommandLine};
@@ -44,10 +45,33 @@ pub struct Definition {
 
 /// The jobs this replica knows, and the runs of those it owns.
 pub struct Jobs<L: Ledger> {
+    /// The file as last read.
+    crontab: Crontab,
+    /// Every job of the file, and the jobs a reread removed whose last run is still going.
     definitions: BTreeMap<u32, Definition>,
     runs: BTreeMap<u32, Runs<L>>,
+    /// Owned jobs a reread removed: no occurrence is started any more; the run in progress
+    /// finishes, then the job is given up.
+    retired: BTreeSet<u32>,
+    /// Owned jobs a reread changed while a run was going: their runs start again under the
+    /// new definition once it has finished.
+    redefined: BTreeSet<u32>,
     /// This replica's ledger, as the holder session's preparation fingerprinted it.
     own_ledger: String,
+    /// The latest sample of the server's clock.
+    clock: Option<ServerClock>,
+    /// The jobs another member defines otherwise, with that member, as last logged.
+    disagreeing: BTreeSet<(String, i32)>,
+}
+
+/// What a reread changed among the jobs this replica owns.
+#[derive(Debug, Default)]
+pub struct Reread {
+    pub changes: Changes,
+    /// Owned jobs the file no longer has.
+    pub removed: Vec<u32>,
+    /// Owned jobs whose definition changed.
+    pub changed: Vec<u32>,
 }
 
 impl<L: Ledger> std::fmt::Debug for Jobs<L> {
@@ -62,35 +86,116 @@ impl<L: Ledger> std::fmt::Debug for Jobs<L> {
 impl<L: Ledger> Jobs<L> {
     /// The jobs of `crontab`, run for the fleet of `lock`.
     pub fn new(lock: &LockKey, crontab: &Crontab) -> Result<Jobs<L>, CommandError> {
-        let mut definitions = BTreeMap::new();
-        for job in &crontab.jobs {
-            let argv: Vec<OsString> = vec![
-                job.shell.clone().into(),
-                "-c".into(),
-                job.command.clone().into(),
-            ];
-            let command = CommandLine::resolve(argv, std::env::var_os("PATH").as_deref())?;
-            definitions.insert(
-                job.item(),
-                Definition {
-                    key: job_key(lock, &job.name),
-                    job: job.clone(),
-                    command,
-                },
-            );
-        }
         Ok(Jobs {
-            definitions,
+            definitions: define(lock, crontab)?,
+            crontab: crontab.clone(),
             runs: BTreeMap::new(),
+            retired: BTreeSet::new(),
+            redefined: BTreeSet::new(),
             own_ledger: String::new(),
+            clock: None,
+            disagreeing: BTreeSet::new(),
         })
     }
 
-    /// The items the roster shares out: every job this replica knows.
+    /// Where the crontab is read from.
+    pub fn path(&self) -> &std::path::Path {
+        &self.crontab.path
+    }
+
+    /// Takes a reread file's jobs for this replica's: added jobs are known from now on,
+    /// unchanged ones are not touched; what changed among the owned ones is for the room to
+    /// act on (see [`Reread`]).
+    pub fn reread(&mut self, lock: &LockKey, crontab: Crontab) -> Result<Reread, CommandError> {
+        let mut definitions = define(lock, &crontab)?;
+        let changes = Changes::between(&self.crontab, &crontab);
+        let item_of = |name: &String| {
+            self.definitions
+                .iter()
+                .find(|(_, definition)| &definition.job.name == name)
+                .map(|(item, _)| *item)
+        };
+        let owned = |item: &u32| self.runs.contains_key(item);
+        let removed: Vec<u32> = changes
+            .removed
+            .iter()
+            .filter_map(item_of)
+            .filter(owned)
+            .collect();
+        let changed: Vec<u32> = changes
+            .changed
+            .iter()
+            .filter_map(item_of)
+            .filter(owned)
+            .collect();
+        // A removed job's definition stays while its last run goes on.
+        for item in &removed {
+            if let Some(definition) = self.definitions.remove(item) {
+                definitions.insert(*item, definition);
+            }
+            self.retired.insert(*item);
+        }
+        self.definitions = definitions;
+        self.crontab = crontab;
+        Ok(Reread {
+            changes,
+            removed,
+            changed,
+        })
+    }
+
+    /// Whether a reread removed `item` while this replica owned it.
+    pub fn is_retired(&self, item: u32) -> bool {
+        self.retired.contains(&item)
+    }
+
+    /// Marks `item`'s runs to start again under its new definition once its run has finished.
+    pub fn redefine_later(&mut self, item: u32) {
+        self.redefined.insert(item);
+    }
+
+    /// Whether `item`'s runs wait to start again under a new definition.
+    pub fn take_redefinition(&mut self, item: u32) -> bool {
+        self.redefined.remove(&item)
+    }
+
+    /// The items the roster shares out: every job of this replica's file, with how it defines
+    /// each.
     pub fn items(&self) -> Items {
-        Items::Listed(Arc::new(
-            self.definitions.keys().copied().collect::<BTreeSet<u32>>(),
-        ))
+        let jobs = &self.crontab.jobs;
+        Items::Listed(Arc::new(Listing {
+            items: jobs.iter().map(CronJob::item).collect(),
+            definitions: jobs.iter().map(CronJob::definition_marker).collect(),
+        }))
+    }
+
+    /// Logs, once per job and member, that another member defines a job otherwise than this
+    /// replica's file (a rolling deploy half done), and once more when they agree again.
+    pub fn note_disagreements(&mut self, roster: &Roster, me: i32, lock: &LockKey) {
+        let now = self.disagreements(roster, me);
+        for (job, member) in now.difference(&self.disagreeing) {
+            warn!(event = "job_definition_mismatch", lock = %lock, job = %job, member, "job {job} is defined otherwise by the replica of member {member} (its file differs from this one's: a rolling deploy?); whichever replica owns it runs it under its own definition, one at a time");
+        }
+        for (job, member) in self.disagreeing.difference(&now) {
+            info!(event = "job_definition_agreed", lock = %lock, job = %job, member, "job {job} is no longer defined otherwise by the replica of member {member}");
+        }
+        self.disagreeing = now;
+    }
+
+    /// The jobs this replica owns or knows that another member defines otherwise: (job name,
+    /// that member's id), from a roster. A member that knows a job and does not say this
+    /// replica's definition of it defines it otherwise.
+    fn disagreements(&self, roster: &Roster, me: i32) -> BTreeSet<(String, i32)> {
+        let mut found = BTreeSet::new();
+        for job in &self.crontab.jobs {
+            let (item, marker) = (job.item(), job.definition_marker());
+            for member in roster.members.iter().filter(|member| member.id != me) {
+                if member.knows(item) && !member.defines.contains(&marker) {
+                    found.insert((job.name.clone(), member.id));
+                }
+            }
+        }
+        found
     }
 
     /// Where this replica's ledger lives (see `schedule::ledger_fingerprint`).
@@ -131,6 +236,7 @@ impl<L: Ledger> Jobs<L> {
             once: false,
             busy_retry: Duration::from_millis(500),
             job: Some(job.name.clone()),
+            replace_running: job.overlap == Overlap::Replace,
         };
         let start = runs::Start {
             claimant: Claimant {
@@ -154,6 +260,11 @@ impl<L: Ledger> Jobs<L> {
     /// The next thing an owned job's runs ask for. Cancel-safe.
     pub fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<(u32, RunsEvent)> {
         for (item, runs) in &mut self.runs {
+            // No new occurrence for a removed job; its last run's outcome is recorded when it
+            // is disowned.
+            if self.retired.contains(item) {
+                continue;
+            }
             if let Poll::Ready(event) = runs.poll_next(cx) {
                 return Poll::Ready((*item, event));
             }
@@ -177,9 +288,15 @@ impl<L: Ledger> Jobs<L> {
 
     /// A roster read, sent at `sent` and answered at `received`, read the server's clock.
     pub fn observe_clock(&mut self, sent: Instant, received: Instant, server: Timestamp) {
+        self.clock = Some(ServerClock::sample(sent, received, server));
         for runs in self.runs.values_mut() {
             runs.observe_check(sent, received, server);
         }
+    }
+
+    /// The latest sample of the server's clock, for runs that start again.
+    pub fn clock(&self) -> Option<ServerClock> {
+        self.clock
     }
 
     /// Stops owning `item`: its ledger is brought up to date (a run that was stopped is
@@ -193,12 +310,22 @@ impl<L: Ledger> Jobs<L> {
         if let Some(mut runs) = self.runs.remove(&item) {
             runs.settle(stopped, timeout).await;
         }
+        self.forget_retired(item);
+    }
+
+    /// Once a removed job is no longer owned, its definition goes.
+    fn forget_retired(&mut self, item: u32) {
+        self.redefined.remove(&item);
+        if self.retired.remove(&item) {
+            self.definitions.remove(&item);
+        }
     }
 
     /// Stops owning `item` without a word to the ledger (the session is lost or in doubt: the
     /// job's next owner marks what was running as interrupted).
     pub fn forget(&mut self, item: u32) {
         self.runs.remove(&item);
+        self.forget_retired(item);
     }
 
     /// The environment of item `item`'s command for the occurrence `occurrence`, beside the
@@ -219,6 +346,28 @@ impl<L: Ledger> Jobs<L> {
         env.push(("PGLEADER_ATTEMPT", attempt.to_string()));
         env
     }
+}
+
+/// Each job of `crontab`, by its item: its command, `SHELL -c LINE`, and its ledger key.
+fn define(lock: &LockKey, crontab: &Crontab) -> Result<BTreeMap<u32, Definition>, CommandError> {
+    let mut definitions = BTreeMap::new();
+    for job in &crontab.jobs {
+        let argv: Vec<OsString> = vec![
+            job.shell.clone().into(),
+            "-c".into(),
+            job.command.clone().into(),
+        ];
+        let command = CommandLine::resolve(argv, std::env::var_os("PATH").as_deref())?;
+        definitions.insert(
+            job.item(),
+            Definition {
+                key: job_key(lock, &job.name),
+                job: job.clone(),
+                command,
+            },
+        );
+    }
+    Ok(definitions)
 }
 
 /// The key a job's ledger rows are kept under: the fleet's lock and the job's name, apart by

@@ -36,7 +36,7 @@ use jiff::Timestamp;
 use nix::sys::signal::Signal;
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::time::{Instant, sleep_until};
-use tracing::{debug, info, warn};
+use tracing::{debug, error, info, warn};
 
 use crate::election::backoff::Backoff;
 use crate::election::ledger::LedgerError;
@@ -107,9 +107,11 @@ pub async fn run<B: ShardBackend + Clone + 'static>(
             (jobs.items(), None, Some(jobs), Restart::WhenAsked)
         }
     };
+    let mut inbox = Inbox::new(signals, telemetry, settings.stop_rules());
+    inbox.hup_rereads = jobs.is_some();
     let mut room = Room {
         health,
-        inbox: Inbox::new(signals, telemetry, settings.stop_rules()),
+        inbox,
         shards: Commands::new(settings.stop_rules(), settings.kill_signal, restart),
         backend,
         settings,
@@ -179,6 +181,8 @@ struct Shard {
     taken_at: Timestamp,
     /// A crontab job's occurrence its command runs (or is about to run) for, and the attempt.
     run: Option<(Timestamp, i32)>,
+    /// When a crontab job's run has taken its `timeout=` and is stopped.
+    timeout_at: Option<Instant>,
 }
 
 enum Served {
@@ -202,6 +206,8 @@ enum Event<W> {
     Unhealthy,
     /// An owned crontab job's runs ask for something.
     Runs(u32, RunsEvent),
+    /// A crontab job's run has taken its `timeout=`.
+    RunTimeout,
 }
 
 impl<B: ShardBackend + Clone + 'static> Room<B> {
@@ -351,6 +357,12 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                 }
             }
             let timer = self.shards.next_timer();
+            let run_timeout = self
+                .shards
+                .iter()
+                .filter(|(_, _, after)| after.is_none())
+                .filter_map(|(_, shard, _)| shard.timeout_at)
+                .min();
             let holds_any = !self.shards.is_empty();
             let quiet = link.leaving.is_some() || self.inbox.shutdown_requested.is_some();
             let leaving = link.leaving.is_some();
@@ -380,6 +392,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                 event = self.inbox.next_signal() => Event::Signal(event),
                 (index, report) = shards.next_report() => Event::Report(index, report),
                 _ = async { match timer { Some(at) => sleep_until(at).await, None => std::future::pending().await } } => Event::Timer,
+                _ = async { match run_timeout { Some(at) => sleep_until(at).await, None => std::future::pending().await } } => Event::RunTimeout,
                 result = async { match watching.as_mut().and_then(|w| w.watch.as_mut()) { Some(watch) => watch.await, None => std::future::pending().await } } => Event::Watched(result),
                 (member, result) = async { match opening { Some((_, future)) => future.await, None => std::future::pending().await } } => Event::Opened(member, result),
                 (item, event) = std::future::poll_fn(|cx| match jobs.as_mut() { Some(jobs) => jobs.poll_next(cx), None => std::task::Poll::Pending }), if !quiet => Event::Runs(item, event),
@@ -445,6 +458,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                             link.deadline = sent + interval + timeout;
                             if let Some(jobs) = &mut self.jobs {
                                 jobs.observe_clock(sent, Instant::now(), seen.server_time);
+                                jobs.note_disagreements(&seen.roster, me, &lock);
                             }
                             link.next_read = sent + interval;
                             if seen.taken.is_empty() {
@@ -540,11 +554,15 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                         self.fail(&mut link, err);
                     }
                 }
+                Event::RunTimeout => self.stop_timed_out(),
             }
             if let Err(err) = self.finish_stopped(&mut link).await {
                 let reason = format!("a statement failed: {err}");
                 self.lose_all(&reason, LossReason::CheckFailed);
                 link.leave_for(reason);
+            }
+            if std::mem::take(&mut self.inbox.reread_requested) && !quiet {
+                self.reread(&mut link).await;
             }
             self.publish(me);
         }
@@ -569,11 +587,14 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
             )));
         };
         let mine = &seen.roster.members[at].holds;
+        // A job a reread removed is not shared out any more, so the roster does not show it:
+        // its last run finishes, then it is given up.
         let lost: Vec<u32> = self
             .shards
             .iter()
             .filter(|(index, _, after)| !mine.contains(index) && *after != Some(After::Forget))
             .map(|(index, _, _)| *index)
+            .filter(|index| self.items.contains(*index))
             .collect();
         for index in lost {
             warn!(event = "leadership_lost", lock = %lock, shard = index, "the check found that this session no longer holds shard {index}; stopping its command");
@@ -598,7 +619,11 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
             .iter()
             .filter(|(_, _, after)| *after == Some(After::Give))
             .count();
-        let keeping = self.shards.len() - giving;
+        let keeping = self
+            .shards
+            .iter()
+            .filter(|(index, _, after)| *after != Some(After::Give) && self.items.contains(**index))
+            .count();
         if keeping > share {
             let surplus: Vec<u32> = self
                 .shards
@@ -606,6 +631,8 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                 .rev()
                 .filter(|(_, _, after)| after.is_none())
                 .map(|(index, _, _)| *index)
+                // Never a job only this replica knows: nobody else would take it.
+                .filter(|index| seen.roster.known_elsewhere(*index, me))
                 .take(keeping - share)
                 .collect();
             for index in surplus {
@@ -652,6 +679,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                 epoch: fence.epoch,
                 taken_at: Timestamp::now(),
                 run: None,
+                timeout_at: None,
             };
             self.inbox.telemetry.shard_taken(index, fence.epoch);
             match &mut self.jobs {
@@ -711,6 +739,87 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
         })
     }
 
+    /// SIGHUP under `pgleader cron`: rereads the crontab. Added jobs are shared out, removed
+    /// ones no longer scheduled (a run in progress finishes first), changed ones follow their
+    /// new definition from their next occurrence (after a run in progress), unchanged ones are
+    /// not touched. A file that cannot be used is logged and the one read before keeps running.
+    async fn reread(&mut self, link: &mut Link<B>) {
+        let lock = self.settings.lock.clone();
+        let Some(jobs) = &mut self.jobs else {
+            return;
+        };
+        let path = jobs.path().to_owned();
+        info!(event = "rereading", lock = %lock, "SIGHUP: rereading the crontab {}", path.display());
+        let crontab = match Crontab::read(&path) {
+            Ok(crontab) => crontab,
+            Err(err) => {
+                error!(event = "crontab_refused", lock = %lock, "{err}; the crontab read before keeps running");
+                return;
+            }
+        };
+        if let Some(unsupported) = crontab.unsupported() {
+            error!(event = "crontab_refused", lock = %lock, "{unsupported}; the crontab read before keeps running");
+            return;
+        }
+        let reread = match jobs.reread(&lock, crontab) {
+            Ok(reread) => reread,
+            Err(err) => {
+                error!(event = "crontab_refused", lock = %lock, "{err}; the crontab read before keeps running");
+                return;
+            }
+        };
+        let changes = &reread.changes;
+        for (what, names) in [
+            ("added", &changes.added),
+            ("removed", &changes.removed),
+            ("changed", &changes.changed),
+        ] {
+            for name in names {
+                info!(event = "job_reread", lock = %lock, job = %name, change = what, "job {name} {what}");
+            }
+        }
+        info!(event = "crontab_reread", lock = %lock, added = changes.added.len(), removed = changes.removed.len(), changed = changes.changed.len(), unchanged = changes.unchanged.len(), "reread the crontab: {} added, {} removed, {} changed, {} unchanged", changes.added.len(), changes.removed.len(), changes.changed.len(), changes.unchanged.len());
+        let timeout = self.settings.check_timeout;
+        for item in reread.removed {
+            if !self.shards.is_started(&item) {
+                jobs.disown(item, None, timeout).await;
+                self.shards
+                    .stop(&item, self.settings.kill_signal, After::Give);
+            }
+        }
+        for item in reread.changed {
+            if self.shards.is_started(&item) {
+                jobs.redefine_later(item);
+                continue;
+            }
+            let epoch = self.shards.item_mut(&item).map_or(0, |shard| shard.epoch);
+            jobs.disown(item, None, timeout).await;
+            if let Some(clock) = jobs.clock() {
+                jobs.own(item, &link.holder, epoch, clock, Instant::now());
+            }
+        }
+        self.items = jobs.items();
+        let told = tokio::time::timeout(
+            link.left(timeout),
+            link.holder.set_items(self.items.clone()),
+        )
+        .await;
+        let failed = match told {
+            Ok(Ok(())) => None,
+            Ok(Err(err)) => Some(format!("a statement failed: {err}")),
+            Err(_) => Some(format!(
+                "a statement failed: {}",
+                no_answer("rereading the crontab")
+            )),
+        };
+        if let Some(reason) = failed {
+            self.lose_all(&reason, LossReason::CheckFailed);
+            link.leave_for(reason);
+            return;
+        }
+        link.read_soon(false, timeout);
+    }
+
     /// An owned crontab job's runs ask for something: start its command for a claimed
     /// occurrence, or give up on the session.
     fn on_runs(&mut self, link: &mut Link<B>, item: u32, event: RunsEvent) {
@@ -737,6 +846,10 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                     && self.shards.is_started(&item)
                 {
                     jobs.started(item);
+                    let timeout = jobs.definition(item).and_then(|d| d.job.timeout);
+                    if let Some(shard) = self.shards.item_mut(&item) {
+                        shard.timeout_at = timeout.map(|timeout| Instant::now() + timeout);
+                    }
                 }
             }
             RunsEvent::Disagree(reason) => {
@@ -755,7 +868,43 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                 self.lose_all(&reason, LossReason::CheckFailed);
                 link.leave_for(reason);
             }
+            RunsEvent::Replace { occurrence } => {
+                let label = self
+                    .jobs
+                    .as_ref()
+                    .map(|jobs| jobs.label(item))
+                    .unwrap_or_default();
+                info!(event = "replacing_run", lock = %lock, job = label.job.as_deref(), "the occurrence of {} of {} has come while its previous run still goes: stopping that run (overlap=replace)", crate::schedule::calendar::rfc3339(occurrence), label.name());
+                self.shards
+                    .stop(&item, self.settings.kill_signal, After::Restart);
+            }
             RunsEvent::Done | RunsEvent::NothingToRun => {}
+        }
+    }
+
+    /// Stops the crontab runs that have taken their job's `timeout=`: the stop signal, then
+    /// SIGKILL after `--kill-timeout`, as any stop; the run is recorded as failed.
+    fn stop_timed_out(&mut self) {
+        let now = Instant::now();
+        let due: Vec<u32> = self
+            .shards
+            .iter()
+            .filter(|(_, shard, after)| {
+                after.is_none() && shard.timeout_at.is_some_and(|at| at <= now)
+            })
+            .map(|(item, _, _)| *item)
+            .collect();
+        for item in due {
+            if let Some(shard) = self.shards.item_mut(&item) {
+                shard.timeout_at = None;
+            }
+            let (label, timeout) = match self.jobs.as_ref().and_then(|jobs| jobs.definition(item)) {
+                Some(definition) => (Label::job(&definition.job.name), definition.job.timeout),
+                None => (Label::shard(item), None),
+            };
+            warn!(event = "run_timed_out", lock = %self.settings.lock, job = label.job.as_deref(), "the run of {} has taken its timeout={}; stopping it", label.name(), timeout.map_or_else(String::new, |timeout| fmt(timeout).to_string()));
+            self.shards
+                .stop(&item, self.settings.kill_signal, After::Restart);
         }
     }
 
@@ -779,6 +928,9 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
 
     fn on_signal(&mut self, event: Option<SignalEvent>) {
         match event {
+            Some(SignalEvent::Forward(Signal::SIGHUP)) if self.inbox.hup_rereads => {
+                self.inbox.reread_requested = true;
+            }
             Some(SignalEvent::Forward(signal)) => self.shards.forward(signal),
             Some(SignalEvent::ChildStateChanged) => self.shards.reap(),
             Some(SignalEvent::Shutdown(signal)) => match self.inbox.shutdown_signal(signal) {
@@ -809,8 +961,24 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
     /// restart, or forgotten. A give is bounded by what is left of the deadline; an error
     /// means the session is in doubt.
     async fn finish_stopped(&mut self, link: &mut Link<B>) -> Result<(), SessionError> {
-        let quiet = link.leaving.is_some() || self.inbox.shutdown_requested.is_some();
-        let settled = self.shards.settle(quiet);
+        loop {
+            let quiet = link.leaving.is_some() || self.inbox.shutdown_requested.is_some();
+            let settled = self.shards.settle(quiet);
+            if settled.is_empty() {
+                return Ok(());
+            }
+            self.settled(link, settled, quiet).await?;
+        }
+    }
+
+    /// Acts on the entries [`Commands::settle`] settled: records a crontab job's run, gives a
+    /// shard or a job away.
+    async fn settled(
+        &mut self,
+        link: &mut Link<B>,
+        settled: Vec<(u32, Option<crate::exit::ChildStatus>, Settled)>,
+        quiet: bool,
+    ) -> Result<(), SessionError> {
         for status in settled.iter().filter_map(|(_, status, _)| *status) {
             self.inbox.telemetry.shard_command_exited(status);
         }
@@ -824,6 +992,22 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                     Settled::Restarting => {
                         if let Some(status) = status {
                             jobs.exited(*index, *status);
+                        }
+                        if let Some(shard) = self.shards.item_mut(index) {
+                            shard.timeout_at = None;
+                        }
+                        let timeout = self.settings.check_timeout;
+                        if jobs.is_retired(*index) {
+                            // Removed from the file: its last run is recorded, then it goes.
+                            jobs.disown(*index, None, timeout).await;
+                            self.shards
+                                .stop(index, self.settings.kill_signal, After::Give);
+                        } else if jobs.take_redefinition(*index) {
+                            let epoch = self.shards.item_mut(index).map_or(0, |shard| shard.epoch);
+                            jobs.disown(*index, None, timeout).await;
+                            if let Some(clock) = jobs.clock() {
+                                jobs.own(*index, &link.holder, epoch, clock, Instant::now());
+                            }
                         }
                     }
                     _ if in_doubt => jobs.forget(*index),
