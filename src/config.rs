@@ -142,10 +142,12 @@ impl RunConfig {
             command: vec![crate::schedule::crontab::DEFAULT_SHELL.into()],
         };
         let (mut config, warnings) = Self::build(run, env, true)?;
-        if !matches!(config.backend, Elector::Postgres(_)) {
+        if matches!(config.backend, Elector::Quorum(_)) {
             return Err(UsageError(
-                "a crontab across the fleet runs on PostgreSQL only so far; on Redis, run one \
-                 pgleader run --schedule per job"
+                "a crontab across the fleet cannot run on a Redlock quorum: each job's owner \
+                 and each replica's end would have to be agreed by a majority of the servers, \
+                 which is not built (as for --shards); use PostgreSQL or one Redis server, or \
+                 one pgleader run --schedule per job on the quorum"
                     .into(),
             )
             .into());

@@ -96,6 +96,15 @@ impl Items {
     }
 }
 
+/// How a replica that says `marker` runs the name (see [`Items::marker`]), for the message
+/// that refuses two kinds side by side.
+pub fn kind_of(marker: u32) -> String {
+    match marker {
+        0 => "as a crontab (pgleader cron)".to_owned(),
+        count => format!("with --shards {count}"),
+    }
+}
+
 impl Default for Items {
     fn default() -> Self {
         Items::Numbered(0)

@@ -43,6 +43,7 @@ use crate::election::lock::LockKey;
 use crate::election::participant::{Participant, ShardReplica, ShardsView};
 use crate::election::shards::{
     Holder, HolderEvent, Items, JoinError, Listing, Member, Roster, Seen, ShardBackend, Watcher,
+    kind_of,
 };
 use crate::election::{ConnectError, Fence, Session, SessionError};
 use crate::postgres::PgBackend;
@@ -217,14 +218,6 @@ pub async fn view(client: &Client, lock: &LockKey) -> Result<Option<ShardsView>,
         count,
         replicas: replicas.into_values().collect(),
     }))
-}
-
-/// How a replica that says `marker` runs the name (see [`Items::marker`]).
-pub fn kind_of(marker: u32) -> String {
-    match marker {
-        0 => "as a crontab (pgleader cron)".to_owned(),
-        count => format!("with --shards {count}"),
-    }
 }
 
 /// Reads a roster from `ROSTER_SQL`'s rows, as seen by a member that shares out `items`.

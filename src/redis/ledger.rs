@@ -6,9 +6,24 @@
 //! - `pgleader:{NAME}:rows`, a hash from occurrence to its row, as JSON (every number a string,
 //!   so that Lua's doubles and cjson's 14 digits lose nothing).
 //!
-//! Every write is one script that first checks that the lock's key still holds this session's
-//! nonce, so a claim succeeds only while the claimant leads, atomically: nothing can change the
-//! key between the check and the write. Like PostgreSQL's ledger, a claim refuses an occurrence
+//! A crontab job's ledger (`pgleader cron`) is the same, under the job's own keys inside the
+//! fleet's braces (`scripts::Keys::job`):
+//!
+//! | key | type | what it holds |
+//! |---|---|---|
+//! | `pgleader:{NAME}:runs`, `pgleader:{NAME}:job:<job>:runs` | sorted set | the occurrences |
+//! | `pgleader:{NAME}:rows`, `pgleader:{NAME}:job:<job>:rows` | hash | occurrence → row (JSON) |
+//! | `pgleader:{NAME}:born`, `pgleader:{NAME}:job:<job>:born` | string | since when it remembers |
+//!
+//! Every claim, record and interruption is one script that first checks that the key its
+//! [`Guard`] names still holds this session's nonce: the lock's key for `--schedule`, the job's
+//! shard key (`pgleader:{NAME}:shard:<item>`, see `shards.rs`) for a crontab job, held by the
+//! replica's holder connection. So a claim succeeds only while the claimant leads (or owns the
+//! job), atomically: nothing can change the key between the check and the write. How a run
+//! ended is recorded on its own row only (its epoch), as on PostgreSQL, whether or not the key
+//! is still held: the row is this leadership's alone, and a run that ended just after its job
+//! moved is then recorded as what it was rather than left for the next owner to call
+//! interrupted. Like PostgreSQL's ledger, a claim refuses an occurrence
 //! the server's clock (`TIME`) has not reached, and any occurrence at or before one already
 //! recorded; the newest [`KEEP`] rows are kept.
 //!
@@ -37,7 +52,7 @@ use crate::election::participant::{self, Participant};
 use crate::redis::scripts::ScriptArgs;
 use crate::redis::scripts::{self, VIEW_SCRIPT};
 
-/// What every ledger script shares: KEYS[1] the lock, KEYS[2] the runs, KEYS[3] the rows,
+/// What every ledger script shares: KEYS[1] the guard's key (the lock, or a job's shard), KEYS[2] the runs, KEYS[3] the rows,
 /// KEYS[4] when the ledger's memory begins; ARGV[1] this session's nonce.
 const PRELUDE: &str = r#"
 local me = ARGV[1]
@@ -195,11 +210,22 @@ static RECORD_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(RECORD));
 static INTERRUPT_STALE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(INTERRUPT_STALE));
 pub static RECENT_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(RECENT));
 
+/// The key a leader's claims require to hold its nonce.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Guard {
+    /// The plain lock's own key (`--schedule`).
+    Plain,
+    /// A crontab job's item: its shard key, `pgleader:{NAME}:shard:<item>`, which the fleet
+    /// member's holder connection holds while it owns the job.
+    Item { shard: String },
+}
+
 /// The ledger of one lock and one schedule definition, on one session's connection.
 #[derive(Clone, Debug)]
 pub struct RedisLedger {
     conn: MultiplexedConnection,
     args: ScriptArgs,
+    guard: Guard,
     definition: Definition,
     /// What the session's name starts with.
     user_name: Option<String>,
@@ -220,6 +246,7 @@ impl RedisLedger {
         RedisLedger {
             conn,
             args,
+            guard: Guard::Plain,
             definition,
             user_name,
             client_id,
@@ -227,10 +254,20 @@ impl RedisLedger {
         }
     }
 
+    /// The same ledger with its claims guarded by `guard` instead of the lock's own key.
+    pub fn guarded_by(mut self, guard: Guard) -> RedisLedger {
+        self.guard = guard;
+        self
+    }
+
     fn invocation<'a>(&self, script: &'a Script) -> redis::ScriptInvocation<'a> {
+        let guard = match &self.guard {
+            Guard::Plain => &self.args.keys.lock,
+            Guard::Item { shard } => shard,
+        };
         let mut invocation = script.prepare_invoke();
         invocation
-            .key(&self.args.keys.lock)
+            .key(guard)
             .key(self.args.keys.runs())
             .key(self.args.keys.rows())
             .key(self.args.keys.born())
@@ -402,7 +439,12 @@ impl Ledger for RedisLedger {
         Ok(format!("Redis keys {}:runs and :rows", self.args.keys.lock))
     }
 
+    /// Nothing for a crontab job's: its member's card says who the replica is, and the
+    /// holder connection's name is the member's, whichever jobs it owns.
     async fn announce(&self, fingerprints: &str) -> Result<(), LedgerError> {
+        if let Guard::Item { .. } = self.guard {
+            return Ok(());
+        }
         let name = participant::label(self.user_name.as_deref(), Some(fingerprints));
         let card = scripts::card(self.client_id, &name);
         let mut conn = self.conn.clone();
@@ -421,7 +463,12 @@ impl Ledger for RedisLedger {
             .map_err(ledger_error)
     }
 
+    /// A crontab job's has none: nobody holds or waits for a plain lock of a job (the fleet's
+    /// members are on their cards), as on PostgreSQL, where nobody holds the job's key.
     async fn participants(&self) -> Result<Vec<Participant>, LedgerError> {
+        if let Guard::Item { .. } = self.guard {
+            return Ok(Vec::new());
+        }
         let mut conn = self.conn.clone();
         let (value, waiting) = view(
             &mut conn,

@@ -11,6 +11,10 @@
 //!   `nonce=<hex> epoch=<n> since=<unix seconds> client=<client id> session=<name:pid@host>`;
 //!   its TTL is the lease. `redis-cli GET 'pgleader:{NAME}'` shows who leads.
 //! - `pgleader:{NAME}:epoch`: the last fencing token handed out.
+//! - `pgleader:{NAME}:runs`, `:rows`, `:born`: the ledger of `--schedule` (see `ledger.rs`);
+//!   a crontab job's ledger has the same three under `pgleader:{NAME}:job:<job name>`
+//!   ([`Keys::job`]), inside the fleet's braces so that a script given a job's keys and the
+//!   fleet's shard key never spans two cluster slots.
 //! - `pgleader:{NAME}:queue` (list) and `:who` (hash), `:seen` (hash): the waiters, first come
 //!   first served, and how each names itself.
 //! - `pgleader:{NAME}:wake:<nonce>`: the list a waiter blocks on (`BLPOP`); a release pushes
@@ -79,6 +83,15 @@ impl Keys {
     /// Since when the ledger remembers (microseconds): see `redis/ledger.rs`.
     pub fn born(&self) -> String {
         format!("{}:born", self.lock)
+    }
+
+    /// The keys of crontab job `job` of this fleet, whose ledger lives under
+    /// `pgleader:{NAME}:job:<job>` (`:runs`, `:rows`, `:born`). A job's name is letters,
+    /// digits, `-`, `_` and `.`, so no job's keys are another's or the fleet's own.
+    pub fn job(&self, job: &str) -> Keys {
+        Keys {
+            lock: format!("{}:job:{job}", self.lock),
+        }
     }
 
     pub fn wake(&self, nonce: &str) -> String {
@@ -379,6 +392,10 @@ mod tests {
         assert_eq!(a.lock, "pgleader:{a}");
         assert_ne!(a.epoch(), b.lock);
         assert_eq!(Keys::of(&LockKey::from_id(-7)).lock, "pgleader:{-7}");
+        let job = a.job("nightly-report");
+        assert_eq!(job.runs(), "pgleader:{a}:job:nightly-report:runs");
+        assert_eq!(job.rows(), "pgleader:{a}:job:nightly-report:rows");
+        assert_eq!(job.born(), "pgleader:{a}:job:nightly-report:born");
     }
 
     #[test]

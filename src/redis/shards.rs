@@ -1,15 +1,23 @@
-//! A sharded lock on one Redis server (`--shards K`): K keys of one name, held by the replicas
-//! that run it, with two connections per replica whatever K is.
+//! A sharded lock on one Redis server (`--shards K`, or a crontab's jobs under `pgleader
+//! cron`): a key per item of one name, held by the replicas that run it, with two connections
+//! per replica whatever the number of items.
+//!
+//! The items are shards `0..K`, or a crontab's jobs, each by its 30-bit number
+//! (`election/shards.rs`, `Items`). A crontab's member says `shards=0` on its card and hands its
+//! roster read the numbers of the jobs it knows, so it reads, renews and takes only those: in a
+//! rolling deploy a job only some replicas know runs on one of those. Shards and a crontab on
+//! one name refuse each other, as two shard counts do.
 //!
 //! **Keys.** Those of a lock named `NAME` (see `scripts.rs` for the braces):
 //!
 //! | key | type | what it holds |
 //! |---|---|---|
-//! | `pgleader:{NAME}:shard:<n>` | string, TTL the lease | shard n's holder: `nonce=<hex> epoch=<n> member=<id> since=<unix seconds>` |
-//! | `pgleader:{NAME}:member:<id>` | string, TTL the lease | member id's card: `nonce=<hex> shards=<K> cap=<N or none> client=<client id> session=<name>` |
+//! | `pgleader:{NAME}:shard:<n>` | string, TTL the lease | item n's holder (shard n, or the job numbered n): `nonce=<hex> epoch=<n> member=<id> since=<unix seconds>` |
+//! | `pgleader:{NAME}:member:<id>` | string, TTL the lease | member id's card: `nonce=<hex> shards=<K, or 0 for a crontab> cap=<N or none> client=<client id> session=<name>` |
 //! | `pgleader:{NAME}:members` | set | the ids of the members |
 //! | `pgleader:{NAME}:ids` | counter | the last member id handed out |
 //! | `pgleader:{NAME}:epoch` | string | the last fencing token, shared with the plain lock of the name |
+//! | `pgleader:{NAME}:job:<job>:runs`, `:rows`, `:born` | see `ledger.rs` | a crontab job's ledger |
 //!
 //! and two kinds of channel: `pgleader:{NAME}:shards`, on which every change is said (a member
 //! joined, took, gave a shard, left, was found gone), and each member's liveness channel
@@ -34,6 +42,12 @@
 //! which frees and deals out its shards. A crashed replica's shards move within a check
 //! interval, as a single lock's do, long before the TTL.
 //!
+//! **A crontab job's ledger** ([`Holder::ledger`]) is the Redis ledger (`ledger.rs`) under the
+//! job's keys, on the holder connection, guarded by the job's item key instead of a plain
+//! lock's: a claim succeeds only while `pgleader:{NAME}:shard:<item>` carries this member's
+//! nonce, checked in the claim's own script. A job that moved a moment ago (given away, or
+//! freed because its member was found gone) is never claimed by its old owner again.
+//!
 //! An idle replica at its share sends two scripts per check interval: the roster read on its
 //! holder connection, the watch on its watcher connection.
 
@@ -48,18 +62,19 @@ use crate::election::ledger::{Definition, LedgerError};
 use crate::election::lock::LockKey;
 use crate::election::participant::{ShardReplica, ShardsView};
 use crate::election::shards::{
-    Holder, HolderEvent, Items, JoinError, Member, Roster, Seen, ShardBackend, Watcher,
+    Holder, HolderEvent, Items, JoinError, Member, Roster, Seen, ShardBackend, Watcher, kind_of,
 };
 use crate::election::{ConnectError, Fence, SessionError};
 use crate::redis::RedisBackend;
 use crate::redis::connection::{self, Connection, Purpose, ServerInfo};
-use crate::redis::ledger::participant;
-use crate::redis::scripts::{self, Keys, millis, nonce};
+use crate::redis::ledger::{Guard, RedisLedger, participant};
+use crate::redis::scripts::{self, Keys, ScriptArgs, millis, nonce};
 use crate::redis::session::{no_answer, query_error, timestamp};
 
 /// What every shard script shares. ARGV[1] is the lock key (every key's prefix), ARGV[2] the
 /// member id of the caller ("0" when it has none yet), ARGV[3] its nonce, ARGV[4] the lease in
-/// milliseconds.
+/// milliseconds. The scripts that read every item (roster, leave) take the marker in ARGV[5]:
+/// K for shards `0..K`, or 0 for a crontab, whose job numbers follow in ARGV[6..].
 const PRELUDE: &str = r#"
 local base, me, nonce, lease = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local t = redis.call('TIME')
@@ -73,6 +88,16 @@ local function connected(n)
   return tonumber(r[2]) > 0
 end
 local function say(word) redis.call('PUBLISH', base .. ':shards', me .. ':' .. word) end
+-- The items this member shares out, in order, as strings.
+local function items()
+  local list, k = {}, tonumber(ARGV[5])
+  if k == 0 then
+    for i = 6, #ARGV do list[#list + 1] = ARGV[i] end
+  else
+    for n = 0, k - 1 do list[n + 1] = tostring(n) end
+  end
+  return list
+end
 -- Whether a member's card is a live one: not expired, and its connection not gone. The
 -- caller's own only while it still carries the caller's nonce.
 local function alive(id, card)
@@ -112,9 +137,9 @@ local function live_members()
 end
 "#;
 
-/// Joins: refuses to if a live member runs the name with another shard count (ARGV[5]), or a
-/// live plain replica holds or waits for the plain lock; else hands out a member id and writes
-/// the card (`nonce=<hex> ` and ARGV[6]). Returns `{'joined', id}`, `{'mismatch', id, card}` or
+/// Joins: refuses to if a live member runs the name otherwise (its card's `shards=` is not the
+/// marker ARGV[5]), or a live plain replica holds or waits for the plain lock; else hands out a
+/// member id and writes the card (`nonce=<hex> ` and ARGV[6]). Returns `{'joined', id}`, `{'mismatch', id, card}` or
 /// `{'plain', what it holds or waits as}`.
 const JOIN: &str = r#"
 local live = live_members()
@@ -136,25 +161,25 @@ say('joined ' .. id)
 return {'joined', id}
 "#;
 
-/// Reads the roster of ARGV[5] shards and renews what is still this member's (its card and
-/// the shard keys that name it, compare then extend), freeing the shard keys of members that
-/// are gone. Returns `{seconds, microseconds, {id, card, ...} of the live members, the holder
-/// of each shard in order (a member id, 0 when free, -1 when the value is not a holder's), and
-/// why this member must not go on (a member with another shard count, or a replica of the plain
-/// lock that started at the very moment this one joined), or false}`. A shard key counts as
-/// a member's only while it carries that member's nonce.
+/// Reads the roster of this member's items (ARGV[5..], see the prelude) and renews what is
+/// still this member's (its card and the item keys that name it, compare then extend), freeing
+/// the item keys of members that are gone. Returns `{seconds, microseconds, {id, card, ...} of
+/// the live members, the holder of each item in order (a member id, 0 when free, -1 when the
+/// value is not a holder's), and what a live replica of the plain lock holds or waits as (one
+/// that started at the very moment this one joined), or false}`. An item key counts as a
+/// member's only while it carries that member's nonce. Whether a member runs the name
+/// otherwise is read off the cards.
 const ROSTER: &str = r#"
 local live = live_members()
 if live[me] and nonce_of(live[me]) == nonce then
   redis.call('PEXPIRE', member_key(me), lease)
 end
-local k = tonumber(ARGV[5])
 local holders = {}
 local keys = {}
-for n = 0, k - 1 do keys[n + 1] = base .. ':shard:' .. n end
+for i, n in ipairs(items()) do keys[i] = base .. ':shard:' .. n end
 local values = {}
-if k > 0 then values = redis.call('MGET', unpack(keys)) end
-for i = 1, k do
+if #keys > 0 then values = redis.call('MGET', unpack(keys)) end
+for i = 1, #keys do
   local v = values[i]
   local h = 0
   if v then
@@ -172,21 +197,10 @@ for i = 1, k do
   holders[i] = h
 end
 local flat = {}
-local mismatch = false
 for id, card in pairs(live) do
   table.insert(flat, id); table.insert(flat, card)
-  if string.match(card, ' shards=(%d+) ') ~= ARGV[5] then
-    mismatch = 'the replica of member ' .. id .. ' runs this lock with --shards ' ..
-      (string.match(card, ' shards=(%d+) ') or '?') .. ', this one with --shards ' .. ARGV[5] ..
-      ': every replica of a lock must run with the same shard count'
-  end
 end
-local plain = plain_replica()
-if plain then
-  mismatch = 'a replica runs this lock without --shards (' .. plain .. '): a lock runs ' ..
-    'either sharded on every replica or on none'
-end
-return {t[1], t[2], flat, holders, mismatch}
+return {t[1], t[2], flat, holders, plain_replica() or false}
 "#;
 
 /// Takes each of the shards ARGV[5..] that nobody holds, with one new epoch for them all:
@@ -225,9 +239,10 @@ say('gave ' .. ARGV[5])
 return 1
 "#;
 
-/// Releases every shard of ARGV[5] that is still this member's, and the membership; says so.
+/// Releases every item (ARGV[5..], see the prelude) that is still this member's, and the
+/// membership; says so.
 const LEAVE: &str = r#"
-for n = 0, tonumber(ARGV[5]) - 1 do
+for _, n in ipairs(items()) do
   local key = base .. ':shard:' .. n
   local v = redis.call('GET', key)
   if v and nonce_of(v) == nonce then redis.call('DEL', key) end
@@ -346,11 +361,17 @@ pub async fn view(
     else {
         return Ok(None);
     };
-    let holders: Vec<Option<String>> = if count == 0 {
+    // A crontab's items are its jobs' numbers, which no card lists: its item keys say.
+    let items: Vec<u32> = if count == 0 {
+        item_keys(conn, &keys).await.map_err(fail)?
+    } else {
+        (0..count).collect()
+    };
+    let holders: Vec<Option<String>> = if items.is_empty() {
         Vec::new()
     } else {
         redis::cmd("MGET")
-            .arg((0..count).map(|n| keys.shard(n)).collect::<Vec<_>>())
+            .arg(items.iter().map(|n| keys.shard(*n)).collect::<Vec<_>>())
             .query_async(conn)
             .await
             .map_err(fail)?
@@ -360,20 +381,62 @@ pub async fn view(
         .map(|(id, card)| ShardReplica {
             participant: participant(card, true),
             cap: scripts::field(card, "cap").and_then(|cap| cap.parse().ok()),
-            holds: holders
+            holds: items
                 .iter()
-                .enumerate()
+                .zip(&holders)
                 .filter(|(_, value)| {
                     value
                         .as_deref()
                         .and_then(|value| scripts::field(value, "member"))
                         == Some(id.to_string().as_str())
                 })
-                .map(|(n, _)| n as u32)
+                .map(|(n, _)| *n)
                 .collect(),
         })
         .collect();
     Ok(Some(ShardsView { count, replicas }))
+}
+
+/// The numbers of the item keys of a name that exist now, in order (`SCAN`, for `status`).
+async fn item_keys(
+    conn: &mut MultiplexedConnection,
+    keys: &ShardKeys,
+) -> redis::RedisResult<Vec<u32>> {
+    let prefix = keys.shard(0);
+    let prefix = &prefix[..prefix.len() - 1];
+    let pattern = format!("{}*", glob_escape(prefix));
+    let mut found = BTreeSet::new();
+    let mut cursor = 0_u64;
+    loop {
+        let (next, page): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(&pattern)
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(conn)
+            .await?;
+        found.extend(
+            page.iter()
+                .filter_map(|key| key.strip_prefix(prefix)?.parse::<u32>().ok()),
+        );
+        if next == 0 {
+            return Ok(found.into_iter().collect());
+        }
+        cursor = next;
+    }
+}
+
+/// `text` matched literally by a `SCAN MATCH` pattern.
+fn glob_escape(text: &str) -> String {
+    let mut escaped = String::with_capacity(text.len());
+    for c in text.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            escaped.push('\\');
+        }
+        escaped.push(c);
+    }
+    escaped
 }
 
 /// What every script of one member is given.
@@ -383,7 +446,8 @@ struct Args {
     id: String,
     nonce: String,
     lease: Duration,
-    shards: u32,
+    /// What this member shares out: what its roster reads and its leave releases.
+    items: Items,
 }
 
 impl Args {
@@ -396,14 +460,39 @@ impl Args {
             .arg(millis(self.lease));
         invocation
     }
+
+    /// A script that reads every item (roster, leave): the marker, then a crontab's job
+    /// numbers (see the prelude).
+    fn over_items<'a>(&self, script: &'a Script) -> redis::ScriptInvocation<'a> {
+        let mut invocation = self.invocation(script);
+        invocation.arg(self.items.marker());
+        if let Items::Listed(jobs) = &self.items {
+            for job in &jobs.items {
+                invocation.arg(*job);
+            }
+        }
+        invocation
+    }
 }
 
-/// A replica's holder connection: its membership and the shards it runs.
+/// A replica's holder connection: its membership and the items it runs.
 #[derive(Debug)]
 pub struct RedisShardHolder {
     connection: Connection,
     args: Args,
     me: i32,
+    /// What a crontab job's ledger needs beside the connection (see [`Holder::ledger`]).
+    ledger: LedgerSettings,
+}
+
+/// What a crontab job's ledger is given, from the backend's settings.
+#[derive(Clone, Debug)]
+struct LedgerSettings {
+    /// How this member names itself: `client=<id> session=<name>`.
+    card: String,
+    poll: Duration,
+    user_name: Option<String>,
+    timeout: Duration,
 }
 
 impl RedisShardHolder {
@@ -412,9 +501,10 @@ impl RedisShardHolder {
     pub async fn join(
         backend: &RedisBackend,
         name: &str,
-        shards: u32,
+        items: &Items,
         cap: Option<u32>,
     ) -> Result<RedisShardHolder, JoinError> {
+        let marker = items.marker();
         let mut connection =
             connection::open(&backend.server, name, Some(&backend.lease), Purpose::Elect).await?;
         let keys = ShardKeys::of(&backend.lock);
@@ -437,24 +527,23 @@ impl RedisShardHolder {
             Ok(Err(err)) => return Err(connection::classify(&backend.server, &err).into()),
             Err(_) => return Err(no_answer(timeout).into()),
         }
+        let named = scripts::card(connection.client_id, name);
         let card = format!(
-            "shards={shards} cap={} client={} session={}",
+            "shards={marker} cap={} {named}",
             cap.map_or("none".to_owned(), |cap| cap.to_string()),
-            connection.client_id,
-            name.replace(' ', "_")
         );
         let mut args = Args {
             keys,
             id: "0".into(),
             nonce,
             lease: backend.lease.duration(),
-            shards,
+            items: items.clone(),
         };
         let mut conn = connection.conn.clone();
         let joined: Vec<String> = tokio::time::timeout(
             timeout,
             args.invocation(&JOIN_SCRIPT)
-                .arg(shards)
+                .arg(marker)
                 .arg(&card)
                 .invoke_async(&mut conn),
         )
@@ -471,17 +560,15 @@ impl RedisShardHolder {
                     connection,
                     args,
                     me,
+                    ledger: LedgerSettings {
+                        card: named,
+                        poll: backend.poll,
+                        user_name: backend.user_name.clone(),
+                        timeout: backend.ledger_timeout,
+                    },
                 })
             }
-            ["mismatch", id, card] => {
-                let count = field(card, "shards").unwrap_or("?");
-                Err(JoinError::Mismatch(format!(
-                    "the replica of member {id} ({}) runs this lock with --shards {count}, this \
-                     one with --shards {shards}: every replica of a lock must run with the same \
-                     shard count (stop them all to change it)",
-                    who(card)
-                )))
-            }
+            ["mismatch", id, card] => Err(JoinError::Mismatch(runs_otherwise(id, card, marker))),
             ["plain", value] => Err(JoinError::Mismatch(format!(
                 "the replica ({}) runs lock {} without --shards: a lock runs either sharded on \
                  every replica or on none",
@@ -494,6 +581,34 @@ impl RedisShardHolder {
 
     pub fn keys(&self) -> &ShardKeys {
         &self.args.keys
+    }
+}
+
+/// Why a member that shares out what `marker` says cannot run beside member `id`, whose card
+/// is `card`: the two run the name in different ways (two shard counts, or shards and a
+/// crontab).
+fn runs_otherwise(id: &str, card: &str, marker: u32) -> String {
+    let theirs = match field(card, "shards").and_then(|count| count.parse().ok()) {
+        Some(count) => kind_of(count),
+        None => "otherwise".to_owned(),
+    };
+    format!(
+        "the replica of member {id} ({}) runs this lock {theirs}, this one {}: every replica of \
+         a lock must run it the same way (stop them all to change it)",
+        who(card),
+        kind_of(marker)
+    )
+}
+
+/// The name of a crontab job, from the key its ledger rows are kept under on PostgreSQL:
+/// `<fleet key>` U+001F `<job>` (the sharded room's `jobs::job_key`).
+fn job_name(job: &LockKey) -> String {
+    match job.name() {
+        Some(name) => name
+            .rsplit_once('\u{1f}')
+            .map_or(name, |(_, job)| job)
+            .to_owned(),
+        None => job.key().to_string(),
     }
 }
 
@@ -512,19 +627,45 @@ fn who(value: &str) -> String {
 }
 
 impl Holder for RedisShardHolder {
-    type Ledger = crate::redis::ledger::RedisLedger;
+    type Ledger = RedisLedger;
 
-    /// A crontab across the fleet is not built on Redis yet (the configuration refuses it).
-    fn ledger(&self, _job: &LockKey, _item: u32, _definition: &Definition) -> Option<Self::Ledger> {
-        None
+    /// The job's ledger under `pgleader:{NAME}:job:<job>` on the holder connection, its claims
+    /// guarded by the job's item key (see the module).
+    fn ledger(&self, job: &LockKey, item: u32, definition: &Definition) -> Option<RedisLedger> {
+        let fleet = Keys {
+            lock: self.args.keys.base.clone(),
+        };
+        let args = ScriptArgs::new(
+            fleet.job(&job_name(job)),
+            self.args.nonce.clone(),
+            self.ledger.card.clone(),
+            self.args.lease,
+            self.ledger.poll,
+        );
+        let ledger = RedisLedger::new(
+            self.connection.conn.clone(),
+            args,
+            definition.clone(),
+            self.ledger.user_name.clone(),
+            self.connection.client_id,
+            self.ledger.timeout,
+        );
+        Some(ledger.guarded_by(Guard::Item {
+            shard: self.args.keys.shard(item),
+        }))
     }
 
+    /// Nothing to create: a job's keys appear with its first row.
     async fn prepare_ledger(&self) -> Result<String, LedgerError> {
-        Ok(String::new())
+        Ok(format!(
+            "Redis keys {}:job:<job>:runs and :rows",
+            self.args.keys.base
+        ))
     }
 
-    /// Only numbered shards run on Redis: nothing changes.
-    async fn set_items(&mut self, _items: Items) -> Result<(), SessionError> {
+    /// The next roster reads (and renews) these items, and a leave releases these.
+    async fn set_items(&mut self, items: Items) -> Result<(), SessionError> {
+        self.args.items = items;
         Ok(())
     }
 
@@ -578,14 +719,18 @@ impl Holder for RedisShardHolder {
         let mut conn = self.connection.conn.clone();
         let args = self.args.clone();
         async move {
-            let (seconds, micros, flat, holders, mismatch): Answer = args
-                .invocation(&ROSTER_SCRIPT)
-                .arg(args.shards)
+            let (seconds, micros, flat, holders, plain): Answer = args
+                .over_items(&ROSTER_SCRIPT)
                 .invoke_async(&mut conn)
                 .await
                 .map_err(query_error)?;
-            let mut seen = read_roster(args.shards, &flat, &holders, timestamp(seconds, micros))?;
-            seen.mismatch = mismatch;
+            let mut seen = read_roster(&args.items, &flat, &holders, timestamp(seconds, micros))?;
+            if let Some(plain) = plain {
+                seen.mismatch = Some(format!(
+                    "a replica runs this lock without --shards ({plain}): a lock runs either \
+                     sharded on every replica or on none"
+                ));
+            }
             Ok(seen)
         }
     }
@@ -647,8 +792,7 @@ impl Holder for RedisShardHolder {
     /// Releases every shard and the membership, says so, then closes the connection.
     async fn leave(self, timeout: Duration) -> Result<(), SessionError> {
         let mut conn = self.connection.conn.clone();
-        let mut invocation = self.args.invocation(&LEAVE_SCRIPT);
-        invocation.arg(self.args.shards);
+        let invocation = self.args.over_items(&LEAVE_SCRIPT);
         let leave = invocation.invoke_async::<i64>(&mut conn);
         match tokio::time::timeout(timeout, leave).await {
             Ok(result) => result.map(|_| ()).map_err(query_error),
@@ -666,18 +810,21 @@ impl Holder for RedisShardHolder {
     }
 }
 
-/// The roster script's answer: the server's clock, the live members, each shard's holder, and
-/// why this member must not go on.
+/// The roster script's answer: the server's clock, the live members, each item's holder, and
+/// a live plain replica of the name.
 type Answer = (i64, i64, Vec<String>, Vec<i64>, Option<String>);
 
-/// Reads the roster script's answer.
+/// Reads the roster script's answer, as seen by a member that shares out `items`: the holders
+/// are in the items' order, and a member whose card says it runs the name otherwise is a
+/// mismatch.
 fn read_roster(
-    shards: u32,
+    items: &Items,
     flat: &[String],
     holders: &[i64],
     server_time: jiff::Timestamp,
 ) -> Result<Seen, SessionError> {
     let mut members: BTreeMap<i32, Member> = BTreeMap::new();
+    let mut mismatch = None;
     for pair in flat.chunks(2) {
         let [id, card] = pair else {
             return Err(SessionError::Query(format!(
@@ -687,6 +834,9 @@ fn read_roster(
         let Ok(id) = id.parse::<i32>() else {
             continue;
         };
+        if field(card, "shards") != Some(items.marker().to_string().as_str()) {
+            mismatch.get_or_insert_with(|| runs_otherwise(&id.to_string(), card, items.marker()));
+        }
         let cap = field(card, "cap").and_then(|cap| cap.parse().ok());
         members.insert(
             id,
@@ -700,7 +850,7 @@ fn read_roster(
         );
     }
     let mut taken = BTreeSet::new();
-    for (shard, holder) in (0..shards).zip(holders) {
+    for (shard, holder) in items.iter().zip(holders) {
         match *holder {
             0 => {}
             id => match i32::try_from(id).ok().and_then(|id| members.get_mut(&id)) {
@@ -715,11 +865,11 @@ fn read_roster(
     }
     Ok(Seen {
         roster: Roster {
-            items: Items::Numbered(shards),
+            items: items.clone(),
             members: members.into_values().collect(),
         },
         taken,
-        mismatch: None,
+        mismatch,
         server_time,
     })
 }
@@ -735,7 +885,7 @@ pub(crate) async fn refuse_beside_shards(
         id: "0".into(),
         nonce: String::new(),
         lease: Duration::ZERO,
-        shards: 0,
+        items: Items::default(),
     };
     let card: Option<String> = match args.invocation(&SHARDED_SCRIPT).invoke_async(conn).await {
         Ok(card) => card,
@@ -746,10 +896,14 @@ pub(crate) async fn refuse_beside_shards(
     };
     match card {
         Some(card) => Err(ConnectError::Conflict(format!(
-            "the replica of member {} ({}) runs lock {lock} with --shards: a lock runs either \
-             sharded on every replica or on none",
+            "the replica of member {} ({}) runs lock {lock} {}: a lock runs either sharded on \
+             every replica or on none",
             field(&card, "member").unwrap_or("?"),
-            who(&card)
+            who(&card),
+            match field(&card, "shards").and_then(|count| count.parse().ok()) {
+                Some(0) => kind_of(0),
+                _ => "with --shards".to_owned(),
+            }
         ))),
         None => Ok(()),
     }
@@ -775,7 +929,7 @@ impl RedisShardWatcher {
                 id: "0".into(),
                 nonce: String::new(),
                 lease: backend.lease.duration(),
-                shards: 0,
+                items: Items::default(),
             },
             poll: backend.poll,
             timeout: backend.server.connect_timeout,
@@ -825,12 +979,7 @@ impl ShardBackend for RedisBackend {
         items: &Items,
         cap: Option<u32>,
     ) -> Result<RedisShardHolder, JoinError> {
-        let Items::Numbered(shards) = items else {
-            return Err(JoinError::Mismatch(
-                "a crontab across the fleet runs on PostgreSQL only so far".into(),
-            ));
-        };
-        RedisShardHolder::join(self, name, *shards, cap).await
+        RedisShardHolder::join(self, name, items, cap).await
     }
 
     async fn watcher(&self, name: &str) -> Result<RedisShardWatcher, ConnectError> {
@@ -841,6 +990,14 @@ impl ShardBackend for RedisBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_name_s_item_keys_are_scanned_for_literally() {
+        assert_eq!(
+            glob_escape("pgleader:{a*[b]?\\}:shard:"),
+            "pgleader:{a\\*\\[b\\]\\?\\\\}:shard:"
+        );
+    }
 
     #[test]
     fn the_keys_are_the_documented_ones() {
@@ -862,8 +1019,13 @@ mod tests {
         ]
         .map(str::to_owned)
         .to_vec();
-        let seen =
-            read_roster(4, &flat, &[2, 0, 5, -1], jiff::Timestamp::UNIX_EPOCH).expect("a roster");
+        let seen = read_roster(
+            &Items::Numbered(4),
+            &flat,
+            &[2, 0, 5, -1],
+            jiff::Timestamp::UNIX_EPOCH,
+        )
+        .expect("a roster");
         assert_eq!(
             seen.roster.members,
             vec![

@@ -1,7 +1,9 @@
 //! `pgleader cron CRONTAB` on several replicas against a real PostgreSQL: the jobs are shared
 //! out evenly, each occurrence of each job runs once across the fleet, a job still running
-//! when its next occurrence comes skips it, and the jobs of a replica killed -9 run on the
-//! others from their very next occurrence.
+//! when its next occurrence comes skips it, the jobs of a replica killed -9 run on the
+//! others from their very next occurrence, and shards and a crontab on one name refuse each
+//! other. The scenarios are written once, over a [`Spawn`], and `redis_cron.rs` runs them on
+//! one Redis server.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant, SystemTime};
@@ -9,11 +11,15 @@ use std::time::{Duration, Instant, SystemTime};
 use nix::sys::signal::Signal;
 
 use crate::crontab::File;
-use crate::harness::{Cluster, Proc, Stream, WAIT, field, pgleader, unique_lock};
+use crate::harness::{Cluster, Proc, Stream, WAIT, field, pgleader, run_with_url, unique_lock};
+
+/// How a scenario starts a replica of its fleet: `pgleader cron` of the file on the fleet's
+/// lock and server, the replica named as given.
+pub type Spawn<'a> = &'a dyn Fn(&str, &File) -> Proc;
 
 /// A crontab of `jobs` every-second jobs, `j1` to `jN`, each running `command` (which sees
 /// PGLEADER_JOB and PGLEADER_SCHEDULED_TIME).
-fn every_second(tag: &str, jobs: usize, command: &str) -> File {
+pub fn every_second(tag: &str, jobs: usize, command: &str) -> File {
     let mut text = String::from("# every second, seven fields as supercronic reads them\n");
     for n in 1..=jobs {
         text.push_str(&format!("# pgleader: name=j{n}\n* * * * * * * {command}\n"));
@@ -22,21 +28,35 @@ fn every_second(tag: &str, jobs: usize, command: &str) -> File {
 }
 
 /// What every job prints when it runs.
-const RAN: &str = "echo ran job=$PGLEADER_JOB at=$PGLEADER_SCHEDULED_TIME epoch=$PGLEADER_EPOCH";
+pub const RAN: &str =
+    "echo ran job=$PGLEADER_JOB at=$PGLEADER_SCHEDULED_TIME epoch=$PGLEADER_EPOCH";
 
-/// `pgleader cron --lock-id LOCK FILE` on the shared cluster.
-fn replica(name: &str, lock: i64, file: &File) -> Proc {
+/// `pgleader cron --lock-id LOCK ARGS FILE` against the server of `url`.
+pub fn cron_replica(name: &str, url: &str, lock: i64, args: &[&str], file: &File) -> Proc {
     let mut command = pgleader();
     command
-        .env("PGLEADER_DATABASE_URL", Cluster::shared().url())
+        .env("PGLEADER_DATABASE_URL", url)
         .arg("cron")
         .arg(format!("--lock-id={lock}"))
+        .args(args)
         .arg(&file.0);
     Proc::spawn(name, command)
 }
 
+/// `pgleader run --lock-id LOCK ARGS` against the server of `url`, each command saying
+/// `<name> started` and sleeping.
+pub fn run_replica(name: &str, url: &str, lock: i64, args: &[&str]) -> Proc {
+    run_with_url(
+        name,
+        url,
+        lock,
+        args,
+        &format!("echo {name} started; exec sleep 1000"),
+    )
+}
+
 /// Every run the replicas printed: (job, occurrence) → the replicas that ran it.
-fn runs(replicas: &[&Proc]) -> BTreeMap<(String, String), Vec<String>> {
+pub fn runs(replicas: &[&Proc]) -> BTreeMap<(String, String), Vec<String>> {
     let mut seen: BTreeMap<(String, String), Vec<String>> = BTreeMap::new();
     for replica in replicas {
         for line in replica.lines(Stream::Stdout) {
@@ -51,7 +71,7 @@ fn runs(replicas: &[&Proc]) -> BTreeMap<(String, String), Vec<String>> {
 }
 
 /// Fails, naming them, if any occurrence of any job ran twice.
-fn assert_each_occurrence_once(replicas: &[&Proc]) {
+pub fn assert_each_occurrence_once(replicas: &[&Proc]) {
     let twice: Vec<_> = runs(replicas)
         .into_iter()
         .filter(|(_, by)| by.len() > 1)
@@ -127,20 +147,199 @@ fn wait_for_shares(
     }
 }
 
-#[test]
-fn the_jobs_are_shared_out_evenly_and_each_occurrence_runs_once() {
-    let lock = unique_lock();
+/// Six every-second jobs on one replica, then on three: two each, every replica having read
+/// the whole file. Returns the replicas and who runs which job.
+pub fn three_replicas_share_six_jobs(spawn: Spawn) -> ([Proc; 3], BTreeMap<String, String>) {
     let file = every_second("shared", 6, RAN);
-    let a = replica("A", lock, &file);
+    let a = spawn("A", &file);
     wait_for_shares(&[&a], 6, &[("A", 6)]);
-    let b = replica("B", lock, &file);
-    let c = replica("C", lock, &file);
+    let b = spawn("B", &file);
+    let c = spawn("C", &file);
     let runners = wait_for_shares(&[&a, &b, &c], 6, &[("A", 2), ("B", 2), ("C", 2)]);
-    // Each replica read the whole file, and holds two sessions whatever the number of jobs:
-    // its holder and its watcher (a watcher given up for another may take a moment to go).
+    // Each replica read the whole file.
     for replica in [&a, &b, &c] {
         let line = replica.wait_log("joined the replicas of this crontab");
         assert_eq!(field(&line, "jobs"), "6");
+    }
+    ([a, b, c], runners)
+}
+
+/// Stops the replicas with TERM, the last started first, and fails if any occurrence ran
+/// twice.
+pub fn stop_and_assert_each_occurrence_once(replicas: &[&Proc]) {
+    for replica in replicas.iter().rev() {
+        replica.terminate_cleanly();
+    }
+    assert_each_occurrence_once(replicas);
+}
+
+/// Four every-second jobs on A and B, two each; B is killed -9, and A runs each of B's jobs
+/// from the first occurrence after the kill or the one after it (a kill a hair before the
+/// second: the takeover itself takes a moment). Returns how long after the kill A ran the
+/// last of B's jobs for the first time.
+pub fn a_killed_replica_s_jobs_run_on_the_other(spawn: Spawn) -> Duration {
+    let file = every_second("killed", 4, RAN);
+    let a = spawn("A", &file);
+    wait_for_shares(&[&a], 4, &[("A", 4)]);
+    let b = spawn("B", &file);
+    let runners = wait_for_shares(&[&a, &b], 4, &[("A", 2), ("B", 2)]);
+    let b_jobs: BTreeSet<String> = runners
+        .iter()
+        .filter(|(_, by)| by.as_str() == "B")
+        .map(|(job, _)| job.clone())
+        .collect();
+    let killed = SystemTime::now();
+    let since_kill = Instant::now();
+    b.signal(Signal::SIGKILL);
+    assert!(b.wait_exit().code().is_none());
+    let next = rfc3339(killed + Duration::from_secs(1));
+    let after_next = rfc3339(killed + Duration::from_secs(2));
+    let mut taken = Duration::ZERO;
+    for job in &b_jobs {
+        let deadline = Instant::now() + WAIT;
+        let first = loop {
+            let first = runs(&[&a])
+                .into_keys()
+                .filter(|(j, at)| j == job && at.as_str() >= next.as_str())
+                .map(|(_, at)| at)
+                .next();
+            if let Some(first) = first {
+                break first;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "A never ran {job} after the kill\n{}",
+                a.dump()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        taken = taken.max(since_kill.elapsed());
+        assert!(
+            first <= after_next,
+            "{job}'s first run on A after the kill was {first}, the kill came before {next}\n{}",
+            a.dump()
+        );
+    }
+    a.terminate_cleanly();
+    assert_each_occurrence_once(&[&a, &b]);
+    taken
+}
+
+/// One every-second job that takes 2.5 s, on A and B: whoever owns it skips the occurrences
+/// that come while it runs, and never runs it twice at once.
+pub fn a_long_job_skips_its_next_occurrence(spawn: Spawn) {
+    let file = every_second(
+        "overlap",
+        1,
+        "echo start at=$PGLEADER_SCHEDULED_TIME; sleep 2.5; echo end at=$PGLEADER_SCHEDULED_TIME",
+    );
+    let a = spawn("A", &file);
+    let b = spawn("B", &file);
+    // The replica that skips an occurrence is the job's owner, which runs it.
+    let deadline = Instant::now() + WAIT;
+    let (runner, skipped) = loop {
+        let found = [&a, &b].into_iter().find_map(|replica| {
+            replica
+                .wait_line(
+                    Stream::Stderr,
+                    "was skipped: the run of",
+                    1,
+                    None,
+                    Duration::ZERO,
+                )
+                .map(|(line, _)| (replica, line))
+        });
+        if let Some(found) = found {
+            break found;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no occurrence skipped within {WAIT:?}\n{}\n{}",
+            a.dump(),
+            b.dump()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(field(&skipped, "job"), "j1", "{skipped}");
+    runner.wait_for_nth(Stream::Stdout, "end at=", 2);
+    // Start, end, start, end: never two runs at once.
+    let events: Vec<String> = runner
+        .lines(Stream::Stdout)
+        .into_iter()
+        .filter(|line| line.starts_with("start") || line.starts_with("end"))
+        .collect();
+    for pair in events.chunks(2) {
+        if let [start, end] = pair {
+            assert!(
+                start.starts_with("start") && end.starts_with("end"),
+                "{events:?}"
+            );
+            assert_eq!(field(start, "at"), field(end, "at"), "{events:?}");
+        }
+    }
+    for replica in [&a, &b] {
+        replica.terminate_cleanly();
+    }
+}
+
+/// A crontab's replica and a `--shards 2` replica of the same lock, `shards` starting the
+/// latter: whichever comes second exits 2 saying how the other runs the lock, and runs
+/// nothing; a plain replica of the lock beside the crontab is refused too.
+pub fn shards_and_a_crontab_on_one_lock_refuse_each_other(
+    spawn: Spawn,
+    shards: &dyn Fn(&str, &[&str]) -> Proc,
+) {
+    let file = every_second("refuse", 2, RAN);
+    let cron = spawn("C", &file);
+    cron.wait_stdout("ran job=");
+    let sharded = shards("S", &["--shards=2"]);
+    assert_eq!(sharded.wait_code(), 2, "{}", sharded.dump());
+    let refusal = sharded.wait_log("as a crontab (pgleader cron), this one with --shards 2");
+    assert!(refusal.contains("runs this lock"), "{refusal}");
+    assert!(
+        !sharded.printed(Stream::Stdout, "started"),
+        "{}",
+        sharded.dump()
+    );
+    let plain = shards("P", &[]);
+    assert_eq!(plain.wait_code(), 2, "{}", plain.dump());
+    plain.wait_log("a lock runs either sharded on every replica or on none");
+    assert!(
+        !plain.printed(Stream::Stdout, "started"),
+        "{}",
+        plain.dump()
+    );
+    cron.terminate_cleanly();
+
+    let sharded = shards("S2", &["--shards=2"]);
+    sharded.wait_for_nth(Stream::Stdout, "started", 2);
+    let cron = spawn("C2", &file);
+    assert_eq!(cron.wait_code(), 2, "{}", cron.dump());
+    cron.wait_log("with --shards 2, this one as a crontab (pgleader cron)");
+    assert!(!cron.printed(Stream::Stdout, "ran job="), "{}", cron.dump());
+    sharded.signal(Signal::SIGTERM);
+    assert_eq!(sharded.wait_code(), 0, "{}", sharded.dump());
+}
+
+// --- On PostgreSQL. ---
+
+/// `pgleader cron --lock-id LOCK FILE` on the shared cluster.
+fn replica(name: &str, lock: i64, file: &File) -> Proc {
+    cron_replica(name, &Cluster::shared().url(), lock, &[], file)
+}
+
+/// [`replica`] as a scenario's [`Spawn`].
+fn pg_replica(lock: i64) -> impl Fn(&str, &File) -> Proc {
+    move |name, file| replica(name, lock, file)
+}
+
+#[test]
+fn the_jobs_are_shared_out_evenly_and_each_occurrence_runs_once() {
+    let lock = unique_lock();
+    let ([a, b, c], runners) = three_replicas_share_six_jobs(&pg_replica(lock));
+    // Two sessions per replica whatever the number of jobs: its holder and its watcher (a
+    // watcher given up for another may take a moment to go).
+    for replica in [&a, &b, &c] {
         let deadline = Instant::now() + WAIT;
         loop {
             let sessions: i64 = Cluster::shared()
@@ -176,113 +375,26 @@ fn the_jobs_are_shared_out_evenly_and_each_occurrence_runs_once() {
         assert!(distinct >= 3, "{job}: {distinct} runs in the ledger");
         assert_eq!(distinct, all, "{job}: an occurrence recorded twice");
     }
-    for replica in [&c, &b, &a] {
-        replica.terminate_cleanly();
-    }
-    assert_each_occurrence_once(&[&a, &b, &c]);
+    stop_and_assert_each_occurrence_once(&[&a, &b, &c]);
 }
 
 #[test]
 fn the_jobs_of_a_replica_killed_9_run_on_the_others_from_their_next_occurrence() {
-    let lock = unique_lock();
-    let file = every_second("killed", 4, RAN);
-    let a = replica("A", lock, &file);
-    wait_for_shares(&[&a], 4, &[("A", 4)]);
-    let b = replica("B", lock, &file);
-    let runners = wait_for_shares(&[&a, &b], 4, &[("A", 2), ("B", 2)]);
-    let b_jobs: BTreeSet<String> = runners
-        .iter()
-        .filter(|(_, by)| by.as_str() == "B")
-        .map(|(job, _)| job.clone())
-        .collect();
-    let killed = SystemTime::now();
-    b.signal(Signal::SIGKILL);
-    assert!(b.wait_exit().code().is_none());
-    // The first occurrence after the kill starts at the next whole second: A runs it for
-    // every job B had, and the one after it at the latest (a kill a hair before the second).
-    let next = rfc3339(killed + Duration::from_secs(1));
-    let after_next = rfc3339(killed + Duration::from_secs(2));
-    for job in &b_jobs {
-        let deadline = Instant::now() + WAIT;
-        let first = loop {
-            let first = runs(&[&a])
-                .into_keys()
-                .filter(|(j, at)| j == job && at.as_str() >= next.as_str())
-                .map(|(_, at)| at)
-                .next();
-            if let Some(first) = first {
-                break first;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "A never ran {job} after the kill\n{}",
-                a.dump()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        };
-        assert!(
-            first <= after_next,
-            "{job}'s first run on A after the kill was {first}, the kill came before {next}\n{}",
-            a.dump()
-        );
-    }
-    a.terminate_cleanly();
-    assert_each_occurrence_once(&[&a, &b]);
+    a_killed_replica_s_jobs_run_on_the_other(&pg_replica(unique_lock()));
 }
 
 #[test]
 fn a_job_still_running_at_its_next_occurrence_skips_it_and_never_overlaps() {
+    a_long_job_skips_its_next_occurrence(&pg_replica(unique_lock()));
+}
+
+#[test]
+fn shards_and_a_crontab_on_one_lock_refuse_each_other_with_exit_2() {
     let lock = unique_lock();
-    let file = every_second(
-        "overlap",
-        1,
-        "echo start at=$PGLEADER_SCHEDULED_TIME; sleep 2.5; echo end at=$PGLEADER_SCHEDULED_TIME",
-    );
-    let a = replica("A", lock, &file);
-    let b = replica("B", lock, &file);
-    // The replica that owns the job says it skipped an occurrence.
-    let deadline = Instant::now() + WAIT;
-    let (runner, skipped) = loop {
-        let found = [&a, &b].into_iter().find_map(|replica| {
-            replica
-                .wait_line(
-                    Stream::Stderr,
-                    "was skipped: the run of",
-                    1,
-                    None,
-                    Duration::ZERO,
-                )
-                .map(|(line, _)| (replica, line))
-        });
-        if let Some(found) = found {
-            break found;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no occurrence was skipped within {WAIT:?}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    assert_eq!(field(&skipped, "job"), "j1", "{skipped}");
-    runner.wait_for_nth(Stream::Stdout, "end at=", 2);
-    // Start, end, start, end: never two runs at once.
-    let events: Vec<String> = runner
-        .lines(Stream::Stdout)
-        .into_iter()
-        .filter(|line| line.starts_with("start") || line.starts_with("end"))
-        .collect();
-    for pair in events.chunks(2) {
-        if let [start, end] = pair {
-            assert!(
-                start.starts_with("start") && end.starts_with("end"),
-                "{events:?}"
-            );
-            assert_eq!(field(start, "at"), field(end, "at"), "{events:?}");
-        }
-    }
-    for replica in [&a, &b] {
-        replica.terminate_cleanly();
-    }
+    let url = Cluster::shared().url();
+    shards_and_a_crontab_on_one_lock_refuse_each_other(&pg_replica(lock), &|name, args| {
+        run_replica(name, &url, lock, args)
+    });
 }
 
 #[test]

@@ -200,8 +200,22 @@ fn what_cron_does_not_do_yet_is_refused_with_exit_2_before_anything_runs() {
         "{stderr}"
     );
     assert!(stdout.is_empty());
-    let plain = File::new("on-redis", "0 3 * * * true\n");
-    let (code, _, stderr) = cron(&plain, &["--lock-id=1", "-d", "redis://127.0.0.1:1"]);
+    let plain = File::new("on-a-quorum", "0 3 * * * true\n");
+    let (code, _, stderr) = cron(
+        &plain,
+        &[
+            "--lock-id=1",
+            "-d",
+            "redis://127.0.0.1:1",
+            "-d",
+            "redis://127.0.0.1:2",
+            "-d",
+            "redis://127.0.0.1:3",
+        ],
+    );
     assert_eq!(code, 2, "{stderr}");
-    assert!(stderr.contains("PostgreSQL only so far"), "{stderr}");
+    assert!(
+        stderr.contains("a crontab across the fleet cannot run on a Redlock quorum"),
+        "{stderr}"
+    );
 }

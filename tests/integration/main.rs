@@ -22,6 +22,7 @@ mod observability;
 mod quorum;
 mod quorum_nemesis;
 mod redis;
+mod redis_cron;
 mod redis_nemesis;
 mod redis_shards;
 mod redis_tls;

@@ -32,7 +32,7 @@ use crate::harness::within;
 use crate::harness::{Journal, Proc, Redis, Stream, WAIT, field, pgleader, unique_lock};
 use crate::observability::sample;
 
-fn backend(name: &str) -> RedisBackend {
+pub(crate) fn backend(name: &str) -> RedisBackend {
     let server = pgleader::redis::url::RedisServer::parse(&Redis::shared().url(), None, WAIT / 4)
         .expect("the harness's URL");
     RedisBackend {
@@ -45,7 +45,7 @@ fn backend(name: &str) -> RedisBackend {
     }
 }
 
-fn unique_name(tag: &str) -> String {
+pub(crate) fn unique_name(tag: &str) -> String {
     format!("shards-{tag}-{}", unique_lock())
 }
 
@@ -235,7 +235,7 @@ fn a_capped_member_holds_no_more_than_its_cap_and_the_others_share_the_rest() {
 
 /// Quick checks, and a lease long enough that only a dead connection (not a key's expiry) can
 /// explain a shard moving within the test's waits.
-const QUICK: [&str; 4] = [
+pub(crate) const QUICK: [&str; 4] = [
     "--check-interval=200ms",
     "--check-timeout=500ms",
     "--lease=60s",

@@ -1,0 +1,252 @@
+//! `pgleader cron CRONTAB` on one Redis server: the scenarios of `cron_fleet.rs` (the jobs
+//! shared out with each occurrence once, a replica killed -9, a long job skipping its next
+//! occurrence, shards and a crontab refusing each other), what the ledger keeps under each
+//! job's keys, and, at the library's level, the guard: a job's claim succeeds only while the
+//! job's item key holds its member's nonce.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use jiff::Timestamp;
+use pgleader::election::ledger::{Claim, Claimant, Definition, Ledger};
+use pgleader::election::lock::LockKey;
+use pgleader::election::shards::{Holder, Items, Listing, ShardBackend};
+
+use crate::contract::block_on;
+use crate::cron_fleet::{
+    a_killed_replica_s_jobs_run_on_the_other, a_long_job_skips_its_next_occurrence, cron_replica,
+    run_replica, runs, shards_and_a_crontab_on_one_lock_refuse_each_other,
+    stop_and_assert_each_occurrence_once, three_replicas_share_six_jobs,
+};
+use crate::crontab::File;
+use crate::harness::{Proc, Redis, WAIT, pgleader, unique_lock, within};
+use crate::redis_shards::{QUICK, backend, unique_name};
+
+/// `pgleader cron --lock-id LOCK FILE` on the shared server, with quick checks and a lease
+/// (60 s) long enough that only a dead connection, never a key's expiry, moves a job within a
+/// test's waits.
+fn redis_replica(lock: i64) -> impl Fn(&str, &File) -> Proc {
+    move |name, file| cron_replica(name, &Redis::shared().url(), lock, &QUICK, file)
+}
+
+/// A ledger row as the scripts keep it (every number a string).
+fn rows(redis: &Redis, lock: i64, job: &str) -> Vec<serde_json::Value> {
+    redis
+        .cli(&["HVALS", &format!("pgleader:{{{lock}}}:job:{job}:rows")])
+        .lines()
+        .map(|line| serde_json::from_str(line).expect("a row is JSON"))
+        .collect()
+}
+
+fn text<'a>(row: &'a serde_json::Value, name: &str) -> &'a str {
+    row.get(name).and_then(|v| v.as_str()).unwrap_or_default()
+}
+
+/// An occurrence as the scripts key it (microseconds), as the jobs print it (RFC 3339).
+fn printed(micros: &str) -> String {
+    Timestamp::from_microsecond(micros.parse().expect("microseconds"))
+        .expect("an instant")
+        .strftime("%Y-%m-%dT%H:%M:%SZ")
+        .to_string()
+}
+
+#[test]
+fn on_redis_the_jobs_are_shared_out_evenly_and_each_occurrence_runs_once() {
+    let redis = Redis::shared();
+    let lock = unique_lock();
+    let ([a, b, c], runners) = three_replicas_share_six_jobs(&redis_replica(lock));
+    let replicas = [&a, &b, &c];
+    // `status` finds each replica's jobs by their item keys, as PostgreSQL's by their locks.
+    let mut command = pgleader();
+    command
+        .env("PGLEADER_DATABASE_URL", redis.url())
+        .args(["status", &format!("--lock-id={lock}")]);
+    let (code, out, err) = Proc::spawn("status", command).finish();
+    assert_eq!(code.code(), Some(0), "{err:?}");
+    let out = out.join("\n");
+    assert!(out.contains("on 3 replicas, every shard held"), "{out}");
+    let held: usize = out
+        .lines()
+        .filter_map(|line| line.split_once(": shards ").map(|(_, held)| held))
+        .map(|held| held.split(", ").count())
+        .sum();
+    assert_eq!(held, 6, "{out}");
+    stop_and_assert_each_occurrence_once(&replicas);
+    // The ledger says the same as the jobs' output: each succeeded row by the pgleader that
+    // printed it, and every printed run has its row. A job that moved keeps one history.
+    let pids: BTreeMap<String, String> = replicas
+        .iter()
+        .map(|replica| (replica.name.clone(), replica.pid.to_string()))
+        .collect();
+    let printed_runs = runs(&replicas);
+    for job in runners.keys() {
+        let rows = rows(redis, lock, job);
+        let succeeded: Vec<&serde_json::Value> = rows
+            .iter()
+            .filter(|row| text(row, "outcome") == "succeeded")
+            .collect();
+        assert!(succeeded.len() >= 3, "{job}: {rows:?}");
+        for row in &succeeded {
+            let at = printed(text(row, "scheduled_for"));
+            let by = printed_runs
+                .get(&(job.clone(), at.clone()))
+                .unwrap_or_else(|| panic!("{job} at {at}: in the ledger, never printed"));
+            assert_eq!(text(row, "pid"), pids[&by[0]], "{job} at {at}: {row}");
+        }
+        let recorded: BTreeSet<String> = rows
+            .iter()
+            .map(|row| printed(text(row, "scheduled_for")))
+            .collect();
+        let missing: Vec<&String> = printed_runs
+            .keys()
+            .filter(|(ran, at)| ran == job && !recorded.contains(at))
+            .map(|(_, at)| at)
+            .collect();
+        assert!(
+            missing.is_empty(),
+            "{job}: ran, never recorded: {missing:?}"
+        );
+        let zcard = redis.cli(&["ZCARD", &format!("pgleader:{{{lock}}}:job:{job}:runs")]);
+        assert_eq!(zcard, rows.len().to_string(), "{job}: runs and rows apart");
+    }
+    // Every replica gone: what is left of the name is the epoch, the id counter and each
+    // job's ledger, under the documented keys.
+    let left = redis.cli(&["KEYS", &format!("pgleader:{{{lock}}}*")]);
+    let mut left: Vec<&str> = left.lines().collect();
+    left.sort_unstable();
+    let mut expected = vec![
+        format!("pgleader:{{{lock}}}:epoch"),
+        format!("pgleader:{{{lock}}}:ids"),
+    ];
+    for job in runners.keys() {
+        for key in ["born", "rows", "runs"] {
+            expected.push(format!("pgleader:{{{lock}}}:job:{job}:{key}"));
+        }
+    }
+    expected.sort_unstable();
+    assert_eq!(left, expected);
+}
+
+#[test]
+fn on_redis_the_jobs_of_a_replica_killed_9_run_on_the_other_long_before_the_ttl() {
+    let taken = a_killed_replica_s_jobs_run_on_the_other(&redis_replica(unique_lock()));
+    // Nobody is told when a connection closes: A's watcher asks every check interval (200 ms)
+    // whether B's liveness channel still has a subscriber, and B's jobs are free at the first
+    // ask after the kill. So A runs them from the first occurrence after the kill, or the one
+    // after it when the kill came within that interval before a whole second (the scenario
+    // asserts that), and within 2 s of the kill plus the polls'. The keys' TTL is 60 s: only
+    // the watcher can explain this.
+    assert!(taken < Duration::from_secs(3), "{taken:?}");
+}
+
+#[test]
+fn on_redis_a_job_still_running_at_its_next_occurrence_skips_it_and_never_overlaps() {
+    a_long_job_skips_its_next_occurrence(&redis_replica(unique_lock()));
+}
+
+#[test]
+fn on_redis_shards_and_a_crontab_on_one_lock_refuse_each_other_with_exit_2() {
+    let lock = unique_lock();
+    shards_and_a_crontab_on_one_lock_refuse_each_other(&redis_replica(lock), &|name, args| {
+        let args = [QUICK.as_slice(), args].concat();
+        run_replica(name, &Redis::shared().url(), lock, &args)
+    });
+}
+
+// --- The guard, at the library's level. ---
+
+/// Waits until the server has been up for two seconds: a ledger remembers from the server's
+/// start, counted in whole seconds, and refuses an occurrence before it.
+fn up_two_seconds(redis: &Redis) {
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let info = redis.cli(&["INFO", "server"]);
+        let up: u64 = info
+            .lines()
+            .find_map(|line| line.strip_prefix("uptime_in_seconds:"))
+            .and_then(|up| up.trim().parse().ok())
+            .expect("INFO server says the uptime");
+        if up >= 2 {
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "uptime {up}s");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn a_job_s_claim_succeeds_only_while_its_item_key_holds_its_member_s_nonce() {
+    let redis = Redis::shared();
+    up_two_seconds(redis);
+    let name = unique_name("cron-guard");
+    let backend = backend(&name);
+    let items = Items::Listed(Arc::new(Listing {
+        items: BTreeSet::from([7, 9]),
+        definitions: BTreeSet::new(),
+    }));
+    // The key a job's rows are kept under: the fleet's and the job's name, apart by U+001F
+    // (the sharded room's `jobs::job_key`).
+    let job = LockKey::from_name(&format!("{}\u{1f}nightly", backend.lock.key()));
+    let definition = Definition {
+        expression: "0 0 3 * * *".into(),
+        timezone: "UTC".into(),
+    };
+    block_on(async {
+        let a = within("join", backend.join("cron-a", &items, None))
+            .await
+            .expect("join");
+        let card = redis.cli(&["GET", &format!("pgleader:{{{name}}}:member:{}", a.id())]);
+        assert!(card.contains(" shards=0 cap=none "), "{card}");
+        let seen = within("roster", a.roster()).await.expect("roster");
+        assert_eq!(seen.free(), vec![7, 9]);
+        let (won, fence) = within("take", a.take(&[7])).await.expect("take");
+        assert_eq!(won, vec![7]);
+        let claimant = Claimant {
+            host: "test".into(),
+            pid: 1,
+            epoch: fence.expect("a fence").epoch,
+        };
+        let ledger = a.ledger(&job, 7, &definition).expect("a ledger on Redis");
+        let now = within("time", ledger.server_time()).await.expect("time");
+        let at = |n: i64| now + jiff::SignedDuration::from_millis(n - 100);
+        let claim = |n: i64| {
+            let (ledger, claimant) = (ledger.clone(), claimant.clone());
+            async move {
+                within("claim", ledger.claim(at(n), &claimant, 0))
+                    .await
+                    .expect("claim")
+            }
+        };
+        assert_eq!(claim(0).await, Claim::Claimed { attempt: 1 });
+        assert_eq!(
+            redis.cli(&["ZCARD", &format!("pgleader:{{{name}}}:job:nightly:runs")]),
+            "1"
+        );
+        // Another member's item (9 is free, nobody's) guards nothing for this one.
+        let other = a.ledger(&job, 9, &definition).expect("a ledger");
+        let refused = within("claim", other.claim(at(1), &claimant, 0)).await;
+        assert_eq!(refused.expect("claim"), Claim::NotLeader);
+        // Given away: no claim, no record.
+        within("give", a.give(7)).await.expect("give");
+        assert_eq!(claim(2).await, Claim::NotLeader);
+        let recorded = within("record", ledger.record(at(3), "skipped", "x", &claimant)).await;
+        assert!(!recorded.expect("record"));
+        // Held by someone else (its key foreign): still none.
+        let shard = format!("pgleader:{{{name}}}:shard:7");
+        redis.cli(&[
+            "SET",
+            &shard,
+            "nonce=00ff epoch=1 member=99 since=0",
+            "PX",
+            "60000",
+        ]);
+        assert_eq!(claim(4).await, Claim::NotLeader);
+        redis.cli(&["DEL", &shard]);
+        // Taken again: claims go on.
+        within("take", a.take(&[7])).await.expect("take");
+        assert_eq!(claim(5).await, Claim::Claimed { attempt: 1 });
+        within("leave", a.leave(WAIT)).await.expect("leave");
+        assert_eq!(redis.cli(&["EXISTS", &shard]), "0");
+    });
+}
