@@ -9,6 +9,7 @@
 //! never across an `.await`.
 
 mod answers;
+mod jobs;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,6 +23,7 @@ use crate::exit::ChildStatus;
 use crate::operate::metrics::{CommandOutcome, HealthResult, LossReason, Metrics};
 use crate::schedule::RunView;
 use crate::schedule::calendar::Schedule;
+pub use jobs::JobView;
 
 /// What this instance is doing in the election.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -142,6 +144,8 @@ pub struct Snapshot {
     pub shards: Vec<ShardView>,
     /// With `--health-cmd`: the probe's state.
     pub health: Option<HealthView>,
+    /// Under `pgleader cron`: the jobs this replica knows, by name.
+    pub jobs: Vec<JobView>,
 }
 
 /// A shard this replica holds, as `/status` shows it.
@@ -168,6 +172,8 @@ struct Identity {
     schedule: Option<Schedule>,
     /// `--shards K`.
     shards: Option<u32>,
+    /// `pgleader cron`.
+    crontab: bool,
 }
 
 /// The handle the supervisor publishes through and the HTTP server reads from. Clones share
@@ -202,6 +208,9 @@ pub struct Settings {
     /// Whether a health probe runs (`--health-cmd`): `/healthz` and `/status` then show it,
     /// and its metrics exist.
     pub health_check: bool,
+    /// Whether the replica runs a crontab (`pgleader cron`): `/leader` then answers 200 while
+    /// it owns a job, `/status` lists the jobs, and the per-job metrics exist.
+    pub crontab: bool,
 }
 
 impl Telemetry {
@@ -212,6 +221,7 @@ impl Telemetry {
             settings.schedule.is_some(),
             settings.shards,
             settings.health_check,
+            settings.crontab,
         );
         let (state, _) = watch::channel(Snapshot {
             role: Role::Connecting,
@@ -234,6 +244,7 @@ impl Telemetry {
                 last_check: None,
                 last_failure: None,
             }),
+            jobs: Vec::new(),
         });
         Telemetry {
             inner: Arc::new(Inner {
@@ -245,6 +256,7 @@ impl Telemetry {
                     check_deadline: settings.check_deadline,
                     schedule: settings.schedule,
                     shards: settings.shards,
+                    crontab: settings.crontab,
                 },
                 state,
                 metrics,

@@ -284,8 +284,8 @@ mod tests {
         )
         .expect("seven");
         for schedule in [daily, every, seven] {
-            let read = Schedule::recorded(schedule.expression(), schedule.timezone())
-                .expect("recorded");
+            let read =
+                Schedule::recorded(schedule.expression(), schedule.timezone()).expect("recorded");
             assert_eq!(read, schedule);
             let at = utc("2027-01-10T12:00:00Z");
             assert_eq!(read.next_after(at), schedule.next_after(at));

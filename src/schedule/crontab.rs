@@ -98,7 +98,7 @@ impl CronJob {
 }
 
 /// The number of the job named `name` (see [`CronJob::item`]): in SQL,
-/// `hashtextextended('pgleader job ' || name, 0)::bit(64)::bit(32)::int4 & (2^30 - 1)`.
+/// `hashtextextended('pgleader job ' || name, 0) & 1073741823` (the low 30 bits).
 pub fn item_of(name: &str) -> u32 {
     let key = LockKey::from_name(&format!("pgleader job {name}")).key();
     (key as u64 as u32) & ((1 << 30) - 1)
