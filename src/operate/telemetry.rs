@@ -507,12 +507,7 @@ impl Telemetry {
                 .find(|known| known.scheduled_for == run.scheduled_for)
             {
                 Some(known) => {
-                    known.outcome = run.outcome;
-                    known.exit_code = run.exit_code.or(known.exit_code);
-                    known.attempt = run.attempt.or(known.attempt);
-                    known.claimed_at = run.claimed_at.or(known.claimed_at);
-                    known.ended_at = run.ended_at.or(known.ended_at);
-                    known.host = run.host.or(known.host.take());
+                    known.complete(run);
                 }
                 None => {
                     s.runs.insert(0, run);

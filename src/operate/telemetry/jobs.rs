@@ -160,12 +160,7 @@ impl Telemetry {
             match &mut view.last_run {
                 // A later report of the same occurrence completes the earlier one.
                 Some(known) if known.scheduled_for == run.scheduled_for => {
-                    known.outcome = run.outcome;
-                    known.exit_code = run.exit_code.or(known.exit_code);
-                    known.attempt = run.attempt.or(known.attempt);
-                    known.claimed_at = run.claimed_at.or(known.claimed_at);
-                    known.ended_at = run.ended_at.or(known.ended_at);
-                    known.host = run.host.or(known.host.take());
+                    known.complete(run);
                 }
                 Some(known) if known.scheduled_for > run.scheduled_for => {}
                 _ => view.last_run = Some(run),
