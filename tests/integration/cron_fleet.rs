@@ -13,7 +13,7 @@ use crate::harness::{Cluster, Proc, Stream, WAIT, field, pgleader, unique_lock};
 
 /// A crontab of `jobs` every-second jobs, `j1` to `jN`, each running `command` (which sees
 /// PGLEADER_JOB and PGLEADER_SCHEDULED_TIME).
-fn every_second(tag: &str, jobs: usize, command: &str) -> File {
+pub(crate) fn every_second(tag: &str, jobs: usize, command: &str) -> File {
     let mut text = String::from("# every second, seven fields as supercronic reads them\n");
     for n in 1..=jobs {
         text.push_str(&format!("# pgleader: name=j{n}\n* * * * * * * {command}\n"));
@@ -22,15 +22,22 @@ fn every_second(tag: &str, jobs: usize, command: &str) -> File {
 }
 
 /// What every job prints when it runs.
-const RAN: &str = "echo ran job=$PGLEADER_JOB at=$PGLEADER_SCHEDULED_TIME epoch=$PGLEADER_EPOCH";
+pub(crate) const RAN: &str =
+    "echo ran job=$PGLEADER_JOB at=$PGLEADER_SCHEDULED_TIME epoch=$PGLEADER_EPOCH";
 
 /// `pgleader cron --lock-id LOCK FILE` on the shared cluster.
 fn replica(name: &str, lock: i64, file: &File) -> Proc {
+    replica_with(name, lock, file, &[])
+}
+
+/// `pgleader cron --lock-id LOCK ARGS... FILE` on the shared cluster.
+pub(crate) fn replica_with(name: &str, lock: i64, file: &File, args: &[&str]) -> Proc {
     let mut command = pgleader();
     command
         .env("PGLEADER_DATABASE_URL", Cluster::shared().url())
         .arg("cron")
         .arg(format!("--lock-id={lock}"))
+        .args(args)
         .arg(&file.0);
     Proc::spawn(name, command)
 }
@@ -97,7 +104,7 @@ fn rfc3339(at: SystemTime) -> String {
 
 /// Waits until, from a moment on, the latest occurrence of each of `jobs` jobs ran on the
 /// replicas as `expected` says (replica → how many jobs), and returns who runs which.
-fn wait_for_shares(
+pub(crate) fn wait_for_shares(
     replicas: &[&Proc],
     jobs: usize,
     expected: &[(&str, usize)],

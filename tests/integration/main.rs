@@ -6,6 +6,7 @@ mod harness;
 mod containers;
 mod contract;
 mod cron_fleet;
+mod cron_seen;
 mod crontab;
 mod docs;
 mod election;
