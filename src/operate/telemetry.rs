@@ -15,6 +15,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use jiff::Timestamp;
+use serde_json::{Value, json};
 use tokio::sync::watch;
 
 use crate::election::lock::LockKey;
@@ -535,6 +536,20 @@ impl Snapshot {
             self.problem = None;
         }
     }
+}
+
+/// The command as `/status` shows it, for a single leader, a shard or a crontab job.
+fn command_json(command: &CommandView) -> Value {
+    json!({
+        "state": command.state.as_str(),
+        "pid": command.pid,
+        "started_at": command.started_at.map(rfc3339),
+        "last_exit": command.last_exit.map(|(status, at)| json!({
+            "status": status.to_string(),
+            "exit_code": status.exit_code(),
+            "at": rfc3339(at),
+        })),
+    })
 }
 
 /// RFC 3339 in UTC, to the millisecond: `2026-11-21T07:58:38.088Z`.

@@ -13,7 +13,7 @@ use serde_json::{Value, json};
 
 use super::jobs::job_json;
 use super::{
-    CommandState, CommandView, HealthState, HealthView, Role, Snapshot, Telemetry, rfc3339,
+    CommandState, HealthState, HealthView, Role, Snapshot, Telemetry, command_json, rfc3339,
 };
 use crate::schedule::calendar::{self, Schedule};
 use crate::schedule::{RunView, ScheduledOutcome};
@@ -158,19 +158,6 @@ fn health_json(health: &HealthView) -> Value {
     })
 }
 
-pub(super) fn command_json(command: &CommandView) -> Value {
-    json!({
-        "state": command.state.as_str(),
-        "pid": command.pid,
-        "started_at": command.started_at.map(rfc3339),
-        "last_exit": command.last_exit.map(|(status, at)| json!({
-            "status": status.to_string(),
-            "exit_code": status.exit_code(),
-            "at": rfc3339(at),
-        })),
-    })
-}
-
 /// The schedule, its next occurrence after `now` on this host's clock (the leader starts it on
 /// the server's), and the runs this instance saw.
 fn schedule_json(schedule: &Schedule, runs: &[RunView], now: Timestamp) -> Value {
@@ -198,7 +185,7 @@ mod tests {
     use crate::election::lock::LockKey;
     use crate::exit::ChildStatus;
     use crate::operate::metrics::{HealthResult, LossReason};
-    use crate::operate::telemetry::{Settings, ShardView};
+    use crate::operate::telemetry::{CommandView, Settings, ShardView};
 
     fn telemetry(scheduled: bool) -> Telemetry {
         Telemetry::new(Settings {

@@ -14,7 +14,7 @@ use std::time::Duration;
 use jiff::Timestamp;
 use serde_json::{Value, json};
 
-use super::{CommandState, CommandView, Telemetry, answers::command_json};
+use super::{CommandState, CommandView, Telemetry, command_json};
 use crate::schedule::calendar::{self, Schedule};
 use crate::schedule::{RunView, ScheduledOutcome};
 
