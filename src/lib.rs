@@ -108,13 +108,9 @@ async fn supervise(
         connection: config.backend.to_string(),
         check_deadline: settings.check_interval + settings.check_timeout,
         schedule: settings.schedule.as_ref().map(|plan| plan.schedule.clone()),
-        shards: settings.shards.map(|sharding| sharding.count).or_else(|| {
-            config
-                .crontab
-                .as_ref()
-                .map(|crontab| crontab.jobs.len() as u32)
-        }),
+        shards: settings.shards.map(|sharding| sharding.count),
         health_check: settings.health.is_some(),
+        crontab: config.crontab.is_some(),
     });
     // Bound before the election: a port that is taken stops pgleader before it can win.
     if let Some(address) = config.http {

@@ -81,6 +81,15 @@ pub struct Entry {
     pub timezone: String,
 }
 
+/// A crontab job as the ledger knows it (`pgleader status` of a crontab fleet): its name, its
+/// newest row, and when its last successful run ended.
+#[derive(Clone, Debug, PartialEq)]
+pub struct JobEntry {
+    pub name: String,
+    pub newest: Entry,
+    pub last_success: Option<Timestamp>,
+}
+
 /// How a run ended, kept by a leader whose session ended before it could record it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LateFinish {

@@ -48,7 +48,7 @@ use std::time::Duration;
 use jiff::Timestamp;
 use thiserror::Error;
 
-use ledger::{Definition, Entry, Ledger, LedgerError};
+use ledger::{Definition, Entry, JobEntry, Ledger, LedgerError};
 use participant::LockView;
 use step_down::Requests;
 
@@ -217,6 +217,12 @@ pub trait Observer {
 
     /// The server's clock now.
     fn server_time(&self) -> impl Future<Output = Result<Timestamp, LedgerError>>;
+
+    /// Each job of the crontab fleet of this lock that the ledger knows, with its newest row;
+    /// `None` where the backend cannot tell (no ledger, or a backend without crontabs yet).
+    fn jobs(&self) -> impl Future<Output = Result<Option<Vec<JobEntry>>, LedgerError>> {
+        async { Ok(None) }
+    }
 
     /// Asks the lock's leader to step down (see [`step_down`]), with the request's id. How many
     /// sessions heard it, where the server tells (Redis); `None` where it cannot (PostgreSQL).

@@ -235,6 +235,9 @@ const SECTIONS: &[Section] = &[
             Para(
                 "HUP rereads the file: added jobs start, removed ones are no longer scheduled (a run in progress finishes), changed ones follow their new definition, unchanged ones are not touched; a file that cannot be used is logged with its file and line, and the one read before keeps running. TERM and INT stop every running command, record its run as interrupted, release the jobs and exit. pgleader cron --check CRONTAB reads the file without connecting and prints each job with its next occurrences (--from TIME, --next COUNT); exit status 2 names the file and line of a bad one.",
             ),
+            Para(
+                "pgleader status --lock NAME of a crontab fleet (its replicas' count marker is 0) lists each job with its owner (backend pid, pgleader pid and host, client address), its next occurrence (from the schedule and zone of its newest ledger row, after the server's clock) and its newest run's outcome and when, reading the ledger (the rows whose lock_name starts with the fleet's key and U+001F) and pg_locks; --json puts them under crontab.jobs, and --watch prints a line when an owner or a newest run changes. On each replica, /status adds jobs (each with owned, command, schedule, timezone, next_occurrence, last_run with lateness_seconds, last_success) and /leader answers 200 while it owns a job. The metrics add, with a job label (the job's name): pgleader_job_runs_total (counter, by outcome), pgleader_job_last_success_timestamp_seconds, pgleader_job_lateness_seconds, pgleader_job_running, pgleader_job_owned, pgleader_job_period_seconds and pgleader_job_known_since_timestamp_seconds (gauges).",
+            ),
         ],
     },
     Section {

@@ -8,6 +8,8 @@
 //! outcomes) take their values from small fixed sets, all present from the start at 0, so that
 //! `rate()` and `increase()` see the first event.
 
+mod jobs;
+
 use std::collections::HashMap;
 
 use prometheus::{
@@ -18,6 +20,7 @@ use prometheus::{
 use crate::election::lock::LockKey;
 use crate::exit::ChildStatus;
 use crate::schedule::ScheduledOutcome;
+pub use jobs::JobMetrics;
 
 /// The content type of the classic text format.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -169,6 +172,8 @@ pub struct Metrics {
     pub shards: Option<ShardMetrics>,
     /// With `--health-cmd`: the probe's families.
     pub health: Option<HealthMetrics>,
+    /// Under `pgleader cron`: the per-job families.
+    pub jobs: Option<JobMetrics>,
 }
 
 /// The health probe's figures (`--health-cmd`): whether this replica counts as healthy (and
@@ -195,8 +200,14 @@ pub struct ShardMetrics {
 
 impl Metrics {
     /// The metric families for `lock`; the scheduled-run counter only when a schedule is set,
-    /// the health families only with a health probe.
-    pub fn new(lock: &LockKey, scheduled: bool, shards: Option<u32>, health: bool) -> Metrics {
+    /// the health families only with a health probe, the per-job ones only for a crontab.
+    pub fn new(
+        lock: &LockKey,
+        scheduled: bool,
+        shards: Option<u32>,
+        health: bool,
+        crontab: bool,
+    ) -> Metrics {
         let lock_label = lock
             .name()
             .map_or_else(|| lock.key().to_string(), str::to_owned);
@@ -303,6 +314,7 @@ impl Metrics {
                 "The health probe's failures in a row; 0 after a pass",
             ),
         });
+        let jobs = crontab.then(|| JobMetrics::new(&registry));
         Metrics {
             registry,
             is_leader,
@@ -317,6 +329,7 @@ impl Metrics {
             scheduled_runs,
             shards,
             health,
+            jobs,
         }
     }
 
@@ -427,6 +440,7 @@ mod tests {
             false,
             None,
             false,
+            false,
         );
         metrics.is_leader.set(1);
         let text = metrics.render();
@@ -451,7 +465,7 @@ mod tests {
 
     #[test]
     fn the_scheduled_runs_exist_only_with_a_schedule() {
-        let metrics = Metrics::new(&LockKey::from_id(-5), true, None, false);
+        let metrics = Metrics::new(&LockKey::from_id(-5), true, None, false, false);
         let text = metrics.render();
         assert!(
             text.contains(r#"pgleader_scheduled_runs_total{outcome="missed",lock="-5"} 0"#),

@@ -9,6 +9,8 @@
 //! (see `schedule/report.rs`): the schedule, the next occurrence and the last runs. For a
 //! sharded lock (`--shards`) it shows each replica with its shards, and every shard's holder.
 
+mod jobs;
+
 use std::fmt::Write as _;
 
 use anyhow::Context;
@@ -18,6 +20,7 @@ use crate::election::Observer;
 use crate::election::lock::LockKey;
 use crate::election::participant::{Participant, ServerView, ShardsView};
 use crate::schedule::report::{self, ScheduleReport};
+pub use jobs::JobsReport;
 
 /// What the server knows about the lock.
 #[derive(Debug, Clone, PartialEq)]
@@ -33,6 +36,8 @@ pub struct LockStatus {
     pub schedule: Option<ScheduleReport>,
     /// For a sharded lock whose replicas run: who holds which shard.
     pub shards: Option<ShardsView>,
+    /// For a crontab fleet (`pgleader cron`) whose replicas run: its jobs.
+    pub crontab: Option<JobsReport>,
 }
 
 /// Reads the lock's status on `observer`, and its ledger if it is a scheduled lock.
@@ -46,10 +51,28 @@ pub async fn read<O: Observer>(lock: &LockKey, observer: &O) -> anyhow::Result<L
     Ok(status)
 }
 
-/// Reads who holds and who waits for the lock (not the ledger).
+/// Reads who holds and who waits for the lock (not the ledger), and for a crontab fleet
+/// (whose replicas say so by the count marker 0, see `Items::marker`) its jobs.
 pub async fn query<O: Observer>(lock: &LockKey, observer: &O) -> anyhow::Result<LockStatus> {
     let view = observer.lock_view().await.map_err(anyhow::Error::msg)?;
+    let crontab = match &view.shards {
+        Some(shards) if shards.count == 0 => {
+            let now = observer
+                .server_time()
+                .await
+                .map_err(anyhow::Error::from)
+                .context("cannot read the server's clock")?;
+            let jobs = observer
+                .jobs()
+                .await
+                .map_err(anyhow::Error::from)
+                .context("cannot read the crontab's jobs from the ledger")?;
+            Some(JobsReport::new(now, jobs.unwrap_or_default(), shards))
+        }
+        _ => None,
+    };
     Ok(LockStatus {
+        crontab,
         lock: lock.clone(),
         holder: view.holder,
         waiting: view.waiting,
@@ -130,6 +153,7 @@ impl LockStatus {
                 })).collect::<Vec<_>>(),
                 "free": shards.free(),
             })),
+            "crontab": self.crontab.as_ref().map(|crontab| crontab.to_json(participant_json)),
         })
     }
 
@@ -158,11 +182,17 @@ impl LockStatus {
                     })
                     .collect()
             }),
+            self.crontab
+                .as_ref()
+                .map_or_else(Vec::new, JobsReport::changes),
         )
     }
 
     /// The state on one line, for `status --watch`.
     pub fn to_line(&self) -> String {
+        if let Some(crontab) = &self.crontab {
+            return format!("lock {}: {}", self.lock_label(), crontab.to_line());
+        }
         if let Some(shards) = &self.shards {
             return format!("lock {}: {}", self.lock_label(), shards_line(shards));
         }
@@ -184,6 +214,10 @@ impl LockStatus {
 
     pub fn to_text(&self) -> String {
         let mut text = String::new();
+        if let (Some(crontab), Some(shards)) = (&self.crontab, &self.shards) {
+            crontab.write_text(&mut text, &self.lock_label(), shards);
+            return text;
+        }
         if let Some(shards) = &self.shards {
             write_shards(&mut text, &self.lock_label(), shards);
             return text;
@@ -218,12 +252,13 @@ impl LockStatus {
     }
 }
 
-/// What `status --watch` compares: the holder (backend pid, session start), the waiters, and
-/// each sharded replica with its shards.
+/// What `status --watch` compares: the holder (backend pid, session start), the waiters,
+/// each sharded replica with its shards, and a crontab's jobs with their owners and newest runs.
 pub type Participants<'a> = (
     Option<(i32, Option<&'a str>)>,
     Vec<i32>,
     Vec<(i32, Option<&'a str>, Vec<u32>)>,
+    Vec<jobs::JobChange>,
 );
 
 /// A sharded lock on one line: each replica's shards, then the free ones.

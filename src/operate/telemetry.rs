@@ -9,11 +9,13 @@
 //! never across an `.await`.
 
 mod answers;
+mod jobs;
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use jiff::Timestamp;
+use serde_json::{Value, json};
 use tokio::sync::watch;
 
 use crate::election::lock::LockKey;
@@ -22,6 +24,7 @@ use crate::exit::ChildStatus;
 use crate::operate::metrics::{CommandOutcome, HealthResult, LossReason, Metrics};
 use crate::schedule::RunView;
 use crate::schedule::calendar::Schedule;
+pub use jobs::JobView;
 
 /// What this instance is doing in the election.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -142,6 +145,8 @@ pub struct Snapshot {
     pub shards: Vec<ShardView>,
     /// With `--health-cmd`: the probe's state.
     pub health: Option<HealthView>,
+    /// Under `pgleader cron`: the jobs this replica knows, by name.
+    pub jobs: Vec<JobView>,
 }
 
 /// A shard this replica holds, as `/status` shows it.
@@ -168,6 +173,8 @@ struct Identity {
     schedule: Option<Schedule>,
     /// `--shards K`.
     shards: Option<u32>,
+    /// `pgleader cron`.
+    crontab: bool,
 }
 
 /// The handle the supervisor publishes through and the HTTP server reads from. Clones share
@@ -202,6 +209,9 @@ pub struct Settings {
     /// Whether a health probe runs (`--health-cmd`): `/healthz` and `/status` then show it,
     /// and its metrics exist.
     pub health_check: bool,
+    /// Whether the replica runs a crontab (`pgleader cron`): `/leader` then answers 200 while
+    /// it owns a job, `/status` lists the jobs, and the per-job metrics exist.
+    pub crontab: bool,
 }
 
 impl Telemetry {
@@ -212,6 +222,7 @@ impl Telemetry {
             settings.schedule.is_some(),
             settings.shards,
             settings.health_check,
+            settings.crontab,
         );
         let (state, _) = watch::channel(Snapshot {
             role: Role::Connecting,
@@ -234,6 +245,7 @@ impl Telemetry {
                 last_check: None,
                 last_failure: None,
             }),
+            jobs: Vec::new(),
         });
         Telemetry {
             inner: Arc::new(Inner {
@@ -245,6 +257,7 @@ impl Telemetry {
                     check_deadline: settings.check_deadline,
                     schedule: settings.schedule,
                     shards: settings.shards,
+                    crontab: settings.crontab,
                 },
                 state,
                 metrics,
@@ -495,12 +508,7 @@ impl Telemetry {
                 .find(|known| known.scheduled_for == run.scheduled_for)
             {
                 Some(known) => {
-                    known.outcome = run.outcome;
-                    known.exit_code = run.exit_code.or(known.exit_code);
-                    known.attempt = run.attempt.or(known.attempt);
-                    known.claimed_at = run.claimed_at.or(known.claimed_at);
-                    known.ended_at = run.ended_at.or(known.ended_at);
-                    known.host = run.host.or(known.host.take());
+                    known.complete(run);
                 }
                 None => {
                     s.runs.insert(0, run);
@@ -528,6 +536,20 @@ impl Snapshot {
             self.problem = None;
         }
     }
+}
+
+/// The command as `/status` shows it, for a single leader, a shard or a crontab job.
+fn command_json(command: &CommandView) -> Value {
+    json!({
+        "state": command.state.as_str(),
+        "pid": command.pid,
+        "started_at": command.started_at.map(rfc3339),
+        "last_exit": command.last_exit.map(|(status, at)| json!({
+            "status": status.to_string(),
+            "exit_code": status.exit_code(),
+            "at": rfc3339(at),
+        })),
+    })
 }
 
 /// RFC 3339 in UTC, to the millisecond: `2026-11-21T07:58:38.088Z`.

@@ -23,7 +23,7 @@ use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
 
 use crate::election::ledger::{
-    Claim, Claimant, Definition, Entry, KEEP, LateFinish, Ledger, LedgerError, StaleRun,
+    Claim, Claimant, Definition, Entry, JobEntry, KEEP, LateFinish, Ledger, LedgerError, StaleRun,
 };
 use crate::election::lock::LockKey;
 use crate::election::participant::{self, Participant};
@@ -667,6 +667,45 @@ pub async fn read_recent(
         .await
         .map_err(query_error)?;
     Ok(Some(rows.iter().map(entry).collect()))
+}
+
+/// Each job of the crontab fleet of `lock` with its newest row, for `pgleader status`, which
+/// knows no crontab: a job's rows are under the key of the name `<fleet key>` U+001F `<job>`
+/// (see `supervise/sharded/jobs.rs`), and `lock_name` holds that name, so one prefix finds
+/// every job of the fleet. `None` when the table does not exist.
+pub async fn read_jobs(
+    client: &Client,
+    table: &TableName,
+    lock: &LockKey,
+) -> Result<Option<Vec<JobEntry>>, LedgerError> {
+    if resolve(client, table).await?.is_none() {
+        return Ok(None);
+    }
+    let t = table.sql();
+    let sql = format!(
+        "SELECT DISTINCT ON (l.lock_key) l.scheduled_for, l.outcome, l.exit_code, l.attempt, \
+                l.claimed_at, l.ended_at, l.host, l.pid, l.backend_pid, l.epoch, l.detail, \
+                l.schedule, l.timezone, substr(l.lock_name, length($1) + 1), \
+                (SELECT max(s.ended_at) FROM {t} s \
+                  WHERE s.lock_key = l.lock_key AND s.outcome = 'succeeded') \
+           FROM {t} l WHERE left(l.lock_name, length($1)) = $1 \
+          ORDER BY l.lock_key, l.scheduled_for DESC"
+    );
+    let prefix = format!("{}\u{1f}", lock.key());
+    let rows = client
+        .query_typed(&sql, &[(&prefix, Type::TEXT)])
+        .await
+        .map_err(query_error)?;
+    let mut jobs: Vec<JobEntry> = rows
+        .iter()
+        .map(|row| JobEntry {
+            newest: entry(row),
+            name: row.get(13),
+            last_success: row.get(14),
+        })
+        .collect();
+    jobs.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(Some(jobs))
 }
 
 fn entry(row: &tokio_postgres::Row) -> Entry {

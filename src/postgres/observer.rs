@@ -13,7 +13,7 @@ use std::sync::LazyLock;
 use jiff::Timestamp;
 use tokio_postgres::types::Type;
 
-use crate::election::ledger::{Entry, LedgerError};
+use crate::election::ledger::{Entry, JobEntry, LedgerError};
 use crate::election::lock::LockKey;
 use crate::election::participant::{LockView, Participant};
 use crate::election::{ConnectError, Observer};
@@ -113,6 +113,10 @@ impl Observer for PgObserver {
 
     async fn server_time(&self) -> Result<Timestamp, LedgerError> {
         ledger::server_time(&self.client.client).await
+    }
+
+    async fn jobs(&self) -> Result<Option<Vec<JobEntry>>, LedgerError> {
+        ledger::read_jobs(&self.client.client, &self.table, &self.lock).await
     }
 
     /// `pg_notify` does not say who listened: the requester watches the holder instead.

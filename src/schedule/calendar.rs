@@ -100,6 +100,34 @@ impl Schedule {
         })
     }
 
+    /// A schedule as the ledger records it (`Definition`: its canonical expression and zone):
+    /// what `--schedule` wrote (six fields), or a crontab job's (seven fields, year last, or
+    /// `@every Ns`). `status` reads a crontab fleet's jobs this way, knowing no file.
+    pub fn recorded(expression: &str, timezone: &str) -> Result<Schedule, String> {
+        if let Some(seconds) = expression
+            .strip_prefix("@every ")
+            .and_then(|every| every.strip_suffix('s'))
+        {
+            let seconds: u64 = seconds
+                .parse()
+                .map_err(|_| format!("not a recorded schedule: {expression:?}"))?;
+            return Schedule::every(Duration::from_secs(seconds));
+        }
+        let fields: Vec<&str> = expression.split_whitespace().collect();
+        match <[&str; 7]>::try_from(fields) {
+            Ok(seven) => Schedule::from_crontab_fields(seven, zone(timezone)?),
+            Err(_) => Schedule::parse(expression, timezone),
+        }
+    }
+
+    /// How long one period of the schedule is, seen from `at`: the time between its next
+    /// occurrence and the one after (`@every`: its period). What an alert compares a job's
+    /// last success with.
+    pub fn period_at(&self, at: Timestamp) -> Option<Duration> {
+        self.period()
+            .or_else(|| self.gap_after(self.next_after(at)?))
+    }
+
     /// For `@every`: the period.
     pub fn period(&self) -> Option<Duration> {
         match self.rule {
@@ -244,6 +272,30 @@ mod tests {
 
     fn utc(text: &str) -> Timestamp {
         text.parse().expect("date")
+    }
+
+    #[test]
+    fn what_the_ledger_records_is_read_back() {
+        let daily = Schedule::parse("30 3 * * *", "Europe/Paris").expect("daily");
+        let every = Schedule::every(Duration::from_secs(90)).expect("every");
+        let seven = Schedule::from_crontab_fields(
+            ["0", "0", "3", "*", "*", "*", "2099"],
+            zone("UTC").expect("utc"),
+        )
+        .expect("seven");
+        for schedule in [daily, every, seven] {
+            let read =
+                Schedule::recorded(schedule.expression(), schedule.timezone()).expect("recorded");
+            assert_eq!(read, schedule);
+            let at = utc("2027-01-10T12:00:00Z");
+            assert_eq!(read.next_after(at), schedule.next_after(at));
+        }
+        let daily = Schedule::recorded("0 30 3 * * *", "UTC").expect("daily");
+        assert_eq!(
+            daily.period_at(utc("2027-01-10T12:00:00Z")),
+            Some(Duration::from_secs(86_400))
+        );
+        assert!(Schedule::recorded("@every soon", "UTC").is_err());
     }
 
     #[test]

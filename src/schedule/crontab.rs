@@ -86,8 +86,7 @@ impl CronJob {
     /// name (on PostgreSQL the second int4 of its advisory lock), 30 bits of a hash of its
     /// name, so that every replica, whatever else its file holds, calls it the same.
     pub fn item(&self) -> u32 {
-        let key = LockKey::from_name(&format!("pgleader job {}", self.name)).key();
-        (key as u64 as u32) & ((1 << 30) - 1)
+        item_of(&self.name)
     }
 
     /// Eight hex digits that identify the job's definition: its schedule and zone, command,
@@ -108,6 +107,13 @@ impl CronJob {
         }
         calendar::fingerprint_of(&text, "")
     }
+}
+
+/// The number of the job named `name` (see [`CronJob::item`]): in SQL,
+/// `hashtextextended('pgleader job ' || name, 0) & 1073741823` (the low 30 bits).
+pub fn item_of(name: &str) -> u32 {
+    let key = LockKey::from_name(&format!("pgleader job {name}")).key();
+    (key as u64 as u32) & ((1 << 30) - 1)
 }
 
 /// How a reread crontab differs from the one before, job by job (by name).

@@ -121,6 +121,19 @@ pub struct RunView {
     pub host: Option<String>,
 }
 
+impl RunView {
+    /// Takes a later report of the same occurrence (its outcome, when it ended) into this one,
+    /// keeping what only the earlier said (the claim, the host).
+    pub fn complete(&mut self, later: RunView) {
+        self.outcome = later.outcome;
+        self.exit_code = later.exit_code.or(self.exit_code);
+        self.attempt = later.attempt.or(self.attempt);
+        self.claimed_at = later.claimed_at.or(self.claimed_at);
+        self.ended_at = later.ended_at.or(self.ended_at);
+        self.host = later.host.or(self.host.take());
+    }
+}
+
 /// Where runs and outcomes go for the HTTP endpoint (the supervisor passes its telemetry's).
 #[derive(Clone)]
 pub struct Publish(pub Rc<dyn Fn(RunView)>);

@@ -117,7 +117,7 @@ fn rfc3339(at: SystemTime) -> String {
 
 /// Waits until, from a moment on, the latest occurrence of each of `jobs` jobs ran on the
 /// replicas as `expected` says (replica → how many jobs), and returns who runs which.
-fn wait_for_shares(
+pub(crate) fn wait_for_shares(
     replicas: &[&Proc],
     jobs: usize,
     expected: &[(&str, usize)],
@@ -325,7 +325,12 @@ pub fn shards_and_a_crontab_on_one_lock_refuse_each_other(
 
 /// `pgleader cron --lock-id LOCK FILE` on the shared cluster.
 fn replica(name: &str, lock: i64, file: &File) -> Proc {
-    cron_replica(name, &Cluster::shared().url(), lock, &[], file)
+    replica_with(name, lock, file, &[])
+}
+
+/// `pgleader cron --lock-id LOCK ARGS... FILE` on the shared cluster.
+pub(crate) fn replica_with(name: &str, lock: i64, file: &File, args: &[&str]) -> Proc {
+    cron_replica(name, &Cluster::shared().url(), lock, args, file)
 }
 
 /// [`replica`] as a scenario's [`Spawn`].

@@ -65,11 +65,15 @@ fn on_redis_the_jobs_are_shared_out_evenly_and_each_occurrence_runs_once() {
     let (code, out, err) = Proc::spawn("status", command).finish();
     assert_eq!(code.code(), Some(0), "{err:?}");
     let out = out.join("\n");
-    assert!(out.contains("on 3 replicas, every shard held"), "{out}");
+    assert!(
+        out.contains("crontab of 6 jobs on 3 replicas, every job owned"),
+        "{out}"
+    );
     let held: usize = out
         .lines()
-        .filter_map(|line| line.split_once(": shards ").map(|(_, held)| held))
-        .map(|held| held.split(", ").count())
+        .filter(|line| line.trim_start().starts_with("replica:"))
+        .filter_map(|line| line.rsplit_once(": ").map(|(_, held)| held))
+        .filter_map(|held| held.split(' ').next()?.parse::<usize>().ok())
         .sum();
     assert_eq!(held, 6, "{out}");
     stop_and_assert_each_occurrence_once(&replicas);

@@ -11,8 +11,9 @@ use std::time::Duration;
 use jiff::Timestamp;
 use serde_json::{Value, json};
 
+use super::jobs::job_json;
 use super::{
-    CommandState, CommandView, HealthState, HealthView, Role, Snapshot, Telemetry, rfc3339,
+    CommandState, HealthState, HealthView, Role, Snapshot, Telemetry, command_json, rfc3339,
 };
 use crate::schedule::calendar::{self, Schedule};
 use crate::schedule::{RunView, ScheduledOutcome};
@@ -21,6 +22,14 @@ impl Telemetry {
     /// Whether this instance leads, for `/leader`: it holds the lock and its command runs (or,
     /// with a schedule, holds the lock between runs too). `Err` says what it does instead.
     pub fn leads(&self, snapshot: &Snapshot) -> Result<(), String> {
+        if self.inner.identity.crontab {
+            // A crontab's replica leads while it owns a job, between runs too (as a schedule).
+            return match snapshot.role {
+                Role::Leader => Ok(()),
+                Role::Follower => Err("follower: owns no job".to_owned()),
+                role => Err(role.as_str().to_owned()),
+            };
+        }
         if self.inner.identity.shards.is_some() {
             // Sharded: a replica leads while the command of at least one shard runs here.
             return match snapshot.role {
@@ -132,6 +141,7 @@ impl Telemetry {
                     "command": command_json(&shard.command),
                 })).collect::<Vec<_>>(),
             })),
+            "jobs": identity.crontab.then(|| snapshot.jobs.iter().map(|job| job_json(job, now)).collect::<Vec<_>>()),
         })
     }
 }
@@ -144,19 +154,6 @@ fn health_json(health: &HealthView) -> Value {
         "last_failure": health.last_failure.as_ref().map(|(at, reason)| json!({
             "at": rfc3339(*at),
             "reason": reason,
-        })),
-    })
-}
-
-fn command_json(command: &CommandView) -> Value {
-    json!({
-        "state": command.state.as_str(),
-        "pid": command.pid,
-        "started_at": command.started_at.map(rfc3339),
-        "last_exit": command.last_exit.map(|(status, at)| json!({
-            "status": status.to_string(),
-            "exit_code": status.exit_code(),
-            "at": rfc3339(at),
         })),
     })
 }
@@ -188,7 +185,7 @@ mod tests {
     use crate::election::lock::LockKey;
     use crate::exit::ChildStatus;
     use crate::operate::metrics::{HealthResult, LossReason};
-    use crate::operate::telemetry::{Settings, ShardView};
+    use crate::operate::telemetry::{CommandView, Settings, ShardView};
 
     fn telemetry(scheduled: bool) -> Telemetry {
         Telemetry::new(Settings {
@@ -199,6 +196,7 @@ mod tests {
                 .then(|| Schedule::parse("0 3 * * *", "Europe/Paris").expect("a schedule")),
             shards: None,
             health_check: false,
+            crontab: false,
         })
     }
 
@@ -234,6 +232,7 @@ mod tests {
             schedule: None,
             shards: Some(4),
             health_check: false,
+            crontab: false,
         });
         t.following(10);
         t.shards_held(Vec::new(), 10);
@@ -320,6 +319,7 @@ mod tests {
             schedule: None,
             shards: None,
             health_check: true,
+            crontab: false,
         });
         t.following(10);
         let err = t

@@ -25,7 +25,8 @@ use crate::election::lock::LockKey;
 use crate::election::participant::host_name;
 use crate::election::shards::{Holder, Items, Listing, Roster};
 use crate::exit::ChildStatus;
-use crate::schedule::calendar::rfc3339;
+use crate::operate::telemetry::Telemetry;
+use crate::schedule::calendar::{Schedule, rfc3339};
 use crate::schedule::clock::ServerClock;
 use crate::schedule::crontab::{Changes, CronJob, Crontab, Overlap};
 use crate::schedule::runs::{self, Runs, RunsEvent};
@@ -62,6 +63,8 @@ pub struct Jobs<L: Ledger> {
     clock: Option<ServerClock>,
     /// The jobs another member defines otherwise, with that member, as last logged.
     disagreeing: BTreeSet<(String, i32)>,
+    /// Where each owned job's runs publish their claims and outcomes.
+    telemetry: Telemetry,
 }
 
 /// What a reread changed among the jobs this replica owns.
@@ -84,9 +87,15 @@ impl<L: Ledger> std::fmt::Debug for Jobs<L> {
 }
 
 impl<L: Ledger> Jobs<L> {
-    /// The jobs of `crontab`, run for the fleet of `lock`.
-    pub fn new(lock: &LockKey, crontab: &Crontab) -> Result<Jobs<L>, CommandError> {
+    /// The jobs of `crontab`, run for the fleet of `lock`, their runs published through
+    /// `telemetry`.
+    pub fn new(
+        lock: &LockKey,
+        crontab: &Crontab,
+        telemetry: Telemetry,
+    ) -> Result<Jobs<L>, CommandError> {
         Ok(Jobs {
+            telemetry,
             definitions: define(lock, crontab)?,
             crontab: crontab.clone(),
             runs: BTreeMap::new(),
@@ -157,6 +166,13 @@ impl<L: Ledger> Jobs<L> {
     /// Whether `item`'s runs wait to start again under a new definition.
     pub fn take_redefinition(&mut self, item: u32) -> bool {
         self.redefined.remove(&item)
+    }
+
+    /// Every job of the file as last read, by name and schedule: what `/status` lists.
+    pub fn known(&self) -> Vec<(String, Schedule)> {
+        let jobs = self.crontab.jobs.iter();
+        jobs.map(|job| (job.name.clone(), job.when.clone()))
+            .collect()
     }
 
     /// The items the roster shares out: every job of this replica's file, with how it defines
@@ -248,7 +264,10 @@ impl<L: Ledger> Jobs<L> {
             not_before,
             own_ledger: self.own_ledger.clone(),
             foreign_ledger_seen: None,
-            publish: Publish(Rc::new(|_| {})),
+            publish: {
+                let (telemetry, name) = (self.telemetry.clone(), job.name.clone());
+                Publish(Rc::new(move |run| telemetry.job_run(&name, run)))
+            },
         };
         let Some(ledger) = holder.ledger(&definition.key, item, &plan.definition()) else {
             return;

@@ -45,7 +45,7 @@ use crate::election::{ConnectError, SessionError, elsewhere_hint};
 use crate::exit::Outcome;
 use crate::operate::metrics::LossReason;
 use crate::operate::notify;
-use crate::operate::telemetry::{ShardView, Telemetry};
+use crate::operate::telemetry::{CommandState, ShardView, Telemetry};
 use crate::schedule::clock::ServerClock;
 use crate::schedule::crontab::Crontab;
 use crate::schedule::runs::RunsEvent;
@@ -103,7 +103,8 @@ pub async fn run<B: ShardBackend + Clone + 'static>(
             Restart::After(settings.restart_delay),
         ),
         Fleet::Crontab(crontab) => {
-            let jobs = Jobs::new(&settings.lock, &crontab)?;
+            let jobs = Jobs::new(&settings.lock, &crontab, telemetry.clone())?;
+            telemetry.jobs_defined(jobs.known());
             (jobs.items(), None, Some(jobs), Restart::WhenAsked)
         }
     };
@@ -799,6 +800,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
             }
         }
         self.items = jobs.items();
+        self.inbox.telemetry.jobs_defined(jobs.known());
         let told = tokio::time::timeout(
             link.left(timeout),
             link.holder.set_items(self.items.clone()),
@@ -1046,8 +1048,19 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
     }
 
     /// What the HTTP endpoint and metrics show: the shards held here and their commands;
-    /// leading while this replica holds one.
+    /// leading while this replica holds one. Under `pgleader cron`, the jobs owned here by
+    /// name too (between two runs, a job's command is not running, not waiting).
     fn publish(&self, me: i32) {
+        if let Some(jobs) = &self.jobs {
+            let owned = self.shards.views().filter_map(|(index, _, mut command)| {
+                let definition = jobs.definition(*index)?;
+                if command.state == CommandState::Waiting {
+                    command.state = CommandState::NotRunning;
+                }
+                Some((definition.job.name.clone(), command))
+            });
+            self.inbox.telemetry.jobs_owned(owned.collect());
+        }
         let held = self
             .shards
             .views()

@@ -1,0 +1,330 @@
+//! `pgleader status` of a crontab fleet (`pgleader cron`): each job with its owner, its next
+//! occurrence and its last outcome, with no crontab file at hand.
+//!
+//! The jobs come from two places that `status` can read: the ledger, where each job's rows
+//! carry its name (and the schedule and zone it ran under, from which the next occurrence is
+//! computed on the server's clock), and the server's locks, where the replica that owns a job
+//! holds the lock of its number ([`item_of`] its name). A job held but not yet in the ledger
+//! (it never ran) shows by its number. Apart from `status.rs` because a crontab joins the two
+//! sources by name, where a sharded lock only lists numbers.
+
+use std::fmt::Write as _;
+
+use jiff::Timestamp;
+use serde_json::{Value, json};
+
+use crate::election::ledger::JobEntry;
+use crate::election::participant::{Participant, ShardsView};
+use crate::schedule::calendar::{self, Schedule};
+use crate::schedule::crontab::item_of;
+
+/// A crontab fleet's jobs, as `status` shows them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct JobsReport {
+    /// The server's clock when it was read: the next occurrences are after it.
+    pub now: Timestamp,
+    pub jobs: Vec<JobStatus>,
+}
+
+/// A job as `status --watch` compares it: its number, its owner's session, its newest run.
+pub type JobChange = (u32, Option<i32>, Option<(Timestamp, String)>);
+
+/// One job: known by its name from the ledger, or only by its number from the locks.
+#[derive(Clone, Debug, PartialEq)]
+pub struct JobStatus {
+    pub name: Option<String>,
+    pub item: u32,
+    pub owner: Option<Participant>,
+    pub entry: Option<JobEntry>,
+}
+
+impl JobsReport {
+    /// Joins the ledger's jobs (`ledger`) with who holds which job number (`shards`).
+    pub fn new(now: Timestamp, ledger: Vec<JobEntry>, shards: &ShardsView) -> JobsReport {
+        let owner = |item: u32| shards.holder_of(item).map(|r| r.participant.clone());
+        let mut jobs: Vec<JobStatus> = ledger
+            .into_iter()
+            .map(|entry| {
+                let item = item_of(&entry.name);
+                JobStatus {
+                    name: Some(entry.name.clone()),
+                    item,
+                    owner: owner(item),
+                    entry: Some(entry),
+                }
+            })
+            .collect();
+        let mut held: Vec<u32> = shards
+            .replicas
+            .iter()
+            .flat_map(|replica| replica.holds.iter().copied())
+            .filter(|item| !jobs.iter().any(|job| job.item == *item))
+            .collect();
+        held.sort_unstable();
+        jobs.extend(held.into_iter().map(|item| JobStatus {
+            name: None,
+            item,
+            owner: owner(item),
+            entry: None,
+        }));
+        JobsReport { now, jobs }
+    }
+
+    /// How many jobs nobody owns.
+    fn unowned(&self) -> usize {
+        self.jobs.iter().filter(|job| job.owner.is_none()).count()
+    }
+
+    /// What `status --watch` compares: each job's owner and newest run.
+    pub fn changes(&self) -> Vec<JobChange> {
+        self.jobs
+            .iter()
+            .map(|job| {
+                let newest = job
+                    .entry
+                    .as_ref()
+                    .map(|entry| (entry.newest.scheduled_for, entry.newest.outcome.clone()));
+                (job.item, job.owner.as_ref().map(|o| o.backend_pid), newest)
+            })
+            .collect()
+    }
+
+    /// The jobs on one line, for `status --watch`: each with its owner and newest outcome.
+    pub fn to_line(&self) -> String {
+        let jobs: Vec<String> = self
+            .jobs
+            .iter()
+            .map(|job| {
+                let name = job.name.clone().unwrap_or_else(|| format!("#{}", job.item));
+                let owner = job
+                    .owner
+                    .as_ref()
+                    .map_or_else(|| "nobody".to_owned(), Participant::short);
+                let last = job.entry.as_ref().map_or_else(
+                    || "never ran".to_owned(),
+                    |entry| {
+                        format!(
+                            "{} {}",
+                            entry.newest.outcome,
+                            calendar::rfc3339(entry.newest.scheduled_for)
+                        )
+                    },
+                );
+                format!("{name} {owner}, {last}")
+            })
+            .collect();
+        format!("crontab of {} jobs: {}", self.jobs.len(), jobs.join("; "))
+    }
+
+    /// `status` of a crontab fleet: the replicas and their job counts, then a line per job.
+    pub fn write_text(&self, text: &mut String, label: &str, shards: &ShardsView) {
+        let replicas = shards.replicas.len();
+        let unowned = self.unowned();
+        let _ = writeln!(
+            text,
+            "lock {label}: crontab of {} job{} on {replicas} replica{}, {}",
+            self.jobs.len(),
+            plural(self.jobs.len()),
+            plural(replicas),
+            if unowned == 0 {
+                "every job owned".to_owned()
+            } else {
+                format!("{unowned} owned by nobody")
+            }
+        );
+        for replica in &shards.replicas {
+            let count = replica.holds.len();
+            let _ = writeln!(
+                text,
+                "  replica: {}: {count} job{}",
+                replica.participant.describe(),
+                plural(count)
+            );
+        }
+        for job in &self.jobs {
+            let _ = writeln!(text, "  {}", self.job_line(job));
+        }
+    }
+
+    /// One job on one line: `job backup: owner pgleader 45@web-1 (backend 123) from 10.0.0.5;
+    /// next 2026-11-27T03:00:00Z; last succeeded (exit 0) at ... for the occurrence of ...`.
+    fn job_line(&self, job: &JobStatus) -> String {
+        let name = job
+            .name
+            .clone()
+            .unwrap_or_else(|| format!("#{} (not in the ledger yet)", job.item));
+        let owner = match &job.owner {
+            Some(owner) => format!("owner {}", owner_text(owner)),
+            None => "owned by nobody".to_owned(),
+        };
+        let mut line = format!("job {name}: {owner}");
+        if let Some(next) = job.next_occurrence(self.now) {
+            let _ = write!(line, "; next {}", calendar::rfc3339(next));
+        }
+        match &job.entry {
+            Some(entry) => {
+                let run = &entry.newest;
+                let host = run.host.as_deref().unwrap_or("an unknown host");
+                if run.outcome == "running" {
+                    let _ = write!(
+                        line,
+                        "; running since {} on {host} (the occurrence of {})",
+                        calendar::rfc3339(run.claimed_at),
+                        calendar::rfc3339(run.scheduled_for)
+                    );
+                } else {
+                    let exit = run
+                        .exit_code
+                        .map(|code| format!(" (exit {code})"))
+                        .unwrap_or_default();
+                    let at = run.ended_at.unwrap_or(run.claimed_at);
+                    let _ = write!(
+                        line,
+                        "; last {}{exit} at {} on {host} (the occurrence of {})",
+                        run.outcome,
+                        calendar::rfc3339(at),
+                        calendar::rfc3339(run.scheduled_for)
+                    );
+                }
+            }
+            None => line.push_str("; never ran"),
+        }
+        line
+    }
+
+    pub fn to_json(&self, participant_json: impl Fn(&Participant) -> Value) -> Value {
+        json!({
+            "now": calendar::rfc3339(self.now),
+            "unowned": self.unowned(),
+            "jobs": self.jobs.iter().map(|job| {
+                let entry = job.entry.as_ref();
+                let run = entry.map(|entry| &entry.newest);
+                json!({
+                    "name": job.name,
+                    "number": job.item,
+                    "owner": job.owner.as_ref().map(&participant_json),
+                    "owner_client_address": job.owner.as_ref().and_then(|o| o.client_address.clone()),
+                    "schedule": run.map(|run| &run.schedule),
+                    "timezone": run.map(|run| &run.timezone),
+                    "next_occurrence": job.next_occurrence(self.now).map(calendar::rfc3339),
+                    "last_run": run.map(|run| json!({
+                        "scheduled_for": calendar::rfc3339(run.scheduled_for),
+                        "outcome": run.outcome,
+                        "exit_code": run.exit_code,
+                        "attempt": run.attempt,
+                        "claimed_at": calendar::rfc3339(run.claimed_at),
+                        "ended_at": run.ended_at.map(calendar::rfc3339),
+                        "host": run.host,
+                        "pid": run.pid,
+                        "detail": run.detail,
+                    })),
+                    "last_success": entry.and_then(|entry| entry.last_success).map(calendar::rfc3339),
+                })
+            }).collect::<Vec<_>>(),
+        })
+    }
+}
+
+impl JobStatus {
+    /// The next occurrence after `now` under the schedule and zone its newest run recorded.
+    fn next_occurrence(&self, now: Timestamp) -> Option<Timestamp> {
+        let run = &self.entry.as_ref()?.newest;
+        Schedule::recorded(&run.schedule, &run.timezone)
+            .ok()?
+            .next_after(now)
+    }
+}
+
+/// The owner: `pgleader 45@web-1 (backend 123) from 10.0.0.5`.
+fn owner_text(owner: &Participant) -> String {
+    match &owner.client_address {
+        Some(address) => format!("{} from {address}", owner.short()),
+        None => owner.short(),
+    }
+}
+
+fn plural(n: usize) -> &'static str {
+    if n == 1 { "" } else { "s" }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::election::ledger::Entry;
+    use crate::election::participant::ShardReplica;
+
+    fn at(text: &str) -> Timestamp {
+        text.parse().expect("time")
+    }
+
+    #[test]
+    fn each_job_shows_its_owner_next_occurrence_and_last_outcome() {
+        let entry = |name: &str, outcome: &str| JobEntry {
+            name: name.to_owned(),
+            newest: Entry {
+                scheduled_for: at("2027-01-10T03:00:00Z"),
+                outcome: outcome.to_owned(),
+                exit_code: (outcome == "failed").then_some(3),
+                attempt: 1,
+                claimed_at: at("2027-01-10T03:00:00.004Z"),
+                ended_at: Some(at("2027-01-10T03:00:02Z")),
+                host: Some("web-1".to_owned()),
+                pid: Some(45),
+                backend_pid: Some(123),
+                epoch: Some(7),
+                detail: None,
+                schedule: "0 0 3 * * *".to_owned(),
+                timezone: "UTC".to_owned(),
+            },
+            last_success: None,
+        };
+        let shards = ShardsView {
+            count: 0,
+            replicas: vec![ShardReplica {
+                participant: Participant {
+                    backend_pid: 123,
+                    granted: true,
+                    application_name: Some("pgleader:45@web-1".to_owned()),
+                    client_address: Some("10.0.0.5".to_owned()),
+                    ..Participant::default()
+                },
+                cap: None,
+                holds: vec![item_of("backup"), 17],
+            }],
+        };
+        let report = JobsReport::new(
+            at("2027-01-10T12:00:00Z"),
+            vec![entry("backup", "succeeded"), entry("report", "failed")],
+            &shards,
+        );
+        let mut text = String::new();
+        report.write_text(&mut text, "\"app-cron\"", &shards);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(
+            lines[0],
+            "lock \"app-cron\": crontab of 3 jobs on 1 replica, 1 owned by nobody"
+        );
+        assert!(lines[1].ends_with(": 2 jobs"), "{text}");
+        assert_eq!(
+            lines[2],
+            "  job backup: owner pgleader 45@web-1 (backend 123) from 10.0.0.5; next \
+             2027-01-11T03:00:00Z; last succeeded at 2027-01-10T03:00:02Z on web-1 (the \
+             occurrence of 2027-01-10T03:00:00Z)"
+        );
+        assert!(
+            lines[3].starts_with(
+                "  job report: owned by nobody; next 2027-01-11T03:00:00Z; last failed (exit 3)"
+            ),
+            "{text}"
+        );
+        assert_eq!(
+            lines[4],
+            "  job #17 (not in the ledger yet): owner pgleader 45@web-1 (backend 123) from \
+             10.0.0.5; never ran"
+        );
+        let json = report.to_json(|p| json!(p.backend_pid));
+        assert_eq!(json["jobs"][0]["owner"], 123);
+        assert_eq!(json["jobs"][1]["last_run"]["outcome"], "failed");
+        assert_eq!(json["jobs"][0]["next_occurrence"], "2027-01-11T03:00:00Z");
+    }
+}

@@ -1,0 +1,291 @@
+//! A crontab's jobs as one replica publishes them (`pgleader cron`): which jobs it knows, which
+//! it owns and whether their commands run, and how each job's last run here went, for `/status`
+//! and the per-job metrics.
+//!
+//! Three hooks, each called by the sharded room without waiting: [`Telemetry::jobs_defined`]
+//! when the file is read (at start, and after a reread), [`Telemetry::jobs_owned`] after each
+//! of the room's events (it changes the snapshot, and wakes readers, only when the picture
+//! does), and [`Telemetry::job_run`] from each owned job's runs (the same `RunView` a
+//! `--schedule` leader publishes). Kept apart from `telemetry.rs` because a job's state comes
+//! from two places, the room and the job's runs, and is merged here by the job's name.
+
+use std::time::Duration;
+
+use jiff::Timestamp;
+use serde_json::{Value, json};
+
+use super::{CommandState, CommandView, Telemetry, command_json};
+use crate::schedule::calendar::{self, Schedule};
+use crate::schedule::{RunView, ScheduledOutcome};
+
+/// A job this replica knows (or still runs after a reread removed it), as `/status` shows it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct JobView {
+    pub name: String,
+    /// `None` for a job a reread removed whose last run still goes on.
+    pub schedule: Option<Schedule>,
+    /// Whether this replica owns the job: it runs its occurrences.
+    pub owned: bool,
+    pub command: CommandView,
+    /// The newest occurrence this replica claimed or recorded for it.
+    pub last_run: Option<RunView>,
+    /// When its last run here that succeeded ended.
+    pub last_success: Option<Timestamp>,
+}
+
+impl JobView {
+    fn new(name: &str, schedule: Option<Schedule>) -> JobView {
+        JobView {
+            name: name.to_owned(),
+            schedule,
+            owned: false,
+            command: idle(),
+            last_run: None,
+            last_success: None,
+        }
+    }
+
+    /// How late its last run started after its occurrence, on the server's clock.
+    pub fn lateness(&self) -> Option<Duration> {
+        let run = self.last_run.as_ref()?;
+        let late = run.claimed_at?.duration_since(run.scheduled_for);
+        Duration::try_from(late).ok()
+    }
+}
+
+fn idle() -> CommandView {
+    CommandView {
+        state: CommandState::NotRunning,
+        pid: None,
+        started_at: None,
+        last_exit: None,
+    }
+}
+
+impl Telemetry {
+    /// The jobs of the file as read now, by name and schedule: new ones are shown and their
+    /// series start; those a reread removed go, unless this replica still runs them.
+    pub fn jobs_defined(&self, defined: Vec<(String, Schedule)>) {
+        let metrics = self.inner.metrics.jobs.as_ref();
+        let now = Timestamp::now();
+        self.update(|s| {
+            s.jobs.retain(|job| {
+                let keep = job.owned || defined.iter().any(|(name, _)| *name == job.name);
+                if !keep && let Some(metrics) = metrics {
+                    metrics.forget(&job.name);
+                }
+                keep
+            });
+            for (name, schedule) in defined {
+                let period = schedule.period_at(now);
+                match s.jobs.iter_mut().find(|job| job.name == name) {
+                    Some(job) if job.schedule.as_ref() == Some(&schedule) => {}
+                    Some(job) => {
+                        if let Some(metrics) = metrics {
+                            metrics.set_period(&name, period);
+                        }
+                        job.schedule = Some(schedule);
+                    }
+                    None => {
+                        if let Some(metrics) = metrics {
+                            metrics.define(&name, period);
+                        }
+                        s.jobs.push(JobView::new(&name, Some(schedule)));
+                    }
+                }
+            }
+            s.jobs.sort_by(|a, b| a.name.cmp(&b.name));
+        });
+    }
+
+    /// The jobs this replica owns now, by name, with their commands: after each of the room's
+    /// events. The snapshot changes (and readers wake) only when the picture does.
+    pub fn jobs_owned(&self, owned: Vec<(String, CommandView)>) {
+        let metrics = self.inner.metrics.jobs.as_ref();
+        self.inner.state.send_if_modified(|s| {
+            let mut changed = false;
+            for job in &mut s.jobs {
+                let now = owned.iter().find(|(name, _)| *name == job.name);
+                let (is_owned, command) = match now {
+                    Some((_, command)) => (true, command.clone()),
+                    None => (false, idle()),
+                };
+                let last_exit = command.last_exit.or(job.command.last_exit);
+                let command = CommandView {
+                    last_exit,
+                    ..command
+                };
+                if job.owned == is_owned && job.command == command {
+                    continue;
+                }
+                if let Some(metrics) = metrics {
+                    metrics.set_owned(&job.name, is_owned, command.state == CommandState::Running);
+                }
+                job.owned = is_owned;
+                job.command = command;
+                changed = true;
+            }
+            changed
+        });
+    }
+
+    /// An occurrence of `job` was claimed (no outcome yet) or its outcome recorded here.
+    pub fn job_run(&self, job: &str, run: RunView) {
+        let metrics = self.inner.metrics.jobs.as_ref();
+        if let Some(metrics) = metrics {
+            if let Some(outcome) = run.outcome {
+                metrics.ran(job, outcome, run.ended_at.unwrap_or_else(Timestamp::now));
+            } else if let Some(claimed) = run.claimed_at
+                && let Ok(late) = Duration::try_from(claimed.duration_since(run.scheduled_for))
+            {
+                metrics.started(job, late);
+            }
+        }
+        self.update(|s| {
+            let at = match s.jobs.iter().position(|known| known.name == job) {
+                Some(at) => at,
+                None => {
+                    s.jobs.push(JobView::new(job, None));
+                    s.jobs.sort_by(|a, b| a.name.cmp(&b.name));
+                    s.jobs
+                        .iter()
+                        .position(|known| known.name == job)
+                        .expect("just added")
+                }
+            };
+            let view = &mut s.jobs[at];
+            if run.outcome == Some(ScheduledOutcome::Succeeded) {
+                view.last_success = run.ended_at.or(Some(Timestamp::now()));
+            }
+            match &mut view.last_run {
+                // A later report of the same occurrence completes the earlier one.
+                Some(known) if known.scheduled_for == run.scheduled_for => {
+                    known.complete(run);
+                }
+                Some(known) if known.scheduled_for > run.scheduled_for => {}
+                _ => view.last_run = Some(run),
+            }
+        });
+    }
+}
+
+/// A job in `/status`: whether this replica owns it and runs it, its next occurrence after
+/// `now` (on this host's clock; the owner starts it on the server's), its last run here.
+pub fn job_json(job: &JobView, now: Timestamp) -> Value {
+    json!({
+        "name": job.name,
+        "owned": job.owned,
+        "command": command_json(&job.command),
+        "schedule": job.schedule.as_ref().map(Schedule::expression),
+        "timezone": job.schedule.as_ref().map(Schedule::timezone),
+        "next_occurrence": job.schedule.as_ref().and_then(|s| s.next_after(now)).map(calendar::rfc3339),
+        "last_run": job.last_run.as_ref().map(|run| json!({
+            "scheduled_for": calendar::rfc3339(run.scheduled_for),
+            "outcome": run.outcome.map_or("running", ScheduledOutcome::as_str),
+            "exit_code": run.exit_code,
+            "claimed_at": run.claimed_at.map(calendar::rfc3339),
+            "ended_at": run.ended_at.map(calendar::rfc3339),
+            "host": run.host,
+            "lateness_seconds": job.lateness().map(|late| late.as_secs_f64()),
+        })),
+        "last_success": job.last_success.map(calendar::rfc3339),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use jiff::{SignedDuration, Timestamp};
+
+    use super::*;
+    use crate::election::lock::LockKey;
+    use crate::operate::telemetry::{Role, Settings};
+
+    #[test]
+    fn a_crontab_replica_shows_its_jobs_and_their_series() {
+        let t = Telemetry::new(Settings {
+            lock: LockKey::from_name("app-cron"),
+            connection: "app@db:5432/app".into(),
+            check_deadline: Duration::from_secs(3),
+            schedule: None,
+            shards: None,
+            health_check: false,
+            crontab: true,
+        });
+        let every = |seconds| Schedule::every(Duration::from_secs(seconds)).expect("every");
+        t.jobs_defined(vec![
+            ("report".into(), every(60)),
+            ("backup".into(), every(5)),
+        ]);
+        t.following(10);
+        t.shards_held(Vec::new(), 10);
+        assert_eq!(t.leads(&t.snapshot()), Err("follower: owns no job".into()));
+        let running = CommandView {
+            state: CommandState::Running,
+            pid: Some(42),
+            started_at: Some(Timestamp::now()),
+            last_exit: None,
+        };
+        t.jobs_owned(vec![("backup".into(), running)]);
+        let at = Timestamp::from_second(1_800_000_000).expect("time");
+        t.job_run(
+            "backup",
+            RunView {
+                scheduled_for: at,
+                outcome: None,
+                exit_code: None,
+                attempt: Some(1),
+                claimed_at: Some(at + SignedDuration::from_millis(250)),
+                ended_at: None,
+                host: Some("web-1".into()),
+            },
+        );
+        t.job_run(
+            "backup",
+            RunView {
+                scheduled_for: at,
+                outcome: Some(ScheduledOutcome::Succeeded),
+                exit_code: Some(0),
+                attempt: None,
+                claimed_at: None,
+                ended_at: Some(at + SignedDuration::from_secs(2)),
+                host: None,
+            },
+        );
+        let status = t.status_json(&t.snapshot(), Timestamp::now());
+        let jobs = status["jobs"].as_array().expect("jobs");
+        assert_eq!(jobs.len(), 2, "{status}");
+        assert_eq!(jobs[0]["name"], "backup");
+        assert_eq!(jobs[0]["owned"], true);
+        assert_eq!(jobs[0]["command"]["pid"], 42);
+        assert_eq!(jobs[0]["schedule"], "@every 5s");
+        assert!(jobs[0]["next_occurrence"].is_string(), "{status}");
+        assert_eq!(jobs[0]["last_run"]["outcome"], "succeeded");
+        assert_eq!(jobs[0]["last_run"]["host"], "web-1");
+        assert_eq!(jobs[0]["last_run"]["lateness_seconds"], 0.25);
+        assert_eq!(jobs[1]["name"], "report");
+        assert_eq!(jobs[1]["owned"], false);
+        assert!(jobs[1]["last_run"].is_null());
+        let metrics = t.render_metrics();
+        for line in [
+            "pgleader_job_owned{job=\"backup\",lock=\"app-cron\"} 1",
+            "pgleader_job_owned{job=\"report\",lock=\"app-cron\"} 0",
+            "pgleader_job_running{job=\"backup\",lock=\"app-cron\"} 1",
+            "pgleader_job_runs_total{job=\"backup\",outcome=\"succeeded\",lock=\"app-cron\"} 1",
+            "pgleader_job_runs_total{job=\"report\",outcome=\"failed\",lock=\"app-cron\"} 0",
+            "pgleader_job_lateness_seconds{job=\"backup\",lock=\"app-cron\"} 0.25",
+            "pgleader_job_last_success_timestamp_seconds{job=\"backup\",lock=\"app-cron\"} 1800000002",
+            "pgleader_job_period_seconds{job=\"report\",lock=\"app-cron\"} 60",
+        ] {
+            assert!(metrics.lines().any(|l| l == line), "{line} in\n{metrics}");
+        }
+        assert!(!metrics.contains("pgleader_shard"), "{metrics}");
+        // A reread that removes a job it does not own: its series go.
+        t.jobs_defined(vec![("backup".into(), every(5))]);
+        assert_eq!(t.snapshot().jobs.len(), 1);
+        assert!(!t.render_metrics().contains("job=\"report\""));
+        t.shards_held(Vec::new(), 10);
+        assert_eq!(t.snapshot().role, Role::Follower);
+    }
+}

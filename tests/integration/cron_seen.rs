@@ -1,0 +1,147 @@
+//! What operators see of a crontab fleet (`pgleader cron`) on a real PostgreSQL: `pgleader
+//! status` (text and JSON) lists each job with its owner, next occurrence and last outcome,
+//! found from the ledger and the server's locks with no crontab file; each replica's `/status`
+//! lists the jobs it knows and which it owns; `/metrics` carries per-job series that promtool
+//! accepts and that add up over the fleet (each job owned by exactly one replica).
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use crate::cron_fleet::{RAN, every_second, replica_with, wait_for_shares};
+use crate::harness::http::{address_of, get};
+use crate::harness::pg::status;
+use crate::harness::{Cluster, Stream, WAIT, unique_lock};
+use crate::observability::{promtool, sample};
+
+const HTTP: &str = "--http=127.0.0.1:0";
+const JOBS: [&str; 4] = ["j1", "j2", "j3", "j4"];
+
+#[test]
+fn status_http_and_metrics_show_each_job_with_its_owner_and_last_outcome() {
+    let lock = unique_lock();
+    let file = every_second("seen", 4, RAN);
+    let a = replica_with("A", lock, &file, &[HTTP]);
+    let b = replica_with("B", lock, &file, &[HTTP]);
+    let (a_http, b_http) = (address_of(&a), address_of(&b));
+    wait_for_shares(&[&a, &b], 4, &[("A", 2), ("B", 2)]);
+
+    // `pgleader status`: a line per job, each owned by one of the two, each with a last run.
+    let cluster = Cluster::shared();
+    let text = status("status", cluster, lock, &[]);
+    assert_eq!(text.wait_code(), 0, "{}", text.dump());
+    let lines = text.lines(Stream::Stdout);
+    assert!(
+        lines[0].ends_with(": crontab of 4 jobs on 2 replicas, every job owned"),
+        "{}",
+        text.dump()
+    );
+    let owners = [a.pid.as_raw(), b.pid.as_raw()].map(|pid| format!("owner pgleader {pid}@"));
+    for job in JOBS {
+        let line = lines
+            .iter()
+            .find(|line| line.starts_with(&format!("  job {job}: ")))
+            .unwrap_or_else(|| panic!("no line for {job}\n{}", text.dump()));
+        assert!(
+            owners.iter().any(|owner| line.contains(owner.as_str())),
+            "{line}"
+        );
+        assert!(line.contains("; next "), "{line}");
+        assert!(
+            line.contains("; last succeeded") || line.contains("; running since"),
+            "{line}"
+        );
+    }
+
+    // `status --json`: the same, with the owner's session and the last run's fields.
+    let json = status("status-json", cluster, lock, &["--json"]);
+    assert_eq!(json.wait_code(), 0, "{}", json.dump());
+    let json: Value =
+        serde_json::from_str(&json.lines(Stream::Stdout).join("\n")).expect("JSON status");
+    let jobs = json["crontab"]["jobs"].as_array().expect("jobs");
+    let names: Vec<&str> = jobs.iter().filter_map(|job| job["name"].as_str()).collect();
+    assert_eq!(names, JOBS, "{json}");
+    let mut backends = BTreeSet::new();
+    for job in jobs {
+        let pid = job["owner"]["pgleader_pid"].as_i64().expect("an owner");
+        assert!(
+            [a.pid.as_raw(), b.pid.as_raw()].contains(&(pid as i32)),
+            "{job}"
+        );
+        backends.insert(job["owner"]["backend_pid"].as_i64());
+        assert!(job["next_occurrence"].is_string(), "{job}");
+        assert_eq!(job["timezone"], "UTC", "{job}");
+        assert!(job["last_run"]["outcome"].is_string(), "{job}");
+        assert!(job["last_run"]["host"].is_string(), "{job}");
+    }
+    assert_eq!(backends.len(), 2, "two owners: {json}");
+    assert_eq!(json["crontab"]["unowned"], 0, "{json}");
+
+    // Each replica's /status: the four jobs it knows, two owned, each owned one with a run.
+    for http in [a_http, b_http] {
+        let deadline = Instant::now() + WAIT;
+        let status = loop {
+            let status = get(http, "/status").json();
+            let ran = status["jobs"].as_array().is_some_and(|jobs| {
+                jobs.iter()
+                    .filter(|job| job["owned"] == true)
+                    .all(|job| job["last_run"]["outcome"] == "succeeded")
+            });
+            if ran {
+                break status;
+            }
+            assert!(Instant::now() < deadline, "no finished runs: {status}");
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        let jobs = status["jobs"].as_array().expect("jobs");
+        assert_eq!(jobs.len(), 4, "{status}");
+        let owned = jobs.iter().filter(|job| job["owned"] == true).count();
+        assert_eq!(owned, 2, "{status}");
+        assert_eq!(status["leader"], true, "{status}");
+        for job in jobs {
+            assert_eq!(job["schedule"], "* * * * * *", "{job}");
+            assert!(job["next_occurrence"].is_string(), "{job}");
+        }
+    }
+
+    // /metrics: promtool accepts them; each job is owned on exactly one replica, and its owner
+    // counts its successes.
+    let metrics = [a_http, b_http].map(|http| get(http, "/metrics").body);
+    for text in &metrics {
+        promtool(&["check", "metrics"], text);
+    }
+    for job in JOBS {
+        let label = format!("job=\"{job}\"");
+        let owned: Vec<f64> = metrics
+            .iter()
+            .map(|text| sample(text, "pgleader_job_owned", &[&label]))
+            .collect();
+        assert_eq!(owned.iter().sum::<f64>(), 1.0, "{job}: {owned:?}");
+        let owner = &metrics[owned.iter().position(|o| *o == 1.0).expect("an owner")];
+        assert!(
+            sample(
+                owner,
+                "pgleader_job_runs_total",
+                &[&label, "outcome=\"succeeded\""]
+            ) >= 1.0
+        );
+        assert!(
+            sample(
+                owner,
+                "pgleader_job_last_success_timestamp_seconds",
+                &[&label]
+            ) > 0.0
+        );
+        assert_eq!(sample(owner, "pgleader_job_period_seconds", &[&label]), 1.0);
+        let late = sample(owner, "pgleader_job_lateness_seconds", &[&label]);
+        assert!((0.0..1.0).contains(&late), "{job} started {late}s late");
+    }
+    assert!(
+        !metrics[0].contains("pgleader_shard_held"),
+        "{}",
+        metrics[0]
+    );
+    b.terminate_cleanly();
+    a.terminate_cleanly();
+}
