@@ -13,7 +13,7 @@
 //! | key | type | what it holds |
 //! |---|---|---|
 //! | `pgleader:{NAME}:shard:<n>` | string, TTL the lease | item n's holder (shard n, or the job numbered n): `nonce=<hex> epoch=<n> member=<id> since=<unix seconds>` |
-//! | `pgleader:{NAME}:member:<id>` | string, TTL the lease | member id's card: `nonce=<hex> shards=<K, or 0 for a crontab> cap=<N or none> client=<client id> session=<name>` |
+//! | `pgleader:{NAME}:member:<id>` | string, TTL the lease | member id's card: `nonce=<hex> shards=<K, or 0 for a crontab> cap=<N or none> [knows=<n,...> defines=<n,...>] client=<client id> session=<name>` (a crontab's member lists its jobs' numbers and definitions, `-` for none) |
 //! | `pgleader:{NAME}:members` | set | the ids of the members |
 //! | `pgleader:{NAME}:ids` | counter | the last member id handed out |
 //! | `pgleader:{NAME}:epoch` | string | the last fencing token, shared with the plain lock of the name |
@@ -176,7 +176,22 @@ if live[me] and nonce_of(live[me]) == nonce then
 end
 local holders = {}
 local keys = {}
-for i, n in ipairs(items()) do keys[i] = base .. ':shard:' .. n end
+-- A crontab's member reads the jobs the other members' cards say they know too, so that every
+-- member counts the jobs held by others alike, whatever its own file holds.
+local list = items()
+if tonumber(ARGV[5]) == 0 then
+  local seen = {}
+  for _, n in ipairs(list) do seen[n] = true end
+  for _, card in pairs(live) do
+    local known = string.match(card, ' knows=([%d,]+) ')
+    if known then
+      for n in string.gmatch(known, '%d+') do
+        if not seen[n] then seen[n] = true; list[#list + 1] = n end
+      end
+    end
+  end
+end
+for i, n in ipairs(list) do keys[i] = base .. ':shard:' .. n end
 local values = {}
 if #keys > 0 then values = redis.call('MGET', unpack(keys)) end
 for i = 1, #keys do
@@ -200,7 +215,18 @@ local flat = {}
 for id, card in pairs(live) do
   table.insert(flat, id); table.insert(flat, card)
 end
-return {t[1], t[2], flat, holders, plain_replica() or false}
+return {t[1], t[2], flat, holders, plain_replica() or false, list}
+"#;
+
+/// Rewrites this member's card (ARGV[6], after its nonce) where it is still its own, keeping
+/// its TTL, and tells the others (a crontab reread: the jobs it knows and how it defines them).
+/// Returns 1, or 0 when the card is no longer this member's.
+const RECARD: &str = r#"
+local card = redis.call('GET', member_key(me))
+if not card or nonce_of(card) ~= nonce then return 0 end
+redis.call('SET', member_key(me), 'nonce=' .. nonce .. ' ' .. ARGV[6], 'KEEPTTL')
+say('knows')
+return 1
 "#;
 
 /// Takes each of the shards ARGV[5..] that nobody holds, with one new epoch for them all:
@@ -288,6 +314,7 @@ static GIVE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(GIVE));
 static LEAVE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(LEAVE));
 static GONE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(GONE));
 static SHARDED_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(SHARDED));
+static RECARD_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(RECARD));
 
 /// The keys of a sharded name.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -481,6 +508,8 @@ pub struct RedisShardHolder {
     connection: Connection,
     args: Args,
     me: i32,
+    /// `--max-shards`, which its card says.
+    cap: Option<u32>,
     /// What a crontab job's ledger needs beside the connection (see [`Holder::ledger`]).
     ledger: LedgerSettings,
 }
@@ -528,10 +557,7 @@ impl RedisShardHolder {
             Err(_) => return Err(no_answer(timeout).into()),
         }
         let named = scripts::card(connection.client_id, name);
-        let card = format!(
-            "shards={marker} cap={} {named}",
-            cap.map_or("none".to_owned(), |cap| cap.to_string()),
-        );
+        let card = card_of(items, cap, &named);
         let mut args = Args {
             keys,
             id: "0".into(),
@@ -560,6 +586,7 @@ impl RedisShardHolder {
                     connection,
                     args,
                     me,
+                    cap,
                     ledger: LedgerSettings {
                         card: named,
                         poll: backend.poll,
@@ -581,6 +608,55 @@ impl RedisShardHolder {
 
     pub fn keys(&self) -> &ShardKeys {
         &self.args.keys
+    }
+}
+
+/// A member's card after its nonce: what it runs (`shards=`), its cap, and for a crontab the
+/// jobs its file has and how it defines each (`knows=`, `defines=`: numbers, comma-separated,
+/// `-` for none), then how it names itself (`client=... session=...`).
+fn card_of(items: &Items, cap: Option<u32>, named: &str) -> String {
+    let cap = cap.map_or("none".to_owned(), |cap| cap.to_string());
+    let listed = match items {
+        Items::Listed(listing) => {
+            let list = |numbers: &BTreeSet<u32>| match numbers.is_empty() {
+                true => "-".to_owned(),
+                false => numbers
+                    .iter()
+                    .map(u32::to_string)
+                    .collect::<Vec<_>>()
+                    .join(","),
+            };
+            format!(
+                " knows={} defines={}",
+                list(&listing.items),
+                list(&listing.definitions)
+            )
+        }
+        Items::Numbered(_) => String::new(),
+    };
+    format!("shards={} cap={cap}{listed} {named}", items.marker())
+}
+
+/// The numbers a card lists in `field` (`knows=`, `defines=`).
+fn numbers_in(card: &str, field_name: &str) -> BTreeSet<u32> {
+    field(card, field_name)
+        .unwrap_or("-")
+        .split(',')
+        .filter_map(|number| number.parse().ok())
+        .collect()
+}
+
+/// What a roster read covered: a crontab member's own jobs and those the others' cards know,
+/// in the order the script read them; shards as they are.
+fn seen_items(items: &Items, read: &[u32]) -> Items {
+    match items {
+        Items::Listed(listing) => {
+            Items::Listed(std::sync::Arc::new(crate::election::shards::Listing {
+                items: read.iter().copied().collect(),
+                definitions: listing.definitions.clone(),
+            }))
+        }
+        Items::Numbered(_) => items.clone(),
     }
 }
 
@@ -664,8 +740,25 @@ impl Holder for RedisShardHolder {
     }
 
     /// The next roster reads (and renews) these items, and a leave releases these.
+    /// The next roster reads (and renews) these items; the card says the jobs this member
+    /// knows and how it defines them, and the others are told.
     async fn set_items(&mut self, items: Items) -> Result<(), SessionError> {
+        let card = card_of(&items, self.cap, &self.ledger.card);
         self.args.items = items;
+        let mut conn = self.connection.conn.clone();
+        let mine: i64 = self
+            .args
+            .invocation(&RECARD_SCRIPT)
+            .arg(self.args.items.marker())
+            .arg(&card)
+            .invoke_async(&mut conn)
+            .await
+            .map_err(query_error)?;
+        if mine == 0 {
+            return Err(SessionError::Query(
+                "this replica's card is no longer its own".into(),
+            ));
+        }
         Ok(())
     }
 
@@ -719,12 +812,17 @@ impl Holder for RedisShardHolder {
         let mut conn = self.connection.conn.clone();
         let args = self.args.clone();
         async move {
-            let (seconds, micros, flat, holders, plain): Answer = args
+            let (seconds, micros, flat, holders, plain, read): Answer = args
                 .over_items(&ROSTER_SCRIPT)
                 .invoke_async(&mut conn)
                 .await
                 .map_err(query_error)?;
-            let mut seen = read_roster(&args.items, &flat, &holders, timestamp(seconds, micros))?;
+            let read = match &args.items {
+                Items::Listed(_) => read,
+                Items::Numbered(_) => args.items.iter().collect(),
+            };
+            let items = seen_items(&args.items, &read);
+            let mut seen = read_roster(&items, &read, &flat, &holders, timestamp(seconds, micros))?;
             if let Some(plain) = plain {
                 seen.mismatch = Some(format!(
                     "a replica runs this lock without --shards ({plain}): a lock runs either \
@@ -812,13 +910,15 @@ impl Holder for RedisShardHolder {
 
 /// The roster script's answer: the server's clock, the live members, each item's holder, and
 /// a live plain replica of the name.
-type Answer = (i64, i64, Vec<String>, Vec<i64>, Option<String>);
+type Answer = (i64, i64, Vec<String>, Vec<i64>, Option<String>, Vec<u32>);
 
 /// Reads the roster script's answer, as seen by a member that shares out `items`: the holders
-/// are in the items' order, and a member whose card says it runs the name otherwise is a
-/// mismatch.
+/// are in the order of `read` (the items the script read: for a crontab, this member's jobs
+/// and those the others' cards know), and a member whose card says it runs the name
+/// otherwise is a mismatch.
 fn read_roster(
     items: &Items,
+    read: &[u32],
     flat: &[String],
     holders: &[i64],
     server_time: jiff::Timestamp,
@@ -838,19 +938,20 @@ fn read_roster(
             mismatch.get_or_insert_with(|| runs_otherwise(&id.to_string(), card, items.marker()));
         }
         let cap = field(card, "cap").and_then(|cap| cap.parse().ok());
+        let listed = matches!(items, Items::Listed(_));
         members.insert(
             id,
             Member {
                 id,
                 cap,
                 holds: BTreeSet::new(),
-                knows: None,
-                defines: BTreeSet::new(),
+                knows: listed.then(|| numbers_in(card, "knows")),
+                defines: numbers_in(card, "defines"),
             },
         );
     }
     let mut taken = BTreeSet::new();
-    for (shard, holder) in items.iter().zip(holders) {
+    for (&shard, holder) in read.iter().zip(holders) {
         match *holder {
             0 => {}
             id => match i32::try_from(id).ok().and_then(|id| members.get_mut(&id)) {
@@ -1021,6 +1122,7 @@ mod tests {
         .to_vec();
         let seen = read_roster(
             &Items::Numbered(4),
+            &[0, 1, 2, 3],
             &flat,
             &[2, 0, 5, -1],
             jiff::Timestamp::UNIX_EPOCH,

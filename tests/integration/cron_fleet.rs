@@ -404,10 +404,15 @@ fn shards_and_a_crontab_on_one_lock_refuse_each_other_with_exit_2() {
 
 #[test]
 fn sighup_rereads_the_file_and_a_bad_one_leaves_the_old_running() {
-    let lock = unique_lock();
+    sighup_rereads_the_file(&pg_replica(unique_lock()));
+}
+
+/// A and B run j1 and j2; a file that does not parse is refused on HUP with its line and the
+/// old one keeps running; then j1 changed, j2 removed, j3 added: the fleet follows.
+pub fn sighup_rereads_the_file(spawn: Spawn) {
     let file = every_second("reread", 2, RAN);
-    let a = replica("A", lock, &file);
-    let b = replica("B", lock, &file);
+    let a = spawn("A", &file);
+    let b = spawn("B", &file);
     wait_for_shares(&[&a, &b], 2, &[("A", 1), ("B", 1)]);
 
     // A line that does not parse: both say where, and go on with the file read before.
@@ -481,15 +486,20 @@ fn sighup_rereads_the_file_and_a_bad_one_leaves_the_old_running() {
 
 #[test]
 fn in_a_rolling_deploy_a_job_only_some_replicas_know_runs_on_one_of_those() {
-    let lock = unique_lock();
+    a_rolling_deploy_runs_every_job_once(&pg_replica(unique_lock()));
+}
+
+/// A with the old file and B with the new one: a job only one of them knows runs there, the
+/// jobs both know run on one of them, and one defined otherwise by each shows once on each.
+pub fn a_rolling_deploy_runs_every_job_once(spawn: Spawn) {
     let job = |name: &str| format!("# pgleader: name={name}\n* * * * * * * {RAN}\n");
     // j2 is defined otherwise in the new file: it runs under one definition at a time, and
     // the disagreement shows once, not at every occurrence.
     let j2 = format!("# pgleader: name=j2\n* * * * * * * {RAN} v=2\n");
     let old = File::new("rolling-old", &[job("j1"), job("j2"), job("old")].concat());
     let new = File::new("rolling-new", &[job("j1"), j2, job("new")].concat());
-    let a = replica("A", lock, &old);
-    let b = replica("B", lock, &new);
+    let a = spawn("A", &old);
+    let b = spawn("B", &new);
     let deadline = Instant::now() + WAIT;
     loop {
         let since = rfc3339(SystemTime::now() - Duration::from_secs(1));

@@ -15,8 +15,9 @@ use pgleader::election::shards::{Holder, Items, Listing, ShardBackend};
 
 use crate::contract::block_on;
 use crate::cron_fleet::{
-    a_killed_replica_s_jobs_run_on_the_other, a_long_job_skips_its_next_occurrence, cron_replica,
-    run_replica, runs, shards_and_a_crontab_on_one_lock_refuse_each_other,
+    a_killed_replica_s_jobs_run_on_the_other, a_long_job_skips_its_next_occurrence,
+    a_rolling_deploy_runs_every_job_once, cron_replica, run_replica, runs,
+    shards_and_a_crontab_on_one_lock_refuse_each_other, sighup_rereads_the_file,
     stop_and_assert_each_occurrence_once, three_replicas_share_six_jobs,
 };
 use crate::crontab::File;
@@ -253,4 +254,14 @@ fn a_job_s_claim_succeeds_only_while_its_item_key_holds_its_member_s_nonce() {
         within("leave", a.leave(WAIT)).await.expect("leave");
         assert_eq!(redis.cli(&["EXISTS", &shard]), "0");
     });
+}
+
+#[test]
+fn on_redis_in_a_rolling_deploy_a_job_only_some_replicas_know_runs_on_one_of_those() {
+    a_rolling_deploy_runs_every_job_once(&redis_replica(unique_lock()));
+}
+
+#[test]
+fn on_redis_sighup_rereads_the_file_and_a_bad_one_leaves_the_old_running() {
+    sighup_rereads_the_file(&redis_replica(unique_lock()));
 }
