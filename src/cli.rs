@@ -13,6 +13,19 @@ use nix::sys::signal::Signal;
 /// Each description is one line of its own, indented: clap wraps a long line of after-help text
 /// at the terminal's width and indents the continuation as deep as the line starts, so only
 /// this layout stays a clean table at any width.
+/// `pgleader cron --help`'s end: which of run's options it does not take, and its exit status.
+const CRON_AFTER_HELP: &str = "\
+Not taken here, since a crontab's jobs are their own schedules: run's --once, --no-wait, --busy-exit-code, --restart-delay, --relinquish-after, --relinquish-schedule, --schedule and its companions, --shards and --max-shards. Redis: one server (a Redlock quorum is refused).
+
+Exit status (cron):
+  0
+      --check read the crontab; or shut down by TERM or INT, every running command stopped and recorded
+  1
+      fatal error (as for run: bad password, unknown database, a ledger table that cannot be used, ...)
+  2
+      usage error: a crontab that cannot be read or used (its file, line and what is wrong), overlap=allow, a Redlock quorum, a replica of the same lock running --shards or without a crontab
+";
+
 const AFTER_HELP: &str = "\
 Exit status (run):
   the command's status
@@ -73,7 +86,7 @@ pub enum Command {
     StepDown(StepDownArgs),
     /// Run a crontab (read as supercronic and cron read it) across the fleet: each occurrence of
     /// each job once, the jobs shared out over the replicas; or --check it without connecting
-    #[command(after_help = AFTER_HELP)]
+    #[command(after_help = CRON_AFTER_HELP)]
     Cron(Box<CronArgs>),
 }
 
