@@ -46,7 +46,7 @@ use redis::Script;
 use redis::aio::MultiplexedConnection;
 
 use crate::election::ledger::{
-    Claim, Claimant, Definition, Entry, KEEP, LateFinish, Ledger, LedgerError, StaleRun,
+    Claim, Claimant, Definition, Entry, JobEntry, KEEP, LateFinish, Ledger, LedgerError, StaleRun,
 };
 use crate::election::participant::{self, Participant};
 use crate::redis::scripts::ScriptArgs;
@@ -357,6 +357,56 @@ fn entry(json: &str) -> Option<Entry> {
         schedule: text("schedule").unwrap_or_default(),
         timezone: text("timezone").unwrap_or_default(),
     })
+}
+
+/// Each job of the crontab fleet of `keys` that the ledger knows (its `job:<name>:runs` keys,
+/// by `SCAN`), with its newest row and when its last success ended, for `status`; `None` when
+/// there is none.
+pub async fn jobs(
+    conn: &mut MultiplexedConnection,
+    keys: &scripts::Keys,
+) -> Result<Option<Vec<JobEntry>>, LedgerError> {
+    let prefix = format!("{}:job:", keys.lock);
+    let pattern = format!("{}*:runs", scripts::glob_escape(&prefix));
+    let mut names = std::collections::BTreeSet::new();
+    let mut cursor = 0_u64;
+    loop {
+        let (next, page): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(&pattern)
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(conn)
+            .await
+            .map_err(ledger_error)?;
+        names.extend(
+            page.iter().filter_map(|key| {
+                Some(key.strip_prefix(&prefix)?.strip_suffix(":runs")?.to_owned())
+            }),
+        );
+        if next == 0 {
+            break;
+        }
+        cursor = next;
+    }
+    let mut jobs = Vec::new();
+    for name in names {
+        let rows = recent(conn, &keys.job(&name), KEEP).await?;
+        let Some(newest) = rows.first().cloned() else {
+            continue;
+        };
+        let last_success = rows
+            .iter()
+            .find(|row| row.outcome == "succeeded")
+            .map(|row| row.ended_at.unwrap_or(row.claimed_at));
+        jobs.push(JobEntry {
+            name,
+            newest,
+            last_success,
+        });
+    }
+    Ok((!jobs.is_empty()).then_some(jobs))
 }
 
 /// The newest `limit` rows of a lock, through any connection.

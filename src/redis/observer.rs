@@ -7,7 +7,7 @@ use std::time::Duration;
 use jiff::Timestamp;
 
 use crate::election::Observer;
-use crate::election::ledger::{Entry, LedgerError};
+use crate::election::ledger::{Entry, JobEntry, LedgerError};
 use crate::election::participant::{LockView, Participant};
 use crate::redis::connection::Connection;
 use crate::redis::ledger::{self, participant};
@@ -67,6 +67,10 @@ impl Observer for RedisObserver {
 
     async fn server_time(&self) -> Result<Timestamp, LedgerError> {
         ledger::server_time(&mut self.connection.conn.clone()).await
+    }
+
+    async fn jobs(&self) -> Result<Option<Vec<JobEntry>>, LedgerError> {
+        ledger::jobs(&mut self.connection.conn.clone(), &self.keys).await
     }
 
     /// PUBLISH answers how many subscribers heard it: only a leader subscribes.

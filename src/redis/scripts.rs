@@ -381,6 +381,18 @@ pub(crate) fn nonce() -> String {
     format!("{:016x}", fastrand::u64(..))
 }
 
+/// `text` matched literally by a `SCAN MATCH` pattern.
+pub fn glob_escape(text: &str) -> String {
+    let mut escaped = String::with_capacity(text.len());
+    for c in text.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            escaped.push('\\');
+        }
+        escaped.push(c);
+    }
+    escaped
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -431,7 +431,7 @@ async fn item_keys(
 ) -> redis::RedisResult<Vec<u32>> {
     let prefix = keys.shard(0);
     let prefix = &prefix[..prefix.len() - 1];
-    let pattern = format!("{}*", glob_escape(prefix));
+    let pattern = format!("{}*", scripts::glob_escape(prefix));
     let mut found = BTreeSet::new();
     let mut cursor = 0_u64;
     loop {
@@ -452,18 +452,6 @@ async fn item_keys(
         }
         cursor = next;
     }
-}
-
-/// `text` matched literally by a `SCAN MATCH` pattern.
-fn glob_escape(text: &str) -> String {
-    let mut escaped = String::with_capacity(text.len());
-    for c in text.chars() {
-        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
-            escaped.push('\\');
-        }
-        escaped.push(c);
-    }
-    escaped
 }
 
 /// What every script of one member is given.
@@ -1095,7 +1083,7 @@ mod tests {
     #[test]
     fn a_name_s_item_keys_are_scanned_for_literally() {
         assert_eq!(
-            glob_escape("pgleader:{a*[b]?\\}:shard:"),
+            scripts::glob_escape("pgleader:{a*[b]?\\}:shard:"),
             "pgleader:{a\\*\\[b\\]\\?\\\\}:shard:"
         );
     }

@@ -77,6 +77,15 @@ fn on_redis_the_jobs_are_shared_out_evenly_and_each_occurrence_runs_once() {
         .filter_map(|held| held.split(' ').next()?.parse::<usize>().ok())
         .sum();
     assert_eq!(held, 6, "{out}");
+    // Each job by name, from its ledger, with its owner and last outcome.
+    for job in runners.keys() {
+        let line = out
+            .lines()
+            .find(|line| line.trim_start().starts_with(&format!("job {job}: ")))
+            .unwrap_or_else(|| panic!("no line for job {job}:\n{out}"));
+        assert!(line.contains(": owner "), "{line}");
+        assert!(line.contains("last succeeded"), "{line}");
+    }
     stop_and_assert_each_occurrence_once(&replicas);
     // The ledger says the same as the jobs' output: each succeeded row by the pgleader that
     // printed it, and every printed run has its row. A job that moved keeps one history.
