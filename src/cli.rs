@@ -23,7 +23,7 @@ Exit status (cron):
   1
       fatal error (as for run: bad password, unknown database, a ledger table that cannot be used, ...)
   2
-      usage error: a crontab that cannot be read or used (its file, line and what is wrong), overlap=allow, a Redlock quorum, a replica of the same lock running --shards or without a crontab
+      usage error: a crontab that cannot be read or used (its file, line and what is wrong), a Redlock quorum, a replica of the same lock running --shards or without a crontab
 ";
 
 const AFTER_HELP: &str = "\
@@ -465,8 +465,8 @@ pub struct CronArgs {
     /// The crontab: five-field lines (six or seven with a year, seconds first in seven, as
     /// supercronic reads them), @hourly and its kind, @every DURATION, NAME=value lines
     /// (CRON_TZ= sets the zone of the jobs below it, SHELL= their shell), and per-job options in
-    /// a comment above a job: # pgleader: name=NAME overlap=skip|replace catch-up=1h timeout=30m
-    /// (overlap=allow is not built yet). SIGHUP rereads it
+    /// a comment above a job: # pgleader: name=NAME overlap=skip|allow|replace catch-up=1h
+    /// timeout=30m. SIGHUP rereads it
     #[arg(value_name = "CRONTAB")]
     pub crontab: PathBuf,
 

@@ -121,9 +121,6 @@ impl RunConfig {
         crontab: Crontab,
         env: &dyn Environment,
     ) -> anyhow::Result<(RunConfig, Vec<String>)> {
-        if let Some(unsupported) = crontab.unsupported() {
-            return Err(UsageError(unsupported).into());
-        }
         let run = RunArgs {
             replica: args.replica,
             once: false,
@@ -194,7 +191,7 @@ impl RunConfig {
                 once: args.once || args.no_wait,
                 busy_retry: args.replica.check_timeout / 2,
                 job: None,
-                replace_running: false,
+                overlap: crate::schedule::crontab::Overlap::Skip,
             }),
             None => None,
         };

@@ -210,23 +210,6 @@ impl Crontab {
         Crontab::parse(path, &text)
     }
 
-    /// What `pgleader cron` cannot run yet in this crontab: the first job whose options ask
-    /// for it, as a message naming the file and line.
-    pub fn unsupported(&self) -> Option<String> {
-        self.jobs.iter().find_map(|job| {
-            let at = format!("{}:{}", self.path.display(), job.line);
-            if job.overlap == Overlap::Allow {
-                Some(format!(
-                    "{at}: overlap=allow is not built yet: a job still running when its next \
-                     occurrence comes skips it (overlap=skip, the default) or is stopped for it \
-                     (overlap=replace)"
-                ))
-            } else {
-                None
-            }
-        })
-    }
-
     /// Checks the crontab `text`, read from `path`.
     pub fn parse(path: &Path, text: &str) -> Result<Crontab, CrontabError> {
         let fail = |line: usize, message: String| CrontabError {

@@ -43,9 +43,11 @@ pub struct Plan {
     pub busy_retry: Duration,
     /// A crontab job's name, for the `job` field of the log lines; `None` for `--schedule`.
     pub job: Option<String>,
-    /// `overlap=replace`: an occurrence that comes while the previous run still goes stops
-    /// that run (recorded as interrupted) and runs instead; otherwise it is skipped.
-    pub replace_running: bool,
+    /// What an occurrence that comes while the previous run still goes does: it is skipped
+    /// (`--schedule`, and a crontab job by default), it runs beside it (`overlap=allow`, up to
+    /// [`runs::MOST_AT_ONCE`] runs at once), or it stops it (`overlap=replace`: the old run is
+    /// recorded as interrupted).
+    pub overlap: crontab::Overlap,
 }
 
 impl Plan {

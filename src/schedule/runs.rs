@@ -47,6 +47,10 @@ use crate::schedule::clock::ServerClock;
 use crate::schedule::{Plan, Publish, RunView, ScheduledOutcome};
 use crate::time::for_people;
 
+/// The most runs of one job that go at once under `overlap=allow`: an occurrence that comes
+/// while as many run is skipped.
+pub const MOST_AT_ONCE: usize = 4;
+
 /// What the supervisor is to do.
 #[derive(Debug)]
 pub enum RunsEvent {
@@ -127,6 +131,8 @@ pub struct Runs<L: Ledger> {
     /// The claim of `due` waits until then: the server said it was early.
     early_until: Option<Instant>,
     running: Option<Run>,
+    /// `overlap=allow`: earlier runs still going beside `running`.
+    aside: Vec<Run>,
     /// `overlap=replace`: the running command is being stopped for this occurrence.
     replacing: Option<Timestamp>,
     /// Said at the next poll.
@@ -200,6 +206,7 @@ impl<L: Ledger> Runs<L> {
             due: None,
             early_until: None,
             running: None,
+            aside: Vec::new(),
             replacing: None,
             ask: None,
             finishing: None,
@@ -346,11 +353,28 @@ impl<L: Ledger> Runs<L> {
         wake
     }
 
+    /// The command of the run of `at` ended on its own (`overlap=allow`: one of several):
+    /// record how.
+    pub fn exited_at(&mut self, at: Timestamp, status: ChildStatus) {
+        if self.running.is_none_or(|run| run.at != at)
+            && let Some(aside) = self.aside.iter().position(|run| run.at == at)
+        {
+            let run = self.aside.remove(aside);
+            self.record_exit(run, status);
+            return;
+        }
+        self.exited(status);
+    }
+
     /// The command ended on its own: record how.
     pub fn exited(&mut self, status: ChildStatus) {
         let Some(run) = self.running.take() else {
             return;
         };
+        self.record_exit(run, status);
+    }
+
+    fn record_exit(&mut self, run: Run, status: ChildStatus) {
         let succeeded = status == ChildStatus::Exited(0);
         let replaced = self.replacing.take();
         let outcome = match replaced {
@@ -437,30 +461,12 @@ impl<L: Ledger> Runs<L> {
                     Step::Begin | Step::Claim(_) => {}
                 }
             }
-            let Some(run) = self.running.take() else {
-                return;
-            };
-            let at = rfc3339(run.at);
-            if !run.started {
-                debug!(event = "unclaimed", job = self.plan.job.as_deref(), occurrence = %at, "taking back the claim of {at}: its command never started");
-                let _ = self.ledger.unclaim(run.at, self.claimant.epoch).await;
-                return;
+            // Runs still going aside (`overlap=allow`) were stopped too.
+            for run in std::mem::take(&mut self.aside) {
+                self.record_interrupted(run, stopped).await;
             }
-            let (status, why) = stopped.unwrap_or((None, "its leader stepped down"));
-            warn!(event = "scheduled_run_interrupted", job = self.plan.job.as_deref(), occurrence = %at, reason = why, "the run of {at} was interrupted: {why}");
-            let finish = LateFinish {
-                at: run.at,
-                epoch: self.claimant.epoch,
-                attempt: run.attempt,
-                outcome: "interrupted",
-                exit_code: status.map(|status| i32::from(status.exit_code())),
-                ended_at: self.clock.now(),
-            };
-            match self.ledger.finish(&finish, Some(why)).await {
-                Ok(_) => self.publish(run.at, finish.outcome, finish.exit_code),
-                Err(err) => {
-                    warn!(event = "ledger_failed", job = self.plan.job.as_deref(), reason = %err, "cannot record the interrupted run; the next leader will")
-                }
+            if let Some(run) = self.running.take() {
+                self.record_interrupted(run, stopped).await;
             }
         };
         if tokio::time::timeout(timeout, work).await.is_err() {
@@ -469,6 +475,33 @@ impl<L: Ledger> Runs<L> {
                 job = self.plan.job.as_deref(),
                 "no answer while settling the ledger; the next leader will record what is missing"
             );
+        }
+    }
+
+    /// Records a run that was stopped as interrupted (`stopped`: its command's status, and
+    /// why), or takes its claim back when its command never started.
+    async fn record_interrupted(&mut self, run: Run, stopped: Option<(Option<ChildStatus>, &str)>) {
+        let at = rfc3339(run.at);
+        if !run.started {
+            debug!(event = "unclaimed", job = self.plan.job.as_deref(), occurrence = %at, "taking back the claim of {at}: its command never started");
+            let _ = self.ledger.unclaim(run.at, self.claimant.epoch).await;
+            return;
+        }
+        let (status, why) = stopped.unwrap_or((None, "its leader stepped down"));
+        warn!(event = "scheduled_run_interrupted", job = self.plan.job.as_deref(), occurrence = %at, reason = why, "the run of {at} was interrupted: {why}");
+        let finish = LateFinish {
+            at: run.at,
+            epoch: self.claimant.epoch,
+            attempt: run.attempt,
+            outcome: "interrupted",
+            exit_code: status.map(|status| i32::from(status.exit_code())),
+            ended_at: self.clock.now(),
+        };
+        match self.ledger.finish(&finish, Some(why)).await {
+            Ok(_) => self.publish(run.at, finish.outcome, finish.exit_code),
+            Err(err) => {
+                warn!(event = "ledger_failed", job = self.plan.job.as_deref(), reason = %err, "cannot record the interrupted run; the next leader will")
+            }
         }
     }
 

@@ -171,6 +171,15 @@ impl<K: Key, T> Commands<K, T> {
         self.entries.get_mut(key).map(|entry| &mut entry.item)
     }
 
+    /// Moves `from`'s entry, its command and any stop under way, to `to` (a key not in use):
+    /// the owner keeps the command going under another key and frees `from` for a new one
+    /// (a crontab job's run that goes on beside the next, `overlap=allow`).
+    pub fn rekey(&mut self, from: &K, to: K) {
+        if let Some(entry) = self.entries.remove(from) {
+            self.entries.insert(to, entry);
+        }
+    }
+
     /// Whether `key`'s command has been started (and not yet settled).
     pub fn is_started(&self, key: &K) -> bool {
         self.entries

@@ -601,3 +601,46 @@ fn with_overlap_replace_the_next_occurrence_stops_the_run_still_going_and_runs()
         .expect("the ledger");
     assert_eq!(rows[0].get::<_, String>(0), "interrupted");
 }
+
+#[test]
+fn with_overlap_allow_the_next_occurrence_runs_beside_the_run_still_going() {
+    let lock = unique_lock();
+    let file = File::new(
+        "allow",
+        "# pgleader: name=slow overlap=allow\n\
+         * * * * * * * echo start at=$PGLEADER_SCHEDULED_TIME; sleep 2.5; echo end at=$PGLEADER_SCHEDULED_TIME\n",
+    );
+    let a = replica("A", lock, &file);
+    a.wait_for_nth(Stream::Stdout, "end at=", 3);
+    a.terminate_cleanly();
+    // Runs overlap: a second run started before the first one ended, and each occurrence ran
+    // once and ended as it started.
+    let lines = a.lines(Stream::Stdout);
+    let position = |needle: &str| lines.iter().position(|line| line.contains(needle));
+    let starts: Vec<String> = lines
+        .iter()
+        .filter(|line| line.starts_with("start"))
+        .map(|line| field(line, "at"))
+        .collect();
+    assert!(starts.len() >= 3, "{lines:?}");
+    assert!(
+        position(&format!("start at={}", starts[1])) < position(&format!("end at={}", starts[0])),
+        "the second run did not start while the first went on: {lines:?}"
+    );
+    let unique: BTreeSet<&String> = starts.iter().collect();
+    assert_eq!(
+        unique.len(),
+        starts.len(),
+        "an occurrence ran twice: {lines:?}"
+    );
+    assert!(!a.printed(Stream::Stderr, "was skipped"), "{}", a.dump());
+    let mut client = Cluster::shared().client();
+    let rows = client
+        .query(
+            "SELECT count(*) FROM pgleader_ledger WHERE lock_key = hashtextextended($1, 0) \
+             AND outcome = 'succeeded'",
+            &[&format!("{lock}\u{1f}slow")],
+        )
+        .expect("the ledger");
+    assert!(rows[0].get::<_, i64>(0) >= 3);
+}

@@ -182,24 +182,7 @@ fn a_bad_crontab_is_refused_with_its_file_line_and_what_is_wrong() {
 }
 
 #[test]
-fn what_cron_does_not_do_yet_is_refused_with_exit_2_before_anything_runs() {
-    let allow = File::new(
-        "allow",
-        "# pgleader: name=report overlap=allow\n0 3 * * * true\n",
-    );
-    let (code, stdout, stderr) = cron(
-        &allow,
-        &["--lock-id=1", "-d", "postgres://nobody@127.0.0.1:1/x"],
-    );
-    assert_eq!(code, 2, "{stderr}");
-    assert!(
-        stderr.contains(&format!(
-            "{}:2: overlap=allow is not built yet",
-            allow.0.display()
-        )),
-        "{stderr}"
-    );
-    assert!(stdout.is_empty());
+fn a_redlock_quorum_is_refused_with_exit_2_before_anything_runs() {
     let plain = File::new("on-a-quorum", "0 3 * * * true\n");
     let (code, _, stderr) = cron(
         &plain,

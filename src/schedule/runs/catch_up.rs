@@ -12,9 +12,10 @@ use std::time::Duration;
 use jiff::Timestamp;
 use tracing::{debug, info, warn};
 
-use super::{Runs, RunsEvent, Step};
+use super::{MOST_AT_ONCE, Runs, RunsEvent, Step};
 use crate::election::ledger::Ledger;
 use crate::schedule::calendar::rfc3339;
+use crate::schedule::crontab::Overlap;
 use crate::schedule::{EARLY_WINDOW, foreign_ledger_blocks_catch_up};
 use crate::time::for_people;
 
@@ -106,7 +107,14 @@ impl<L: Ledger> Runs<L> {
             .latest_at_or_before(now)
             .map_or(at, |latest| latest.max(at));
         let passed = self.between(at, latest);
-        if self.running.is_some() && self.plan.replace_running {
+        if self.running.is_some()
+            && self.plan.overlap == Overlap::Allow
+            && self.aside.len() + 1 < MOST_AT_ONCE
+        {
+            // The run still going goes on aside, and this occurrence is claimed beside it.
+            self.aside.extend(self.running.take());
+        }
+        if self.running.is_some() && self.plan.overlap == Overlap::Replace {
             // Once the run is gone (`exited`), this occurrence is claimed as any other.
             self.due = Some(at);
             self.replacing = Some(latest);

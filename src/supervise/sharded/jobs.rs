@@ -28,7 +28,7 @@ use crate::exit::ChildStatus;
 use crate::operate::telemetry::Telemetry;
 use crate::schedule::calendar::{Schedule, rfc3339};
 use crate::schedule::clock::ServerClock;
-use crate::schedule::crontab::{Changes, CronJob, Crontab, Overlap};
+use crate::schedule::crontab::{Changes, CronJob, Crontab};
 use crate::schedule::runs::{self, Runs, RunsEvent};
 use crate::schedule::{Plan, Publish};
 use crate::supervise::job::{CommandError, CommandLine};
@@ -252,7 +252,7 @@ impl<L: Ledger> Jobs<L> {
             once: false,
             busy_retry: Duration::from_millis(500),
             job: Some(job.name.clone()),
-            replace_running: job.overlap == Overlap::Replace,
+            overlap: job.overlap,
         };
         let start = runs::Start {
             claimant: Claimant {
@@ -299,9 +299,12 @@ impl<L: Ledger> Jobs<L> {
     }
 
     /// Item `item`'s command exited on its own: its runs record how.
-    pub fn exited(&mut self, item: u32, status: ChildStatus) {
+    pub fn exited(&mut self, item: u32, occurrence: Option<Timestamp>, status: ChildStatus) {
         if let Some(runs) = self.runs.get_mut(&item) {
-            runs.exited(status);
+            match occurrence {
+                Some(at) => runs.exited_at(at, status),
+                None => runs.exited(status),
+            }
         }
     }
 

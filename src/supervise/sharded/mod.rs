@@ -174,8 +174,23 @@ struct Room<B: ShardBackend> {
     health: Health,
 }
 
+/// Where a crontab job's runs that go on beside the next one (`overlap=allow`) are kept in the
+/// table: its item with a slot number in the two high bits (a job's item is below 2^30), so
+/// that the job's own key stays free for its newest run.
+const ASIDE_SHIFT: u32 = 30;
+
+/// The job or shard a key of the table is about (see [`ASIDE_SHIFT`]).
+fn item_of(key: u32) -> u32 {
+    key & ((1 << ASIDE_SHIFT) - 1)
+}
+
+/// Whether a key of the table is a run kept aside (see [`ASIDE_SHIFT`]).
+fn is_aside(key: u32) -> bool {
+    key >> ASIDE_SHIFT != 0
+}
+
 /// What the room knows of a shard it holds, beside its command.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct Shard {
     epoch: i64,
     /// When it was taken: what `/status` shows.
@@ -541,7 +556,11 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                 }
                 Event::Signal(event) => self.on_signal(event),
                 Event::Report(index, report) => {
-                    let command = match self.jobs.as_ref().and_then(|jobs| jobs.definition(index)) {
+                    let command = match self
+                        .jobs
+                        .as_ref()
+                        .and_then(|jobs| jobs.definition(item_of(index)))
+                    {
                         Some(definition) => &definition.command,
                         None => &self.settings.command,
                     };
@@ -593,9 +612,11 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
         let lost: Vec<u32> = self
             .shards
             .iter()
-            .filter(|(index, _, after)| !mine.contains(index) && *after != Some(After::Forget))
+            .filter(|(index, _, after)| {
+                !mine.contains(&item_of(**index)) && *after != Some(After::Forget)
+            })
             .map(|(index, _, _)| *index)
-            .filter(|index| self.items.contains(*index))
+            .filter(|index| self.items.contains(item_of(*index)))
             .collect();
         for index in lost {
             warn!(event = "leadership_lost", lock = %lock, shard = index, "the check found that this session no longer holds shard {index}; stopping its command");
@@ -618,12 +639,14 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
         let giving = self
             .shards
             .iter()
-            .filter(|(_, _, after)| *after == Some(After::Give))
+            .filter(|(index, _, after)| *after == Some(After::Give) && !is_aside(**index))
             .count();
         let keeping = self
             .shards
             .iter()
-            .filter(|(index, _, after)| *after != Some(After::Give) && self.items.contains(**index))
+            .filter(|(index, _, after)| {
+                *after != Some(After::Give) && !is_aside(**index) && self.items.contains(**index)
+            })
             .count();
         if keeping > share {
             let surplus: Vec<u32> = self
@@ -632,7 +655,9 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                 .rev()
                 .filter(|(_, _, after)| after.is_none())
                 .map(|(index, _, _)| *index)
-                // Never a job only this replica knows: nobody else would take it.
+                // Never a job only this replica knows: nobody else would take it; nor one with
+                // runs going aside, which hold its lock until they end.
+                .filter(|index| !is_aside(*index) && !self.has_aside(*index))
                 .filter(|index| seen.roster.known_elsewhere(*index, me))
                 .take(keeping - share)
                 .collect();
@@ -758,10 +783,6 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                 return;
             }
         };
-        if let Some(unsupported) = crontab.unsupported() {
-            error!(event = "crontab_refused", lock = %lock, "{unsupported}; the crontab read before keeps running");
-            return;
-        }
         let reread = match jobs.reread(&lock, crontab) {
             Ok(reread) => reread,
             Err(err) => {
@@ -831,6 +852,26 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                 occurrence,
                 attempt,
             } => {
+                // overlap=allow: the run still going goes on aside, and this one starts.
+                if self.shards.is_started(&item)
+                    && let Some(aside) = (1..4)
+                        .map(|slot| item | (slot << ASIDE_SHIFT))
+                        .find(|key| !self.shards.contains_key(key))
+                    && let Some(shard) = self.shards.item_mut(&item).cloned()
+                {
+                    let label = self
+                        .jobs
+                        .as_ref()
+                        .map(|jobs| jobs.label(item))
+                        .unwrap_or_default();
+                    self.shards.rekey(&item, aside);
+                    let fresh = Shard {
+                        run: None,
+                        timeout_at: None,
+                        ..shard
+                    };
+                    self.shards.insert(item, label, fresh, None);
+                }
                 let Some(shard) = self.shards.item_mut(&item) else {
                     return;
                 };
@@ -884,6 +925,11 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
         }
     }
 
+    /// Whether runs of the job `item` go on aside (`overlap=allow`).
+    fn has_aside(&self, item: u32) -> bool {
+        (1..4).any(|slot| self.shards.contains_key(&(item | (slot << ASIDE_SHIFT))))
+    }
+
     /// Stops the crontab runs that have taken their job's `timeout=`: the stop signal, then
     /// SIGKILL after `--kill-timeout`, as any stop; the run is recorded as failed.
     fn stop_timed_out(&mut self) {
@@ -900,7 +946,11 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
             if let Some(shard) = self.shards.item_mut(&item) {
                 shard.timeout_at = None;
             }
-            let (label, timeout) = match self.jobs.as_ref().and_then(|jobs| jobs.definition(item)) {
+            let job = self
+                .jobs
+                .as_ref()
+                .and_then(|jobs| jobs.definition(item_of(item)));
+            let (label, timeout) = match job {
                 Some(definition) => (Label::job(&definition.job.name), definition.job.timeout),
                 None => (Label::shard(item), None),
             };
@@ -992,11 +1042,21 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
             for (index, status, settled) in &settled {
                 match settled {
                     Settled::Restarting => {
+                        let occurrence = self
+                            .shards
+                            .item_mut(index)
+                            .and_then(|shard| shard.run.map(|(at, _)| at));
                         if let Some(status) = status {
-                            jobs.exited(*index, *status);
+                            jobs.exited(item_of(*index), occurrence, *status);
                         }
                         if let Some(shard) = self.shards.item_mut(index) {
                             shard.timeout_at = None;
+                        }
+                        if is_aside(*index) {
+                            // A run that went on aside is over: its entry goes.
+                            self.shards
+                                .stop(index, self.settings.kill_signal, After::Forget);
+                            continue;
                         }
                         let timeout = self.settings.check_timeout;
                         if jobs.is_retired(*index) {
@@ -1012,6 +1072,8 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                             }
                         }
                     }
+                    // A run aside is recorded with its job's runs (see above).
+                    _ if is_aside(*index) => {}
                     _ if in_doubt => jobs.forget(*index),
                     Settled::Give | Settled::Gone => {
                         let why = match settled {
