@@ -27,7 +27,6 @@
 
 mod link;
 
-use std::os::fd::RawFd;
 use std::time::Duration;
 
 use anyhow::bail;
@@ -462,7 +461,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                     }
                 }
                 Event::Timer => {
-                    if let Err(err) = self.on_timer(me, &link.holder.sockets()) {
+                    if let Err(err) = self.on_timer(me, &link.holder) {
                         self.fail(&mut link, err);
                     }
                 }
@@ -583,12 +582,13 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                 Instant::now() + delay,
             );
         }
-        self.on_timer(me, &holder.sockets()).map_err(Failure::Fatal)
+        self.on_timer(me, holder).map_err(Failure::Fatal)
     }
 
-    /// Starts the commands whose start time has come, with the keeper holding `sockets` (the
-    /// holder session's, read now: none once it is closed), and moves stops along.
-    fn on_timer(&mut self, me: i32, sockets: &[RawFd]) -> anyhow::Result<()> {
+    /// Starts the commands whose start time has come, with the keeper holding the holder
+    /// session's sockets (read now: none once it is closed), and moves stops along.
+    fn on_timer(&mut self, me: i32, holder: &B::Holder) -> anyhow::Result<()> {
+        let sockets = holder.sockets();
         // Without the session's socket a keeper could not order a crash: the session has
         // ended, which the loop hears next.
         // Nor while the probe says unhealthy (it may have turned so while shards were being
@@ -600,7 +600,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
             env.push(("PGLEADER_SHARD", index.to_string()));
             env.push(("PGLEADER_SHARDS", count.to_string()));
             let job = Parked::spawn(&settings.command, &settings.hooks)
-                .and_then(|parked| parked.start(&env, sockets))
+                .and_then(|parked| parked.start(&env, &holder.lend(*index)))
                 .map_err(|err| anyhow::anyhow!("cannot start the keeper process: {err}"))?;
             debug!(
                 event = "spawned",
