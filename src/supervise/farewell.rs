@@ -19,8 +19,10 @@
 //! Pitfalls, and what this does about each:
 //! - **Unread data.** The connection speaks RESP3: tracking invalidations, pub/sub messages and
 //!   answers to the dead pgleader's last commands may wait unread in the socket's receive
-//!   queue. Closing a TCP socket with unread data sends a reset rather than a FIN, and the
-//!   server may then drop a command it has received but not yet run. So the keeper closes only
+//!   queue. Closing a TCP socket with unread data sends a reset rather than a FIN, which
+//!   throws away what of the command the kernel has not sent yet (on loopback, where sending is
+//!   immediate, it still ran 200 times of 200; across a network it need not). So the keeper
+//!   closes only
 //!   once the server's answer, carrying the farewell's marker, has arrived (the server has run
 //!   the script), or after [`TIMEOUT`] (then the lease and the next check bound the takeover, as
 //!   they did before).
