@@ -31,7 +31,11 @@
 //!   never consumes, so no keeper takes another's answer; the last one to close may send a
 //!   reset, but by then every keeper that closed before had seen its answer, and so its command
 //!   run. Waiting on a queue that holds data without the marker polls every millisecond (poll
-//!   would report the data again at once), bounded by [`TIMEOUT`].
+//!   would report the data again at once), bounded by [`TIMEOUT`]. Each farewell (a few KiB)
+//!   goes out in one `send`, which the kernel copies whole, under the socket's lock, unless the
+//!   send buffer is full; then the rest follows later and two keepers' farewells could
+//!   interleave: the server answers with errors, the markers never come, and both close after
+//!   [`TIMEOUT`], as before this existed.
 //! - **TLS.** Bytes written on the socket by another process would break pgleader's TLS
 //!   session, and the keeper has no TLS stack (nor should it: it must stay small). A TLS
 //!   connection is lent without a farewell: the takeover waits for the next check, as before.
