@@ -69,7 +69,8 @@ const USAGE: &str = "usage: cargo bench --bench failover [-- [--quick] [--only h
                  dist/pgleader-<version>-x86_64-linux), beside cargo's, scenario by scenario;
                  not with --only http or quorum
   --previous PATH  the same with a previous build of pgleader (a release build of an earlier
-                 commit), to compare in one run";
+                 commit), to compare in one run; with --only quorum, its kill -9 over the three
+                 servers beside this build's";
 
 /// How much to run.
 #[derive(Debug)]
@@ -167,10 +168,13 @@ impl Plan {
                 other => return Err(format!("unknown argument {other:?}")),
             }
         }
-        if (only_http || only_quorum) && (static_binary.is_some() || previous_binary.is_some()) {
+        if (only_http && (static_binary.is_some() || previous_binary.is_some()))
+            || (only_quorum && static_binary.is_some())
+        {
             return Err(
-                "--static and --previous measure the PostgreSQL, Redis and shards' rows; \
-                 --only http and --only quorum run cargo's build alone"
+                "--static and --previous measure the PostgreSQL, Redis and shards' rows (and \
+                 --previous the quorum's kill -9); --only http runs cargo's build alone, and \
+                 --only quorum with --previous only"
                     .into(),
             );
         }
@@ -574,6 +578,7 @@ fn quorum_scenarios(
             peer: plan.never_runs,
         },
         plan.cost_window,
+        plan.previous_binary.as_deref(),
     ))
 }
 

@@ -14,7 +14,7 @@
 //! partition that drops packets would); in both the leader must stop its command on its own.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Mutex;
 use std::thread::sleep;
@@ -30,8 +30,8 @@ use crate::procfs;
 use crate::redis_lock::{self, CHECK_INTERVAL, Counts, PEER_TTL_SECONDS, add_counts};
 use crate::scenarios::{self, ServerFault};
 use crate::tools::{
-    self, Candidate, LockServer, QUORUM_LABEL, REDLOCK_LABEL, SETTLE, SETUP_WAIT, Tool, Usage,
-    child_script, first_line, peer_candidate, wait_queued,
+    self, Candidate, LockServer, PREVIOUS_QUORUM_LABEL, QUORUM_LABEL, REDLOCK_LABEL, SETTLE,
+    SETUP_WAIT, Tool, Usage, child_script, first_line, peer_candidate, wait_queued,
 };
 
 /// The npm `redlock` release the peer runs, pinned so that runs compare: the 5.0 line, the
@@ -252,6 +252,9 @@ impl ServerFault for LoseMajority<'_> {
 /// pgleader over the benchmark's three servers, with `--check-interval 200ms` as on one.
 pub struct PgleaderQuorum<'a> {
     pub quorum: &'a Quorum,
+    /// Which binary: cargo's build (None), or another one such as a previous build.
+    pub binary: Option<&'a Path>,
+    pub label: &'static str,
 }
 
 impl PgleaderQuorum<'_> {
@@ -260,7 +263,7 @@ impl PgleaderQuorum<'_> {
     }
 
     fn spawn(&self, tag: &str, lock: i64, options: &[&str]) -> Candidate {
-        let mut command = harness::pgleader();
+        let mut command = tools::pgleader_binary(self.binary);
         // pgleader's own defaults, restart fence included (the harness turns it off for tests).
         command
             .env_remove("PGLEADER_RESTART_FENCE")
@@ -279,7 +282,7 @@ impl PgleaderQuorum<'_> {
 
 impl Tool for PgleaderQuorum<'_> {
     fn label(&self) -> &'static str {
-        QUORUM_LABEL
+        self.label
     }
 
     fn candidate(&self, tag: &str, lock: i64, _proxy: Option<&Proxy>) -> Candidate {
@@ -587,8 +590,13 @@ pub fn scenarios(
     lease_runs: usize,
     loss: &LossRuns,
     cost_window: Duration,
+    previous: Option<&Path>,
 ) -> (Vec<Row>, Vec<Cost>) {
-    let pgleader = PgleaderQuorum { quorum };
+    let pgleader = PgleaderQuorum {
+        quorum,
+        binary: None,
+        label: QUORUM_LABEL,
+    };
     let peer = Redlock { quorum };
     let tools = [&pgleader as &dyn Tool, &peer];
     let mut rows = Vec::new();
@@ -599,6 +607,15 @@ pub fn scenarios(
         rows.extend(scenarios::sigterm(tool, runs, false));
     }
     rows.extend(scenarios::kill9(&pgleader, runs));
+    // A previous build's kill -9 right after this one's, in the same run (`--previous`).
+    if let Some(binary) = previous {
+        let previous = PgleaderQuorum {
+            quorum,
+            binary: Some(binary),
+            label: PREVIOUS_QUORUM_LABEL,
+        };
+        rows.extend(scenarios::kill9(&previous, runs));
+    }
     rows.extend(scenarios::kill9(&peer, lease_runs));
     let costs = tools::idle_costs(&tools, cost_window);
     for kill in [false, true] {

@@ -36,6 +36,8 @@ pub const PREVIOUS_LABEL: &str = "pgleader previous";
 /// The same on Redis.
 pub const PREVIOUS_REDIS_LABEL: &str = "pgleader previous on Redis";
 /// pgleader's `--static` binary.
+/// The previous build over the benchmark's three Redis servers.
+pub const PREVIOUS_QUORUM_LABEL: &str = "pgleader previous on 3 Redis";
 pub const STATIC_LABEL: &str = "pgleader static";
 /// The same on Redis.
 pub const STATIC_REDIS_LABEL: &str = "pgleader static on Redis";
@@ -263,7 +265,7 @@ pub fn wait_queued(tool: &dyn Tool, lock: i64, n: usize, timeout: Duration) -> a
 }
 
 /// `pgleader` with the integration tests' clean environment: `binary`, or cargo's build.
-fn pgleader_binary(binary: Option<&Path>) -> Command {
+pub fn pgleader_binary(binary: Option<&Path>) -> Command {
     match binary {
         Some(binary) => harness::clean(Command::new(binary)),
         None => harness::pgleader(),

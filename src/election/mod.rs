@@ -172,6 +172,12 @@ pub trait Session {
     /// the lock, only after the last of them.
     fn sockets(&self) -> Vec<std::os::fd::RawFd>;
 
+    /// What the keeper is lent: [`Session::sockets`], each with what the keeper says on it
+    /// if pgleader dies ([`socket::Farewell`]), where the backend has something to say.
+    fn lend(&self) -> Vec<socket::Lent> {
+        self.sockets().into_iter().map(socket::Lent::hold).collect()
+    }
+
     /// Resolves when the connection, or the leadership it holds, has ended, with the reason.
     fn ended(&mut self) -> impl Future<Output = String>;
 

@@ -200,6 +200,16 @@ pub trait Holder {
     /// The sockets a keeper holds while a shard's command runs (see `Session::sockets`).
     fn sockets(&self) -> Vec<std::os::fd::RawFd>;
 
+    /// What the keeper of `shard`'s command is lent: [`Holder::sockets`], each with what the
+    /// keeper says on it if pgleader dies (see `Session::lend`).
+    fn lend(&self, shard: u32) -> Vec<super::socket::Lent> {
+        let _ = shard;
+        self.sockets()
+            .into_iter()
+            .map(super::socket::Lent::hold)
+            .collect()
+    }
+
     /// The next word from another member (joined, gave a shard, left, gone), or the end of
     /// the session, which loses every shard. Cancel-safe.
     fn next_event(&mut self) -> impl Future<Output = HolderEvent>;

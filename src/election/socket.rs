@@ -6,6 +6,11 @@
 //! of pgleader frees the lock only after the last process of that tree (see
 //! [`Session::sockets`](super::Session::sockets)). A backend lends the socket's number, which
 //! stays valid only while its driver runs: [`LentSocket`] remembers which file the number named.
+//!
+//! A backend whose server does not free the lock when the connection closes (Redis: a key lives
+//! until its TTL) also gives the keeper a [`Farewell`] for the socket: a command the keeper
+//! writes on it, once pgleader died and the whole tree is gone, to release the lock at once
+//! (see `supervise/farewell.rs`).
 
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
@@ -71,6 +76,42 @@ impl LentSocket {
         let fd = unsafe { BorrowedFd::borrow_raw(self.fd) };
         let stat = nix::sys::stat::fstat(fd).ok()?;
         ((stat.st_dev, stat.st_ino) == self.id).then_some(self.fd)
+    }
+}
+
+/// What the keeper is lent: a connection socket, and what to say on it if pgleader dies.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Lent {
+    pub fd: RawFd,
+    pub farewell: Option<Farewell>,
+}
+
+impl Lent {
+    /// A socket the keeper only holds (PostgreSQL: the server frees the lock itself when the
+    /// connection closes; Redis over TLS: another process cannot write on it).
+    pub fn hold(fd: RawFd) -> Lent {
+        Lent { fd, farewell: None }
+    }
+}
+
+/// A command, in the server's own wire format, that ends a leadership on the server (compare,
+/// then release, then wake the waiters), and the bytes its answer carries, so that the keeper
+/// can tell that the server has run it (and not merely received it) before it closes the socket.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Farewell {
+    pub command: Vec<u8>,
+    pub marker: Vec<u8>,
+}
+
+impl Farewell {
+    /// A fresh marker: unique to one farewell, so that no other answer on the socket (another
+    /// keeper's, on a socket several keepers share) can be mistaken for this one's.
+    pub fn marker() -> String {
+        format!(
+            "pgleader-farewell-{:016x}{:016x}",
+            fastrand::u64(..),
+            fastrand::u64(..)
+        )
     }
 }
 

@@ -24,7 +24,7 @@ use tokio::task::JoinHandle;
 
 use crate::election::ConnectError;
 use crate::election::lease::Lease;
-use crate::election::socket::{LentSocket, keepalives};
+use crate::election::socket::{Farewell, Lent, LentSocket, keepalives};
 use crate::redis::url::{RedisServer, TlsSettings};
 
 /// What a connection is for: a session may lead, so it must reach a primary.
@@ -46,6 +46,9 @@ pub struct Connection {
     pub server_major: u32,
     /// The socket, owned by the driver task: lent to the keeper while it is still open.
     pub socket: LentSocket,
+    /// Whether TLS runs over the socket: then only the process that holds the TLS session can
+    /// write on it, and the keeper is lent the socket without a farewell.
+    pub tls: bool,
 }
 
 impl Connection {
@@ -53,6 +56,22 @@ impl Connection {
     /// lives on with its other servers after one connection ended (see [`LentSocket::open`]).
     pub fn open_socket(&self) -> Option<RawFd> {
         self.socket.open()
+    }
+
+    /// The socket, if still open, for the keeper, with the farewell `command` builds for a
+    /// fresh marker (the script must answer with the marker). Over TLS without one: the keeper
+    /// cannot speak inside pgleader's TLS session, so a crash there is noticed at the next
+    /// check, as before.
+    pub fn lend(&self, command: impl FnOnce(&str) -> Vec<u8>) -> Option<Lent> {
+        let fd = self.open_socket()?;
+        let farewell = (!self.tls).then(|| {
+            let marker = Farewell::marker();
+            Farewell {
+                command: command(&marker),
+                marker: marker.into_bytes(),
+            }
+        });
+        Some(Lent { fd, farewell })
     }
 }
 
@@ -140,6 +159,7 @@ pub async fn open(
         client_id: 0,
         server_major: 0,
         socket,
+        tls: server.tls.is_some(),
     };
     let checks = async {
         let mut setup = redis::pipe();

@@ -256,6 +256,18 @@ redis.call('PUBLISH', base .. ':released', '1')
 return 1
 "#;
 
+/// The keeper's farewell for a leader whose pgleader died: [`RELEASE`] once its command's whole
+/// tree is gone, answering `{released (0/1), ARGV[5]}`, the marker the keeper waits for (see
+/// `supervise/farewell.rs`).
+const FAREWELL: &str = r#"
+local function release()
+"#;
+
+const FAREWELL_END: &str = r#"
+end
+return {release(), ARGV[5]}
+"#;
+
 /// What `status` shows, changing nothing: `{lock value or false, holder connected (0/1/-1 when
 /// it cannot tell), {nonce, card, ...} of the live waiters in order, seconds, microseconds}`.
 const VIEW: &str = r#"
@@ -281,6 +293,11 @@ fn script(body: &str) -> Script {
 
 /// The renew script's whole text, for an `EVAL` inside a pipeline (the fence's).
 pub static RENEW_SOURCE: LazyLock<String> = LazyLock::new(|| format!("{PRELUDE}{RENEW}"));
+
+/// The farewell's whole text: sent by the keeper with `EVAL`, since it cannot fall back from
+/// `EVALSHA` when the server has not cached it.
+pub static FAREWELL_SOURCE: LazyLock<String> =
+    LazyLock::new(|| format!("{PRELUDE}{FAREWELL}{RELEASE}{FAREWELL_END}"));
 
 pub static ACQUIRE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(ACQUIRE));
 pub static RENEW_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(RENEW));
@@ -369,6 +386,15 @@ impl ScriptArgs {
             .arg(millis(self.lease))
             .arg(millis(self.stale));
         cmd
+    }
+}
+
+impl ScriptArgs {
+    /// The farewell for this session's leadership, in RESP, answering with `marker`.
+    pub(crate) fn farewell(&self, marker: &str) -> Vec<u8> {
+        let mut cmd = self.eval(&FAREWELL_SOURCE);
+        cmd.arg(marker);
+        cmd.get_packed_command()
     }
 }
 

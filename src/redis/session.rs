@@ -235,6 +235,15 @@ impl Session for RedisSession {
         self.connection.open_socket().into_iter().collect()
     }
 
+    /// The socket, with the release for the keeper to send if pgleader dies, so that a
+    /// follower takes over as soon as the old tree is gone rather than at its next check.
+    fn lend(&self) -> Vec<crate::election::socket::Lent> {
+        self.connection
+            .lend(|marker| self.args.farewell(marker))
+            .into_iter()
+            .collect()
+    }
+
     /// An invalidation of the lock's key is a suspicion, not yet a loss: the server's tracking
     /// table knows key names, not databases, so FLUSHDB of any database, or a write to a key of
     /// the same name in another one, is pushed too. The key is read again (which also re-arms

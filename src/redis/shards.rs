@@ -265,6 +265,37 @@ say('gave ' .. ARGV[5])
 return 1
 "#;
 
+/// The keeper's farewell for item ARGV[5] of a replica whose pgleader died, once that item's
+/// command's whole tree is gone: [`GIVE`], then, if no item of ARGV[7..] (a shard count, or 0
+/// and a crontab's job numbers) names this member any more (this was its last keeper), the
+/// membership too, so that the others deal out its share at once rather than when their
+/// watcher finds its connection gone. Answers `{given (0/1), ARGV[6]}`, the marker the keeper
+/// waits for (see `supervise/farewell.rs`).
+const FAREWELL: &str = r#"
+local function give()
+"#;
+
+const FAREWELL_END: &str = r#"
+end
+local given = give()
+local list, k = {}, tonumber(ARGV[7])
+if k == 0 then
+  for i = 8, #ARGV do list[#list + 1] = ARGV[i] end
+else
+  for n = 0, k - 1 do list[n + 1] = tostring(n) end
+end
+for _, n in ipairs(list) do
+  local v = redis.call('GET', base .. ':shard:' .. n)
+  if v and nonce_of(v) == nonce then return {given, ARGV[6]} end
+end
+local card = redis.call('GET', member_key(me))
+if card and nonce_of(card) == nonce then
+  redis.call('DEL', member_key(me)); redis.call('SREM', members, me)
+  say('left ' .. me)
+end
+return {given, ARGV[6]}
+"#;
+
 /// Releases every item (ARGV[5..], see the prelude) that is still this member's, and the
 /// membership; says so.
 const LEAVE: &str = r#"
@@ -307,6 +338,10 @@ fn script(body: &str) -> Script {
     Script::new(&format!("{PRELUDE}{body}"))
 }
 
+/// The farewell's whole text: the keeper sends it with `EVAL` (it cannot fall back from
+/// `EVALSHA`).
+static FAREWELL_SOURCE: LazyLock<String> =
+    LazyLock::new(|| format!("{PRELUDE}{FAREWELL}{GIVE}{FAREWELL_END}"));
 static JOIN_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(JOIN));
 static ROSTER_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(ROSTER));
 static TAKE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(TAKE));
@@ -760,6 +795,34 @@ impl Holder for RedisShardHolder {
     /// trees are gone.
     fn sockets(&self) -> Vec<std::os::fd::RawFd> {
         self.connection.open_socket().into_iter().collect()
+    }
+
+    /// The socket, with the release of `shard` for its keeper to send if pgleader dies. The
+    /// keepers of all this replica's shards share the one socket; each says its own farewell.
+    fn lend(&self, shard: u32) -> Vec<crate::election::socket::Lent> {
+        let args = &self.args;
+        self.connection
+            .lend(|marker| {
+                let mut farewell = redis::cmd("EVAL");
+                farewell
+                    .arg(FAREWELL_SOURCE.as_str())
+                    .arg(0)
+                    .arg(&args.keys.base)
+                    .arg(&args.id)
+                    .arg(&args.nonce)
+                    .arg(millis(args.lease))
+                    .arg(shard)
+                    .arg(marker)
+                    .arg(args.items.marker());
+                if let Items::Listed(listing) = &args.items {
+                    for item in &listing.items {
+                        farewell.arg(*item);
+                    }
+                }
+                farewell.get_packed_command()
+            })
+            .into_iter()
+            .collect()
     }
 
     async fn next_event(&mut self) -> HolderEvent {

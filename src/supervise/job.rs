@@ -23,6 +23,7 @@ use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::{AccessFlags, Pid, access};
 use thiserror::Error;
 
+use crate::election::socket::Lent;
 use crate::exit::{self, ChildStatus};
 use crate::supervise::hook::Hooks;
 use crate::supervise::keeper::{self, Report};
@@ -236,10 +237,11 @@ impl Parked {
     }
 
     /// Starts the command: sends the keeper `env` (added to its environment) and copies of
-    /// `hold` (the leader's connection sockets), which it keeps open until the command's whole
-    /// tree is gone. An error means the keeper is gone; nothing was started.
-    pub fn start(self, env: &[(&str, String)], hold: &[RawFd]) -> io::Result<Job> {
-        let message = keeper::start_message(env);
+    /// `hold` (the leader's connection sockets, with their farewells), which it keeps open until
+    /// the command's whole tree is gone. An error means the keeper is gone; nothing was started.
+    pub fn start(self, env: &[(&str, String)], hold: &[Lent]) -> io::Result<Job> {
+        let message = keeper::start_message(env, hold);
+        let hold: Vec<RawFd> = hold.iter().map(|lent| lent.fd).collect();
         if hold.len() > keeper::MAX_HELD {
             return Err(io::Error::other(format!(
                 "{} connection sockets to hand to the keeper, at most {} fit in one message",
@@ -247,7 +249,7 @@ impl Parked {
                 keeper::MAX_HELD
             )));
         }
-        let rights = [ControlMessage::ScmRights(hold)];
+        let rights = [ControlMessage::ScmRights(&hold)];
         let cmsgs: &[ControlMessage] = if hold.is_empty() { &[] } else { &rights };
         // A blocking socket: the message is small, the keeper reads it at once.
         let mut sent = loop {

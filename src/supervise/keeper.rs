@@ -39,7 +39,10 @@
 //! - holds copies of the leader's connection sockets (where the backend lends them) until it
 //!   has reaped its last child, and closes them then, before its own exit. When pgleader is
 //!   killed -9, the server sees that connection close only once the keeper has killed and
-//!   reaped the whole tree, so no follower can take over while any of it still runs.
+//!   reaped the whole tree, so no follower can take over while any of it still runs;
+//! - when pgleader died, says the leader's farewell on those sockets before it closes them
+//!   (Redis, see [`farewell`]): it ends the leadership on the server at once, so a follower
+//!   takes over the moment the old tree is gone rather than at its next check.
 //!
 //! Everything here runs in a single-threaded process that does nothing but wait, so plain
 //! blocking system calls are the simplest correct tool.
@@ -63,8 +66,10 @@ use nix::unistd::{Pid, getpid};
 use tracing::{info, warn};
 
 use crate::cli::LogFormat;
+use crate::election::socket::{Farewell, Lent};
 use crate::exit::ChildStatus;
 use crate::operate::logging;
+use crate::supervise::farewell::{self, Farewells, Parent};
 use crate::supervise::hook::{self, Ended, Hook, Hooks};
 use crate::supervise::{procfs, spawn};
 use crate::time::for_people;
@@ -197,15 +202,17 @@ impl Options {
 }
 
 /// The tag of the message that starts the command: then a little-endian 32-bit length and
-/// that many bytes of `KEY=VALUE\0` entries; the sockets to hold travel with it (SCM_RIGHTS).
+/// that many bytes: the length of the environment (32 bits), its `KEY=VALUE\0` entries, and
+/// the farewells of the sockets to hold ([`farewell::encode`]); the sockets travel with it
+/// (SCM_RIGHTS).
 pub const START: u8 = b'G';
 
 /// The most connection sockets one start message carries (a Redlock quorum lends one per
 /// server).
 pub const MAX_HELD: usize = 64;
 
-/// The start message for `env`, without its sockets.
-pub fn start_message(env: &[(&str, String)]) -> Vec<u8> {
+/// The start message for `env` and the farewells of `hold`, without the sockets themselves.
+pub fn start_message(env: &[(&str, String)], hold: &[Lent]) -> Vec<u8> {
     let mut entries = Vec::new();
     for (key, value) in env {
         entries.extend_from_slice(key.as_bytes());
@@ -213,10 +220,30 @@ pub fn start_message(env: &[(&str, String)]) -> Vec<u8> {
         entries.extend_from_slice(value.as_bytes());
         entries.push(0);
     }
+    let farewells = farewell::encode(hold);
     let mut message = vec![START];
+    message.extend_from_slice(&((4 + entries.len() + farewells.len()) as u32).to_le_bytes());
     message.extend_from_slice(&(entries.len() as u32).to_le_bytes());
     message.extend_from_slice(&entries);
+    message.extend_from_slice(&farewells);
     message
+}
+
+/// The environment entries a start message carries.
+type Env = Vec<(OsString, OsString)>;
+
+/// A start message's body: the environment and the farewells.
+fn parse_body(body: &[u8]) -> io::Result<(Env, Vec<Option<Farewell>>)> {
+    let bad = || io::Error::other("a start message that does not parse");
+    let len = u32::from_le_bytes(
+        body.get(..4)
+            .ok_or_else(bad)?
+            .try_into()
+            .map_err(|_| bad())?,
+    );
+    let env = body.get(4..4 + len as usize).ok_or_else(bad)?;
+    let farewells = farewell::decode(&body[4 + len as usize..]).ok_or_else(bad)?;
+    Ok((parse_env(env), farewells))
 }
 
 /// The environment entries of a start message's body.
@@ -238,6 +265,8 @@ fn parse_env(body: &[u8]) -> Vec<(OsString, OsString)> {
 struct Start {
     env: Vec<(OsString, OsString)>,
     hold: Vec<OwnedFd>,
+    /// What to say on each of `hold` if pgleader dies.
+    farewells: Vec<Option<Farewell>>,
     /// pgleader asked for the end right after the start, before the keeper read either.
     kill_now: bool,
 }
@@ -282,9 +311,11 @@ fn wait_for_start(channel: &UnixStream) -> io::Result<Option<Start>> {
             let len = u32::from_le_bytes([received[1], received[2], received[3], received[4]]);
             let end = 5 + len as usize;
             if received.len() >= end {
+                let (env, farewells) = parse_body(&received[5..end])?;
                 return Ok(Some(Start {
-                    env: parse_env(&received[5..end]),
+                    env,
                     hold,
+                    farewells,
                     kill_now: received[end..].contains(&KILL_EVERYTHING),
                 }));
             }
@@ -351,6 +382,10 @@ fn run() -> io::Result<i32> {
     argv.extend(rest.iter().cloned());
     let mut prepared = spawn::Prepared::new(&program, &argv);
 
+    // Watched from now, while pgleader surely is the parent: the farewell is said only once
+    // it is dead.
+    let parent = Parent::watch();
+
     // Parked until pgleader wins, or gone with it.
     let Some(start) = wait_for_start(&channel)? else {
         return Ok(0);
@@ -369,6 +404,10 @@ fn run() -> io::Result<i32> {
         pgleader_gone: false,
         signalfd,
         held_connections: start.hold,
+        farewells: Farewells {
+            parent,
+            farewells: start.farewells,
+        },
         hooks,
         env: start.env,
         hook: None,
@@ -493,6 +532,8 @@ struct Job {
     pgleader_gone: bool,
     signalfd: SignalFd,
     held_connections: Vec<OwnedFd>,
+    /// What to say on `held_connections` before closing them, if pgleader died.
+    farewells: Farewells,
     hooks: Hooks,
     /// What pgleader added to the command's environment (the hooks get it too).
     env: Vec<(OsString, OsString)>,
@@ -678,7 +719,19 @@ impl Job {
     /// an exiting process's memory before it closes its files, and when pgleader was killed
     /// these copies are the last, so closing them is what ends the server's session and frees
     /// the lock for the next leader.
+    ///
+    /// When pgleader died, the farewells go first: they end its leadership on the server now,
+    /// the tree being gone, rather than leave that to the followers' next check.
     fn finish(&mut self) {
+        if self.pgleader_gone || farewell::channel_ended(self.channel.as_fd()) {
+            let answered = self.farewells.say_if_orphaned(&self.held_connections);
+            if answered > 0 {
+                info!(
+                    event = "farewell",
+                    answered, "released the dead leader's lock on {answered} server(s)"
+                );
+            }
+        }
         self.held_connections.clear();
         let _ = self.channel.write_all(&Report::Done(0).encode());
     }
@@ -719,11 +772,26 @@ mod tests {
             ("PGLEADER_LOCK_NAME", "a=b c".to_owned()),
             ("EMPTY", String::new()),
         ];
-        let message = start_message(&env);
+        let hold = [
+            Lent::hold(3),
+            Lent {
+                fd: 4,
+                farewell: Some(Farewell {
+                    command: b"*1\r\n$4\r\nPING\r\n".to_vec(),
+                    marker: b"PONG".to_vec(),
+                }),
+            },
+        ];
+        let message = start_message(&env, &hold);
         assert_eq!(message[0], START);
         let len = u32::from_le_bytes([message[1], message[2], message[3], message[4]]);
         assert_eq!(len as usize, message.len() - 5);
-        let parsed: Vec<(String, String)> = parse_env(&message[5..])
+        let (env_parsed, farewells) = parse_body(&message[5..]).expect("a start message");
+        assert_eq!(
+            farewells,
+            hold.iter().map(|l| l.farewell.clone()).collect::<Vec<_>>()
+        );
+        let parsed: Vec<(String, String)> = env_parsed
             .into_iter()
             .map(|(k, v)| {
                 (

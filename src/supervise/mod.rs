@@ -12,6 +12,7 @@
 
 pub mod commands;
 pub mod duty;
+pub mod farewell;
 pub mod health;
 pub mod hook;
 pub mod inbox;

@@ -405,7 +405,7 @@ impl<B: Backend> Supervisor<B> {
     async fn spawn(
         &mut self,
         env: &[(&'static str, String)],
-        hold: &[std::os::fd::RawFd],
+        hold: &[crate::election::socket::Lent],
     ) -> anyhow::Result<Job> {
         let parked = self.take_parked().await;
         let (command, hooks) = (&self.settings.command, &self.settings.hooks);

@@ -8,8 +8,8 @@ use nix::sys::signal::Signal;
 use crate::harness::pg::{SLOW_CHECKS, leader, leader_and_follower};
 use crate::harness::{
     Cluster, Journal, Proc, Stream, WAIT, is_running, keepers_of, kill_9,
-    kill_9_never_overlaps_the_dying_tree, overlaps_seen, patient_child, pid_field, pid_in, run,
-    unique_lock, wait_gone,
+    kill_9_never_overlaps_a_41_process_tree, kill_9_never_overlaps_the_dying_tree, overlaps_seen,
+    patient_child, pid_field, pid_in, run, unique_lock, wait_gone,
 };
 
 #[test]
@@ -111,6 +111,15 @@ fn kill_9_of_the_leader_frees_the_lock_only_after_its_whole_tree_is_gone() {
     // A lease of a minute: only the keeper letting go of the leader's socket, not the server's
     // idle_session_timeout, can free the lock within the test's waits.
     kill_9_never_overlaps_the_dying_tree("pg", 5, |name, script| {
+        run(name, cluster, lock, &["--lease=60s"], script)
+    });
+}
+
+#[test]
+fn kill_9_of_the_leader_never_overlaps_a_41_process_tree_in_20_rounds() {
+    let cluster = Cluster::shared();
+    let lock = unique_lock();
+    kill_9_never_overlaps_a_41_process_tree("pg-41", 20, |name, script| {
         run(name, cluster, lock, &["--lease=60s"], script)
     });
 }

@@ -16,7 +16,8 @@ use pgleader::redis::url::RedisServer;
 use crate::harness::cluster::free_port;
 use crate::harness::within;
 use crate::harness::{
-    Journal, Proc, Proxy, Redis, Stream, WAIT, patient_child, pgleader, unique_lock, wait_gone,
+    Journal, Proc, Proxy, Redis, Stream, WAIT, kill_9_never_overlaps_a_41_process_tree,
+    patient_child, pgleader, unique_lock, wait_gone,
 };
 
 const LEASE: Duration = Duration::from_secs(3);
@@ -297,6 +298,32 @@ fn the_command_line_refuses_a_quorum_it_cannot_keep_and_warns_on_an_even_one() {
     run.wait_log("an even count adds a server without adding tolerance");
     run.signal(nix::sys::signal::Signal::SIGTERM);
     run.wait_exit();
+}
+
+#[test]
+fn kill_9_of_the_leader_never_overlaps_a_41_process_tree_in_20_rounds_and_hands_over_at_once() {
+    let (servers, urls) = three_servers();
+    let lock = format!("tree-{}", unique_lock());
+    // Tries five seconds apart: a takeover within a second or two comes from the dead leader's
+    // keeper, which released the key on every server once the tree was gone. The shortest lease
+    // those checks allow, which the servers must have been up for to vote.
+    let timings = [
+        "--check-interval=5s",
+        "--check-timeout=500ms",
+        "--kill-timeout=1s",
+        "--lease=8s",
+    ];
+    for redis in &servers {
+        wait_older_than(redis, Duration::from_secs(8));
+    }
+    let takeovers = kill_9_never_overlaps_a_41_process_tree("quorum-41", 20, |name, script| {
+        run_on(name, &urls, &lock, &timings, script)
+    });
+    let slowest = takeovers.iter().max().copied().unwrap_or_default();
+    assert!(
+        slowest < Duration::from_millis(2500),
+        "a takeover waited for the follower's check: {takeovers:?}"
+    );
 }
 
 #[test]

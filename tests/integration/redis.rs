@@ -10,8 +10,8 @@ use crate::harness::fleet::lines_with;
 use crate::harness::redis::{DOCUMENTED_ACL, SECRET_PASSWORD};
 use crate::harness::run_named as run;
 use crate::harness::{
-    Journal, Proc, Proxy, Redis, Stream, field, kill_9_never_overlaps_the_dying_tree,
-    patient_child, pgleader,
+    Journal, Proc, Proxy, Redis, Stream, field, kill_9_never_overlaps_a_41_process_tree,
+    kill_9_never_overlaps_the_dying_tree, patient_child, pgleader,
 };
 
 /// A lock name no other test uses.
@@ -80,6 +80,47 @@ fn kill_9_of_the_leader_is_replaced_before_the_ttl_but_only_after_its_whole_tree
     kill_9_never_overlaps_the_dying_tree("redis", 3, |name, script| {
         run(name, &url, &lock, &timings, script)
     });
+}
+
+/// Checks five seconds apart and a lease of a minute: a follower that starts its command within
+/// a second or two of the leader's kill -9 was woken by the dead leader's keeper (its farewell
+/// released the key and woke the follower), since its own next try was still seconds away.
+const FIVE_SECOND_CHECKS: [&str; 2] = ["--check-interval=5s", "--lease=60s"];
+
+/// Well under the five seconds between a waiting follower's tries.
+const BY_EVENT: std::time::Duration = std::time::Duration::from_millis(2500);
+
+#[test]
+fn kill_9_of_the_leader_never_overlaps_a_41_process_tree_in_20_rounds() {
+    let url = Redis::shared().url();
+    let lock = lock("kill9-41");
+    let takeovers = kill_9_never_overlaps_a_41_process_tree("redis-41", 20, |name, script| {
+        run(name, &url, &lock, &FIVE_SECOND_CHECKS, script)
+    });
+    let slowest = takeovers.iter().max().copied().unwrap_or_default();
+    assert!(
+        slowest < BY_EVENT,
+        "a takeover waited for the follower's check: {takeovers:?}"
+    );
+}
+
+#[test]
+fn after_kill_9_of_the_leader_its_keeper_hands_over_long_before_the_followers_next_check() {
+    let url = Redis::shared().url();
+    let lock = lock("farewell");
+    let (a, _) = leading("A", &url, &lock, &FIVE_SECOND_CHECKS);
+    let b = run("B", &url, &lock, &FIVE_SECOND_CHECKS, &patient_child("B"));
+    // B tried once when it logged this, and blocks on its wake list for five seconds from then.
+    b.wait_log("waiting for the lock");
+    let killed = std::time::Instant::now();
+    a.signal(Signal::SIGKILL);
+    b.wait_stdout("B started");
+    let took = killed.elapsed();
+    eprintln!("B started {took:?} after A's kill -9");
+    assert!(took < BY_EVENT, "{took:?}: {}", b.dump());
+    // The key is B's, taken by the release (the queue is empty), not found expired.
+    let value = Redis::shared().cli(&["GET", &format!("pgleader:{{{lock}}}")]);
+    assert!(value.contains(&format!("{}@", b.pid)), "{value}");
 }
 
 #[test]

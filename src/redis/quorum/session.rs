@@ -407,6 +407,15 @@ impl Session for QuorumSession {
             .collect()
     }
 
+    /// Each open socket with the release for its server (see `RedisSession::lend`): the keeper
+    /// releases on every server it reaches, and a release's message wakes the followers.
+    fn lend(&self) -> Vec<crate::election::socket::Lent> {
+        self.members
+            .iter()
+            .filter_map(|m| m.connection.lend(|marker| self.args.farewell(marker)))
+            .collect()
+    }
+
     /// Resolves once fewer than a majority of the servers still hold this session: their
     /// connections ended, or (while leading) the key changed under it.
     async fn ended(&mut self) -> String {

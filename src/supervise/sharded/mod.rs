@@ -28,7 +28,6 @@
 mod jobs;
 mod link;
 
-use std::os::fd::RawFd;
 use std::time::Duration;
 
 use anyhow::bail;
@@ -570,7 +569,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                 }
                 Event::Runs(item, event) => self.on_runs(&mut link, item, event),
                 Event::Timer => {
-                    if let Err(err) = self.on_timer(me, &link.holder.sockets()) {
+                    if let Err(err) = self.on_timer(me, &link.holder) {
                         self.fail(&mut link, err);
                     }
                 }
@@ -724,12 +723,13 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                 }
             }
         }
-        self.on_timer(me, &holder.sockets()).map_err(Failure::Fatal)
+        self.on_timer(me, holder).map_err(Failure::Fatal)
     }
 
-    /// Starts the commands whose start time has come, with the keeper holding `sockets` (the
-    /// holder session's, read now: none once it is closed), and moves stops along.
-    fn on_timer(&mut self, me: i32, sockets: &[RawFd]) -> anyhow::Result<()> {
+    /// Starts the commands whose start time has come, with the keeper holding the holder
+    /// session's sockets (read now: none once it is closed), and moves stops along.
+    fn on_timer(&mut self, me: i32, holder: &B::Holder) -> anyhow::Result<()> {
+        let sockets = holder.sockets();
         // Without the session's socket a keeper could not order a crash: the session has
         // ended, which the loop hears next.
         // Nor while the probe says unhealthy (it may have turned so while shards were being
@@ -753,7 +753,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                 }
             };
             let job = Parked::spawn(command, &settings.hooks)
-                .and_then(|parked| parked.start(&env, sockets))
+                .and_then(|parked| parked.start(&env, &holder.lend(item_of(*index))))
                 .map_err(|err| anyhow::anyhow!("cannot start the keeper process: {err}"))?;
             debug!(
                 event = "spawned",
@@ -881,7 +881,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                 if !self.shards.start_now(&item) {
                     return;
                 }
-                if let Err(err) = self.on_timer(link.me, &link.holder.sockets()) {
+                if let Err(err) = self.on_timer(link.me, &link.holder) {
                     self.fail(link, err);
                     return;
                 }

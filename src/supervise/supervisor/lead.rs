@@ -125,7 +125,7 @@ impl<B: Backend> Supervisor<B> {
                     ),
                     LeadEvent::Duty(Next::Start(scheduled)) => {
                         let env = self.child_env(session.id(), epoch, scheduled);
-                        job = Some(self.spawn(&env, &session.sockets()).await?);
+                        job = Some(self.spawn(&env, &session.lend()).await?);
                         if let Some(timeline) = &mut timeline {
                             timeline.handed.get_or_insert_with(Instant::now);
                         }

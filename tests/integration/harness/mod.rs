@@ -124,13 +124,38 @@ pub fn kill_9_never_overlaps_the_dying_tree(
     rounds: usize,
     start: impl Fn(&str, &str) -> Proc,
 ) {
+    kill_9_never_overlaps(tag, rounds, 1, start);
+}
+
+/// [`kill_9_never_overlaps_the_dying_tree`] with a tree of 41 processes: the command, 20
+/// children, 19 that left the group with setsid, and the one holding 2 GiB. Returns, for each
+/// round, how long after the kill the next leader's command was seen to start.
+pub fn kill_9_never_overlaps_a_41_process_tree(
+    tag: &str,
+    rounds: usize,
+    start: impl Fn(&str, &str) -> Proc,
+) -> Vec<std::time::Duration> {
+    kill_9_never_overlaps(tag, rounds, 20, start)
+}
+
+/// The tree-order rounds, over a tree of the command, `wide` children and `wide - 1` (at least
+/// one) that left the group, and one holding 2 GiB.
+fn kill_9_never_overlaps(
+    tag: &str,
+    rounds: usize,
+    wide: usize,
+    start: impl Fn(&str, &str) -> Proc,
+) -> Vec<std::time::Duration> {
     let pids = std::env::temp_dir().join(format!(
         "pgleader-{tag}-{}-{}.pids",
         std::process::id(),
         unique_lock()
     ));
+    let children = format!("sleep 1000 & echo $! >> {p}; ", p = pids.display()).repeat(wide);
+    let left = format!("setsid sleep 1000 & echo $! >> {p}; ", p = pids.display())
+        .repeat(wide.saturating_sub(1).max(1));
     let tree = format!(
-        "sleep 1000 & echo $! >> {p}; setsid sleep 1000 & echo $! >> {p}; \
+        "{children}{left}\
          python3 -c 'import time; b = b\"\\x01\" * (2 << 30); print(\"A big\", flush=True); time.sleep(1000)' & echo $! >> {p}; \
          echo $$ >> {p}; echo A started; wait",
         p = pids.display()
@@ -140,6 +165,7 @@ pub fn kill_9_never_overlaps_the_dying_tree(
          echo B started; exec sleep 1000",
         p = pids.display()
     );
+    let mut takeovers = Vec::new();
     for round in 0..rounds {
         let _ = std::fs::remove_file(&pids);
         let a = start("A", &tree);
@@ -147,8 +173,10 @@ pub fn kill_9_never_overlaps_the_dying_tree(
         a.wait_stdout("A big");
         let b = start("B", &check);
         b.wait_log("waiting for the lock");
+        let killed = std::time::Instant::now();
         a.signal(nix::sys::signal::Signal::SIGKILL);
         b.wait_stdout("B started");
+        takeovers.push(killed.elapsed());
         let overlaps = overlaps_seen(&b);
         assert!(
             overlaps.is_empty(),
@@ -158,6 +186,7 @@ pub fn kill_9_never_overlaps_the_dying_tree(
         b.wait_exit();
     }
     let _ = std::fs::remove_file(&pids);
+    takeovers
 }
 
 /// The lines in which a command that checked the old leader's tree at its start named a
