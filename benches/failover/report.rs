@@ -194,21 +194,20 @@ impl Report {
             measured: at_100.map_or_else(|| "no figures".into(), |m| format!("p50 {}", ms(m))),
             met: at_100.map(|m| m <= 50.0),
         });
-        for role in ["leader", "follower"] {
-            let cost = self
-                .costs
-                .iter()
-                .find(|c| c.tool == "pgleader" && c.role == role);
-            let rss = cost.and_then(|c| c.rss_kib);
-            verdicts.push(Verdict {
-                target: if role == "leader" {
-                    "6. idle leader: pgleader's RSS ≤ 10 MiB"
-                } else {
-                    "6. idle follower: pgleader's RSS ≤ 10 MiB"
-                },
-                measured: rss.map_or_else(|| "no figures".into(), mib),
-                met: rss.map(|kib| kib <= 10 * 1024),
-            });
+        for (target, keeper_target, role) in [
+            (
+                "6. idle leader: pgleader's RSS ≤ 7 MiB",
+                "6. idle leader: its keeper's RSS ≤ 3 MiB",
+                "leader",
+            ),
+            (
+                "6. idle follower: pgleader's RSS ≤ 7 MiB",
+                "6. idle follower: its parked keeper's RSS ≤ 3 MiB",
+                "follower",
+            ),
+        ] {
+            verdicts.push(self.rss_verdict("pgleader", target, role));
+            verdicts.push(self.keeper_rss_verdict("pgleader", keeper_target, role));
         }
         let follower = self
             .costs
@@ -283,8 +282,8 @@ impl Report {
             verdicts.push(self.median_verdict(tool, target, id, limit));
         }
         for (target, role) in [
-            ("R4. Redis, idle leader: RSS ≤ 10 MiB", "leader"),
-            ("R4. Redis, idle follower: RSS ≤ 10 MiB", "follower"),
+            ("R4. Redis, idle leader: RSS ≤ 7 MiB", "leader"),
+            ("R4. Redis, idle follower: RSS ≤ 7 MiB", "follower"),
         ] {
             verdicts.push(self.rss_verdict(tool, target, role));
         }
@@ -319,8 +318,8 @@ impl Report {
             verdicts.push(self.median_verdict(tool, target, id, 2200.0));
         }
         for (target, role) in [
-            ("Q2. quorum, idle leader: RSS ≤ 10 MiB", "leader"),
-            ("Q2. quorum, idle follower: RSS ≤ 10 MiB", "follower"),
+            ("Q2. quorum, idle leader: RSS ≤ 7 MiB", "leader"),
+            ("Q2. quorum, idle follower: RSS ≤ 7 MiB", "follower"),
         ] {
             verdicts.push(self.rss_verdict(tool, target, role));
         }
@@ -337,18 +336,20 @@ impl Report {
         }
     }
 
-    /// Whether an idle `role` of `tool` stays within 10 MiB of RSS.
+    /// Whether an idle `role` of `tool` stays within issue 39's 7 MiB of RSS.
     fn rss_verdict(&self, tool: &str, target: &'static str, role: &str) -> Verdict {
-        let rss = self
-            .costs
-            .iter()
-            .find(|c| c.tool == tool && c.role == role)
-            .and_then(|c| c.rss_kib);
-        Verdict {
-            target,
-            measured: rss.map_or_else(|| "no figures".into(), mib),
-            met: rss.map(|kib| kib <= 10 * 1024),
-        }
+        let rss = self.cost_of(tool, role).and_then(|c| c.rss_kib);
+        within(target, rss, IDLE_RSS_KIB)
+    }
+
+    /// Whether the keeper of an idle `role` of `tool` stays within issue 39's 3 MiB of RSS.
+    fn keeper_rss_verdict(&self, tool: &str, target: &'static str, role: &str) -> Verdict {
+        let rss = self.cost_of(tool, role).and_then(|c| c.keeper_rss_kib);
+        within(target, rss, IDLE_KEEPER_RSS_KIB)
+    }
+
+    fn cost_of(&self, tool: &str, role: &str) -> Option<&Cost> {
+        self.costs.iter().find(|c| c.tool == tool && c.role == role)
     }
 
     /// Issue 10's targets for the HTTP endpoint (scenario 9).
@@ -366,12 +367,7 @@ impl Report {
                 "follower, --http",
             ),
         ] {
-            let rss = cost(role).and_then(|c| c.rss_kib);
-            verdicts.push(Verdict {
-                target,
-                measured: rss.map_or_else(|| "no figures".into(), mib),
-                met: rss.map(|kib| kib <= 7 * 1024),
-            });
+            verdicts.push(self.rss_verdict("pgleader", target, role));
         }
         let idle = cost("follower, --http").map(|c| (c.cpu, c.window));
         verdicts.push(Verdict {
@@ -609,6 +605,19 @@ fn stopped(stopped: Option<(usize, usize)>) -> String {
 /// CPU time: idle processes use fractions of a millisecond a minute.
 fn cpu_ms(cpu: Duration) -> String {
     format!("{:.2} ms", cpu.as_secs_f64() * 1000.0)
+}
+
+/// Issue 39's bounds on an idle pgleader and its keeper, VmRSS in KiB.
+const IDLE_RSS_KIB: u64 = 7 * 1024;
+const IDLE_KEEPER_RSS_KIB: u64 = 3 * 1024;
+
+/// A verdict on a resident size against `limit` KiB.
+fn within(target: &'static str, rss: Option<u64>, limit: u64) -> Verdict {
+    Verdict {
+        target,
+        measured: rss.map_or_else(|| "no figures".into(), mib),
+        met: rss.map(|kib| kib <= limit),
+    }
 }
 
 fn mib(kib: u64) -> String {
