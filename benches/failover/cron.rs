@@ -212,7 +212,7 @@ pub fn scenarios(pg: &Pgleader, plan: &Plan) -> (Vec<Row>, Crontab) {
             Err(err) => eprintln!("bench:   failed: {err:#}"),
         }
     }
-    match yacron.and_then(|yacron| yacron.finish(plan.cost_window)) {
+    match yacron.and_then(Yacron::finish) {
         Ok((row, cost)) => {
             rows.push(row);
             crontab.costs.push(cost);

@@ -763,7 +763,7 @@ impl Plan {
         cron::Plan {
             window: Duration::from_secs(if self.quick { 10 } else { 60 }),
             kills: if self.quick { 5 } else { 20 },
-            cost_window: Duration::from_secs(if self.quick { 5 } else { 10 }),
+            cost_window: Duration::from_secs(if self.quick { 3 } else { 10 }),
         }
     }
 }
@@ -1075,6 +1075,15 @@ fn settings(plan: &Plan) -> Vec<(&'static str, String)> {
             format!(
                 "single node on 127.0.0.1, default heartbeat (100 ms) and election timeout (1000 ms), {}",
                 etcd::data_dir_note()
+            ),
+        ),
+        (
+            "crontab (14)",
+            format!(
+                "`pgleader cron --lock-id N FILE` with its defaults; FILE: `SHELL=/bin/bash` and {} jobs `j1`..`j{}`, each a `# pgleader: name=jN` line above `* * * * * * * echo c $PGLEADER_JOB $PGLEADER_SCHEDULED_TIME $EPOCHREALTIME` (at rest: `0 0 0 1 1 * *`); the plain processes: `pgleader run --lock-id N --schedule '* * * * * *'` (at rest `0 0 0 1 1 *`) `-- sh -c 'echo ...'`; yacron {}: one YAML file of the same jobs, every minute (`* * * * *`, its finest: it wakes once a minute), shell /bin/bash, RSS read 10 s after its start; statements counted in the server log (log_statement = all) from the processes' sessions",
+                cron::JOBS,
+                cron::JOBS,
+                yacron::VERSION
             ),
         ),
         (

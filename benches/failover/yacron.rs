@@ -23,6 +23,9 @@ pub const VERSION: &str = "0.19.0";
 /// The label of yacron's rows.
 pub const LABEL: &str = "yacron 0.19.0";
 
+/// When yacron's RSS is read, from its start.
+const RSS_AFTER: Duration = Duration::from_secs(10);
+
 /// Where pip installs yacron and its dependencies.
 fn site() -> PathBuf {
     PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
@@ -116,9 +119,10 @@ impl Yacron {
         })
     }
 
-    /// Its RSS (and its jobs' processes', if any run then) `window` after its start, and the
-    /// lateness of each job's run on the first whole minute at least 2 s after its start.
-    pub fn finish(self, window: Duration) -> anyhow::Result<(crate::figures::Row, CrontabCost)> {
+    /// Its RSS [`RSS_AFTER`] after its start, and the lateness of each job's run on the first
+    /// whole minute at least 2 s after its start.
+    pub fn finish(self) -> anyhow::Result<(crate::figures::Row, CrontabCost)> {
+        let window = RSS_AFTER;
         if let Some(rest) = window.checked_sub(self.started.elapsed()) {
             sleep(rest);
         }
