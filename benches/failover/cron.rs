@@ -22,7 +22,7 @@ use nix::sys::signal::Signal;
 use crate::figures::{Crontab, CrontabCost, Figures, Row, ms};
 use crate::harness::{self, Stream};
 use crate::procfs;
-use crate::tools::{Candidate, Pgleader, SETUP_WAIT, random_phase, run_command};
+use crate::tools::{Candidate, Pgleader, SETUP_WAIT, last_of, random_phase, run_command};
 use crate::yacron::Yacron;
 
 /// Jobs in every crontab of the scenario.
@@ -202,16 +202,12 @@ pub fn scenarios(pg: &Pgleader, plan: &Plan) -> (Vec<Row>, Crontab) {
     if let Err(err) = &yacron {
         eprintln!("bench:   yacron failed to start: {err:#}");
     }
-    eprintln!("bench: 14. crontab: one host's cost at rest, {JOBS} jobs");
-    for cost in [
-        cron_cost(pg, IDLE, "idle", plan.cost_window),
-        plain_cost(pg, "0 0 0 1 1 *", "idle", plan.cost_window),
-    ] {
-        match cost {
-            Ok(cost) => crontab.costs.push(cost),
-            Err(err) => eprintln!("bench:   failed: {err:#}"),
-        }
-    }
+    crontab.costs.extend(both_costs(
+        pg,
+        (IDLE, "0 0 0 1 1 *"),
+        "idle",
+        plan.cost_window,
+    ));
     match yacron.and_then(Yacron::finish) {
         Ok((row, cost)) => {
             rows.push(row);
@@ -224,21 +220,44 @@ pub fn scenarios(pg: &Pgleader, plan: &Plan) -> (Vec<Row>, Crontab) {
             rows.push(yacron_row(figures, String::new()));
         }
     }
-    eprintln!("bench: 14. crontab: one host's cost, every job every second");
-    for cost in [
-        cron_cost(pg, EVERY_SECOND, "every second", plan.cost_window),
-        plain_cost(pg, "* * * * * *", "every second", plan.cost_window),
-    ] {
-        match cost {
-            Ok(cost) => crontab.costs.push(cost),
-            Err(err) => eprintln!("bench:   failed: {err:#}"),
-        }
-    }
+    crontab.costs.extend(both_costs(
+        pg,
+        (EVERY_SECOND, "* * * * * *"),
+        "every second",
+        plan.cost_window,
+    ));
     let (fleet_rows, runs, twice) = fleet(pg, plan);
     rows.extend(fleet_rows);
     crontab.runs = runs;
     crontab.twice = twice;
     (rows, crontab)
+}
+
+/// One host's cost of [`JOBS`] jobs as one `pgleader cron` and as plain processes, on
+/// `schedules` (the crontab's seven fields, `--schedule`'s six); a way that fails is left out,
+/// which the report's final check names.
+fn both_costs(
+    pg: &Pgleader,
+    schedules: (&str, &str),
+    load: &'static str,
+    window: Duration,
+) -> Vec<CrontabCost> {
+    eprintln!("bench: 14. crontab: one host's cost, {JOBS} jobs, {load}");
+    let on = pg.log_statements(true);
+    let costs = [
+        on.and_then(|()| cron_cost(pg, schedules.0, load, window)),
+        plain_cost(pg, schedules.1, load, window),
+    ];
+    if let Err(err) = pg.log_statements(false) {
+        eprintln!("bench:   cannot turn the server's statement log off: {err:#}");
+    }
+    costs
+        .into_iter()
+        .filter_map(|cost| {
+            cost.map_err(|err| eprintln!("bench:   failed: {err:#}"))
+                .ok()
+        })
+        .collect()
 }
 
 /// yacron's lateness row.
@@ -385,29 +404,24 @@ fn kill_once(
     let killed_at: DateTime<Utc> = SystemTime::now().into();
     live[victim].signal(Signal::SIGKILL);
     gone.push(live.remove(victim));
-    let deadline = fault + Duration::from_secs(10);
-    let mut pending: BTreeSet<&str> = orphaned.iter().map(String::as_str).collect();
-    let mut last = Duration::ZERO;
-    while !pending.is_empty() {
-        pending.retain(|job| {
-            let needle = format!("took job {job} ");
-            let seen = live.iter().find_map(|c| {
-                c.line(Stream::Stderr, &needle, 1, Some(fault), Duration::ZERO)
-                    .map(|(_, at)| at)
-            });
-            if let Some(at) = seen {
-                last = last.max(at - fault);
-            }
-            seen.is_none()
-        });
-        if Instant::now() > deadline {
-            bail!(
-                "jobs {pending:?} were never taken\n{}",
-                tail(&gone[gone.len() - 1].dump())
-            );
-        }
-        sleep(Duration::from_millis(1));
-    }
+    let needles: Vec<String> = orphaned
+        .iter()
+        .map(|job| format!("took job {job} "))
+        .collect();
+    let survivors: Vec<&Candidate> = live.iter().collect();
+    let last = last_of(
+        &survivors,
+        Stream::Stderr,
+        &needles,
+        fault,
+        Duration::from_secs(10),
+    )
+    .map_err(|pending| {
+        anyhow::anyhow!(
+            "{pending:?} were never taken\n{}",
+            tail(&gone[gone.len() - 1].dump())
+        )
+    })?;
     // The first whole second after the kill, and a second to run it in.
     let next = killed_at.trunc_subsecs(0) + chrono::Duration::seconds(1);
     let wait = (next + chrono::Duration::milliseconds(2_500) - Utc::now()).to_std();
@@ -478,23 +492,18 @@ fn cron_cost(
     load: &'static str,
     window: Duration,
 ) -> anyhow::Result<CrontabCost> {
-    pg.log_statements(true)?;
-    let measured = (|| {
-        let file = crontab("cost", schedule)?;
-        let cron = replica(pg, "C", harness::unique_lock(), &file);
-        cron.line(Stream::Stderr, "took job ", JOBS, None, SETUP_WAIT)
-            .with_context(|| format!("it never took its {JOBS} jobs\n{}", tail(&cron.dump())))?;
-        sleep(Duration::from_secs(1));
-        measure(
-            pg,
-            format!("one `pgleader cron`, {JOBS} jobs"),
-            load,
-            &[cron.pid()],
-            window,
-        )
-    })();
-    pg.log_statements(false)?;
-    measured
+    let file = crontab("cost", schedule)?;
+    let cron = replica(pg, "C", harness::unique_lock(), &file);
+    cron.line(Stream::Stderr, "took job ", JOBS, None, SETUP_WAIT)
+        .with_context(|| format!("it never took its {JOBS} jobs\n{}", tail(&cron.dump())))?;
+    sleep(Duration::from_secs(1));
+    measure(
+        pg,
+        format!("one `pgleader cron`, {JOBS} jobs"),
+        load,
+        &[cron.pid()],
+        window,
+    )
 }
 
 /// [`JOBS`] `pgleader run --schedule SCHEDULE` processes, one lock each, each leading.
@@ -504,36 +513,31 @@ fn plain_cost(
     load: &'static str,
     window: Duration,
 ) -> anyhow::Result<CrontabCost> {
-    pg.log_statements(true)?;
-    let measured = (|| {
-        let url = pg.cluster.url();
-        let processes: Vec<Candidate> = (0..JOBS)
-            .map(|n| {
-                let command: Command = run_command(
-                    None,
-                    &url,
-                    harness::unique_lock(),
-                    &["--schedule", schedule],
-                    "echo c $PGLEADER_SCHEDULED_TIME",
-                );
-                Candidate::spawn(&format!("P{n}"), command)
-            })
-            .collect();
-        for process in &processes {
-            process
-                .line(Stream::Stderr, "became leader", 1, None, SETUP_WAIT)
-                .with_context(|| format!("one never led\n{}", tail(&process.dump())))?;
-        }
-        sleep(Duration::from_secs(1));
-        let pids: Vec<i32> = processes.iter().map(Candidate::pid).collect();
-        measure(
-            pg,
-            format!("{JOBS} `pgleader run --schedule` processes"),
-            load,
-            &pids,
-            window,
-        )
-    })();
-    pg.log_statements(false)?;
-    measured
+    let url = pg.cluster.url();
+    let processes: Vec<Candidate> = (0..JOBS)
+        .map(|n| {
+            let command: Command = run_command(
+                None,
+                &url,
+                harness::unique_lock(),
+                &["--schedule", schedule],
+                "echo c $PGLEADER_SCHEDULED_TIME",
+            );
+            Candidate::spawn(&format!("P{n}"), command)
+        })
+        .collect();
+    for process in &processes {
+        process
+            .line(Stream::Stderr, "became leader", 1, None, SETUP_WAIT)
+            .with_context(|| format!("one never led\n{}", tail(&process.dump())))?;
+    }
+    sleep(Duration::from_secs(1));
+    let pids: Vec<i32> = processes.iter().map(Candidate::pid).collect();
+    measure(
+        pg,
+        format!("{JOBS} `pgleader run --schedule` processes"),
+        load,
+        &pids,
+        window,
+    )
 }

@@ -10,12 +10,12 @@ use std::process::Command;
 use std::thread::sleep;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 
 use crate::figures::{CrontabCost, Figures};
 use crate::harness::Stream;
 use crate::procfs;
-use crate::tools::Candidate;
+use crate::tools::{Candidate, pip_install};
 
 /// The yacron release the peer runs, pinned so that runs compare.
 pub const VERSION: &str = "0.19.0";
@@ -46,37 +46,7 @@ pub fn ensure_installed() -> anyhow::Result<()> {
                 out.status.success() && String::from_utf8_lossy(&out.stdout).trim() == VERSION
             })
     };
-    if importable(&site) {
-        return Ok(());
-    }
-    eprintln!(
-        "bench: installing yacron {VERSION} with pip into {}",
-        site.display()
-    );
-    let _ = std::fs::remove_dir_all(&site);
-    let status = Command::new("python3")
-        .args([
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
-            "--no-warn-script-location",
-            "--target",
-        ])
-        .arg(&site)
-        .arg(format!("yacron=={VERSION}"))
-        .env("PIP_ROOT_USER_ACTION", "ignore")
-        .status()
-        .context("cannot run python3 -m pip (Debian: apt-get install python3-pip)")?;
-    if !status.success() || !importable(&site) {
-        bail!(
-            "pip could not install yacron=={VERSION} into {} (it needs python3 >= 3.7 and pip, \
-             and PyPI reachable)",
-            site.display()
-        );
-    }
-    Ok(())
+    pip_install(&format!("yacron=={VERSION}"), &site, importable)
 }
 
 /// A running yacron with `jobs` every-minute jobs.
