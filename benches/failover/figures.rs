@@ -65,6 +65,12 @@ impl Figures {
         Summary::of(&self.samples).map(|s| s.p50)
     }
 
+    /// The `q` quantile (0 to 1) by nearest rank, for rows whose runs are many samples (a
+    /// crontab's lateness, where p99 is asked for).
+    pub fn quantile(&self, q: f64) -> Option<f64> {
+        Summary::quantile(&self.samples, q)
+    }
+
     /// The cells runs, p50, p95, max, and a note on runs without figures.
     pub fn cells(&self) -> ([String; 4], String) {
         let runs = self.samples.len() + self.never + self.failures.len();
@@ -109,14 +115,19 @@ impl Summary {
         if samples.is_empty() {
             return None;
         }
+        Some(Summary {
+            p50: Summary::quantile(samples, 0.50)?,
+            p95: Summary::quantile(samples, 0.95)?,
+            max: Summary::quantile(samples, 1.0)?,
+        })
+    }
+
+    /// The `q` quantile of `samples` by nearest rank.
+    pub fn quantile(samples: &[f64], q: f64) -> Option<f64> {
         let mut sorted = samples.to_vec();
         sorted.sort_by(f64::total_cmp);
-        let rank = |q: f64| sorted[((q * sorted.len() as f64).ceil() as usize).max(1) - 1];
-        Some(Summary {
-            p50: rank(0.50),
-            p95: rank(0.95),
-            max: sorted[sorted.len() - 1],
-        })
+        let rank = ((q * sorted.len() as f64).ceil() as usize).max(1);
+        sorted.get(rank.min(sorted.len()) - 1).copied()
     }
 }
 
@@ -163,6 +174,36 @@ pub struct Fleet {
     pub keeper_rss_kib: u64,
     /// How many shards each replica runs.
     pub per_replica: Vec<usize>,
+}
+
+/// One host's crontab of 100 jobs, one way (scenario 14): what it costs over a window.
+#[derive(Debug)]
+pub struct CrontabCost {
+    /// How the jobs run: `pgleader cron`, plain `pgleader run --schedule` processes, yacron.
+    pub how: String,
+    /// What the jobs do during the window: `idle` (no occurrence in it) or `every second`.
+    pub load: &'static str,
+    pub window: Duration,
+    pub processes: usize,
+    pub keepers: usize,
+    /// Server sessions (`None` for a tool with no server).
+    pub connections: Option<usize>,
+    /// VmRSS of the tool's processes and keepers at the end of the window (a job's own
+    /// command not counted).
+    pub rss_kib: u64,
+    /// Statements per second the server received from those sessions.
+    pub statements_per_second: Option<f64>,
+}
+
+/// Scenario 14's figures that are not rows: the crontab's costs and how many (job,
+/// occurrence) pairs ran more than once.
+#[derive(Debug, Default)]
+pub struct Crontab {
+    /// Distinct (job, occurrence) pairs that ran, over the whole fleet's life (kills included).
+    pub runs: usize,
+    /// Of those, how many ran more than once.
+    pub twice: usize,
+    pub costs: Vec<CrontabCost>,
 }
 
 /// The cost rows of scenario 12 start so.

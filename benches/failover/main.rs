@@ -19,6 +19,7 @@
 )]
 mod harness;
 
+mod cron;
 mod etcd;
 mod figures;
 mod http;
@@ -30,6 +31,7 @@ mod scenarios;
 mod scheduled;
 mod shards;
 mod tools;
+mod yacron;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -47,7 +49,7 @@ use crate::tools::{
     STATIC_REDIS_LABEL, Tool, first_line,
 };
 
-const USAGE: &str = "usage: cargo bench --bench failover [-- [--quick] [--only http|redis|quorum|failover|shards] [--runs N] [--out PATH] [--static PATH] [--previous PATH]]
+const USAGE: &str = "usage: cargo bench --bench failover [-- [--quick] [--only http|redis|quorum|failover|shards|cron] [--runs N] [--out PATH] [--static PATH] [--previous PATH]]
   --quick        a few runs per scenario and short windows (CI); the report goes under target/
   --only http    only scenario 9 (the HTTP endpoint) and the idle cost with --http; the report
                  goes under target/ (BENCHMARKS.md is written by full runs only)
@@ -62,6 +64,11 @@ const USAGE: &str = "usage: cargo bench --bench failover [-- [--quick] [--only h
                  K = 16 and 64 on 4 replicas, a replica's cost (with --previous or --static,
                  beside that build's), and the same fleet as K plain processes per replica; the
                  report goes under target/
+  --only cron    only the crontab's scenarios (issue 37): 100 every-second jobs on 3 replicas
+                 of `pgleader cron` (lateness over 60 s, or 10 s with --quick; kill -9 of a
+                 replica, 20 runs or 5), and one host's cost as one `pgleader cron`, as 100
+                 `pgleader run --schedule` processes and as yacron (pip-installed); the report
+                 goes under target/
   --runs N       runs per scenario (default 20, or 3 with --quick)
   --out PATH     where to write the report (default BENCHMARKS.md, or target/.../BENCHMARKS.quick.md)
   --static PATH  also run pgleader's failover, start-up, cost and shards' scenarios, on
@@ -86,6 +93,8 @@ struct Plan {
     only_failover: bool,
     /// Only the shards' scenarios (`--only shards`).
     only_shards: bool,
+    /// Only the crontab's scenarios (`--only cron`).
+    only_cron: bool,
     /// Runs of each scenario whose runs take milliseconds.
     runs: usize,
     /// Runs of each scenario bound by a lease (seconds per run): the partition, and every
@@ -113,6 +122,7 @@ impl Plan {
         let mut only_redis = false;
         let mut only_failover = false;
         let mut only_shards = false;
+        let mut only_cron = false;
         let mut previous_binary = None;
         let mut only_quorum = false;
         let mut runs = None;
@@ -127,10 +137,11 @@ impl Plan {
                     Some("quorum") => only_quorum = true,
                     Some("failover") => only_failover = true,
                     Some("shards") => only_shards = true,
+                    Some("cron") => only_cron = true,
                     other => {
                         return Err(format!(
-                            "--only {other:?}: the groups are http, redis, quorum, failover and \
-                             shards"
+                            "--only {other:?}: the groups are http, redis, quorum, failover, \
+                             shards and cron"
                         ));
                     }
                 },
@@ -168,13 +179,13 @@ impl Plan {
                 other => return Err(format!("unknown argument {other:?}")),
             }
         }
-        if (only_http && (static_binary.is_some() || previous_binary.is_some()))
+        if ((only_http || only_cron) && (static_binary.is_some() || previous_binary.is_some()))
             || (only_quorum && static_binary.is_some())
         {
             return Err(
                 "--static and --previous measure the PostgreSQL, Redis and shards' rows (and \
-                 --previous the quorum's kill -9); --only http runs cargo's build alone, and \
-                 --only quorum with --previous only"
+                 --previous the quorum's kill -9); --only http and cron run cargo's build alone, \
+                 and --only quorum with --previous only"
                     .into(),
             );
         }
@@ -187,6 +198,7 @@ impl Plan {
             only_redis,
             only_failover,
             only_shards,
+            only_cron,
             only_quorum,
             runs,
             lease_runs: if quick { 2 } else { runs },
@@ -205,6 +217,8 @@ impl Plan {
                     PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("BENCHMARKS.failover.md")
                 } else if only_shards {
                     PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("BENCHMARKS.shards.md")
+                } else if only_cron {
+                    PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("BENCHMARKS.cron.md")
                 } else if quick {
                     PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("BENCHMARKS.quick.md")
                 } else {
@@ -313,11 +327,15 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
     if plan.only_shards {
         return run_shards_only(plan);
     }
+    if plan.only_cron {
+        return run_cron_only(plan);
+    }
     let began = Instant::now();
     let started = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
     etcd::ensure_installed()?;
     redis_lock::ensure_redis_py()?;
     redlock::ensure_redlock()?;
+    yacron::ensure_installed()?;
     eprintln!("bench: starting PostgreSQL, etcd and Redis (one server, and a quorum of three)");
     let cluster = bench_cluster("bench");
     let pgleader = Pgleader::new(cluster.clone());
@@ -418,6 +436,8 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
     let (shard_rows, shard_costs, fleets) = shard_scenarios(&pgleaders, plan);
     rows.extend(shard_rows);
     costs.extend(shard_costs);
+    let (cron_rows, crontab) = cron::scenarios(&pgleader, &plan.cron());
+    rows.extend(cron_rows);
     sort_by_scenario(&mut rows);
 
     let report = Report {
@@ -438,6 +458,7 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
         scales,
         timers,
         fleets,
+        crontab: Some(crontab),
     };
     written(report, plan)
 }
@@ -559,6 +580,7 @@ fn partial_report(plan: &Plan, started: String) -> Report {
         scales: Vec::new(),
         timers: Vec::new(),
         fleets: Vec::new(),
+        crontab: None,
     }
 }
 
@@ -664,6 +686,7 @@ fn run_failover_only(plan: &Plan) -> anyhow::Result<Report> {
         scales: Vec::new(),
         timers: Vec::new(),
         fleets: Vec::new(),
+        crontab: None,
     };
     report
         .write(&plan.out)
@@ -732,6 +755,36 @@ fn run_shards_only(plan: &Plan) -> anyhow::Result<Report> {
         rows,
         costs,
         fleets,
+        ..partial_report(plan, started)
+    };
+    written(report, plan)
+}
+
+impl Plan {
+    /// How much of the crontab's scenario 14 to run.
+    fn cron(&self) -> cron::Plan {
+        cron::Plan {
+            window: Duration::from_secs(if self.quick { 10 } else { 60 }),
+            kills: if self.quick { 5 } else { 20 },
+            cost_window: Duration::from_secs(if self.quick { 3 } else { 10 }),
+        }
+    }
+}
+
+/// The crontab's scenarios alone (`--only cron`), against a server of their own.
+fn run_cron_only(plan: &Plan) -> anyhow::Result<Report> {
+    let began = Instant::now();
+    let started = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
+    yacron::ensure_installed()?;
+    let pgleader = pgleader_on_own_server("bench-cron")?;
+    let (mut rows, crontab) = cron::scenarios(&pgleader, &plan.cron());
+    sort_by_scenario(&mut rows);
+    let report = Report {
+        only: Some(report::ONLY_CRON),
+        took: began.elapsed(),
+        environment: environment_on_postgres(&pgleader, plan),
+        rows,
+        crontab: Some(crontab),
         ..partial_report(plan, started)
     };
     written(report, plan)
@@ -1025,6 +1078,15 @@ fn settings(plan: &Plan) -> Vec<(&'static str, String)> {
             format!(
                 "single node on 127.0.0.1, default heartbeat (100 ms) and election timeout (1000 ms), {}",
                 etcd::data_dir_note()
+            ),
+        ),
+        (
+            "crontab (14)",
+            format!(
+                "`pgleader cron --lock-id N FILE` with its defaults; FILE: `SHELL=/bin/bash` and {} jobs `j1`..`j{}`, each a `# pgleader: name=jN` line above `* * * * * * * echo c $PGLEADER_JOB $PGLEADER_SCHEDULED_TIME $EPOCHREALTIME` (at rest: `0 0 0 1 1 * *`); the plain processes: `pgleader run --lock-id N --schedule '* * * * * *'` (at rest `0 0 0 1 1 *`) `-- sh -c 'echo ...'`; yacron {}: one YAML file of the same jobs, every minute (`* * * * *`, its finest: it wakes once a minute), shell /bin/bash, RSS read 10 s after its start; statements counted in the server log (log_statement = all) from the processes' sessions",
+                cron::JOBS,
+                cron::JOBS,
+                yacron::VERSION
             ),
         ),
         (

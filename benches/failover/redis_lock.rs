@@ -24,7 +24,8 @@ use crate::harness::{self, Proxy, field, unique_lock};
 use crate::procfs;
 use crate::tools::{
     Candidate, LockServer, REDIS_LABEL, REDIS_PY_LABEL, SETTLE, SETUP_WAIT, Tool, Usage,
-    child_script, client_command, first_line, peer_candidate, run_command, wait_queued,
+    child_script, client_command, first_line, peer_candidate, pip_install, run_command,
+    wait_queued,
 };
 
 /// The redis-py release the peer runs, pinned so that runs compare.
@@ -65,36 +66,7 @@ pub fn ensure_redis_py() -> anyhow::Result<()> {
             .output()
             .is_ok_and(|out| out.status.success())
     };
-    if importable(&site) {
-        return Ok(());
-    }
-    eprintln!(
-        "bench: installing redis-py {REDIS_PY_VERSION} with pip into {}",
-        site.display()
-    );
-    let _ = std::fs::remove_dir_all(&site);
-    let status = Command::new("python3")
-        .args([
-            "-m",
-            "pip",
-            "install",
-            "--quiet",
-            "--disable-pip-version-check",
-            "--no-warn-script-location",
-            "--target",
-        ])
-        .arg(&site)
-        .arg(format!("redis=={REDIS_PY_VERSION}"))
-        .env("PIP_ROOT_USER_ACTION", "ignore")
-        .status()
-        .context("cannot run python3 -m pip (Debian: apt-get install python3-pip)")?;
-    if !status.success() || !importable(&site) {
-        bail!(
-            "pip could not install redis=={REDIS_PY_VERSION} into {}",
-            site.display()
-        );
-    }
-    Ok(())
+    pip_install(&format!("redis=={REDIS_PY_VERSION}"), &site, importable)
 }
 
 /// The benchmark's Redis server, and one connection of its own to it, so that no fault

@@ -18,7 +18,7 @@ use nix::sys::signal::Signal;
 use crate::figures::{Cost, Figures, Fleet, Row, SHARDED_ROLE};
 use crate::harness::{self, Stream};
 use crate::procfs::{self, CpuMeter};
-use crate::tools::{Candidate, Pgleader, SETTLE, SETUP_WAIT, Tool};
+use crate::tools::{Candidate, Pgleader, SETTLE, SETUP_WAIT, Tool, last_of};
 
 /// The fleet's size in every scenario.
 pub const REPLICAS: usize = 4;
@@ -164,31 +164,21 @@ pub fn kill9_and_join(launcher: &Launcher, shards: u32, runs: usize) -> Vec<Row>
             let gone = fleet.remove(victim);
             // Each orphaned shard's first start on another replica after the fault (the
             // moment its line arrived, which polling here does not change).
-            let deadline = fault + launcher.handoff_bound;
-            let mut pending = orphaned.clone();
-            let mut last = Duration::ZERO;
-            while !pending.is_empty() {
-                pending.retain(|shard| {
-                    let needle = format!("started shard={shard}");
-                    let seen = fleet.iter().find_map(|replica| {
-                        replica
-                            .candidate
-                            .line(Stream::Stdout, &needle, 1, Some(fault), Duration::ZERO)
-                            .map(|(_, at)| at)
-                    });
-                    if let Some(at) = seen {
-                        last = last.max(at - fault);
-                    }
-                    seen.is_none()
-                });
-                if Instant::now() > deadline {
-                    bail!(
-                        "shards {pending:?} never ran again\n{}",
-                        gone.candidate.dump()
-                    );
-                }
-                sleep(Duration::from_millis(1));
-            }
+            let needles: Vec<String> = orphaned
+                .iter()
+                .map(|shard| format!("started shard={shard}"))
+                .collect();
+            let survivors: Vec<&Candidate> = fleet.iter().map(|r| &r.candidate).collect();
+            let last = last_of(
+                &survivors,
+                Stream::Stdout,
+                &needles,
+                fault,
+                launcher.handoff_bound,
+            )
+            .map_err(|pending| {
+                anyhow::anyhow!("{pending:?} never ran again\n{}", gone.candidate.dump())
+            })?;
             if last > Duration::from_millis(500) && std::env::var_os("SHARDS_DEBUG").is_some() {
                 eprintln!("SLOW orphaned={orphaned:?}");
                 for replica in &fleet {

@@ -220,6 +220,78 @@ impl Drop for Candidate {
     }
 }
 
+/// Waits until each of `needles` appeared on `stream` of one of `candidates` after `since`;
+/// returns how long after `since` the last of them arrived (the moment each line arrived,
+/// which this polling does not change), or the needles still missing at `since + bound`.
+pub fn last_of(
+    candidates: &[&Candidate],
+    stream: Stream,
+    needles: &[String],
+    since: Instant,
+    bound: Duration,
+) -> Result<Duration, Vec<String>> {
+    let mut pending: Vec<&String> = needles.iter().collect();
+    let mut last = Duration::ZERO;
+    while !pending.is_empty() {
+        pending.retain(|needle| {
+            let seen = candidates.iter().find_map(|candidate| {
+                candidate
+                    .line(stream, needle, 1, Some(since), Duration::ZERO)
+                    .map(|(_, at)| at)
+            });
+            if let Some(at) = seen {
+                last = last.max(at - since);
+            }
+            seen.is_none()
+        });
+        if !pending.is_empty() && Instant::now() > since + bound {
+            return Err(pending.into_iter().cloned().collect());
+        }
+        sleep(Duration::from_millis(1));
+    }
+    Ok(last)
+}
+
+/// Installs `requirement` (`name==version`) with pip into `site`, a scratch directory under the
+/// target directory, unless `installed(site)` says it is there already.
+pub fn pip_install(
+    requirement: &str,
+    site: &Path,
+    installed: impl Fn(&Path) -> bool,
+) -> anyhow::Result<()> {
+    if installed(site) {
+        return Ok(());
+    }
+    eprintln!(
+        "bench: installing {requirement} with pip into {}",
+        site.display()
+    );
+    let _ = std::fs::remove_dir_all(site);
+    let status = Command::new("python3")
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-warn-script-location",
+            "--target",
+        ])
+        .arg(site)
+        .arg(requirement)
+        .env("PIP_ROOT_USER_ACTION", "ignore")
+        .status()
+        .context("cannot run python3 -m pip (Debian: apt-get install python3-pip)")?;
+    if !status.success() || !installed(site) {
+        bail!(
+            "pip could not install {requirement} into {} (install python3 and pip, with PyPI \
+             reachable)",
+            site.display()
+        );
+    }
+    Ok(())
+}
+
 /// Scenario 6 for each tool in turn; a tool that fails is left without figures, which the final
 /// check reports.
 pub fn idle_costs(tools: &[&dyn Tool], window: Duration) -> Vec<Cost> {

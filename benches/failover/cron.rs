@@ -1,0 +1,543 @@
+//! Scenario 14, a crontab across the fleet (issue 37): `pgleader cron` with 100 every-second
+//! jobs on 3 replicas. How late each run starts after its occurrence, as the command sees it;
+//! whether any (job, occurrence) ran twice; after kill -9 of a replica, how soon the others own
+//! its jobs and how late their next occurrence runs; and what one host's crontab of 100 jobs
+//! costs as one `pgleader cron`, as 100 `pgleader run --schedule` processes (how it is done
+//! today) and, on one host with no fleet, as yacron (`yacron.rs`), side by side in one run.
+//!
+//! Every job's command runs under bash and prints `c JOB OCCURRENCE $EPOCHREALTIME`: the
+//! benchmark, the server and the replicas share one machine and so one wall clock, so the
+//! lateness is the command's own start time minus its occurrence on the server's clock.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::process::Command;
+use std::thread::sleep;
+use std::time::{Duration, Instant, SystemTime};
+
+use anyhow::{Context, bail};
+use chrono::{DateTime, SubsecRound, Utc};
+use nix::sys::signal::Signal;
+
+use crate::figures::{Crontab, CrontabCost, Figures, Row, ms};
+use crate::harness::{self, Stream};
+use crate::procfs;
+use crate::tools::{Candidate, Pgleader, SETUP_WAIT, last_of, random_phase, run_command};
+use crate::yacron::Yacron;
+
+/// Jobs in every crontab of the scenario.
+pub const JOBS: usize = 100;
+
+/// Replicas of the fleet.
+pub const REPLICAS: usize = 3;
+
+/// The label of `pgleader cron`'s rows.
+pub const CRON_LABEL: &str = "pgleader cron";
+
+/// Seven fields, seconds first: every second.
+const EVERY_SECOND: &str = "* * * * * * *";
+
+/// Seven fields: midnight on the 1st of January, so that no occurrence falls in a window.
+const IDLE: &str = "0 0 0 1 1 * *";
+
+/// How much of scenario 14 to run.
+#[derive(Debug)]
+pub struct Plan {
+    /// Occurrences of every job whose lateness is measured (one per second).
+    pub window: Duration,
+    /// kill -9 runs.
+    pub kills: usize,
+    /// How long each way of running the crontab is measured at rest and busy.
+    pub cost_window: Duration,
+}
+
+/// Where the benchmark writes its crontabs.
+fn scratch() -> PathBuf {
+    PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("bench-cron")
+}
+
+/// A crontab of [`JOBS`] jobs `j1`..`jN` on `schedule` (seven fields), run by bash.
+fn crontab(name: &str, schedule: &str) -> anyhow::Result<PathBuf> {
+    let mut text = String::from("SHELL=/bin/bash\n");
+    for n in 1..=JOBS {
+        text.push_str(&format!(
+            "# pgleader: name=j{n}\n{schedule} echo c $PGLEADER_JOB $PGLEADER_SCHEDULED_TIME $EPOCHREALTIME\n"
+        ));
+    }
+    let dir = scratch();
+    std::fs::create_dir_all(&dir)?;
+    let path = dir.join(format!("{name}-{}.crontab", std::process::id()));
+    std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))?;
+    Ok(path)
+}
+
+/// `pgleader cron --lock-id=LOCK FILE` with pgleader's defaults.
+fn replica(pg: &Pgleader, tag: &str, lock: i64, file: &std::path::Path) -> Candidate {
+    let mut command = harness::pgleader();
+    command
+        .env_remove("PGLEADER_RESTART_FENCE")
+        .env("PGLEADER_DATABASE_URL", pg.cluster.url())
+        .arg("cron")
+        .arg(format!("--lock-id={lock}"))
+        .arg(file);
+    Candidate::spawn(tag, command)
+}
+
+/// One run of a job, as its command printed it.
+#[derive(Debug, Clone)]
+struct Run {
+    job: String,
+    occurrence: DateTime<Utc>,
+    /// `$EPOCHREALTIME` when the command started.
+    started: DateTime<Utc>,
+}
+
+impl Run {
+    fn parse(line: &str) -> Option<Run> {
+        let mut words = line.strip_prefix("c ")?.split_whitespace();
+        let job = words.next()?.to_owned();
+        let occurrence = DateTime::parse_from_rfc3339(words.next()?)
+            .ok()?
+            .with_timezone(&Utc);
+        let epoch: f64 = words.next()?.parse().ok()?;
+        let started = DateTime::from_timestamp_micros((epoch * 1e6).round() as i64)?;
+        Some(Run {
+            job,
+            occurrence,
+            started,
+        })
+    }
+
+    fn late_ms(&self) -> f64 {
+        (self.started - self.occurrence)
+            .num_microseconds()
+            .unwrap_or(i64::MAX) as f64
+            / 1000.0
+    }
+}
+
+/// Every run `candidate` printed so far.
+fn runs_of(candidate: &Candidate) -> Vec<Run> {
+    candidate
+        .lines(Stream::Stdout)
+        .iter()
+        .filter_map(|line| Run::parse(line))
+        .collect()
+}
+
+/// Waits until every job ran the latest whole second once and each replica ran its share of
+/// them (33 or 34 of 100 on 3); returns that second.
+fn balanced(fleet: &[Candidate]) -> anyhow::Result<DateTime<Utc>> {
+    let deadline = Instant::now() + SETUP_WAIT;
+    let (low, high) = (JOBS / fleet.len(), JOBS.div_ceil(fleet.len()));
+    loop {
+        let second = (Utc::now() - chrono::Duration::milliseconds(1_200)).trunc_subsecs(0);
+        let per_replica: Vec<usize> = fleet
+            .iter()
+            .map(|c| runs_of(c).iter().filter(|r| r.occurrence == second).count())
+            .collect();
+        let jobs: BTreeSet<String> = fleet
+            .iter()
+            .flat_map(runs_of)
+            .filter(|r| r.occurrence == second)
+            .map(|r| r.job)
+            .collect();
+        if jobs.len() == JOBS
+            && per_replica.iter().sum::<usize>() == JOBS
+            && per_replica.iter().all(|n| (low..=high).contains(n))
+        {
+            return Ok(second);
+        }
+        if Instant::now() > deadline {
+            let dumps: Vec<String> = fleet.iter().map(|c| tail(&c.dump())).collect();
+            bail!(
+                "not balanced after {SETUP_WAIT:?}: {per_replica:?} runs per replica of {second}\n{}",
+                dumps.join("\n")
+            );
+        }
+        sleep(Duration::from_millis(250));
+    }
+}
+
+/// The end of a candidate's dump: a crontab's replica prints a line per run.
+fn tail(dump: &str) -> String {
+    let lines: Vec<&str> = dump.lines().collect();
+    lines[lines.len().saturating_sub(40)..].join("\n")
+}
+
+fn row(
+    id: &str,
+    scenario: &str,
+    tool: &'static str,
+    measure: &'static str,
+    figures: Figures,
+    note: String,
+) -> Row {
+    Row {
+        id: id.into(),
+        scenario: scenario.into(),
+        tool,
+        measure,
+        figures,
+        old_child_stopped: None,
+        note,
+    }
+}
+
+/// "p99 X" for a row's note.
+fn p99(figures: &Figures) -> String {
+    figures
+        .quantile(0.99)
+        .map_or_else(String::new, |p| format!("p99 {}", ms(p)))
+}
+
+/// Scenario 14, yacron's rows among them: the costs at rest while yacron waits for its first
+/// minute, then yacron's minute, then the costs with every job every second, then the fleet.
+pub fn scenarios(pg: &Pgleader, plan: &Plan) -> (Vec<Row>, Crontab) {
+    let mut rows = Vec::new();
+    let mut crontab = Crontab::default();
+    // yacron runs jobs on whole minutes only: it waits for its first minute while the costs at
+    // rest (which CPU noise does not change) are measured.
+    let yacron = Yacron::start(JOBS);
+    if let Err(err) = &yacron {
+        eprintln!("bench:   yacron failed to start: {err:#}");
+    }
+    crontab.costs.extend(both_costs(
+        pg,
+        (IDLE, "0 0 0 1 1 *"),
+        "idle",
+        plan.cost_window,
+    ));
+    match yacron.and_then(Yacron::finish) {
+        Ok((row, cost)) => {
+            rows.push(row);
+            crontab.costs.push(cost);
+        }
+        Err(err) => {
+            eprintln!("bench:   yacron failed: {err:#}");
+            let mut figures = Figures::default();
+            figures.failure(format!("{err:#}").replace('\n', " "));
+            rows.push(yacron_row(figures, String::new()));
+        }
+    }
+    crontab.costs.extend(both_costs(
+        pg,
+        (EVERY_SECOND, "* * * * * *"),
+        "every second",
+        plan.cost_window,
+    ));
+    let (fleet_rows, runs, twice) = fleet(pg, plan);
+    rows.extend(fleet_rows);
+    crontab.runs = runs;
+    crontab.twice = twice;
+    (rows, crontab)
+}
+
+/// One host's cost of [`JOBS`] jobs as one `pgleader cron` and as plain processes, on
+/// `schedules` (the crontab's seven fields, `--schedule`'s six); a way that fails is left out,
+/// which the report's final check names.
+fn both_costs(
+    pg: &Pgleader,
+    schedules: (&str, &str),
+    load: &'static str,
+    window: Duration,
+) -> Vec<CrontabCost> {
+    eprintln!("bench: 14. crontab: one host's cost, {JOBS} jobs, {load}");
+    let on = pg.log_statements(true);
+    let costs = [
+        on.and_then(|()| cron_cost(pg, schedules.0, load, window)),
+        plain_cost(pg, schedules.1, load, window),
+    ];
+    if let Err(err) = pg.log_statements(false) {
+        eprintln!("bench:   cannot turn the server's statement log off: {err:#}");
+    }
+    costs
+        .into_iter()
+        .filter_map(|cost| {
+            cost.map_err(|err| eprintln!("bench:   failed: {err:#}"))
+                .ok()
+        })
+        .collect()
+}
+
+/// yacron's lateness row.
+pub fn yacron_row(figures: Figures, note: String) -> Row {
+    row(
+        "cron.yacron.lateness",
+        &format!("14. crontab: {JOBS} jobs"),
+        crate::yacron::LABEL,
+        "from each occurrence to its command running ($EPOCHREALTIME); every minute: yacron wakes once a minute and cannot run every second; one host, no fleet",
+        figures,
+        note,
+    )
+}
+
+/// The fleet's rows: lateness over a window, then kill -9 runs; and over its whole life, the
+/// distinct (job, occurrence) pairs that ran and how many of them ran twice.
+fn fleet(pg: &Pgleader, plan: &Plan) -> (Vec<Row>, usize, usize) {
+    let scenario = format!("14. crontab: {JOBS} every-second jobs, {REPLICAS} replicas");
+    let kill_scenario = format!("14b. crontab: kill -9 of one of {REPLICAS} replicas, {JOBS} jobs");
+    eprintln!(
+        "bench: {scenario}, {} of runs",
+        crate::figures::secs(plan.window)
+    );
+    let (mut late, mut owned, mut next) =
+        (Figures::default(), Figures::default(), Figures::default());
+    let mut note = String::new();
+    let mut missed_next = 0;
+    let mut gone: Vec<Candidate> = Vec::new();
+    let mut live: Vec<Candidate> = Vec::new();
+    let result = (|| -> anyhow::Result<()> {
+        let lock = harness::unique_lock();
+        let file = crontab("fleet", EVERY_SECOND)?;
+        for i in 0..REPLICAS {
+            live.push(replica(pg, &format!("R{i}"), lock, &file));
+        }
+        let settled = balanced(&live)?;
+        let first = settled + chrono::Duration::seconds(1);
+        let last = settled + chrono::Duration::from_std(plan.window)?;
+        let wait = (last + chrono::Duration::milliseconds(1_500) - Utc::now()).to_std()?;
+        sleep(wait);
+        let window: Vec<Run> = live
+            .iter()
+            .flat_map(runs_of)
+            .filter(|r| r.occurrence >= first && r.occurrence <= last)
+            .collect();
+        for run in &window {
+            late.sample_ms(run.late_ms());
+        }
+        let pairs: BTreeSet<(&str, DateTime<Utc>)> = window
+            .iter()
+            .map(|r| (r.job.as_str(), r.occurrence))
+            .collect();
+        let expected = JOBS * plan.window.as_secs() as usize;
+        note = format!(
+            "{} runs of {expected} occurrences ({} s × {JOBS} jobs); {}",
+            pairs.len(),
+            plan.window.as_secs(),
+            p99(&late)
+        );
+        eprintln!("bench:   lateness p50 {:?} ms, {note}", late.median());
+        eprintln!("bench: {kill_scenario}, {} runs", plan.kills);
+        for run in 0..plan.kills {
+            match kill_once(pg, &mut live, &mut gone, lock, &file, run) {
+                Ok((taken, lateness, missed)) => {
+                    owned.sample(taken);
+                    for l in lateness {
+                        next.sample_ms(l);
+                    }
+                    missed_next += missed;
+                }
+                Err(err) => {
+                    owned.failure(format!("{err:#}").replace('\n', " "));
+                    break;
+                }
+            }
+        }
+        Ok(())
+    })();
+    if let Err(err) = result {
+        late.failure(format!("{err:#}").replace('\n', " "));
+    }
+    // Every run any replica printed, killed ones included.
+    let mut count: BTreeMap<(String, DateTime<Utc>), usize> = BTreeMap::new();
+    for run in live.iter().chain(&gone).flat_map(runs_of) {
+        *count.entry((run.job, run.occurrence)).or_default() += 1;
+    }
+    let twice = count.values().filter(|n| **n > 1).count();
+    let next_note = format!(
+        "{}; {missed_next} next occurrences not run (claimed by the killed replica)",
+        p99(&next)
+    );
+    let rows = vec![
+        row(
+            "cron.lateness",
+            &scenario,
+            CRON_LABEL,
+            "from each occurrence to its command running ($EPOCHREALTIME), every run in the window",
+            late,
+            format!(
+                "{note}; {twice} (job, occurrence) ran twice of {} that ran",
+                count.len()
+            ),
+        ),
+        row(
+            "cron.kill9.owned",
+            &kill_scenario,
+            CRON_LABEL,
+            "from the kill to the last \"took job\" line on the others for its jobs",
+            owned,
+            "the kill at a random moment of a second".into(),
+        ),
+        row(
+            "cron.kill9.next",
+            &kill_scenario,
+            CRON_LABEL,
+            "each of its jobs' first occurrence after the kill: from the occurrence to its command running",
+            next,
+            next_note,
+        ),
+    ];
+    (rows, count.len(), twice)
+}
+
+/// Kills the replica `run` picks; returns when the others took its jobs (from the kill), the
+/// lateness of each job's next occurrence, and how many of those did not run. A new replica
+/// then joins and the fleet is balanced again.
+fn kill_once(
+    pg: &Pgleader,
+    live: &mut Vec<Candidate>,
+    gone: &mut Vec<Candidate>,
+    lock: i64,
+    file: &std::path::Path,
+    run: usize,
+) -> anyhow::Result<(Duration, Vec<f64>, usize)> {
+    let second = balanced(live)?;
+    let victim = run % live.len();
+    let orphaned: Vec<String> = runs_of(&live[victim])
+        .into_iter()
+        .filter(|r| r.occurrence == second)
+        .map(|r| r.job)
+        .collect();
+    sleep(random_phase(Duration::from_secs(1)));
+    let fault = Instant::now();
+    let killed_at: DateTime<Utc> = SystemTime::now().into();
+    live[victim].signal(Signal::SIGKILL);
+    gone.push(live.remove(victim));
+    let needles: Vec<String> = orphaned
+        .iter()
+        .map(|job| format!("took job {job} "))
+        .collect();
+    let survivors: Vec<&Candidate> = live.iter().collect();
+    let last = last_of(
+        &survivors,
+        Stream::Stderr,
+        &needles,
+        fault,
+        Duration::from_secs(10),
+    )
+    .map_err(|pending| {
+        anyhow::anyhow!(
+            "{pending:?} were never taken\n{}",
+            tail(&gone[gone.len() - 1].dump())
+        )
+    })?;
+    // The first whole second after the kill, and a second to run it in.
+    let next = killed_at.trunc_subsecs(0) + chrono::Duration::seconds(1);
+    let wait = (next + chrono::Duration::milliseconds(2_500) - Utc::now()).to_std();
+    sleep(wait.unwrap_or_default());
+    let runs: Vec<Run> = live.iter().flat_map(runs_of).collect();
+    let mut lateness = Vec::new();
+    let mut missed = 0;
+    for job in &orphaned {
+        let first = runs
+            .iter()
+            .filter(|r| &r.job == job && r.occurrence >= next)
+            .min_by_key(|r| r.occurrence);
+        match first {
+            Some(r) if r.occurrence == next => lateness.push(r.late_ms()),
+            _ => missed += 1,
+        }
+    }
+    eprintln!(
+        "bench:   run {}: {} jobs owned elsewhere after {:.1} ms; next occurrence p50 {}",
+        run + 1,
+        orphaned.len(),
+        last.as_secs_f64() * 1000.0,
+        crate::figures::Summary::quantile(&lateness, 0.5).map_or_else(|| "–".into(), ms)
+    );
+    live.push(replica(pg, &format!("J{run}"), lock, file));
+    Ok((last, lateness, missed))
+}
+
+/// Sessions, memory and statements of processes `pids` (pgleader's) and their keepers, over
+/// `window` from now.
+fn measure(
+    pg: &Pgleader,
+    how: String,
+    load: &'static str,
+    pids: &[i32],
+    window: Duration,
+) -> anyhow::Result<CrontabCost> {
+    let mut backends = Vec::new();
+    for pid in pids {
+        backends.extend(pg.backends_of(*pid)?);
+    }
+    let mark = pg.cluster.log().len();
+    sleep(window);
+    let statements = pg.statements_since(mark);
+    let sent: u64 = backends.iter().filter_map(|b| statements.get(b)).sum();
+    let keepers: Vec<i32> = pids.iter().flat_map(|pid| procfs::children(*pid)).collect();
+    let rss: u64 = pids
+        .iter()
+        .chain(&keepers)
+        .filter_map(|pid| procfs::rss_kib(*pid))
+        .sum();
+    Ok(CrontabCost {
+        how,
+        load,
+        window,
+        processes: pids.len(),
+        keepers: keepers.len(),
+        connections: Some(backends.len()),
+        rss_kib: rss,
+        statements_per_second: Some(sent as f64 / window.as_secs_f64()),
+    })
+}
+
+/// One `pgleader cron` owning all [`JOBS`] jobs on `schedule`.
+fn cron_cost(
+    pg: &Pgleader,
+    schedule: &str,
+    load: &'static str,
+    window: Duration,
+) -> anyhow::Result<CrontabCost> {
+    let file = crontab("cost", schedule)?;
+    let cron = replica(pg, "C", harness::unique_lock(), &file);
+    cron.line(Stream::Stderr, "took job ", JOBS, None, SETUP_WAIT)
+        .with_context(|| format!("it never took its {JOBS} jobs\n{}", tail(&cron.dump())))?;
+    sleep(Duration::from_secs(1));
+    measure(
+        pg,
+        format!("one `pgleader cron`, {JOBS} jobs"),
+        load,
+        &[cron.pid()],
+        window,
+    )
+}
+
+/// [`JOBS`] `pgleader run --schedule SCHEDULE` processes, one lock each, each leading.
+fn plain_cost(
+    pg: &Pgleader,
+    schedule: &str,
+    load: &'static str,
+    window: Duration,
+) -> anyhow::Result<CrontabCost> {
+    let url = pg.cluster.url();
+    let processes: Vec<Candidate> = (0..JOBS)
+        .map(|n| {
+            let command: Command = run_command(
+                None,
+                &url,
+                harness::unique_lock(),
+                &["--schedule", schedule],
+                "echo c $PGLEADER_SCHEDULED_TIME",
+            );
+            Candidate::spawn(&format!("P{n}"), command)
+        })
+        .collect();
+    for process in &processes {
+        process
+            .line(Stream::Stderr, "became leader", 1, None, SETUP_WAIT)
+            .with_context(|| format!("one never led\n{}", tail(&process.dump())))?;
+    }
+    sleep(Duration::from_secs(1));
+    let pids: Vec<i32> = processes.iter().map(Candidate::pid).collect();
+    measure(
+        pg,
+        format!("{JOBS} `pgleader run --schedule` processes"),
+        load,
+        &pids,
+        window,
+    )
+}
