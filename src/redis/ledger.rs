@@ -368,28 +368,12 @@ pub async fn jobs(
 ) -> Result<Option<Vec<JobEntry>>, LedgerError> {
     let prefix = format!("{}:job:", keys.lock);
     let pattern = format!("{}*:runs", scripts::glob_escape(&prefix));
-    let mut names = std::collections::BTreeSet::new();
-    let mut cursor = 0_u64;
-    loop {
-        let (next, page): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg(&pattern)
-            .arg("COUNT")
-            .arg(1000)
-            .query_async(conn)
-            .await
-            .map_err(ledger_error)?;
-        names.extend(
-            page.iter().filter_map(|key| {
-                Some(key.strip_prefix(&prefix)?.strip_suffix(":runs")?.to_owned())
-            }),
-        );
-        if next == 0 {
-            break;
-        }
-        cursor = next;
-    }
+    let names: std::collections::BTreeSet<String> = scripts::scan(conn, &pattern)
+        .await
+        .map_err(ledger_error)?
+        .iter()
+        .filter_map(|key| Some(key.strip_prefix(&prefix)?.strip_suffix(":runs")?.to_owned()))
+        .collect();
     let mut jobs = Vec::new();
     for name in names {
         let rows = recent(conn, &keys.job(&name), KEEP).await?;

@@ -407,6 +407,31 @@ pub(crate) fn nonce() -> String {
     format!("{:016x}", fastrand::u64(..))
 }
 
+/// Every key that matches `pattern` now, by `SCAN` (for `status`: it never blocks the server
+/// as `KEYS` would); a key may come more than once.
+pub async fn scan(
+    conn: &mut redis::aio::MultiplexedConnection,
+    pattern: &str,
+) -> redis::RedisResult<Vec<String>> {
+    let mut keys = Vec::new();
+    let mut cursor = 0_u64;
+    loop {
+        let (next, page): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(pattern)
+            .arg("COUNT")
+            .arg(1000)
+            .query_async(conn)
+            .await?;
+        keys.extend(page);
+        if next == 0 {
+            return Ok(keys);
+        }
+        cursor = next;
+    }
+}
+
 /// `text` matched literally by a `SCAN MATCH` pattern.
 pub fn glob_escape(text: &str) -> String {
     let mut escaped = String::with_capacity(text.len());

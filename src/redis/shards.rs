@@ -467,26 +467,12 @@ async fn item_keys(
     let prefix = keys.shard(0);
     let prefix = &prefix[..prefix.len() - 1];
     let pattern = format!("{}*", scripts::glob_escape(prefix));
-    let mut found = BTreeSet::new();
-    let mut cursor = 0_u64;
-    loop {
-        let (next, page): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg(&pattern)
-            .arg("COUNT")
-            .arg(1000)
-            .query_async(conn)
-            .await?;
-        found.extend(
-            page.iter()
-                .filter_map(|key| key.strip_prefix(prefix)?.parse::<u32>().ok()),
-        );
-        if next == 0 {
-            return Ok(found.into_iter().collect());
-        }
-        cursor = next;
-    }
+    let found: BTreeSet<u32> = scripts::scan(conn, &pattern)
+        .await?
+        .iter()
+        .filter_map(|key| key.strip_prefix(prefix)?.parse::<u32>().ok())
+        .collect();
+    Ok(found.into_iter().collect())
 }
 
 /// What every script of one member is given.
