@@ -1,9 +1,10 @@
 //! Scenario 14, a crontab across the fleet (issue 37): `pgleader cron` with 100 every-second
-//! jobs on 3 replicas. How late each run starts after its occurrence, as the command sees it;
-//! whether any (job, occurrence) ran twice; after kill -9 of a replica, how soon the others own
-//! its jobs and how late their next occurrence runs; and what one host's crontab of 100 jobs
-//! costs as one `pgleader cron`, as 100 `pgleader run --schedule` processes (how it is done
-//! today) and, on one host with no fleet, as yacron (`yacron.rs`), side by side in one run.
+//! jobs on 3 replicas, on PostgreSQL and on one Redis server side by side. How late each run
+//! starts after its occurrence, as the command sees it; whether any (job, occurrence) ran
+//! twice; after kill -9 of a replica, how soon the others own its jobs and how late their next
+//! occurrence runs; and what one host's crontab of 100 jobs costs as one `pgleader cron` (on
+//! either backend), as 100 `pgleader run --schedule` processes (how it is done today) and, on
+//! one host with no fleet, as yacron (`yacron.rs`), side by side in one run.
 //!
 //! Every job's command runs under bash and prints `c JOB OCCURRENCE $EPOCHREALTIME`: the
 //! benchmark, the server and the replicas share one machine and so one wall clock, so the
@@ -19,9 +20,10 @@ use anyhow::{Context, bail};
 use chrono::{DateTime, SubsecRound, Utc};
 use nix::sys::signal::Signal;
 
-use crate::figures::{Crontab, CrontabCost, Figures, Row, ms};
+use crate::figures::{Crontab, CrontabCost, CrontabFleet, Figures, Row, ms};
 use crate::harness::{self, Stream};
 use crate::procfs;
+use crate::redis_lock::{self, CHECK_INTERVAL};
 use crate::tools::{Candidate, Pgleader, SETUP_WAIT, last_of, random_phase, run_command};
 use crate::yacron::Yacron;
 
@@ -31,8 +33,14 @@ pub const JOBS: usize = 100;
 /// Replicas of the fleet.
 pub const REPLICAS: usize = 3;
 
-/// The label of `pgleader cron`'s rows.
+/// The label of `pgleader cron`'s rows on PostgreSQL.
 pub const CRON_LABEL: &str = "pgleader cron";
+
+/// The label of `pgleader cron`'s rows on Redis.
+pub const CRON_REDIS_LABEL: &str = "pgleader cron on Redis";
+
+/// The ids of a fleet's rows, in the order the report shows them, each backend's side by side.
+const FLEET_ROWS: [&str; 3] = ["cron.lateness", "cron.kill9.owned", "cron.kill9.next"];
 
 /// Seven fields, seconds first: every second.
 const EVERY_SECOND: &str = "* * * * * * *";
@@ -71,14 +79,70 @@ fn crontab(name: &str, schedule: &str) -> anyhow::Result<PathBuf> {
     Ok(path)
 }
 
-/// `pgleader cron --lock-id=LOCK FILE` with pgleader's defaults.
-fn replica(pg: &Pgleader, tag: &str, lock: i64, file: &std::path::Path) -> Candidate {
+/// Where a crontab's replicas keep their jobs: the benchmark's PostgreSQL, or its Redis server
+/// with `--check-interval 200ms` as in the Redis rows (a killed replica is found by another's
+/// watcher, which asks every check interval).
+#[derive(Clone, Copy)]
+enum Backend<'a> {
+    Postgres(&'a Pgleader),
+    Redis(&'a redis_lock::Server),
+}
+
+impl Backend<'_> {
+    /// The label of its rows.
+    fn label(self) -> &'static str {
+        match self {
+            Backend::Postgres(_) => CRON_LABEL,
+            Backend::Redis(_) => CRON_REDIS_LABEL,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Backend::Postgres(_) => "PostgreSQL",
+            Backend::Redis(_) => "Redis",
+        }
+    }
+
+    fn url(self) -> String {
+        match self {
+            Backend::Postgres(pg) => pg.cluster.url(),
+            Backend::Redis(server) => server.url(),
+        }
+    }
+
+    /// Options beside pgleader's defaults.
+    fn options(self) -> &'static [&'static str] {
+        match self {
+            Backend::Postgres(_) => &[],
+            Backend::Redis(_) => &[CHECK_INTERVAL],
+        }
+    }
+
+    /// Waits until a Redis server has been up long enough not to trigger pgleader's restart
+    /// fence, as in the Redis rows.
+    fn ready(self) -> anyhow::Result<()> {
+        match self {
+            Backend::Postgres(_) => Ok(()),
+            Backend::Redis(server) => server.wait_until_up(Duration::from_secs(10)),
+        }
+    }
+}
+
+/// The `how` of one `pgleader cron`'s cost on `backend` (PostgreSQL or Redis).
+pub fn cron_how(backend: &str) -> String {
+    format!("one `pgleader cron` on {backend}, {JOBS} jobs")
+}
+
+/// `pgleader cron --lock-id=LOCK FILE` on `backend`.
+fn replica(backend: Backend, tag: &str, lock: i64, file: &std::path::Path) -> Candidate {
     let mut command = harness::pgleader();
     command
         .env_remove("PGLEADER_RESTART_FENCE")
-        .env("PGLEADER_DATABASE_URL", pg.cluster.url())
+        .env("PGLEADER_DATABASE_URL", backend.url())
         .arg("cron")
         .arg(format!("--lock-id={lock}"))
+        .args(backend.options())
         .arg(file);
     Candidate::spawn(tag, command)
 }
@@ -192,8 +256,13 @@ fn p99(figures: &Figures) -> String {
 }
 
 /// Scenario 14, yacron's rows among them: the costs at rest while yacron waits for its first
-/// minute, then yacron's minute, then the costs with every job every second, then the fleet.
-pub fn scenarios(pg: &Pgleader, plan: &Plan) -> (Vec<Row>, Crontab) {
+/// minute, then yacron's minute, then the costs with every job every second, then the fleet on
+/// PostgreSQL and on `redis` (which can start just before: it is waited for).
+pub fn scenarios(
+    pg: &Pgleader,
+    redis: Option<&redis_lock::Server>,
+    plan: &Plan,
+) -> (Vec<Row>, Crontab) {
     let mut rows = Vec::new();
     let mut crontab = Crontab::default();
     // yacron runs jobs on whole minutes only: it waits for its first minute while the costs at
@@ -202,8 +271,9 @@ pub fn scenarios(pg: &Pgleader, plan: &Plan) -> (Vec<Row>, Crontab) {
     if let Err(err) = &yacron {
         eprintln!("bench:   yacron failed to start: {err:#}");
     }
-    crontab.costs.extend(both_costs(
+    crontab.costs.extend(all_costs(
         pg,
+        redis,
         (IDLE, "0 0 0 1 1 *"),
         "idle",
         plan.cost_window,
@@ -220,36 +290,52 @@ pub fn scenarios(pg: &Pgleader, plan: &Plan) -> (Vec<Row>, Crontab) {
             rows.push(yacron_row(figures, String::new()));
         }
     }
-    crontab.costs.extend(both_costs(
+    crontab.costs.extend(all_costs(
         pg,
+        redis,
         (EVERY_SECOND, "* * * * * *"),
         "every second",
         plan.cost_window,
     ));
-    let (fleet_rows, runs, twice) = fleet(pg, plan);
-    rows.extend(fleet_rows);
-    crontab.runs = runs;
-    crontab.twice = twice;
+    let backends = std::iter::once(Backend::Postgres(pg)).chain(redis.map(Backend::Redis));
+    for backend in backends {
+        let (fleet_rows, counts) = fleet(backend, plan);
+        rows.extend(fleet_rows);
+        crontab.fleets.push(counts);
+    }
+    // Each measure's rows side by side, PostgreSQL's first (the sort is stable); yacron's
+    // row, none of these, stays first.
+    rows.sort_by_key(|row| FLEET_ROWS.iter().position(|id| *id == row.id));
     (rows, crontab)
 }
 
-/// One host's cost of [`JOBS`] jobs as one `pgleader cron` and as plain processes, on
-/// `schedules` (the crontab's seven fields, `--schedule`'s six); a way that fails is left out,
-/// which the report's final check names.
-fn both_costs(
+/// One host's cost of [`JOBS`] jobs as one `pgleader cron` and as plain processes on
+/// PostgreSQL, and as one `pgleader cron` on `redis`, on `schedules` (the crontab's seven
+/// fields, `--schedule`'s six); a way that fails is left out, which the report's final check
+/// names.
+fn all_costs(
     pg: &Pgleader,
+    redis: Option<&redis_lock::Server>,
     schedules: (&str, &str),
     load: &'static str,
     window: Duration,
 ) -> Vec<CrontabCost> {
     eprintln!("bench: 14. crontab: one host's cost, {JOBS} jobs, {load}");
     let on = pg.log_statements(true);
-    let costs = [
-        on.and_then(|()| cron_cost(pg, schedules.0, load, window)),
+    let mut costs = vec![
+        on.and_then(|()| cron_cost(Backend::Postgres(pg), schedules.0, load, window)),
         plain_cost(pg, schedules.1, load, window),
     ];
     if let Err(err) = pg.log_statements(false) {
         eprintln!("bench:   cannot turn the server's statement log off: {err:#}");
+    }
+    if let Some(server) = redis {
+        let backend = Backend::Redis(server);
+        costs.push(
+            backend
+                .ready()
+                .and_then(|()| cron_cost(backend, schedules.0, load, window)),
+        );
     }
     costs
         .into_iter()
@@ -272,13 +358,14 @@ pub fn yacron_row(figures: Figures, note: String) -> Row {
     )
 }
 
-/// The fleet's rows: lateness over a window, then kill -9 runs; and over its whole life, the
-/// distinct (job, occurrence) pairs that ran and how many of them ran twice.
-fn fleet(pg: &Pgleader, plan: &Plan) -> (Vec<Row>, usize, usize) {
+/// A fleet's rows on `backend`: lateness over a window, then kill -9 runs; and over its whole
+/// life, the distinct (job, occurrence) pairs that ran and how many of them ran twice.
+fn fleet(backend: Backend, plan: &Plan) -> (Vec<Row>, CrontabFleet) {
     let scenario = format!("14. crontab: {JOBS} every-second jobs, {REPLICAS} replicas");
     let kill_scenario = format!("14b. crontab: kill -9 of one of {REPLICAS} replicas, {JOBS} jobs");
     eprintln!(
-        "bench: {scenario}, {} of runs",
+        "bench: {scenario}, on {}, {} of runs",
+        backend.name(),
         crate::figures::secs(plan.window)
     );
     let (mut late, mut owned, mut next) =
@@ -288,10 +375,11 @@ fn fleet(pg: &Pgleader, plan: &Plan) -> (Vec<Row>, usize, usize) {
     let mut gone: Vec<Candidate> = Vec::new();
     let mut live: Vec<Candidate> = Vec::new();
     let result = (|| -> anyhow::Result<()> {
+        backend.ready()?;
         let lock = harness::unique_lock();
         let file = crontab("fleet", EVERY_SECOND)?;
         for i in 0..REPLICAS {
-            live.push(replica(pg, &format!("R{i}"), lock, &file));
+            live.push(replica(backend, &format!("R{i}"), lock, &file));
         }
         let settled = balanced(&live)?;
         let first = settled + chrono::Duration::seconds(1);
@@ -318,9 +406,13 @@ fn fleet(pg: &Pgleader, plan: &Plan) -> (Vec<Row>, usize, usize) {
             p99(&late)
         );
         eprintln!("bench:   lateness p50 {:?} ms, {note}", late.median());
-        eprintln!("bench: {kill_scenario}, {} runs", plan.kills);
+        eprintln!(
+            "bench: {kill_scenario}, on {}, {} runs",
+            backend.name(),
+            plan.kills
+        );
         for run in 0..plan.kills {
-            match kill_once(pg, &mut live, &mut gone, lock, &file, run) {
+            match kill_once(backend, &mut live, &mut gone, lock, &file, run) {
                 Ok((taken, lateness, missed)) => {
                     owned.sample(taken);
                     for l in lateness {
@@ -351,9 +443,9 @@ fn fleet(pg: &Pgleader, plan: &Plan) -> (Vec<Row>, usize, usize) {
     );
     let rows = vec![
         row(
-            "cron.lateness",
+            FLEET_ROWS[0],
             &scenario,
-            CRON_LABEL,
+            backend.label(),
             "from each occurrence to its command running ($EPOCHREALTIME), every run in the window",
             late,
             format!(
@@ -362,30 +454,36 @@ fn fleet(pg: &Pgleader, plan: &Plan) -> (Vec<Row>, usize, usize) {
             ),
         ),
         row(
-            "cron.kill9.owned",
+            FLEET_ROWS[1],
             &kill_scenario,
-            CRON_LABEL,
+            backend.label(),
             "from the kill to the last \"took job\" line on the others for its jobs",
             owned,
             "the kill at a random moment of a second".into(),
         ),
         row(
-            "cron.kill9.next",
+            FLEET_ROWS[2],
             &kill_scenario,
-            CRON_LABEL,
+            backend.label(),
             "each of its jobs' first occurrence after the kill: from the occurrence to its command running",
             next,
             next_note,
         ),
     ];
-    (rows, count.len(), twice)
+    let counts = CrontabFleet {
+        label: backend.label(),
+        backend: backend.name(),
+        runs: count.len(),
+        twice,
+    };
+    (rows, counts)
 }
 
 /// Kills the replica `run` picks; returns when the others took its jobs (from the kill), the
 /// lateness of each job's next occurrence, and how many of those did not run. A new replica
 /// then joins and the fleet is balanced again.
 fn kill_once(
-    pg: &Pgleader,
+    backend: Backend,
     live: &mut Vec<Candidate>,
     gone: &mut Vec<Candidate>,
     lock: i64,
@@ -446,27 +544,40 @@ fn kill_once(
         last.as_secs_f64() * 1000.0,
         crate::figures::Summary::quantile(&lateness, 0.5).map_or_else(|| "–".into(), ms)
     );
-    live.push(replica(pg, &format!("J{run}"), lock, file));
+    live.push(replica(backend, &format!("J{run}"), lock, file));
     Ok((last, lateness, missed))
 }
 
-/// Sessions, memory and statements of processes `pids` (pgleader's) and their keepers, over
-/// `window` from now.
+/// Sessions, memory and requests (statements on PostgreSQL, with the server's statement log
+/// on; commands on Redis, seen by `MONITOR`) of processes `pids` (pgleader's) and their
+/// keepers, over `window` from now.
 fn measure(
-    pg: &Pgleader,
+    backend: Backend,
     how: String,
     load: &'static str,
     pids: &[i32],
     window: Duration,
 ) -> anyhow::Result<CrontabCost> {
-    let mut backends = Vec::new();
-    for pid in pids {
-        backends.extend(pg.backends_of(*pid)?);
-    }
-    let mark = pg.cluster.log().len();
-    sleep(window);
-    let statements = pg.statements_since(mark);
-    let sent: u64 = backends.iter().filter_map(|b| statements.get(b)).sum();
+    let (connections, sent) = match backend {
+        Backend::Postgres(pg) => {
+            let mut backends = Vec::new();
+            for pid in pids {
+                backends.extend(pg.backends_of(*pid)?);
+            }
+            let mark = pg.cluster.log().len();
+            sleep(window);
+            let statements = pg.statements_since(mark);
+            let sent: u64 = backends.iter().filter_map(|b| statements.get(b)).sum();
+            (backends.len(), sent as f64 / window.as_secs_f64())
+        }
+        Backend::Redis(server) => {
+            let mut ports = Vec::new();
+            for pid in pids {
+                ports.extend(server.clients_of(*pid)?);
+            }
+            (ports.len(), server.requests_over(&ports, window)?)
+        }
+    };
     let keepers: Vec<i32> = pids.iter().flat_map(|pid| procfs::children(*pid)).collect();
     let rss: u64 = pids
         .iter()
@@ -479,27 +590,27 @@ fn measure(
         window,
         processes: pids.len(),
         keepers: keepers.len(),
-        connections: Some(backends.len()),
+        connections: Some(connections),
         rss_kib: rss,
-        statements_per_second: Some(sent as f64 / window.as_secs_f64()),
+        requests_per_second: Some(sent),
     })
 }
 
-/// One `pgleader cron` owning all [`JOBS`] jobs on `schedule`.
+/// One `pgleader cron` on `backend` owning all [`JOBS`] jobs on `schedule`.
 fn cron_cost(
-    pg: &Pgleader,
+    backend: Backend,
     schedule: &str,
     load: &'static str,
     window: Duration,
 ) -> anyhow::Result<CrontabCost> {
     let file = crontab("cost", schedule)?;
-    let cron = replica(pg, "C", harness::unique_lock(), &file);
+    let cron = replica(backend, "C", harness::unique_lock(), &file);
     cron.line(Stream::Stderr, "took job ", JOBS, None, SETUP_WAIT)
         .with_context(|| format!("it never took its {JOBS} jobs\n{}", tail(&cron.dump())))?;
     sleep(Duration::from_secs(1));
     measure(
-        pg,
-        format!("one `pgleader cron`, {JOBS} jobs"),
+        backend,
+        cron_how(backend.name()),
         load,
         &[cron.pid()],
         window,
@@ -534,8 +645,8 @@ fn plain_cost(
     sleep(Duration::from_secs(1));
     let pids: Vec<i32> = processes.iter().map(Candidate::pid).collect();
     measure(
-        pg,
-        format!("{JOBS} `pgleader run --schedule` processes"),
+        Backend::Postgres(pg),
+        format!("{JOBS} `pgleader run --schedule` processes on PostgreSQL"),
         load,
         &pids,
         window,

@@ -191,18 +191,29 @@ pub struct CrontabCost {
     /// VmRSS of the tool's processes and keepers at the end of the window (a job's own
     /// command not counted).
     pub rss_kib: u64,
-    /// Statements per second the server received from those sessions.
-    pub statements_per_second: Option<f64>,
+    /// What the server received from those sessions per second: statements on PostgreSQL,
+    /// commands on Redis.
+    pub requests_per_second: Option<f64>,
 }
 
-/// Scenario 14's figures that are not rows: the crontab's costs and how many (job,
-/// occurrence) pairs ran more than once.
-#[derive(Debug, Default)]
-pub struct Crontab {
+/// How many (job, occurrence) pairs one fleet of scenario 14 ran more than once.
+#[derive(Debug)]
+pub struct CrontabFleet {
+    /// The label of the fleet's rows.
+    pub label: &'static str,
+    /// PostgreSQL or Redis.
+    pub backend: &'static str,
     /// Distinct (job, occurrence) pairs that ran, over the whole fleet's life (kills included).
     pub runs: usize,
     /// Of those, how many ran more than once.
     pub twice: usize,
+}
+
+/// Scenario 14's figures that are not rows: the crontab's costs and, per backend, how many
+/// (job, occurrence) pairs ran more than once.
+#[derive(Debug, Default)]
+pub struct Crontab {
+    pub fleets: Vec<CrontabFleet>,
     pub costs: Vec<CrontabCost>,
 }
 

@@ -65,10 +65,10 @@ const USAGE: &str = "usage: cargo bench --bench failover [-- [--quick] [--only h
                  beside that build's), and the same fleet as K plain processes per replica; the
                  report goes under target/
   --only cron    only the crontab's scenarios (issue 37): 100 every-second jobs on 3 replicas
-                 of `pgleader cron` (lateness over 60 s, or 10 s with --quick; kill -9 of a
-                 replica, 20 runs or 5), and one host's cost as one `pgleader cron`, as 100
-                 `pgleader run --schedule` processes and as yacron (pip-installed); the report
-                 goes under target/
+                 of `pgleader cron`, on PostgreSQL and on Redis (lateness over 60 s, or 10 s
+                 with --quick; kill -9 of a replica, 20 runs or 5), and one host's cost as one
+                 `pgleader cron` on either, as 100 `pgleader run --schedule` processes and as
+                 yacron (pip-installed); the report goes under target/
   --runs N       runs per scenario (default 20, or 3 with --quick)
   --out PATH     where to write the report (default BENCHMARKS.md, or target/.../BENCHMARKS.quick.md)
   --static PATH  also run pgleader's failover, start-up, cost and shards' scenarios, on
@@ -436,7 +436,7 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
     let (shard_rows, shard_costs, fleets) = shard_scenarios(&pgleaders, plan);
     rows.extend(shard_rows);
     costs.extend(shard_costs);
-    let (cron_rows, crontab) = cron::scenarios(&pgleader, &plan.cron());
+    let (cron_rows, crontab) = cron::scenarios(&pgleader, Some(&redis_server), &plan.cron());
     rows.extend(cron_rows);
     sort_by_scenario(&mut rows);
 
@@ -776,13 +776,19 @@ fn run_cron_only(plan: &Plan) -> anyhow::Result<Report> {
     let began = Instant::now();
     let started = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
     yacron::ensure_installed()?;
+    // Up long enough for pgleader's restart fence by the time its fleet starts, after the
+    // costs on PostgreSQL.
+    eprintln!("bench: starting Redis");
+    let redis = redis_lock::Server::start()?;
     let pgleader = pgleader_on_own_server("bench-cron")?;
-    let (mut rows, crontab) = cron::scenarios(&pgleader, &plan.cron());
+    let (mut rows, crontab) = cron::scenarios(&pgleader, Some(&redis), &plan.cron());
     sort_by_scenario(&mut rows);
+    let mut environment = environment_on_postgres(&pgleader, plan);
+    environment.push(("Redis", redis.version()));
     let report = Report {
         only: Some(report::ONLY_CRON),
         took: began.elapsed(),
-        environment: environment_on_postgres(&pgleader, plan),
+        environment,
         rows,
         crontab: Some(crontab),
         ..partial_report(plan, started)
@@ -1083,7 +1089,8 @@ fn settings(plan: &Plan) -> Vec<(&'static str, String)> {
         (
             "crontab (14)",
             format!(
-                "`pgleader cron --lock-id N FILE` with its defaults; FILE: `SHELL=/bin/bash` and {} jobs `j1`..`j{}`, each a `# pgleader: name=jN` line above `* * * * * * * echo c $PGLEADER_JOB $PGLEADER_SCHEDULED_TIME $EPOCHREALTIME` (at rest: `0 0 0 1 1 * *`); the plain processes: `pgleader run --lock-id N --schedule '* * * * * *'` (at rest `0 0 0 1 1 *`) `-- sh -c 'echo ...'`; yacron {}: one YAML file of the same jobs, every minute (`* * * * *`, its finest: it wakes once a minute), shell /bin/bash, RSS read 10 s after its start; statements counted in the server log (log_statement = all) from the processes' sessions",
+                "`pgleader cron --lock-id N FILE` with its defaults on PostgreSQL; on Redis `-d redis://127.0.0.1:PORT --lock-id N {} FILE`, as in the Redis rows (the benchmark's server, up for 10 s before its first replica), its defaults otherwise; FILE: `SHELL=/bin/bash` and {} jobs `j1`..`j{}`, each a `# pgleader: name=jN` line above `* * * * * * * echo c $PGLEADER_JOB $PGLEADER_SCHEDULED_TIME $EPOCHREALTIME` (at rest: `0 0 0 1 1 * *`); the plain processes: `pgleader run --lock-id N --schedule '* * * * * *'` (at rest `0 0 0 1 1 *`) `-- sh -c 'echo ...'`; yacron {}: one YAML file of the same jobs, every minute (`* * * * *`, its finest: it wakes once a minute), shell /bin/bash, RSS read 10 s after its start; statements counted in the server log (log_statement = all) from the processes' sessions; on Redis, the commands their connections sent, seen by MONITOR",
+                redis_lock::CHECK_INTERVAL.replace('=', " "),
                 cron::JOBS,
                 cron::JOBS,
                 yacron::VERSION

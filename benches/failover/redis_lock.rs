@@ -158,6 +158,36 @@ impl Server {
     pub fn url(&self) -> String {
         self.redis.url()
     }
+
+    /// The ports of the connections of pgleader process `pid`: it names each connection
+    /// `…:PID@HOST`, as it names its PostgreSQL sessions.
+    pub fn clients_of(&self, pid: i32) -> anyhow::Result<Vec<u16>> {
+        let clients: String = self.query(redis::cmd("CLIENT").arg("LIST"))?;
+        let needle = format!(":{pid}@");
+        Ok(clients
+            .lines()
+            .filter(|line| {
+                line.split(' ')
+                    .any(|kv| kv.starts_with("name=") && kv.contains(&needle))
+            })
+            .filter_map(|line| {
+                let addr = line.split(' ').find_map(|kv| kv.strip_prefix("addr="))?;
+                addr.rsplit_once(':')?.1.parse().ok()
+            })
+            .collect())
+    }
+
+    /// The requests per second that the connections on `ports` sent over `window` from now,
+    /// seen by `MONITOR`.
+    pub fn requests_over(&self, ports: &[u16], window: Duration) -> anyhow::Result<f64> {
+        let by_client = monitor(self.port(), window)?;
+        let sent: u64 = ports
+            .iter()
+            .filter_map(|port| by_client.get(port))
+            .map(|(requests, _)| requests.values().sum::<u64>())
+            .sum();
+        Ok(sent as f64 / window.as_secs_f64())
+    }
 }
 
 /// Redis has no lock bound to a session: ending the leader's session from the server's side

@@ -160,7 +160,7 @@ impl Yacron {
             keepers: 0,
             connections: None,
             rss_kib: rss,
-            statements_per_second: None,
+            requests_per_second: None,
         };
         Ok((crate::cron::yacron_row(figures, note), cost))
     }
