@@ -18,15 +18,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use jiff::Timestamp;
-use tokio_postgres::Client;
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::{Client, Row};
 
 use crate::election::ledger::{
     Claim, Claimant, Definition, Entry, JobEntry, KEEP, LateFinish, Ledger, LedgerError, StaleRun,
 };
 use crate::election::lock::LockKey;
 use crate::election::participant::{self, Participant};
+use crate::postgres::bundle::{Bundle, Outcome, Param, param};
 use crate::postgres::describe::describe;
 use crate::postgres::locks::{LOCK_ROWS, held_here_of_form, this_lock};
 
@@ -129,6 +130,8 @@ pub struct LedgerSettings {
 #[derive(Clone, Debug)]
 pub struct PgLedger {
     client: Arc<Client>,
+    /// The session's group commit, which every leader-side statement goes through.
+    bundle: Arc<Bundle>,
     inner: Arc<Statements>,
 }
 
@@ -149,43 +152,33 @@ struct Statements {
     definition: Definition,
     /// The application name the user gave, which the session's name starts with.
     user_name: Option<String>,
-    /// Opens the transaction that bounds one leader-side statement.
-    begin: String,
-    claim: String,
-    finish: String,
-    record: String,
-    interrupt_stale: String,
-    recent: String,
-    exists: String,
+    claim: Arc<str>,
+    finish: Arc<str>,
+    record: Arc<str>,
+    interrupt_stale: Arc<str>,
+    recent: Arc<str>,
+    exists: Arc<str>,
     late_finish: String,
-    unclaim: String,
+    unclaim: Arc<str>,
+    participants: Arc<str>,
 }
 
 impl PgLedger {
-    /// The ledger in `table`, on the session of `client`. Each statement a leader runs is
-    /// bounded by `statement_timeout` (and waits at most as long for a lock on the table), in a
-    /// transaction of its own, so that the bound never outlives it on the session; `lease`
-    /// bounds how long the transaction may sit idle.
+    /// The ledger in `table`, on the session of `client`. Each statement a leader runs goes
+    /// through the session's group commit (`bundle.rs`), which bounds it by the ledger's
+    /// statement timeout in a transaction shared with the statements asked for at the same
+    /// moment.
     pub fn new(
         client: Arc<Client>,
+        bundle: Arc<Bundle>,
         settings: &LedgerSettings,
-        lease: Duration,
         lock: LockKey,
         guard: Guard,
         definition: Definition,
     ) -> PgLedger {
         let table = settings.table.clone();
         let user_name = settings.user_name.clone();
-        let statement_timeout = settings.statement_timeout;
         let t = table.sql();
-        let bound = statement_timeout.as_millis().max(1);
-        // While the transaction is open, idle_session_timeout does not count; a leader that
-        // froze inside it must still lose its session within the lease.
-        let lease = lease.as_millis().max(1);
-        let begin = format!(
-            "BEGIN; SET LOCAL statement_timeout = {bound}; SET LOCAL lock_timeout = {bound}; \
-             SET LOCAL idle_in_transaction_session_timeout = {lease}"
-        );
         let subid = match guard {
             Guard::Plain => 1,
             Guard::Item { .. } => 2,
@@ -263,45 +256,54 @@ impl PgLedger {
             format!("SELECT EXISTS (SELECT FROM {t} WHERE lock_key = $1 AND scheduled_for = $2)");
         PgLedger {
             client,
+            bundle,
             inner: Arc::new(Statements {
                 table,
                 lock,
                 guard,
                 definition,
                 user_name,
-                begin,
-                claim,
-                finish,
-                record,
-                interrupt_stale,
-                recent,
-                exists,
+                claim: claim.into(),
+                finish: finish.into(),
+                record: record.into(),
+                interrupt_stale: interrupt_stale.into(),
+                recent: recent.into(),
+                exists: exists.into(),
                 late_finish,
-                unclaim,
+                unclaim: unclaim.into(),
+                participants: participants_sql().into(),
             }),
         }
     }
 
-    /// Runs one leader-side statement in a transaction of its own, bounded by the statement
-    /// timeout: `SET LOCAL` ends with it, so nothing that runs later on the session (the
-    /// checks, a wait for the lock) inherits the bound.
-    ///
-    /// The three requests go out together, in order, in one round trip: each is sent when
-    /// first polled, and a biased join polls them in order in one go, so that nothing else the
-    /// leader sends on the session (a check) can fall inside the transaction. A COMMIT of a
-    /// transaction that failed rolls it back and says so without an error.
-    async fn bounded<T>(
-        &self,
-        statement: impl Future<Output = Result<T, tokio_postgres::Error>>,
-    ) -> Result<T, LedgerError> {
-        let begin = self.client.batch_execute(&self.inner.begin);
-        let commit = self.client.batch_execute("COMMIT");
-        let (begun, result, ended) = tokio::join!(biased; begin, statement, commit);
-        begun.map_err(query_error)?;
-        let value = result.map_err(|err| self.classify(err))?;
-        // A serialization failure can surface at COMMIT: rolled back, to be tried again.
-        ended.map_err(|err| self.classify(err))?;
-        Ok(value)
+    /// Runs one leader-side statement through the session's group commit: bounded by the
+    /// statement timeout, in the transaction of the statements asked for at the same moment,
+    /// and counted only once that transaction has committed.
+    async fn bounded(&self, sql: &Arc<str>, params: Vec<Param>) -> Result<Vec<Row>, LedgerError> {
+        match self.bundle.run(Arc::clone(sql), params).await {
+            Outcome::Committed(rows) => Ok(rows),
+            Outcome::Failed(err) => Err(self.classify(&err)),
+            Outcome::RolledBack => Err(LedgerError::Busy(
+                "rolled back with another ledger statement of its transaction, which failed"
+                    .to_owned(),
+            )),
+            // A serialization failure can surface at COMMIT: rolled back, to be tried again.
+            Outcome::NotCommitted(err) => Err(self.classify(&err)),
+            Outcome::Gone => Err(LedgerError::Query(
+                "the session ended before the statement was sent".to_owned(),
+            )),
+        }
+    }
+
+    /// The single row of a statement that returns one.
+    async fn bounded_one(&self, sql: &Arc<str>, params: Vec<Param>) -> Result<Row, LedgerError> {
+        let mut rows = self.bounded(sql, params).await?;
+        match rows.len() {
+            1 => Ok(rows.remove(0)),
+            n => Err(LedgerError::Query(format!(
+                "a ledger statement returned {n} rows where one was expected"
+            ))),
+        }
     }
 
     /// The ledger's key, and the guarding lock's classid and objid as `pg_locks` shows them.
@@ -313,9 +315,9 @@ impl PgLedger {
         }
     }
 
-    fn classify(&self, err: tokio_postgres::Error) -> LedgerError {
+    fn classify(&self, err: &tokio_postgres::Error) -> LedgerError {
         let Some(code) = err.code() else {
-            return query_error(err);
+            return LedgerError::Query(describe(err));
         };
         let busy = [
             SqlState::QUERY_CANCELED,
@@ -331,11 +333,11 @@ impl PgLedger {
             SqlState::WRONG_OBJECT_TYPE,
         ];
         if busy.contains(code) {
-            LedgerError::Busy(describe(&err))
+            LedgerError::Busy(describe(err))
         } else if fatal.contains(code) || code.code().starts_with("23") {
-            self.explain(&err, "the ledger table cannot be used")
+            self.explain(err, "the ledger table cannot be used")
         } else {
-            query_error(err)
+            LedgerError::Query(describe(err))
         }
     }
 
@@ -421,13 +423,19 @@ impl Ledger for PgLedger {
     }
 
     async fn participants(&self) -> Result<Vec<Participant>, LedgerError> {
+        // A crontab job's key is no lock anyone holds or waits for: which replica defines the
+        // job how is the roster's business (its knows and defines markers), and reading
+        // pg_locks beside pg_stat_activity before each of a second's claims cost more than the
+        // claims themselves.
+        if let Guard::Item { .. } = self.inner.guard {
+            return Ok(Vec::new());
+        }
         let lock = &self.inner.lock;
-        let rows = self
-            .bounded(self.client.query_typed(
-                &participants_sql(),
-                &[(&lock.classid(), Type::OID), (&lock.objid(), Type::OID)],
-            ))
-            .await?;
+        let params = vec![
+            param(lock.classid(), Type::OID),
+            param(lock.objid(), Type::OID),
+        ];
+        let rows = self.bounded(&self.inner.participants, params).await?;
         Ok(rows
             .iter()
             .map(|row| Participant {
@@ -445,16 +453,12 @@ impl Ledger for PgLedger {
 
     async fn interrupt_stale(&self) -> Result<Vec<StaleRun>, LedgerError> {
         let (key, classid, objid) = self.key_params();
-        let rows = self
-            .bounded(self.client.query_typed(
-                &self.inner.interrupt_stale,
-                &[
-                    (&key, Type::INT8),
-                    (&classid, Type::OID),
-                    (&objid, Type::OID),
-                ],
-            ))
-            .await?;
+        let params = vec![
+            param(key, Type::INT8),
+            param(classid, Type::OID),
+            param(objid, Type::OID),
+        ];
+        let rows = self.bounded(&self.inner.interrupt_stale, params).await?;
         Ok(rows
             .iter()
             .map(|row| (row.get(0), row.get(1), row.get(2)))
@@ -463,23 +467,15 @@ impl Ledger for PgLedger {
 
     async fn recent(&self, limit: i64) -> Result<Vec<Entry>, LedgerError> {
         let key = self.inner.lock.key();
-        let rows = self
-            .bounded(self.client.query_typed(
-                &self.inner.recent,
-                &[(&key, Type::INT8), (&limit, Type::INT8)],
-            ))
-            .await?;
+        let params = vec![param(key, Type::INT8), param(limit, Type::INT8)];
+        let rows = self.bounded(&self.inner.recent, params).await?;
         Ok(rows.iter().map(entry).collect())
     }
 
     async fn has(&self, at: Timestamp) -> Result<bool, LedgerError> {
         let key = self.inner.lock.key();
-        let row = self
-            .bounded(self.client.query_typed_one(
-                &self.inner.exists,
-                &[(&key, Type::INT8), (&at, Type::TIMESTAMPTZ)],
-            ))
-            .await?;
+        let params = vec![param(key, Type::INT8), param(at, Type::TIMESTAMPTZ)];
+        let row = self.bounded_one(&self.inner.exists, params).await?;
         Ok(row.get(0))
     }
 
@@ -493,22 +489,20 @@ impl Ledger for PgLedger {
         let (key, classid, objid) = self.key_params();
         let name = s.lock.name();
         let (expression, timezone) = (&s.definition.expression, &s.definition.timezone);
-        let params: [(&(dyn ToSql + Sync), Type); 11] = [
-            (&key, Type::INT8),
-            (&name, Type::TEXT),
-            (&at, Type::TIMESTAMPTZ),
-            (expression, Type::TEXT),
-            (timezone, Type::TEXT),
-            (&claimant.host, Type::TEXT),
-            (&claimant.pid, Type::INT4),
-            (&claimant.epoch, Type::INT8),
-            (&retries, Type::INT4),
-            (&classid, Type::OID),
-            (&objid, Type::OID),
+        let params = vec![
+            param(key, Type::INT8),
+            param(name.map(str::to_owned), Type::TEXT),
+            param(at, Type::TIMESTAMPTZ),
+            param(expression.clone(), Type::TEXT),
+            param(timezone.clone(), Type::TEXT),
+            param(claimant.host.clone(), Type::TEXT),
+            param(claimant.pid, Type::INT4),
+            param(claimant.epoch, Type::INT8),
+            param(retries, Type::INT4),
+            param(classid, Type::OID),
+            param(objid, Type::OID),
         ];
-        let row = self
-            .bounded(self.client.query_typed_one(&s.claim, &params))
-            .await?;
+        let row = self.bounded_one(&s.claim, params).await?;
         let attempt: Option<i32> = row.get(0);
         let existing: Option<String> = row.get(1);
         let newer: bool = row.get(2);
@@ -525,17 +519,15 @@ impl Ledger for PgLedger {
 
     async fn finish(&self, finish: &LateFinish, detail: Option<&str>) -> Result<bool, LedgerError> {
         let key = self.inner.lock.key();
-        let params: [(&(dyn ToSql + Sync), Type); 6] = [
-            (&key, Type::INT8),
-            (&finish.at, Type::TIMESTAMPTZ),
-            (&finish.epoch, Type::INT8),
-            (&finish.outcome, Type::TEXT),
-            (&finish.exit_code, Type::INT4),
-            (&detail, Type::TEXT),
+        let params = vec![
+            param(key, Type::INT8),
+            param(finish.at, Type::TIMESTAMPTZ),
+            param(finish.epoch, Type::INT8),
+            param(finish.outcome, Type::TEXT),
+            param(finish.exit_code, Type::INT4),
+            param(detail.map(str::to_owned), Type::TEXT),
         ];
-        let row = self
-            .bounded(self.client.query_typed_one(&self.inner.finish, &params))
-            .await?;
+        let row = self.bounded_one(&self.inner.finish, params).await?;
         Ok(row.get::<_, i64>(0) > 0)
     }
 
@@ -554,21 +546,18 @@ impl Ledger for PgLedger {
             .client
             .execute_typed(&self.inner.late_finish, &params)
             .await
-            .map_err(|err| self.classify(err))?;
+            .map_err(|err| self.classify(&err))?;
         Ok(updated > 0)
     }
 
     async fn unclaim(&self, at: Timestamp, epoch: i64) -> Result<(), LedgerError> {
         let key = self.inner.lock.key();
-        self.bounded(self.client.execute_typed(
-            &self.inner.unclaim,
-            &[
-                (&key, Type::INT8),
-                (&at, Type::TIMESTAMPTZ),
-                (&epoch, Type::INT8),
-            ],
-        ))
-        .await?;
+        let params = vec![
+            param(key, Type::INT8),
+            param(at, Type::TIMESTAMPTZ),
+            param(epoch, Type::INT8),
+        ];
+        self.bounded(&self.inner.unclaim, params).await?;
         Ok(())
     }
 
@@ -583,23 +572,21 @@ impl Ledger for PgLedger {
         let (key, classid, objid) = self.key_params();
         let name = s.lock.name();
         let (expression, timezone) = (&s.definition.expression, &s.definition.timezone);
-        let params: [(&(dyn ToSql + Sync), Type); 12] = [
-            (&key, Type::INT8),
-            (&name, Type::TEXT),
-            (&at, Type::TIMESTAMPTZ),
-            (expression, Type::TEXT),
-            (timezone, Type::TEXT),
-            (&outcome, Type::TEXT),
-            (&detail, Type::TEXT),
-            (&claimant.host, Type::TEXT),
-            (&claimant.pid, Type::INT4),
-            (&claimant.epoch, Type::INT8),
-            (&classid, Type::OID),
-            (&objid, Type::OID),
+        let params = vec![
+            param(key, Type::INT8),
+            param(name.map(str::to_owned), Type::TEXT),
+            param(at, Type::TIMESTAMPTZ),
+            param(expression.clone(), Type::TEXT),
+            param(timezone.clone(), Type::TEXT),
+            param(outcome.to_owned(), Type::TEXT),
+            param(detail.to_owned(), Type::TEXT),
+            param(claimant.host.clone(), Type::TEXT),
+            param(claimant.pid, Type::INT4),
+            param(claimant.epoch, Type::INT8),
+            param(classid, Type::OID),
+            param(objid, Type::OID),
         ];
-        let rows = self
-            .bounded(self.client.query_typed(&s.record, &params))
-            .await?;
+        let rows = self.bounded(&s.record, params).await?;
         Ok(!rows.is_empty())
     }
 }

@@ -10,6 +10,7 @@
 //! ledger table ([`ledger`]), what `status` reads ([`observer`]) and a sharded lock's sessions
 //! ([`shards`]).
 
+pub mod bundle;
 pub mod connect;
 pub mod conninfo;
 pub mod describe;

@@ -24,6 +24,7 @@ use crate::election::socket::LentSocket;
 use crate::election::step_down::{self, Heard, Requests};
 use crate::election::{Check, Confirmation, ConnectError, Fence, Session, SessionError};
 use crate::postgres::PgBackend;
+use crate::postgres::bundle::Bundle;
 use crate::postgres::connect::{self, ConnectionTask, Notifications, Opened, TcpEnds, classify};
 use crate::postgres::conninfo::{ChannelBinding, ConnSettings, Host};
 use crate::postgres::describe::describe;
@@ -51,11 +52,12 @@ fn pooler(evidence: &str) -> String {
 #[derive(Debug)]
 pub struct PgSession {
     lock: LockKey,
-    lease: Duration,
     /// Bounds `pg_try_advisory_lock` (`--no-wait`, timers).
     try_timeout: Duration,
     ledger: LedgerSettings,
     client: Arc<Client>,
+    /// The group commit of the ledger statements of every lock and job on this session.
+    bundle: Arc<Bundle>,
     connection: ConnectionTask,
     /// The connection's socket, owned by the connection task; lent to a leader's keeper.
     socket: LentSocket,
@@ -125,8 +127,8 @@ impl PgSession {
     pub fn ledger_of(&self, lock: &LockKey, guard: Guard, definition: &Definition) -> PgLedger {
         PgLedger::new(
             self.client.clone(),
+            self.bundle.clone(),
             &self.ledger,
-            self.lease,
             lock.clone(),
             guard,
             definition.clone(),
@@ -226,12 +228,18 @@ impl PgSession {
                 );
             });
         }
+        let client = Arc::new(opened.client);
+        let bundle = Arc::new(Bundle::new(
+            client.clone(),
+            backend.ledger.statement_timeout,
+            lease.duration(),
+        ));
         let mut session = PgSession {
             lock: backend.lock.clone(),
-            lease: lease.duration(),
             try_timeout: settings.connect_timeout,
             ledger: backend.ledger.clone(),
-            client: Arc::new(opened.client),
+            client,
+            bundle,
             connection: opened.connection,
             socket: opened.socket,
             refresh: backend.wait_refresh,

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant, SystemTime};
 use nix::sys::signal::Signal;
 
 use crate::crontab::File;
+use crate::harness::fleet::lines_with;
 use crate::harness::{Cluster, Proc, Stream, WAIT, field, pgleader, run_with_url, unique_lock};
 
 /// How a scenario starts a replica of its fleet: `pgleader cron` of the file on the fleet's
@@ -644,4 +645,50 @@ fn with_overlap_allow_the_next_occurrence_runs_beside_the_run_still_going() {
         )
         .expect("the ledger");
     assert!(rows[0].get::<_, i64>(0) >= 3);
+}
+
+/// The claims of the occurrences that fall due at one instant are committed together: one
+/// transaction (one WAL flush) for all of a replica's jobs, not one each, which made the last
+/// of a second's claims wait for all the others' flushes. The rows of one transaction share
+/// its `xmin`.
+#[test]
+fn the_claims_due_at_one_instant_are_committed_in_one_transaction() {
+    const JOBS: usize = 20;
+    let lock = unique_lock();
+    // catch-up=0s: the occurrence already past when a job is taken is recorded missed, not
+    // run, so every claim below is one of an instant's, made as it falls due.
+    let mut text = String::new();
+    for n in 1..=JOBS {
+        text.push_str(&format!(
+            "# pgleader: name=b{n} catch-up=0s\n*/2 * * * * * * echo start job=$PGLEADER_JOB at=$PGLEADER_SCHEDULED_TIME; exec sleep 1000\n"
+        ));
+    }
+    let file = File::new("bundled", &text);
+    let a = replica("A", lock, &file);
+    let last = a.wait_for_nth(Stream::Stdout, "start job=", JOBS);
+    let at = field(&last, "at");
+    let started = lines_with(&a, Stream::Stdout, &["start job="]);
+    assert!(
+        started.iter().all(|line| field(line, "at") == at),
+        "every job's first run is of one occurrence: {started:#?}"
+    );
+    let keys: Vec<String> = (1..=JOBS).map(|n| format!("{lock}\u{1f}b{n}")).collect();
+    let mut client = Cluster::shared().client();
+    let row = client
+        .query_one(
+            "SELECT count(*), count(DISTINCT xmin::text) FROM pgleader_ledger \
+             WHERE lock_key IN (SELECT hashtextextended(k, 0) FROM unnest($1::text[]) AS k) \
+               AND scheduled_for = $2::text::timestamptz AND outcome = 'running'",
+            &[&keys, &at],
+        )
+        .expect("the ledger");
+    let (rows, transactions): (i64, i64) = (row.get(0), row.get(1));
+    assert_eq!(rows, JOBS as i64, "every job's claim of {at} is recorded");
+    // One transaction, or two should the event loop have seen the timers in two turns; one
+    // each (20) without the group commit.
+    assert!(
+        transactions <= 2,
+        "the {JOBS} claims of {at} took {transactions} transactions"
+    );
+    a.terminate_cleanly();
 }

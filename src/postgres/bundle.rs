@@ -1,0 +1,214 @@
+//! Group commit for one session's ledger statements: what falls due together is sent together,
+//! in one transaction, and waits for one WAL flush instead of one each.
+//!
+//! A crontab's jobs share their replica's holder session, and the occurrences of many jobs fall
+//! due at one instant (every job of `* * * * *` at the top of the minute). Each claim and each
+//! outcome must be committed before it counts, and with `synchronous_commit` on (the default)
+//! each commit waits for the server to flush the WAL to disk: a few milliseconds. One
+//! transaction per statement, one after the other on one session, made the 33rd claim of a
+//! second wait for 32 flushes (a p50 lateness of 140 ms with 100 every-second jobs on three
+//! replicas). Here every statement a session's ledgers ask for while a transaction is in flight
+//! waits for it, and then all of them go out as the next transaction: one round trip, one flush.
+//!
+//! The rules that a statement of its own transaction followed still hold:
+//! - each statement is bounded by `statement_timeout` and `lock_timeout`, set for the
+//!   transaction (`SET LOCAL`), so nothing later on the session inherits the bound;
+//! - the transaction's messages go out together, in order, in one go, so that nothing else
+//!   the replica sends on the session (a check) falls inside it;
+//! - a statement counts only once its transaction has committed: if one statement of a
+//!   transaction fails, the others were rolled back with it and are told so (as
+//!   [`Outcome::RolledBack`], which the ledger reports as busy, to be tried again).
+
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::Poll;
+use std::time::Duration;
+
+use tokio::sync::oneshot;
+use tokio_postgres::types::{ToSql, Type};
+use tokio_postgres::{Client, Error, Row};
+
+/// One parameter of a statement, owned: the statement is sent later, by whichever task sends
+/// its transaction.
+pub type Param = (Box<dyn ToSql + Send + Sync>, Type);
+
+/// `value`, typed as `ty`, as a statement's parameter.
+pub fn param<T: ToSql + Send + Sync + 'static>(value: T, ty: Type) -> Param {
+    (Box::new(value), ty)
+}
+
+/// What became of one statement.
+#[derive(Debug)]
+pub enum Outcome {
+    /// It ran and its transaction committed: its rows.
+    Committed(Vec<Row>),
+    /// It failed: its transaction was rolled back.
+    Failed(Error),
+    /// It ran, but another statement of its transaction failed, so it was rolled back.
+    RolledBack,
+    /// The transaction could not be opened or committed (the session is in trouble, or a
+    /// serialization failure surfaced at COMMIT): every statement of it is told why.
+    NotCommitted(Arc<Error>),
+    /// The session went away before the transaction was sent.
+    Gone,
+}
+
+/// The group commit of one session.
+#[derive(Debug)]
+pub struct Bundle {
+    client: Arc<Client>,
+    /// Opens a transaction and bounds its statements.
+    begin: String,
+    state: Mutex<State>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    waiting: Vec<Request>,
+    /// Whether a task is sending transactions: it takes what waits when its transaction ends.
+    sending: bool,
+}
+
+struct Request {
+    sql: Arc<str>,
+    params: Vec<Param>,
+    reply: oneshot::Sender<Outcome>,
+}
+
+impl std::fmt::Debug for Request {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Request").field("sql", &self.sql).finish()
+    }
+}
+
+impl Bundle {
+    /// The group commit of `client`'s session: each statement bounded by `statement_timeout`
+    /// (and waiting at most as long for a lock), a transaction idle for longer than `lease`
+    /// ended by the server (a replica frozen inside one must still lose its session within the
+    /// lease: while a transaction is open, `idle_session_timeout` does not count).
+    pub fn new(client: Arc<Client>, statement_timeout: Duration, lease: Duration) -> Bundle {
+        let bound = statement_timeout.as_millis().max(1);
+        let lease = lease.as_millis().max(1);
+        Bundle {
+            client,
+            begin: format!(
+                "BEGIN; SET LOCAL statement_timeout = {bound}; SET LOCAL lock_timeout = {bound}; \
+                 SET LOCAL idle_in_transaction_session_timeout = {lease}"
+            ),
+            state: Mutex::default(),
+        }
+    }
+
+    /// Runs `sql` with `params` in the next transaction, and says what became of it once that
+    /// transaction has ended.
+    pub async fn run(self: &Arc<Self>, sql: Arc<str>, params: Vec<Param>) -> Outcome {
+        let (reply, outcome) = oneshot::channel();
+        let start = {
+            let mut state = self.state.lock().expect("the bundle's state");
+            state.waiting.push(Request { sql, params, reply });
+            !std::mem::replace(&mut state.sending, true)
+        };
+        if start {
+            // A task of its own, so that a caller that stops waiting (its job moved away)
+            // does not take the others' transaction down with it.
+            tokio::spawn(Arc::clone(self).send_all());
+        }
+        outcome.await.unwrap_or(Outcome::Gone)
+    }
+
+    /// Sends transactions until nothing waits.
+    async fn send_all(self: Arc<Self>) {
+        loop {
+            // Statements asked for in the same turn of the event loop (the occurrences due at
+            // one instant) join the first.
+            tokio::task::yield_now().await;
+            let requests = {
+                let mut state = self.state.lock().expect("the bundle's state");
+                if state.waiting.is_empty() {
+                    state.sending = false;
+                    return;
+                }
+                std::mem::take(&mut state.waiting)
+            };
+            self.send(requests).await;
+        }
+    }
+
+    /// One transaction: BEGIN, every request's statement, COMMIT, sent in one go.
+    async fn send(&self, requests: Vec<Request>) {
+        let client = &self.client;
+        let begin = client.batch_execute(&self.begin);
+        let statements: Vec<_> = requests
+            .iter()
+            .map(|request| {
+                let params: Vec<(&(dyn ToSql + Sync), Type)> = request
+                    .params
+                    .iter()
+                    .map(|(value, ty)| (&**value as &(dyn ToSql + Sync), ty.clone()))
+                    .collect();
+                let sql = &request.sql;
+                Box::pin(async move { client.query_typed(sql, &params).await })
+                    as Pin<Box<dyn Future<Output = Result<Vec<Row>, Error>> + Send + '_>>
+            })
+            .collect();
+        let commit = client.batch_execute("COMMIT");
+        let (begun, results, ended) = in_order(begin, statements, commit).await;
+        let (begun, ended) = (begun.map_err(Arc::new), ended.map_err(Arc::new));
+        let failed = results.iter().any(Result::is_err);
+        for (request, result) in requests.into_iter().zip(results) {
+            let outcome = match (&begun, result, &ended) {
+                (Err(err), _, _) => Outcome::NotCommitted(Arc::clone(err)),
+                (_, Err(err), _) => Outcome::Failed(err),
+                (_, Ok(_), _) if failed => Outcome::RolledBack,
+                (_, Ok(_), Err(err)) => Outcome::NotCommitted(Arc::clone(err)),
+                (_, Ok(rows), Ok(())) => Outcome::Committed(rows),
+            };
+            // A caller that stopped waiting does not want its outcome.
+            let _ = request.reply.send(outcome);
+        }
+    }
+}
+
+/// Polls `first`, then each of `middle`, then `last`, in that order, at every poll until each
+/// is done: each sends its request when first polled, so all of them are sent in one go, in
+/// order, before anything else the task's caller sends.
+async fn in_order<A, B, C>(
+    first: impl Future<Output = A>,
+    middle: Vec<Pin<Box<dyn Future<Output = B> + Send + '_>>>,
+    last: impl Future<Output = C>,
+) -> (A, Vec<B>, C) {
+    let mut first = std::pin::pin!(first);
+    let mut last = std::pin::pin!(last);
+    let mut middle: Vec<_> = middle.into_iter().map(|f| (f, None)).collect();
+    let (mut a, mut c) = (None, None);
+    std::future::poll_fn(|cx| {
+        if a.is_none()
+            && let Poll::Ready(value) = first.as_mut().poll(cx)
+        {
+            a = Some(value);
+        }
+        for (future, out) in &mut middle {
+            if out.is_none()
+                && let Poll::Ready(value) = future.as_mut().poll(cx)
+            {
+                *out = Some(value);
+            }
+        }
+        if c.is_none()
+            && let Poll::Ready(value) = last.as_mut().poll(cx)
+        {
+            c = Some(value);
+        }
+        if a.is_some() && c.is_some() && middle.iter().all(|(_, out)| out.is_some()) {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    })
+    .await;
+    let outs = middle
+        .into_iter()
+        .map(|(_, out)| out.expect("done"))
+        .collect();
+    (a.expect("done"), outs, c.expect("done"))
+}
