@@ -12,6 +12,8 @@ use nix::sys::signal::Signal;
 
 use crate::crontab::File;
 use crate::harness::http::{address_of, get};
+use crate::harness::pg::sessions_of;
+use crate::harness::shards::wait_for_two_sessions_each;
 use crate::harness::{Cluster, Proc, Stream, WAIT, field, pgleader, run_with_url, unique_lock};
 use crate::observability::sample;
 
@@ -351,30 +353,8 @@ fn pg_replica(lock: i64) -> impl Fn(&str, &File) -> Proc {
 fn the_jobs_are_shared_out_evenly_and_each_occurrence_runs_once() {
     let lock = unique_lock();
     let ([a, b, c], runners) = three_replicas_share_six_jobs(&pg_replica(lock));
-    // Two sessions per replica whatever the number of jobs: its holder and its watcher (a
-    // watcher given up for another may take a moment to go).
-    for replica in [&a, &b, &c] {
-        let deadline = Instant::now() + WAIT;
-        loop {
-            let sessions: i64 = Cluster::shared()
-                .client()
-                .query_one(
-                    "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE $1",
-                    &[&format!("%:{}@%", replica.pid)],
-                )
-                .expect("pg_stat_activity")
-                .get(0);
-            if sessions == 2 {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{} keeps {sessions} sessions",
-                replica.name
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
+    // Two sessions per replica whatever the number of jobs: its holder and its watcher.
+    wait_for_two_sessions_each(&[&a, &b, &c], sessions_of);
     // A job moved to another replica keeps one ledger: its history goes on there.
     let mut client = Cluster::shared().client();
     for job in runners.keys() {
