@@ -8,6 +8,7 @@
 //! waiting behind it agree with it on the schedule and on where runs are recorded. This module
 //! writes and reads that name; the backends only carry it.
 
+use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 /// The longest name every backend keeps whole (PostgreSQL cuts `application_name` at 63 bytes).
@@ -87,9 +88,15 @@ pub struct ShardsView {
 /// One replica of a sharded lock: its holder session, its `--max-shards` and its shards.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ShardReplica {
+    /// Its id on the roster, as its log and `/status` name the other members (PostgreSQL: its
+    /// holder session's backend pid; Redis: the number it joined with).
+    pub member: i32,
     pub participant: Participant,
     pub cap: Option<u32>,
     pub holds: Vec<u32>,
+    /// For a crontab: how its file defines each job it knows, by job number (see
+    /// `Listing::definitions`).
+    pub defines: BTreeMap<u32, u32>,
 }
 
 impl ShardsView {

@@ -22,7 +22,7 @@
 //! already. Shares add up to K (or to the sum of the caps), so a surplus
 //! somewhere means a shortfall somewhere else, and a shard given away is taken at once.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Display;
 use std::sync::Arc;
 use std::time::Duration;
@@ -52,9 +52,10 @@ pub enum Items {
 pub struct Listing {
     /// Each job's number.
     pub items: BTreeSet<u32>,
-    /// Each job's definition, as 32 bits of a hash of its name and definition: replicas that
-    /// define a job alike say the same number, so one that defines it otherwise shows.
-    pub definitions: BTreeSet<u32>,
+    /// Each job's definition, by its number: 32 bits of a hash of its name and definition
+    /// (`CronJob::definition_marker`). Replicas that define a job alike say the same number, so
+    /// one that defines it otherwise shows, and `status` can tell which job it is.
+    pub definitions: BTreeMap<u32, u32>,
 }
 
 impl Items {
@@ -261,8 +262,9 @@ pub struct Member {
     pub holds: BTreeSet<u32>,
     /// The items it knows (a crontab's jobs in its file); `None`: every one (shards).
     pub knows: Option<BTreeSet<u32>>,
-    /// The definitions of the jobs it knows (see [`Listing::definitions`]).
-    pub defines: BTreeSet<u32>,
+    /// How it defines the jobs it knows, by job number (see [`Listing::definitions`]): on
+    /// PostgreSQL only those of the jobs the reader knows itself.
+    pub defines: BTreeMap<u32, u32>,
 }
 
 impl Member {
@@ -413,7 +415,7 @@ mod tests {
     fn member(id: i32, cap: Option<u32>, holds: &[u32]) -> Member {
         Member {
             knows: None,
-            defines: BTreeSet::new(),
+            defines: BTreeMap::new(),
             id,
             cap,
             holds: holds.iter().copied().collect(),
@@ -537,7 +539,7 @@ mod tests {
         let jobs = |items: &[u32]| {
             Items::Listed(Arc::new(Listing {
                 items: items.iter().copied().collect(),
-                definitions: BTreeSet::new(),
+                definitions: BTreeMap::new(),
             }))
         };
         // 2 knows two of the three: it gets one of those, 1 the other two.

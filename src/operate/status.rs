@@ -145,6 +145,7 @@ impl LockStatus {
                     let mut object = participant_json(&replica.participant);
                     object["max_shards"] = replica.cap.into();
                     object["holds"] = replica.holds.clone().into();
+                    object["member"] = replica.member.into();
                     object
                 }).collect::<Vec<_>>(),
                 "holders": (0..shards.count).map(|shard| json!({
@@ -354,9 +355,10 @@ mod tests {
         assert_eq!(ranges(&[5]), "5");
     }
 
-    #[test]
-    fn a_sharded_lock_shows_each_shard_and_its_holder() {
-        let replica = |pid: i32, holds: Vec<u32>| ShardReplica {
+    /// A replica of member `pid` (its backend pid too), pgleader `pid + 1000` on `web-<pid>`.
+    pub(super) fn replica(pid: i32, holds: Vec<u32>) -> ShardReplica {
+        ShardReplica {
+            member: pid,
             participant: Participant {
                 backend_pid: pid,
                 granted: true,
@@ -365,7 +367,12 @@ mod tests {
             },
             cap: None,
             holds,
-        };
+            defines: Default::default(),
+        }
+    }
+
+    #[test]
+    fn a_sharded_lock_shows_each_shard_and_its_holder() {
         let shards = ShardsView {
             count: 6,
             replicas: vec![replica(1, vec![0, 1, 2]), replica(2, vec![3, 4])],

@@ -41,10 +41,12 @@ pub fn knows_space(lock: &LockKey) -> i32 {
     LockKey::from_name(&format!("pgleader knows {}", lock.key())).key() as i32
 }
 
-/// The first int4 of the "defines a job so" markers of a crontab run under `lock`'s name:
-/// `hashtextextended('pgleader defines ' || key, 0)::bit(32)::int4` in SQL.
-pub fn defines_space(lock: &LockKey) -> i32 {
-    LockKey::from_name(&format!("pgleader defines {}", lock.key())).key() as i32
+/// The first int4 of the "defines job `item` so" marker of a crontab run under `lock`'s name,
+/// the second int4 being the definition: `hashtextextended('pgleader defines ' || key || ' ' ||
+/// item, 0)::bit(32)::int4` in SQL. One space per job, so that whoever reads a member's
+/// markers (another member, `status`) can tell which job each definition is of.
+pub fn defines_space(lock: &LockKey, item: u32) -> i32 {
+    LockKey::from_name(&format!("pgleader defines {} {item}", lock.key())).key() as i32
 }
 
 /// A scalar subquery: the server process of a session that runs `lock`'s name with

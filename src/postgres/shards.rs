@@ -14,6 +14,11 @@
 //! | −2^31 + K | "runs with K shards" | shared | each replica's holder session |
 //! | −2^30 + N | "takes at most N shards" | shared | a replica started with `--max-shards N` |
 //!
+//! A crontab's member (`pgleader cron`) also holds, shared, a "knows job n" marker
+//! (`knows_space`, n) for each job of its file and a "defines job n so" marker
+//! (`defines_space` of n, the job's definition), so that the others (and `status`) see which
+//! jobs it knows and how it defines each.
+//!
 //! **Holder.** One session per replica (a [`ShardHolder`]) holds its member lock, its markers
 //! and every shard it runs, LISTENs on the name's channel (`pgleader_shards_` and the space in
 //! hex), and reads the roster (`pg_locks`, one statement) when notified and at every check.
@@ -70,8 +75,6 @@ pub struct ShardKeys {
     space: i32,
     /// The first int4 of a crontab's "knows job n" markers.
     knows: i32,
-    /// The first int4 of a crontab's "defines a job so" markers.
-    defines: i32,
     /// The plain key of the same name, to tell a replica that runs it without `--shards`.
     plain: LockKey,
 }
@@ -81,7 +84,6 @@ impl ShardKeys {
         ShardKeys {
             space: shard_space(lock),
             knows: knows_space(lock),
-            defines: defines_space(lock),
             plain: lock.clone(),
         }
     }
@@ -94,6 +96,18 @@ impl ShardKeys {
     /// The channel every member LISTENs on.
     pub fn channel(&self) -> String {
         format!("pgleader_shards_{:08x}", self.space as u32)
+    }
+
+    /// The first int4 of a crontab's "defines job `item` so" marker.
+    fn defines(&self, item: u32) -> i32 {
+        defines_space(&self.plain, item)
+    }
+
+    /// The "defines" spaces of `items`, each with its job, as `pg_locks.classid` shows them.
+    fn defines_of(&self, items: impl Iterator<Item = u32>) -> BTreeMap<u32, u32> {
+        items
+            .map(|item| (self.defines(item) as u32, item))
+            .collect()
     }
 
     fn member(pid: i32) -> i32 {
@@ -119,7 +133,7 @@ const ROSTER_SQL: &str = "SELECT me.pid, me.now, l.pid, l.objid::int8, l.objsubi
             WHERE datname = pg_catalog.current_database()) \
         AND ((l.classid = $1 AND l.objsubid = 2 AND l.granted) \
             OR (l.classid = $2 AND l.objid = $3 AND l.objsubid = 1) \
-            OR (l.classid IN ($4, $5) AND l.objsubid = 2 AND l.granted))";
+            OR ((l.classid = $4 OR l.classid = ANY($5)) AND l.objsubid = 2 AND l.granted))";
 
 /// Takes the "knows job n" markers of `$2`, shared, in space `$1`: never waits, since nobody
 /// takes them exclusively.
@@ -129,6 +143,14 @@ const KNOW_SQL: &str = "SELECT pg_catalog.pg_advisory_lock_shared($1::int4, i) \
 /// Lets the markers of jobs `$2` go.
 const FORGET_SQL: &str = "SELECT pg_catalog.pg_advisory_unlock_shared($1::int4, i) \
     FROM pg_catalog.unnest($2::int4[]) AS i";
+
+/// Takes the "defines job n so" markers: each (space `$1[i]`, definition `$2[i]`), shared.
+const DEFINE_SQL: &str = "SELECT pg_catalog.pg_advisory_lock_shared(s, d) \
+    FROM ROWS FROM (pg_catalog.unnest($1::int4[]), pg_catalog.unnest($2::int4[])) AS t(s, d)";
+
+/// Lets the "defines" markers (space `$1[i]`, definition `$2[i]`) go.
+const UNDEFINE_SQL: &str = "SELECT pg_catalog.pg_advisory_unlock_shared(s, d) \
+    FROM ROWS FROM (pg_catalog.unnest($1::int4[]), pg_catalog.unnest($2::int4[])) AS t(s, d)";
 
 /// Tries each shard, and tells the others when it took any: a take changes the holdings the
 /// shares are computed from (who gets the one more), so a member that read the roster before
@@ -162,10 +184,19 @@ const STATUS_SQL: &str = "SELECT l.pid, l.objid::int8, l.mode = 'ExclusiveLock',
             WHERE datname = pg_catalog.current_database()) \
     ORDER BY l.pid, l.objid";
 
+/// What `status` reads of a crontab's markers: the granted locks in the spaces `$1`, with
+/// their holder.
+const MARKERS_SQL: &str = "SELECT l.pid, l.classid::int8, l.objid::int8 \
+    FROM pg_catalog.pg_locks l \
+    WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 2 AND l.classid = ANY($1) \
+        AND l.database = (SELECT oid FROM pg_catalog.pg_database \
+            WHERE datname = pg_catalog.current_database())";
+
 /// Who holds which shard of the sharded lock of `lock`'s name, for `status`: `None` when no
-/// replica runs it sharded.
+/// replica runs it sharded. For a crontab, how each replica defines each job it knows too.
 pub async fn view(client: &Client, lock: &LockKey) -> Result<Option<ShardsView>, String> {
-    let space = ShardKeys::of(lock).space() as u32;
+    let keys = ShardKeys::of(lock);
+    let space = keys.space() as u32;
     let rows = client
         .query_typed(STATUS_SQL, &[(&space, Type::OID)])
         .await
@@ -180,6 +211,7 @@ pub async fn view(client: &Client, lock: &LockKey) -> Result<Option<ShardsView>,
                 replicas.insert(
                     pid,
                     ShardReplica {
+                        member: pid,
                         participant: Participant {
                             backend_pid: pid,
                             granted: true,
@@ -191,6 +223,7 @@ pub async fn view(client: &Client, lock: &LockKey) -> Result<Option<ShardsView>,
                         },
                         cap: None,
                         holds: Vec::new(),
+                        defines: BTreeMap::new(),
                     },
                 );
             }
@@ -214,16 +247,62 @@ pub async fn view(client: &Client, lock: &LockKey) -> Result<Option<ShardsView>,
             replica.holds.push(shard);
         }
     }
+    if count == 0 {
+        read_definitions(client, &keys, &mut replicas).await?;
+    }
     Ok(Some(ShardsView {
         count,
         replicas: replicas.into_values().collect(),
     }))
 }
 
+/// Reads how each crontab replica defines each job it knows: its "knows" markers first, then
+/// the "defines" markers of those jobs.
+async fn read_definitions(
+    client: &Client,
+    keys: &ShardKeys,
+    replicas: &mut BTreeMap<i32, ShardReplica>,
+) -> Result<(), String> {
+    let markers = async |spaces: Vec<u32>| {
+        client
+            .query_typed(MARKERS_SQL, &[(&spaces, Type::OID_ARRAY)])
+            .await
+            .map_err(|err| {
+                format!(
+                    "cannot read the jobs' markers from pg_locks: {}",
+                    describe(&err)
+                )
+            })
+    };
+    let mut knows: BTreeMap<i32, BTreeSet<u32>> = BTreeMap::new();
+    for row in markers(vec![keys.knows as u32]).await? {
+        let (pid, item): (i32, i64) = (row.get(0), row.get(2));
+        knows.entry(pid).or_default().insert(item as u32);
+    }
+    let spaces = keys.defines_of(knows.values().flatten().copied());
+    if spaces.is_empty() {
+        return Ok(());
+    }
+    for row in markers(spaces.keys().copied().collect()).await? {
+        let (pid, classid, definition): (i32, i64, i64) = (row.get(0), row.get(1), row.get(2));
+        let Some(&item) = spaces.get(&(classid as u32)) else {
+            continue;
+        };
+        if let Some(replica) = replicas.get_mut(&pid)
+            && knows.get(&pid).is_some_and(|known| known.contains(&item))
+        {
+            replica.defines.insert(item, definition as u32);
+        }
+    }
+    Ok(())
+}
+
 /// Reads a roster from `ROSTER_SQL`'s rows, as seen by a member that shares out `items`.
+/// `spaces` are the "defines" spaces of the reader's own jobs, each with its job.
 fn read_roster(
     keys: &ShardKeys,
     items: &Items,
+    spaces: &BTreeMap<u32, u32>,
     rows: &[tokio_postgres::Row],
 ) -> Result<Seen, SessionError> {
     let first = rows
@@ -233,7 +312,7 @@ fn read_roster(
     let mut members: BTreeMap<i32, Member> = BTreeMap::new();
     let (mut holds, mut counts, mut caps, mut plain) = (Vec::new(), Vec::new(), Vec::new(), None);
     let mut knows: BTreeMap<i32, BTreeSet<u32>> = BTreeMap::new();
-    let mut defines: BTreeMap<i32, BTreeSet<u32>> = BTreeMap::new();
+    let mut defines: BTreeMap<i32, BTreeMap<u32, u32>> = BTreeMap::new();
     for row in rows {
         let (Some(pid), Some(objid), Some(subid), Some(exclusive)) = (
             row.get::<_, Option<i32>>(2),
@@ -252,8 +331,8 @@ fn read_roster(
             knows.entry(pid).or_default().insert(objid as u32);
             continue;
         }
-        if classid == Some(i64::from(keys.defines as u32)) {
-            defines.entry(pid).or_default().insert(objid as u32);
+        if let Some(&item) = classid.and_then(|classid| spaces.get(&(classid as u32))) {
+            defines.entry(pid).or_default().insert(item, objid as u32);
             continue;
         }
         let n = objid as u32 as i32;
@@ -268,7 +347,7 @@ fn read_roster(
                         cap: None,
                         holds,
                         knows: None,
-                        defines: BTreeSet::new(),
+                        defines: BTreeMap::new(),
                     },
                 );
             }
@@ -489,12 +568,16 @@ impl Holder for ShardHolder {
         let client = self.session.client().clone();
         let (keys, items, me) = (self.keys.clone(), self.items.clone(), self.id());
         async move {
-            let (space, classid, objid, knows, defines) = (
+            let spaces = match &items {
+                Items::Listed(listing) => keys.defines_of(listing.items.iter().copied()),
+                Items::Numbered(_) => BTreeMap::new(),
+            };
+            let defines: Vec<u32> = spaces.keys().copied().collect();
+            let (space, classid, objid, knows) = (
                 keys.space as u32,
                 keys.plain.classid(),
                 keys.plain.objid(),
                 keys.knows as u32,
-                keys.defines as u32,
             );
             let rows = client
                 .query_typed(
@@ -504,12 +587,12 @@ impl Holder for ShardHolder {
                         (&classid, Type::OID),
                         (&objid, Type::OID),
                         (&knows, Type::OID),
-                        (&defines, Type::OID),
+                        (&defines, Type::OID_ARRAY),
                     ],
                 )
                 .await
                 .map_err(query_error)?;
-            let seen = read_roster(&keys, &items, &rows)?;
+            let seen = read_roster(&keys, &items, &spaces, &rows)?;
             let pid: i32 = rows.first().map_or(0, |row| row.get(0));
             if pid != me {
                 return Err(SessionError::Unsafe(format!(
@@ -629,12 +712,9 @@ impl ShardHolder {
             ]
         };
         let [know, forget] = changes(&new.items, &old.items);
-        let [define, undefine] = changes(&new.definitions, &old.definitions);
         for (sql, space, numbers) in [
             (KNOW_SQL, self.keys.knows, know),
             (FORGET_SQL, self.keys.knows, forget),
-            (KNOW_SQL, self.keys.defines, define),
-            (FORGET_SQL, self.keys.defines, undefine),
         ] {
             if numbers.is_empty() {
                 continue;
@@ -642,6 +722,34 @@ impl ShardHolder {
             self.session
                 .client()
                 .query_typed(sql, &[(&space, Type::INT4), (&numbers, Type::INT4_ARRAY)])
+                .await
+                .map_err(query_error)?;
+        }
+        // A job defined anew holds its new marker before it lets the old one go.
+        let pairs = |new: &BTreeMap<u32, u32>, old: &BTreeMap<u32, u32>| -> [Vec<i32>; 2] {
+            let (spaces, definitions) = new
+                .iter()
+                .filter(|(item, definition)| old.get(item) != Some(definition))
+                .map(|(&item, &definition)| (self.keys.defines(item), definition as i32))
+                .unzip();
+            [spaces, definitions]
+        };
+        for (sql, [spaces, definitions]) in [
+            (DEFINE_SQL, pairs(&new.definitions, &old.definitions)),
+            (UNDEFINE_SQL, pairs(&old.definitions, &new.definitions)),
+        ] {
+            if spaces.is_empty() {
+                continue;
+            }
+            self.session
+                .client()
+                .query_typed(
+                    sql,
+                    &[
+                        (&spaces, Type::INT4_ARRAY),
+                        (&definitions, Type::INT4_ARRAY),
+                    ],
+                )
                 .await
                 .map_err(query_error)?;
         }

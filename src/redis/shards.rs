@@ -13,7 +13,7 @@
 //! | key | type | what it holds |
 //! |---|---|---|
 //! | `pgleader:{NAME}:shard:<n>` | string, TTL the lease | item n's holder (shard n, or the job numbered n): `nonce=<hex> epoch=<n> member=<id> since=<unix seconds>` |
-//! | `pgleader:{NAME}:member:<id>` | string, TTL the lease | member id's card: `nonce=<hex> shards=<K, or 0 for a crontab> cap=<N or none> [knows=<n,...> defines=<n,...>] client=<client id> session=<name>` (a crontab's member lists its jobs' numbers and definitions, `-` for none) |
+//! | `pgleader:{NAME}:member:<id>` | string, TTL the lease | member id's card: `nonce=<hex> shards=<K, or 0 for a crontab> cap=<N or none> [knows=<n,...> defines=<n:d,...>] client=<client id> session=<name>` (a crontab's member lists its jobs' numbers, and each job's number with its definition, `-` for none) |
 //! | `pgleader:{NAME}:members` | set | the ids of the members |
 //! | `pgleader:{NAME}:ids` | counter | the last member id handed out |
 //! | `pgleader:{NAME}:epoch` | string | the last fencing token, shared with the plain lock of the name |
@@ -441,6 +441,7 @@ pub async fn view(
     let replicas = live
         .iter()
         .map(|(id, card)| ShardReplica {
+            member: *id,
             participant: participant(card, true),
             cap: scripts::field(card, "cap").and_then(|cap| cap.parse().ok()),
             holds: items
@@ -454,6 +455,7 @@ pub async fn view(
                 })
                 .map(|(n, _)| *n)
                 .collect(),
+            defines: definitions_in(card),
         })
         .collect();
     Ok(Some(ShardsView { count, replicas }))
@@ -621,24 +623,26 @@ impl RedisShardHolder {
 }
 
 /// A member's card after its nonce: what it runs (`shards=`), its cap, and for a crontab the
-/// jobs its file has and how it defines each (`knows=`, `defines=`: numbers, comma-separated,
-/// `-` for none), then how it names itself (`client=... session=...`).
+/// jobs its file has and how it defines each (`knows=`: numbers, `defines=`: `number:definition`
+/// pairs, comma-separated, `-` for none), then how it names itself (`client=... session=...`).
 fn card_of(items: &Items, cap: Option<u32>, named: &str) -> String {
     let cap = cap.map_or("none".to_owned(), |cap| cap.to_string());
     let listed = match items {
         Items::Listed(listing) => {
-            let list = |numbers: &BTreeSet<u32>| match numbers.is_empty() {
+            let list = |numbers: Vec<String>| match numbers.is_empty() {
                 true => "-".to_owned(),
-                false => numbers
-                    .iter()
-                    .map(u32::to_string)
-                    .collect::<Vec<_>>()
-                    .join(","),
+                false => numbers.join(","),
             };
             format!(
                 " knows={} defines={}",
-                list(&listing.items),
-                list(&listing.definitions)
+                list(listing.items.iter().map(u32::to_string).collect()),
+                list(
+                    listing
+                        .definitions
+                        .iter()
+                        .map(|(item, definition)| format!("{item}:{definition}"))
+                        .collect()
+                )
             )
         }
         Items::Numbered(_) => String::new(),
@@ -646,7 +650,19 @@ fn card_of(items: &Items, cap: Option<u32>, named: &str) -> String {
     format!("shards={} cap={cap}{listed} {named}", items.marker())
 }
 
-/// The numbers a card lists in `field` (`knows=`, `defines=`).
+/// How a card says its member defines each job it knows (`defines=`), by job number.
+fn definitions_in(card: &str) -> BTreeMap<u32, u32> {
+    field(card, "defines")
+        .unwrap_or("-")
+        .split(',')
+        .filter_map(|pair| {
+            let (item, definition) = pair.split_once(':')?;
+            Some((item.parse().ok()?, definition.parse().ok()?))
+        })
+        .collect()
+}
+
+/// The numbers a card lists in `field` (`knows=`).
 fn numbers_in(card: &str, field_name: &str) -> BTreeSet<u32> {
     field(card, field_name)
         .unwrap_or("-")
@@ -983,7 +999,7 @@ fn read_roster(
                 cap,
                 holds: BTreeSet::new(),
                 knows: listed.then(|| numbers_in(card, "knows")),
-                defines: numbers_in(card, "defines"),
+                defines: definitions_in(card),
             },
         );
     }
@@ -1173,14 +1189,14 @@ mod tests {
                     cap: None,
                     holds: BTreeSet::from([0]),
                     knows: None,
-                    defines: BTreeSet::new(),
+                    defines: BTreeMap::new(),
                 },
                 Member {
                     id: 5,
                     cap: Some(1),
                     holds: BTreeSet::from([2]),
                     knows: None,
-                    defines: BTreeSet::new(),
+                    defines: BTreeMap::new(),
                 },
             ]
         );

@@ -109,6 +109,12 @@ impl CronJob {
     }
 }
 
+/// A job's definition (`CronJob::definition_marker`) as `status` and `/status` show it: eight
+/// hex digits.
+pub fn definition_hex(definition: u32) -> String {
+    format!("{definition:08x}")
+}
+
 /// The number of the job named `name` (see [`CronJob::item`]): in SQL,
 /// `hashtextextended('pgleader job ' || name, 0) & 1073741823` (the low 30 bits).
 pub fn item_of(name: &str) -> u32 {

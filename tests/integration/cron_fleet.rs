@@ -12,11 +12,22 @@ use nix::sys::signal::Signal;
 
 use crate::crontab::File;
 use crate::harness::fleet::lines_with;
+use crate::harness::http::{address_of, get};
+use crate::harness::pg::sessions_of;
+use crate::harness::shards::wait_for_two_sessions_each;
 use crate::harness::{Cluster, Proc, Stream, WAIT, field, pgleader, run_with_url, unique_lock};
+use crate::observability::sample;
 
 /// How a scenario starts a replica of its fleet: `pgleader cron` of the file on the fleet's
 /// lock and server, the replica named as given.
 pub type Spawn<'a> = &'a dyn Fn(&str, &File) -> Proc;
+
+/// [`Spawn`] with more options (`--http`, say) before the file.
+pub type SpawnWith<'a> = &'a dyn Fn(&str, &File, &[&str]) -> Proc;
+
+/// How a scenario runs `pgleader status --lock-id LOCK ARGS` on its fleet's server, the process
+/// named as given.
+pub type StatusOf<'a> = &'a dyn Fn(&str, &[&str]) -> Proc;
 
 /// A crontab of `jobs` every-second jobs, `j1` to `jN`, each running `command` (which sees
 /// PGLEADER_JOB and PGLEADER_SCHEDULED_TIME).
@@ -343,30 +354,8 @@ fn pg_replica(lock: i64) -> impl Fn(&str, &File) -> Proc {
 fn the_jobs_are_shared_out_evenly_and_each_occurrence_runs_once() {
     let lock = unique_lock();
     let ([a, b, c], runners) = three_replicas_share_six_jobs(&pg_replica(lock));
-    // Two sessions per replica whatever the number of jobs: its holder and its watcher (a
-    // watcher given up for another may take a moment to go).
-    for replica in [&a, &b, &c] {
-        let deadline = Instant::now() + WAIT;
-        loop {
-            let sessions: i64 = Cluster::shared()
-                .client()
-                .query_one(
-                    "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE $1",
-                    &[&format!("%:{}@%", replica.pid)],
-                )
-                .expect("pg_stat_activity")
-                .get(0);
-            if sessions == 2 {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{} keeps {sessions} sessions",
-                replica.name
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
+    // Two sessions per replica whatever the number of jobs: its holder and its watcher.
+    wait_for_two_sessions_each(&[&a, &b, &c], sessions_of);
     // A job moved to another replica keeps one ledger: its history goes on there.
     let mut client = Cluster::shared().client();
     for job in runners.keys() {
@@ -487,20 +476,30 @@ pub fn sighup_rereads_the_file(spawn: Spawn) {
 
 #[test]
 fn in_a_rolling_deploy_a_job_only_some_replicas_know_runs_on_one_of_those() {
-    a_rolling_deploy_runs_every_job_once(&pg_replica(unique_lock()));
+    let lock = unique_lock();
+    a_rolling_deploy_runs_every_job_once(
+        &|name, file, args| replica_with(name, lock, file, args),
+        &|name, args| crate::harness::pg::status(name, Cluster::shared(), lock, args),
+    );
 }
 
 /// A with the old file and B with the new one: a job only one of them knows runs there, the
-/// jobs both know run on one of them, and one defined otherwise by each shows once on each.
-pub fn a_rolling_deploy_runs_every_job_once(spawn: Spawn) {
+/// jobs both know run on one of them, and one defined otherwise by each shows once on each's
+/// log, in `status --json` (each definition with its replica), in each one's `/status` and
+/// metric; once A rereads a file that defines it as B does, none of them shows it any more.
+pub fn a_rolling_deploy_runs_every_job_once(spawn: SpawnWith, status: StatusOf) {
+    const HTTP: &str = "--http=127.0.0.1:0";
     let job = |name: &str| format!("# pgleader: name={name}\n* * * * * * * {RAN}\n");
     // j2 is defined otherwise in the new file: it runs under one definition at a time, and
     // the disagreement shows once, not at every occurrence.
-    let j2 = format!("# pgleader: name=j2\n* * * * * * * {RAN} v=2\n");
+    let j2_v2 = format!("# pgleader: name=j2\n* * * * * * * {RAN} v=2\n");
     let old = File::new("rolling-old", &[job("j1"), job("j2"), job("old")].concat());
-    let new = File::new("rolling-new", &[job("j1"), j2, job("new")].concat());
-    let a = spawn("A", &old);
-    let b = spawn("B", &new);
+    let new = File::new(
+        "rolling-new",
+        &[job("j1"), j2_v2.clone(), job("new")].concat(),
+    );
+    let a = spawn("A", &old, &[HTTP]);
+    let b = spawn("B", &new, &[HTTP]);
     let deadline = Instant::now() + WAIT;
     loop {
         let since = rfc3339(SystemTime::now() - Duration::from_secs(1));
@@ -522,6 +521,80 @@ pub fn a_rolling_deploy_runs_every_job_once(spawn: Spawn) {
         let line = replica.wait_log("is defined otherwise by the replica of member");
         assert_eq!(field(&line, "job"), "j2", "{line}");
     }
+    // Both logged it, so both have published it; their markers were there before.
+    let http = [address_of(&a), address_of(&b)];
+    let seen = status_json(status, "status-disagree");
+    let ids = member_ids(&seen, &[&a, &b]);
+    assert_eq!(seen["crontab"]["defined_otherwise"], 1, "{seen}");
+    let j2 = job_of(&seen, "j2");
+    assert_eq!(j2["defined_otherwise"], true, "{seen}");
+    let definitions = j2["definitions"].as_array().expect("j2's definitions");
+    assert_eq!(definitions.len(), 2, "{seen}");
+    let definition_of = |id: i64| {
+        definitions
+            .iter()
+            .find(|d| d["members"] == serde_json::json!([id]))
+            .unwrap_or_else(|| panic!("no definition held by {id} alone: {seen}"))["definition"]
+            .clone()
+    };
+    for (me, other) in [(0, 1), (1, 0)] {
+        let job = replica_job(http[me], "j2");
+        assert_eq!(
+            job["defined_otherwise_by"],
+            serde_json::json!([ids[other]]),
+            "{job}"
+        );
+        assert_eq!(job["definition"], definition_of(ids[me]), "{job}");
+        let metrics = get(http[me], "/metrics").body;
+        assert_eq!(mismatch(&metrics, "j2"), 1.0, "{metrics}");
+        assert_eq!(mismatch(&metrics, "j1"), 0.0, "{metrics}");
+    }
+    let j1 = job_of(&seen, "j1");
+    assert_eq!(j1["defined_otherwise"], false, "{seen}");
+    assert_eq!(
+        j1["definitions"][0]["members"].as_array().map(Vec::len),
+        Some(2),
+        "{seen}"
+    );
+
+    // `status --watch`, started while they disagree, prints a line once they agree.
+    let watch = status("watch", &["--watch"]);
+    watch.wait_line_where(Stream::Stdout, "j2 defined 2 ways", |line| {
+        line.contains(" j2 ") && line.contains(", defined 2 ways")
+    });
+
+    // A rereads a file that defines j2 as B's does: both say so, and it shows nowhere.
+    std::fs::write(&old.0, [job("j1"), j2_v2.clone(), job("old")].concat())
+        .expect("write the crontab");
+    a.signal(Signal::SIGHUP);
+    for replica in [&a, &b] {
+        let line = replica.wait_log("is no longer defined otherwise");
+        assert_eq!(field(&line, "job"), "j2", "{line}");
+    }
+    let seen = status_json(status, "status-agreed");
+    assert_eq!(seen["crontab"]["defined_otherwise"], 0, "{seen}");
+    let j2 = job_of(&seen, "j2");
+    assert_eq!(j2["defined_otherwise"], false, "{seen}");
+    assert_eq!(
+        j2["definitions"].as_array().map(Vec::len),
+        Some(1),
+        "{seen}"
+    );
+    assert_eq!(
+        j2["definitions"][0]["definition"],
+        definition_of(ids[1]),
+        "{seen}"
+    );
+    for address in http {
+        let job = replica_job(address, "j2");
+        assert_eq!(job["defined_otherwise_by"], serde_json::json!([]), "{job}");
+        assert_eq!(mismatch(&get(address, "/metrics").body, "j2"), 0.0);
+    }
+    watch.wait_line_where(Stream::Stdout, "j2 defined one way", |line| {
+        line.contains(" j2 ") && !line.contains("defined 2 ways")
+    });
+    watch.signal(Signal::SIGTERM);
+    watch.wait_exit();
     for replica in [&a, &b] {
         replica.terminate_cleanly();
         let mismatches = replica
@@ -532,6 +605,53 @@ pub fn a_rolling_deploy_runs_every_job_once(spawn: Spawn) {
         assert_eq!(mismatches, 1, "{}", replica.dump());
     }
     assert_each_occurrence_once(&[&a, &b]);
+}
+
+/// `pgleader status --json` of the fleet, once.
+fn status_json(status: StatusOf, name: &str) -> serde_json::Value {
+    let shown = status(name, &["--json"]);
+    assert_eq!(shown.wait_code(), 0, "{}", shown.dump());
+    serde_json::from_str(&shown.lines(Stream::Stdout).join("\n")).expect("JSON status")
+}
+
+/// The job named `name` in `status --json`.
+fn job_of(seen: &serde_json::Value, name: &str) -> serde_json::Value {
+    let jobs = seen["crontab"]["jobs"].as_array();
+    jobs.and_then(|jobs| jobs.iter().find(|job| job["name"] == name))
+        .cloned()
+        .unwrap_or_else(|| panic!("no job {name}: {seen}"))
+}
+
+/// Each replica's member id (as its log and `/status` name it), as `status --json` shows the
+/// replicas.
+fn member_ids(seen: &serde_json::Value, replicas: &[&Proc]) -> Vec<i64> {
+    let shown = seen["shards"]["replicas"].as_array().expect("replicas");
+    replicas
+        .iter()
+        .map(|replica| {
+            let pid = i64::from(replica.pid.as_raw());
+            shown
+                .iter()
+                .find(|shown| shown["pgleader_pid"] == pid)
+                .and_then(|shown| shown["member"].as_i64())
+                .unwrap_or_else(|| panic!("{} is not a replica: {seen}", replica.name))
+        })
+        .collect()
+}
+
+/// The job named `name` in the `/status` of the replica serving at `address`.
+fn replica_job(address: std::net::SocketAddr, name: &str) -> serde_json::Value {
+    let status = get(address, "/status").json();
+    let jobs = status["jobs"].as_array();
+    jobs.and_then(|jobs| jobs.iter().find(|job| job["name"] == name))
+        .cloned()
+        .unwrap_or_else(|| panic!("no job {name}: {status}"))
+}
+
+/// `pgleader_job_definition_mismatch` of `job` in a replica's metrics.
+fn mismatch(metrics: &str, job: &str) -> f64 {
+    let label = format!("job=\"{job}\"");
+    sample(metrics, "pgleader_job_definition_mismatch", &[&label])
 }
 
 #[test]

@@ -16,23 +16,17 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::Signal;
 
 use crate::crontab::File;
-use crate::harness::nemesis::{kill_or_term, seed_and_rounds, stop_and_wait};
+use crate::harness::nemesis::{QUICK, kill_or_term, seed_and_rounds, stop_and_wait};
+use crate::harness::process::pid_field;
 use crate::harness::{Cluster, Journal, Proc, Proxy, Stream, WAIT, pgleader, unique_lock};
 
 const JOBS: usize = 5;
 const SLOTS: usize = 4;
 const FAKETIME: &str = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1";
 
-/// Quick checks (600 ms from check to kill), the shortest lease they allow, and waits that
-/// refresh often: a partitioned replica's jobs move after the lease.
-const TIMINGS: [&str; 6] = [
-    "--check-interval=100ms",
-    "--check-timeout=200ms",
-    "--kill-timeout=300ms",
-    "--lease=2s",
-    "--restart-fence=auto",
-    "--wait-refresh=300ms",
-];
+/// Beside the nemesis' quick checks (600 ms from check to kill), the shortest lease they allow
+/// and waits that refresh often: a partitioned replica's jobs move after the lease.
+const TIMINGS: [&str; 2] = ["--lease=2s", "--wait-refresh=300ms"];
 
 #[derive(Debug, Clone, Copy)]
 enum Fault {
@@ -73,6 +67,7 @@ impl Fleet {
             .env("SLOT", slot.to_string())
             .arg("cron")
             .arg(format!("--lock-id={}", self.lock))
+            .args(QUICK)
             .args(TIMINGS)
             .arg(&self.crontab.0);
         if let Some(offset) = &self.skews[slot] {
@@ -125,11 +120,7 @@ impl Fleet {
             .iter()
             .rev()
             .find(|line| line.contains("joined the replicas"))
-            .and_then(|line| {
-                line.split_whitespace()
-                    .find_map(|word| word.strip_prefix("backend_pid="))
-                    .and_then(|pid| pid.parse().ok())
-            })
+            .map(|line| pid_field(line, "backend_pid"))
     }
 
     fn report(&self) -> String {

@@ -2,11 +2,13 @@
 //! status` (text and JSON) lists each job with its owner, next occurrence and last outcome,
 //! found from the ledger and the server's locks with no crontab file; each replica's `/status`
 //! lists the jobs it knows and which it owns; `/metrics` carries per-job series that promtool
-//! accepts and that add up over the fleet (each job owned by exactly one replica).
+//! accepts and that add up over the fleet (each job owned by exactly one replica); `status
+//! --watch` prints a line as a job's owner changes.
 
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
+use nix::sys::signal::Signal;
 use serde_json::Value;
 
 use crate::cron_fleet::{RAN, every_second, replica_with, wait_for_shares};
@@ -143,5 +145,39 @@ fn status_http_and_metrics_show_each_job_with_its_owner_and_last_outcome() {
         metrics[0]
     );
     b.terminate_cleanly();
+    a.terminate_cleanly();
+}
+
+#[test]
+fn status_watch_prints_a_line_when_a_killed_owner_s_jobs_move() {
+    let lock = unique_lock();
+    let file = every_second("watch", 2, RAN);
+    let a = replica_with("A", lock, &file, &[]);
+    let b = replica_with("B", lock, &file, &[]);
+    wait_for_shares(&[&a, &b], 2, &[("A", 1), ("B", 1)]);
+    let watch = status("watch", Cluster::shared(), lock, &["--watch"]);
+    // A job on one line of the watch: `j1 pgleader <pid>@<host> (backend <n>), ...`.
+    let owner_of = |line: &str, job: &str, replica: &crate::harness::Proc| {
+        line.contains(&format!(" {job} pgleader {}@", replica.pid))
+    };
+    let line = watch.wait_line_where(Stream::Stdout, "one job on A, the other on B", |line| {
+        JOBS[..2].iter().any(|job| owner_of(line, job, &a))
+            && JOBS[..2].iter().any(|job| owner_of(line, job, &b))
+    });
+    assert!(line.contains(": crontab of 2 jobs: "), "{line}");
+
+    // kill -9 B: the watch prints B's job on A, and B no more.
+    b.signal(Signal::SIGKILL);
+    assert!(b.wait_exit().code().is_none());
+    let line = watch.wait_line_where(Stream::Stdout, "both jobs on A", |line| {
+        JOBS[..2].iter().all(|job| owner_of(line, job, &a))
+    });
+    assert!(
+        !line.contains(&format!("pgleader {}@", b.pid)),
+        "{line}\n{}",
+        watch.dump()
+    );
+    watch.signal(Signal::SIGTERM);
+    watch.wait_exit();
     a.terminate_cleanly();
 }

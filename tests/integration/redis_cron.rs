@@ -197,7 +197,7 @@ fn a_job_s_claim_succeeds_only_while_its_item_key_holds_its_member_s_nonce() {
     let backend = backend(&name);
     let items = Items::Listed(Arc::new(Listing {
         items: BTreeSet::from([7, 9]),
-        definitions: BTreeSet::new(),
+        definitions: BTreeMap::new(),
     }));
     // The key a job's rows are kept under: the fleet's and the job's name, apart by U+001F
     // (the sharded room's `jobs::job_key`).
@@ -267,7 +267,20 @@ fn a_job_s_claim_succeeds_only_while_its_item_key_holds_its_member_s_nonce() {
 
 #[test]
 fn on_redis_in_a_rolling_deploy_a_job_only_some_replicas_know_runs_on_one_of_those() {
-    a_rolling_deploy_runs_every_job_once(&redis_replica(unique_lock()));
+    let (redis, lock) = (Redis::shared(), unique_lock());
+    a_rolling_deploy_runs_every_job_once(
+        &|name, file, args| {
+            cron_replica(name, &redis.url(), lock, &[&QUICK[..], args].concat(), file)
+        },
+        &|name, args| {
+            let mut command = pgleader();
+            command
+                .env("PGLEADER_DATABASE_URL", redis.url())
+                .args(["status", &format!("--lock-id={lock}")])
+                .args(args);
+            Proc::spawn(name, command)
+        },
+    );
 }
 
 #[test]

@@ -196,15 +196,7 @@ impl Fleet for PgFleet {
     }
 
     fn sessions_of(&self, replica: &Proc) -> usize {
-        let sessions: i64 = Cluster::shared()
-            .client()
-            .query_one(
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE $1",
-                &[&format!("%:{}@%", replica.pid)],
-            )
-            .expect("pg_stat_activity")
-            .get(0);
-        sessions.try_into().expect("a count")
+        crate::harness::pg::sessions_of(replica)
     }
 }
 

@@ -27,6 +27,7 @@ pub struct JobMetrics {
     owned: IntGaugeVec,
     period: GaugeVec,
     known_since: GaugeVec,
+    definition_mismatch: IntGaugeVec,
 }
 
 impl JobMetrics {
@@ -76,6 +77,10 @@ impl JobMetrics {
                 "job_known_since_timestamp_seconds",
                 "Since when this replica knows the job (its crontab defines it), in seconds since the Unix epoch",
             ),
+            definition_mismatch: int_gauge(
+                "job_definition_mismatch",
+                "1 while another replica's crontab defines the job otherwise than this replica's (a rolling deploy half done), else 0",
+            ),
         }
     }
 
@@ -88,6 +93,7 @@ impl JobMetrics {
         self.lateness.with_label_values(&[job]);
         self.running.with_label_values(&[job]);
         self.owned.with_label_values(&[job]);
+        self.definition_mismatch.with_label_values(&[job]);
         self.set_period(job, period);
         self.known_since
             .with_label_values(&[job])
@@ -113,7 +119,7 @@ impl JobMetrics {
         ] {
             let _ = gauges.remove_label_values(&[job]);
         }
-        for gauges in [&self.running, &self.owned] {
+        for gauges in [&self.running, &self.owned, &self.definition_mismatch] {
             let _ = gauges.remove_label_values(&[job]);
         }
     }
@@ -123,6 +129,13 @@ impl JobMetrics {
         self.running
             .with_label_values(&[job])
             .set(i64::from(running));
+    }
+
+    /// Whether another replica defines `job` otherwise than this one.
+    pub fn set_defined_otherwise(&self, job: &str, otherwise: bool) {
+        self.definition_mismatch
+            .with_label_values(&[job])
+            .set(i64::from(otherwise));
     }
 
     /// An occurrence of `job` ended here with `outcome`, at `ended`.

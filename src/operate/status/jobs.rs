@@ -5,8 +5,11 @@
 //! carry its name (and the schedule and zone it ran under, from which the next occurrence is
 //! computed on the server's clock), and the server's locks, where the replica that owns a job
 //! holds the lock of its number ([`item_of`] its name). A job held but not yet in the ledger
-//! (it never ran) shows by its number. Apart from `status.rs` because a crontab joins the two
-//! sources by name, where a sharded lock only lists numbers.
+//! (it never ran) shows by its number. Each replica also says, by the job's number, how its
+//! file defines the job (a hash of its schedule, command and options, see
+//! `CronJob::definition_marker`): a job that replicas define otherwise (a rolling deploy half
+//! done) shows each definition with the replicas that hold it. Apart from `status.rs` because
+//! a crontab joins the two sources by name, where a sharded lock only lists numbers.
 
 use std::fmt::Write as _;
 
@@ -16,7 +19,7 @@ use serde_json::{Value, json};
 use crate::election::ledger::JobEntry;
 use crate::election::participant::{Participant, ShardsView};
 use crate::schedule::calendar::{self, Schedule};
-use crate::schedule::crontab::item_of;
+use crate::schedule::crontab::{definition_hex, item_of};
 
 /// A crontab fleet's jobs, as `status` shows them.
 #[derive(Clone, Debug, PartialEq)]
@@ -26,8 +29,9 @@ pub struct JobsReport {
     pub jobs: Vec<JobStatus>,
 }
 
-/// A job as `status --watch` compares it: its number, its owner's session, its newest run.
-pub type JobChange = (u32, Option<i32>, Option<(Timestamp, String)>);
+/// A job as `status --watch` compares it: its number, its owner's session, its newest run, and
+/// how many definitions the replicas hold of it.
+pub type JobChange = (u32, Option<i32>, Option<(Timestamp, String)>, usize);
 
 /// One job: known by its name from the ledger, or only by its number from the locks.
 #[derive(Clone, Debug, PartialEq)]
@@ -36,12 +40,30 @@ pub struct JobStatus {
     pub item: u32,
     pub owner: Option<Participant>,
     pub entry: Option<JobEntry>,
+    /// Each definition the replicas that know the job hold of it, with those replicas (their
+    /// member ids and sessions): more than one while their files differ.
+    pub definitions: Vec<(u32, Vec<(i32, Participant)>)>,
 }
 
 impl JobsReport {
     /// Joins the ledger's jobs (`ledger`) with who holds which job number (`shards`).
     pub fn new(now: Timestamp, ledger: Vec<JobEntry>, shards: &ShardsView) -> JobsReport {
         let owner = |item: u32| shards.holder_of(item).map(|r| r.participant.clone());
+        let definitions = |item: u32| {
+            let mut found: Vec<(u32, Vec<(i32, Participant)>)> = Vec::new();
+            for replica in &shards.replicas {
+                let Some(&definition) = replica.defines.get(&item) else {
+                    continue;
+                };
+                let holder = (replica.member, replica.participant.clone());
+                match found.iter_mut().find(|(known, _)| *known == definition) {
+                    Some((_, holders)) => holders.push(holder),
+                    None => found.push((definition, vec![holder])),
+                }
+            }
+            found.sort_by_key(|(definition, _)| *definition);
+            found
+        };
         let mut jobs: Vec<JobStatus> = ledger
             .into_iter()
             .map(|entry| {
@@ -51,6 +73,7 @@ impl JobsReport {
                     item,
                     owner: owner(item),
                     entry: Some(entry),
+                    definitions: definitions(item),
                 }
             })
             .collect();
@@ -66,6 +89,7 @@ impl JobsReport {
             item,
             owner: owner(item),
             entry: None,
+            definitions: definitions(item),
         }));
         JobsReport { now, jobs }
     }
@@ -75,7 +99,15 @@ impl JobsReport {
         self.jobs.iter().filter(|job| job.owner.is_none()).count()
     }
 
-    /// What `status --watch` compares: each job's owner and newest run.
+    /// How many jobs the replicas define otherwise.
+    fn defined_otherwise(&self) -> usize {
+        self.jobs
+            .iter()
+            .filter(|job| job.is_defined_otherwise())
+            .count()
+    }
+
+    /// What `status --watch` compares: each job's owner, newest run and definitions.
     pub fn changes(&self) -> Vec<JobChange> {
         self.jobs
             .iter()
@@ -84,7 +116,8 @@ impl JobsReport {
                     .entry
                     .as_ref()
                     .map(|entry| (entry.newest.scheduled_for, entry.newest.outcome.clone()));
-                (job.item, job.owner.as_ref().map(|o| o.backend_pid), newest)
+                let owner = job.owner.as_ref().map(|o| o.backend_pid);
+                (job.item, owner, newest, job.definitions.len())
             })
             .collect()
     }
@@ -110,7 +143,11 @@ impl JobsReport {
                         )
                     },
                 );
-                format!("{name} {owner}, {last}")
+                let otherwise = match job.definitions.len() {
+                    0 | 1 => String::new(),
+                    n => format!(", defined {n} ways"),
+                };
+                format!("{name} {owner}, {last}{otherwise}")
             })
             .collect();
         format!("crontab of {} jobs: {}", self.jobs.len(), jobs.join("; "))
@@ -132,6 +169,15 @@ impl JobsReport {
                 format!("{unowned} owned by nobody")
             }
         );
+        let otherwise = self.defined_otherwise();
+        if otherwise > 0 {
+            let _ = writeln!(
+                text,
+                "  {otherwise} job{} defined otherwise by some replicas (their crontabs differ: a \
+                 rolling deploy?); each runs under its owner's definition",
+                plural(otherwise)
+            );
+        }
         for replica in &shards.replicas {
             let count = replica.holds.len();
             let _ = writeln!(
@@ -189,6 +235,25 @@ impl JobsReport {
             }
             None => line.push_str("; never ran"),
         }
+        if job.is_defined_otherwise() {
+            let ways: Vec<String> = job
+                .definitions
+                .iter()
+                .map(|(definition, replicas)| {
+                    let replicas: Vec<String> = replicas
+                        .iter()
+                        .map(|(_, replica)| replica.short())
+                        .collect();
+                    format!("{} by {}", definition_hex(*definition), replicas.join(", "))
+                })
+                .collect();
+            let _ = write!(
+                line,
+                "; defined {} ways: {}",
+                job.definitions.len(),
+                ways.join("; ")
+            );
+        }
         line
     }
 
@@ -196,6 +261,7 @@ impl JobsReport {
         json!({
             "now": calendar::rfc3339(self.now),
             "unowned": self.unowned(),
+            "defined_otherwise": self.defined_otherwise(),
             "jobs": self.jobs.iter().map(|job| {
                 let entry = job.entry.as_ref();
                 let run = entry.map(|entry| &entry.newest);
@@ -219,6 +285,11 @@ impl JobsReport {
                         "detail": run.detail,
                     })),
                     "last_success": entry.and_then(|entry| entry.last_success).map(calendar::rfc3339),
+                    "defined_otherwise": job.is_defined_otherwise(),
+                    "definitions": job.definitions.iter().map(|(definition, replicas)| json!({
+                        "definition": definition_hex(*definition),
+                        "members": replicas.iter().map(|(member, _)| *member).collect::<Vec<_>>(),
+                    })).collect::<Vec<_>>(),
                 })
             }).collect::<Vec<_>>(),
         })
@@ -226,6 +297,11 @@ impl JobsReport {
 }
 
 impl JobStatus {
+    /// Whether the replicas that know it hold more than one definition of it.
+    fn is_defined_otherwise(&self) -> bool {
+        self.definitions.len() > 1
+    }
+
     /// The next occurrence after `now` under the schedule and zone its newest run recorded.
     fn next_occurrence(&self, now: Timestamp) -> Option<Timestamp> {
         let run = &self.entry.as_ref()?.newest;
@@ -281,6 +357,7 @@ mod tests {
         let shards = ShardsView {
             count: 0,
             replicas: vec![ShardReplica {
+                member: 123,
                 participant: Participant {
                     backend_pid: 123,
                     granted: true,
@@ -290,6 +367,7 @@ mod tests {
                 },
                 cap: None,
                 holds: vec![item_of("backup"), 17],
+                defines: Default::default(),
             }],
         };
         let report = JobsReport::new(
@@ -326,5 +404,70 @@ mod tests {
         assert_eq!(json["jobs"][0]["owner"], 123);
         assert_eq!(json["jobs"][1]["last_run"]["outcome"], "failed");
         assert_eq!(json["jobs"][0]["next_occurrence"], "2027-01-11T03:00:00Z");
+    }
+
+    #[test]
+    fn a_job_defined_otherwise_shows_each_definition_and_its_replicas() {
+        let (backup, report) = (item_of("backup"), item_of("report"));
+        let replica = |pid: i32, holds: Vec<u32>, backup_defined: u32| ShardReplica {
+            defines: [(backup, backup_defined), (report, 9)].into(),
+            ..crate::operate::status::tests::replica(pid, holds)
+        };
+        let shards = ShardsView {
+            count: 0,
+            replicas: vec![
+                replica(1, vec![backup], 0x1a2b3c4d),
+                replica(2, vec![report], 0x0000abcd),
+            ],
+        };
+        let report_of =
+            |shards: &ShardsView| JobsReport::new(at("2027-01-10T12:00:00Z"), Vec::new(), shards);
+        let seen = report_of(&shards);
+        let mut text = String::new();
+        seen.write_text(&mut text, "\"app-cron\"", &shards);
+        assert!(
+            text.contains("\n  1 job defined otherwise by some replicas"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "; defined 2 ways: 0000abcd by pgleader 1002@web-2 (backend 2); 1a2b3c4d by \
+                 pgleader 1001@web-1 (backend 1)\n"
+            ),
+            "{text}"
+        );
+        assert!(
+            seen.to_line().contains(", defined 2 ways"),
+            "{}",
+            seen.to_line()
+        );
+        let json = seen.to_json(|p| json!(p.backend_pid));
+        assert_eq!(json["defined_otherwise"], 1, "{json}");
+        let job = |item: u32| {
+            json["jobs"]
+                .as_array()
+                .and_then(|jobs| jobs.iter().find(|job| job["number"] == item))
+                .cloned()
+                .expect("the job")
+        };
+        assert_eq!(job(backup)["defined_otherwise"], true, "{json}");
+        assert_eq!(
+            job(backup)["definitions"],
+            json!([
+                {"definition": "0000abcd", "members": [2]},
+                {"definition": "1a2b3c4d", "members": [1]},
+            ])
+        );
+        assert_eq!(job(report)["defined_otherwise"], false, "{json}");
+        // Once they agree, `--watch` sees a change and the job shows one definition.
+        let mut agreed = shards.clone();
+        agreed.replicas[1].defines.insert(backup, 0x1a2b3c4d);
+        let after = report_of(&agreed);
+        assert_ne!(seen.changes(), after.changes());
+        assert!(!after.to_line().contains("ways"), "{}", after.to_line());
+        assert_eq!(
+            after.to_json(|p| json!(p.backend_pid))["defined_otherwise"],
+            0
+        );
     }
 }

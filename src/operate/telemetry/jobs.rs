@@ -2,13 +2,15 @@
 //! it owns and whether their commands run, and how each job's last run here went, for `/status`
 //! and the per-job metrics.
 //!
-//! Three hooks, each called by the sharded room without waiting: [`Telemetry::jobs_defined`]
+//! Four hooks, each called by the sharded room without waiting: [`Telemetry::jobs_defined`]
 //! when the file is read (at start, and after a reread), [`Telemetry::jobs_owned`] after each
 //! of the room's events (it changes the snapshot, and wakes readers, only when the picture
-//! does), and [`Telemetry::job_run`] from each owned job's runs (the same `RunView` a
-//! `--schedule` leader publishes). Kept apart from `telemetry.rs` because a job's state comes
+//! does), [`Telemetry::jobs_defined_otherwise`] when the roster shows another member defining
+//! a job otherwise (a rolling deploy half done) or agreeing again, and [`Telemetry::job_run`]
+//! from each owned job's runs (the same `RunView` a `--schedule` leader publishes). Kept apart from `telemetry.rs` because a job's state comes
 //! from two places, the room and the job's runs, and is merged here by the job's name.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use jiff::Timestamp;
@@ -16,6 +18,7 @@ use serde_json::{Value, json};
 
 use super::{CommandState, CommandView, Telemetry, command_json};
 use crate::schedule::calendar::{self, Schedule};
+use crate::schedule::crontab::definition_hex;
 use crate::schedule::{RunView, ScheduledOutcome};
 
 /// A job this replica knows (or still runs after a reread removed it), as `/status` shows it.
@@ -31,13 +34,20 @@ pub struct JobView {
     pub last_run: Option<RunView>,
     /// When its last run here that succeeded ended.
     pub last_success: Option<Timestamp>,
+    /// How this replica's file defines it (`CronJob::definition_marker`); `None` for a job a
+    /// reread removed.
+    pub definition: Option<u32>,
+    /// The other members (their ids on the server) whose files define it otherwise.
+    pub defined_otherwise_by: Vec<i32>,
 }
 
 impl JobView {
-    fn new(name: &str, schedule: Option<Schedule>) -> JobView {
+    fn new(name: &str, schedule: Option<Schedule>, definition: Option<u32>) -> JobView {
         JobView {
             name: name.to_owned(),
             schedule,
+            definition,
+            defined_otherwise_by: Vec::new(),
             owned: false,
             command: idle(),
             last_run: None,
@@ -63,24 +73,32 @@ fn idle() -> CommandView {
 }
 
 impl Telemetry {
-    /// The jobs of the file as read now, by name and schedule: new ones are shown and their
-    /// series start; those a reread removed go, unless this replica still runs them.
-    pub fn jobs_defined(&self, defined: Vec<(String, Schedule)>) {
+    /// The jobs of the file as read now, by name, schedule and definition: new ones are shown
+    /// and their series start; those a reread removed go, unless this replica still runs them.
+    pub fn jobs_defined(&self, defined: Vec<(String, Schedule, u32)>) {
         let metrics = self.inner.metrics.jobs.as_ref();
         let now = Timestamp::now();
         self.update(|s| {
             s.jobs.retain(|job| {
-                let keep = job.owned || defined.iter().any(|(name, _)| *name == job.name);
+                let keep = job.owned || defined.iter().any(|(name, ..)| *name == job.name);
                 if !keep && let Some(metrics) = metrics {
                     metrics.forget(&job.name);
                 }
                 keep
             });
-            for (name, schedule) in defined {
+            for job in &mut s.jobs {
+                if !defined.iter().any(|(name, ..)| *name == job.name) {
+                    job.definition = None;
+                }
+            }
+            for (name, schedule, definition) in defined {
                 let period = schedule.period_at(now);
                 match s.jobs.iter_mut().find(|job| job.name == name) {
-                    Some(job) if job.schedule.as_ref() == Some(&schedule) => {}
+                    Some(job) if job.schedule.as_ref() == Some(&schedule) => {
+                        job.definition = Some(definition);
+                    }
                     Some(job) => {
+                        job.definition = Some(definition);
                         if let Some(metrics) = metrics {
                             metrics.set_period(&name, period);
                         }
@@ -90,7 +108,8 @@ impl Telemetry {
                         if let Some(metrics) = metrics {
                             metrics.define(&name, period);
                         }
-                        s.jobs.push(JobView::new(&name, Some(schedule)));
+                        s.jobs
+                            .push(JobView::new(&name, Some(schedule), Some(definition)));
                     }
                 }
             }
@@ -129,6 +148,27 @@ impl Telemetry {
         });
     }
 
+    /// The jobs another member defines otherwise than this replica's file, each with those
+    /// members' ids (every job not listed agrees): after a roster read that changed it.
+    pub fn jobs_defined_otherwise(&self, otherwise: BTreeMap<String, Vec<i32>>) {
+        let metrics = self.inner.metrics.jobs.as_ref();
+        self.inner.state.send_if_modified(|s| {
+            let mut changed = false;
+            for job in &mut s.jobs {
+                let members = otherwise.get(&job.name).cloned().unwrap_or_default();
+                if job.defined_otherwise_by == members {
+                    continue;
+                }
+                if let Some(metrics) = metrics {
+                    metrics.set_defined_otherwise(&job.name, !members.is_empty());
+                }
+                job.defined_otherwise_by = members;
+                changed = true;
+            }
+            changed
+        });
+    }
+
     /// An occurrence of `job` was claimed (no outcome yet) or its outcome recorded here.
     pub fn job_run(&self, job: &str, run: RunView) {
         let metrics = self.inner.metrics.jobs.as_ref();
@@ -145,7 +185,7 @@ impl Telemetry {
             let at = match s.jobs.iter().position(|known| known.name == job) {
                 Some(at) => at,
                 None => {
-                    s.jobs.push(JobView::new(job, None));
+                    s.jobs.push(JobView::new(job, None, None));
                     s.jobs.sort_by(|a, b| a.name.cmp(&b.name));
                     s.jobs
                         .iter()
@@ -189,6 +229,8 @@ pub fn job_json(job: &JobView, now: Timestamp) -> Value {
             "lateness_seconds": job.lateness().map(|late| late.as_secs_f64()),
         })),
         "last_success": job.last_success.map(calendar::rfc3339),
+        "definition": job.definition.map(definition_hex),
+        "defined_otherwise_by": job.defined_otherwise_by,
     })
 }
 
@@ -215,8 +257,8 @@ mod tests {
         });
         let every = |seconds| Schedule::every(Duration::from_secs(seconds)).expect("every");
         t.jobs_defined(vec![
-            ("report".into(), every(60)),
-            ("backup".into(), every(5)),
+            ("report".into(), every(60), 0x1a2b3c4d),
+            ("backup".into(), every(5), 7),
         ]);
         t.following(10);
         t.shards_held(Vec::new(), 10);
@@ -281,8 +323,34 @@ mod tests {
             assert!(metrics.lines().any(|l| l == line), "{line} in\n{metrics}");
         }
         assert!(!metrics.contains("pgleader_shard"), "{metrics}");
+        // Another member defines backup otherwise, then agrees again.
+        let mismatch = |t: &Telemetry| {
+            let line = "pgleader_job_definition_mismatch{job=\"backup\",lock=\"app-cron\"} ";
+            let metrics = t.render_metrics();
+            metrics
+                .lines()
+                .find_map(|l| l.strip_prefix(line))
+                .map(str::to_owned)
+        };
+        assert_eq!(mismatch(&t).as_deref(), Some("0"));
+        t.jobs_defined_otherwise(BTreeMap::from([("backup".into(), vec![77])]));
+        let status = t.status_json(&t.snapshot(), Timestamp::now());
+        assert_eq!(
+            status["jobs"][0]["defined_otherwise_by"],
+            json!([77]),
+            "{status}"
+        );
+        assert_eq!(status["jobs"][0]["definition"], "00000007", "{status}");
+        assert_eq!(
+            status["jobs"][1]["defined_otherwise_by"],
+            json!([]),
+            "{status}"
+        );
+        assert_eq!(mismatch(&t).as_deref(), Some("1"));
+        t.jobs_defined_otherwise(BTreeMap::new());
+        assert_eq!(mismatch(&t).as_deref(), Some("0"));
         // A reread that removes a job it does not own: its series go.
-        t.jobs_defined(vec![("backup".into(), every(5))]);
+        t.jobs_defined(vec![("backup".into(), every(5), 7)]);
         assert_eq!(t.snapshot().jobs.len(), 1);
         assert!(!t.render_metrics().contains("job=\"report\""));
         t.shards_held(Vec::new(), 10);

@@ -168,10 +168,11 @@ impl<L: Ledger> Jobs<L> {
         self.redefined.remove(&item)
     }
 
-    /// Every job of the file as last read, by name and schedule: what `/status` lists.
-    pub fn known(&self) -> Vec<(String, Schedule)> {
+    /// Every job of the file as last read, by name, schedule and definition (see
+    /// `CronJob::definition_marker`): what `/status` lists.
+    pub fn known(&self) -> Vec<(String, Schedule, u32)> {
         let jobs = self.crontab.jobs.iter();
-        jobs.map(|job| (job.name.clone(), job.when.clone()))
+        jobs.map(|job| (job.name.clone(), job.when.clone(), job.definition_marker()))
             .collect()
     }
 
@@ -181,14 +182,28 @@ impl<L: Ledger> Jobs<L> {
         let jobs = &self.crontab.jobs;
         Items::Listed(Arc::new(Listing {
             items: jobs.iter().map(CronJob::item).collect(),
-            definitions: jobs.iter().map(CronJob::definition_marker).collect(),
+            definitions: jobs
+                .iter()
+                .map(|job| (job.item(), job.definition_marker()))
+                .collect(),
         }))
     }
 
     /// Logs, once per job and member, that another member defines a job otherwise than this
-    /// replica's file (a rolling deploy half done), and once more when they agree again.
+    /// replica's file (a rolling deploy half done), and once more when they agree again; and
+    /// publishes which members those are, per job, for `/status` and the metrics.
     pub fn note_disagreements(&mut self, roster: &Roster, me: i32, lock: &LockKey) {
         let now = self.disagreements(roster, me);
+        if now == self.disagreeing {
+            return;
+        }
+        // Published before the log says it, so that whoever reads the line finds it in
+        // `/status` too.
+        let mut by_job: BTreeMap<String, Vec<i32>> = BTreeMap::new();
+        for (job, member) in &now {
+            by_job.entry(job.clone()).or_default().push(*member);
+        }
+        self.telemetry.jobs_defined_otherwise(by_job);
         for (job, member) in now.difference(&self.disagreeing) {
             warn!(event = "job_definition_mismatch", lock = %lock, job = %job, member, "job {job} is defined otherwise by the replica of member {member} (its file differs from this one's: a rolling deploy?); whichever replica owns it runs it under its own definition, one at a time");
         }
@@ -206,7 +221,7 @@ impl<L: Ledger> Jobs<L> {
         for job in &self.crontab.jobs {
             let (item, marker) = (job.item(), job.definition_marker());
             for member in roster.members.iter().filter(|member| member.id != me) {
-                if member.knows(item) && !member.defines.contains(&marker) {
+                if member.knows(item) && member.defines.get(&item) != Some(&marker) {
                     found.insert((job.name.clone(), member.id));
                 }
             }

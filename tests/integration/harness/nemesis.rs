@@ -13,24 +13,28 @@ use nix::sys::signal::Signal;
 
 use super::{Proc, Redis, Stream, WAIT, wait_gone};
 
-/// What every nemesis gives its pgleaders: quick checks (check-interval + check-timeout +
-/// kill-timeout is 600 ms, which makes 1616 ms the shortest lease pgleader accepts), and a
-/// command that starts again at once, behind the restart fence. Each nemesis adds its lease and
-/// takeover delay.
-pub const QUICK: [&str; 5] = [
+/// What every nemesis gives its pgleaders (`run` and `cron` alike): quick checks
+/// (check-interval + check-timeout + kill-timeout is 600 ms, which makes 1616 ms the shortest
+/// lease pgleader accepts), behind the restart fence. Each nemesis adds its lease and takeover
+/// delay.
+pub const QUICK: [&str; 4] = [
     "--check-interval=100ms",
     "--check-timeout=200ms",
     "--kill-timeout=300ms",
     "--restart-fence=auto",
-    "--restart-delay=0s",
 ];
 
 /// `pgleader run` as a nemesis runs it: its `lock` argument (`--lock=` or `--lock-id=`), the
-/// quick checks and the nemesis' `timings`. The nemesis adds its environment and its servers,
+/// quick checks, a command that starts again at once, and the nemesis' `timings`. The nemesis adds its environment and its servers,
 /// and [`run_child`] the command.
 pub fn pgleader_run(lock: &str, timings: &[&str]) -> Command {
     let mut command = super::pgleader();
-    command.arg("run").arg(lock).args(QUICK).args(timings);
+    command
+        .arg("run")
+        .arg(lock)
+        .args(QUICK)
+        .arg("--restart-delay=0s")
+        .args(timings);
     command
 }
 

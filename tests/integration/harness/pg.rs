@@ -29,6 +29,20 @@ pub fn patient_leader(cluster: &Cluster, lock: i64) -> Proc {
     a
 }
 
+/// How many sessions (connections) pgleader process `replica` keeps on the shared cluster: those
+/// whose application_name carries its pid (`<name>:<pid>@<host>`).
+pub fn sessions_of(replica: &Proc) -> usize {
+    let sessions: i64 = Cluster::shared()
+        .client()
+        .query_one(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE $1",
+            &[&format!("%:{}@%", replica.pid)],
+        )
+        .expect("pg_stat_activity")
+        .get(0);
+    sessions.try_into().expect("a count")
+}
+
 /// `pgleader status --lock-id=<lock> <args...>` against `cluster`.
 pub fn status(name: &str, cluster: &Cluster, lock: i64, args: &[&str]) -> Proc {
     let mut command = pgleader();

@@ -130,6 +130,30 @@ impl Proc {
         })
     }
 
+    /// Waits for a line on `stream` for which `wanted` holds; returns it. `what` says what
+    /// such a line shows, for the failure message.
+    pub fn wait_line_where(
+        &self,
+        stream: Stream,
+        what: &str,
+        wanted: impl Fn(&str) -> bool,
+    ) -> String {
+        let found = self.wait_until(WAIT, |state| {
+            state
+                .lines
+                .iter()
+                .find(|(s, line, _)| *s == stream && wanted(line))
+                .map(|(_, line, _)| line.clone())
+        });
+        found.unwrap_or_else(|| {
+            panic!(
+                "{}: no {stream:?} line showing {what} within {WAIT:?}\n{}",
+                self.name,
+                self.dump()
+            )
+        })
+    }
+
     /// A line the child printed (stdout).
     pub fn wait_stdout(&self, needle: &str) -> String {
         self.wait_for(Stream::Stdout, needle)

@@ -325,6 +325,27 @@ pub trait Fleet {
     fn sessions_of(&self, replica: &Proc) -> usize;
 }
 
+/// Waits until each of `replicas` keeps two sessions on the server (its holder and its
+/// watcher), as `sessions_of` counts them: a watcher given up for another may take a moment to
+/// go.
+pub fn wait_for_two_sessions_each(replicas: &[&Proc], sessions_of: impl Fn(&Proc) -> usize) {
+    for replica in replicas {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let sessions = sessions_of(replica);
+            if sessions == 2 {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{} keeps {sessions} sessions",
+                replica.name
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
 /// A alone runs all four shards; returns it and the line of its command on shard 2.
 pub fn one_replica_runs_every_shard(fleet: &impl Fleet, journal: &Journal) -> (Proc, String) {
     let a = fleet.replica("A", "4", journal);
@@ -382,21 +403,7 @@ pub fn a_killed_replica_s_shards_run_on_the_others(
     c.wait_for_nth(Stream::Stdout, "C started", 2);
     a.wait_log("handing shard");
     let c_shards = started_shards(&c);
-    for replica in [&a, &b, &c] {
-        let deadline = Instant::now() + WAIT;
-        loop {
-            let sessions = fleet.sessions_of(replica);
-            if sessions == 2 {
-                break;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "{} keeps {sessions} sessions",
-                replica.name
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
+    wait_for_two_sessions_each(&[&a, &b, &c], |replica| fleet.sessions_of(replica));
 
     let killed = Instant::now();
     c.signal(nix::sys::signal::Signal::SIGKILL);
