@@ -9,10 +9,15 @@
 //! Every job's command runs under bash and prints `c JOB OCCURRENCE $EPOCHREALTIME`: the
 //! benchmark, the server and the replicas share one machine and so one wall clock, so the
 //! lateness is the command's own start time minus its occurrence on the server's clock.
+//!
+//! Beside the fleets' lateness, the machine's floor: no scheduler, no server, no keeper, only
+//! [`REPLICAS`] spawner processes (this binary re-invoked with [`SPAWNER_ARG`]), each starting
+//! its 33 or 34 of the same bash commands at each second's instant, measured the same way over
+//! the same window.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
-use std::process::Command;
+use std::process::{Child, Command, ExitCode};
 use std::thread::sleep;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -42,6 +47,19 @@ pub const CRON_REDIS_LABEL: &str = "pgleader cron on Redis";
 /// The ids of a fleet's rows, in the order the report shows them, each backend's side by side.
 const FLEET_ROWS: [&str; 3] = ["cron.lateness", "cron.kill9.owned", "cron.kill9.next"];
 
+/// The id of the floor's row, shown after the fleets' lateness.
+pub const FLOOR_ROW: &str = "cron.lateness.floor";
+
+/// The tool of the floor's row: the machine, not a peer.
+pub const FLOOR_LABEL: &str = "floor: no scheduler (this machine)";
+
+/// The hidden argument that makes the benchmark's binary a spawner of the floor:
+/// `SPAWNER_ARG INDEX`.
+pub const SPAWNER_ARG: &str = "--cron-floor-spawner";
+
+/// Every job's command, run by bash.
+const JOB_COMMAND: &str = "echo c $PGLEADER_JOB $PGLEADER_SCHEDULED_TIME $EPOCHREALTIME";
+
 /// Seven fields, seconds first: every second.
 const EVERY_SECOND: &str = "* * * * * * *";
 
@@ -69,7 +87,7 @@ fn crontab(name: &str, schedule: &str) -> anyhow::Result<PathBuf> {
     let mut text = String::from("SHELL=/bin/bash\n");
     for n in 1..=JOBS {
         text.push_str(&format!(
-            "# pgleader: name=j{n}\n{schedule} echo c $PGLEADER_JOB $PGLEADER_SCHEDULED_TIME $EPOCHREALTIME\n"
+            "# pgleader: name=j{n}\n{schedule} {JOB_COMMAND}\n"
         ));
     }
     let dir = scratch();
@@ -297,15 +315,24 @@ pub fn scenarios(
         "every second",
         plan.cost_window,
     ));
+    // The floor first, on a machine as quiet as the fleets' (the servers up, idle).
+    rows.push(floor(plan));
     let backends = std::iter::once(Backend::Postgres(pg)).chain(redis.map(Backend::Redis));
     for backend in backends {
         let (fleet_rows, counts) = fleet(backend, plan);
         rows.extend(fleet_rows);
         crontab.fleets.push(counts);
     }
-    // Each measure's rows side by side, PostgreSQL's first (the sort is stable); yacron's
-    // row, none of these, stays first.
-    rows.sort_by_key(|row| FLEET_ROWS.iter().position(|id| *id == row.id));
+    // Each measure's rows side by side, PostgreSQL's first (the sort is stable), the floor
+    // after the fleets' lateness; yacron's row, none of these, stays first.
+    rows.sort_by_key(|row| {
+        let floor = row.id == FLOOR_ROW;
+        let id = if floor { FLEET_ROWS[0] } else { &row.id };
+        (
+            FLEET_ROWS.iter().position(|fleet_id| *fleet_id == id),
+            floor,
+        )
+    });
     (rows, crontab)
 }
 
@@ -358,6 +385,115 @@ pub fn yacron_row(figures: Figures, note: String) -> Row {
     )
 }
 
+/// Waits until `live` (a fleet's replicas, or the floor's spawners) ran every job the latest
+/// whole second, each its share, then out `window` of occurrences after that second; returns
+/// the lateness of every run in the window and a note: how many of the occurrences ran, p99.
+fn lateness(live: &[Candidate], window: Duration) -> anyhow::Result<(Figures, String)> {
+    let settled = balanced(live)?;
+    let first = settled + chrono::Duration::seconds(1);
+    let last = settled + chrono::Duration::from_std(window)?;
+    let wait = (last + chrono::Duration::milliseconds(1_500) - Utc::now()).to_std()?;
+    sleep(wait);
+    let runs: Vec<Run> = live
+        .iter()
+        .flat_map(runs_of)
+        .filter(|r| r.occurrence >= first && r.occurrence <= last)
+        .collect();
+    let mut late = Figures::default();
+    for run in &runs {
+        late.sample_ms(run.late_ms());
+    }
+    let pairs: BTreeSet<(&str, DateTime<Utc>)> = runs
+        .iter()
+        .map(|r| (r.job.as_str(), r.occurrence))
+        .collect();
+    let expected = JOBS * window.as_secs() as usize;
+    let note = format!(
+        "{} runs of {expected} occurrences ({} s × {JOBS} jobs); {}",
+        pairs.len(),
+        window.as_secs(),
+        p99(&late)
+    );
+    eprintln!("bench:   lateness p50 {:?} ms, {note}", late.median());
+    Ok((late, note))
+}
+
+/// The floor beside the fleets' lateness: [`REPLICAS`] spawners (this binary re-invoked with
+/// [`SPAWNER_ARG`]), each starting its share of the jobs' bash commands at each second's
+/// instant, with no server and no keeper, over the fleets' window; its row's lateness is what
+/// starting those processes costs on this machine.
+fn floor(plan: &Plan) -> Row {
+    eprintln!(
+        "bench: 14. crontab: the floor, {REPLICAS} spawners of {JOBS} bash commands every second and no scheduler, {} of runs",
+        crate::figures::secs(plan.window)
+    );
+    let mut spawners: Vec<Candidate> = Vec::new();
+    let result = (|| -> anyhow::Result<(Figures, String)> {
+        let binary = std::env::current_exe().context("cannot find the benchmark's binary")?;
+        for i in 0..REPLICAS {
+            let mut command = harness::clean(Command::new(&binary));
+            command.arg(SPAWNER_ARG).arg(i.to_string());
+            spawners.push(Candidate::spawn(&format!("F{i}"), command));
+        }
+        lateness(&spawners, plan.window)
+    })();
+    let (figures, note) = result.unwrap_or_else(|err| {
+        let mut figures = Figures::default();
+        figures.failure(format!("{err:#}").replace('\n', " "));
+        (figures, String::new())
+    });
+    row(
+        FLOOR_ROW,
+        &format!("14. crontab: {JOBS} every-second jobs, {REPLICAS} replicas"),
+        FLOOR_LABEL,
+        "the machine's floor, not a peer: the same bash commands, each of 3 spawner processes starting its 33 or 34 of the 100 at each second's instant (std::process::Command, no database, no keeper); from each occurrence to its command running ($EPOCHREALTIME), every run in the window",
+        figures,
+        note,
+    )
+}
+
+/// A spawner of the floor (`SPAWNER_ARG INDEX`): starts the jobs `jN` with N - 1 ≡ INDEX
+/// modulo [`REPLICAS`] (33 or 34 of [`JOBS`]) as `bash -c` [`JOB_COMMAND`] at every whole
+/// second of the wall clock, with the variables pgleader gives the command, its output on
+/// this process's; it exits when its parent (the benchmark) is gone.
+pub fn spawner(index: &str) -> ExitCode {
+    let Some(index) = index.parse::<usize>().ok().filter(|i| *i < REPLICAS) else {
+        eprintln!("{SPAWNER_ARG} {index:?}: not a replica's index below {REPLICAS}");
+        return ExitCode::from(2);
+    };
+    let jobs: Vec<String> = (1..=JOBS)
+        .filter(|n| (n - 1) % REPLICAS == index)
+        .map(|n| format!("j{n}"))
+        .collect();
+    let parent = std::os::unix::process::parent_id();
+    let mut running: Vec<Child> = Vec::new();
+    while std::os::unix::process::parent_id() == parent {
+        let now = SystemTime::now()
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .unwrap_or_default();
+        let instant = Duration::from_secs(now.as_secs() + 1);
+        sleep(instant - now);
+        let occurrence = DateTime::<Utc>::from_timestamp(instant.as_secs() as i64, 0)
+            .unwrap_or_default()
+            .to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+        for job in &jobs {
+            let started = Command::new("bash")
+                .arg("-c")
+                .arg(JOB_COMMAND)
+                .env("PGLEADER_JOB", job)
+                .env("PGLEADER_SCHEDULED_TIME", &occurrence)
+                .spawn();
+            match started {
+                Ok(child) => running.push(child),
+                Err(err) => eprintln!("cannot start {job}'s command: {err}"),
+            }
+        }
+        // The runs that ended, this second's or earlier ones, once this second's are started.
+        running.retain_mut(|child| !matches!(child.try_wait(), Ok(Some(_))));
+    }
+    ExitCode::SUCCESS
+}
+
 /// A fleet's rows on `backend`: lateness over a window, then kill -9 runs; and over its whole
 /// life, the distinct (job, occurrence) pairs that ran and how many of them ran twice.
 fn fleet(backend: Backend, plan: &Plan) -> (Vec<Row>, CrontabFleet) {
@@ -381,31 +517,7 @@ fn fleet(backend: Backend, plan: &Plan) -> (Vec<Row>, CrontabFleet) {
         for i in 0..REPLICAS {
             live.push(replica(backend, &format!("R{i}"), lock, &file));
         }
-        let settled = balanced(&live)?;
-        let first = settled + chrono::Duration::seconds(1);
-        let last = settled + chrono::Duration::from_std(plan.window)?;
-        let wait = (last + chrono::Duration::milliseconds(1_500) - Utc::now()).to_std()?;
-        sleep(wait);
-        let window: Vec<Run> = live
-            .iter()
-            .flat_map(runs_of)
-            .filter(|r| r.occurrence >= first && r.occurrence <= last)
-            .collect();
-        for run in &window {
-            late.sample_ms(run.late_ms());
-        }
-        let pairs: BTreeSet<(&str, DateTime<Utc>)> = window
-            .iter()
-            .map(|r| (r.job.as_str(), r.occurrence))
-            .collect();
-        let expected = JOBS * plan.window.as_secs() as usize;
-        note = format!(
-            "{} runs of {expected} occurrences ({} s × {JOBS} jobs); {}",
-            pairs.len(),
-            plan.window.as_secs(),
-            p99(&late)
-        );
-        eprintln!("bench:   lateness p50 {:?} ms, {note}", late.median());
+        (late, note) = lateness(&live, plan.window)?;
         eprintln!(
             "bench: {kill_scenario}, on {}, {} runs",
             backend.name(),

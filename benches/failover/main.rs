@@ -68,7 +68,8 @@ const USAGE: &str = "usage: cargo bench --bench failover [-- [--quick] [--only h
                  of `pgleader cron`, on PostgreSQL and on Redis (lateness over 60 s, or 10 s
                  with --quick; kill -9 of a replica, 20 runs or 5), and one host's cost as one
                  `pgleader cron` on either, as 100 `pgleader run --schedule` processes and as
-                 yacron (pip-installed); the report goes under target/
+                 yacron (pip-installed); beside the lateness, the machine's floor: the same
+                 commands started by 3 spawners with no scheduler; the report goes under target/
   --runs N       runs per scenario (default 20, or 3 with --quick)
   --out PATH     where to write the report (default BENCHMARKS.md, or target/.../BENCHMARKS.quick.md)
   --static PATH  also run pgleader's failover, start-up, cost and shards' scenarios, on
@@ -276,6 +277,11 @@ impl Plan {
 }
 
 fn main() -> ExitCode {
+    // The benchmark re-invokes itself as the spawners of scenario 14's floor.
+    let mut args = std::env::args().skip(1);
+    if args.next().as_deref() == Some(cron::SPAWNER_ARG) {
+        return cron::spawner(&args.next().unwrap_or_default());
+    }
     let plan = match Plan::from_args() {
         Ok(plan) => plan,
         Err(message) => {
@@ -1089,11 +1095,15 @@ fn settings(plan: &Plan) -> Vec<(&'static str, String)> {
         (
             "crontab (14)",
             format!(
-                "`pgleader cron --lock-id N FILE` with its defaults on PostgreSQL; on Redis `-d redis://127.0.0.1:PORT --lock-id N {} FILE`, as in the Redis rows (the benchmark's server, up for 10 s before its first replica), its defaults otherwise; FILE: `SHELL=/bin/bash` and {} jobs `j1`..`j{}`, each a `# pgleader: name=jN` line above `* * * * * * * echo c $PGLEADER_JOB $PGLEADER_SCHEDULED_TIME $EPOCHREALTIME` (at rest: `0 0 0 1 1 * *`); the plain processes: `pgleader run --lock-id N --schedule '* * * * * *'` (at rest `0 0 0 1 1 *`) `-- sh -c 'echo ...'`; yacron {}: one YAML file of the same jobs, every minute (`* * * * *`, its finest: it wakes once a minute), shell /bin/bash, RSS read 10 s after its start; statements counted in the server log (log_statement = all) from the processes' sessions; on Redis, the commands their connections sent, seen by MONITOR",
+                "`pgleader cron --lock-id N FILE` with its defaults on PostgreSQL; on Redis `-d redis://127.0.0.1:PORT --lock-id N {} FILE`, as in the Redis rows (the benchmark's server, up for 10 s before its first replica), its defaults otherwise; FILE: `SHELL=/bin/bash` and {} jobs `j1`..`j{}`, each a `# pgleader: name=jN` line above `* * * * * * * echo c $PGLEADER_JOB $PGLEADER_SCHEDULED_TIME $EPOCHREALTIME` (at rest: `0 0 0 1 1 * *`); the plain processes: `pgleader run --lock-id N --schedule '* * * * * *'` (at rest `0 0 0 1 1 *`) `-- sh -c 'echo ...'`; yacron {}: one YAML file of the same jobs, every minute (`* * * * *`, its finest: it wakes once a minute), shell /bin/bash, RSS read 10 s after its start; statements counted in the server log (log_statement = all) from the processes' sessions; on Redis, the commands their connections sent, seen by MONITOR; the floor: the benchmark's binary re-invoked as {} spawners (`{} INDEX`), each sleeping until every whole second of the wall clock and then starting its {} or {} jobs' `bash -c 'echo c $PGLEADER_JOB $PGLEADER_SCHEDULED_TIME $EPOCHREALTIME'` with std::process::Command, over the fleets' window, before them, with no database and no keeper",
                 redis_lock::CHECK_INTERVAL.replace('=', " "),
                 cron::JOBS,
                 cron::JOBS,
-                yacron::VERSION
+                yacron::VERSION,
+                cron::REPLICAS,
+                cron::SPAWNER_ARG,
+                cron::JOBS / cron::REPLICAS,
+                cron::JOBS.div_ceil(cron::REPLICAS),
             ),
         ),
         (
