@@ -17,9 +17,13 @@ fn main() {
     if os == "linux" && env == "gnu" {
         println!("cargo:rustc-link-arg-bins=-Wl,-z,pack-relative-relocs");
     }
-    if os == "linux" {
-        let dir = std::env::var("CARGO_MANIFEST_DIR").unwrap_or_default();
-        println!("cargo:rustc-link-arg-bins=-Wl,-T,{dir}/keeper.ld");
+    // Only if it is there: a build script that cargo reuses in another checkout sharing the
+    // target directory (cargo keys it by the package, not by its path) must not make that
+    // checkout's link fail.
+    let script = std::path::Path::new(&std::env::var("CARGO_MANIFEST_DIR").unwrap_or_default())
+        .join("keeper.ld");
+    if os == "linux" && script.exists() {
+        println!("cargo:rustc-link-arg-bins=-Wl,-T,{}", script.display());
     }
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=keeper.ld");
