@@ -74,7 +74,7 @@ use crate::supervise::hook::{self, Ended, Hook, Hooks};
 use crate::supervise::{procfs, spawn};
 use crate::time::for_people;
 
-/// The name the keeper runs under; `main` checks `argv[0]` for it.
+/// The name the keeper runs under; the constructor in `main.rs` checks `argv[0]` for it.
 pub const ARGV0: &str = "pgleader-keeper";
 
 /// A report from the keeper to pgleader: a tag byte and a little-endian 32-bit value.
