@@ -7,6 +7,9 @@
 //! (DT_RELR) stores the same relocations as a bitmap of a few kB. glibc 2.36 and later read it,
 //! in a dynamic binary and in a static-pie; a dynamic build then needs glibc 2.36 at run time
 //! too (the release's static binary needs nothing).
+//!
+//! `keeper.ld` gathers the keeper's code ahead of `.text` (see the script for why): a linker
+//! script that only INSERTs a section, so the linker keeps its own layout for the rest.
 
 fn main() {
     let os = std::env::var("CARGO_CFG_TARGET_OS").unwrap_or_default();
@@ -14,5 +17,14 @@ fn main() {
     if os == "linux" && env == "gnu" {
         println!("cargo:rustc-link-arg-bins=-Wl,-z,pack-relative-relocs");
     }
+    // Only if it is there: a build script that cargo reuses in another checkout sharing the
+    // target directory (cargo keys it by the package, not by its path) must not make that
+    // checkout's link fail.
+    let script = std::path::Path::new(&std::env::var("CARGO_MANIFEST_DIR").unwrap_or_default())
+        .join("keeper.ld");
+    if os == "linux" && script.exists() {
+        println!("cargo:rustc-link-arg-bins=-Wl,-T,{}", script.display());
+    }
     println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-changed=keeper.ld");
 }

@@ -74,7 +74,7 @@ use crate::supervise::hook::{self, Ended, Hook, Hooks};
 use crate::supervise::{procfs, spawn};
 use crate::time::for_people;
 
-/// The name the keeper runs under; `main` checks `argv[0]` for it.
+/// The name the keeper runs under; the constructor in `main.rs` checks `argv[0]` for it.
 pub const ARGV0: &str = "pgleader-keeper";
 
 /// A report from the keeper to pgleader: a tag byte and a little-endian 32-bit value.
@@ -323,8 +323,10 @@ fn wait_for_start(channel: &UnixStream) -> io::Result<Option<Start>> {
     }
 }
 
-/// Runs the keeper; never returns.
+/// Runs the keeper; never returns. Called before Rust's runtime has set itself up (see
+/// `main.rs`): [`runtime_start`] does the part of that set-up the keeper relies on.
 pub fn main() -> ! {
+    runtime_start();
     let code = match run() {
         Ok(code) => code,
         Err(err) => {
@@ -333,6 +335,55 @@ pub fn main() -> ! {
         }
     };
     std::process::exit(code)
+}
+
+/// What Rust's runtime does before `main` and the keeper relies on: standard descriptors that
+/// are closed become `/dev/null` (so that the channel, a signalfd or a held socket never takes
+/// their numbers, to be inherited by the command as its stdin, stdout or stderr), and SIGPIPE
+/// is ignored (a write to a channel whose reader is gone gives EPIPE). Not done: the handler
+/// that names a stack overflow (the keeper's stack is shallow; an overflow still ends it by
+/// SIGSEGV) and the main thread's name.
+fn runtime_start() {
+    let mut fds = [0, 1, 2].map(|fd| libc::pollfd {
+        fd,
+        events: 0,
+        revents: 0,
+    });
+    loop {
+        // SAFETY: `fds` is an array of three initialised pollfd structures that outlives the
+        // call; a zero timeout returns at once.
+        if unsafe { libc::poll(fds.as_mut_ptr(), 3, 0) } != -1 {
+            break;
+        }
+        match Errno::last() {
+            Errno::EINTR => continue,
+            // As std does where poll cannot be used: ask each descriptor on its own.
+            _ => {
+                for pfd in &mut fds {
+                    if fcntl(
+                        // SAFETY: only its flags are read; a closed descriptor gives EBADF.
+                        unsafe { std::os::fd::BorrowedFd::borrow_raw(pfd.fd) },
+                        FcntlArg::F_GETFD,
+                    ) == Err(Errno::EBADF)
+                    {
+                        pfd.revents = libc::POLLNVAL;
+                    }
+                }
+                break;
+            }
+        }
+    }
+    for pfd in fds {
+        if pfd.revents & libc::POLLNVAL != 0 {
+            // SAFETY: a constant, null-terminated path; the descriptor is left open on purpose
+            // (it takes the closed standard descriptor's number).
+            if unsafe { libc::open(c"/dev/null".as_ptr(), libc::O_RDWR) } == -1 {
+                std::process::abort();
+            }
+        }
+    }
+    // SAFETY: setting a signal's disposition to SIG_IGN installs no handler.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
 }
 
 fn run() -> io::Result<i32> {
