@@ -306,6 +306,19 @@ impl PgLedger {
         }
     }
 
+    /// What a new row of occurrence `at` starts with (claim and record, `$1` to `$5`): the
+    /// ledger's key, the lock's name, the occurrence, and the schedule's definition.
+    fn row_params(&self, at: Timestamp) -> Vec<Param> {
+        let s = &self.inner;
+        vec![
+            param(s.lock.key(), Type::INT8),
+            param(s.lock.name().map(str::to_owned), Type::TEXT),
+            param(at, Type::TIMESTAMPTZ),
+            param(s.definition.expression.clone(), Type::TEXT),
+            param(s.definition.timezone.clone(), Type::TEXT),
+        ]
+    }
+
     /// The ledger's key, and the guarding lock's classid and objid as `pg_locks` shows them.
     fn key_params(&self) -> (i64, u32, u32) {
         let lock = &self.inner.lock;
@@ -485,24 +498,15 @@ impl Ledger for PgLedger {
         claimant: &Claimant,
         retries: i32,
     ) -> Result<Claim, LedgerError> {
-        let s = &self.inner;
-        let (key, classid, objid) = self.key_params();
-        let name = s.lock.name();
-        let (expression, timezone) = (&s.definition.expression, &s.definition.timezone);
-        let params = vec![
-            param(key, Type::INT8),
-            param(name.map(str::to_owned), Type::TEXT),
-            param(at, Type::TIMESTAMPTZ),
-            param(expression.clone(), Type::TEXT),
-            param(timezone.clone(), Type::TEXT),
-            param(claimant.host.clone(), Type::TEXT),
-            param(claimant.pid, Type::INT4),
-            param(claimant.epoch, Type::INT8),
+        let (_, classid, objid) = self.key_params();
+        let mut params = self.row_params(at);
+        params.extend(claimant_params(claimant));
+        params.extend([
             param(retries, Type::INT4),
             param(classid, Type::OID),
             param(objid, Type::OID),
-        ];
-        let row = self.bounded_one(&s.claim, params).await?;
+        ]);
+        let row = self.bounded_one(&self.inner.claim, params).await?;
         let attempt: Option<i32> = row.get(0);
         let existing: Option<String> = row.get(1);
         let newer: bool = row.get(2);
@@ -568,27 +572,26 @@ impl Ledger for PgLedger {
         detail: &str,
         claimant: &Claimant,
     ) -> Result<bool, LedgerError> {
-        let s = &self.inner;
-        let (key, classid, objid) = self.key_params();
-        let name = s.lock.name();
-        let (expression, timezone) = (&s.definition.expression, &s.definition.timezone);
-        let params = vec![
-            param(key, Type::INT8),
-            param(name.map(str::to_owned), Type::TEXT),
-            param(at, Type::TIMESTAMPTZ),
-            param(expression.clone(), Type::TEXT),
-            param(timezone.clone(), Type::TEXT),
+        let (_, classid, objid) = self.key_params();
+        let mut params = self.row_params(at);
+        params.extend([
             param(outcome.to_owned(), Type::TEXT),
             param(detail.to_owned(), Type::TEXT),
-            param(claimant.host.clone(), Type::TEXT),
-            param(claimant.pid, Type::INT4),
-            param(claimant.epoch, Type::INT8),
-            param(classid, Type::OID),
-            param(objid, Type::OID),
-        ];
-        let rows = self.bounded(&s.record, params).await?;
+        ]);
+        params.extend(claimant_params(claimant));
+        params.extend([param(classid, Type::OID), param(objid, Type::OID)]);
+        let rows = self.bounded(&self.inner.record, params).await?;
         Ok(!rows.is_empty())
     }
+}
+
+/// Who claims or records a row: host, pid and fencing token, in that order.
+fn claimant_params(claimant: &Claimant) -> [Param; 3] {
+    [
+        param(claimant.host.clone(), Type::TEXT),
+        param(claimant.pid, Type::INT4),
+        param(claimant.epoch, Type::INT8),
+    ]
 }
 
 /// The other sessions that hold or wait for the lock, with their names.
