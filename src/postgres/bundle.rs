@@ -19,6 +19,7 @@
 //!   transaction fails, the others were rolled back with it and are told so (as
 //!   [`Outcome::RolledBack`], which the ledger reports as busy, to be tried again).
 
+use std::collections::{BTreeMap, HashMap};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::Poll;
@@ -26,7 +27,9 @@ use std::time::Duration;
 
 use tokio::sync::oneshot;
 use tokio_postgres::types::{ToSql, Type};
-use tokio_postgres::{Client, Error, Row};
+use tokio_postgres::{Client, Error, Row, Statement};
+
+use crate::postgres::locks::{HELD_LOCKS, RECORD_HELD_LOCKS};
 
 /// One parameter of a statement, owned: the statement is sent later, by whichever task sends
 /// its transaction.
@@ -59,7 +62,12 @@ pub struct Bundle {
     client: Arc<Client>,
     /// Opens a transaction and bounds its statements.
     begin: String,
+    /// The same, and records the advisory locks the session holds (`locks::HELD_LOCKS`).
+    begin_reading_held: String,
     state: Mutex<State>,
+    /// Each statement text prepared once on the session (a named statement: parsed once, and
+    /// planned once its generic plan is as good), by the task that sends transactions.
+    prepared: Mutex<HashMap<Arc<str>, Statement>>,
 }
 
 #[derive(Debug, Default)]
@@ -89,13 +97,16 @@ impl Bundle {
     pub fn new(client: Arc<Client>, statement_timeout: Duration, lease: Duration) -> Bundle {
         let bound = statement_timeout.as_millis().max(1);
         let lease = lease.as_millis().max(1);
+        let begin = format!(
+            "BEGIN; SET LOCAL statement_timeout = {bound}; SET LOCAL lock_timeout = {bound}; \
+             SET LOCAL idle_in_transaction_session_timeout = {lease}"
+        );
         Bundle {
             client,
-            begin: format!(
-                "BEGIN; SET LOCAL statement_timeout = {bound}; SET LOCAL lock_timeout = {bound}; \
-                 SET LOCAL idle_in_transaction_session_timeout = {lease}"
-            ),
+            begin_reading_held: format!("{begin}; {RECORD_HELD_LOCKS}"),
+            begin,
             state: Mutex::default(),
+            prepared: Mutex::default(),
         }
     }
 
@@ -134,21 +145,86 @@ impl Bundle {
         }
     }
 
+    /// Prepares on the session the statements of `requests` not prepared yet: each is then
+    /// parsed once, and planned once for as long as the server finds its generic plan good
+    /// enough (each claim of a crontab's instant was parsed and planned anew: half its cost
+    /// on the server). Preparing takes the table's locks as running does, so it is bounded as
+    /// a transaction's statements are, in a transaction of its own: a table locked by an
+    /// operator must not hold up the session's checks. One that cannot be prepared now is
+    /// sent unnamed, and fails in its transaction if it fails at all, as before.
+    async fn prepare_new(&self, requests: &[Request]) {
+        let new: BTreeMap<&Arc<str>, Vec<Type>> = {
+            let known = self.prepared.lock().expect("the prepared statements");
+            requests
+                .iter()
+                .filter(|request| !known.contains_key(&request.sql))
+                .map(|request| {
+                    let types = request.params.iter().map(|(_, ty)| ty.clone()).collect();
+                    (&request.sql, types)
+                })
+                .collect()
+        };
+        if new.is_empty() {
+            return;
+        }
+        let client = &self.client;
+        let begin = client.batch_execute(&self.begin);
+        let prepares: Vec<_> = new
+            .iter()
+            .map(|(sql, types)| {
+                Box::pin(client.prepare_typed(sql, types))
+                    as Pin<Box<dyn Future<Output = Result<Statement, Error>> + Send + '_>>
+            })
+            .collect();
+        let commit = client.batch_execute("COMMIT");
+        let (_, prepared, _) = in_order(begin, prepares, commit).await;
+        let mut known = self.prepared.lock().expect("the prepared statements");
+        for (sql, statement) in new.keys().zip(prepared) {
+            if let Ok(statement) = statement {
+                known.insert(Arc::clone(sql), statement);
+            }
+        }
+    }
+
     /// One transaction: BEGIN, every request's statement, COMMIT, sent in one go.
     async fn send(&self, requests: Vec<Request>) {
         let client = &self.client;
-        let begin = client.batch_execute(&self.begin);
+        self.prepare_new(&requests).await;
+        let prepared: Vec<Option<Statement>> = {
+            let known = self.prepared.lock().expect("the prepared statements");
+            let known = |request: &Request| known.get(&request.sql).cloned();
+            requests.iter().map(known).collect()
+        };
+        // Only a transaction whose statements ask whether the session holds a lock reads
+        // the lock table.
+        let reads_held = requests
+            .iter()
+            .any(|request| request.sql.contains(HELD_LOCKS));
+        let begin = client.batch_execute(if reads_held {
+            &self.begin_reading_held
+        } else {
+            &self.begin
+        });
         let statements: Vec<_> = requests
             .iter()
-            .map(|request| {
-                let params: Vec<(&(dyn ToSql + Sync), Type)> = request
-                    .params
-                    .iter()
-                    .map(|(value, ty)| (&**value as &(dyn ToSql + Sync), ty.clone()))
-                    .collect();
-                let sql = &request.sql;
-                Box::pin(async move { client.query_typed(sql, &params).await })
-                    as Pin<Box<dyn Future<Output = Result<Vec<Row>, Error>> + Send + '_>>
+            .zip(prepared)
+            .map(|(request, prepared)| {
+                let params = request.params.iter();
+                match prepared {
+                    Some(statement) => {
+                        let params: Vec<&(dyn ToSql + Sync)> = params
+                            .map(|(value, _)| &**value as &(dyn ToSql + Sync))
+                            .collect();
+                        Box::pin(async move { client.query(&statement, &params).await }) as Sent
+                    }
+                    None => {
+                        let params: Vec<(&(dyn ToSql + Sync), Type)> = params
+                            .map(|(value, ty)| (&**value as &(dyn ToSql + Sync), ty.clone()))
+                            .collect();
+                        let sql = &request.sql;
+                        Box::pin(async move { client.query_typed(sql, &params).await }) as Sent
+                    }
+                }
             })
             .collect();
         let commit = client.batch_execute("COMMIT");
@@ -168,6 +244,9 @@ impl Bundle {
         }
     }
 }
+
+/// A statement of a transaction, sent when first polled.
+type Sent<'a> = Pin<Box<dyn Future<Output = Result<Vec<Row>, Error>> + Send + 'a>>;
 
 /// Polls `first`, then each of `middle`, then `last`, in that order, at every poll until each
 /// is done: each sends its request when first polled, so all of them are sent in one go, in

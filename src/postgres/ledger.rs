@@ -29,7 +29,7 @@ use crate::election::lock::LockKey;
 use crate::election::participant::{self, Participant};
 use crate::postgres::bundle::{Bundle, Outcome, Param, param};
 use crate::postgres::describe::describe;
-use crate::postgres::locks::{LOCK_ROWS, held_here_of_form, this_lock};
+use crate::postgres::locks::{LOCK_ROWS, held_in_transaction, this_lock};
 
 /// The default table name.
 pub const DEFAULT_TABLE: &str = "pgleader_ledger";
@@ -183,7 +183,9 @@ impl PgLedger {
             Guard::Plain => 1,
             Guard::Item { .. } => 2,
         };
-        let leads = |classid: &str, objid: &str| held_here_of_form(classid, objid, subid);
+        // Every leader-side statement goes through the group commit, which records the
+        // session's locks as each transaction begins.
+        let leads = |classid: &str, objid: &str| held_in_transaction(classid, objid, subid);
         let leads_claim = leads("$10", "$11");
         let claim = format!(
             "WITH now AS (SELECT pg_catalog.clock_timestamp() AS t),

@@ -3,11 +3,15 @@
 //! server, the end of a member is heard by everyone at once through the watcher, and a replica
 //! that runs the name otherwise is refused. Two sessions per replica, whatever the shard count.
 
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use pgleader::election::ledger::{Claim, Claimant, Definition, Ledger};
 use pgleader::election::lock::LockKey;
-use pgleader::election::shards::Holder;
+use pgleader::election::shards::{Holder, Items, Listing, ShardBackend};
 use pgleader::postgres::PgBackend;
+use pgleader::postgres::ledger::PgLedger;
 
 use crate::contract::{NoEnvironment, block_on};
 use nix::sys::signal::Signal;
@@ -24,7 +28,9 @@ use crate::harness::shards::{
     status_shows_each_shard_s_replica, stop, the_end_of_b_is_heard,
     the_surplus_goes_back_when_its_replica_stops, three_members_of_six_shards,
 };
-use crate::harness::{Cluster, Journal, Proc, Stream, WAIT, field, pgleader, run, unique_lock};
+use crate::harness::{
+    Cluster, Journal, Proc, Stream, WAIT, field, pgleader, run, unique_lock, within,
+};
 use crate::observability::{promtool, sample};
 
 fn backend(lock: i64) -> PgBackend {
@@ -614,4 +620,67 @@ fn a_sharded_fleet_holds_back_neither_vacuum_nor_create_index_concurrently() {
     let replicas: Vec<&Proc> = replicas.iter().collect();
     stop(&replicas);
     assert_no_overlap(&replicas);
+}
+
+/// A crontab job's ledger on PostgreSQL claims only while the holder session holds the job's
+/// item lock: refused for an item nobody holds, after the item is given away, and taken again
+/// once it is taken again. Each transaction of the session's group commit reads the session's
+/// locks once, as it begins (`locks::RECORD_HELD_LOCKS`): two claims in one transaction, one
+/// for a held item and one for an item not held, each get their own answer.
+#[test]
+fn a_job_s_claim_succeeds_only_while_its_session_holds_the_job_s_item_lock() {
+    let lock = unique_key();
+    let backend = backend(lock);
+    let items = Items::Listed(Arc::new(Listing {
+        items: BTreeSet::from([7, 9]),
+        definitions: BTreeMap::new(),
+    }));
+    // The key a job's rows are kept under (the sharded room's `jobs::job_key`).
+    let job = LockKey::from_name(&format!("{lock}\u{1f}nightly"));
+    let definition = Definition {
+        expression: "0 0 3 * * *".into(),
+        timezone: "UTC".into(),
+    };
+    block_on(async {
+        let a = within("join", backend.join("cron-a", &items, None))
+            .await
+            .expect("join");
+        within("prepare", a.prepare_ledger())
+            .await
+            .expect("the ledger can be prepared");
+        let (won, fence) = within("take", a.take(&[7])).await.expect("take");
+        assert_eq!(won, vec![7]);
+        let claimant = Claimant {
+            host: "test".into(),
+            pid: 1,
+            epoch: fence.expect("a fence").epoch,
+        };
+        let ledger = a.ledger(&job, 7, &definition).expect("a ledger");
+        let other = a.ledger(&job, 9, &definition).expect("a ledger");
+        let now = within("time", ledger.server_time()).await.expect("time");
+        let at = |n: i64| now + jiff::SignedDuration::from_millis(n - 100);
+        let claim = |ledger: &PgLedger, n: i64| {
+            let (ledger, claimant) = (ledger.clone(), claimant.clone());
+            async move {
+                within("claim", ledger.claim(at(n), &claimant, 0))
+                    .await
+                    .expect("claim")
+            }
+        };
+        // Asked for at one moment: one transaction, each claim answered for its own item.
+        let (held, not_held) = tokio::join!(claim(&ledger, 0), claim(&other, 1));
+        assert_eq!(held, Claim::Claimed { attempt: 1 });
+        assert_eq!(
+            not_held,
+            Claim::NotLeader,
+            "item 9 is nobody's: its job's claim is refused"
+        );
+        within("give", a.give(7)).await.expect("give");
+        assert_eq!(claim(&ledger, 2).await, Claim::NotLeader, "given away");
+        let recorded = within("record", ledger.record(at(3), "skipped", "x", &claimant)).await;
+        assert!(!recorded.expect("record"), "given away: nothing recorded");
+        within("take", a.take(&[7])).await.expect("take");
+        assert_eq!(claim(&ledger, 4).await, Claim::Claimed { attempt: 1 });
+        within("leave", a.leave(WAIT)).await.expect("leave");
+    });
 }
