@@ -271,6 +271,12 @@ impl<L: Ledger> Runs<L> {
         self.due
     }
 
+    /// When the next occurrence's claim is to be sent, on this host's clock, if one waits.
+    pub fn due_at(&self) -> Option<Instant> {
+        let due = self.due.filter(|_| self.replacing.is_none())?;
+        Some(self.wake_for(due))
+    }
+
     /// How the last run ended, if the ledger does not have it yet: the supervisor keeps it
     /// for its next session when the leadership ends first.
     pub fn unrecorded(&self) -> Option<LateFinish> {

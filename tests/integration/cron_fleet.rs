@@ -14,8 +14,11 @@ use crate::crontab::File;
 use crate::harness::fleet::lines_with;
 use crate::harness::http::{address_of, get};
 use crate::harness::pg::sessions_of;
+use crate::harness::process::{is_running, pid_field};
 use crate::harness::shards::wait_for_two_sessions_each;
-use crate::harness::{Cluster, Proc, Stream, WAIT, field, pgleader, run_with_url, unique_lock};
+use crate::harness::{
+    Cluster, Proc, Stream, WAIT, field, log_time, pgleader, run_with_url, unique_lock,
+};
 use crate::observability::sample;
 
 /// How a scenario starts a replica of its fleet: `pgleader cron` of the file on the fleet's
@@ -811,4 +814,45 @@ fn the_claims_due_at_one_instant_are_committed_in_one_transaction() {
         "the {JOBS} claims of {at} took {transactions} transactions"
     );
     a.terminate_cleanly();
+}
+
+/// What the log says when a keeper is parked ahead of a job's occurrence (`parking.rs`, -v).
+const PARKED: &str = "started a keeper for the job's next occurrence";
+
+/// A job's command starts under a keeper started ahead of its occurrence, so that the instant
+/// costs the command's own fork and exec, not a keeper's too; a keeper parked when the
+/// replica shuts down is let go, and is gone before pgleader exits.
+#[test]
+fn a_job_s_command_starts_under_a_keeper_parked_before_its_occurrence() {
+    let lock = unique_lock();
+    let file = File::new(
+        "parked",
+        "# pgleader: name=p\n*/2 * * * * * * echo start job=$PGLEADER_JOB keeper=$PPID at=$PGLEADER_SCHEDULED_TIME\n",
+    );
+    let a = replica_with("A", lock, &file, &["-v"]);
+    // The second run: its keeper had the whole interval to be parked in.
+    let second = a.wait_for_nth(Stream::Stdout, "start job=p", 2);
+    let keeper = pid_field(&second, "keeper");
+    let parked = a.wait_line_where(Stream::Stderr, "its keeper parked", |line| {
+        line.contains(PARKED) && field(line, "pid") == keeper.to_string()
+    });
+    let occurrence = humantime::parse_rfc3339(&field(&second, "at")).expect("an RFC 3339 time");
+    assert!(
+        log_time(&parked) < occurrence,
+        "the keeper of the run of {} was parked before it:\n{parked}\n{second}",
+        field(&second, "at")
+    );
+
+    // The next keeper parked, and the replica shut down while it waits (it waits up to half a
+    // second for an occurrence two seconds apart).
+    let (next, _) = a
+        .wait_line(Stream::Stderr, PARKED, 1, Some(Instant::now()), WAIT)
+        .unwrap_or_else(|| panic!("no keeper parked after the second run\n{}", a.dump()));
+    let waiting = pid_field(&next, "pid");
+    a.terminate_cleanly();
+    assert!(
+        !is_running(waiting),
+        "the parked keeper {waiting} outlived pgleader\n{}",
+        a.dump()
+    );
 }

@@ -306,6 +306,20 @@ impl<L: Ledger> Jobs<L> {
         Poll::Pending
     }
 
+    /// Each owned job's item, with when its next occurrence is claimed and its command line
+    /// where that is known and its definition holds (not removed or redefined by a reread).
+    pub fn due(&self) -> impl Iterator<Item = (u32, Option<(Instant, &CommandLine)>)> {
+        self.runs.iter().map(|(item, runs)| {
+            let holds = !self.retired.contains(item) && !self.redefined.contains(item);
+            let due = runs.due_at().filter(|_| holds).zip(
+                self.definitions
+                    .get(item)
+                    .map(|definition| &definition.command),
+            );
+            (*item, due)
+        })
+    }
+
     /// Item `item`'s command started for its claimed occurrence.
     pub fn started(&mut self, item: u32) {
         if let Some(runs) = self.runs.get_mut(&item) {

@@ -27,6 +27,7 @@
 
 mod jobs;
 mod link;
+mod parking;
 
 use std::time::Duration;
 
@@ -59,6 +60,7 @@ use crate::supervise::{Settings, Sharding};
 use crate::time::for_people as fmt;
 use jobs::Jobs;
 use link::{Link, Watching, alongside, no_answer};
+use parking::Parking;
 
 /// What a replica of a sharded lock shares out with the others.
 #[derive(Debug)]
@@ -121,6 +123,7 @@ pub async fn run<B: ShardBackend + Clone + 'static>(
         backoff: Backoff::default(),
         last_disturbance: None,
         leftover_watchers: Vec::new(),
+        parking: Parking::default(),
     };
     let mut pause = Duration::ZERO;
     loop {
@@ -135,7 +138,10 @@ pub async fn run<B: ShardBackend + Clone + 'static>(
             return Ok(Outcome::Shutdown);
         };
         let joined = Instant::now();
-        match room.serve(holder).await? {
+        let served = room.serve(holder).await;
+        // The jobs the session owned are no longer this replica's: nor their keepers.
+        room.parking.dismiss().await;
+        match served? {
             Served::Shutdown => return Ok(Outcome::Shutdown),
             Served::Unhealthy => {
                 room.backoff.reset();
@@ -171,6 +177,8 @@ struct Room<B: ShardBackend> {
     leftover_watchers: Vec<i32>,
     /// Whether this replica may join and hold shards (`--health-cmd`).
     health: Health,
+    /// Keepers started ahead of the owned jobs' next occurrences.
+    parking: Parking,
 }
 
 /// Where a crontab job's runs that go on beside the next one (`overlap=allow`) are kept in the
@@ -221,6 +229,8 @@ enum Event<W> {
     Unhealthy,
     /// An owned crontab job's runs ask for something.
     Runs(u32, RunsEvent),
+    /// Keepers started ahead of their jobs' occurrences are ready.
+    Parked(parking::Batch),
     /// A crontab job's run has taken its `timeout=`.
     RunTimeout,
 }
@@ -371,7 +381,6 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                     return Ok(Served::Lost);
                 }
             }
-            let timer = self.shards.next_timer();
             let run_timeout = self
                 .shards
                 .iter()
@@ -380,10 +389,16 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                 .min();
             let holds_any = !self.shards.is_empty();
             let quiet = link.leaving.is_some() || self.inbox.shutdown_requested.is_some();
+            let park_at = self.plan_parking(quiet);
+            let timer = match (self.shards.next_timer(), park_at) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
             let leaving = link.leaving.is_some();
             let health = &mut self.health;
             let shards = &mut self.shards;
             let jobs = &mut self.jobs;
+            let parking = &mut self.parking;
             let Link {
                 holder,
                 deadline,
@@ -411,6 +426,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                 result = async { match watching.as_mut().and_then(|w| w.watch.as_mut()) { Some(watch) => watch.await, None => std::future::pending().await } } => Event::Watched(result),
                 (member, result) = async { match opening { Some((_, future)) => future.await, None => std::future::pending().await } } => Event::Opened(member, result),
                 (item, event) = std::future::poll_fn(|cx| match jobs.as_mut() { Some(jobs) => jobs.poll_next(cx), None => std::task::Poll::Pending }), if !quiet => Event::Runs(item, event),
+                batch = std::future::poll_fn(|cx| parking.poll_spawned(cx)) => Event::Parked(batch),
                 _ = sleep_until(*next_read), if read.is_none() && !quiet => Event::ReadDue,
                 }
             };
@@ -574,6 +590,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                     }
                 }
                 Event::RunTimeout => self.stop_timed_out(),
+                Event::Parked(batch) => self.parking.park(batch),
             }
             if let Err(err) = self.finish_stopped(&mut link).await {
                 let reason = format!("a statement failed: {err}");
@@ -736,6 +753,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
         // taken): the loop hears it next and gives them all up.
         let may_start = !sockets.is_empty() && self.health.is_healthy();
         let (settings, count, jobs) = (&self.settings, self.items.len(), &self.jobs);
+        let parking = &mut self.parking;
         self.shards.on_timer(may_start, |index, shard| {
             let mut env = settings.leader_env(me, shard.epoch);
             let command = match (jobs, shard.run) {
@@ -752,9 +770,15 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                     &settings.command
                 }
             };
-            let job = Parked::spawn(command, &settings.hooks)
-                .and_then(|parked| parked.start(&env, &holder.lend(item_of(*index))))
-                .map_err(|err| anyhow::anyhow!("cannot start the keeper process: {err}"))?;
+            let hold = holder.lend(item_of(*index));
+            let fresh = || Parked::spawn(command, &settings.hooks)?.start(&env, &hold);
+            let started = match parking.take(*index, command) {
+                // A keeper killed since it was checked fails here; a fresh one is the fallback.
+                Some(parked) => parked.start(&env, &hold).or_else(|_| fresh()),
+                None => fresh(),
+            };
+            let job =
+                started.map_err(|err| anyhow::anyhow!("cannot start the keeper process: {err}"))?;
             debug!(
                 event = "spawned",
                 shard = *index,
@@ -763,6 +787,24 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
             );
             Ok(job)
         })
+    }
+
+    /// Parks keepers for the owned jobs falling due within `parking::AHEAD` (not for a job
+    /// whose command runs, nor while the probe says unhealthy), lets go of those of jobs no
+    /// longer owned (of every job once the replica is `quiet`: leaving, or shutting down),
+    /// and says when the next job will want one.
+    fn plan_parking(&mut self, quiet: bool) -> Option<Instant> {
+        let jobs = self.jobs.as_ref()?;
+        let healthy = self.health.is_healthy();
+        let due = jobs
+            .due()
+            .filter(|_| !quiet)
+            .map(|(item, due)| {
+                let idle = healthy && !self.shards.is_started(&item);
+                (item, due.filter(|_| idle))
+            })
+            .collect();
+        self.parking.plan(due, &self.settings.hooks)
     }
 
     /// SIGHUP under `pgleader cron`: rereads the crontab. Added jobs are shared out, removed
