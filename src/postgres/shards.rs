@@ -41,7 +41,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio_postgres::Client;
-use tokio_postgres::types::Type;
+use tokio_postgres::types::{ToSql, Type};
 
 use crate::election::ledger::{Definition, Ledger, LedgerError};
 use crate::election::lock::LockKey;
@@ -712,19 +712,6 @@ impl ShardHolder {
             ]
         };
         let [know, forget] = changes(&new.items, &old.items);
-        for (sql, space, numbers) in [
-            (KNOW_SQL, self.keys.knows, know),
-            (FORGET_SQL, self.keys.knows, forget),
-        ] {
-            if numbers.is_empty() {
-                continue;
-            }
-            self.session
-                .client()
-                .query_typed(sql, &[(&space, Type::INT4), (&numbers, Type::INT4_ARRAY)])
-                .await
-                .map_err(query_error)?;
-        }
         // A job defined anew holds its new marker before it lets the old one go.
         let pairs = |new: &BTreeMap<u32, u32>, old: &BTreeMap<u32, u32>| -> [Vec<i32>; 2] {
             let (spaces, definitions) = new
@@ -734,25 +721,39 @@ impl ShardHolder {
                 .unzip();
             [spaces, definitions]
         };
-        for (sql, [spaces, definitions]) in [
-            (DEFINE_SQL, pairs(&new.definitions, &old.definitions)),
-            (UNDEFINE_SQL, pairs(&old.definitions, &new.definitions)),
-        ] {
+        let [define, undefine] = [
+            pairs(&new.definitions, &old.definitions),
+            pairs(&old.definitions, &new.definitions),
+        ];
+        // Each its own statement, so a roster read can fall between them: a job is defined
+        // before it is known, and no longer known before its definition goes, so that no
+        // reader ever finds a job known and not defined (which says "defined otherwise": one
+        // warning per job at every start of a fleet, and another as it ended).
+        let (client, space) = (self.session.client(), self.keys.knows);
+        let by_pairs = |sql, [spaces, definitions]: [Vec<i32>; 2]| async move {
             if spaces.is_empty() {
-                continue;
+                return Ok(());
             }
-            self.session
-                .client()
-                .query_typed(
-                    sql,
-                    &[
-                        (&spaces, Type::INT4_ARRAY),
-                        (&definitions, Type::INT4_ARRAY),
-                    ],
-                )
-                .await
-                .map_err(query_error)?;
-        }
+            let params: [(&(dyn ToSql + Sync), Type); 2] = [
+                (&spaces, Type::INT4_ARRAY),
+                (&definitions, Type::INT4_ARRAY),
+            ];
+            client.query_typed(sql, &params).await.map(drop)
+        };
+        let by_items = |sql, numbers: Vec<i32>| async move {
+            if numbers.is_empty() {
+                return Ok(());
+            }
+            let params: [(&(dyn ToSql + Sync), Type); 2] =
+                [(&space, Type::INT4), (&numbers, Type::INT4_ARRAY)];
+            client.query_typed(sql, &params).await.map(drop)
+        };
+        by_pairs(DEFINE_SQL, define).await.map_err(query_error)?;
+        by_items(KNOW_SQL, know).await.map_err(query_error)?;
+        by_items(FORGET_SQL, forget).await.map_err(query_error)?;
+        by_pairs(UNDEFINE_SQL, undefine)
+            .await
+            .map_err(query_error)?;
         self.items = items.clone();
         Ok(())
     }

@@ -171,10 +171,16 @@ pub fn three_replicas_share_six_jobs(spawn: Spawn) -> ([Proc; 3], BTreeMap<Strin
     let b = spawn("B", &file);
     let c = spawn("C", &file);
     let runners = wait_for_shares(&[&a, &b, &c], 6, &[("A", 2), ("B", 2), ("C", 2)]);
-    // Each replica read the whole file.
+    // Each replica read the whole file, and none ever thought another defines a job
+    // otherwise (B and C join together: a roster read can fall inside the other's join).
     for replica in [&a, &b, &c] {
         let line = replica.wait_log("joined the replicas of this crontab");
         assert_eq!(field(&line, "jobs"), "6");
+        assert!(
+            !replica.printed(Stream::Stderr, "is defined otherwise"),
+            "one file, yet a disagreement:\n{}",
+            replica.dump()
+        );
     }
     ([a, b, c], runners)
 }
