@@ -635,7 +635,8 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
             .filter(|index| self.items.contains(item_of(*index)))
             .collect();
         for index in lost {
-            warn!(event = "leadership_lost", lock = %lock, shard = index, "the check found that this session no longer holds shard {index}; stopping its command");
+            let label = self.label(index);
+            warn!(event = "leadership_lost", lock = %lock, shard = label.shard, job = label.job.as_deref(), "the check found that this session no longer holds {}; stopping its command", label.name());
             self.shards
                 .stop(&index, self.settings.kill_signal, After::Forget);
         }
@@ -678,7 +679,8 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                 .take(keeping - share)
                 .collect();
             for index in surplus {
-                info!(event = "hand_over", lock = %lock, shard = index, "handing shard {index} over to a replica short of its share");
+                let label = self.label(index);
+                info!(event = "hand_over", lock = %lock, shard = label.shard, job = label.job.as_deref(), "handing {} over to a replica short of its share", label.name());
                 self.shards
                     .stop(&index, self.settings.kill_signal, After::Give);
             }
@@ -787,6 +789,14 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
             );
             Ok(job)
         })
+    }
+
+    /// How the log names shard or job `index`.
+    fn label(&self, index: u32) -> Label {
+        match &self.jobs {
+            Some(jobs) => jobs.label(item_of(index)),
+            None => Label::shard(index),
+        }
     }
 
     /// Parks keepers for the owned jobs falling due within `parking::AHEAD` (not for a job
@@ -1138,7 +1148,8 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
             let give = tokio::time::timeout(left, link.holder.give(index));
             match alongside(&mut link.read, &mut link.read_done, give).await {
                 Ok(Ok(())) => {
-                    info!(event = "released", lock = %self.settings.lock, shard = index, "released shard {index}");
+                    let label = self.label(index);
+                    info!(event = "released", lock = %self.settings.lock, shard = label.shard, job = label.job.as_deref(), "released {}", label.name());
                     // A replica that was handing over took nothing meanwhile; the roster may
                     // have changed since (a member gone), and its own word does not come back
                     // to it.
