@@ -849,7 +849,7 @@ fn a_job_s_command_starts_under_a_keeper_parked_before_its_occurrence() {
         field(&second, "at")
     );
 
-    // The next keeper parked, and the replica shut down while it waits (it waits up to half a
+    // The next keeper parked, and the replica shut down while it waits (up to a quarter of a
     // second for an occurrence two seconds apart).
     let (next, _) = a
         .wait_line(Stream::Stderr, PARKED, 1, Some(Instant::now()), WAIT)

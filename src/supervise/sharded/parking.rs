@@ -33,9 +33,11 @@ use crate::supervise::hook::Hooks;
 use crate::supervise::job::{CommandLine, Parked};
 
 /// How long before its job's next occurrence a keeper is started: ample for a batch of
-/// keepers to be spawned on a busy machine, short enough that a crontab whose jobs fall due
-/// minutes apart holds none between them.
-pub const AHEAD: Duration = Duration::from_millis(500);
+/// keepers to be spawned on a busy machine (33 took 30 to 100 ms on the benchmark's 2 cores),
+/// short enough that a crontab holds none between its occurrences but for this moment (a
+/// keeper is 1.5 MiB of RSS, most of it shared: every-second jobs hold one each a quarter of
+/// the time).
+pub const AHEAD: Duration = Duration::from_millis(250);
 
 /// A batch of keepers being started: each job's item, the command line, and how it went.
 pub type Batch = Vec<(u32, CommandLine, io::Result<Parked>)>;
