@@ -471,8 +471,8 @@ pub struct CronArgs {
     pub crontab: PathBuf,
 
     /// Read and check the crontab without connecting; print each job (name, schedule, zone,
-    /// command, options) with its next occurrences; exit 0, or 2 naming the file, the line and
-    /// what is wrong
+    /// command, options, definition) with its next occurrences; exit 0, or 2 naming the file,
+    /// the line and what is wrong
     #[arg(long)]
     pub check: bool,
 

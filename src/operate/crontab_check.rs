@@ -6,7 +6,7 @@ use std::fmt::Write;
 
 use jiff::Timestamp;
 
-use crate::schedule::crontab::{CronJob, Crontab};
+use crate::schedule::crontab::{CronJob, Crontab, definition_hex};
 use crate::time::for_people as fmt;
 
 /// The report: a line for the file, then a paragraph for each job.
@@ -31,6 +31,9 @@ pub fn report(crontab: &Crontab, from: Timestamp, count: usize) -> String {
             job.timeout
                 .map_or_else(|| "none".to_owned(), |timeout| fmt(timeout).to_string())
         );
+        // As `status` shows a job's definitions while replicas disagree: which file is which.
+        let definition = definition_hex(job.definition_marker());
+        let _ = writeln!(out, "  definition {definition}");
         for (index, at) in occurrences(job, from, count).into_iter().enumerate() {
             let label = if index == 0 { "  next" } else { "" };
             let _ = writeln!(out, "{label:<12}{at}");

@@ -75,6 +75,7 @@ report (line 5)
   schedule  0 30 3 * * * in Europe/Paris (seconds first)
   command   /bin/sh -c \"./report.sh --all\"
   options   overlap=replace catch-up=10m timeout=30m
+  definition {}
   next      2026-11-27 03:30:00 +01:00
             2026-11-28 03:30:00 +01:00
 
@@ -82,6 +83,7 @@ echo-quarter (line 9)
   schedule  0 */15 * * * * 2099 in UTC (seconds first)
   command   /bin/bash -c \"echo quarter\"
   options   overlap=skip catch-up=1h timeout=none
+  definition {}
   next      2099-01-01 00:00:00 +00:00
             2099-01-01 00:15:00 +00:00
 
@@ -89,11 +91,23 @@ echo-often (line 10)
   schedule  @every 1m 30s (from the Unix epoch, UTC)
   command   /bin/bash -c \"echo often\"
   options   overlap=skip catch-up=1h timeout=none
+  definition {}
   next      2026-11-26 12:01:30 +00:00
             2026-11-26 12:03:00 +00:00",
-        file.0.display()
+        file.0.display(),
+        definition(&file, "report"),
+        definition(&file, "echo-quarter"),
+        definition(&file, "echo-often"),
     );
     assert_eq!(stdout, expected);
+}
+
+/// A job's definition as `pgleader status` shows it while replicas define it otherwise.
+fn definition(file: &File, name: &str) -> String {
+    use pgleader::schedule::crontab::{Crontab, definition_hex};
+    let crontab = Crontab::read(&file.0).expect("the crontab");
+    let job = crontab.jobs.iter().find(|job| job.name == name);
+    definition_hex(job.expect("the job").definition_marker())
 }
 
 #[test]
