@@ -229,6 +229,20 @@ impl Bundle {
             .collect();
         let commit = client.batch_execute("COMMIT");
         let (begun, results, ended) = in_order(begin, statements, commit).await;
+        // A prepared statement that failed is prepared again next time: it may have failed
+        // because the table changed under it since it was prepared.
+        let failed: Vec<&Arc<str>> = requests
+            .iter()
+            .zip(&results)
+            .filter(|(_, result)| result.is_err())
+            .map(|(request, _)| &request.sql)
+            .collect();
+        if !failed.is_empty() {
+            let mut known = self.prepared.lock().expect("the prepared statements");
+            for sql in failed {
+                known.remove(sql);
+            }
+        }
         let (begun, ended) = (begun.map_err(Arc::new), ended.map_err(Arc::new));
         let failed = results.iter().any(Result::is_err);
         for (request, result) in requests.into_iter().zip(results) {

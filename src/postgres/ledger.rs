@@ -335,6 +335,9 @@ impl PgLedger {
             return LedgerError::Query(describe(err));
         };
         let busy = [
+            // A statement prepared before an operator changed the table's columns ("cached
+            // plan must not change result type"): the group commit prepares it again.
+            SqlState::FEATURE_NOT_SUPPORTED,
             SqlState::QUERY_CANCELED,
             SqlState::LOCK_NOT_AVAILABLE,
             SqlState::T_R_SERIALIZATION_FAILURE,

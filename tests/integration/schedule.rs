@@ -1131,6 +1131,27 @@ fn a_waiting_ledger_write_does_not_cost_the_leadership() {
     a.wait_log(&format!("the run of {} succeeded", first.occurrence));
 }
 
+/// The leader prepares its ledger statements once per session; an operator who then changes
+/// the type of a column they return ("cached plan must not change result type" at their next
+/// run) costs neither the leadership nor an occurrence: the statement is prepared again.
+#[test]
+fn a_ledger_column_changed_under_prepared_statements_costs_nothing() {
+    let setup = Setup::new("altered");
+    create_ledger(&setup.table);
+    let a = setup.replica("A", "* * * * * *", &[], "0");
+    let before = wait_starts(&setup.journal, 2, WAIT).len();
+    Cluster::shared().execute(&format!(
+        "ALTER TABLE {} ALTER COLUMN outcome TYPE varchar(20)",
+        setup.table
+    ));
+    wait_starts(&setup.journal, before + 3, WAIT);
+    assert!(
+        !a.printed(Stream::Stderr, "leadership lost"),
+        "a changed ledger column cost the leadership: {}",
+        a.dump()
+    );
+}
+
 /// Issue 8: "none is silently lost". The fleet is down for five seconds of an every-second
 /// schedule; the next leader catches up the latest occurrence only (as it should), but the
 /// ones before it are neither recorded nor logged.
