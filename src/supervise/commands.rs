@@ -385,8 +385,9 @@ impl<K: Key, T> Commands<K, T> {
 
     /// Settles the entries whose commands are wholly gone: each is kept for a restart (unless
     /// `quiet`: the session is being left or pgleader shuts down), or removed. Returns each,
-    /// with how its command ended if it ran.
-    pub fn settle(&mut self, quiet: bool) -> Vec<(K, Option<ChildStatus>, Settled)> {
+    /// with how its command ended if it ran, and how the log names it (its owner may have
+    /// forgotten what it was by then: a job a reread removed).
+    pub fn settle(&mut self, quiet: bool) -> Vec<(K, Option<ChildStatus>, Settled, Label)> {
         let now = Instant::now();
         let mut settled = Vec::new();
         for (key, entry) in &mut self.entries {
@@ -432,7 +433,7 @@ impl<K: Key, T> Commands<K, T> {
                         Restart::After(delay) => delay,
                         Restart::WhenAsked => {
                             entry.start_at = now + NOT_UNTIL_ASKED;
-                            settled.push((key.clone(), status, Settled::Restarting));
+                            settled.push((key.clone(), status, Settled::Restarting, label));
                             continue;
                         }
                     };
@@ -466,9 +467,9 @@ impl<K: Key, T> Commands<K, T> {
                 After::Give if !quiet => Settled::Give,
                 _ => Settled::Gone,
             };
-            settled.push((key.clone(), status, outcome));
+            settled.push((key.clone(), status, outcome, entry.label.clone()));
         }
-        for (key, _, outcome) in &settled {
+        for (key, _, outcome, _) in &settled {
             if *outcome != Settled::Restarting {
                 self.entries.remove(key);
             }

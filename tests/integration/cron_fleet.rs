@@ -477,6 +477,14 @@ pub fn sighup_rereads_the_file(spawn: Spawn) {
             b.dump()
         );
     }
+    // Whoever owned the removed job let it go once its last run was over, and says which.
+    let released = |replica: &Proc| replica.printed(Stream::Stderr, "released job j2");
+    assert!(
+        released(&a) || released(&b),
+        "nobody said it released j2:\n{}\n{}",
+        a.dump(),
+        b.dump()
+    );
     for replica in [&a, &b] {
         replica.terminate_cleanly();
     }

@@ -1080,10 +1080,10 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
     async fn settled(
         &mut self,
         link: &mut Link<B>,
-        settled: Vec<(u32, Option<crate::exit::ChildStatus>, Settled)>,
+        settled: Vec<(u32, Option<crate::exit::ChildStatus>, Settled, Label)>,
         quiet: bool,
     ) -> Result<(), SessionError> {
-        for status in settled.iter().filter_map(|(_, status, _)| *status) {
+        for status in settled.iter().filter_map(|(_, status, _, _)| *status) {
             self.inbox.telemetry.shard_command_exited(status);
         }
         if let Some(jobs) = &mut self.jobs {
@@ -1091,7 +1091,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
             // The session is lost or in doubt: its statements could only wait; the job's next
             // owner marks what ran here as interrupted.
             let in_doubt = link.leaving.is_some() && !shutting_down && !link.unhealthy;
-            for (index, status, settled) in &settled {
+            for (index, status, settled, _) in &settled {
                 match settled {
                     Settled::Restarting => {
                         let occurrence = self
@@ -1139,7 +1139,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                 }
             }
         }
-        for (index, _, settled) in settled {
+        for (index, _, settled, label) in settled {
             if settled != Settled::Give {
                 continue;
             }
@@ -1148,7 +1148,6 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
             let give = tokio::time::timeout(left, link.holder.give(index));
             match alongside(&mut link.read, &mut link.read_done, give).await {
                 Ok(Ok(())) => {
-                    let label = self.label(index);
                     info!(event = "released", lock = %self.settings.lock, shard = label.shard, job = label.job.as_deref(), "released {}", label.name());
                     // A replica that was handing over took nothing meanwhile; the roster may
                     // have changed since (a member gone), and its own word does not come back
