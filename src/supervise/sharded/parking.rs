@@ -25,6 +25,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
+use nix::unistd::Pid;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tracing::{debug, warn};
@@ -47,6 +48,9 @@ pub type Batch = Vec<(u32, CommandLine, io::Result<Parked>)>;
 pub struct Parking {
     parked: BTreeMap<u32, (CommandLine, Parked)>,
     spawning: Option<JoinHandle<Batch>>,
+    /// Keepers let go while the session went on (their jobs moved, or the replica is leaving):
+    /// each exits on the end of its channel; [`Parking::dismiss`] waits for them too.
+    let_go: Vec<Pid>,
     /// The occurrence each job was last given a keeper for (its claim's instant): one try per
     /// occurrence, so that a keeper that cannot be started is not tried again in a loop.
     tried_for: BTreeMap<u32, Instant>,
@@ -73,7 +77,16 @@ impl Parking {
         hooks: &Hooks,
     ) -> Option<Instant> {
         let items: BTreeSet<u32> = owned.iter().map(|(item, _)| *item).collect();
-        self.parked.retain(|item, _| items.contains(item));
+        let let_go = &mut self.let_go;
+        // Those reaped since (by the room's SIGCHLD) need no more waiting for.
+        let_go.retain(|pid| nix::sys::signal::kill(*pid, None).is_ok());
+        self.parked.retain(|item, (_, parked)| {
+            let keep = items.contains(item);
+            if !keep {
+                let_go.push(parked.pid());
+            }
+            keep
+        });
         self.tried_for.retain(|item, _| items.contains(item));
         if self.spawning.is_some() {
             // Its end wakes the room, which plans again.
@@ -158,10 +171,11 @@ impl Parking {
             self.park(batch);
         }
         self.tried_for.clear();
-        let pids: Vec<_> = std::mem::take(&mut self.parked)
+        let mut pids: Vec<_> = std::mem::take(&mut self.parked)
             .into_values()
             .map(|(_, parked)| parked.pid())
             .collect();
+        pids.append(&mut self.let_go);
         let deadline = Instant::now() + Duration::from_secs(1);
         for pid in pids {
             while Instant::now() < deadline {
