@@ -289,6 +289,23 @@ impl Parked {
     }
 }
 
+/// Waits up to `within` in all for the keepers `pids`, let go (their channel closed: each exits
+/// having started nothing), to exit, reaping them, so that pgleader leaves none behind.
+pub async fn await_let_go(pids: Vec<Pid>, within: std::time::Duration) {
+    let deadline = tokio::time::Instant::now() + within;
+    for pid in pids {
+        while tokio::time::Instant::now() < deadline {
+            match waitpid(pid, Some(WaitPidFlag::WNOHANG)) {
+                Ok(WaitStatus::StillAlive) | Err(Errno::EINTR) => {
+                    tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                }
+                // Exited, or reaped already by a SIGCHLD handled meanwhile.
+                _ => break,
+            }
+        }
+    }
+}
+
 /// A running job: the keeper (leader of the process group) and what it has reported.
 #[derive(Debug)]
 pub struct Job {

@@ -45,7 +45,7 @@ use crate::supervise::duty::{Duty, Next};
 use crate::supervise::health::Health;
 use crate::supervise::hook;
 use crate::supervise::inbox::Inbox;
-use crate::supervise::job::{Job, Parked};
+use crate::supervise::job::{self, Job, Parked};
 use crate::supervise::keeper::Report;
 use crate::supervise::signals::SignalEvent;
 use crate::time::for_people as fmt;
@@ -434,15 +434,6 @@ impl<B: Backend> Supervisor<B> {
         };
         let pid = parked.pid();
         drop(parked);
-        let deadline = Instant::now() + Duration::from_secs(1);
-        while Instant::now() < deadline {
-            match nix::sys::wait::waitpid(pid, Some(nix::sys::wait::WaitPidFlag::WNOHANG)) {
-                Ok(nix::sys::wait::WaitStatus::StillAlive) | Err(nix::errno::Errno::EINTR) => {
-                    tokio::time::sleep(Duration::from_millis(1)).await;
-                }
-                // Exited, or reaped already by a SIGCHLD handled meanwhile.
-                _ => return,
-            }
-        }
+        job::await_let_go(vec![pid], Duration::from_secs(1)).await;
     }
 }

@@ -24,14 +24,13 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::Pid;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
 use crate::supervise::hook::Hooks;
-use crate::supervise::job::{CommandLine, Parked};
+use crate::supervise::job::{CommandLine, Parked, await_let_go};
 
 /// How long before its job's next occurrence a keeper is started: ample for a batch of
 /// keepers to be spawned on a busy machine (33 took 30 to 100 ms on the benchmark's 2 cores),
@@ -176,17 +175,6 @@ impl Parking {
             .map(|(_, parked)| parked.pid())
             .collect();
         pids.append(&mut self.let_go);
-        let deadline = Instant::now() + Duration::from_secs(1);
-        for pid in pids {
-            while Instant::now() < deadline {
-                match waitpid(pid, Some(WaitPidFlag::WNOHANG)) {
-                    Ok(WaitStatus::StillAlive) | Err(nix::errno::Errno::EINTR) => {
-                        tokio::time::sleep(Duration::from_millis(1)).await;
-                    }
-                    // Exited, or reaped already by a SIGCHLD handled meanwhile.
-                    _ => break,
-                }
-            }
-        }
+        await_let_go(pids, Duration::from_secs(1)).await;
     }
 }
