@@ -180,6 +180,11 @@ impl<K: Key, T> Commands<K, T> {
         }
     }
 
+    /// How the log names `key`'s command, as its owner said when it inserted it.
+    pub fn label(&self, key: &K) -> Option<&Label> {
+        self.entries.get(key).map(|entry| &entry.label)
+    }
+
     /// Whether `key`'s command has been started (and not yet settled).
     pub fn is_started(&self, key: &K) -> bool {
         self.entries

@@ -635,7 +635,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
             .filter(|index| self.items.contains(item_of(*index)))
             .collect();
         for index in lost {
-            let label = self.label(index);
+            let label = self.shards.label(&index).cloned().unwrap_or_default();
             warn!(event = "leadership_lost", lock = %lock, shard = label.shard, job = label.job.as_deref(), "the check found that this session no longer holds {}; stopping its command", label.name());
             self.shards
                 .stop(&index, self.settings.kill_signal, After::Forget);
@@ -679,7 +679,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                 .take(keeping - share)
                 .collect();
             for index in surplus {
-                let label = self.label(index);
+                let label = self.shards.label(&index).cloned().unwrap_or_default();
                 info!(event = "hand_over", lock = %lock, shard = label.shard, job = label.job.as_deref(), "handing {} over to a replica short of its share", label.name());
                 self.shards
                     .stop(&index, self.settings.kill_signal, After::Give);
@@ -789,14 +789,6 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
             );
             Ok(job)
         })
-    }
-
-    /// How the log names shard or job `index`.
-    fn label(&self, index: u32) -> Label {
-        match &self.jobs {
-            Some(jobs) => jobs.label(item_of(index)),
-            None => Label::shard(index),
-        }
     }
 
     /// Parks keepers for the owned jobs falling due within `parking::AHEAD` (not for a job
