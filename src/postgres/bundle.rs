@@ -29,7 +29,7 @@ use tokio::sync::oneshot;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, Error, Row, Statement};
 
-use crate::postgres::locks::{HELD_LOCKS, RECORD_HELD_LOCKS};
+use crate::postgres::locks::{HELD_LOCKS, record_held_locks};
 
 /// One parameter of a statement, owned: the statement is sent later, by whichever task sends
 /// its transaction.
@@ -103,7 +103,7 @@ impl Bundle {
         );
         Bundle {
             client,
-            begin_reading_held: format!("{begin}; {RECORD_HELD_LOCKS}"),
+            begin_reading_held: format!("{begin}; {}", record_held_locks()),
             begin,
             state: Mutex::default(),
             prepared: Mutex::default(),

@@ -56,13 +56,17 @@ pub fn sharded_replica(lock: &LockKey) -> String {
     format!(
         "(SELECT l.pid FROM {LOCK_ROWS} WHERE l.locktype = 'advisory' AND l.granted \
          AND l.objsubid = 2 AND l.classid = '{}'::oid \
-         AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database()) \
+         AND l.database = {THIS_DATABASE} \
          AND l.objid >= '{}'::oid AND l.objid < '{}'::oid LIMIT 1)",
         shard_space(lock) as u32,
         SHARD_COUNT_BASE as u32,
         SHARD_CAP_BASE as u32
     )
 }
+
+/// The oid of the session's database.
+const THIS_DATABASE: &str =
+    "(SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database())";
 
 /// The condition on `l` that selects the advisory lock whose classid and objid are the
 /// statement's parameters `classid` and `objid` (`$1`, `$2`, ...), in this database.
@@ -74,8 +78,7 @@ pub fn this_lock(classid: &str, objid: &str) -> String {
 /// 1 for a bigint key, 2 for two int4 (a shard's or a crontab job's).
 fn lock_of_form(classid: &str, objid: &str, subid: u8) -> String {
     format!(
-        "l.locktype = 'advisory' \
-         AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database()) \
+        "l.locktype = 'advisory' AND l.database = {THIS_DATABASE} \
          AND l.classid = {classid} AND l.objid = {objid} AND l.objsubid = {subid}"
     )
 }
@@ -89,7 +92,7 @@ pub fn held_here(classid: &str, objid: &str) -> String {
 
 /// The transaction-local setting in which a ledger transaction (`bundle.rs`) records, as it
 /// begins, every advisory lock its session holds in this database: ` SUBID:CLASSID:OBJID ` for
-/// each, apart by spaces. A statement that names it is sent after [`RECORD_HELD_LOCKS`].
+/// each, apart by spaces. A statement that names it is sent after [`record_held_locks`].
 pub const HELD_LOCKS: &str = "pgleader.held_locks";
 
 /// Records the session's advisory locks in [`HELD_LOCKS`] for the transaction: one read of
@@ -97,11 +100,14 @@ pub const HELD_LOCKS: &str = "pgleader.held_locks";
 /// 100 jobs on three replicas) for all its statements instead of one each. Nothing can change
 /// between this read and the transaction's statements: they go out together, and only the
 /// session itself releases its session-level locks.
-pub const RECORD_HELD_LOCKS: &str = "SELECT pg_catalog.set_config('pgleader.held_locks', \
-     ' ' || COALESCE((SELECT pg_catalog.string_agg(l.objsubid::text || ':' || l.classid::text || ':' || l.objid::text, ' ') \
-     FROM pg_catalog.pg_locks l WHERE l.locktype = 'advisory' AND l.granted \
-     AND l.pid = pg_catalog.pg_backend_pid() \
-     AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = pg_catalog.current_database())), '') || ' ', true)";
+pub fn record_held_locks() -> String {
+    format!(
+        "SELECT pg_catalog.set_config('{HELD_LOCKS}', ' ' || COALESCE((\
+         SELECT pg_catalog.string_agg(l.objsubid::text || ':' || l.classid::text || ':' || l.objid::text, ' ') \
+         FROM {LOCK_ROWS} WHERE l.locktype = 'advisory' AND l.granted \
+         AND l.pid = pg_catalog.pg_backend_pid() AND l.database = {THIS_DATABASE}), '') || ' ', true)"
+    )
+}
 
 /// [`held_here`] for a lock of the form `subid` (see [`lock_of_form`]), read from what the
 /// transaction recorded as it began ([`HELD_LOCKS`]) rather than from `pg_locks` itself.

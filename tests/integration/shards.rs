@@ -3,13 +3,11 @@
 //! server, the end of a member is heard by everyone at once through the watcher, and a replica
 //! that runs the name otherwise is refused. Two sessions per replica, whatever the shard count.
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pgleader::election::ledger::{Claim, Claimant, Definition, Ledger};
+use pgleader::election::ledger::{Claim, Claimant, Ledger};
 use pgleader::election::lock::LockKey;
-use pgleader::election::shards::{Holder, Items, Listing, ShardBackend};
+use pgleader::election::shards::{Holder, ShardBackend};
 use pgleader::postgres::PgBackend;
 use pgleader::postgres::ledger::PgLedger;
 
@@ -24,8 +22,8 @@ use crate::harness::shards::{
     a_sharded_replica_beside_a_plain_one_is_refused, a_surplus_goes_to_the_one_that_is_short,
     alone_with_every_shard, another_count_or_a_plain_replica_is_refused_with_exit_2,
     another_shard_count_is_refused, assert_no_overlap, commands_exited,
-    it_stops_every_command_and_exits_2, one_replica_runs_every_shard, shard_child,
-    status_shows_each_shard_s_replica, stop, the_end_of_b_is_heard,
+    it_stops_every_command_and_exits_2, nightly_of_jobs_7_and_9, one_replica_runs_every_shard,
+    shard_child, status_shows_each_shard_s_replica, stop, the_end_of_b_is_heard,
     the_surplus_goes_back_when_its_replica_stops, three_members_of_six_shards,
 };
 use crate::harness::{
@@ -625,22 +623,13 @@ fn a_sharded_fleet_holds_back_neither_vacuum_nor_create_index_concurrently() {
 /// A crontab job's ledger on PostgreSQL claims only while the holder session holds the job's
 /// item lock: refused for an item nobody holds, after the item is given away, and taken again
 /// once it is taken again. Each transaction of the session's group commit reads the session's
-/// locks once, as it begins (`locks::RECORD_HELD_LOCKS`): two claims in one transaction, one
+/// locks once, as it begins (`locks::record_held_locks`): two claims in one transaction, one
 /// for a held item and one for an item not held, each get their own answer.
 #[test]
 fn a_job_s_claim_succeeds_only_while_its_session_holds_the_job_s_item_lock() {
     let lock = unique_key();
     let backend = backend(lock);
-    let items = Items::Listed(Arc::new(Listing {
-        items: BTreeSet::from([7, 9]),
-        definitions: BTreeMap::new(),
-    }));
-    // The key a job's rows are kept under (the sharded room's `jobs::job_key`).
-    let job = LockKey::from_name(&format!("{lock}\u{1f}nightly"));
-    let definition = Definition {
-        expression: "0 0 3 * * *".into(),
-        timezone: "UTC".into(),
-    };
+    let (items, job, definition) = nightly_of_jobs_7_and_9(lock);
     block_on(async {
         let a = within("join", backend.join("cron-a", &items, None))
             .await
