@@ -5,13 +5,11 @@
 //! job's item key holds its member's nonce.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Arc;
 use std::time::Duration;
 
 use jiff::Timestamp;
-use pgleader::election::ledger::{Claim, Claimant, Definition, Ledger};
-use pgleader::election::lock::LockKey;
-use pgleader::election::shards::{Holder, Items, Listing, ShardBackend};
+use pgleader::election::ledger::{Claim, Claimant, Ledger};
+use pgleader::election::shards::{Holder, ShardBackend};
 
 use crate::contract::block_on;
 use crate::cron_fleet::{
@@ -21,6 +19,7 @@ use crate::cron_fleet::{
     stop_and_assert_each_occurrence_once, three_replicas_share_six_jobs,
 };
 use crate::crontab::File;
+use crate::harness::shards::nightly_of_jobs_7_and_9;
 use crate::harness::{Proc, Redis, WAIT, pgleader, unique_lock, within};
 use crate::redis_shards::{QUICK, backend, unique_name};
 
@@ -195,17 +194,7 @@ fn a_job_s_claim_succeeds_only_while_its_item_key_holds_its_member_s_nonce() {
     up_two_seconds(redis);
     let name = unique_name("cron-guard");
     let backend = backend(&name);
-    let items = Items::Listed(Arc::new(Listing {
-        items: BTreeSet::from([7, 9]),
-        definitions: BTreeMap::new(),
-    }));
-    // The key a job's rows are kept under: the fleet's and the job's name, apart by U+001F
-    // (the sharded room's `jobs::job_key`).
-    let job = LockKey::from_name(&format!("{}\u{1f}nightly", backend.lock.key()));
-    let definition = Definition {
-        expression: "0 0 3 * * *".into(),
-        timezone: "UTC".into(),
-    };
+    let (items, job, definition) = nightly_of_jobs_7_and_9(backend.lock.key());
     block_on(async {
         let a = within("join", backend.join("cron-a", &items, None))
             .await

@@ -4,12 +4,15 @@
 //! --shards K` replicas with the checks that no shard's command ever ran twice at once. Each
 //! backend's file keeps only what is peculiar to it (PostgreSQL's advisory locks, Redis' keys).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Debug;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use pgleader::election::ledger::Definition;
+use pgleader::election::lock::LockKey;
 use pgleader::election::shards::{
-    Holder, HolderEvent, Items, JoinError, Member, Roster, Seen, ShardBackend, Watcher,
+    Holder, HolderEvent, Items, JoinError, Listing, Member, Roster, Seen, ShardBackend, Watcher,
 };
 use pgleader::election::{Backend, Session};
 
@@ -17,6 +20,23 @@ use super::{Journal, Proc, Stream, WAIT, field, overlaps_seen, within};
 
 /// The name every holder of these tests gives its session.
 const HOLDER_NAME: &str = "pgleader-shards-test";
+
+/// What the job-guard tests of both backends share: a crontab fleet's items, jobs 7 and 9;
+/// the key job `nightly`'s rows are kept under in the fleet of lock key `fleet` (the sharded
+/// room's `jobs::job_key`: the fleet's key and the job's name apart by U+001F); and the
+/// schedule its ledger records.
+pub fn nightly_of_jobs_7_and_9(fleet: i64) -> (Items, LockKey, Definition) {
+    let items = Items::Listed(Arc::new(Listing {
+        items: BTreeSet::from([7, 9]),
+        definitions: BTreeMap::new(),
+    }));
+    let job = LockKey::from_name(&format!("{fleet}\u{1f}nightly"));
+    let definition = Definition {
+        expression: "0 0 3 * * *".into(),
+        timezone: "UTC".into(),
+    };
+    (items, job, definition)
+}
 
 /// Joins a roster of `shards` shards, with no cap.
 pub async fn join<B: ShardBackend>(backend: &B, shards: u32) -> B::Holder {
