@@ -13,6 +13,7 @@ use std::time::{Duration, Instant, SystemTime};
 use chrono::{DateTime, SubsecRound, Utc};
 use nix::sys::signal::Signal;
 
+use crate::harness::process::poll_until;
 use crate::harness::{
     Cluster, Journal, Proc, Redis, Stream, WAIT, assert_usage_error, pgleader, unique_lock,
 };
@@ -919,9 +920,15 @@ fn a_missing_ledger_without_create_permission_is_a_clear_error_that_gives_the_dd
     let granted = as_role("granted", &job(&journal, "G", "0"));
     let first = wait_starts(&journal, 1, WAIT).remove(0);
     granted.wait_log(&format!("the run of {} succeeded", first.occurrence));
-    assert_eq!(
-        ledger(cluster, &table, lock).get(&first.occurrence),
-        Some(&("succeeded".to_owned(), 1))
+    // The log says so as the outcome is sent; the ledger has it once its transaction commits.
+    let succeeded = Some(("succeeded".to_owned(), 1));
+    poll_until(
+        Duration::from_millis(20),
+        || format!("the ledger never recorded the run of {}", first.occurrence),
+        || {
+            (ledger(cluster, &table, lock).get(&first.occurrence) == succeeded.as_ref())
+                .then_some(())
+        },
     );
 }
 
