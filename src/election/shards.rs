@@ -211,6 +211,14 @@ pub trait Holder {
             .collect()
     }
 
+    /// What a crontab member's keeper of its membership is lent (see `job::MembershipKeeper`):
+    /// the holder's sockets with a farewell that ends the membership, said once pgleader and
+    /// every command of the replica are gone. None where the server itself ends everything when
+    /// the connection closes (PostgreSQL), or where no farewell can be said (TLS).
+    fn lend_membership(&self) -> Vec<super::socket::Lent> {
+        Vec::new()
+    }
+
     /// The next word from another member (joined, gave a shard, left, gone), or the end of
     /// the session, which loses every shard. Cancel-safe.
     fn next_event(&mut self) -> impl Future<Output = HolderEvent>;

@@ -296,6 +296,20 @@ end
 return {given, ARGV[6]}
 "#;
 
+/// The farewell of a crontab member's keeper of its membership, said once pgleader and every
+/// command of the replica are gone (see `keeper::hold_membership`): the membership, if it is
+/// still this member's. The others then read the roster, which frees every item key naming a
+/// member that is gone, and deal the jobs out at once. Answers `{1, ARGV[5]}`, the marker the
+/// keeper waits for.
+const MEMBERSHIP_FAREWELL: &str = r#"
+local card = redis.call('GET', member_key(me))
+if card and nonce_of(card) == nonce then
+  redis.call('DEL', member_key(me)); redis.call('SREM', members, me)
+  say('left ' .. me)
+end
+return {1, ARGV[5]}
+"#;
+
 /// Releases every item (ARGV[5..], see the prelude) that is still this member's, and the
 /// membership; says so.
 const LEAVE: &str = r#"
@@ -342,6 +356,8 @@ fn script(body: &str) -> Script {
 /// `EVALSHA`).
 static FAREWELL_SOURCE: LazyLock<String> =
     LazyLock::new(|| format!("{PRELUDE}{FAREWELL}{GIVE}{FAREWELL_END}"));
+static MEMBERSHIP_FAREWELL_SOURCE: LazyLock<String> =
+    LazyLock::new(|| format!("{PRELUDE}{MEMBERSHIP_FAREWELL}"));
 static JOIN_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(JOIN));
 static ROSTER_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(ROSTER));
 static TAKE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(TAKE));
@@ -822,6 +838,25 @@ impl Holder for RedisShardHolder {
                     }
                 }
                 farewell.get_packed_command()
+            })
+            .into_iter()
+            .collect()
+    }
+
+    /// The socket, with the end of this membership for its keeper to say if pgleader dies.
+    fn lend_membership(&self) -> Vec<crate::election::socket::Lent> {
+        let args = &self.args;
+        self.connection
+            .lend(|marker| {
+                redis::cmd("EVAL")
+                    .arg(MEMBERSHIP_FAREWELL_SOURCE.as_str())
+                    .arg(0)
+                    .arg(&args.keys.base)
+                    .arg(&args.id)
+                    .arg(&args.nonce)
+                    .arg(millis(args.lease))
+                    .arg(marker)
+                    .get_packed_command()
             })
             .into_iter()
             .collect()

@@ -178,17 +178,31 @@ impl Parked {
     ///
     /// [`notify::PRIVATE_ENV`]: crate::operate::notify::PRIVATE_ENV
     pub fn spawn(command: &CommandLine, hooks: &Hooks) -> io::Result<Parked> {
+        Parked::spawn_with(|fd| {
+            keeper::keeper_args(
+                fd,
+                hooks,
+                &command.program.clone().into_os_string(),
+                &command.argv,
+            )
+        })
+    }
+
+    /// Starts a membership's keeper, parked: it will run no command, only hold the sockets
+    /// [`Parked::hold`] hands it (see `keeper::hold_membership`).
+    pub fn spawn_membership() -> io::Result<Parked> {
+        Parked::spawn_with(keeper::membership_keeper_args)
+    }
+
+    /// Starts a keeper with the arguments `args` gives for its end of the channel.
+    fn spawn_with(args: impl FnOnce(RawFd) -> Vec<OsString>) -> io::Result<Parked> {
         let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
         let theirs_fd = theirs.as_raw_fd();
-        let mut args = vec![c_string(keeper::ARGV0.as_bytes())?];
-        for arg in keeper::keeper_args(
-            theirs_fd,
-            hooks,
-            &command.program.clone().into_os_string(),
-            &command.argv,
-        ) {
-            args.push(c_string(arg.as_bytes())?);
+        let mut argv = vec![c_string(keeper::ARGV0.as_bytes())?];
+        for arg in args(theirs_fd) {
+            argv.push(c_string(arg.as_bytes())?);
         }
+        let args = argv;
         let mut env = Vec::new();
         for (name, value) in std::env::vars_os() {
             if crate::operate::notify::PRIVATE_ENV
@@ -240,6 +254,31 @@ impl Parked {
     /// `hold` (the leader's connection sockets, with their farewells), which it keeps open until
     /// the command's whole tree is gone. An error means the keeper is gone; nothing was started.
     pub fn start(self, env: &[(&str, String)], hold: &[Lent]) -> io::Result<Job> {
+        self.send_start(env, hold)?;
+        self.channel.set_nonblocking(true)?;
+        Ok(Job {
+            keeper: self.keeper,
+            channel: tokio::net::UnixStream::from_std(self.channel)?,
+            pending: Vec::new(),
+            channel_closed: false,
+            keeper_status: None,
+            done: false,
+            post_stop: None,
+        })
+    }
+
+    /// Hands a membership's keeper ([`Parked::spawn_membership`]) the sockets to hold, with
+    /// their farewells.
+    pub fn hold(self, hold: &[Lent]) -> io::Result<MembershipKeeper> {
+        self.send_start(&[], hold)?;
+        Ok(MembershipKeeper {
+            keeper: self.keeper,
+            channel: self.channel,
+        })
+    }
+
+    /// Sends the start message: `env` and copies of the sockets of `hold`.
+    fn send_start(&self, env: &[(&str, String)], hold: &[Lent]) -> io::Result<()> {
         let message = keeper::start_message(env, hold);
         let hold: Vec<RawFd> = hold.iter().map(|lent| lent.fd).collect();
         if hold.len() > keeper::MAX_HELD {
@@ -276,16 +315,36 @@ impl Parked {
                 Err(err) => return Err(err.into()),
             }
         }
-        self.channel.set_nonblocking(true)?;
-        Ok(Job {
-            keeper: self.keeper,
-            channel: tokio::net::UnixStream::from_std(self.channel)?,
-            pending: Vec::new(),
-            channel_closed: false,
-            keeper_status: None,
-            done: false,
-            post_stop: None,
-        })
+        Ok(())
+    }
+}
+
+/// A membership's keeper at work (see `keeper::hold_membership`): it holds the replica's
+/// connection sockets, and says the membership's farewell once pgleader and every command's
+/// keeper that holds a copy of [`MembershipKeeper::lent`] are gone.
+#[derive(Debug)]
+pub struct MembershipKeeper {
+    keeper: Pid,
+    channel: std::os::unix::net::UnixStream,
+}
+
+impl MembershipKeeper {
+    /// pgleader's end of the channel, for each command's keeper to hold until its tree is gone:
+    /// while any does, the membership's keeper waits.
+    pub fn lent(&self) -> Lent {
+        Lent::hold(self.channel.as_raw_fd())
+    }
+
+    /// Tells the keeper that pgleader, alive, no longer needs it: it exits without its farewell,
+    /// whatever command keepers still hold its channel. Returns its pid, to wait for.
+    pub fn dismiss(self) -> Pid {
+        // A failed write means the keeper is gone already.
+        let _ = send(
+            self.channel.as_raw_fd(),
+            &[keeper::KILL_EVERYTHING],
+            MsgFlags::MSG_NOSIGNAL | MsgFlags::MSG_DONTWAIT,
+        );
+        self.keeper
     }
 }
 

@@ -162,8 +162,17 @@ pub fn keeper_args(
     args
 }
 
+/// The arguments of a membership's keeper: the channel's descriptor and [`MEMBERSHIP`], no
+/// command (see [`hold_membership`]).
+pub fn membership_keeper_args(fd: RawFd) -> Vec<OsString> {
+    [fd.to_string().as_str(), MEMBERSHIP, END_OF_OPTIONS]
+        .map(OsString::from)
+        .to_vec()
+}
+
 const LOG: &str = "log=";
 const VERBOSITY: &str = "verbosity=";
+const MEMBERSHIP: &str = "membership";
 const END_OF_OPTIONS: &str = "--";
 
 /// The keeper's options: the hooks, and how to log (as pgleader does).
@@ -172,6 +181,8 @@ struct Options {
     hooks: Hooks,
     log: Option<LogFormat>,
     verbosity: i8,
+    /// A membership's keeper: no command, see [`hold_membership`].
+    membership: bool,
 }
 
 impl Options {
@@ -193,6 +204,8 @@ impl Options {
                 });
             } else if let Some(verbosity) = word.strip_prefix(VERBOSITY) {
                 options.verbosity = verbosity.parse().unwrap_or(0);
+            } else if word == MEMBERSHIP {
+                options.membership = true;
             } else if !options.hooks.read_arg(&word) {
                 return Err(io::Error::other(format!("unknown option {word:?}")));
             }
@@ -400,13 +413,6 @@ fn run() -> io::Result<i32> {
         logging::init(format, options.verbosity);
     }
     let hooks = options.hooks;
-    let program = args
-        .next()
-        .ok_or_else(|| io::Error::other("missing program"))?;
-    let argv: Vec<OsString> = args.collect();
-    let (argv0, rest) = argv
-        .split_first()
-        .ok_or_else(|| io::Error::other("missing argv[0]"))?;
 
     // SAFETY: pgleader passes the number of a descriptor it left open for us (and that nothing
     // else in this process owns); a wrong number fails the checks below rather than aliasing.
@@ -418,6 +424,16 @@ fn run() -> io::Result<i32> {
         ))
     })?;
     let channel = UnixStream::from(channel);
+    if options.membership {
+        return hold_membership(channel);
+    }
+    let program = args
+        .next()
+        .ok_or_else(|| io::Error::other("missing program"))?;
+    let argv: Vec<OsString> = args.collect();
+    let (argv0, rest) = argv
+        .split_first()
+        .ok_or_else(|| io::Error::other("missing argv[0]"))?;
 
     // pgleader started us with every signal blocked already (see `job::Parked::spawn`), so a
     // signal sent to the group before this point cannot kill the keeper; block again in case
@@ -532,6 +548,49 @@ fn run() -> io::Result<i32> {
         if children_ready && job.reap() == Reaped::NoChildrenLeft && job.main_done {
             job.end();
             return Ok(0);
+        }
+    }
+}
+
+/// A membership's keeper: it starts no command and holds a replica's connection sockets, so
+/// that when pgleader dies between its commands' runs someone is left to end the replica's
+/// membership on the server at once (Redis: nobody is told when a connection closes; the
+/// others' watcher would find it only at its next check).
+///
+/// Its channel ends only when every copy of pgleader's end is closed: pgleader's own, and the
+/// copy each command's keeper holds (lent with the command's sockets, closed once that
+/// command's whole tree is gone). So the end of the channel means pgleader is gone and no
+/// command of the replica runs any more: its farewell may free everything the replica held,
+/// the others take its jobs, and no run of them overlaps with one of the dead replica's.
+/// A byte on the channel instead is pgleader, alive, dismissing it (the session is over, or
+/// pgleader releases by itself): it exits without a word.
+fn hold_membership(channel: UnixStream) -> io::Result<i32> {
+    let parent = Parent::watch();
+    let Some(start) = wait_for_start(&channel)? else {
+        return Ok(0);
+    };
+    if start.kill_now {
+        return Ok(0);
+    }
+    loop {
+        let mut fds = [PollFd::new(channel.as_fd(), PollFlags::POLLIN)];
+        match poll(&mut fds, PollTimeout::NONE) {
+            Err(Errno::EINTR) => continue,
+            Err(err) => return Err(err.into()),
+            Ok(_) => {}
+        }
+        let mut byte = [0u8; 1];
+        match (&channel).read(&mut byte) {
+            Err(err) if err.kind() == io::ErrorKind::Interrupted => continue,
+            Ok(0) => {
+                let farewells = Farewells {
+                    parent,
+                    farewells: start.farewells,
+                };
+                farewells.say_if_orphaned(&start.hold);
+                return Ok(0);
+            }
+            Ok(_) | Err(_) => return Ok(0),
         }
     }
 }

@@ -5,9 +5,10 @@
 //! job's item key holds its member's nonce.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use jiff::Timestamp;
+use nix::sys::signal::Signal;
 use pgleader::election::ledger::{Claim, Claimant, Ledger};
 use pgleader::election::shards::{Holder, ShardBackend};
 
@@ -20,7 +21,9 @@ use crate::cron_fleet::{
 };
 use crate::crontab::File;
 use crate::harness::shards::nightly_of_jobs_7_and_9;
-use crate::harness::{Proc, Redis, WAIT, pgleader, unique_lock, within};
+use crate::harness::{
+    Proc, Redis, Stream, WAIT, keepers_of, pgleader, poll_until, unique_lock, within,
+};
 use crate::redis_shards::{QUICK, backend, unique_name};
 
 /// `pgleader cron --lock-id LOCK FILE` on the shared server, with quick checks and a lease
@@ -151,6 +154,156 @@ fn on_redis_the_jobs_of_a_replica_killed_9_run_on_the_other_long_before_the_ttl(
     // asserts that), and within 2 s of the kill plus the polls'. The keys' TTL is 60 s: only
     // the watcher can explain this.
     assert!(taken < Duration::from_secs(3), "{taken:?}");
+}
+
+/// Checks thirty seconds apart and a lease of 90 s: jobs of a killed replica that another
+/// takes within the test's waits, with no "is gone" line before, were handed over by the killed
+/// replica's keepers, not found by a watcher's check nor freed by a key's expiry. A
+/// `--post-stop` of two seconds keeps a command's keeper (and the job) after its tree is gone.
+const THIRTY_SECOND_CHECKS: [&str; 6] = [
+    "--check-interval=30s",
+    "--check-timeout=500ms",
+    "--lease=90s",
+    "--kill-timeout=5s",
+    "--hook-timeout=10s",
+    "--post-stop=sleep 2",
+];
+
+/// What the watcher logs when it finds a member gone (`sharded/mod.rs`).
+const MEMBER_GONE: &str = "is gone; its shards are free";
+
+/// The keepers of `replica` that keep a command (not the one of its membership).
+fn command_keepers(replica: &Proc) -> Vec<i32> {
+    keepers_of(replica.pid.as_raw())
+        .into_iter()
+        .filter(|keeper| {
+            let argv = std::fs::read(format!("/proc/{keeper}/cmdline")).unwrap_or_default();
+            !argv.split(|b| *b == 0).any(|arg| arg == b"membership")
+        })
+        .collect()
+}
+
+/// Two replicas of four jobs that never fall due within a test, two each; the one that joined
+/// second is killed -9 while none of its jobs runs (no command's keeper holds its session's
+/// socket): the first takes its jobs at once, by the farewell of its membership's keeper.
+#[test]
+fn on_redis_a_replica_killed_9_with_no_job_running_has_its_jobs_taken_at_once() {
+    let lock = unique_lock();
+    let file = File::new(
+        "membership-idle",
+        "# pgleader: name=y1\n0 0 0 1 1 * * echo y1\n\
+         # pgleader: name=y2\n0 0 0 1 1 * * echo y2\n\
+         # pgleader: name=y3\n0 0 0 1 1 * * echo y3\n\
+         # pgleader: name=y4\n0 0 0 1 1 * * echo y4\n",
+    );
+    let url = Redis::shared().url();
+    let a = cron_replica("A", &url, lock, &THIRTY_SECOND_CHECKS, &file);
+    a.wait_for_nth(Stream::Stderr, "took job", 4);
+    let b = cron_replica("B", &url, lock, &THIRTY_SECOND_CHECKS, &file);
+    b.wait_for_nth(Stream::Stderr, "took job", 2);
+    assert_eq!(
+        keepers_of(b.pid.as_raw()).len(),
+        1,
+        "the membership's keeper, alone\n{}",
+        b.dump()
+    );
+    let killed = Instant::now();
+    b.signal(Signal::SIGKILL);
+    assert!(b.wait_exit().code().is_none());
+    let (last, at) = a
+        .wait_line(Stream::Stderr, "took job", 2, Some(killed), WAIT)
+        .unwrap_or_else(|| panic!("B's two jobs did not move\n{}", a.dump()));
+    assert!(
+        !a.lines(Stream::Stderr)
+            .iter()
+            .any(|line| line.contains(MEMBER_GONE)),
+        "the watcher found B gone: the jobs moved by its check\n{}",
+        a.dump()
+    );
+    let took = at.duration_since(killed);
+    assert!(took < Duration::from_secs(3), "{took:?}: {last}");
+    a.terminate_cleanly();
+}
+
+/// A replica killed -9 while one of its jobs runs and the other waits for its next occurrence:
+/// the other replica takes neither while the running job's keeper is still at work (its
+/// `--post-stop`), and both the moment it is done, long before its watcher's next check. Between
+/// runs no command's keeper holds the session's socket, so the keeper of the replica's
+/// membership does, and says the membership's farewell once pgleader and every command's
+/// keeper are gone.
+#[test]
+fn on_redis_a_replica_killed_9_between_runs_has_its_jobs_taken_once_its_last_command_is_gone() {
+    let lock = unique_lock();
+    let file = File::new(
+        "membership",
+        "# pgleader: name=long\n* * * * * * * echo long started; exec sleep 1000\n\
+         # pgleader: name=y1\n0 0 0 1 1 * * echo y1\n\
+         # pgleader: name=y2\n0 0 0 1 1 * * echo y2\n\
+         # pgleader: name=y3\n0 0 0 1 1 * * echo y3\n",
+    );
+    let url = Redis::shared().url();
+    let a = cron_replica("A", &url, lock, &THIRTY_SECOND_CHECKS, &file);
+    a.wait_stdout("long started");
+    let b = cron_replica("B", &url, lock, &THIRTY_SECOND_CHECKS, &file);
+    for n in 1..=2 {
+        b.wait_for_nth(Stream::Stderr, "took job", n);
+    }
+    // Two jobs each, and the long one running on one of them (B starts it at its next
+    // occurrence if it was handed over).
+    let (victim, observer) = poll_until(
+        Duration::from_millis(50),
+        || format!("the long job runs nowhere\n{}\n{}", a.dump(), b.dump()),
+        || match (command_keepers(&a).len(), command_keepers(&b).len()) {
+            (1, 0) => Some((&a, &b)),
+            (0, 1) => Some((&b, &a)),
+            _ => None,
+        },
+    );
+    assert_eq!(
+        keepers_of(victim.pid.as_raw()).len(),
+        2,
+        "the long job's keeper and the membership's\n{}",
+        victim.dump()
+    );
+    let killed = Instant::now();
+    victim.signal(Signal::SIGKILL);
+    assert!(victim.wait_exit().code().is_none());
+    let (first, first_at) = observer
+        .wait_line(Stream::Stderr, "took job", 1, Some(killed), WAIT)
+        .unwrap_or_else(|| {
+            panic!(
+                "none of the killed replica's jobs moved\n{}",
+                observer.dump()
+            )
+        });
+    let (last, last_at) = observer
+        .wait_line(Stream::Stderr, "took job", 2, Some(killed), WAIT)
+        .unwrap_or_else(|| {
+            panic!(
+                "the killed replica's two jobs did not move\n{}",
+                observer.dump()
+            )
+        });
+    // Not while the long job's keeper still ran its --post-stop (two seconds from the kill).
+    assert!(
+        first_at.duration_since(killed) >= Duration::from_secs(2),
+        "a job moved {:?} after the kill, while the killed replica's --post-stop still ran: \
+         {first}\n{}",
+        first_at.duration_since(killed),
+        observer.dump()
+    );
+    // By the keepers' farewells: the watcher's next check is up to 30 s away.
+    assert!(
+        !observer
+            .lines(Stream::Stderr)
+            .iter()
+            .any(|line| line.contains(MEMBER_GONE)),
+        "the watcher found the killed replica gone: the jobs moved by its check\n{}",
+        observer.dump()
+    );
+    let took = last_at.duration_since(killed);
+    assert!(took < Duration::from_secs(5), "{took:?}: {last}");
+    observer.terminate_cleanly();
 }
 
 #[test]

@@ -341,6 +341,9 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                 }
             }
         }
+        if self.jobs.is_some() {
+            self.parking.keep_membership(&link.holder.lend_membership());
+        }
         notify::status(&format!("running shards of lock {lock}"));
         self.inbox.telemetry.following(me);
         link.read_soon(false, timeout);
@@ -772,7 +775,8 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                     &settings.command
                 }
             };
-            let hold = holder.lend(item_of(*index));
+            let mut hold = holder.lend(item_of(*index));
+            hold.extend(parking.membership_lent());
             let fresh = || Parked::spawn(command, &settings.hooks)?.start(&env, &hold);
             let started = match parking.take(*index, command) {
                 // A keeper killed since it was checked fails here; a fresh one is the fallback.

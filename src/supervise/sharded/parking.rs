@@ -12,6 +12,13 @@
 //! jobs falling due together in one batch. When the occurrence is claimed the keeper is handed
 //! the command's environment and the session's sockets, and starts it at once.
 //!
+//! Beside them, while a session lasts, a replica whose backend asks for it (Redis) keeps one
+//! keeper of its membership ([`MembershipKeeper`]): it holds the session's socket between the
+//! jobs' runs, when no command's keeper does, and ends the membership on the server if
+//! pgleader dies, once the replica's last command is gone, so that the others take its jobs at
+//! once rather than at their watcher's next check. PostgreSQL needs none: the server frees a
+//! session's locks when its connection closes.
+//!
 //! A parked keeper is for one command line: a job the crontab redefined since starts under a
 //! fresh keeper, as does a job whose parked keeper is gone (killed from outside) or was not
 //! ready. A job given up (moved to another replica, the session lost) lets its keeper go, which
@@ -29,8 +36,9 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
+use crate::election::socket::Lent;
 use crate::supervise::hook::Hooks;
-use crate::supervise::job::{CommandLine, Parked, await_let_go};
+use crate::supervise::job::{CommandLine, MembershipKeeper, Parked, await_let_go};
 
 /// How long before its job's next occurrence a keeper is started: ample for a batch of
 /// keepers to be spawned on a busy machine (33 took 30 to 100 ms on the benchmark's 2 cores),
@@ -53,6 +61,8 @@ pub struct Parking {
     /// The occurrence each job was last given a keeper for (its claim's instant): one try per
     /// occurrence, so that a keeper that cannot be started is not tried again in a loop.
     tried_for: BTreeMap<u32, Instant>,
+    /// The keeper of this session's membership, where the backend lends one a farewell.
+    membership: Option<MembershipKeeper>,
 }
 
 impl std::fmt::Debug for Parking {
@@ -155,14 +165,36 @@ impl Parking {
         }
     }
 
+    /// Starts the keeper of the session's membership, to hold `lent` (the holder's sockets
+    /// with the membership's farewell), if any of them has a farewell to say. Without one the
+    /// replica goes on as before: a crash is found by the others' next check.
+    pub fn keep_membership(&mut self, lent: &[Lent]) {
+        if lent.iter().all(|lent| lent.farewell.is_none()) {
+            return;
+        }
+        match Parked::spawn_membership().and_then(|parked| parked.hold(lent)) {
+            Ok(keeper) => self.membership = Some(keeper),
+            Err(err) => {
+                warn!(event = "keeper_failed", reason = %err, "cannot start the keeper of this replica's membership; if pgleader dies, the others take its jobs at their next check");
+            }
+        }
+    }
+
+    /// What each command's keeper holds beside the session's sockets: its copy of the channel
+    /// to the membership's keeper, which waits for it (see [`MembershipKeeper::lent`]).
+    pub fn membership_lent(&self) -> Option<Lent> {
+        self.membership.as_ref().map(MembershipKeeper::lent)
+    }
+
     /// The keeper parked for `item`, if it was started for `command` and still waits.
     pub fn take(&mut self, item: u32, command: &CommandLine) -> Option<Parked> {
         let (parked_for, parked) = self.parked.remove(&item)?;
         Some(parked).filter(|parked| &parked_for == command && parked.is_waiting())
     }
 
-    /// Lets every keeper go (each exits on the end of its channel) and waits a moment for
-    /// them, so that pgleader leaves none behind: the session that owned their jobs is over.
+    /// Lets every keeper go (each exits on the end of its channel, the membership's on being
+    /// dismissed) and waits a moment for them, so that pgleader leaves none behind: the session
+    /// that owned their jobs is over.
     pub async fn dismiss(&mut self) {
         if let Some(spawning) = self.spawning.take()
             && let Ok(batch) = spawning.await
@@ -175,6 +207,7 @@ impl Parking {
             .map(|(_, parked)| parked.pid())
             .collect();
         pids.append(&mut self.let_go);
+        pids.extend(self.membership.take().map(MembershipKeeper::dismiss));
         await_let_go(pids, Duration::from_secs(1)).await;
     }
 }
