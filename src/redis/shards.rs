@@ -88,13 +88,25 @@ local function connected(n)
   return tonumber(r[2]) > 0
 end
 local function say(word) redis.call('PUBLISH', base .. ':shards', me .. ':' .. word) end
--- The items this member shares out, in order, as strings.
+-- The items this member shares out, in order, as strings: up to the word 'retiring', after
+-- which come the jobs a reread removed that this member may still hold (a last run finishing).
 local function items()
   local list, k = {}, tonumber(ARGV[5])
   if k == 0 then
-    for i = 6, #ARGV do list[#list + 1] = ARGV[i] end
+    for i = 6, #ARGV do
+      if ARGV[i] == 'retiring' then break end
+      list[#list + 1] = ARGV[i]
+    end
   else
     for n = 0, k - 1 do list[n + 1] = tostring(n) end
+  end
+  return list
+end
+local function retiring()
+  local list, after = {}, false
+  for i = 6, #ARGV do
+    if after then list[#list + 1] = ARGV[i] end
+    if ARGV[i] == 'retiring' then after = true end
   end
   return list
 end
@@ -211,6 +223,13 @@ for i = 1, #keys do
   end
   holders[i] = h
 end
+-- A job a reread removed stays this member's, renewed, while its last run finishes: the room
+-- gives it up once that run has ended.
+for _, n in ipairs(retiring()) do
+  local key = base .. ':shard:' .. n
+  local v = redis.call('GET', key)
+  if v and nonce_of(v) == nonce then redis.call('PEXPIRE', key, lease) end
+end
 local flat = {}
 for id, card in pairs(live) do
   table.insert(flat, id); table.insert(flat, card)
@@ -313,7 +332,9 @@ return {1, ARGV[5]}
 /// Releases every item (ARGV[5..], see the prelude) that is still this member's, and the
 /// membership; says so.
 const LEAVE: &str = r#"
-for _, n in ipairs(items()) do
+local list = items()
+for _, n in ipairs(retiring()) do list[#list + 1] = n end
+for _, n in ipairs(list) do
   local key = base .. ':shard:' .. n
   local v = redis.call('GET', key)
   if v and nonce_of(v) == nonce then redis.call('DEL', key) end
@@ -502,6 +523,11 @@ struct Args {
     lease: Duration,
     /// What this member shares out: what its roster reads and its leave releases.
     items: Items,
+    /// The jobs a reread removed (see [`Holder::set_items`]) that this member may still hold
+    /// while their last runs finish: its roster read renews each whose key still carries its
+    /// nonce, and its leave releases them. Never pruned (a job given up since has no key to
+    /// renew); a job added back leaves it.
+    retiring: BTreeSet<u32>,
 }
 
 impl Args {
@@ -523,6 +549,12 @@ impl Args {
         if let Items::Listed(jobs) = &self.items {
             for job in &jobs.items {
                 invocation.arg(*job);
+            }
+            if !self.retiring.is_empty() {
+                invocation.arg("retiring");
+                for job in &self.retiring {
+                    invocation.arg(*job);
+                }
             }
         }
         invocation
@@ -591,6 +623,7 @@ impl RedisShardHolder {
             nonce,
             lease: backend.lease.duration(),
             items: items.clone(),
+            retiring: BTreeSet::new(),
         };
         let mut conn = connection.conn.clone();
         let joined: Vec<String> = tokio::time::timeout(
@@ -780,11 +813,17 @@ impl Holder for RedisShardHolder {
         ))
     }
 
-    /// The next roster reads (and renews) these items, and a leave releases these.
     /// The next roster reads (and renews) these items; the card says the jobs this member
-    /// knows and how it defines them, and the others are told.
+    /// knows and how it defines them, and the others are told. The jobs no longer among them
+    /// are renewed while this member still holds them (see `Args::retiring`).
     async fn set_items(&mut self, items: Items) -> Result<(), SessionError> {
         let card = card_of(&items, self.cap, &self.ledger.card);
+        if let (Items::Listed(old), Items::Listed(new)) = (&self.args.items, &items) {
+            self.args
+                .retiring
+                .extend(old.items.difference(&new.items).copied());
+            self.args.retiring.retain(|job| !new.items.contains(job));
+        }
         self.args.items = items;
         let mut conn = self.connection.conn.clone();
         let mine: i64 = self
@@ -1075,6 +1114,7 @@ pub(crate) async fn refuse_beside_shards(
         nonce: String::new(),
         lease: Duration::ZERO,
         items: Items::default(),
+        retiring: BTreeSet::new(),
     };
     let card: Option<String> = match args.invocation(&SHARDED_SCRIPT).invoke_async(conn).await {
         Ok(card) => card,
@@ -1119,6 +1159,7 @@ impl RedisShardWatcher {
                 nonce: String::new(),
                 lease: backend.lease.duration(),
                 items: Items::default(),
+                retiring: BTreeSet::new(),
             },
             poll: backend.poll,
             timeout: backend.server.connect_timeout,

@@ -306,6 +306,61 @@ fn on_redis_a_replica_killed_9_between_runs_has_its_jobs_taken_once_its_last_com
     observer.terminate_cleanly();
 }
 
+/// A job a reread removed stays its replica's while its last run finishes, its key renewed
+/// though the run outlasts the lease (3 s here): a replica that joins with a file that still
+/// has the job (a rolling deploy) takes it only once that run has ended, never beside it.
+#[test]
+fn on_redis_a_removed_job_s_last_run_keeps_the_job_past_the_lease_until_it_ends() {
+    let redis = Redis::shared();
+    let lock = unique_lock();
+    let with_r = "# pgleader: name=r\n* * * * * * * echo r start; sleep 8; echo r end\n";
+    let file_a = File::new("retiring-a", with_r);
+    let file_b = File::new("retiring-b", with_r);
+    let args = [
+        "--check-interval=200ms",
+        "--check-timeout=500ms",
+        "--lease=3s",
+        "--kill-timeout=1s",
+    ];
+    let a = cron_replica("A", &redis.url(), lock, &args, &file_a);
+    a.wait_stdout("r start");
+    // A holds r alone: its one item key is r's.
+    let keys = redis.cli(&["KEYS", &format!("pgleader:{{{lock}}}:shard:*")]);
+    let [key] = keys.lines().collect::<Vec<_>>()[..] else {
+        panic!("one item key, r's: {keys:?}");
+    };
+    let holder = redis.cli(&["GET", key]);
+    std::fs::write(&file_a.0, "# pgleader: name=z\n0 0 0 1 1 * * echo z\n").expect("rewrite");
+    a.signal(Signal::SIGHUP);
+    a.wait_log("job r removed");
+    let reread = Instant::now();
+    // Past the lease and more, r's key still names A while its run goes on.
+    while reread.elapsed() < Duration::from_millis(4500) {
+        assert_eq!(
+            redis.cli(&["GET", key]),
+            holder,
+            "r's key changed while its last run went on\n{}",
+            a.dump()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let b = cron_replica("B", &redis.url(), lock, &args, &file_b);
+    let (_, ended) = a
+        .wait_line(Stream::Stdout, "r end", 1, None, WAIT)
+        .unwrap_or_else(|| panic!("r's last run never ended\n{}", a.dump()));
+    let (_, started) = b
+        .wait_line(Stream::Stdout, "r start", 1, None, WAIT)
+        .unwrap_or_else(|| panic!("B never ran r\n{}", b.dump()));
+    assert!(
+        started > ended,
+        "B started r while A's last run of it went on\n{}\n{}",
+        a.dump(),
+        b.dump()
+    );
+    a.terminate_cleanly();
+    b.terminate_cleanly();
+}
+
 #[test]
 fn on_redis_a_job_still_running_at_its_next_occurrence_skips_it_and_never_overlaps() {
     a_long_job_skips_its_next_occurrence(&redis_replica(unique_lock()));
