@@ -192,8 +192,14 @@ pub trait Holder {
     ) -> impl Future<Output = Result<String, crate::election::ledger::LedgerError>>;
 
     /// Changes what this member shares out (a crontab reread): the next roster reads these,
-    /// and the others learn which jobs it knows.
-    fn set_items(&mut self, items: Items) -> impl Future<Output = Result<(), SessionError>>;
+    /// and the others learn which jobs it knows. `finishing` are the jobs no longer among them
+    /// that this member still holds while their last runs end: they stay its own until given
+    /// (Redis renews their keys; PostgreSQL's session locks need nothing).
+    fn set_items(
+        &mut self,
+        items: Items,
+        finishing: BTreeSet<u32>,
+    ) -> impl Future<Output = Result<(), SessionError>>;
 
     /// The member's id on the roster (PostgreSQL: the holder session's backend pid).
     fn id(&self) -> i32;

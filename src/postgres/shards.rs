@@ -532,7 +532,11 @@ impl Holder for ShardHolder {
 
     /// Takes the markers of the jobs added and lets those of the jobs removed go, then tells
     /// the others, so that they deal the new ones out (to a replica that knows them).
-    async fn set_items(&mut self, items: Items) -> Result<(), SessionError> {
+    async fn set_items(
+        &mut self,
+        items: Items,
+        _finishing: std::collections::BTreeSet<u32>,
+    ) -> Result<(), SessionError> {
         self.know(&items).await?;
         self.notify_others("knows").await
     }

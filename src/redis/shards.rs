@@ -74,7 +74,8 @@ use crate::redis::session::{no_answer, query_error, timestamp};
 /// What every shard script shares. ARGV[1] is the lock key (every key's prefix), ARGV[2] the
 /// member id of the caller ("0" when it has none yet), ARGV[3] its nonce, ARGV[4] the lease in
 /// milliseconds. The scripts that read every item (roster, leave) take the marker in ARGV[5]:
-/// K for shards `0..K`, or 0 for a crontab, whose job numbers follow in ARGV[6..].
+/// K for shards `0..K`, or 0 for a crontab, whose job numbers follow in ARGV[6..], then the
+/// word `retiring` and the jobs a reread removed whose last runs may still go on.
 const PRELUDE: &str = r#"
 local base, me, nonce, lease = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local t = redis.call('TIME')
@@ -133,6 +134,14 @@ local function plain_replica()
     end
   end
   return nil
+end
+-- Ends this member's membership if its card is still its own, and says so.
+local function end_own_membership()
+  local card = redis.call('GET', member_key(me))
+  if card and nonce_of(card) == nonce then
+    redis.call('DEL', member_key(me)); redis.call('SREM', members, me)
+    say('left ' .. me)
+  end
 end
 local function drop(id)
   redis.call('DEL', member_key(id)); redis.call('SREM', members, id)
@@ -225,10 +234,12 @@ for i = 1, #keys do
 end
 -- A job a reread removed stays this member's, renewed, while its last run finishes: the room
 -- gives it up once that run has ended.
-for _, n in ipairs(retiring()) do
-  local key = base .. ':shard:' .. n
-  local v = redis.call('GET', key)
-  if v and nonce_of(v) == nonce then redis.call('PEXPIRE', key, lease) end
+if live[me] and nonce_of(live[me]) == nonce then
+  for _, n in ipairs(retiring()) do
+    local key = base .. ':shard:' .. n
+    local v = redis.call('GET', key)
+    if v and nonce_of(v) == nonce then redis.call('PEXPIRE', key, lease) end
+  end
 end
 local flat = {}
 for id, card in pairs(live) do
@@ -285,10 +296,12 @@ return 1
 "#;
 
 /// The keeper's farewell for item ARGV[5] of a replica whose pgleader died, once that item's
-/// command's whole tree is gone: [`GIVE`], then, if no item of ARGV[7..] (a shard count, or 0
-/// and a crontab's job numbers) names this member any more (this was its last keeper), the
-/// membership too, so that the others deal out its share at once rather than when their
-/// watcher finds its connection gone. Answers `{given (0/1), ARGV[6]}`, the marker the keeper
+/// command's whole tree is gone: [`GIVE`], then, for shards (ARGV[7] is their count), if no
+/// shard names this member any more (this was its last keeper), the membership too, so that
+/// the others deal out its share at once rather than when their watcher finds its connection
+/// gone. A crontab's member says -1 there: the keeper of its membership ends it, once every
+/// command's keeper is done (a job added or removed since a command started, or one with no
+/// run, would be missing from a list given here). Answers `{given (0/1), ARGV[6]}`, the marker the keeper
 /// waits for (see `supervise/farewell.rs`).
 const FAREWELL: &str = r#"
 local function give()
@@ -297,21 +310,14 @@ local function give()
 const FAREWELL_END: &str = r#"
 end
 local given = give()
-local list, k = {}, tonumber(ARGV[7])
-if k == 0 then
-  for i = 8, #ARGV do list[#list + 1] = ARGV[i] end
-else
-  for n = 0, k - 1 do list[n + 1] = tostring(n) end
-end
-for _, n in ipairs(list) do
+local k = tonumber(ARGV[7])
+-- A crontab's: the keeper of the membership ends it, once the last command's keeper is done.
+if k < 0 then return {given, ARGV[6]} end
+for n = 0, k - 1 do
   local v = redis.call('GET', base .. ':shard:' .. n)
   if v and nonce_of(v) == nonce then return {given, ARGV[6]} end
 end
-local card = redis.call('GET', member_key(me))
-if card and nonce_of(card) == nonce then
-  redis.call('DEL', member_key(me)); redis.call('SREM', members, me)
-  say('left ' .. me)
-end
+end_own_membership()
 return {given, ARGV[6]}
 "#;
 
@@ -321,11 +327,7 @@ return {given, ARGV[6]}
 /// member that is gone, and deal the jobs out at once. Answers `{1, ARGV[5]}`, the marker the
 /// keeper waits for.
 const MEMBERSHIP_FAREWELL: &str = r#"
-local card = redis.call('GET', member_key(me))
-if card and nonce_of(card) == nonce then
-  redis.call('DEL', member_key(me)); redis.call('SREM', members, me)
-  say('left ' .. me)
-end
+end_own_membership()
 return {1, ARGV[5]}
 "#;
 
@@ -523,10 +525,10 @@ struct Args {
     lease: Duration,
     /// What this member shares out: what its roster reads and its leave releases.
     items: Items,
-    /// The jobs a reread removed (see [`Holder::set_items`]) that this member may still hold
-    /// while their last runs finish: its roster read renews each whose key still carries its
-    /// nonce, and its leave releases them. Never pruned (a job given up since has no key to
-    /// renew); a job added back leaves it.
+    /// The jobs the last reread removed whose last runs were still going on (`finishing`, see
+    /// [`Holder::set_items`]): while its card is its own, its roster read renews each whose key
+    /// still carries its nonce, and its leave releases them. Kept until the next reread: a job
+    /// given up since has no key to renew.
     retiring: BTreeSet<u32>,
 }
 
@@ -813,17 +815,16 @@ impl Holder for RedisShardHolder {
         ))
     }
 
-    /// The next roster reads (and renews) these items; the card says the jobs this member
-    /// knows and how it defines them, and the others are told. The jobs no longer among them
-    /// are renewed while this member still holds them (see `Args::retiring`).
-    async fn set_items(&mut self, items: Items) -> Result<(), SessionError> {
+    /// The next roster reads (and renews) these items, and `finishing` while they still name
+    /// this member (see `Args::retiring`); the card says the jobs this member knows and how it
+    /// defines them, and the others are told.
+    async fn set_items(
+        &mut self,
+        items: Items,
+        finishing: BTreeSet<u32>,
+    ) -> Result<(), SessionError> {
         let card = card_of(&items, self.cap, &self.ledger.card);
-        if let (Items::Listed(old), Items::Listed(new)) = (&self.args.items, &items) {
-            self.args
-                .retiring
-                .extend(old.items.difference(&new.items).copied());
-            self.args.retiring.retain(|job| !new.items.contains(job));
-        }
+        self.args.retiring = finishing;
         self.args.items = items;
         let mut conn = self.connection.conn.clone();
         let mine: i64 = self
@@ -856,6 +857,8 @@ impl Holder for RedisShardHolder {
 
     /// The socket, with the release of `shard` for its keeper to send if pgleader dies. The
     /// keepers of all this replica's shards share the one socket; each says its own farewell.
+    /// A crontab's job keepers release only their job (see [`FAREWELL`]): the keeper of the
+    /// membership ([`Holder::lend_membership`]) ends the membership after the last of them.
     fn lend(&self, shard: u32) -> Vec<crate::election::socket::Lent> {
         let args = &self.args;
         self.connection
@@ -869,13 +872,11 @@ impl Holder for RedisShardHolder {
                     .arg(&args.nonce)
                     .arg(millis(args.lease))
                     .arg(shard)
-                    .arg(marker)
-                    .arg(args.items.marker());
-                if let Items::Listed(listing) = &args.items {
-                    for item in &listing.items {
-                        farewell.arg(*item);
-                    }
-                }
+                    .arg(marker);
+                match &args.items {
+                    Items::Numbered(count) => farewell.arg(*count),
+                    Items::Listed(_) => farewell.arg(-1),
+                };
                 farewell.get_packed_command()
             })
             .into_iter()

@@ -189,7 +189,7 @@ impl Parked {
     }
 
     /// Starts a membership's keeper, parked: it will run no command, only hold the sockets
-    /// [`Parked::hold`] hands it (see `keeper::hold_membership`).
+    /// [`Parked::into_membership`] hands it (see `keeper::hold_membership`).
     pub fn spawn_membership() -> io::Result<Parked> {
         Parked::spawn_with(keeper::membership_keeper_args)
     }
@@ -202,7 +202,6 @@ impl Parked {
         for arg in args(theirs_fd) {
             argv.push(c_string(arg.as_bytes())?);
         }
-        let args = argv;
         let mut env = Vec::new();
         for (name, value) in std::env::vars_os() {
             if crate::operate::notify::PRIVATE_ENV
@@ -230,7 +229,7 @@ impl Parked {
                 | PosixSpawnFlags::POSIX_SPAWN_SETSIGMASK
                 | PosixSpawnFlags::POSIX_SPAWN_SETSIGDEF,
         )?;
-        let keeper = posix_spawn(keeper_executable().as_path(), &actions, &attr, &args, &env)?;
+        let keeper = posix_spawn(keeper_executable().as_path(), &actions, &attr, &argv, &env)?;
         drop(theirs);
         Ok(Parked {
             keeper,
@@ -268,8 +267,8 @@ impl Parked {
     }
 
     /// Hands a membership's keeper ([`Parked::spawn_membership`]) the sockets to hold, with
-    /// their farewells.
-    pub fn hold(self, hold: &[Lent]) -> io::Result<MembershipKeeper> {
+    /// their farewells: it is at work from now on.
+    pub fn into_membership(self, hold: &[Lent]) -> io::Result<MembershipKeeper> {
         self.send_start(&[], hold)?;
         Ok(MembershipKeeper {
             keeper: self.keeper,

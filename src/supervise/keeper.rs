@@ -148,26 +148,35 @@ pub fn keeper_args(
 ) -> Vec<OsString> {
     let mut args = vec![OsString::from(fd.to_string())];
     args.extend(hooks.to_args());
-    if let Some((format, verbosity)) = logging::current() {
-        let format = match format {
-            LogFormat::Text => "text",
-            LogFormat::Json => "json",
-        };
-        args.push(OsString::from(format!("{LOG}{format}")));
-        args.push(OsString::from(format!("{VERBOSITY}{verbosity}")));
-    }
+    args.extend(log_args());
     args.push(OsString::from(END_OF_OPTIONS));
     args.push(program.clone());
     args.extend(argv.iter().cloned());
     args
 }
 
-/// The arguments of a membership's keeper: the channel's descriptor and [`MEMBERSHIP`], no
-/// command (see [`hold_membership`]).
+/// The arguments of a membership's keeper: the channel's descriptor, [`MEMBERSHIP`] and how to
+/// log, no command (see [`hold_membership`]).
 pub fn membership_keeper_args(fd: RawFd) -> Vec<OsString> {
-    [fd.to_string().as_str(), MEMBERSHIP, END_OF_OPTIONS]
-        .map(OsString::from)
-        .to_vec()
+    let mut args = vec![OsString::from(fd.to_string()), OsString::from(MEMBERSHIP)];
+    args.extend(log_args());
+    args.push(OsString::from(END_OF_OPTIONS));
+    args
+}
+
+/// pgleader's log format and verbosity, for a keeper that logs as it does.
+fn log_args() -> Vec<OsString> {
+    let Some((format, verbosity)) = logging::current() else {
+        return Vec::new();
+    };
+    let format = match format {
+        LogFormat::Text => "text",
+        LogFormat::Json => "json",
+    };
+    vec![
+        OsString::from(format!("{LOG}{format}")),
+        OsString::from(format!("{VERBOSITY}{verbosity}")),
+    ]
 }
 
 const LOG: &str = "log=";
@@ -406,9 +415,9 @@ fn run() -> io::Result<i32> {
         .and_then(|fd| fd.to_str()?.parse().ok())
         .ok_or_else(|| io::Error::other("this program is started by pgleader, not by hand"))?;
     let options = Options::read(&mut args)?;
-    // Only hooks log here (their output and how they ended).
+    // Only hooks log here (their output and how they ended), and a membership's farewell.
     if let Some(format) = options.log
-        && options.hooks.any()
+        && (options.hooks.any() || options.membership)
     {
         logging::init(format, options.verbosity);
     }
@@ -587,7 +596,12 @@ fn hold_membership(channel: UnixStream) -> io::Result<i32> {
                     parent,
                     farewells: start.farewells,
                 };
-                farewells.say_if_orphaned(&start.hold);
+                if farewells.say_if_orphaned(&start.hold) > 0 {
+                    info!(
+                        event = "farewell",
+                        "ended the dead replica's membership on the server: the others take its jobs"
+                    );
+                }
                 return Ok(0);
             }
             Ok(_) | Err(_) => return Ok(0),

@@ -172,13 +172,20 @@ const THIRTY_SECOND_CHECKS: [&str; 6] = [
 /// What the watcher logs when it finds a member gone (`sharded/mod.rs`).
 const MEMBER_GONE: &str = "is gone; its shards are free";
 
-/// The keepers of `replica` that keep a command (not the one of its membership).
-fn command_keepers(replica: &Proc) -> Vec<i32> {
+/// The keepers of `replica` whose child is the long job's `sleep 1000`: not the one of its
+/// membership, nor one parked ahead of an occurrence, nor one running `--post-stop` after a
+/// hand-over.
+fn long_job_keepers(replica: &Proc) -> Vec<i32> {
     keepers_of(replica.pid.as_raw())
         .into_iter()
         .filter(|keeper| {
-            let argv = std::fs::read(format!("/proc/{keeper}/cmdline")).unwrap_or_default();
-            !argv.split(|b| *b == 0).any(|arg| arg == b"membership")
+            std::fs::read_to_string(format!("/proc/{keeper}/task/{keeper}/children"))
+                .unwrap_or_default()
+                .split_whitespace()
+                .any(|child| {
+                    std::fs::read(format!("/proc/{child}/cmdline"))
+                        .is_ok_and(|argv| argv == b"sleep\x001000\x00")
+                })
         })
         .collect()
 }
@@ -253,7 +260,7 @@ fn on_redis_a_replica_killed_9_between_runs_has_its_jobs_taken_once_its_last_com
     let (victim, observer) = poll_until(
         Duration::from_millis(50),
         || format!("the long job runs nowhere\n{}\n{}", a.dump(), b.dump()),
-        || match (command_keepers(&a).len(), command_keepers(&b).len()) {
+        || match (long_job_keepers(&a).len(), long_job_keepers(&b).len()) {
             (1, 0) => Some((&a, &b)),
             (0, 1) => Some((&b, &a)),
             _ => None,

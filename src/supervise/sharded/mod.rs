@@ -870,9 +870,16 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
         }
         self.items = jobs.items();
         self.inbox.telemetry.jobs_defined(jobs.known());
+        // The jobs it removed whose last runs go on stay this replica's until they end.
+        let finishing = self
+            .shards
+            .iter()
+            .map(|(key, _, _)| item_of(*key))
+            .filter(|item| !self.items.contains(*item))
+            .collect();
         let told = tokio::time::timeout(
             link.left(timeout),
-            link.holder.set_items(self.items.clone()),
+            link.holder.set_items(self.items.clone(), finishing),
         )
         .await;
         let failed = match told {

@@ -70,6 +70,7 @@ impl std::fmt::Debug for Parking {
         f.debug_struct("Parking")
             .field("parked", &self.parked.keys().collect::<Vec<_>>())
             .field("spawning", &self.spawning.is_some())
+            .field("membership", &self.membership)
             .finish()
     }
 }
@@ -172,7 +173,7 @@ impl Parking {
         if lent.iter().all(|lent| lent.farewell.is_none()) {
             return;
         }
-        match Parked::spawn_membership().and_then(|parked| parked.hold(lent)) {
+        match Parked::spawn_membership().and_then(|parked| parked.into_membership(lent)) {
             Ok(keeper) => self.membership = Some(keeper),
             Err(err) => {
                 warn!(event = "keeper_failed", reason = %err, "cannot start the keeper of this replica's membership; if pgleader dies, the others take its jobs at their next check");
