@@ -13,7 +13,8 @@
 //! Beside the fleets' lateness, the machine's floor: no scheduler, no server, no keeper, only
 //! [`REPLICAS`] spawner processes (this binary re-invoked with [`SPAWNER_ARG`]), each starting
 //! its 33 or 34 of the same bash commands at each second's instant, measured the same way over
-//! the same window.
+//! the same window. Scenario 14c measures the same fleets and floor with [`LIGHT_JOBS`] jobs, a
+//! load the benchmark's 2 cores carry, where the floor no longer hides pgleader's own part.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -35,6 +36,10 @@ use crate::yacron::Yacron;
 /// Jobs in every crontab of the scenario.
 pub const JOBS: usize = 100;
 
+/// Jobs of scenario 14c: the same fleet at a load this 2-core machine carries (the floor of
+/// [`JOBS`] bash starts at one instant is some 30 ms here), to see pgleader's own lateness.
+pub const LIGHT_JOBS: usize = 10;
+
 /// Replicas of the fleet.
 pub const REPLICAS: usize = 3;
 
@@ -44,17 +49,33 @@ pub const CRON_LABEL: &str = "pgleader cron";
 /// The label of `pgleader cron`'s rows on Redis.
 pub const CRON_REDIS_LABEL: &str = "pgleader cron on Redis";
 
-/// The ids of a fleet's rows, in the order the report shows them, each backend's side by side.
-const FLEET_ROWS: [&str; 3] = ["cron.lateness", "cron.kill9.owned", "cron.kill9.next"];
+/// The id of a fleet's lateness (scenario 14).
+pub const LATENESS_ROW: &str = "cron.lateness";
+
+/// The id of a kill's takeover: from the kill to the others owning the killed replica's jobs.
+pub const OWNED_ROW: &str = "cron.kill9.owned";
+
+/// The id of the lateness of a killed replica's jobs' next occurrence.
+const NEXT_ROW: &str = "cron.kill9.next";
+
+/// The ids of the fleets' rows, in the order the report shows them, each backend's side by
+/// side.
+const FLEET_ROWS: [&str; 4] = [LATENESS_ROW, LIGHT_ROW, OWNED_ROW, NEXT_ROW];
+
+/// The id of the light fleets' lateness (scenario 14c).
+pub const LIGHT_ROW: &str = "cron.light.lateness";
 
 /// The id of the floor's row, shown after the fleets' lateness.
 pub const FLOOR_ROW: &str = "cron.lateness.floor";
+
+/// The id of the floor's row of scenario 14c, shown after the light fleets' lateness.
+pub const LIGHT_FLOOR_ROW: &str = "cron.light.floor";
 
 /// The tool of the floor's row: the machine, not a peer.
 pub const FLOOR_LABEL: &str = "floor: no scheduler (this machine)";
 
 /// The hidden argument that makes the benchmark's binary a spawner of the floor:
-/// `SPAWNER_ARG INDEX`.
+/// `SPAWNER_ARG INDEX JOBS`.
 pub const SPAWNER_ARG: &str = "--cron-floor-spawner";
 
 /// Every job's command, run by bash.
@@ -82,10 +103,10 @@ fn scratch() -> PathBuf {
     PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("bench-cron")
 }
 
-/// A crontab of [`JOBS`] jobs `j1`..`jN` on `schedule` (seven fields), run by bash.
-fn crontab(name: &str, schedule: &str) -> anyhow::Result<PathBuf> {
+/// A crontab of `jobs` jobs `j1`..`jN` on `schedule` (seven fields), run by bash.
+fn crontab(name: &str, schedule: &str, jobs: usize) -> anyhow::Result<PathBuf> {
     let mut text = String::from("SHELL=/bin/bash\n");
-    for n in 1..=JOBS {
+    for n in 1..=jobs {
         text.push_str(&format!(
             "# pgleader: name=j{n}\n{schedule} {JOB_COMMAND}\n"
         ));
@@ -207,25 +228,25 @@ fn runs_of(candidate: &Candidate) -> Vec<Run> {
         .collect()
 }
 
-/// Waits until every job ran the latest whole second once and each replica ran its share of
-/// them (33 or 34 of 100 on 3); returns that second.
-fn balanced(fleet: &[Candidate]) -> anyhow::Result<DateTime<Utc>> {
+/// Waits until every one of the `jobs` jobs ran the latest whole second once and each replica
+/// ran its share of them (33 or 34 of 100 on 3); returns that second.
+fn balanced(fleet: &[Candidate], jobs: usize) -> anyhow::Result<DateTime<Utc>> {
     let deadline = Instant::now() + SETUP_WAIT;
-    let (low, high) = (JOBS / fleet.len(), JOBS.div_ceil(fleet.len()));
+    let (low, high) = (jobs / fleet.len(), jobs.div_ceil(fleet.len()));
     loop {
         let second = (Utc::now() - chrono::Duration::milliseconds(1_200)).trunc_subsecs(0);
         let per_replica: Vec<usize> = fleet
             .iter()
             .map(|c| runs_of(c).iter().filter(|r| r.occurrence == second).count())
             .collect();
-        let jobs: BTreeSet<String> = fleet
+        let ran: BTreeSet<String> = fleet
             .iter()
             .flat_map(runs_of)
             .filter(|r| r.occurrence == second)
             .map(|r| r.job)
             .collect();
-        if jobs.len() == JOBS
-            && per_replica.iter().sum::<usize>() == JOBS
+        if ran.len() == jobs
+            && per_replica.iter().sum::<usize>() == jobs
             && per_replica.iter().all(|n| (low..=high).contains(n))
         {
             return Ok(second);
@@ -316,18 +337,28 @@ pub fn scenarios(
         plan.cost_window,
     ));
     // The floor first, on a machine as quiet as the fleets' (the servers up, idle).
-    rows.push(floor(plan));
-    let backends = std::iter::once(Backend::Postgres(pg)).chain(redis.map(Backend::Redis));
-    for backend in backends {
-        let (fleet_rows, counts) = fleet(backend, plan);
+    rows.push(floor(plan, JOBS));
+    let backends: Vec<Backend> = std::iter::once(Backend::Postgres(pg))
+        .chain(redis.map(Backend::Redis))
+        .collect();
+    for backend in &backends {
+        let (fleet_rows, counts) = fleet(*backend, plan);
         rows.extend(fleet_rows);
         crontab.fleets.push(counts);
     }
-    // Each measure's rows side by side, PostgreSQL's first (the sort is stable), the floor
-    // after the fleets' lateness; yacron's row, none of these, stays first.
+    rows.push(floor(plan, LIGHT_JOBS));
+    for backend in &backends {
+        rows.push(light(*backend, plan));
+    }
+    // Each measure's rows side by side, PostgreSQL's first (the sort is stable), each floor
+    // after its fleets' lateness; yacron's row, none of these, stays first.
     rows.sort_by_key(|row| {
-        let floor = row.id == FLOOR_ROW;
-        let id = if floor { FLEET_ROWS[0] } else { &row.id };
+        let floor = row.id == FLOOR_ROW || row.id == LIGHT_FLOOR_ROW;
+        let id = match row.id.as_str() {
+            FLOOR_ROW => LATENESS_ROW,
+            LIGHT_FLOOR_ROW => LIGHT_ROW,
+            id => id,
+        };
         (
             FLEET_ROWS.iter().position(|fleet_id| *fleet_id == id),
             floor,
@@ -388,8 +419,12 @@ pub fn yacron_row(figures: Figures, note: String) -> Row {
 /// Waits until `live` (a fleet's replicas, or the floor's spawners) ran every job the latest
 /// whole second, each its share, then out `window` of occurrences after that second; returns
 /// the lateness of every run in the window and a note: how many of the occurrences ran, p99.
-fn lateness(live: &[Candidate], window: Duration) -> anyhow::Result<(Figures, String)> {
-    let settled = balanced(live)?;
+fn lateness(
+    live: &[Candidate],
+    window: Duration,
+    jobs: usize,
+) -> anyhow::Result<(Figures, String)> {
+    let settled = balanced(live, jobs)?;
     let first = settled + chrono::Duration::seconds(1);
     let last = settled + chrono::Duration::from_std(window)?;
     let wait = (last + chrono::Duration::milliseconds(1_500) - Utc::now()).to_std()?;
@@ -407,9 +442,9 @@ fn lateness(live: &[Candidate], window: Duration) -> anyhow::Result<(Figures, St
         .iter()
         .map(|r| (r.job.as_str(), r.occurrence))
         .collect();
-    let expected = JOBS * window.as_secs() as usize;
+    let expected = jobs * window.as_secs() as usize;
     let note = format!(
-        "{} runs of {expected} occurrences ({} s × {JOBS} jobs); {}",
+        "{} runs of {expected} occurrences ({} s × {jobs} jobs); {}",
         pairs.len(),
         window.as_secs(),
         p99(&late)
@@ -418,13 +453,13 @@ fn lateness(live: &[Candidate], window: Duration) -> anyhow::Result<(Figures, St
     Ok((late, note))
 }
 
-/// The floor beside the fleets' lateness: [`REPLICAS`] spawners (this binary re-invoked with
-/// [`SPAWNER_ARG`]), each starting its share of the jobs' bash commands at each second's
-/// instant, with no server and no keeper, over the fleets' window; its row's lateness is what
-/// starting those processes costs on this machine.
-fn floor(plan: &Plan) -> Row {
+/// The floor beside the fleets' lateness with `jobs` jobs: [`REPLICAS`] spawners (this binary
+/// re-invoked with [`SPAWNER_ARG`]), each starting its share of the jobs' bash commands at each
+/// second's instant, with no server and no keeper, over the fleets' window; its row's lateness
+/// is what starting those processes costs on this machine.
+fn floor(plan: &Plan, jobs: usize) -> Row {
     eprintln!(
-        "bench: 14. crontab: the floor, {REPLICAS} spawners of {JOBS} bash commands every second and no scheduler, {} of runs",
+        "bench: 14. crontab: the floor, {REPLICAS} spawners of {jobs} bash commands every second and no scheduler, {} of runs",
         crate::figures::secs(plan.window)
     );
     let mut spawners: Vec<Candidate> = Vec::new();
@@ -432,10 +467,51 @@ fn floor(plan: &Plan) -> Row {
         let binary = std::env::current_exe().context("cannot find the benchmark's binary")?;
         for i in 0..REPLICAS {
             let mut command = harness::clean(Command::new(&binary));
-            command.arg(SPAWNER_ARG).arg(i.to_string());
+            command
+                .arg(SPAWNER_ARG)
+                .arg(i.to_string())
+                .arg(jobs.to_string());
             spawners.push(Candidate::spawn(&format!("F{i}"), command));
         }
-        lateness(&spawners, plan.window)
+        lateness(&spawners, plan.window, jobs)
+    })();
+    let (figures, note) = result.unwrap_or_else(|err| {
+        let mut figures = Figures::default();
+        figures.failure(format!("{err:#}").replace('\n', " "));
+        (figures, String::new())
+    });
+    let (low, high) = (jobs / REPLICAS, jobs.div_ceil(REPLICAS));
+    row(
+        if jobs == JOBS {
+            FLOOR_ROW
+        } else {
+            LIGHT_FLOOR_ROW
+        },
+        &scenario_of(jobs),
+        FLOOR_LABEL,
+        "the machine's floor, not a peer: the same bash commands, each spawner process starting its share at each second's instant (std::process::Command, no database, no keeper); from each occurrence to its command running ($EPOCHREALTIME), every run in the window",
+        figures,
+        format!("{note}; {REPLICAS} spawners of {low} or {high} jobs each"),
+    )
+}
+
+/// Scenario 14c: the lateness of a fleet of [`LIGHT_JOBS`] every-second jobs on [`REPLICAS`]
+/// replicas on `backend`, over the plan's window.
+fn light(backend: Backend, plan: &Plan) -> Row {
+    eprintln!(
+        "bench: {}, on {}, {} of runs",
+        scenario_of(LIGHT_JOBS),
+        backend.name(),
+        crate::figures::secs(plan.window)
+    );
+    let result = (|| -> anyhow::Result<(Figures, String)> {
+        backend.ready()?;
+        let lock = harness::unique_lock();
+        let file = crontab("light", EVERY_SECOND, LIGHT_JOBS)?;
+        let live: Vec<Candidate> = (0..REPLICAS)
+            .map(|i| replica(backend, &format!("L{i}"), lock, &file))
+            .collect();
+        lateness(&live, plan.window, LIGHT_JOBS)
     })();
     let (figures, note) = result.unwrap_or_else(|err| {
         let mut figures = Figures::default();
@@ -443,25 +519,35 @@ fn floor(plan: &Plan) -> Row {
         (figures, String::new())
     });
     row(
-        FLOOR_ROW,
-        &format!("14. crontab: {JOBS} every-second jobs, {REPLICAS} replicas"),
-        FLOOR_LABEL,
-        "the machine's floor, not a peer: the same bash commands, each of 3 spawner processes starting its 33 or 34 of the 100 at each second's instant (std::process::Command, no database, no keeper); from each occurrence to its command running ($EPOCHREALTIME), every run in the window",
+        LIGHT_ROW,
+        &scenario_of(LIGHT_JOBS),
+        backend.label(),
+        "from each occurrence to its command running ($EPOCHREALTIME), every run in the window",
         figures,
         note,
     )
 }
 
-/// A spawner of the floor (`SPAWNER_ARG INDEX`): starts the jobs `jN` with N - 1 ≡ INDEX
-/// modulo [`REPLICAS`] (33 or 34 of [`JOBS`]) as `bash -c` [`JOB_COMMAND`] at every whole
-/// second of the wall clock, with the variables pgleader gives the command, its output on
-/// this process's; it exits when its parent (the benchmark) is gone.
-pub fn spawner(index: &str) -> ExitCode {
+/// The scenario of a fleet of `jobs` every-second jobs (14, or 14c at the light load).
+fn scenario_of(jobs: usize) -> String {
+    let number = if jobs == JOBS { "14" } else { "14c" };
+    format!("{number}. crontab: {jobs} every-second jobs, {REPLICAS} replicas")
+}
+
+/// A spawner of the floor (`SPAWNER_ARG INDEX JOBS`): starts the jobs `jN` of `j1`..`jJOBS`
+/// with N - 1 ≡ INDEX modulo [`REPLICAS`] (33 or 34 of 100) as `bash -c` [`JOB_COMMAND`] at
+/// every whole second of the wall clock, with the variables pgleader gives the command, its
+/// output on this process's; it exits when its parent (the benchmark) is gone.
+pub fn spawner(index: &str, count: &str) -> ExitCode {
     let Some(index) = index.parse::<usize>().ok().filter(|i| *i < REPLICAS) else {
         eprintln!("{SPAWNER_ARG} {index:?}: not a replica's index below {REPLICAS}");
         return ExitCode::from(2);
     };
-    let jobs: Vec<String> = (1..=JOBS)
+    let Ok(count) = count.parse::<usize>() else {
+        eprintln!("{SPAWNER_ARG} {index} {count:?}: not a number of jobs");
+        return ExitCode::from(2);
+    };
+    let jobs: Vec<String> = (1..=count)
         .filter(|n| (n - 1) % REPLICAS == index)
         .map(|n| format!("j{n}"))
         .collect();
@@ -497,7 +583,7 @@ pub fn spawner(index: &str) -> ExitCode {
 /// A fleet's rows on `backend`: lateness over a window, then kill -9 runs; and over its whole
 /// life, the distinct (job, occurrence) pairs that ran and how many of them ran twice.
 fn fleet(backend: Backend, plan: &Plan) -> (Vec<Row>, CrontabFleet) {
-    let scenario = format!("14. crontab: {JOBS} every-second jobs, {REPLICAS} replicas");
+    let scenario = scenario_of(JOBS);
     let kill_scenario = format!("14b. crontab: kill -9 of one of {REPLICAS} replicas, {JOBS} jobs");
     eprintln!(
         "bench: {scenario}, on {}, {} of runs",
@@ -513,11 +599,11 @@ fn fleet(backend: Backend, plan: &Plan) -> (Vec<Row>, CrontabFleet) {
     let result = (|| -> anyhow::Result<()> {
         backend.ready()?;
         let lock = harness::unique_lock();
-        let file = crontab("fleet", EVERY_SECOND)?;
+        let file = crontab("fleet", EVERY_SECOND, JOBS)?;
         for i in 0..REPLICAS {
             live.push(replica(backend, &format!("R{i}"), lock, &file));
         }
-        (late, note) = lateness(&live, plan.window)?;
+        (late, note) = lateness(&live, plan.window, JOBS)?;
         eprintln!(
             "bench: {kill_scenario}, on {}, {} runs",
             backend.name(),
@@ -555,7 +641,7 @@ fn fleet(backend: Backend, plan: &Plan) -> (Vec<Row>, CrontabFleet) {
     );
     let rows = vec![
         row(
-            FLEET_ROWS[0],
+            LATENESS_ROW,
             &scenario,
             backend.label(),
             "from each occurrence to its command running ($EPOCHREALTIME), every run in the window",
@@ -566,7 +652,7 @@ fn fleet(backend: Backend, plan: &Plan) -> (Vec<Row>, CrontabFleet) {
             ),
         ),
         row(
-            FLEET_ROWS[1],
+            OWNED_ROW,
             &kill_scenario,
             backend.label(),
             "from the kill to the last \"took job\" line on the others for its jobs",
@@ -574,7 +660,7 @@ fn fleet(backend: Backend, plan: &Plan) -> (Vec<Row>, CrontabFleet) {
             "the kill at a random moment of a second".into(),
         ),
         row(
-            FLEET_ROWS[2],
+            NEXT_ROW,
             &kill_scenario,
             backend.label(),
             "each of its jobs' first occurrence after the kill: from the occurrence to its command running",
@@ -602,7 +688,7 @@ fn kill_once(
     file: &std::path::Path,
     run: usize,
 ) -> anyhow::Result<(Duration, Vec<f64>, usize)> {
-    let second = balanced(live)?;
+    let second = balanced(live, JOBS)?;
     let victim = run % live.len();
     let orphaned: Vec<String> = runs_of(&live[victim])
         .into_iter()
@@ -715,7 +801,7 @@ fn cron_cost(
     load: &'static str,
     window: Duration,
 ) -> anyhow::Result<CrontabCost> {
-    let file = crontab("cost", schedule)?;
+    let file = crontab("cost", schedule, JOBS)?;
     let cron = replica(backend, "C", harness::unique_lock(), &file);
     cron.line(Stream::Stderr, "took job ", JOBS, None, SETUP_WAIT)
         .with_context(|| format!("it never took its {JOBS} jobs\n{}", tail(&cron.dump())))?;

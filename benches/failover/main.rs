@@ -280,7 +280,8 @@ fn main() -> ExitCode {
     // The benchmark re-invokes itself as the spawners of scenario 14's floor.
     let mut args = std::env::args().skip(1);
     if args.next().as_deref() == Some(cron::SPAWNER_ARG) {
-        return cron::spawner(&args.next().unwrap_or_default());
+        let index = args.next().unwrap_or_default();
+        return cron::spawner(&index, &args.next().unwrap_or_default());
     }
     let plan = match Plan::from_args() {
         Ok(plan) => plan,
@@ -1095,7 +1096,7 @@ fn settings(plan: &Plan) -> Vec<(&'static str, String)> {
         (
             "crontab (14)",
             format!(
-                "`pgleader cron --lock-id N FILE` with its defaults on PostgreSQL; on Redis `-d redis://127.0.0.1:PORT --lock-id N {} FILE`, as in the Redis rows (the benchmark's server, up for 10 s before its first replica), its defaults otherwise; FILE: `SHELL=/bin/bash` and {} jobs `j1`..`j{}`, each a `# pgleader: name=jN` line above `* * * * * * * echo c $PGLEADER_JOB $PGLEADER_SCHEDULED_TIME $EPOCHREALTIME` (at rest: `0 0 0 1 1 * *`); the plain processes: `pgleader run --lock-id N --schedule '* * * * * *'` (at rest `0 0 0 1 1 *`) `-- sh -c 'echo ...'`; yacron {}: one YAML file of the same jobs, every minute (`* * * * *`, its finest: it wakes once a minute), shell /bin/bash, RSS read 10 s after its start; statements counted in the server log (log_statement = all) from the processes' sessions; on Redis, the commands their connections sent, seen by MONITOR; the floor: the benchmark's binary re-invoked as {} spawners (`{} INDEX`), each sleeping until every whole second of the wall clock and then starting its {} or {} jobs' `bash -c 'echo c $PGLEADER_JOB $PGLEADER_SCHEDULED_TIME $EPOCHREALTIME'` with std::process::Command, over the fleets' window, before them, with no database and no keeper",
+                "`pgleader cron --lock-id N FILE` with its defaults on PostgreSQL; on Redis `-d redis://127.0.0.1:PORT --lock-id N {} FILE`, as in the Redis rows (the benchmark's server, up for 10 s before its first replica), its defaults otherwise; FILE: `SHELL=/bin/bash` and {} jobs `j1`..`j{}`, each a `# pgleader: name=jN` line above `* * * * * * * echo c $PGLEADER_JOB $PGLEADER_SCHEDULED_TIME $EPOCHREALTIME` (at rest: `0 0 0 1 1 * *`); the plain processes: `pgleader run --lock-id N --schedule '* * * * * *'` (at rest `0 0 0 1 1 *`) `-- sh -c 'echo ...'`; yacron {}: one YAML file of the same jobs, every minute (`* * * * *`, its finest: it wakes once a minute), shell /bin/bash, RSS read 10 s after its start; statements counted in the server log (log_statement = all) from the processes' sessions; on Redis, the commands their connections sent, seen by MONITOR; the floor: the benchmark's binary re-invoked as {} spawners (`{} INDEX JOBS`), each sleeping until every whole second of the wall clock and then starting its {} or {} jobs' `bash -c 'echo c $PGLEADER_JOB $PGLEADER_SCHEDULED_TIME $EPOCHREALTIME'` with std::process::Command, over the fleets' window, before them, with no database and no keeper; 14c: the same fleets and floor with {} jobs, lateness only",
                 redis_lock::CHECK_INTERVAL.replace('=', " "),
                 cron::JOBS,
                 cron::JOBS,
@@ -1104,6 +1105,7 @@ fn settings(plan: &Plan) -> Vec<(&'static str, String)> {
                 cron::SPAWNER_ARG,
                 cron::JOBS / cron::REPLICAS,
                 cron::JOBS.div_ceil(cron::REPLICAS),
+                cron::LIGHT_JOBS,
             ),
         ),
         (
