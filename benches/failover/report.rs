@@ -288,53 +288,47 @@ impl Report {
     fn crontab_verdicts(&self) -> Vec<Verdict> {
         let mut verdicts = Vec::new();
         let crontab = self.crontab.as_ref();
-        let floor_of = |id: &str| {
-            self.floor(id).map_or_else(String::new, |floor| {
-                format!(" (the machine's floor, no scheduler: {floor})")
-            })
-        };
-        let floor = floor_of(FLOOR_ROW);
-        let light_floor = floor_of(LIGHT_FLOOR_ROW);
-        for (label, backend, owned_within) in [
-            (CRON_LABEL, "PostgreSQL", 50.0),
-            (CRON_REDIS_LABEL, "Redis (--check-interval 200ms)", 50.0),
-        ] {
-            let late = self
+        // The lateness of `label`'s row `id` against 10 ms, beside the floor of row `floor`.
+        let lateness = |label: &str, id: &str, floor: &str, target: String| {
+            let row = self
                 .rows
                 .iter()
-                .find(|row| row.id == LATENESS_ROW && row.tool == label);
-            let (p50, p99) = late.map_or((None, None), |row| {
+                .find(|row| row.id == id && row.tool == label);
+            let (p50, p99) = row.map_or((None, None), |row| {
                 (row.figures.median(), row.figures.quantile(0.99))
             });
-            verdicts.push(Verdict {
-                target: format!(
-                    "14. crontab on {backend}, {JOBS} every-second jobs on {REPLICAS} replicas: a run starts ≤ 10 ms after its occurrence"
-                ),
+            let floor = self.floor(floor).map_or_else(String::new, |floor| {
+                format!(" (the machine's floor, no scheduler: {floor})")
+            });
+            Verdict {
+                target,
                 measured: match (p50, p99) {
                     (Some(p50), Some(p99)) => format!("p50 {}, p99 {}{floor}", ms(p50), ms(p99)),
                     _ => "no figures".into(),
                 },
                 met: p50.map(|m| m <= 10.0),
-            });
-            let light = self
-                .rows
-                .iter()
-                .find(|row| row.id == LIGHT_ROW && row.tool == label);
-            let (p50, p99) = light.map_or((None, None), |row| {
-                (row.figures.median(), row.figures.quantile(0.99))
-            });
-            verdicts.push(Verdict {
-                target: format!(
+            }
+        };
+        for (label, backend, owned_within) in [
+            (CRON_LABEL, "PostgreSQL", 50.0),
+            (CRON_REDIS_LABEL, "Redis (--check-interval 200ms)", 50.0),
+        ] {
+            verdicts.push(lateness(
+                label,
+                LATENESS_ROW,
+                FLOOR_ROW,
+                format!(
+                    "14. crontab on {backend}, {JOBS} every-second jobs on {REPLICAS} replicas: a run starts ≤ 10 ms after its occurrence"
+                ),
+            ));
+            verdicts.push(lateness(
+                label,
+                LIGHT_ROW,
+                LIGHT_FLOOR_ROW,
+                format!(
                     "14c. crontab on {backend}, {LIGHT_JOBS} every-second jobs on {REPLICAS} replicas (a load these 2 cores carry): a run starts ≤ 10 ms after its occurrence"
                 ),
-                measured: match (p50, p99) {
-                    (Some(p50), Some(p99)) => {
-                        format!("p50 {}, p99 {}{light_floor}", ms(p50), ms(p99))
-                    }
-                    _ => "no figures".into(),
-                },
-                met: p50.map(|m| m <= 10.0),
-            });
+            ));
             let fleet = crontab.and_then(|c| c.fleets.iter().find(|f| f.label == label));
             verdicts.push(Verdict {
                 target: format!("14. crontab on {backend}: no (job, occurrence) runs twice"),
