@@ -543,6 +543,19 @@ impl Args {
         invocation
     }
 
+    /// A keeper's farewell: `EVAL` of the whole `source` (the keeper cannot fall back from
+    /// `EVALSHA`) with the prelude's arguments, as [`Args::invocation`] gives them to a script.
+    fn farewell(&self, source: &str) -> redis::Cmd {
+        let mut eval = redis::cmd("EVAL");
+        eval.arg(source)
+            .arg(0)
+            .arg(&self.keys.base)
+            .arg(&self.id)
+            .arg(&self.nonce)
+            .arg(millis(self.lease));
+        eval
+    }
+
     /// A script that reads every item (roster, leave): the marker, then a crontab's job
     /// numbers (see the prelude).
     fn over_items<'a>(&self, script: &'a Script) -> redis::ScriptInvocation<'a> {
@@ -863,16 +876,8 @@ impl Holder for RedisShardHolder {
         let args = &self.args;
         self.connection
             .lend(|marker| {
-                let mut farewell = redis::cmd("EVAL");
-                farewell
-                    .arg(FAREWELL_SOURCE.as_str())
-                    .arg(0)
-                    .arg(&args.keys.base)
-                    .arg(&args.id)
-                    .arg(&args.nonce)
-                    .arg(millis(args.lease))
-                    .arg(shard)
-                    .arg(marker);
+                let mut farewell = args.farewell(&FAREWELL_SOURCE);
+                farewell.arg(shard).arg(marker);
                 match &args.items {
                     Items::Numbered(count) => farewell.arg(*count),
                     Items::Listed(_) => farewell.arg(-1),
@@ -888,13 +893,7 @@ impl Holder for RedisShardHolder {
         let args = &self.args;
         self.connection
             .lend(|marker| {
-                redis::cmd("EVAL")
-                    .arg(MEMBERSHIP_FAREWELL_SOURCE.as_str())
-                    .arg(0)
-                    .arg(&args.keys.base)
-                    .arg(&args.id)
-                    .arg(&args.nonce)
-                    .arg(millis(args.lease))
+                args.farewell(&MEMBERSHIP_FAREWELL_SOURCE)
                     .arg(marker)
                     .get_packed_command()
             })

@@ -571,9 +571,9 @@ fn run() -> io::Result<i32> {
 /// command's whole tree is gone). So the end of the channel means pgleader is gone and no
 /// command of the replica runs any more: its farewell may free everything the replica held,
 /// the others take its jobs, and no run of them overlaps with one of the dead replica's.
-/// A byte on the channel instead is pgleader, alive, dismissing it (the session is over, or
-/// pgleader releases by itself): it exits without a word.
-fn hold_membership(channel: UnixStream) -> io::Result<i32> {
+/// [`KILL_EVERYTHING`] on the channel instead is pgleader, alive, dismissing it (the session is
+/// over, or pgleader releases by itself): it exits without a word.
+fn hold_membership(mut channel: UnixStream) -> io::Result<i32> {
     let parent = Parent::watch();
     let Some(start) = wait_for_start(&channel)? else {
         return Ok(0);
@@ -588,10 +588,10 @@ fn hold_membership(channel: UnixStream) -> io::Result<i32> {
             Err(err) => return Err(err.into()),
             Ok(_) => {}
         }
-        let mut byte = [0u8; 1];
-        match (&channel).read(&mut byte) {
-            Err(err) if err.kind() == io::ErrorKind::Interrupted => continue,
-            Ok(0) => {
+        match read_request(&mut channel) {
+            Request::None => {}
+            Request::KillEverything | Request::Abort => return Ok(0),
+            Request::PgleaderGone => {
                 let farewells = Farewells {
                     parent,
                     farewells: start.farewells,
@@ -604,7 +604,6 @@ fn hold_membership(channel: UnixStream) -> io::Result<i32> {
                 }
                 return Ok(0);
             }
-            Ok(_) | Err(_) => return Ok(0),
         }
     }
 }

@@ -172,6 +172,19 @@ const THIRTY_SECOND_CHECKS: [&str; 6] = [
 /// What the watcher logs when it finds a member gone (`sharded/mod.rs`).
 const MEMBER_GONE: &str = "is gone; its shards are free";
 
+/// Asserts that `observer`'s watcher never found the killed replica gone: the jobs it took
+/// were handed over by the killed replica's keepers, not found by a check.
+fn assert_not_found_by_the_watcher(observer: &Proc) {
+    assert!(
+        !observer
+            .lines(Stream::Stderr)
+            .iter()
+            .any(|line| line.contains(MEMBER_GONE)),
+        "the watcher found the killed replica gone: the jobs moved by its check\n{}",
+        observer.dump()
+    );
+}
+
 /// The keepers of `replica` whose child is the long job's `sleep 1000`: not the one of its
 /// membership, nor one parked ahead of an occurrence, nor one running `--post-stop` after a
 /// hand-over.
@@ -220,13 +233,7 @@ fn on_redis_a_replica_killed_9_with_no_job_running_has_its_jobs_taken_at_once() 
     let (last, at) = a
         .wait_line(Stream::Stderr, "took job", 2, Some(killed), WAIT)
         .unwrap_or_else(|| panic!("B's two jobs did not move\n{}", a.dump()));
-    assert!(
-        !a.lines(Stream::Stderr)
-            .iter()
-            .any(|line| line.contains(MEMBER_GONE)),
-        "the watcher found B gone: the jobs moved by its check\n{}",
-        a.dump()
-    );
+    assert_not_found_by_the_watcher(&a);
     let took = at.duration_since(killed);
     assert!(took < Duration::from_secs(3), "{took:?}: {last}");
     a.terminate_cleanly();
@@ -300,14 +307,7 @@ fn on_redis_a_replica_killed_9_between_runs_has_its_jobs_taken_once_its_last_com
         observer.dump()
     );
     // By the keepers' farewells: the watcher's next check is up to 30 s away.
-    assert!(
-        !observer
-            .lines(Stream::Stderr)
-            .iter()
-            .any(|line| line.contains(MEMBER_GONE)),
-        "the watcher found the killed replica gone: the jobs moved by its check\n{}",
-        observer.dump()
-    );
+    assert_not_found_by_the_watcher(observer);
     let took = last_at.duration_since(killed);
     assert!(took < Duration::from_secs(5), "{took:?}: {last}");
     observer.terminate_cleanly();
