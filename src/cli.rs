@@ -289,7 +289,9 @@ pub struct ReplicaArgs {
     #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = positive_duration, env = "PGLEADER_CHECK_INTERVAL")]
     pub check_interval: Duration,
 
-    /// How long a confirmation may take before leadership counts as lost
+    /// How long a confirmation may take before leadership counts as lost. The command is
+    /// stopping --check-interval + --check-timeout after the last successful confirmation, by
+    /// its keeper if pgleader itself is not running then (stopped, hung, starved)
     #[arg(long, value_name = "DURATION", default_value = "2s", value_parser = positive_duration, env = "PGLEADER_CHECK_TIMEOUT")]
     pub check_timeout: Duration,
 

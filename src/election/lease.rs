@@ -25,7 +25,9 @@
 
 use std::time::Duration;
 
-/// Room left for scheduling delays between the leader's deadline and the server's release.
+/// Room left for scheduling delays between the leader's deadline and the server's release. A
+/// quarter of it is the grace a command's keeper gives pgleader to act at the deadline itself
+/// before it stops the command in pgleader's place (`supervise::watchdog::GRACE`).
 pub const MARGIN: Duration = Duration::from_secs(1);
 
 /// Probes a dead peer gets before the connection is declared dead.

@@ -25,7 +25,8 @@ use crate::supervise::hook;
 use crate::supervise::inbox;
 use crate::supervise::job::{CommandError, CommandLine, Job};
 use crate::supervise::keeper::Report;
-use crate::supervise::stop::{Label, Stop, StopRules, status_of};
+use crate::supervise::label::Label;
+use crate::supervise::stop::{Stop, StopRules, status_of};
 use crate::time::for_people as fmt;
 
 /// What a command is known by in the table, and how its log lines name it.

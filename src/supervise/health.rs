@@ -432,7 +432,7 @@ impl Probe {
             Ok(Err(err)) => return Outcome::CannotRun(err.to_string()),
             Err(err) => return Outcome::CannotRun(err.to_string()),
         };
-        let mut job = match parked.start(&[], &[]) {
+        let mut job = match parked.start(&[], &[], None) {
             Ok(job) => job,
             Err(err) => return Outcome::CannotRun(err.to_string()),
         };
@@ -450,8 +450,11 @@ impl Probe {
                         return Outcome::CannotRun(nix::errno::Errno::from_raw(errno).desc().to_owned());
                     }
                     Report::Done(_) => finished = true,
-                    // A probe's keeper has no hooks.
-                    Report::Started(_) | Report::PreStartFailed(_) | Report::PostStop(_) => {}
+                    // A probe's keeper has no hooks, and watches no deadline.
+                    Report::Started(_)
+                    | Report::PreStartFailed(_)
+                    | Report::PostStop(_)
+                    | Report::Expired(_) => {}
                 },
                 _ = sleep_until(deadline) => break,
             }

@@ -20,8 +20,9 @@ use crate::operate::metrics::LossReason;
 use crate::operate::notify;
 use crate::operate::telemetry::Telemetry;
 use crate::supervise::job::{self, Job};
+use crate::supervise::label::Label;
 use crate::supervise::signals::SignalEvent;
-use crate::supervise::stop::{Label, Stop, StopRules, end_of};
+use crate::supervise::stop::{Stop, StopRules, end_of};
 
 /// A second TERM or INT sends SIGKILL at once, unless it follows the first this closely.
 pub const REPEAT_WINDOW: Duration = Duration::from_secs(1);

@@ -27,7 +27,9 @@ use crate::election::socket::Lent;
 use crate::exit::{self, ChildStatus};
 use crate::supervise::hook::Hooks;
 use crate::supervise::keeper::{self, Report};
+use crate::supervise::label::Label;
 use crate::supervise::procfs;
+use crate::supervise::watchdog::{self, Deadline};
 
 /// The command could not be run; pgleader stops before taking part in the election.
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -249,11 +251,18 @@ impl Parked {
         matches!(poll(&mut fds, PollTimeout::ZERO), Ok(0))
     }
 
-    /// Starts the command: sends the keeper `env` (added to its environment) and copies of
+    /// Starts the command: sends the keeper `env` (added to its environment), copies of
     /// `hold` (the leader's connection sockets, with their farewells), which it keeps open until
-    /// the command's whole tree is gone. An error means the keeper is gone; nothing was started.
-    pub fn start(self, env: &[(&str, String)], hold: &[Lent]) -> io::Result<Job> {
-        self.send_start(env, hold)?;
+    /// the command's whole tree is gone, and the leadership's deadline to `watch` (with the
+    /// label its log lines give the command), past which it stops the tree by itself (see
+    /// `watchdog.rs`). An error means the keeper is gone; nothing was started.
+    pub fn start(
+        self,
+        env: &[(&str, String)],
+        hold: &[Lent],
+        watch: Option<(&Deadline, &Label)>,
+    ) -> io::Result<Job> {
+        self.send_start(env, hold, watch)?;
         self.channel.set_nonblocking(true)?;
         Ok(Job {
             keeper: self.keeper,
@@ -263,24 +272,34 @@ impl Parked {
             keeper_status: None,
             done: false,
             post_stop: None,
+            deadline: watch.map(|(deadline, _)| deadline.clone()),
+            expired: false,
         })
     }
 
     /// Hands a membership's keeper ([`Parked::spawn_membership`]) the sockets to hold, with
     /// their farewells: it is at work from now on.
     pub fn into_membership(self, hold: &[Lent]) -> io::Result<MembershipKeeper> {
-        self.send_start(&[], hold)?;
+        self.send_start(&[], hold, None)?;
         Ok(MembershipKeeper {
             keeper: self.keeper,
             channel: self.channel,
         })
     }
 
-    /// Sends the start message: `env` and copies of the sockets of `hold`.
-    fn send_start(&self, env: &[(&str, String)], hold: &[Lent]) -> io::Result<()> {
-        let message = keeper::start_message(env, hold);
-        let hold: Vec<RawFd> = hold.iter().map(|lent| lent.fd).collect();
-        if hold.len() > keeper::MAX_HELD {
+    /// Sends the start message: `env`, copies of the sockets of `hold`, and the deadline to
+    /// watch (its memfd last).
+    fn send_start(
+        &self,
+        env: &[(&str, String)],
+        hold: &[Lent],
+        watch: Option<(&Deadline, &Label)>,
+    ) -> io::Result<()> {
+        let terms = watch.map(|(deadline, label)| watchdog::encode(deadline.terms(), label));
+        let message = keeper::start_message(env, hold, terms.as_deref());
+        let mut hold: Vec<RawFd> = hold.iter().map(|lent| lent.fd).collect();
+        hold.extend(watch.map(|(deadline, _)| deadline.fd()));
+        if hold.len() > keeper::MAX_HELD + usize::from(watch.is_some()) {
             return Err(io::Error::other(format!(
                 "{} connection sockets to hand to the keeper, at most {} fit in one message",
                 hold.len(),
@@ -376,6 +395,10 @@ pub struct Job {
     done: bool,
     /// The process group of the `--post-stop` the keeper runs, once it said so.
     post_stop: Option<Pid>,
+    /// The leadership's deadline the keeper watches.
+    deadline: Option<Deadline>,
+    /// The keeper reported that it stops the command by itself, the deadline having passed.
+    expired: bool,
 }
 
 impl Job {
@@ -397,6 +420,20 @@ impl Job {
     /// included), and to exit once nothing is left.
     pub fn kill_everything(&self) -> io::Result<()> {
         self.request(keeper::KILL_EVERYTHING)
+    }
+
+    /// Whether the keeper stops the command by itself: the leadership's deadline passed while
+    /// pgleader did not run (see `watchdog.rs`), so no stop signal of pgleader's is needed.
+    pub fn keeper_stops_itself(&self) -> bool {
+        self.expired || self.deadline.as_ref().is_some_and(Deadline::has_expired)
+    }
+
+    /// Tells a keeper that watches a deadline that pgleader has begun stopping the command
+    /// itself: it then only makes sure that SIGKILL follows.
+    pub fn tell_stopping(&self) {
+        if self.deadline.is_some() {
+            let _ = self.request(keeper::STOPPING);
+        }
     }
 
     /// Asks the keeper to end everything now, a running `--post-stop` included.
@@ -515,6 +552,7 @@ impl Job {
             self.pending.drain(..Report::LEN);
             if let Some(report) = Report::decode(bytes) {
                 self.done |= matches!(report, Report::Done(_));
+                self.expired |= matches!(report, Report::Expired(_));
                 if let Report::PostStop(pid) = report {
                     self.post_stop = Some(Pid::from_raw(pid));
                 }

@@ -57,7 +57,7 @@ use nix::errno::Errno;
 use nix::fcntl::{FcntlArg, FdFlag, fcntl};
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::prctl;
-use nix::sys::signal::{SigSet, SigmaskHow, Signal, kill, sigprocmask};
+use nix::sys::signal::{SigSet, SigmaskHow, Signal, kill, killpg, sigprocmask};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
@@ -71,8 +71,12 @@ use crate::exit::ChildStatus;
 use crate::operate::logging;
 use crate::supervise::farewell::{self, Farewells, Parent};
 use crate::supervise::hook::{self, Ended, Hook, Hooks};
+use crate::supervise::watchdog::{self, Step, Watch};
 use crate::supervise::{procfs, spawn};
 use crate::time::for_people;
+
+/// How long a keeper about to exit waits for the lines of its own stop to be written.
+const LOG_WAIT: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// The name the keeper runs under; the constructor in `main.rs` checks `argv[0]` for it.
 pub const ARGV0: &str = "pgleader-keeper";
@@ -98,6 +102,10 @@ pub enum Report {
     /// `--hook-timeout`; `Done` follows once it has finished. The value is the hook's pid, which
     /// leads a process group of its own.
     PostStop(i32),
+    /// No news from pgleader for this many milliseconds (`--check-interval +
+    /// --check-timeout`): its deadline passed without renewal, and the keeper stops the
+    /// command's tree by itself (see `watchdog.rs`). The command's end and `Done` follow.
+    Expired(i32),
 }
 
 impl Report {
@@ -112,6 +120,7 @@ impl Report {
             Report::Done(value) => (b'D', value),
             Report::PreStartFailed(value) => (b'F', value),
             Report::PostStop(value) => (b'P', value),
+            Report::Expired(value) => (b'N', value),
         };
         let [a, b, c, d] = value.to_le_bytes();
         [tag, a, b, c, d]
@@ -127,6 +136,7 @@ impl Report {
             b'D' => Report::Done(value),
             b'F' => Report::PreStartFailed(value),
             b'P' => Report::PostStop(value),
+            b'N' => Report::Expired(value),
             _ => return None,
         })
     }
@@ -224,17 +234,19 @@ impl Options {
 }
 
 /// The tag of the message that starts the command: then a little-endian 32-bit length and
-/// that many bytes: the length of the environment (32 bits), its `KEY=VALUE\0` entries, and
-/// the farewells of the sockets to hold ([`farewell::encode`]); the sockets travel with it
-/// (SCM_RIGHTS).
+/// that many bytes: the length of the environment (32 bits), its `KEY=VALUE\0` entries, the
+/// length of the deadline's terms (32 bits, 0 for none) and the terms ([`watchdog::encode`]),
+/// and the farewells of the sockets to hold ([`farewell::encode`]); the sockets travel with it
+/// (SCM_RIGHTS), followed by the deadline's memfd when there are terms.
 pub const START: u8 = b'G';
 
 /// The most connection sockets one start message carries (a Redlock quorum lends one per
 /// server).
 pub const MAX_HELD: usize = 64;
 
-/// The start message for `env` and the farewells of `hold`, without the sockets themselves.
-pub fn start_message(env: &[(&str, String)], hold: &[Lent]) -> Vec<u8> {
+/// The start message for `env`, the farewells of `hold` and the deadline's `watch` terms,
+/// without the descriptors themselves.
+pub fn start_message(env: &[(&str, String)], hold: &[Lent], watch: Option<&[u8]>) -> Vec<u8> {
     let mut entries = Vec::new();
     for (key, value) in env {
         entries.extend_from_slice(key.as_bytes());
@@ -242,11 +254,15 @@ pub fn start_message(env: &[(&str, String)], hold: &[Lent]) -> Vec<u8> {
         entries.extend_from_slice(value.as_bytes());
         entries.push(0);
     }
+    let watch = watch.unwrap_or_default();
     let farewells = farewell::encode(hold);
     let mut message = vec![START];
-    message.extend_from_slice(&((4 + entries.len() + farewells.len()) as u32).to_le_bytes());
+    let len = 4 + entries.len() + 4 + watch.len() + farewells.len();
+    message.extend_from_slice(&(len as u32).to_le_bytes());
     message.extend_from_slice(&(entries.len() as u32).to_le_bytes());
     message.extend_from_slice(&entries);
+    message.extend_from_slice(&(watch.len() as u32).to_le_bytes());
+    message.extend_from_slice(watch);
     message.extend_from_slice(&farewells);
     message
 }
@@ -254,18 +270,26 @@ pub fn start_message(env: &[(&str, String)], hold: &[Lent]) -> Vec<u8> {
 /// The environment entries a start message carries.
 type Env = Vec<(OsString, OsString)>;
 
-/// A start message's body: the environment and the farewells.
-fn parse_body(body: &[u8]) -> io::Result<(Env, Vec<Option<Farewell>>)> {
+/// A start message's body: the environment, the deadline's terms (empty for none) and the
+/// farewells.
+fn parse_body(body: &[u8]) -> io::Result<(Env, Vec<u8>, Vec<Option<Farewell>>)> {
     let bad = || io::Error::other("a start message that does not parse");
-    let len = u32::from_le_bytes(
-        body.get(..4)
-            .ok_or_else(bad)?
-            .try_into()
-            .map_err(|_| bad())?,
-    );
-    let env = body.get(4..4 + len as usize).ok_or_else(bad)?;
-    let farewells = farewell::decode(&body[4 + len as usize..]).ok_or_else(bad)?;
-    Ok((parse_env(env), farewells))
+    let mut rest = body;
+    let mut part = || -> io::Result<&[u8]> {
+        let len = u32::from_le_bytes(
+            rest.get(..4)
+                .ok_or_else(bad)?
+                .try_into()
+                .map_err(|_| bad())?,
+        ) as usize;
+        let part = rest.get(4..4 + len).ok_or_else(bad)?;
+        rest = &rest[4 + len..];
+        Ok(part)
+    };
+    let env = part()?;
+    let watch = part()?.to_vec();
+    let farewells = farewell::decode(rest).ok_or_else(bad)?;
+    Ok((parse_env(env), watch, farewells))
 }
 
 /// The environment entries of a start message's body.
@@ -289,6 +313,8 @@ struct Start {
     hold: Vec<OwnedFd>,
     /// What to say on each of `hold` if pgleader dies.
     farewells: Vec<Option<Farewell>>,
+    /// The leadership's deadline to watch, with its terms.
+    watch: Option<Watch>,
     /// pgleader asked for the end right after the start, before the keeper read either.
     kill_now: bool,
 }
@@ -299,7 +325,7 @@ fn wait_for_start(channel: &UnixStream) -> io::Result<Option<Start>> {
     let mut hold = Vec::new();
     loop {
         let mut buf = [0u8; 4096];
-        let mut cmsg = nix::cmsg_space!([RawFd; MAX_HELD]);
+        let mut cmsg = nix::cmsg_space!([RawFd; MAX_HELD + 1]);
         let mut iov = [IoSliceMut::new(&mut buf)];
         let message = match recvmsg::<()>(
             channel.as_raw_fd(),
@@ -333,11 +359,22 @@ fn wait_for_start(channel: &UnixStream) -> io::Result<Option<Start>> {
             let len = u32::from_le_bytes([received[1], received[2], received[3], received[4]]);
             let end = 5 + len as usize;
             if received.len() >= end {
-                let (env, farewells) = parse_body(&received[5..end])?;
+                let (env, watch, farewells) = parse_body(&received[5..end])?;
+                let watch = if watch.is_empty() {
+                    None
+                } else {
+                    let (terms, label) = watchdog::decode(&watch)
+                        .ok_or_else(|| io::Error::other("a deadline's terms that do not parse"))?;
+                    let page = hold
+                        .pop()
+                        .ok_or_else(|| io::Error::other("a deadline without its memfd"))?;
+                    Some(Watch::new(page, terms, label)?)
+                };
                 return Ok(Some(Start {
                     env,
                     hold,
                     farewells,
+                    watch,
                     kill_now: received[end..].contains(&KILL_EVERYTHING),
                 }));
             }
@@ -487,7 +524,26 @@ fn run() -> io::Result<i32> {
         hooks,
         env: start.env,
         hook: None,
+        watch: start.watch,
+        log: options.log.map(|format| (format, options.verbosity)),
+        logging: Vec::new(),
     };
+
+    // pgleader stopped (or hung) between its last look at the deadline and this start: the
+    // deadline has passed, and nothing starts. Reported as a run killed, as the next leader
+    // records an interrupted run.
+    if job
+        .watch
+        .as_mut()
+        .is_some_and(|watch| watch.check() == Step::Stop)
+    {
+        job.begin_own_stop();
+        let _ = job
+            .channel
+            .write_all(&Report::Killed(Signal::SIGKILL as i32).encode());
+        job.finish();
+        return Ok(0);
+    }
 
     if let Some(line) = job.hooks.pre_start.clone() {
         let ended = job.run_hook(Hook::PreStart, &line);
@@ -523,10 +579,13 @@ fn run() -> io::Result<i32> {
         .write_all(&Report::Started(main_pid.as_raw()).encode());
 
     loop {
-        let mut fds = [
+        let mut fds = vec![
             PollFd::new(job.channel.as_fd(), PollFlags::POLLIN),
             PollFd::new(job.signalfd.as_fd(), PollFlags::POLLIN),
         ];
+        if let Some(watch) = &job.watch {
+            fds.push(PollFd::new(watch.fd(), PollFlags::POLLIN));
+        }
         match poll(&mut fds, PollTimeout::NONE) {
             Err(Errno::EINTR) => continue,
             Err(err) => {
@@ -538,12 +597,19 @@ fn run() -> io::Result<i32> {
         }
         let channel_ready = fds[0].any().unwrap_or(true);
         let children_ready = fds[1].any().unwrap_or(false);
+        let watch_ready = fds.get(2).is_some_and(|fd| fd.any().unwrap_or(true));
+        drop(fds);
 
         if channel_ready {
             let request = read_request(&mut job.channel);
             let request_is_gone = matches!(request, Request::PgleaderGone);
             match request {
                 Request::None => {}
+                Request::Stopping => {
+                    if let Some(watch) = &mut job.watch {
+                        watch.pgleader_stops();
+                    }
+                }
                 // pgleader asks for the end (its kill timeout ran out), or died without
                 // stopping us: nothing of the job may outlive this moment.
                 Request::KillEverything | Request::Abort | Request::PgleaderGone => {
@@ -554,7 +620,21 @@ fn run() -> io::Result<i32> {
                 }
             }
         }
-        if children_ready && job.reap() == Reaped::NoChildrenLeft && job.main_done {
+        if watch_ready && let Some(watch) = &mut job.watch {
+            match watch.check() {
+                Step::Wait => {}
+                Step::Stop => job.begin_own_stop(),
+                Step::Escalate => {
+                    job.log_escalation();
+                    job.kill_everything();
+                    job.end();
+                    return Ok(0);
+                }
+            }
+        }
+        // After a stop of the keeper's own, too: a SIGKILL it sent has reaped everything.
+        if (children_ready || watch_ready) && job.reap() == Reaped::NoChildrenLeft && job.main_done
+        {
             job.end();
             return Ok(0);
         }
@@ -589,7 +669,7 @@ fn hold_membership(mut channel: UnixStream) -> io::Result<i32> {
             Ok(_) => {}
         }
         match read_request(&mut channel) {
-            Request::None => {}
+            Request::None | Request::Stopping => {}
             Request::KillEverything | Request::Abort => return Ok(0),
             Request::PgleaderGone => {
                 let farewells = Farewells {
@@ -617,8 +697,14 @@ pub const KILL_EVERYTHING: u8 = b'K';
 /// second TERM or INT while `--post-stop` runs).
 pub const ABORT: u8 = b'A';
 
+/// The request byte pgleader sends when it has begun stopping the command itself (its stop
+/// signal went to the group): the keeper stops watching the deadline and only makes sure that
+/// SIGKILL follows after `--kill-timeout` (see `watchdog.rs`).
+pub const STOPPING: u8 = b'S';
+
 enum Request {
     None,
+    Stopping,
     KillEverything,
     Abort,
     PgleaderGone,
@@ -631,6 +717,7 @@ fn read_request(channel: &mut UnixStream) -> Request {
         Ok(0) => Request::PgleaderGone,
         Ok(n) if buf[..n].contains(&ABORT) => Request::Abort,
         Ok(n) if buf[..n].contains(&KILL_EVERYTHING) => Request::KillEverything,
+        Ok(n) if buf[..n].contains(&STOPPING) => Request::Stopping,
         Ok(_) => Request::None,
         Err(err) if err.kind() == io::ErrorKind::Interrupted => Request::None,
         Err(_) => Request::PgleaderGone,
@@ -662,6 +749,13 @@ struct Job {
     env: Vec<(OsString, OsString)>,
     /// The hook that runs, and how it ended once reaped.
     hook: Option<(Pid, Option<WaitStatus>)>,
+    /// The leadership's deadline, watched while the command (or `--pre-start`) runs.
+    watch: Option<Watch>,
+    /// How pgleader logs, for the lines the keeper writes of its own stop.
+    log: Option<(LogFormat, i8)>,
+    /// Lines being written beside the keeper's work (see [`Job::log_aside`]), each saying
+    /// when it is done.
+    logging: Vec<std::sync::mpsc::Receiver<()>>,
 }
 
 impl Job {
@@ -768,6 +862,16 @@ impl Job {
                 fds.push(PollFd::new(fd, PollFlags::POLLIN));
                 fds.len() - 1
             });
+            // `--pre-start` stands where the command will, deadline included; `--post-stop`
+            // follows a tree that is gone.
+            let watch_at = self
+                .watch
+                .as_ref()
+                .filter(|_| hook == Hook::PreStart)
+                .map(|watch| {
+                    fds.push(PollFd::new(watch.fd(), PollFlags::POLLIN));
+                    fds.len() - 1
+                });
             let wait = PollTimeout::try_from(left.as_millis().clamp(1, 60_000) as i32)
                 .unwrap_or(PollTimeout::MAX);
             match poll(&mut fds, wait) {
@@ -782,6 +886,12 @@ impl Job {
             if channel_at.is_some_and(|at| ready[at]) {
                 match read_request(&mut self.channel) {
                     Request::None => {}
+                    Request::Stopping => {
+                        if let Some(watch) = self.watch.as_mut().filter(|_| hook == Hook::PreStart)
+                        {
+                            watch.pgleader_stops();
+                        }
+                    }
                     // Pre-start stands where the command will: its kill timeout covers it.
                     Request::KillEverything if hook == Hook::PreStart => break Ended::Interrupted,
                     // A kill timeout that ran out as the tree ended: that tree is gone.
@@ -792,6 +902,18 @@ impl Job {
                         if hook == Hook::PreStart {
                             break Ended::Interrupted;
                         }
+                    }
+                }
+            }
+            if watch_at.is_some_and(|at| ready[at])
+                && let Some(watch) = &mut self.watch
+            {
+                match watch.check() {
+                    Step::Wait => {}
+                    Step::Stop => self.begin_own_stop(),
+                    Step::Escalate => {
+                        self.log_escalation();
+                        break Ended::Interrupted;
                     }
                 }
             }
@@ -857,6 +979,104 @@ impl Job {
         }
         self.held_connections.clear();
         let _ = self.channel.write_all(&Report::Done(0).encode());
+        // The lines of the keeper's own stop, unless their write is blocked (nobody reads).
+        let until = std::time::Instant::now() + LOG_WAIT;
+        for logged in self.logging.drain(..) {
+            let left = until.saturating_duration_since(std::time::Instant::now());
+            let _ = logged.recv_timeout(left);
+        }
+    }
+
+    /// The deadline passed with no news from pgleader (see `watchdog.rs`): tells pgleader (it
+    /// reads it once it runs again), then sends the kill signal and SIGCONT to the process
+    /// group, as pgleader's own stop does (SIGKILL, or a kill timeout of 0, goes to everything
+    /// at once). The keeper blocks every signal, so the group's signals do not reach it.
+    fn begin_own_stop(&mut self) {
+        let Some(watch) = &self.watch else {
+            return;
+        };
+        let (terms, label) = (watch.terms, watch.label.clone());
+        let without_news = i32::try_from(terms.without_news.as_millis()).unwrap_or(i32::MAX);
+        // A failed write means pgleader is gone: the channel's end says so next.
+        let _ = self
+            .channel
+            .write_all(&Report::Expired(without_news).encode());
+        let at_once = terms.signal == Signal::SIGKILL || terms.kill_timeout.is_zero();
+        let running = self.main_pid.is_some() || self.hook.is_some();
+        if running && at_once {
+            self.kill_everything();
+        } else if running {
+            let _ = killpg(getpid(), terms.signal);
+            let _ = killpg(getpid(), Signal::SIGCONT);
+        }
+        let pgid = getpid().as_raw();
+        let what = if !running {
+            "starting nothing".to_owned()
+        } else if at_once {
+            "SIGKILL to everything it started".to_owned()
+        } else {
+            format!(
+                "{} to its process group, SIGKILL after {} (--kill-timeout)",
+                terms.signal.as_str(),
+                for_people(terms.kill_timeout)
+            )
+        };
+        self.log_aside(move || {
+            warn!(
+                event = "keeper_stop",
+                shard = label.shard,
+                job = label.job.as_deref(),
+                pgid,
+                signal = terms.signal.as_str(),
+                "no news from pgleader for {} (--check-interval + --check-timeout): pgleader is stopped, hung or starved, and the server may soon free the lock; the keeper stops the command{} itself: {what}",
+                for_people(terms.without_news),
+                label.of(),
+            )
+        });
+    }
+
+    /// Logs the keeper's own SIGKILL once `--kill-timeout` ran out: of its own stop, or of one
+    /// pgleader began and did not follow up.
+    fn log_escalation(&mut self) {
+        let Some(watch) = &self.watch else {
+            return;
+        };
+        let (terms, label, own) = (watch.terms, watch.label.clone(), watch.stops_by_itself());
+        let pgid = getpid().as_raw();
+        self.log_aside(move || {
+            let whose = if own {
+                "after the keeper's stop signal"
+            } else {
+                "after pgleader's stop signal, and pgleader did not follow up"
+            };
+            label.warn_kill(
+                pgid,
+                None,
+                format_args!(
+                    "the command{} did not exit within {} (--kill-timeout) {whose}; the keeper sends SIGKILL to everything it started",
+                    label.of(),
+                    for_people(terms.kill_timeout),
+                ),
+            )
+        });
+    }
+
+    /// Writes a log line on a thread of its own: the keeper's own stop is for a pgleader that
+    /// does not run, and that may be because nobody reads the pipe both write their logs to; a
+    /// write blocked there must not hold up the stop. [`Job::finish`] waits a little for these
+    /// lines before the keeper exits.
+    fn log_aside(&mut self, line: impl FnOnce() + Send + 'static) {
+        if let Some((format, verbosity)) = self.log {
+            logging::init(format, verbosity);
+        }
+        let (done, logged) = std::sync::mpsc::channel();
+        let spawned = std::thread::Builder::new().spawn(move || {
+            line();
+            let _ = done.send(());
+        });
+        if spawned.is_ok() {
+            self.logging.push(logged);
+        }
     }
 
     /// SIGKILLs every descendant, including those that left the process group, until none is
@@ -905,11 +1125,13 @@ mod tests {
                 }),
             },
         ];
-        let message = start_message(&env, &hold);
+        let terms = b"the deadline's terms";
+        let message = start_message(&env, &hold, Some(terms));
         assert_eq!(message[0], START);
         let len = u32::from_le_bytes([message[1], message[2], message[3], message[4]]);
         assert_eq!(len as usize, message.len() - 5);
-        let (env_parsed, farewells) = parse_body(&message[5..]).expect("a start message");
+        let (env_parsed, watch, farewells) = parse_body(&message[5..]).expect("a start message");
+        assert_eq!(watch, terms);
         assert_eq!(
             farewells,
             hold.iter().map(|l| l.farewell.clone()).collect::<Vec<_>>()
@@ -940,6 +1162,7 @@ mod tests {
             Report::Done(0),
             Report::PreStartFailed(-1),
             Report::PostStop(4242),
+            Report::Expired(700),
         ] {
             assert_eq!(Report::decode(report.encode()), Some(report));
         }

@@ -5,7 +5,9 @@
 //!
 //! Every command, whoever runs it, is stopped by one set of rules (`stop.rs`): the single
 //! leader awaits them (`inbox.rs`), and whatever runs many commands at once keeps them in a
-//! table (`commands.rs`) that drives one stop per command.
+//! table (`commands.rs`) that drives one stop per command. Each leadership shares its deadline
+//! with its commands' keepers (`watchdog.rs`), which stop their trees by the same rules should
+//! pgleader itself stop running.
 //!
 //! Everything here works through the election's boundary (`election/`): the supervisor is
 //! generic over the backend and knows nothing of SQL or of any backend's types.
@@ -18,12 +20,14 @@ pub mod hook;
 pub mod inbox;
 pub mod job;
 pub mod keeper;
+pub mod label;
 pub mod procfs;
 pub mod sharded;
 pub mod signals;
 pub mod spawn;
 pub mod stop;
 pub mod supervisor;
+pub mod watchdog;
 
 use std::time::Duration;
 
@@ -122,6 +126,16 @@ impl Settings {
         stop::StopRules {
             kill_timeout: self.kill_timeout,
             hook_timeout: self.hooks.timeout,
+        }
+    }
+
+    /// How a keeper stops its command by itself once the leadership's deadline passes with
+    /// no news from pgleader (`watchdog.rs`): the stop's own signal and kill timeout.
+    pub fn deadline_terms(&self) -> watchdog::Terms {
+        watchdog::Terms {
+            signal: self.kill_signal,
+            kill_timeout: self.kill_timeout,
+            without_news: self.check_interval + self.check_timeout,
         }
     }
 

@@ -26,6 +26,7 @@ use tracing::{debug, info, warn};
 use crate::exit::ChildStatus;
 use crate::supervise::job::Job;
 use crate::supervise::keeper::Report;
+use crate::supervise::label::Label;
 use crate::time::for_people as fmt;
 
 /// How long the keeper may take to kill everything the command started before its process
@@ -45,83 +46,6 @@ pub struct StopRules {
     pub kill_timeout: Duration,
     /// How long the keeper may run `--post-stop` once the command's tree is gone.
     pub hook_timeout: Duration,
-}
-
-/// Whose command a log line is about: the single leader's (no field, "the command"), or one of
-/// many (a `shard` field, "the command of shard 3"; a `job` field, "the command of job report").
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Label {
-    /// The `shard` field of the log lines, for a shard's command.
-    pub shard: Option<u32>,
-    /// The `job` field of the log lines, for a crontab job's command.
-    pub job: Option<String>,
-    /// What the command is called among many ("shard 3"); `None` for the single leader's.
-    name: Option<String>,
-}
-
-impl Label {
-    /// The single leader's command.
-    pub fn leader() -> Label {
-        Label::default()
-    }
-
-    /// Shard `index`'s command.
-    pub fn shard(index: u32) -> Label {
-        Label {
-            shard: Some(index),
-            job: None,
-            name: Some(format!("shard {index}")),
-        }
-    }
-
-    /// A crontab job's command.
-    pub fn job(name: &str) -> Label {
-        Label {
-            shard: None,
-            job: Some(name.to_owned()),
-            name: Some(format!("job {name}")),
-        }
-    }
-
-    /// What follows "the command" or "the keeper" in a message: nothing, or " of shard 3".
-    pub fn of(&self) -> String {
-        self.name
-            .as_ref()
-            .map_or_else(String::new, |name| format!(" of {name}"))
-    }
-
-    /// What the command is called among many ("shard 3"), or "the command".
-    pub fn name(&self) -> &str {
-        self.name.as_deref().unwrap_or("the command")
-    }
-
-    /// Logs an event about this command at info level, with its `shard` or `job` field.
-    pub fn info(&self, event: &'static str, message: std::fmt::Arguments) {
-        info!(
-            event,
-            shard = self.shard,
-            job = self.job.as_deref(),
-            "{message}"
-        );
-    }
-
-    /// Logs a SIGKILL sent to this command's group (`--kill-timeout`, a second TERM, a keeper
-    /// that does not finish), with the group and the signal received if one was.
-    fn warn_kill(&self, pgid: i32, received: Option<Signal>, message: std::fmt::Arguments) {
-        warn!(
-            event = "kill",
-            shard = self.shard,
-            job = self.job.as_deref(),
-            pgid,
-            signal = received.map(Signal::as_str),
-            "{message}"
-        );
-    }
-
-    /// Logs that the command exited, with how.
-    pub fn log_exited(&self, status: ChildStatus) {
-        info!(event = "child_exited", shard = self.shard, job = self.job.as_deref(), status = %status, exit_code = status.exit_code(), "the command{} exited", self.of());
-    }
 }
 
 /// A stop under way.
@@ -148,6 +72,10 @@ pub struct Stop {
     status: Option<ChildStatus>,
     /// Whether the command's end was logged (or known before the stop began).
     exit_logged: bool,
+    /// The keeper stops the command by itself (the leadership's deadline passed while pgleader
+    /// did not run): no stop signal of pgleader's, only the wait, and SIGKILL on a second
+    /// TERM or INT.
+    keeper_stops: bool,
 }
 
 impl Stop {
@@ -180,8 +108,40 @@ impl Stop {
         announce: bool,
     ) -> Stop {
         let pgid = job.pgid().as_raw();
+        let now = Instant::now();
+        // The keeper stops it already, by the same rules (its kill signal, its kill timeout,
+        // SIGKILL): a signal of pgleader's now would be a second stop.
+        if signal != Signal::SIGKILL && job.keeper_stops_itself() {
+            info!(
+                event = "stopping",
+                shard = label.shard,
+                job = label.job.as_deref(),
+                pgid,
+                "the keeper stops the command{} by itself: pgleader did not run past its deadline",
+                label.of(),
+            );
+            return Stop {
+                label,
+                rules,
+                pgid,
+                signal,
+                kill_at: None,
+                post_stop: false,
+                // Its own kill timeout ran from before now; this is the fallback should the
+                // keeper not finish.
+                keeper_kill_at: Some(now + rules.kill_timeout + KEEPER_GRACE),
+                recheck_at: None,
+                alive_since: None,
+                status: ended,
+                exit_logged: ended.is_some(),
+                keeper_stops: true,
+            };
+        }
         // Sent before the log line: the next leader waits for this command's end.
         send_stop_signal(job, signal);
+        if signal != Signal::SIGKILL {
+            job.tell_stopping();
+        }
         if announce {
             info!(
                 event = "stopping",
@@ -194,7 +154,6 @@ impl Stop {
                 signal.as_str()
             );
         }
-        let now = Instant::now();
         let escalated = signal == Signal::SIGKILL;
         Stop {
             label,
@@ -209,6 +168,7 @@ impl Stop {
             alive_since: None,
             status: ended,
             exit_logged: ended.is_some(),
+            keeper_stops: false,
         }
     }
 
@@ -270,7 +230,9 @@ impl Stop {
                     pid,
                     "the command started while being stopped"
                 );
-                send_stop_signal(job, self.signal);
+                if !self.keeper_stops {
+                    send_stop_signal(job, self.signal);
+                }
             }
             Report::PostStop(_) => {
                 self.post_stop = true;
@@ -284,15 +246,16 @@ impl Stop {
                 self.exit_logged = true;
             }
             // The keeper exits with 126/127 right after; its status stands for the command's.
-            // `Done`: `job.is_finished()` now says so.
-            Report::SpawnFailed(_) | Report::Done(_) => {}
+            // `Done`: `job.is_finished()` now says so. `Expired`: the keeper stops the command
+            // by itself, with a stop of pgleader's under way: that stop's rules stand.
+            Report::SpawnFailed(_) | Report::Done(_) | Report::Expired(_) => {}
         }
     }
 
     /// The first TERM or INT arrived while the command was being stopped: unless SIGKILL went
     /// already, the command gets that signal instead.
     pub fn retarget(&mut self, job: &Job, signal: Signal) {
-        if !self.escalated() {
+        if !self.escalated() && !self.keeper_stops {
             self.signal = signal;
             send_stop_signal(job, signal);
         }
@@ -425,6 +388,7 @@ pub fn status_of(report: Report) -> ChildStatus {
         | Report::SpawnFailed(_)
         | Report::Done(_)
         | Report::PreStartFailed(_)
-        | Report::PostStop(_) => ChildStatus::Exited(0),
+        | Report::PostStop(_)
+        | Report::Expired(_) => ChildStatus::Exited(0),
     }
 }

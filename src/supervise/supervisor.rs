@@ -47,7 +47,9 @@ use crate::supervise::hook;
 use crate::supervise::inbox::Inbox;
 use crate::supervise::job::{self, Job, Parked};
 use crate::supervise::keeper::Report;
+use crate::supervise::label::Label;
 use crate::supervise::signals::SignalEvent;
+use crate::supervise::watchdog::Deadline;
 use crate::time::for_people as fmt;
 
 /// A session that lived this long was healthy: the next reconnection happens at once.
@@ -401,20 +403,23 @@ impl<B: Backend> Supervisor<B> {
     }
 
     /// Starts the command under the parked keeper (or a fresh one if none waits); the keeper
-    /// holds `hold` (the session's sockets) until the job's tree is gone.
+    /// holds `hold` (the session's sockets) until the job's tree is gone, and stops the tree by
+    /// itself should the leadership's `deadline` pass unrenewed.
     async fn spawn(
         &mut self,
         env: &[(&'static str, String)],
         hold: &[crate::election::socket::Lent],
+        deadline: &Deadline,
     ) -> anyhow::Result<Job> {
         let parked = self.take_parked().await;
         let (command, hooks) = (&self.settings.command, &self.settings.hooks);
+        let watch = Some((deadline, &Label::leader()));
         let started = match parked {
             // A keeper killed since it was checked fails here; a fresh one is the fallback.
             Some(parked) => parked
-                .start(env, hold)
-                .or_else(|_| Parked::spawn(command, hooks)?.start(env, hold)),
-            None => Parked::spawn(command, hooks).and_then(|parked| parked.start(env, hold)),
+                .start(env, hold, watch)
+                .or_else(|_| Parked::spawn(command, hooks)?.start(env, hold, watch)),
+            None => Parked::spawn(command, hooks).and_then(|parked| parked.start(env, hold, watch)),
         };
         let spawned = started.context("cannot start the keeper process")?;
         self.backoff.reset();

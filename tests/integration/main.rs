@@ -14,6 +14,7 @@ mod election;
 mod examples;
 mod failover;
 mod faults;
+mod frozen;
 mod health;
 mod hooks;
 mod house;

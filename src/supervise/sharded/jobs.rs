@@ -32,7 +32,7 @@ use crate::schedule::crontab::{Changes, CronJob, Crontab};
 use crate::schedule::runs::{self, Runs, RunsEvent};
 use crate::schedule::{Plan, Publish};
 use crate::supervise::job::{CommandError, CommandLine};
-use crate::supervise::stop::Label;
+use crate::supervise::label::Label;
 
 /// A job as this replica's crontab defines it.
 #[derive(Debug)]

@@ -11,6 +11,7 @@ use tracing::debug;
 
 use crate::election::shards::{Holder, Seen, ShardBackend, Watcher};
 use crate::election::{ConnectError, SessionError};
+use crate::supervise::watchdog::Deadline;
 use crate::time::for_people as fmt;
 
 pub(super) type ReadFuture = Pin<Box<dyn Future<Output = Result<Seen, SessionError>>>>;
@@ -24,6 +25,8 @@ pub(super) struct Link<B: ShardBackend> {
     pub(super) joined: Instant,
     /// When the leadership of every shard held counts as lost without a successful read.
     pub(super) deadline: Instant,
+    /// The same deadline, shared with every command's keeper (see `watchdog.rs`).
+    pub(super) keepers: Deadline,
     /// The roster read under way, and when it was sent.
     pub(super) read: Option<(Instant, ReadFuture)>,
     /// A read that ended while another statement was awaited (see `alongside`).
@@ -113,6 +116,16 @@ impl<B: ShardBackend> Link<B> {
         self.deadline
             .saturating_duration_since(Instant::now())
             .min(timeout)
+    }
+
+    /// Why every shard is lost: `reason`, unless the keepers found the deadline past first
+    /// (pgleader did not run) and stop their commands by themselves.
+    pub(super) fn why(&self, reason: String) -> String {
+        if self.keepers.has_expired() {
+            self.keepers.lost_reason()
+        } else {
+            reason
+        }
     }
 
     pub(super) fn leave_for(&mut self, reason: String) {

@@ -54,8 +54,9 @@ use crate::supervise::health::Health;
 use crate::supervise::inbox::{Inbox, Shutdown};
 use crate::supervise::job::Parked;
 use crate::supervise::keeper::Report;
+use crate::supervise::label::Label;
 use crate::supervise::signals::SignalEvent;
-use crate::supervise::stop::Label;
+use crate::supervise::watchdog::Deadline;
 use crate::supervise::{Settings, Sharding};
 use crate::time::for_people as fmt;
 use jobs::Jobs;
@@ -292,11 +293,22 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
         let lock = self.settings.lock.clone();
         let (interval, timeout) = (self.settings.check_interval, self.settings.check_timeout);
         let now = Instant::now();
+        // The deadline, shared with every command's keeper: each stops its tree by itself
+        // should it pass unrenewed (pgleader stopped, hung or starved).
+        let keepers = match Deadline::new(self.settings.deadline_terms(), now + interval + timeout)
+        {
+            Ok(keepers) => keepers,
+            Err(err) => {
+                let _ = holder.leave(timeout).await;
+                bail!("cannot share the deadline with the keepers: {err}");
+            }
+        };
         let mut link: Link<B> = Link {
             me: holder.id(),
             holder,
             joined: now,
             deadline: now + interval + timeout,
+            keepers,
             read: None,
             read_done: None,
             next_read: now + interval,
@@ -439,17 +451,15 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                     link.read_soon(quiet, timeout);
                 }
                 Event::Holder(HolderEvent::Ended(reason)) => {
-                    self.lose_all(
-                        &format!("the connection ended: {reason}"),
-                        LossReason::ConnectionEnded,
-                    );
+                    let why = link.why(format!("the connection ended: {reason}"));
+                    self.lose_all(&why, LossReason::ConnectionEnded);
                     link.leave_for(reason);
                 }
                 Event::Deadline => {
-                    let reason = format!(
+                    let reason = link.why(format!(
                         "no successful check for {} (--check-interval + --check-timeout)",
                         fmt(interval + timeout)
-                    );
+                    ));
                     self.lose_all(&reason, LossReason::CheckTimeout);
                     link.leave_for(reason);
                 }
@@ -480,7 +490,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                         .check_completed(sent.elapsed(), result.is_ok());
                     match result {
                         Err(err) => {
-                            let reason = format!("the check failed: {err}");
+                            let reason = link.why(format!("the check failed: {err}"));
                             self.lose_all(&reason, LossReason::CheckFailed);
                             if let SessionError::Unsafe(_) = err {
                                 link.fatal = Some(err.into());
@@ -490,6 +500,15 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                         Ok(_) if quiet => {}
                         Ok(seen) => {
                             link.deadline = sent + interval + timeout;
+                            // Fails only if a keeper found the deadline past first: its command
+                            // is stopping already.
+                            if link.keepers.renew(link.deadline).is_err() {
+                                let reason = link.keepers.lost_reason();
+                                self.lose_all(&reason, LossReason::CheckTimeout);
+                                link.leave_for(reason);
+                                continue;
+                            }
+                            debug!(event = "confirmed", lock = %lock, "the session still holds its membership");
                             if let Some(jobs) = &mut self.jobs {
                                 jobs.observe_clock(sent, Instant::now(), seen.server_time);
                                 jobs.note_disagreements(&seen.roster, me, &lock);
@@ -574,6 +593,13 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                 }
                 Event::Signal(event) => self.on_signal(event),
                 Event::Report(index, report) => {
+                    // A keeper stops its command by itself: pgleader did not run past the
+                    // deadline, and every shard held counts as lost.
+                    if matches!(report, Report::Expired(_)) && link.leaving.is_none() {
+                        let reason = link.keepers.lost_reason();
+                        self.lose_all(&reason, LossReason::CheckTimeout);
+                        link.leave_for(reason);
+                    }
                     let command = match self
                         .jobs
                         .as_ref()
@@ -588,7 +614,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                 }
                 Event::Runs(item, event) => self.on_runs(&mut link, item, event),
                 Event::Timer => {
-                    if let Err(err) = self.on_timer(me, &link.holder) {
+                    if let Err(err) = self.on_timer(me, &link.holder, &link.keepers) {
                         self.fail(&mut link, err);
                     }
                 }
@@ -745,12 +771,13 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                 }
             }
         }
-        self.on_timer(me, holder).map_err(Failure::Fatal)
+        self.on_timer(me, holder, &link.keepers)
+            .map_err(Failure::Fatal)
     }
 
     /// Starts the commands whose start time has come, with the keeper holding the holder
     /// session's sockets (read now: none once it is closed), and moves stops along.
-    fn on_timer(&mut self, me: i32, holder: &B::Holder) -> anyhow::Result<()> {
+    fn on_timer(&mut self, me: i32, holder: &B::Holder, keepers: &Deadline) -> anyhow::Result<()> {
         let sockets = holder.sockets();
         // Without the session's socket a keeper could not order a crash: the session has
         // ended, which the loop hears next.
@@ -777,10 +804,15 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
             };
             let mut hold = holder.lend(item_of(*index));
             hold.extend(parking.membership_lent());
-            let fresh = || Parked::spawn(command, &settings.hooks)?.start(&env, &hold);
+            let label = match jobs {
+                Some(jobs) => jobs.label(*index),
+                None => Label::shard(*index),
+            };
+            let watch = Some((keepers, &label));
+            let fresh = || Parked::spawn(command, &settings.hooks)?.start(&env, &hold, watch);
             let started = match parking.take(*index, command) {
                 // A keeper killed since it was checked fails here; a fresh one is the fallback.
-                Some(parked) => parked.start(&env, &hold).or_else(|_| fresh()),
+                Some(parked) => parked.start(&env, &hold, watch).or_else(|_| fresh()),
                 None => fresh(),
             };
             let job =
@@ -936,7 +968,7 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
                 if !self.shards.start_now(&item) {
                     return;
                 }
-                if let Err(err) = self.on_timer(link.me, &link.holder) {
+                if let Err(err) = self.on_timer(link.me, &link.holder, &link.keepers) {
                     self.fail(link, err);
                     return;
                 }

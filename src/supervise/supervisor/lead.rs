@@ -2,7 +2,7 @@
 //! something ends the leadership, then step down, the one way every path takes (stop the
 //! command's whole group, settle the ledger, release or close).
 
-use anyhow::bail;
+use anyhow::{Context, bail};
 use nix::sys::signal::Signal;
 use tokio::time::{Instant, sleep_until};
 use tracing::{debug, info, warn};
@@ -20,6 +20,7 @@ use crate::supervise::job::{CommandError, Job};
 use crate::supervise::keeper::Report;
 use crate::supervise::signals::SignalEvent;
 use crate::supervise::stop::status_of;
+use crate::supervise::watchdog::Deadline;
 use crate::time::for_people as fmt;
 
 impl<B: Backend> Supervisor<B> {
@@ -88,6 +89,10 @@ impl<B: Backend> Supervisor<B> {
         );
 
         let mut deadline = sent + interval + timeout;
+        // The same deadline, shared with the command's keeper, which stops the tree by itself
+        // should it pass unrenewed (pgleader stopped, hung or starved).
+        let keepers = Deadline::new(self.settings.deadline_terms(), deadline)
+            .context("cannot share the leader's deadline with its keeper")?;
         let mut next_check = sent + interval;
         let mut check: Option<(Instant, CheckFuture)> = None;
         let mut job: Option<Job> = None;
@@ -119,13 +124,17 @@ impl<B: Backend> Supervisor<B> {
             };
             let (status, leftovers) = 'exited: {
                 let (loss, lost_reason) = match event {
-                    LeadEvent::Duty(Next::Start(_)) if Instant::now() >= deadline => (
-                        LossReason::CheckTimeout,
-                        "the leadership expired before the command could start".to_owned(),
-                    ),
+                    LeadEvent::Duty(Next::Start(_))
+                        if Instant::now() >= deadline || keepers.has_expired() =>
+                    {
+                        (
+                            LossReason::CheckTimeout,
+                            "the leadership expired before the command could start".to_owned(),
+                        )
+                    }
                     LeadEvent::Duty(Next::Start(scheduled)) => {
                         let env = self.child_env(session.id(), epoch, scheduled);
-                        job = Some(self.spawn(&env, &session.lend()).await?);
+                        job = Some(self.spawn(&env, &session.lend(), &keepers).await?);
                         if let Some(timeline) = &mut timeline {
                             timeline.handed.get_or_insert_with(Instant::now);
                         }
@@ -202,7 +211,12 @@ impl<B: Backend> Supervisor<B> {
                                 shift.observe_check(sent, Instant::now(), server_time);
                                 deadline = sent + interval + timeout;
                                 next_check = sent + interval;
-                                continue 'leading;
+                                // Fails only if a keeper found the deadline past first: its
+                                // command is stopping already.
+                                if keepers.renew(deadline).is_ok() {
+                                    continue 'leading;
+                                }
+                                (LossReason::CheckTimeout, keepers.lost_reason())
                             }
                             Ok(Check {
                                 confirmation: Confirmation::NotHeld,
@@ -337,6 +351,11 @@ impl<B: Backend> Supervisor<B> {
                     }
                     // Come after the command's end, which `Inbox::stop` below reads them after.
                     LeadEvent::Report(Report::Done(_) | Report::PostStop(_)) => continue 'leading,
+                    // The keeper stops the command by itself: pgleader did not run past its
+                    // deadline.
+                    LeadEvent::Report(Report::Expired(_)) => {
+                        (LossReason::CheckTimeout, keepers.lost_reason())
+                    }
                     LeadEvent::Report(Report::PreStartFailed(code)) => {
                         let why = format!("its --pre-start failed ({})", hook::describe(code));
                         self.inbox
@@ -361,6 +380,12 @@ impl<B: Backend> Supervisor<B> {
                         let kill_signal = self.settings.kill_signal;
                         break 'exited (status, job.take().map(|job| (job, kill_signal)));
                     }
+                };
+                // Whatever pgleader heard first on waking, its keeper acted before it.
+                let lost_reason = if keepers.has_expired() {
+                    keepers.lost_reason()
+                } else {
+                    lost_reason
                 };
                 warn!(event = "leadership_lost", lock = %lock, reason = %lost_reason, "leadership lost");
                 self.inbox.telemetry.leadership_lost(loss, &lost_reason);
@@ -422,7 +447,9 @@ impl<B: Backend> Supervisor<B> {
             }
             last_status = Some(status);
             // The stop (what the run left, its --post-stop) held no checks.
-            if let Some(sent) = self.confirm_now(&session, &mut shift).await {
+            if let Some(sent) = self.confirm_now(&session, &mut shift).await
+                && keepers.renew(sent + interval + timeout).is_ok()
+            {
                 deadline = sent + interval + timeout;
                 next_check = sent + interval;
             }
