@@ -480,3 +480,58 @@ fn on_postgres_a_leader_stuck_on_a_full_log_pipe_has_its_command_stopped_by_its_
     assert!(a.wait().expect("wait").success());
     b.terminate_cleanly();
 }
+
+/// pgleader frozen in the middle of a stop of its own (here its shutdown), while its command
+/// ignores the stop signal: the keeper, told that pgleader is stopping the command, does not
+/// signal it again but sends the SIGKILL pgleader owes once `--kill-timeout` (and its grace) has
+/// passed, so the command is gone long before the server frees the lock.
+#[test]
+fn on_postgres_a_leader_frozen_in_the_middle_of_its_stop_has_the_sigkill_sent_by_its_keeper() {
+    let fleet = Fleet::postgres();
+    let stubborn = "trap 'echo got TERM' TERM; echo started $$; while :; do sleep 0.05; done";
+    let a = fleet.replica("A", &TIMINGS, stubborn);
+    let command: i32 = field_after(&a, "started").parse().expect("a pid");
+    a.signal(Signal::SIGTERM);
+    a.wait_log("stopping the command: SIGTERM");
+    a.wait_stdout("got TERM");
+    let frozen = Instant::now();
+    a.signal(Signal::SIGSTOP);
+    // The length of the wait is the bound under test (kill timeout, grace and slack), not a
+    // synchronisation: the command must be gone by then, with pgleader still frozen.
+    let gone = crate::harness::process::wait_gone(
+        command,
+        KILL_TIMEOUT + crate::harness::process::WAIT / 10,
+    );
+    let took = frozen.elapsed();
+    a.signal(Signal::SIGCONT);
+    assert!(
+        gone,
+        "the command outlived a frozen pgleader's stop\n{}",
+        a.dump()
+    );
+    eprintln!("the command was gone {took:?} after pgleader froze");
+    // It goes on with its shutdown and exits.
+    a.wait_exit();
+    // One stop signal: the keeper sent none of its own.
+    let terms = a
+        .lines(Stream::Stdout)
+        .iter()
+        .filter(|line| line.contains("got TERM"))
+        .count();
+    assert_eq!(terms, 1, "{}", a.dump());
+    assert!(
+        a.printed(Stream::Stderr, "pgleader did not follow up"),
+        "{}",
+        a.dump()
+    );
+}
+
+/// The word after `word` in the first stdout line of `replica` that has it.
+fn field_after(replica: &Proc, word: &str) -> String {
+    let line = replica.wait_stdout(&format!("{word} "));
+    line.split_whitespace()
+        .skip_while(|w| *w != word)
+        .nth(1)
+        .unwrap_or_else(|| panic!("nothing after {word:?} in {line:?}"))
+        .to_owned()
+}
