@@ -57,7 +57,7 @@ const USAGE: &str = "usage: cargo bench --bench failover [-- [--quick] [--only h
                  or --static, beside that build's too); the report goes under target/
   --only quorum  only the Redlock rows: pgleader over three Redis servers beside npm redlock,
                  and pgleader on one server for comparison; the report goes under target/
-  --only failover  only pgleader's kill -9, SIGTERM, step-down and start scenarios, the new
+  --only failover  only pgleader's kill -9, SIGTERM, step-down, frozen and start scenarios, the new
                  leader's steps and the idle cost (with --previous or --static, beside that
                  build's); the report goes under target/
   --only shards  only the shards' scenarios: kill -9 of a replica and a replica joining, for
@@ -403,6 +403,9 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
         rows.extend(scenarios::partition(tool, plan.lease_runs));
     }
     for &tool in &tools {
+        rows.extend(scenarios::frozen(tool, plan.lease_runs));
+    }
+    for &tool in &tools {
         rows.extend(scenarios::start(tool, plan.runs));
     }
     let (redis_rows, redis_costs) = redis_scenarios(&redis_server, plan)?;
@@ -668,6 +671,9 @@ fn run_failover_only(plan: &Plan) -> anyhow::Result<Report> {
     }
     for pgleader in &pgleaders {
         rows.extend(scenarios::step_down(*pgleader, plan.runs));
+    }
+    for pgleader in &pgleaders {
+        rows.extend(scenarios::frozen(*pgleader, plan.lease_runs));
     }
     for pgleader in &pgleaders {
         rows.extend(scenarios::start(*pgleader, plan.runs));
@@ -1124,6 +1130,10 @@ fn settings(plan: &Plan) -> Vec<(&'static str, String)> {
         (
             "partition",
             "a user-space TCP proxy between the leader and its server stops forwarding both ways (no RST, no FIN); the follower connects directly".into(),
+        ),
+        (
+            "frozen",
+            "SIGSTOP of the leading tool's own pid (not its child's, nor pgleader's keeper's), with the leader connected through an idle proxy so that it gets the partition's timings; SIGCONT once the run is observed".into(),
         ),
     ])
     .collect()

@@ -497,6 +497,25 @@ pub fn partition(tool: &dyn Tool, runs: usize) -> Vec<Row> {
     rows
 }
 
+/// Scenario 4b: the leading tool's own process alone frozen (SIGSTOP), its child and, for
+/// pgleader, its keeper untouched: a pgleader blocked on a log pipe nobody reads, hung or
+/// starved looks the same. With the partition's short timings (through an idle proxy), so that
+/// the server frees the lock after 3 s.
+pub fn frozen(tool: &dyn Tool, runs: usize) -> Vec<Row> {
+    let scenario = "4b. the leading tool alone is frozen (SIGSTOP of its pid)";
+    eprintln!("bench: {scenario} ({})", tool.label());
+    let bound = tool.handoff_bound() + Duration::from_secs(5);
+    let results = repeat(tool.label(), runs, || {
+        let pair = Pair::start(tool, true)?;
+        let fault = Instant::now();
+        pair.leader.signal(Signal::SIGSTOP);
+        let seen = pair.observe(fault, bound, true);
+        pair.leader.signal(Signal::SIGCONT);
+        Ok(seen)
+    });
+    handoff_rows("frozen", scenario, tool, &results, bound)
+}
+
 /// Scenario 5: from starting the tool to its child running, with the lock free.
 pub fn start(tool: &dyn Tool, runs: usize) -> Vec<Row> {
     let scenario = "5. start with a free lock";

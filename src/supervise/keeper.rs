@@ -579,14 +579,16 @@ fn run() -> io::Result<i32> {
         .write_all(&Report::Started(main_pid.as_raw()).encode());
 
     loop {
-        let mut fds = vec![
+        // The deadline's timer third, when there is one (no allocation: a waiting keeper's
+        // every page of code and heap stays resident).
+        let watched = job.watch.as_ref().map_or(job.channel.as_fd(), Watch::fd);
+        let mut fds = [
             PollFd::new(job.channel.as_fd(), PollFlags::POLLIN),
             PollFd::new(job.signalfd.as_fd(), PollFlags::POLLIN),
+            PollFd::new(watched, PollFlags::POLLIN),
         ];
-        if let Some(watch) = &job.watch {
-            fds.push(PollFd::new(watch.fd(), PollFlags::POLLIN));
-        }
-        match poll(&mut fds, PollTimeout::NONE) {
+        let polled = if job.watch.is_some() { 3 } else { 2 };
+        match poll(&mut fds[..polled], PollTimeout::NONE) {
             Err(Errno::EINTR) => continue,
             Err(err) => {
                 // Unable to watch over the job any more: end it rather than orphan it.
@@ -597,8 +599,7 @@ fn run() -> io::Result<i32> {
         }
         let channel_ready = fds[0].any().unwrap_or(true);
         let children_ready = fds[1].any().unwrap_or(false);
-        let watch_ready = fds.get(2).is_some_and(|fd| fd.any().unwrap_or(true));
-        drop(fds);
+        let watch_ready = polled == 3 && fds[2].any().unwrap_or(true);
 
         if channel_ready {
             let request = read_request(&mut job.channel);
@@ -623,7 +624,13 @@ fn run() -> io::Result<i32> {
         if watch_ready && let Some(watch) = &mut job.watch {
             match watch.check() {
                 Step::Wait => {}
-                Step::Stop => job.begin_own_stop(),
+                Step::Stop => {
+                    // SIGKILL at once (the kill signal, or a kill timeout of 0): all is gone.
+                    if job.begin_own_stop() {
+                        job.end();
+                        return Ok(0);
+                    }
+                }
                 Step::Escalate => {
                     job.log_escalation();
                     job.kill_everything();
@@ -632,9 +639,7 @@ fn run() -> io::Result<i32> {
                 }
             }
         }
-        // After a stop of the keeper's own, too: a SIGKILL it sent has reaped everything.
-        if (children_ready || watch_ready) && job.reap() == Reaped::NoChildrenLeft && job.main_done
-        {
+        if children_ready && job.reap() == Reaped::NoChildrenLeft && job.main_done {
             job.end();
             return Ok(0);
         }
@@ -910,7 +915,11 @@ impl Job {
             {
                 match watch.check() {
                     Step::Wait => {}
-                    Step::Stop => self.begin_own_stop(),
+                    Step::Stop => {
+                        if self.begin_own_stop() {
+                            break Ended::Interrupted;
+                        }
+                    }
                     Step::Escalate => {
                         self.log_escalation();
                         break Ended::Interrupted;
@@ -991,9 +1000,10 @@ impl Job {
     /// reads it once it runs again), then sends the kill signal and SIGCONT to the process
     /// group, as pgleader's own stop does (SIGKILL, or a kill timeout of 0, goes to everything
     /// at once). The keeper blocks every signal, so the group's signals do not reach it.
-    fn begin_own_stop(&mut self) {
+    /// True if everything went at once: nothing of the tree is left.
+    fn begin_own_stop(&mut self) -> bool {
         let Some(watch) = &self.watch else {
-            return;
+            return false;
         };
         let (terms, label) = (watch.terms, watch.label.clone());
         let without_news = i32::try_from(terms.without_news.as_millis()).unwrap_or(i32::MAX);
@@ -1033,6 +1043,7 @@ impl Job {
                 label.of(),
             )
         });
+        running && at_once
     }
 
     /// Logs the keeper's own SIGKILL once `--kill-timeout` ran out: of its own stop, or of one
