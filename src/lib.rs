@@ -112,6 +112,10 @@ async fn supervise(
         health_check: settings.health.is_some(),
         crontab: config.crontab.is_some(),
     });
+    // Checked before the election: a system that refuses the keepers' shared deadline (no
+    // memfd) stops pgleader before it can win, rather than at every win.
+    crate::supervise::watchdog::probe()
+        .context("cannot share a deadline with the keepers (memfd_create and mmap)")?;
     // Bound before the election: a port that is taken stops pgleader before it can win.
     if let Some(address) = config.http {
         http::spawn(http::bind(address).await?, telemetry.clone());

@@ -59,7 +59,7 @@ use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::prctl;
 use nix::sys::signal::{SigSet, SigmaskHow, Signal, kill, killpg, sigprocmask};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
-use nix::sys::socket::{ControlMessageOwned, MsgFlags, recvmsg};
+use nix::sys::socket::{ControlMessageOwned, MsgFlags, recv, recvmsg};
 use nix::sys::wait::{WaitPidFlag, WaitStatus, waitpid};
 use nix::unistd::{Pid, getpid};
 
@@ -360,7 +360,7 @@ fn wait_for_start(channel: &UnixStream) -> io::Result<Option<Start>> {
             let end = 5 + len as usize;
             if received.len() >= end {
                 let (env, watch, farewells) = parse_body(&received[5..end])?;
-                let watch = if watch.is_empty() {
+                let mut watch = if watch.is_empty() {
                     None
                 } else {
                     let (terms, label) = watchdog::decode(&watch)
@@ -370,6 +370,12 @@ fn wait_for_start(channel: &UnixStream) -> io::Result<Option<Start>> {
                         .ok_or_else(|| io::Error::other("a deadline without its memfd"))?;
                     Some(Watch::new(page, terms, label)?)
                 };
+                // pgleader began stopping the command right after its start.
+                if received[end..].contains(&STOPPING)
+                    && let Some(watch) = &mut watch
+                {
+                    watch.pgleader_stops();
+                }
                 return Ok(Some(Start {
                     env,
                     hold,
@@ -532,10 +538,11 @@ fn run() -> io::Result<i32> {
     // pgleader stopped (or hung) between its last look at the deadline and this start: the
     // deadline has passed, and nothing starts. Reported as a run killed, as the next leader
     // records an interrupted run.
+    let channel = &job.channel;
     if job
         .watch
         .as_mut()
-        .is_some_and(|watch| watch.check() == Step::Stop)
+        .is_some_and(|watch| watch.check(|| stopping_waits(channel)) == Step::Stop)
     {
         job.begin_own_stop();
         let _ = job
@@ -546,7 +553,12 @@ fn run() -> io::Result<i32> {
     }
 
     if let Some(line) = job.hooks.pre_start.clone() {
-        let ended = job.run_hook(Hook::PreStart, &line);
+        let mut ended = job.run_hook(Hook::PreStart, &line);
+        // It passed after the keeper's own stop had begun (it ignored the signal, or ended
+        // just then): the leadership is over, and the command must not start.
+        if ended == Ended::Passed && job.watch.as_ref().is_some_and(Watch::stops_by_itself) {
+            ended = Ended::Interrupted;
+        }
         if ended != Ended::Passed {
             // A failed write means pgleader is gone; post-stop runs all the same.
             let _ = job
@@ -622,7 +634,7 @@ fn run() -> io::Result<i32> {
             }
         }
         if watch_ready && let Some(watch) = &mut job.watch {
-            match watch.check() {
+            match watch.check(|| stopping_waits(&job.channel)) {
                 Step::Wait => {}
                 Step::Stop => {
                     // SIGKILL at once (the kill signal, or a kill timeout of 0): all is gone.
@@ -713,6 +725,16 @@ enum Request {
     KillEverything,
     Abort,
     PgleaderGone,
+}
+
+/// Whether pgleader's word that it stops the command itself ([`STOPPING`]) waits unread on the
+/// channel; nothing is consumed.
+fn stopping_waits(channel: &UnixStream) -> bool {
+    let mut buf = [0u8; 64];
+    matches!(
+        recv(channel.as_raw_fd(), &mut buf, MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT),
+        Ok(n) if buf[..n].contains(&STOPPING)
+    )
 }
 
 /// Reads what is waiting on the channel.
@@ -913,7 +935,7 @@ impl Job {
             if watch_at.is_some_and(|at| ready[at])
                 && let Some(watch) = &mut self.watch
             {
-                match watch.check() {
+                match watch.check(|| stopping_waits(&self.channel)) {
                     Step::Wait => {}
                     Step::Stop => {
                         if self.begin_own_stop() {

@@ -109,8 +109,13 @@ impl Stop {
     ) -> Stop {
         let pgid = job.pgid().as_raw();
         let now = Instant::now();
-        // The keeper stops it already, by the same rules (its kill signal, its kill timeout,
-        // SIGKILL): a signal of pgleader's now would be a second stop.
+        // The keeper is told first, then the deadline read: of this stop and a keeper's own,
+        // begun at once, exactly one signals the command (`watchdog.rs`). If the keeper stops
+        // it already, by the same rules (its kill signal, its kill timeout, SIGKILL), a signal
+        // of pgleader's now would be a second stop.
+        if signal != Signal::SIGKILL {
+            job.tell_stopping();
+        }
         if signal != Signal::SIGKILL && job.keeper_stops_itself() {
             info!(
                 event = "stopping",
@@ -139,9 +144,6 @@ impl Stop {
         }
         // Sent before the log line: the next leader waits for this command's end.
         send_stop_signal(job, signal);
-        if signal != Signal::SIGKILL {
-            job.tell_stopping();
-        }
         if announce {
             info!(
                 event = "stopping",

@@ -194,9 +194,13 @@ impl Deadline {
             .map_err(|_| Expired)
     }
 
-    /// Whether a keeper found the deadline past (and so stops its command by itself).
+    /// Whether a keeper found the deadline past (and so stops its command by itself). Read
+    /// after telling a keeper that pgleader stops its command (`Job::tell_stopping`), it pairs
+    /// with the keeper's expiry, which looks for that word after marking the deadline expired:
+    /// one of the two sees the other's, so only one of them signals the command.
     pub fn has_expired(&self) -> bool {
-        self.page.word().load(Ordering::Acquire) == EXPIRED
+        std::sync::atomic::fence(Ordering::SeqCst);
+        self.page.word().load(Ordering::SeqCst) == EXPIRED
     }
 
     pub fn terms(&self) -> Terms {
@@ -213,6 +217,11 @@ impl Deadline {
     pub fn lost_reason(&self) -> String {
         lost_reason(self.terms.without_news)
     }
+}
+
+/// Whether this system lets pgleader share a deadline with its keepers (a memfd, mapped).
+pub fn probe() -> io::Result<()> {
+    Page::create(0).map(drop)
 }
 
 /// Why a leadership is lost when its keepers stopped its commands for lack of news.
@@ -283,8 +292,9 @@ enum State {
     FollowingUp { kill_at: u64 },
     /// The keeper stops the command itself; SIGKILL at this time.
     Stopping { kill_at: u64 },
-    /// SIGKILL went: nothing more to watch.
-    Over,
+    /// SIGKILL went (after the keeper's own stop, or one pgleader began): nothing more to
+    /// watch.
+    Over { own: bool },
 }
 
 /// The keeper's side: the deadline it watches, on a timer of its own.
@@ -322,8 +332,11 @@ impl Watch {
 
     /// Reads the deadline and the timer: what to do now, with the timer set for the next look.
     /// Called once before the command starts (a deadline already past starts nothing), then
-    /// whenever the timer is readable.
-    pub fn check(&mut self) -> Step {
+    /// whenever the timer is readable. `pgleader_stopping` says whether pgleader's word that it
+    /// stops the command itself waits unread: asked after the word is marked expired, as
+    /// pgleader reads the word after it sent that (see [`Deadline::has_expired`]), so that of
+    /// two stops begun at once exactly one signals the command.
+    pub fn check(&mut self, pgleader_stopping: impl FnOnce() -> bool) -> Step {
         let mut buf = [0u8; 8];
         // Drains the timer's count (nothing to read when called early).
         let _ = nix::unistd::read(&self.timer, &mut buf);
@@ -341,11 +354,15 @@ impl Watch {
                     if seen == EXPIRED {
                         break;
                     }
-                    match word.compare_exchange(seen, EXPIRED, Ordering::AcqRel, Ordering::Acquire)
-                    {
+                    match word.compare_exchange(seen, EXPIRED, Ordering::SeqCst, Ordering::SeqCst) {
                         Ok(_) => break,
                         Err(renewed) => seen = renewed,
                     }
+                }
+                if pgleader_stopping() {
+                    // pgleader began its stop before it could see the expiry: the stop is its.
+                    self.pgleader_stops_at(now);
+                    return Step::Wait;
                 }
                 let kill_at = now.saturating_add(nanos(self.terms.kill_timeout));
                 self.state = State::Stopping { kill_at };
@@ -354,14 +371,15 @@ impl Watch {
             }
             State::FollowingUp { kill_at } | State::Stopping { kill_at } => {
                 if now >= kill_at {
-                    self.state = State::Over;
+                    let own = matches!(self.state, State::Stopping { .. });
+                    self.state = State::Over { own };
                     Step::Escalate
                 } else {
                     self.arm(kill_at);
                     Step::Wait
                 }
             }
-            State::Over => Step::Wait,
+            State::Over { .. } => Step::Wait,
         }
     }
 
@@ -369,16 +387,22 @@ impl Watch {
     /// deadline is no longer watched, only the SIGKILL that must follow.
     pub fn pgleader_stops(&mut self) {
         if self.state == State::Watching {
-            let kill_at = boottime_now().saturating_add(nanos(self.terms.kill_timeout + GRACE));
-            self.state = State::FollowingUp { kill_at };
-            self.arm(kill_at);
+            self.pgleader_stops_at(boottime_now());
         }
+    }
+
+    fn pgleader_stops_at(&mut self, now: u64) {
+        let kill_at = now.saturating_add(nanos(self.terms.kill_timeout + GRACE));
+        self.state = State::FollowingUp { kill_at };
+        self.arm(kill_at);
     }
 
     /// Whether the stop under way is the keeper's own (rather than one pgleader began).
     pub fn stops_by_itself(&self) -> bool {
-        matches!(self.state, State::Stopping { .. })
-            || (self.state == State::Over && self.page.word().load(Ordering::Acquire) == EXPIRED)
+        matches!(
+            self.state,
+            State::Stopping { .. } | State::Over { own: true }
+        )
     }
 
     /// Sets the timer for `at` (nanoseconds of `CLOCK_BOOTTIME`, absolute).
@@ -448,18 +472,18 @@ mod tests {
         let now = tokio::time::Instant::now();
         let deadline = Deadline::new(terms(), now + Duration::from_millis(30)).expect("a deadline");
         let mut watch = watch_of(&deadline);
-        assert_eq!(watch.check(), Step::Wait);
+        assert_eq!(watch.check(|| false), Step::Wait);
         // Renewed before the keeper looks: it sleeps on.
         deadline
             .renew(now + Duration::from_millis(80))
             .expect("renewed");
         wait_readable(&watch);
-        let step = watch.check();
+        let step = watch.check(|| false);
         if step == Step::Wait {
             // The timer fired at the first deadline: the renewal was seen, and the timer set
             // again for the second one.
             wait_readable(&watch);
-            assert_eq!(watch.check(), Step::Stop);
+            assert_eq!(watch.check(|| false), Step::Stop);
         } else {
             assert_eq!(step, Step::Stop);
         }
@@ -472,7 +496,7 @@ mod tests {
         );
         // The kill timeout: SIGKILL follows.
         wait_readable(&watch);
-        assert_eq!(watch.check(), Step::Escalate);
+        assert_eq!(watch.check(|| false), Step::Escalate);
         assert!(watch.fd().as_raw_fd() >= 0);
     }
 
@@ -481,10 +505,10 @@ mod tests {
         let now = tokio::time::Instant::now();
         let deadline = Deadline::new(terms(), now + Duration::from_millis(10)).expect("a deadline");
         let mut watch = watch_of(&deadline);
-        assert_eq!(watch.check(), Step::Wait);
+        assert_eq!(watch.check(|| false), Step::Wait);
         watch.pgleader_stops();
         wait_readable(&watch);
-        assert_eq!(watch.check(), Step::Escalate);
+        assert_eq!(watch.check(|| false), Step::Escalate);
         // The deadline was never the keeper's to expire.
         assert!(!deadline.has_expired());
         assert!(!watch.stops_by_itself());

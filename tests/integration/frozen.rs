@@ -112,6 +112,7 @@ fn a_frozen_replica_s_commands_stop_before_the_next_replica_s(
     // Read while `a` is still frozen: whatever stopped its commands was not pgleader.
     let seen = entries(journal);
     let resumed_at = now_ns();
+    let resumed = Instant::now();
     a.signal(Signal::SIGCONT);
     let mut took = Vec::new();
     for key in keys {
@@ -150,9 +151,23 @@ fn a_frozen_replica_s_commands_stop_before_the_next_replica_s(
     assert!(line.contains(KEEPER_REASON), "{line}\n{}", a.dump());
     let keeper = a.wait_log("no news from pgleader for 700ms");
     assert!(keeper.contains("the keeper stops the command"), "{keeper}");
-    // Stopped once: pgleader, resumed, sent no stop signal of its own.
+    // Stopped once: pgleader, resumed, sent no stop signal of its own (its line for that is
+    // "stopping the command[ of shard N]: SIGTERM to its process group"), but left the stop to
+    // the keeper, as it says once per command.
+    a.wait_for_nth(
+        Stream::Stderr,
+        "by itself: pgleader did not run past its deadline",
+        keys.len(),
+    );
     assert!(
-        !a.printed(Stream::Stderr, "stopping the command: SIGTERM"),
+        a.wait_line(
+            Stream::Stderr,
+            "stopping the command",
+            1,
+            Some(resumed),
+            Duration::ZERO
+        )
+        .is_none(),
         "{}",
         a.dump()
     );
@@ -427,7 +442,7 @@ fn on_postgres_a_leader_stuck_on_a_full_log_pipe_has_its_command_stopped_by_its_
         .stdin(Stdio::null())
         .stdout(Stdio::from(write_end))
         .stderr(Stdio::from(write_copy));
-    let mut a = command.spawn().expect("start pgleader");
+    let a = KillOnDrop(command.spawn().expect("start pgleader"));
     // Started, and then blocked: the journal says it runs, the pipe fills at once.
     let started = Instant::now();
     while !journal
@@ -475,10 +490,40 @@ fn on_postgres_a_leader_stuck_on_a_full_log_pipe_has_its_command_stopped_by_its_
         .recv_timeout(WAIT)
         .expect("A never said it lost its leadership");
     assert!(lost.contains(KEEPER_REASON), "{lost}");
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(a.id() as i32), Signal::SIGTERM)
-        .expect("TERM");
-    assert!(a.wait().expect("wait").success());
+    a.terminate_cleanly();
     b.terminate_cleanly();
+}
+
+/// A pgleader the test started itself (its output to a pipe of the test's), killed with its
+/// group's keeper should the test fail before it ends it.
+struct KillOnDrop(std::process::Child);
+
+impl KillOnDrop {
+    /// TERM, and an exit 0 within [`WAIT`].
+    fn terminate_cleanly(mut self) {
+        let pid = nix::unistd::Pid::from_raw(self.0.id() as i32);
+        nix::sys::signal::kill(pid, Signal::SIGTERM).expect("TERM");
+        let until = Instant::now() + WAIT;
+        let status = loop {
+            if let Some(status) = self.0.try_wait().expect("wait") {
+                break status;
+            }
+            assert!(
+                Instant::now() < until,
+                "pgleader did not exit within {WAIT:?}"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        assert!(status.success(), "{status}");
+    }
+}
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        // Its keeper sees pgleader's end and kills the command's tree.
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 /// pgleader frozen in the middle of a stop of its own (here its shutdown), while its command
@@ -534,4 +579,31 @@ fn field_after(replica: &Proc, word: &str) -> String {
         .nth(1)
         .unwrap_or_else(|| panic!("nothing after {word:?} in {line:?}"))
         .to_owned()
+}
+
+/// pgleader frozen while its `--pre-start` runs, a hook that passes when told to stop: the
+/// keeper's own stop ends the hook, and the command, whose leadership is over, never starts.
+#[test]
+fn on_postgres_a_leader_frozen_during_its_pre_start_never_starts_its_command() {
+    let fleet = Fleet::postgres();
+    let args = [
+        TIMINGS.as_slice(),
+        &["--pre-start=trap 'exit 0' TERM; sleep 60 & wait"],
+    ]
+    .concat();
+    let child = |tag: &str| {
+        format!("trap 'exit 0' TERM; echo {tag} started; while :; do sleep 1000 & wait $!; done")
+    };
+    let a = fleet.replica("A", &args, &child("A"));
+    a.wait_log("running --pre-start");
+    a.signal(Signal::SIGSTOP);
+    let b = fleet.replica("B", &TIMINGS, &child("B"));
+    b.wait_stdout("B started");
+    a.wait_log("no news from pgleader");
+    a.signal(Signal::SIGCONT);
+    let lost = a.wait_log("leadership lost");
+    assert!(lost.contains(KEEPER_REASON), "{lost}");
+    a.wait_for_nth(Stream::Stderr, "waiting for the lock", 2);
+    assert!(!a.printed(Stream::Stdout, "A started"), "{}", a.dump());
+    stop_both(&a, &b);
 }

@@ -299,8 +299,10 @@ impl<B: ShardBackend + Clone + 'static> Room<B> {
         {
             Ok(keepers) => keepers,
             Err(err) => {
+                // Without it a frozen pgleader's commands could outlive the lease: not joining.
+                warn!(event = "join_failed", lock = %self.settings.lock, reason = %err, "cannot share the deadline with the commands' keepers (memfd); leaving, to join again");
                 let _ = holder.leave(timeout).await;
-                bail!("cannot share the deadline with the keepers: {err}");
+                return Ok(Served::Lost);
             }
         };
         let mut link: Link<B> = Link {

@@ -2,7 +2,7 @@
 //! something ends the leadership, then step down, the one way every path takes (stop the
 //! command's whole group, settle the ledger, release or close).
 
-use anyhow::{Context, bail};
+use anyhow::bail;
 use nix::sys::signal::Signal;
 use tokio::time::{Instant, sleep_until};
 use tracing::{debug, info, warn};
@@ -91,8 +91,16 @@ impl<B: Backend> Supervisor<B> {
         let mut deadline = sent + interval + timeout;
         // The same deadline, shared with the command's keeper, which stops the tree by itself
         // should it pass unrenewed (pgleader stopped, hung or starved).
-        let keepers = Deadline::new(self.settings.deadline_terms(), deadline)
-            .context("cannot share the leader's deadline with its keeper")?;
+        let keepers = match Deadline::new(self.settings.deadline_terms(), deadline) {
+            Ok(keepers) => keepers,
+            Err(err) => {
+                // Without it a frozen pgleader's command could outlive the lease: not leading.
+                warn!(event = "leadership_lost", lock = %lock, reason = %err, "cannot share the leader's deadline with the command's keeper (memfd); giving the lock up");
+                self.duty.end(&shift);
+                self.release(session).await;
+                return Ok(Led::Lost { status: None });
+            }
+        };
         let mut next_check = sent + interval;
         let mut check: Option<(Instant, CheckFuture)> = None;
         let mut job: Option<Job> = None;
