@@ -29,18 +29,6 @@ use crate::supervise::label::Label;
 use crate::supervise::stop::{Stop, StopRules, status_of};
 use crate::time::for_people as fmt;
 
-/// What a command is known by in the table, and how its log lines name it.
-pub trait Key: Ord + Clone {
-    fn label(&self) -> Label;
-}
-
-/// A shard, by its number.
-impl Key for u32 {
-    fn label(&self) -> Label {
-        Label::shard(*self)
-    }
-}
-
 /// What happens to an entry once its command's whole tree is gone.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum After {
@@ -124,14 +112,14 @@ struct Stopping {
 
 /// The table.
 #[derive(Debug)]
-pub struct Commands<K: Key, T> {
+pub struct Commands<K: Ord + Clone, T> {
     entries: BTreeMap<K, Entry<T>>,
     rules: StopRules,
     kill_signal: Signal,
     restart: Restart,
 }
 
-impl<K: Key, T> Commands<K, T> {
+impl<K: Ord + Clone, T> Commands<K, T> {
     /// An empty table whose commands stop by `rules` with `kill_signal`, and start again as
     /// `restart` says after they exit on their own.
     pub fn new(rules: StopRules, kill_signal: Signal, restart: Restart) -> Self {

@@ -62,6 +62,36 @@ pub(super) struct Watching<W> {
 }
 
 impl<B: ShardBackend> Link<B> {
+    /// A session joined at `now` on `holder`, its deadline `interval + timeout` ahead (shared
+    /// with the keepers through `keepers`), with the watcher sessions a lost one could not end.
+    pub(super) fn new(
+        holder: B::Holder,
+        keepers: Deadline,
+        abandoned: Vec<i32>,
+        now: Instant,
+        (interval, timeout): (Duration, Duration),
+    ) -> Link<B> {
+        Link {
+            me: holder.id(),
+            holder,
+            joined: now,
+            deadline: now + interval + timeout,
+            keepers,
+            read: None,
+            read_done: None,
+            next_read: now + interval,
+            stale: false,
+            watching: None,
+            opening: None,
+            leaving: None,
+            unhealthy: false,
+            fatal: None,
+            transient_since: None,
+            abandoned,
+            changed_at: None,
+        }
+    }
+
     /// Reads the roster now, or as soon as the read under way is done.
     pub(super) fn read_soon(&mut self, quiet: bool, timeout: Duration) {
         if self.read.is_some() {

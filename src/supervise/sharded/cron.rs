@@ -1,0 +1,455 @@
+//! The crontab duty (`pgleader cron`): the items are the crontab's jobs, and a replica runs
+//! the occurrences of the jobs it owns, each occurrence once across the fleet.
+//!
+//! Owning a job is holding its item; whether an occurrence runs is the ledger's business, per
+//! job (`jobs.rs`). An owned job sits in the room's table with no command between its runs:
+//! its runs ask for a start when an occurrence is claimed ([`Ask::Runs`]), and its command
+//! settles back to waiting when it ends (the table's `Restart::WhenAsked`). Around that:
+//! keepers parked ahead of the occurrences (`parking.rs`), the runs kept aside under
+//! `overlap=allow` (slots beside the job's own), `timeout=`, and SIGHUP's reread.
+
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use tokio::time::Instant;
+use tracing::{error, info, warn};
+
+use super::duty::{
+    Duty, Held, Launch, Mood, Slot, Table, Then, Unready, keeper_failed, ledger_failed,
+};
+use super::jobs::Jobs;
+use super::parking::{self, Parking};
+use crate::election::ledger::LedgerError;
+use crate::election::lock::LockKey;
+use crate::election::shards::{Holder, Items, Seen};
+use crate::exit::ChildStatus;
+use crate::operate::telemetry::{CommandState, Telemetry};
+use crate::schedule::calendar::rfc3339;
+use crate::schedule::clock::ServerClock;
+use crate::schedule::crontab::Crontab;
+use crate::schedule::runs::{MOST_AT_ONCE, RunsEvent};
+use crate::supervise::commands::{After, Restart, Settled};
+use crate::supervise::hook::Hooks;
+use crate::supervise::job::{CommandError, CommandLine, Job, Parked};
+use crate::supervise::label::Label;
+use crate::time::for_people as fmt;
+
+/// The crontab's jobs, the runs of those owned here, and their parked keepers.
+pub struct Cron<H: Holder> {
+    jobs: Jobs<H::Ledger>,
+    parking: Parking,
+    lock: LockKey,
+    hooks: Hooks,
+    telemetry: Telemetry,
+}
+
+/// What the crontab waits for beside the room.
+pub enum Ask {
+    /// An owned job's runs ask for something.
+    Runs(u32, RunsEvent),
+    /// Keepers started ahead of their jobs' occurrences are ready.
+    Parked(parking::Batch),
+}
+
+impl<H: Holder> Cron<H> {
+    pub fn new(
+        lock: LockKey,
+        crontab: &Crontab,
+        hooks: Hooks,
+        telemetry: Telemetry,
+    ) -> Result<Cron<H>, CommandError> {
+        let jobs = Jobs::new(&lock, crontab, telemetry.clone())?;
+        telemetry.jobs_defined(jobs.known());
+        Ok(Cron {
+            jobs,
+            parking: Parking::default(),
+            lock,
+            hooks,
+            telemetry,
+        })
+    }
+
+    /// The place of a run of `item` that goes on beside the next (`overlap=allow`): a free
+    /// slot beside the job's own, if any is left.
+    fn free_aside(table: &Table, item: u32) -> Option<Slot> {
+        (1..MOST_AT_ONCE as u8)
+            .map(|aside| Slot { item, aside })
+            .find(|slot| !table.contains_key(slot))
+    }
+
+    /// A claimed occurrence: its run starts in the job's own slot, the run still going there
+    /// moving aside first (`overlap=allow`).
+    fn claimed(&mut self, item: u32, run: super::duty::Run, table: &mut Table) -> Then {
+        let own = Slot::of(item);
+        if table.is_started(&own)
+            && let Some(aside) = Self::free_aside(table, item)
+            && let Some(held) = table.item_mut(&own).cloned()
+        {
+            table.rekey(&own, aside);
+            let fresh = Held { run: None, ..held };
+            table.insert(own, self.jobs.label(item), fresh, None);
+        }
+        let Some(held) = table.item_mut(&own) else {
+            return Then::Nothing;
+        };
+        held.run = Some(run);
+        // Not while it is being stopped (given away, lost): the claim is taken back when its
+        // runs are settled.
+        if table.start_now(&own) {
+            Then::Start(own)
+        } else {
+            Then::Nothing
+        }
+    }
+
+    /// Stops the runs that have taken their job's `timeout=`: the stop signal, then SIGKILL
+    /// after `--kill-timeout`, as any stop; the run is recorded as failed.
+    fn stop_timed_out(&mut self, table: &mut Table, kill_signal: Signal) {
+        let now = Instant::now();
+        let due: Vec<Slot> = table
+            .iter()
+            .filter(|(_, held, after)| {
+                after.is_none() && timeout_of(held).is_some_and(|at| at <= now)
+            })
+            .map(|(slot, _, _)| *slot)
+            .collect();
+        for slot in due {
+            if let Some(run) = table.item_mut(&slot).and_then(|held| held.run.as_mut()) {
+                run.timeout_at = None;
+            }
+            let label = self.jobs.label(slot.item);
+            let timeout = self
+                .jobs
+                .definition(slot.item)
+                .and_then(|definition| definition.job.timeout);
+            warn!(event = "run_timed_out", lock = %self.lock, job = label.job.as_deref(), "the run of {} has taken its timeout={}; stopping it", label.name(), timeout.map_or_else(String::new, |timeout| fmt(timeout).to_string()));
+            table.stop(&slot, kill_signal, After::Restart);
+        }
+    }
+
+    /// A run that ended on its own: recorded; a run aside goes, a job removed by a reread is
+    /// given up, one redefined starts its runs again under its new definition.
+    async fn run_ended(
+        &mut self,
+        slot: Slot,
+        status: Option<ChildStatus>,
+        table: &mut Table,
+        holder: &H,
+        mood: Mood,
+    ) {
+        let item = slot.item;
+        let run = table.item_mut(&slot).and_then(|held| held.run.as_mut());
+        let occurrence = run.as_ref().map(|run| run.occurrence);
+        if let Some(run) = run {
+            run.timeout_at = None;
+        }
+        if let Some(status) = status {
+            self.jobs.exited(item, occurrence, status);
+        }
+        if slot.is_aside() {
+            // A run that went on aside is over: its entry goes.
+            table.stop(&slot, mood.kill_signal, After::Forget);
+        } else if self.jobs.is_retired(item) {
+            // Removed from the file: its last run is recorded, then it goes.
+            self.jobs.disown(item, None, mood.timeout).await;
+            table.stop(&slot, mood.kill_signal, After::Give);
+        } else if self.jobs.take_redefinition(item) {
+            let epoch = table.item_mut(&slot).map_or(0, |held| held.epoch);
+            self.jobs.disown(item, None, mood.timeout).await;
+            if let Some(clock) = self.jobs.clock() {
+                self.jobs.own(item, holder, epoch, clock, Instant::now());
+            }
+        }
+    }
+}
+
+/// When a held command's run has taken its `timeout=`.
+fn timeout_of(held: &Held) -> Option<Instant> {
+    held.run.and_then(|run| run.timeout_at)
+}
+
+impl<H: Holder> Duty<H> for Cron<H> {
+    type Ask = Ask;
+
+    fn items(&self) -> Items {
+        self.jobs.items()
+    }
+
+    fn cap(&self) -> Option<u32> {
+        None
+    }
+
+    fn restart(&self) -> Restart {
+        Restart::WhenAsked
+    }
+
+    fn rereads(&self) -> bool {
+        true
+    }
+
+    fn log_joined(&self, lock: &str, me: i32) {
+        let count = self.jobs.items().len();
+        info!(event = "joined", lock = %lock, backend_pid = me, jobs = count, "joined the replicas of this crontab, {count} jobs");
+    }
+
+    async fn begin(&mut self, holder: &H, timeout: Duration) -> Result<(), Unready> {
+        let lock = &self.lock;
+        match tokio::time::timeout(timeout, holder.prepare_ledger()).await {
+            Ok(Ok(location)) => {
+                let fingerprint = crate::schedule::ledger_fingerprint(&location);
+                self.jobs.set_own_ledger(fingerprint);
+            }
+            Ok(Err(LedgerError::Fatal(reason))) => return Err(Unready::Fatal(reason)),
+            Ok(Err(err)) => {
+                warn!(event = "ledger_failed", lock = %lock, reason = %err, "cannot prepare the ledger; joining again");
+                return Err(Unready::Again);
+            }
+            Err(_) => {
+                warn!(event = "ledger_failed", lock = %lock, "no answer while preparing the ledger; joining again");
+                return Err(Unready::Again);
+            }
+        }
+        self.parking.keep_membership(&holder.lend_membership());
+        Ok(())
+    }
+
+    async fn end(&mut self) {
+        // The jobs the session owned are no longer this replica's: nor their keepers.
+        self.parking.dismiss().await;
+    }
+
+    fn label(&self, item: u32) -> Label {
+        self.jobs.label(item)
+    }
+
+    fn command(&self, slot: Slot) -> Option<&CommandLine> {
+        let definition = self.jobs.definition(slot.item)?;
+        Some(&definition.command)
+    }
+
+    fn start(&mut self, slot: Slot, held: &Held, launch: Launch<'_>) -> anyhow::Result<Job> {
+        let item = slot.item;
+        let (run, definition) = match (held.run, self.jobs.definition(item)) {
+            (Some(run), Some(definition)) => (run, definition),
+            _ => anyhow::bail!("job {item} is not in the crontab"),
+        };
+        let command = &definition.command;
+        let mut env: Vec<(&str, String)> = launch.env;
+        env.extend(self.jobs.env(item, run.occurrence, run.attempt));
+        let mut hold = launch.hold;
+        hold.extend(self.parking.membership_lent());
+        let watch = Some(launch.watch);
+        let fresh = || Parked::spawn(command, &self.hooks)?.start(&env, &hold, watch);
+        let started = match self.parking.take(item, command) {
+            // A keeper killed since it was checked fails here; a fresh one is the fallback.
+            Some(parked) => parked.start(&env, &hold, watch).or_else(|_| fresh()),
+            None => fresh(),
+        };
+        started.map_err(keeper_failed)
+    }
+
+    fn taken(
+        &mut self,
+        item: u32,
+        holder: &H,
+        epoch: i64,
+        clock: ServerClock,
+        not_before: Instant,
+    ) -> (Label, Option<Instant>) {
+        let label = self.jobs.label(item);
+        let (lock, me) = (&self.lock, holder.id());
+        info!(event = "leader", lock = %lock, job = label.job.as_deref(), epoch, backend_pid = me, "took {}", label.name());
+        self.jobs.own(item, holder, epoch, clock, not_before);
+        (label, None)
+    }
+
+    fn observed(&mut self, sent: Instant, received: Instant, seen: &Seen, me: i32) {
+        self.jobs.observe_clock(sent, received, seen.server_time);
+        self.jobs.note_disagreements(&seen.roster, me, &self.lock);
+    }
+
+    /// Parks keepers for the owned jobs falling due within `parking::AHEAD` (not for a job
+    /// whose command runs, nor while the probe says unhealthy), lets go of those of jobs no
+    /// longer owned (of every job once the replica is `quiet`: leaving, or shutting down),
+    /// and wakes for the next job that will want one, or the next run's `timeout=`.
+    fn plan(&mut self, table: &Table, quiet: bool, healthy: bool) -> Option<Instant> {
+        let due = self
+            .jobs
+            .due()
+            .filter(|_| !quiet)
+            .map(|(item, due)| {
+                let idle = healthy && !table.is_started(&Slot::of(item));
+                (item, due.filter(|_| idle))
+            })
+            .collect();
+        let park_at = self.parking.plan(due, &self.hooks);
+        let run_timeout = table
+            .iter()
+            .filter(|(_, _, after)| after.is_none())
+            .filter_map(|(_, held, _)| timeout_of(held))
+            .min();
+        match (park_at, run_timeout) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    fn woken(&mut self, table: &mut Table, kill_signal: Signal) {
+        self.stop_timed_out(table, kill_signal);
+    }
+
+    fn poll_ask(&mut self, cx: &mut Context<'_>, quiet: bool) -> Poll<Ask> {
+        if !quiet && let Poll::Ready((item, event)) = self.jobs.poll_next(cx) {
+            return Poll::Ready(Ask::Runs(item, event));
+        }
+        self.parking.poll_spawned(cx).map(Ask::Parked)
+    }
+
+    fn on_ask(&mut self, ask: Ask, table: &mut Table, kill_signal: Signal) -> Then {
+        let (item, event) = match ask {
+            Ask::Parked(batch) => {
+                self.parking.park(batch);
+                return Then::Nothing;
+            }
+            Ask::Runs(item, event) => (item, event),
+        };
+        let label = self.jobs.label(item);
+        match event {
+            RunsEvent::Start {
+                occurrence,
+                attempt,
+            } => {
+                let run = super::duty::Run {
+                    occurrence,
+                    attempt,
+                    timeout_at: None,
+                };
+                self.claimed(item, run, table)
+            }
+            RunsEvent::Disagree(reason) => {
+                warn!(event = "schedule_mismatch", lock = %self.lock, job = label.job.as_deref(), "{}: {reason}", label.name());
+                Then::Nothing
+            }
+            RunsEvent::Failed(err) => ledger_failed(err),
+            RunsEvent::Replace { occurrence } => {
+                info!(event = "replacing_run", lock = %self.lock, job = label.job.as_deref(), "the occurrence of {} of {} has come while its previous run still goes: stopping that run (overlap=replace)", rfc3339(occurrence), label.name());
+                table.stop(&Slot::of(item), kill_signal, After::Restart);
+                Then::Nothing
+            }
+            RunsEvent::Done | RunsEvent::NothingToRun => Then::Nothing,
+        }
+    }
+
+    fn started(&mut self, slot: Slot, table: &mut Table) {
+        if !table.is_started(&slot) {
+            return;
+        }
+        self.jobs.started(slot.item);
+        let timeout = self
+            .jobs
+            .definition(slot.item)
+            .and_then(|definition| definition.job.timeout);
+        if let Some(run) = table.item_mut(&slot).and_then(|held| held.run.as_mut()) {
+            run.timeout_at = timeout.map(|timeout| Instant::now() + timeout);
+        }
+    }
+
+    async fn settled(
+        &mut self,
+        settled: &[(Slot, Option<ChildStatus>, Settled, Label)],
+        table: &mut Table,
+        holder: &H,
+        mood: Mood,
+    ) {
+        for (slot, status, settled, _) in settled {
+            match settled {
+                Settled::Restarting => self.run_ended(*slot, *status, table, holder, mood).await,
+                // A run aside is recorded with its job's runs (see above).
+                _ if slot.is_aside() => {}
+                // The job's next owner marks what ran here as interrupted.
+                _ if mood.in_doubt => self.jobs.forget(slot.item),
+                Settled::Give | Settled::Gone => {
+                    let why = match settled {
+                        Settled::Give => "its job moved to another replica",
+                        _ if mood.shutting_down => "pgleader was shut down",
+                        _ => "this replica no longer holds the job",
+                    };
+                    let stopped = Some((*status, why));
+                    self.jobs.disown(slot.item, stopped, mood.timeout).await;
+                }
+            }
+        }
+    }
+
+    /// Rereads the crontab. Added jobs are shared out, removed ones no longer scheduled (a
+    /// run in progress finishes first), changed ones follow their new definition from their
+    /// next occurrence (after a run in progress), unchanged ones are not touched. A file that
+    /// cannot be used is logged and the one read before keeps running.
+    async fn reread(&mut self, table: &mut Table, holder: &H, mood: Mood) -> Option<Items> {
+        let lock = self.lock.clone();
+        let path = self.jobs.path().to_owned();
+        info!(event = "rereading", lock = %lock, "SIGHUP: rereading the crontab {}", path.display());
+        let reread = Crontab::read(&path)
+            .map_err(|err| err.to_string())
+            .and_then(|crontab| {
+                let reread = self.jobs.reread(&lock, crontab);
+                reread.map_err(|err| err.to_string())
+            });
+        let reread = match reread {
+            Ok(reread) => reread,
+            Err(err) => {
+                error!(event = "crontab_refused", lock = %lock, "{err}; the crontab read before keeps running");
+                return None;
+            }
+        };
+        let changes = &reread.changes;
+        for (what, names) in [
+            ("added", &changes.added),
+            ("removed", &changes.removed),
+            ("changed", &changes.changed),
+        ] {
+            for name in names {
+                info!(event = "job_reread", lock = %lock, job = %name, change = what, "job {name} {what}");
+            }
+        }
+        info!(event = "crontab_reread", lock = %lock, added = changes.added.len(), removed = changes.removed.len(), changed = changes.changed.len(), unchanged = changes.unchanged.len(), "reread the crontab: {} added, {} removed, {} changed, {} unchanged", changes.added.len(), changes.removed.len(), changes.changed.len(), changes.unchanged.len());
+        for item in reread.removed {
+            let slot = Slot::of(item);
+            if !table.is_started(&slot) {
+                self.jobs.disown(item, None, mood.timeout).await;
+                table.stop(&slot, mood.kill_signal, After::Give);
+            }
+        }
+        for item in reread.changed {
+            let slot = Slot::of(item);
+            if table.is_started(&slot) {
+                self.jobs.redefine_later(item);
+                continue;
+            }
+            let epoch = table.item_mut(&slot).map_or(0, |held| held.epoch);
+            self.jobs.disown(item, None, mood.timeout).await;
+            if let Some(clock) = self.jobs.clock() {
+                self.jobs.own(item, holder, epoch, clock, Instant::now());
+            }
+        }
+        self.telemetry.jobs_defined(self.jobs.known());
+        Some(self.jobs.items())
+    }
+
+    /// The jobs owned here by name (between two runs, a job's command is not running, not
+    /// waiting).
+    fn publish(&self, table: &Table, telemetry: &Telemetry) {
+        let owned = table.views().filter_map(|(slot, _, mut command)| {
+            if slot.is_aside() {
+                return None;
+            }
+            let definition = self.jobs.definition(slot.item)?;
+            if command.state == CommandState::Waiting {
+                command.state = CommandState::NotRunning;
+            }
+            Some((definition.job.name.clone(), command))
+        });
+        telemetry.jobs_owned(owned.collect());
+    }
+}
