@@ -239,8 +239,10 @@ pub struct RunArgs {
     /// each exactly once, shared out evenly among the replicas that run (a replica over its
     /// share stops the surplus and hands it over). Each instance gets PGLEADER_SHARD (0 to K-1)
     /// and PGLEADER_SHARDS=K; a command that ignores them runs at most K times across the
-    /// fleet. Every replica of a lock must give the same K. No environment variable: a shard's
-    /// command is given PGLEADER_SHARDS, and a pgleader it starts must not take it for its own
+    /// fleet. Every replica of a lock must give the same K. With --schedule, each shard's
+    /// occurrences run once, on whichever replica holds the shard, recorded in the ledger per
+    /// shard. No environment variable: a shard's command is given PGLEADER_SHARDS, and a
+    /// pgleader it starts must not take it for its own
     #[arg(
         long,
         value_name = "K",

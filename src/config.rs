@@ -349,13 +349,6 @@ fn sharding(args: &RunArgs, database: &Database) -> Result<Option<Sharding>, Usa
              single run to wait for and exit with; run it as a service",
         );
     }
-    if args.schedule.is_some() {
-        return refuse(
-            "--schedule yet",
-            "each occurrence once per shard is not built yet; run one scheduled pgleader per \
-             shard, each with its own --lock",
-        );
-    }
     if args.relinquish_after.is_some() || args.relinquish_schedule.is_some() {
         return refuse(
             "--relinquish-after or --relinquish-schedule",

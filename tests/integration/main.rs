@@ -29,6 +29,7 @@ mod redis_nemesis;
 mod redis_shards;
 mod redis_tls;
 mod schedule;
+mod scheduled_shards;
 mod shard_nemesis;
 mod shards;
 mod signals;

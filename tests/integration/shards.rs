@@ -294,10 +294,6 @@ fn shards_with_what_they_cannot_work_with_are_usage_errors_that_say_why() {
             "--shards cannot be used with --no-wait",
         ),
         (
-            &["--shards=4", "--schedule=* * * * *"],
-            "--shards cannot be used with --schedule yet: each occurrence once per shard",
-        ),
-        (
             &["--shards=4", "--relinquish-after=1h"],
             "shards already move between replicas",
         ),

@@ -4,9 +4,10 @@
 //! (what runs for an item and with which environment, what happens when one is taken, what is
 //! due next, what follows a command's end, what a reread changes, what to publish).
 //!
-//! Two duties today, each in a file of its own: `--shards K` (`shards.rs`: a command per
-//! shard, started again after it exits) and the crontab (`cron.rs`: a job's occurrences, each
-//! once, through the ledger). The single leader's supervisor has the same shape
+//! Two duties, each in a file of its own: `--shards K` (`shards.rs`: a command per shard,
+//! started again after it exits) and scheduled jobs (`scheduled.rs`: a job's occurrences, each
+//! once, through the ledger), whose jobs are a crontab's or, under `--schedule --shards K`,
+//! one per shard. The single leader's supervisor has the same shape
 //! (`supervise/duty.rs`).
 
 use std::task::{Context, Poll};

@@ -1,5 +1,6 @@
-//! A crontab's jobs in the sharded room (`pgleader cron`): the jobs are the items the roster
-//! shares out, and a replica runs the occurrences of the jobs it owns.
+//! The scheduled items of a sharded room, its jobs: a crontab's (`pgleader cron`), or each
+//! shard of `--schedule --shards K` (a job per shard, all on the same schedule). The jobs are
+//! the items the roster shares out, and a replica runs the occurrences of the jobs it owns.
 //!
 //! Owning a job is holding its item's lock; whether an occurrence may run is the ledger's
 //! business, per job, on the holder session: each owned job has its own scheduled runs
@@ -34,20 +35,30 @@ use crate::schedule::{Plan, Publish};
 use crate::supervise::job::{CommandError, CommandLine};
 use crate::supervise::label::Label;
 
-/// A job as this replica's crontab defines it.
+/// A job as this replica defines it.
 #[derive(Debug)]
 pub struct Definition {
-    pub job: CronJob,
-    /// `SHELL -c COMMAND`.
+    /// How the log names it: a crontab job by its name, a scheduled shard by its number.
+    pub label: Label,
+    /// Its schedule and how its runs go.
+    pub plan: Plan,
+    /// A crontab job's `SHELL -c COMMAND`; a shard's command.
     pub command: CommandLine,
+    /// Its environment beside the leader's and the run's: the crontab's variables and
+    /// `PGLEADER_JOB`, or `PGLEADER_SHARD` and `PGLEADER_SHARDS`.
+    pub env: Vec<(String, String)>,
+    /// How long a run may take (a crontab job's `timeout=`).
+    pub timeout: Option<Duration>,
     /// The key its ledger rows are kept under: the fleet's lock and the job's name.
     pub key: LockKey,
 }
 
 /// The jobs this replica knows, and the runs of those it owns.
 pub struct Jobs<L: Ledger> {
-    /// The file as last read.
-    crontab: Crontab,
+    /// The crontab as last read; `None` for scheduled shards.
+    crontab: Option<Crontab>,
+    /// What the roster shares out.
+    items: Items,
     /// Every job of the file, and the jobs a reread removed whose last run is still going.
     definitions: BTreeMap<u32, Definition>,
     runs: BTreeMap<u32, Runs<L>>,
@@ -89,27 +100,81 @@ impl<L: Ledger> std::fmt::Debug for Jobs<L> {
 impl<L: Ledger> Jobs<L> {
     /// The jobs of `crontab`, run for the fleet of `lock`, their runs published through
     /// `telemetry`.
-    pub fn new(
+    pub fn crontab(
         lock: &LockKey,
         crontab: &Crontab,
         telemetry: Telemetry,
     ) -> Result<Jobs<L>, CommandError> {
-        Ok(Jobs {
+        Ok(Jobs::of(
+            define(lock, crontab)?,
+            listing(crontab),
+            Some(crontab.clone()),
             telemetry,
-            definitions: define(lock, crontab)?,
-            crontab: crontab.clone(),
+        ))
+    }
+
+    /// A job per shard of `count`, each running `command` on `plan`'s schedule, its runs
+    /// kept in the ledger under the shard's own key.
+    pub fn shards(
+        lock: &LockKey,
+        count: u32,
+        plan: &Plan,
+        command: &CommandLine,
+        telemetry: Telemetry,
+    ) -> Jobs<L> {
+        let definitions = (0..count)
+            .map(|shard| {
+                // Named in the runs' log lines; and, as a crontab job's, its schedule is
+                // checked against the ledger once, as its ownership begins (`Runs`).
+                let plan = Plan {
+                    job: Some(format!("shard {shard}")),
+                    ..plan.clone()
+                };
+                let definition = Definition {
+                    label: Label::shard(shard),
+                    plan,
+                    command: command.clone(),
+                    env: vec![
+                        ("PGLEADER_SHARD".into(), shard.to_string()),
+                        ("PGLEADER_SHARDS".into(), count.to_string()),
+                    ],
+                    timeout: None,
+                    key: job_key(lock, &format!("shard {shard}")),
+                };
+                (shard, definition)
+            })
+            .collect();
+        Jobs::of(definitions, Items::Numbered(count), None, telemetry)
+    }
+
+    fn of(
+        definitions: BTreeMap<u32, Definition>,
+        items: Items,
+        crontab: Option<Crontab>,
+        telemetry: Telemetry,
+    ) -> Jobs<L> {
+        Jobs {
+            telemetry,
+            definitions,
+            crontab,
+            items,
             runs: BTreeMap::new(),
             retired: BTreeSet::new(),
             redefined: BTreeSet::new(),
             own_ledger: String::new(),
             clock: None,
             disagreeing: BTreeSet::new(),
-        })
+        }
     }
 
-    /// Where the crontab is read from.
-    pub fn path(&self) -> &std::path::Path {
-        &self.crontab.path
+    /// Where the crontab is read from; `None` for scheduled shards.
+    pub fn path(&self) -> Option<&std::path::Path> {
+        Some(&self.crontab.as_ref()?.path)
+    }
+
+    /// Whether the jobs are a crontab's.
+    pub fn is_crontab(&self) -> bool {
+        self.crontab.is_some()
     }
 
     /// Takes a reread file's jobs for this replica's: added jobs are known from now on,
@@ -117,11 +182,14 @@ impl<L: Ledger> Jobs<L> {
     /// act on (see [`Reread`]).
     pub fn reread(&mut self, lock: &LockKey, crontab: Crontab) -> Result<Reread, CommandError> {
         let mut definitions = define(lock, &crontab)?;
-        let changes = Changes::between(&self.crontab, &crontab);
+        let changes = match &self.crontab {
+            Some(before) => Changes::between(before, &crontab),
+            None => Changes::default(),
+        };
         let item_of = |name: &String| {
             self.definitions
                 .iter()
-                .find(|(_, definition)| &definition.job.name == name)
+                .find(|(_, definition)| definition.label.job.as_ref() == Some(name))
                 .map(|(item, _)| *item)
         };
         let owned = |item: &u32| self.runs.contains_key(item);
@@ -145,7 +213,8 @@ impl<L: Ledger> Jobs<L> {
             self.retired.insert(*item);
         }
         self.definitions = definitions;
-        self.crontab = crontab;
+        self.items = listing(&crontab);
+        self.crontab = Some(crontab);
         Ok(Reread {
             changes,
             removed,
@@ -171,22 +240,15 @@ impl<L: Ledger> Jobs<L> {
     /// Every job of the file as last read, by name, schedule and definition (see
     /// `CronJob::definition_marker`): what `/status` lists.
     pub fn known(&self) -> Vec<(String, Schedule, u32)> {
-        let jobs = self.crontab.jobs.iter();
+        let jobs = self.crontab.iter().flat_map(|crontab| &crontab.jobs);
         jobs.map(|job| (job.name.clone(), job.when.clone(), job.definition_marker()))
             .collect()
     }
 
     /// The items the roster shares out: every job of this replica's file, with how it defines
-    /// each.
+    /// each; or the shards.
     pub fn items(&self) -> Items {
-        let jobs = &self.crontab.jobs;
-        Items::Listed(Arc::new(Listing {
-            items: jobs.iter().map(CronJob::item).collect(),
-            definitions: jobs
-                .iter()
-                .map(|job| (job.item(), job.definition_marker()))
-                .collect(),
-        }))
+        self.items.clone()
     }
 
     /// Logs, once per job and member, that another member defines a job otherwise than this
@@ -218,7 +280,7 @@ impl<L: Ledger> Jobs<L> {
     /// replica's definition of it defines it otherwise.
     fn disagreements(&self, roster: &Roster, me: i32) -> BTreeSet<(String, i32)> {
         let mut found = BTreeSet::new();
-        for job in &self.crontab.jobs {
+        for job in self.crontab.iter().flat_map(|crontab| &crontab.jobs) {
             let (item, marker) = (job.item(), job.definition_marker());
             for member in roster.members.iter().filter(|member| member.id != me) {
                 if member.knows(item) && member.defines.get(&item) != Some(&marker) {
@@ -241,7 +303,7 @@ impl<L: Ledger> Jobs<L> {
     /// How the log names item `item`'s command.
     pub fn label(&self, item: u32) -> Label {
         match self.definitions.get(&item) {
-            Some(definition) => Label::job(&definition.job.name),
+            Some(definition) => definition.label.clone(),
             None => Label::shard(item),
         }
     }
@@ -259,15 +321,11 @@ impl<L: Ledger> Jobs<L> {
         let Some(definition) = self.definitions.get(&item) else {
             return;
         };
-        let job = &definition.job;
-        let plan = Plan {
-            schedule: job.when.clone(),
-            catch_up: job.catch_up,
-            retry_interrupted: 0,
-            once: false,
-            busy_retry: Duration::from_millis(500),
-            job: Some(job.name.clone()),
-            overlap: job.overlap,
+        let plan = definition.plan.clone();
+        let telemetry = self.telemetry.clone();
+        let publish = match definition.label.job.clone() {
+            Some(name) => Publish(Rc::new(move |run| telemetry.job_run(&name, run))),
+            None => Publish(Rc::new(move |run| telemetry.scheduled_run(run))),
         };
         let start = runs::Start {
             claimant: Claimant {
@@ -279,10 +337,7 @@ impl<L: Ledger> Jobs<L> {
             not_before,
             own_ledger: self.own_ledger.clone(),
             foreign_ledger_seen: None,
-            publish: {
-                let (telemetry, name) = (self.telemetry.clone(), job.name.clone());
-                Publish(Rc::new(move |run| telemetry.job_run(&name, run)))
-            },
+            publish,
         };
         let Some(ledger) = holder.ledger(&definition.key, item, &plan.definition()) else {
             return;
@@ -381,18 +436,16 @@ impl<L: Ledger> Jobs<L> {
 
     /// The environment of item `item`'s command for the occurrence `occurrence`, beside the
     /// leader's: the crontab's variables for the job (`SHELL` and `CRON_TZ` among them, as cron
-    /// passes them on), then pgleader's.
+    /// passes them on) and `PGLEADER_JOB`, or the shard's; then the run's.
     pub fn env(&self, item: u32, occurrence: Timestamp, attempt: i32) -> Vec<(&str, String)> {
         let Some(definition) = self.definitions.get(&item) else {
             return Vec::new();
         };
         let mut env: Vec<(&str, String)> = definition
-            .job
             .env
             .iter()
             .map(|(name, value)| (name.as_str(), value.clone()))
             .collect();
-        env.push(("PGLEADER_JOB", definition.job.name.clone()));
         env.push(("PGLEADER_SCHEDULED_TIME", rfc3339(occurrence)));
         env.push(("PGLEADER_ATTEMPT", attempt.to_string()));
         env
@@ -409,16 +462,41 @@ fn define(lock: &LockKey, crontab: &Crontab) -> Result<BTreeMap<u32, Definition>
             job.command.clone().into(),
         ];
         let command = CommandLine::resolve(argv, std::env::var_os("PATH").as_deref())?;
-        definitions.insert(
-            job.item(),
-            Definition {
-                key: job_key(lock, &job.name),
-                job: job.clone(),
-                command,
-            },
-        );
+        let plan = Plan {
+            schedule: job.when.clone(),
+            catch_up: job.catch_up,
+            retry_interrupted: 0,
+            once: false,
+            busy_retry: Duration::from_millis(500),
+            job: Some(job.name.clone()),
+            overlap: job.overlap,
+        };
+        let mut env = job.env.clone();
+        env.push(("PGLEADER_JOB".into(), job.name.clone()));
+        let definition = Definition {
+            label: Label::job(&job.name),
+            plan,
+            command,
+            env,
+            timeout: job.timeout,
+            key: job_key(lock, &job.name),
+        };
+        definitions.insert(job.item(), definition);
     }
     Ok(definitions)
+}
+
+/// The items a crontab's fleet shares out: every job of this replica's file, with how it
+/// defines each.
+fn listing(crontab: &Crontab) -> Items {
+    let jobs = &crontab.jobs;
+    Items::Listed(Arc::new(Listing {
+        items: jobs.iter().map(CronJob::item).collect(),
+        definitions: jobs
+            .iter()
+            .map(|job| (job.item(), job.definition_marker()))
+            .collect(),
+    }))
 }
 
 /// The key a job's ledger rows are kept under: the fleet's lock and the job's name, apart by

@@ -1,13 +1,13 @@
-//! A sharded replica's room: `pgleader run --shards K` (the command once per shard) and
-//! `pgleader cron` (each of a crontab's jobs' occurrences once), on whichever replica holds
-//! the item, every replica running its share (see `election/shards.rs` for the rule, and the
+//! A sharded replica's room: `pgleader run --shards K` (the command once per shard, or with
+//! `--schedule` each shard's occurrences once) and `pgleader cron` (each of a crontab's jobs'
+//! occurrences once), on whichever replica holds the item, every replica running its share (see `election/shards.rs` for the rule, and the
 //! backend's `shards/` for the sessions).
 //!
 //! The room is the same whatever it shares out: one task owns the holder session and its
 //! watcher (`link.rs`), reads the roster and acts on it (`roster.rs`), keeps the table of
 //! commands and the signals, and goes round one `select!`. What runs for an item is a duty's
-//! answer (`duty.rs`): `--shards` (`shards.rs`) or the crontab (`cron.rs`, with `jobs.rs` and
-//! `parking.rs`). Each item keeps every promise a single leader keeps: its command starts only
+//! answer (`duty.rs`): `--shards` (`shards.rs`), or scheduled jobs (`scheduled.rs`, with
+//! `jobs.rs` and `parking.rs`): a crontab's, or a shard's occurrences under `--schedule`. Each item keeps every promise a single leader keeps: its command starts only
 //! once its lock is held and fenced (its own `PGLEADER_EPOCH`, the restart fence and
 //! `--takeover-delay` counted), it runs in a process group of its own under a keeper that
 //! holds the holder's socket and watches the session's deadline (a kill -9 of pgleader frees
@@ -30,12 +30,12 @@
 //! are gone, leaves the fleet (so that the others share its items out), and joins again only
 //! once a probe passes.
 
-mod cron;
 mod duty;
 mod jobs;
 mod link;
 mod parking;
 mod roster;
+mod scheduled;
 mod shards;
 
 use std::time::Duration;
@@ -63,9 +63,9 @@ use crate::supervise::signals::SignalEvent;
 use crate::supervise::watchdog::Deadline;
 use crate::supervise::{Settings, Sharding};
 use crate::time::for_people as fmt;
-use cron::Cron;
 use duty::{Duty, Launch, Mood, Slot, Table, Then, Unready};
 use link::{Link, Watching, alongside, no_answer};
+use scheduled::Scheduled;
 use shards::Shards;
 
 /// What a replica of a sharded lock shares out with the others.
@@ -100,18 +100,26 @@ pub async fn run<B: ShardBackend + Clone + 'static>(
         None => Health::none(),
     };
     let inbox = Inbox::new(signals, telemetry.clone(), settings.stop_rules());
-    match fleet {
-        Fleet::Shards(sharding) => {
-            let (command, hooks) = (settings.command.clone(), settings.hooks.clone());
-            let lock = settings.lock.to_string();
-            let duty = Shards::new(sharding, command, hooks, settings.restart_delay, lock);
+    let (lock, hooks) = (settings.lock.clone(), settings.hooks.clone());
+    match (fleet, &settings.schedule) {
+        (Fleet::Shards(sharding), None) => {
+            let command = settings.command.clone();
+            let restart_delay = settings.restart_delay;
+            let duty = Shards::new(sharding, command, hooks, restart_delay, lock.to_string());
             Room::new(backend, settings, duty, health, inbox)
                 .run()
                 .await
         }
-        Fleet::Crontab(crontab) => {
-            let (lock, hooks) = (settings.lock.clone(), settings.hooks.clone());
-            let duty: Cron<B::Holder> = Cron::new(lock, &crontab, hooks, telemetry)?;
+        (Fleet::Shards(sharding), Some(plan)) => {
+            let what = (plan, &settings.command);
+            let duty: Scheduled<B::Holder> =
+                Scheduled::shards(lock, sharding, what, hooks, telemetry);
+            Room::new(backend, settings, duty, health, inbox)
+                .run()
+                .await
+        }
+        (Fleet::Crontab(crontab), _) => {
+            let duty: Scheduled<B::Holder> = Scheduled::crontab(lock, &crontab, hooks, telemetry)?;
             Room::new(backend, settings, duty, health, inbox)
                 .run()
                 .await

@@ -1,12 +1,13 @@
-//! The crontab duty (`pgleader cron`): the items are the crontab's jobs, and a replica runs
-//! the occurrences of the jobs it owns, each occurrence once across the fleet.
+//! The scheduled duty: the items are jobs, and a replica runs the occurrences of the jobs it
+//! owns, each occurrence once across the fleet. The jobs are a crontab's (`pgleader cron`), or
+//! one per shard on one schedule (`pgleader run --schedule --shards K`); see `jobs.rs`.
 //!
 //! Owning a job is holding its item; whether an occurrence runs is the ledger's business, per
 //! job (`jobs.rs`). An owned job sits in the room's table with no command between its runs:
 //! its runs ask for a start when an occurrence is claimed ([`Ask::Runs`]), and its command
 //! settles back to waiting when it ends (the table's `Restart::WhenAsked`). Around that:
 //! keepers parked ahead of the occurrences (`parking.rs`), the runs kept aside under
-//! `overlap=allow` (slots beside the job's own), `timeout=`, and SIGHUP's reread.
+//! `overlap=allow` (slots beside the job's own), `timeout=`, and a crontab's reread on SIGHUP.
 
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -25,26 +26,30 @@ use crate::election::lock::LockKey;
 use crate::election::shards::{Holder, Items, Seen};
 use crate::exit::ChildStatus;
 use crate::operate::telemetry::{CommandState, Telemetry};
+use crate::schedule::Plan;
 use crate::schedule::calendar::rfc3339;
 use crate::schedule::clock::ServerClock;
 use crate::schedule::crontab::Crontab;
 use crate::schedule::runs::{MOST_AT_ONCE, RunsEvent};
+use crate::supervise::Sharding;
 use crate::supervise::commands::{After, Restart, Settled};
 use crate::supervise::hook::Hooks;
 use crate::supervise::job::{CommandError, CommandLine, Job, Parked};
 use crate::supervise::label::Label;
 use crate::time::for_people as fmt;
 
-/// The crontab's jobs, the runs of those owned here, and their parked keepers.
-pub struct Cron<H: Holder> {
+/// The jobs, the runs of those owned here, and their parked keepers.
+pub struct Scheduled<H: Holder> {
     jobs: Jobs<H::Ledger>,
+    /// `--max-shards`.
+    cap: Option<u32>,
     parking: Parking,
     lock: LockKey,
     hooks: Hooks,
     telemetry: Telemetry,
 }
 
-/// What the crontab waits for beside the room.
+/// What the jobs wait for beside the room.
 pub enum Ask {
     /// An owned job's runs ask for something.
     Runs(u32, RunsEvent),
@@ -52,22 +57,47 @@ pub enum Ask {
     Parked(parking::Batch),
 }
 
-impl<H: Holder> Cron<H> {
-    pub fn new(
+impl<H: Holder> Scheduled<H> {
+    /// A crontab's jobs (`pgleader cron`).
+    pub fn crontab(
         lock: LockKey,
         crontab: &Crontab,
         hooks: Hooks,
         telemetry: Telemetry,
-    ) -> Result<Cron<H>, CommandError> {
-        let jobs = Jobs::new(&lock, crontab, telemetry.clone())?;
+    ) -> Result<Scheduled<H>, CommandError> {
+        let jobs = Jobs::crontab(&lock, crontab, telemetry.clone())?;
         telemetry.jobs_defined(jobs.known());
-        Ok(Cron {
+        Ok(Scheduled::of(jobs, None, lock, hooks, telemetry))
+    }
+
+    /// A job per shard, each running `command` at the occurrences of `plan` (`--schedule
+    /// --shards`).
+    pub fn shards(
+        lock: LockKey,
+        sharding: Sharding,
+        (plan, command): (&Plan, &CommandLine),
+        hooks: Hooks,
+        telemetry: Telemetry,
+    ) -> Scheduled<H> {
+        let jobs = Jobs::shards(&lock, sharding.count, plan, command, telemetry.clone());
+        Scheduled::of(jobs, sharding.cap, lock, hooks, telemetry)
+    }
+
+    fn of(
+        jobs: Jobs<H::Ledger>,
+        cap: Option<u32>,
+        lock: LockKey,
+        hooks: Hooks,
+        telemetry: Telemetry,
+    ) -> Scheduled<H> {
+        Scheduled {
             jobs,
+            cap,
             parking: Parking::default(),
             lock,
             hooks,
             telemetry,
-        })
+        }
     }
 
     /// The place of a run of `item` that goes on beside the next (`overlap=allow`): a free
@@ -122,7 +152,7 @@ impl<H: Holder> Cron<H> {
             let timeout = self
                 .jobs
                 .definition(slot.item)
-                .and_then(|definition| definition.job.timeout);
+                .and_then(|definition| definition.timeout);
             warn!(event = "run_timed_out", lock = %self.lock, job = label.job.as_deref(), "the run of {} has taken its timeout={}; stopping it", label.name(), timeout.map_or_else(String::new, |timeout| fmt(timeout).to_string()));
             table.stop(&slot, kill_signal, After::Restart);
         }
@@ -169,7 +199,7 @@ fn timeout_of(held: &Held) -> Option<Instant> {
     held.run.and_then(|run| run.timeout_at)
 }
 
-impl<H: Holder> Duty<H> for Cron<H> {
+impl<H: Holder> Duty<H> for Scheduled<H> {
     type Ask = Ask;
 
     fn items(&self) -> Items {
@@ -177,7 +207,7 @@ impl<H: Holder> Duty<H> for Cron<H> {
     }
 
     fn cap(&self) -> Option<u32> {
-        None
+        self.cap
     }
 
     fn restart(&self) -> Restart {
@@ -185,12 +215,16 @@ impl<H: Holder> Duty<H> for Cron<H> {
     }
 
     fn rereads(&self) -> bool {
-        true
+        self.jobs.is_crontab()
     }
 
     fn log_joined(&self, lock: &str, me: i32) {
         let count = self.jobs.items().len();
-        info!(event = "joined", lock = %lock, backend_pid = me, jobs = count, "joined the replicas of this crontab, {count} jobs");
+        if self.jobs.is_crontab() {
+            info!(event = "joined", lock = %lock, backend_pid = me, jobs = count, "joined the replicas of this crontab, {count} jobs");
+        } else {
+            info!(event = "joined", lock = %lock, backend_pid = me, shards = count, "joined the replicas of this lock, {count} shards");
+        }
     }
 
     async fn begin(&mut self, holder: &H, timeout: Duration) -> Result<(), Unready> {
@@ -349,7 +383,7 @@ impl<H: Holder> Duty<H> for Cron<H> {
         let timeout = self
             .jobs
             .definition(slot.item)
-            .and_then(|definition| definition.job.timeout);
+            .and_then(|definition| definition.timeout);
         if let Some(run) = table.item_mut(&slot).and_then(|held| held.run.as_mut()) {
             run.timeout_at = timeout.map(|timeout| Instant::now() + timeout);
         }
@@ -388,7 +422,7 @@ impl<H: Holder> Duty<H> for Cron<H> {
     /// cannot be used is logged and the one read before keeps running.
     async fn reread(&mut self, table: &mut Table, holder: &H, mood: Mood) -> Option<Items> {
         let lock = self.lock.clone();
-        let path = self.jobs.path().to_owned();
+        let path = self.jobs.path()?.to_owned();
         info!(event = "rereading", lock = %lock, "SIGHUP: rereading the crontab {}", path.display());
         let reread = Crontab::read(&path)
             .map_err(|err| err.to_string())
@@ -437,18 +471,21 @@ impl<H: Holder> Duty<H> for Cron<H> {
         Some(self.jobs.items())
     }
 
-    /// The jobs owned here by name (between two runs, a job's command is not running, not
-    /// waiting).
+    /// A crontab's jobs owned here by name (between two runs, a job's command is not
+    /// running, not waiting).
     fn publish(&self, table: &Table, telemetry: &Telemetry) {
+        if !self.jobs.is_crontab() {
+            return;
+        }
         let owned = table.views().filter_map(|(slot, _, mut command)| {
             if slot.is_aside() {
                 return None;
             }
-            let definition = self.jobs.definition(slot.item)?;
+            let name = self.jobs.definition(slot.item)?.label.job.clone()?;
             if command.state == CommandState::Waiting {
                 command.state = CommandState::NotRunning;
             }
-            Some((definition.job.name.clone(), command))
+            Some((name, command))
         });
         telemetry.jobs_owned(owned.collect());
     }
