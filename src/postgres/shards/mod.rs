@@ -37,9 +37,9 @@
 //! join.
 //!
 //! The parts, the same on Redis (`redis/shards/`): the keys and every statement on them
-//! ([`statements`]), the roster's reading and a plain replica's refusal beside it ([`roster`]),
-//! the holder session with a crontab's markers and ledgers ([`holder`]), the watcher
-//! ([`watcher`]) and what `status` reads ([`status`]).
+//! (`statements.rs`), the roster's reading and a plain replica's refusal beside it (`roster.rs`),
+//! the holder session with a crontab's markers and ledgers (`holder.rs`), the watcher
+//! (`watcher.rs`) and what `status` reads (`status.rs`).
 
 mod holder;
 mod roster;

@@ -18,7 +18,7 @@ pub(super) const CAP_BASE: i32 = SHARD_CAP_BASE;
 /// The largest shard count (and cap) the markers' ranges hold.
 pub const MAX_SHARDS: u32 = 1 << 20;
 
-/// The keys of one sharded lock (see the module's table).
+/// The keys of one sharded lock (see the table in `shards/mod.rs`).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ShardKeys {
     pub(super) space: i32,

@@ -37,7 +37,7 @@ impl Watcher for ShardWatcher {
     }
 
     /// Resolves once the member whose holder session is server process `member` has gone
-    /// (or left), having told every member. Without polling, in turns (see the module). As
+    /// (or left), having told every member. Without polling, in turns (see `shards/mod.rs`). As
     /// with a follower's wait, a watch that was dropped may have been granted meanwhile: the
     /// watcher must then be dropped too.
     fn watch(&self, member: i32) -> impl Future<Output = Result<(), SessionError>> + 'static {

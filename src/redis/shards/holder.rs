@@ -148,7 +148,7 @@ impl Holder for RedisShardHolder {
     type Ledger = RedisLedger;
 
     /// The job's ledger under `pgleader:{NAME}:job:<job>` on the holder connection, its claims
-    /// guarded by the job's item key (see the module).
+    /// guarded by the job's item key (see `shards/mod.rs`).
     fn ledger(&self, job: &LockKey, item: u32, definition: &Definition) -> Option<RedisLedger> {
         let fleet = Keys {
             lock: self.args.keys.base.clone(),
@@ -223,8 +223,9 @@ impl Holder for RedisShardHolder {
 
     /// The socket, with the release of `shard` for its keeper to send if pgleader dies. The
     /// keepers of all this replica's shards share the one socket; each says its own farewell.
-    /// A crontab's job keepers release only their job (see `FAREWELL` in `scripts.rs`): the keeper of the
-    /// membership ([`Holder::lend_membership`]) ends the membership after the last of them.
+    /// A crontab's job keepers release only their job (see `FAREWELL` in `scripts.rs`): the
+    /// keeper of the membership ([`Holder::lend_membership`]) ends the membership after the
+    /// last of them.
     fn lend(&self, shard: u32) -> Vec<crate::election::socket::Lent> {
         let args = &self.args;
         self.connection
@@ -287,7 +288,7 @@ impl Holder for RedisShardHolder {
         }
     }
 
-    /// Reads the roster and renews this member's card and shards (see the module).
+    /// Reads the roster and renews this member's card and shards (see `shards/mod.rs`).
     fn roster(&self) -> impl Future<Output = Result<Seen, SessionError>> + 'static {
         let mut conn = self.connection.conn.clone();
         let args = self.args.clone();

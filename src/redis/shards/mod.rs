@@ -42,7 +42,7 @@
 //! which frees and deals out its shards. A crashed replica's shards move within a check
 //! interval, as a single lock's do, long before the TTL.
 //!
-//! **A crontab job's ledger** (`Holder::ledger`, in [`holder`]) is the Redis ledger
+//! **A crontab job's ledger** (`Holder::ledger`, in `holder.rs`) is the Redis ledger
 //! (`redis/ledger.rs`) under the job's keys, on the holder connection, guarded by the job's
 //! item key instead of a plain lock's: a claim succeeds only while
 //! `pgleader:{NAME}:shard:<item>` carries this member's nonce, checked in the claim's own
@@ -53,10 +53,10 @@
 //! holder connection, the watch on its watcher connection.
 //!
 //! The parts, the same as on PostgreSQL (`postgres/shards/`): the keys, the Lua and its
-//! arguments ([`scripts`]), the cards and the roster's reading, and a plain replica's refusal
-//! beside sharded ones ([`roster`]), the holder connection with a crontab's ledgers and the
-//! keepers' farewells ([`holder`]), the watcher ([`watcher`]) and what `status` reads
-//! ([`status`]).
+//! arguments (`scripts.rs`), the cards and the roster's reading, and a plain replica's refusal
+//! beside sharded ones (`roster.rs`), the holder connection with a crontab's ledgers and the
+//! keepers' farewells (`holder.rs`), the watcher (`watcher.rs`) and what `status` reads
+//! (`status.rs`).
 
 mod holder;
 mod roster;
