@@ -23,14 +23,14 @@ use crate::postgres::session::{PgSession, query_error};
 
 /// A replica's holder session: its membership, its markers and the shards it runs.
 #[derive(Debug)]
-pub struct ShardHolder {
+pub struct PgShardHolder {
     session: PgSession,
     keys: ShardKeys,
     items: Items,
     notifications: Notifications,
 }
 
-impl ShardHolder {
+impl PgShardHolder {
     /// Connects, joins the roster (member lock, markers, LISTEN) and refuses to go on beside a
     /// replica that runs the name otherwise; then tells the others it joined.
     pub async fn join(
@@ -38,7 +38,7 @@ impl ShardHolder {
         name: &str,
         items: &Items,
         cap: Option<u32>,
-    ) -> Result<ShardHolder, JoinError> {
+    ) -> Result<PgShardHolder, JoinError> {
         assert!(
             items.marker() <= MAX_SHARDS && items.iter().all(|item| item < 1 << 30),
             "a shard count and job numbers are checked at start-up"
@@ -68,7 +68,7 @@ impl ShardHolder {
             .batch_execute(&join)
             .await
             .map_err(query_error)?;
-        let mut holder = ShardHolder {
+        let mut holder = PgShardHolder {
             session,
             keys,
             items: Items::Listed(Default::default()),
@@ -93,7 +93,7 @@ impl ShardHolder {
     }
 }
 
-impl Holder for ShardHolder {
+impl Holder for PgShardHolder {
     type Ledger = PgLedger;
 
     fn ledger(&self, job: &LockKey, item: u32, definition: &Definition) -> Option<PgLedger> {
@@ -287,7 +287,7 @@ impl Holder for ShardHolder {
     }
 }
 
-impl ShardHolder {
+impl PgShardHolder {
     /// Holds the "knows job n" marker of each of a crontab's `items`, and of no other job.
     async fn know(&mut self, items: &Items) -> Result<(), SessionError> {
         let (Items::Listed(new), Items::Listed(old)) = (items, &self.items) else {

@@ -19,13 +19,13 @@
 //! (`defines_space` of n, the job's definition), so that the others (and `status`) see which
 //! jobs it knows and how it defines each.
 //!
-//! **Holder.** One session per replica (a [`ShardHolder`]) holds its member lock, its markers
+//! **Holder.** One session per replica (a [`PgShardHolder`]) holds its member lock, its markers
 //! and every shard it runs, LISTENs on the name's channel (`pgleader_shards_` and the space in
 //! hex), and reads the roster (`pg_locks`, one statement) when notified and at every check.
 //! Every change is notified: a member joins, gives a shard away, leaves, or is found gone.
 //!
 //! **Watcher.** Nobody is notified when a replica dies: the server just frees its locks. So
-//! each replica's second session (a [`ShardWatcher`]) waits for a shared lock on the member lock
+//! each replica's second session (a [`PgShardWatcher`]) waits for a shared lock on the member lock
 //! of the next member in id order (the roster's `successor`), in turns like a follower's wait
 //! (no snapshot older than `--wait-refresh`), and is granted it the moment that member's holder
 //! session ends; in the same statement it lets it go and notifies everyone. Every member is
@@ -47,30 +47,30 @@ mod statements;
 mod status;
 mod watcher;
 
-pub use holder::ShardHolder;
+pub use holder::PgShardHolder;
 pub(crate) use roster::refusal;
 pub use statements::{MAX_SHARDS, ShardKeys};
 pub use status::view;
-pub use watcher::ShardWatcher;
+pub use watcher::PgShardWatcher;
 
 use crate::election::ConnectError;
 use crate::election::shards::{Items, JoinError, ShardBackend};
 use crate::postgres::PgBackend;
 
 impl ShardBackend for PgBackend {
-    type Holder = ShardHolder;
-    type Watcher = ShardWatcher;
+    type Holder = PgShardHolder;
+    type Watcher = PgShardWatcher;
 
     async fn join(
         &self,
         name: &str,
         items: &Items,
         cap: Option<u32>,
-    ) -> Result<ShardHolder, JoinError> {
-        ShardHolder::join(self, name, items, cap).await
+    ) -> Result<PgShardHolder, JoinError> {
+        PgShardHolder::join(self, name, items, cap).await
     }
 
-    async fn watcher(&self, name: &str) -> Result<ShardWatcher, ConnectError> {
-        ShardWatcher::open(self, name).await
+    async fn watcher(&self, name: &str) -> Result<PgShardWatcher, ConnectError> {
+        PgShardWatcher::open(self, name).await
     }
 }

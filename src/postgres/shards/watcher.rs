@@ -15,15 +15,15 @@ use crate::postgres::session::{PgSession, query_error};
 
 /// A replica's second session: it waits for the end of one other member.
 #[derive(Debug)]
-pub struct ShardWatcher {
+pub struct PgShardWatcher {
     session: PgSession,
     keys: ShardKeys,
     refresh: Duration,
 }
 
-impl ShardWatcher {
-    pub async fn open(backend: &PgBackend, name: &str) -> Result<ShardWatcher, ConnectError> {
-        Ok(ShardWatcher {
+impl PgShardWatcher {
+    pub async fn open(backend: &PgBackend, name: &str) -> Result<PgShardWatcher, ConnectError> {
+        Ok(PgShardWatcher {
             session: backend.session(name).await?,
             keys: ShardKeys::of(&backend.lock),
             refresh: backend.wait_refresh,
@@ -31,7 +31,7 @@ impl ShardWatcher {
     }
 }
 
-impl Watcher for ShardWatcher {
+impl Watcher for PgShardWatcher {
     fn id(&self) -> i32 {
         self.session.id()
     }
