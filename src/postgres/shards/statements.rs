@@ -74,8 +74,8 @@ impl ShardKeys {
 
 /// Every granted advisory lock of the name, and the plain key's too (waiting or not), with
 /// the server's clock and this session's server process: one row even when there is no lock.
-pub(super) const ROSTER_SQL: &str = "SELECT me.pid, me.now, l.pid, l.objid::int8, l.objsubid::int4, \
-        l.mode = 'ExclusiveLock', l.classid::int8 \
+pub(super) const ROSTER_SQL: &str = "SELECT me.pid, me.now, l.pid, l.objid::int8, \
+        l.objsubid::int4, l.mode = 'ExclusiveLock', l.classid::int8 \
     FROM (SELECT pg_catalog.pg_backend_pid() AS pid, pg_catalog.clock_timestamp() AS now) me \
     LEFT JOIN pg_catalog.pg_locks l ON l.locktype = 'advisory' \
         AND l.database = (SELECT oid FROM pg_catalog.pg_database \
