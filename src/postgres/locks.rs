@@ -1,13 +1,13 @@
 //! The lock in PostgreSQL's words: the statements a session sends to set itself up, take the
 //! lock, wait for it in turns, confirm it, fence a new leadership and let the lock go; the
 //! twin of `redis/scripts.rs`, which holds the same in Lua. `session.rs` sends them and reads
-//! the answers; a sharded lock's own statements are in `shards.rs`, which builds its waits
+//! the answers; a sharded lock's own statements are in `shards/statements.rs`, which builds its waits
 //! with [`in_turns`] too.
 //!
 //! Here too: how statements name the lock in `pg_locks` (one description, used by the
 //! leader's check, the ledger's guard, the agreement's and `status`'s lists of participants),
-//! and where the locks of the same name run with `--shards` live (`postgres/shards.rs` has the
-//! whole table), for a plain session's set-up to tell whether sharded replicas run its name.
+//! and where the locks of the same name run with `--shards` live (`postgres/shards/mod.rs` has
+//! the whole table), for a plain session's set-up to tell whether sharded replicas run its name.
 //!
 //! A bigint advisory key shows as `classid` = its high 32 bits, `objid` = its low 32 bits and
 //! `objsubid = 1` (the two-int4 form uses 2), in the current database only: a check on `objid`

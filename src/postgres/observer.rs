@@ -1,6 +1,6 @@
 //! What `pgleader status` and `status --watch` read on PostgreSQL: who holds and who waits for
 //! the lock (`pg_locks` joined with `pg_stat_activity`), who holds which shard of it when it
-//! runs sharded (`postgres/shards.rs`), and the ledger's history.
+//! runs sharded (`postgres/shards/status.rs`), and the ledger's history.
 //!
 //! Waiters are listed in the order they began waiting: by the start of the statement they wait
 //! in (`query_start`). A follower queues again at every turn of that statement (see

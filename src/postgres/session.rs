@@ -141,7 +141,7 @@ impl PgSession {
         self.sharded_replica
     }
 
-    /// The driver's client, for the statements of a sharded lock (`shards.rs`).
+    /// The driver's client, for the statements of a sharded lock (`shards/`).
     pub(super) fn client(&self) -> &Arc<Client> {
         &self.client
     }

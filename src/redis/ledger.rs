@@ -17,7 +17,7 @@
 //!
 //! Every claim, record and interruption is one script that first checks that the key its
 //! [`Guard`] names still holds this session's nonce: the lock's key for `--schedule`, the job's
-//! shard key (`pgleader:{NAME}:shard:<item>`, see `shards.rs`) for a crontab job, held by the
+//! shard key (`pgleader:{NAME}:shard:<item>`, see `shards/mod.rs`) for a crontab job, held by the
 //! replica's holder connection. So a claim succeeds only while the claimant leads (or owns the
 //! job), atomically: nothing can change the key between the check and the write. How a run
 //! ended is recorded on its own row only (its epoch), as on PostgreSQL, whether or not the key

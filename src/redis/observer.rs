@@ -1,6 +1,6 @@
 //! What `pgleader status` reads on Redis: the lock's value (who leads), the live waiters in
 //! the order they will be served, who holds which shard when the name runs sharded (see
-//! `redis/shards.rs`), and the ledger's history. It changes nothing.
+//! `redis/shards/status.rs`), and the ledger's history. It changes nothing.
 
 use std::time::Duration;
 

@@ -1,0 +1,150 @@
+//! The roster as a member reads it: who runs the name, what each holds, and whether one runs it
+//! otherwise (another K, or the plain lock), which refuses the join; and the refusal a plain
+//! replica gets beside sharded ones. Kept apart from the session so that it reads rows only.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::statements::{CAP_BASE, COUNT_BASE, MEMBER_FLOOR, ShardKeys};
+use crate::election::ConnectError;
+use crate::election::SessionError;
+use crate::election::lock::LockKey;
+use crate::election::shards::{Items, Listing, Member, Roster, Seen, kind_of};
+
+/// Reads a roster from `ROSTER_SQL`'s rows, as seen by a member that shares out `items`.
+/// `spaces` are the "defines" spaces of the reader's own jobs, each with its job.
+pub(super) fn read_roster(
+    keys: &ShardKeys,
+    items: &Items,
+    spaces: &BTreeMap<u32, u32>,
+    rows: &[tokio_postgres::Row],
+) -> Result<Seen, SessionError> {
+    let first = rows
+        .first()
+        .ok_or_else(|| SessionError::Query("the roster returned no row".into()))?;
+    let server_time: jiff::Timestamp = first.get(1);
+    let mut members: BTreeMap<i32, Member> = BTreeMap::new();
+    let (mut holds, mut counts, mut caps, mut plain) = (Vec::new(), Vec::new(), Vec::new(), None);
+    let mut knows: BTreeMap<i32, BTreeSet<u32>> = BTreeMap::new();
+    let mut defines: BTreeMap<i32, BTreeMap<u32, u32>> = BTreeMap::new();
+    for row in rows {
+        let (Some(pid), Some(objid), Some(subid), Some(exclusive)) = (
+            row.get::<_, Option<i32>>(2),
+            row.get::<_, Option<i64>>(3),
+            row.get::<_, Option<i32>>(4),
+            row.get::<_, Option<bool>>(5),
+        ) else {
+            continue;
+        };
+        if subid == 1 {
+            plain.get_or_insert(pid);
+            continue;
+        }
+        let classid = row.get::<_, Option<i64>>(6);
+        if classid == Some(i64::from(keys.knows as u32)) {
+            knows.entry(pid).or_default().insert(objid as u32);
+            continue;
+        }
+        if let Some(&item) = classid.and_then(|classid| spaces.get(&(classid as u32))) {
+            defines.entry(pid).or_default().insert(item, objid as u32);
+            continue;
+        }
+        let n = objid as u32 as i32;
+        match n {
+            0.. if exclusive => holds.push((pid, n as u32)),
+            MEMBER_FLOOR..0 if exclusive && ShardKeys::member(pid) == n => {
+                let holds = BTreeSet::new();
+                members.insert(
+                    pid,
+                    Member {
+                        id: pid,
+                        cap: None,
+                        holds,
+                        knows: None,
+                        defines: BTreeMap::new(),
+                    },
+                );
+            }
+            COUNT_BASE..CAP_BASE => counts.push((pid, (n - COUNT_BASE) as u32)),
+            CAP_BASE..MEMBER_FLOOR => caps.push((pid, (n - CAP_BASE) as u32)),
+            _ => {}
+        }
+    }
+    for (pid, cap) in caps {
+        if let Some(member) = members.get_mut(&pid) {
+            member.cap = Some(cap);
+        }
+    }
+    if let Items::Listed(_) = items {
+        for member in members.values_mut() {
+            member.knows = Some(knows.remove(&member.id).unwrap_or_default());
+            member.defines = defines.remove(&member.id).unwrap_or_default();
+        }
+    }
+    let marker = items.marker();
+    let mut mismatch = counts
+        .iter()
+        .find(|(_, count)| *count != marker)
+        .map(|(pid, count)| {
+            format!(
+                "the replica of server process {pid} runs this lock {}, this one {}: every replica \
+             of a lock must run it the same way (stop them all to change it)",
+                kind_of(*count),
+                kind_of(marker)
+            )
+        });
+    if let (None, Some(pid)) = (&mismatch, plain) {
+        mismatch = Some(format!(
+            "the replica of server process {pid} runs lock {} without --shards: a lock runs \
+             either sharded on every replica or on none",
+            keys.plain
+        ));
+    }
+    let mut taken = BTreeSet::new();
+    // A crontab's job held by a member that knows it and this replica does not (a rolling
+    // deploy) still counts among the jobs shared out, so that every replica computes the same
+    // shares whatever its own file holds.
+    let mut unknown = BTreeSet::new();
+    for (pid, shard) in holds {
+        let known = items.contains(shard);
+        match members.get_mut(&pid) {
+            Some(member) if known || matches!(items, Items::Listed(_)) => {
+                member.holds.insert(shard);
+                if !known {
+                    unknown.insert(shard);
+                }
+            }
+            None if known => {
+                taken.insert(shard);
+            }
+            _ => {}
+        }
+    }
+    let items = match items {
+        Items::Listed(listing) if !unknown.is_empty() => {
+            Items::Listed(std::sync::Arc::new(Listing {
+                items: listing.items.union(&unknown).copied().collect(),
+                definitions: listing.definitions.clone(),
+            }))
+        }
+        items => items.clone(),
+    };
+    Ok(Seen {
+        roster: Roster {
+            items,
+            members: members.into_values().collect(),
+        },
+        taken,
+        mismatch,
+        server_time,
+    })
+}
+
+/// The refusal of a plain replica's session where the replica of server process `pid` runs
+/// the same lock with `--shards` (the session's set-up looks: `locks::sharded_replica`), so
+/// that the two never both run the command.
+pub(crate) fn refusal(pid: i32, lock: &LockKey) -> ConnectError {
+    ConnectError::Conflict(format!(
+        "the replica of server process {pid} runs lock {lock} with --shards: a lock runs \
+         either sharded on every replica or on none"
+    ))
+}
