@@ -366,20 +366,26 @@ fn the_jobs_are_shared_out_evenly_and_each_occurrence_runs_once() {
     // Two sessions per replica whatever the number of jobs: its holder and its watcher.
     wait_for_two_sessions_each(&[&a, &b, &c], sessions_of);
     // A job moved to another replica keeps one ledger: its history goes on there.
-    let mut client = Cluster::shared().client();
     for job in runners.keys() {
-        let rows = client
-            .query(
-                "SELECT count(DISTINCT scheduled_for), count(*) FROM pgleader_ledger \
-                 WHERE lock_key = hashtextextended($1, 0) AND outcome = 'succeeded'",
-                &[&format!("{lock}\u{1f}{job}")],
-            )
-            .expect("the ledger");
-        let (distinct, all): (i64, i64) = (rows[0].get(0), rows[0].get(1));
+        let (distinct, all) = succeeded_in_ledger(&format!("{lock}\u{1f}{job}"));
         assert!(distinct >= 3, "{job}: {distinct} runs in the ledger");
         assert_eq!(distinct, all, "{job}: an occurrence recorded twice");
     }
     stop_and_assert_each_occurrence_once(&[&a, &b, &c]);
+}
+
+/// How many distinct occurrences the shared cluster's ledger records as succeeded under the
+/// key named `name`, and how many rows.
+pub fn succeeded_in_ledger(name: &str) -> (i64, i64) {
+    let rows = Cluster::shared()
+        .client()
+        .query(
+            "SELECT count(DISTINCT scheduled_for), count(*) FROM pgleader_ledger \
+             WHERE lock_key = hashtextextended($1, 0) AND outcome = 'succeeded'",
+            &[&name],
+        )
+        .expect("the ledger");
+    (rows[0].get(0), rows[0].get(1))
 }
 
 #[test]

@@ -1,4 +1,4 @@
-//! A sharded lock on one Redis server, at the library's level (`src/redis/shards.rs`): the keys
+//! A sharded lock on one Redis server, at the library's level (`src/redis/shards/`): the keys
 //! are the documented ones, members share the shards out and hand a surplus over through the
 //! server, renewal never re-creates a shard key that vanished, the end of a member's connection
 //! is heard by its watcher and told to everyone, and a replica that runs the name otherwise is

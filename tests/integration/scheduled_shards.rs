@@ -6,7 +6,7 @@
 
 use crate::cron_fleet::{
     RAN, a_killed_replica_s_jobs_run_on_the_other, stop_and_assert_each_occurrence_once,
-    wait_for_shares,
+    succeeded_in_ledger, wait_for_shares,
 };
 use crate::crontab::File;
 use crate::harness::{Cluster, Proc, Redis, Stream, field, run_with_url, unique_lock};
@@ -41,21 +41,13 @@ fn each_shard_s_occurrences_run_once_across_the_replicas_and_are_recorded_per_sh
         assert_eq!(field(&line, "shards"), "4", "{}", replica.dump());
     }
     // Each shard's runs are kept under its own key, whoever ran them.
-    let mut client = Cluster::shared().client();
     for n in 0..4 {
         let shard = format!("shard{n}/4");
         assert!(
             runners.contains_key(&shard),
             "{shard} never ran: {runners:?}"
         );
-        let rows = client
-            .query(
-                "SELECT count(DISTINCT scheduled_for), count(*) FROM pgleader_ledger \
-                 WHERE lock_key = hashtextextended($1, 0) AND outcome = 'succeeded'",
-                &[&format!("{lock}\u{1f}shard {n}")],
-            )
-            .expect("the ledger");
-        let (distinct, all): (i64, i64) = (rows[0].get(0), rows[0].get(1));
+        let (distinct, all) = succeeded_in_ledger(&format!("{lock}\u{1f}shard {n}"));
         assert!(distinct >= 2, "shard {n}: {distinct} runs in the ledger");
         assert_eq!(distinct, all, "shard {n}: an occurrence recorded twice");
     }

@@ -1,4 +1,4 @@
-//! A sharded lock on PostgreSQL, at the library's level (`src/postgres/shards.rs`): the keys
+//! A sharded lock on PostgreSQL, at the library's level (`src/postgres/shards/`): the keys
 //! are the documented ones, members share the shards out and hand a surplus over through the
 //! server, the end of a member is heard by everyone at once through the watcher, and a replica
 //! that runs the name otherwise is refused. Two sessions per replica, whatever the shard count.
