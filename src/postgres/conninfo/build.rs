@@ -48,6 +48,45 @@ fn build(
     env: &dyn Environment,
     warnings: &mut Vec<String>,
 ) -> Result<ConnSettings, ConnInfoError> {
+    let endpoints = endpoints(&mut params, env)?;
+    let user = match params.remove("user") {
+        Some(user) => user,
+        None => env.os_user().ok_or_else(|| {
+            ConnInfoError::InvalidValue(
+                "user".into(),
+                "no user given and the operating-system user is unknown".into(),
+            )
+        })?,
+    };
+    let dbname = params.remove("dbname").unwrap_or_else(|| user.clone());
+    let connect_timeout = connect_timeout(&mut params)?;
+    let target_session_attrs = target_session_attrs(&mut params, endpoints.len())?;
+    let (channel_binding, load_balance_hosts) = negotiation(&mut params)?;
+    let tls = tls(&mut params, env)?;
+    let (password, password_source) =
+        password(&mut params, env, (&endpoints, &dbname, &user), warnings);
+    let application_name = params.remove("application_name");
+    let options = params.remove("options");
+    debug_assert!(params.is_empty(), "every keyword in KEYWORDS is consumed");
+
+    Ok(ConnSettings {
+        endpoints,
+        user,
+        dbname,
+        password,
+        password_source,
+        application_name,
+        connect_timeout,
+        options,
+        target_session_attrs,
+        load_balance_hosts,
+        channel_binding,
+        tls,
+    })
+}
+
+/// The servers to try, in order: `host`, `hostaddr` and `port`, one per host or one for all.
+fn endpoints(params: &mut Params, env: &dyn Environment) -> Result<Vec<Endpoint>, ConnInfoError> {
     let ports = match params.remove("port") {
         Some(list) => list
             .split(',')
@@ -126,19 +165,12 @@ fn build(
             }
         })
         .collect::<Vec<_>>();
+    Ok(endpoints)
+}
 
-    let user = match params.remove("user") {
-        Some(user) => user,
-        None => env.os_user().ok_or_else(|| {
-            ConnInfoError::InvalidValue(
-                "user".into(),
-                "no user given and the operating-system user is unknown".into(),
-            )
-        })?,
-    };
-    let dbname = params.remove("dbname").unwrap_or_else(|| user.clone());
-
-    let connect_timeout = match params.remove("connect_timeout") {
+/// `connect_timeout`, bounded.
+fn connect_timeout(params: &mut Params) -> Result<Duration, ConnInfoError> {
+    let timeout = match params.remove("connect_timeout") {
         Some(value) => {
             let seconds: i64 = value.trim().parse().map_err(|_| {
                 ConnInfoError::InvalidValue(
@@ -156,10 +188,17 @@ fn build(
         }
         None => DEFAULT_CONNECT_TIMEOUT,
     };
+    Ok(timeout)
+}
 
-    let target_session_attrs = match params.remove("target_session_attrs").as_deref() {
+/// `target_session_attrs`: with several hosts, the primary by default.
+fn target_session_attrs(
+    params: &mut Params,
+    endpoints: usize,
+) -> Result<TargetSessionAttrs, ConnInfoError> {
+    let attrs = match params.remove("target_session_attrs").as_deref() {
         // pgleader never leads through a standby: with several hosts, look for the primary.
-        None if endpoints.len() > 1 => TargetSessionAttrs::ReadWrite,
+        None if endpoints > 1 => TargetSessionAttrs::ReadWrite,
         None | Some("any") => TargetSessionAttrs::Any,
         Some("read-write") | Some("primary") => TargetSessionAttrs::ReadWrite,
         Some(_) => {
@@ -170,6 +209,11 @@ fn build(
             ));
         }
     };
+    Ok(attrs)
+}
+
+/// `channel_binding`, `gssencmode` (there is no GSSAPI) and `load_balance_hosts`.
+fn negotiation(params: &mut Params) -> Result<(ChannelBinding, bool), ConnInfoError> {
     let channel_binding = match params.remove("channel_binding").as_deref() {
         None | Some("prefer") => ChannelBinding::Prefer,
         Some("disable") => ChannelBinding::Disable,
@@ -203,7 +247,11 @@ fn build(
             ));
         }
     };
+    Ok((channel_binding, load_balance_hosts))
+}
 
+/// `sslmode` and the certificate files.
+fn tls(params: &mut Params, env: &dyn Environment) -> Result<TlsSettings, ConnInfoError> {
     // libpq's default certificate files live in ~/.postgresql; like libpq, tls.rs uses them
     // only if they exist when connecting.
     let in_home = |file: &str| env.home().map(|home| home.join(".postgresql").join(file));
@@ -230,7 +278,7 @@ fn build(
             ),
         ));
     }
-    let tls = TlsSettings {
+    Ok(TlsSettings {
         mode,
         root_cert,
         client_cert: params
@@ -241,8 +289,16 @@ fn build(
             .remove("sslkey")
             .map(PathBuf::from)
             .or_else(|| in_home("postgresql.key")),
-    };
+    })
+}
 
+/// The password, and where it came from: `password`, else the password file.
+fn password(
+    params: &mut Params,
+    env: &dyn Environment,
+    (endpoints, dbname, user): (&[Endpoint], &str, &str),
+    warnings: &mut Vec<String>,
+) -> (Option<Password>, Option<String>) {
     let passfile = params.remove("passfile").map(PathBuf::from);
     let mut password_source = None;
     let password = match params.remove("password") {
@@ -255,7 +311,7 @@ fn build(
             match path {
                 Some(path) => {
                     let found = endpoints.iter().find_map(|endpoint| {
-                        password_from_file(&path, endpoint, &dbname, &user, warnings)
+                        password_from_file(&path, endpoint, dbname, user, warnings)
                     });
                     if found.is_some() {
                         password_source = Some(path.display().to_string());
@@ -266,25 +322,7 @@ fn build(
             }
         }
     };
-
-    let application_name = params.remove("application_name");
-    let options = params.remove("options");
-    debug_assert!(params.is_empty(), "every keyword in KEYWORDS is consumed");
-
-    Ok(ConnSettings {
-        endpoints,
-        user,
-        dbname,
-        password,
-        password_source,
-        application_name,
-        connect_timeout,
-        options,
-        target_session_attrs,
-        load_balance_hosts,
-        channel_binding,
-        tls,
-    })
+    (password, password_source)
 }
 
 /// psql's default: the local Unix socket when a server listens there, else localhost.
