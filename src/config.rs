@@ -192,6 +192,7 @@ impl RunConfig {
                 busy_retry: args.replica.check_timeout / 2,
                 job: None,
                 overlap: crate::schedule::crontab::Overlap::Skip,
+                catch_up_new: true,
             }),
             None => None,
         };

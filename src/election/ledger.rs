@@ -54,6 +54,13 @@ pub struct Definition {
     pub timezone: String,
 }
 
+impl Definition {
+    /// Whether `entry` was recorded under this definition.
+    pub fn is_of(&self, entry: &Entry) -> bool {
+        entry.schedule == self.expression && entry.timezone == self.timezone
+    }
+}
+
 /// Who claims: this pgleader, in the leadership its fencing token names.
 #[derive(Clone, Debug)]
 pub struct Claimant {

@@ -48,6 +48,12 @@ pub struct Plan {
     /// [`runs::MOST_AT_ONCE`] runs at once), or it stops it (`overlap=replace`: the old run is
     /// recorded as interrupted).
     pub overlap: crontab::Overlap,
+    /// Whether the latest occurrence of a definition the ledger has never recorded is caught
+    /// up (`--schedule`: a timer started a moment late runs its occurrence), or the runs start
+    /// from the next one (a crontab's job added or rescheduled, by a reread or a deploy, as
+    /// cron and supercronic do). Catch-up is for a known definition's occurrences, missed
+    /// while no replica could run them.
+    pub catch_up_new: bool,
 }
 
 impl Plan {

@@ -525,6 +525,7 @@ impl<L: Ledger> Runs<L> {
                 let publish = self.publish.clone();
                 let schedule = self.plan.schedule.clone();
                 let job = self.plan.job.clone();
+                let (catch_up_new, definition) = (self.plan.catch_up_new, self.plan.definition());
                 Box::pin(async move {
                     let result = async {
                         for (at, host, pid) in ledger.interrupt_stale().await? {
@@ -546,7 +547,12 @@ impl<L: Ledger> Runs<L> {
                                 host.as_deref().unwrap_or("?")
                             );
                         }
-                        let newest = ledger.recent(1).await?.first().map(|entry| entry.scheduled_for);
+                        let newest = ledger.recent(1).await?.into_iter().next();
+                        // Under another definition (a rescheduled crontab job), the fleet never
+                        // knew this one: nothing of it was missed.
+                        let newest = newest
+                            .filter(|entry| catch_up_new || definition.is_of(entry))
+                            .map(|entry| entry.scheduled_for);
                         let agreement = agree(&ledger, &schedule, &clock, once, &own_ledger).await?;
                         Ok(Began { agreement, newest })
                     }

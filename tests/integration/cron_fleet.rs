@@ -498,6 +498,64 @@ pub fn sighup_rereads_the_file(spawn: Spawn) {
 }
 
 #[test]
+fn a_reread_runs_an_added_or_rescheduled_job_from_its_next_occurrence() {
+    a_reread_starts_new_definitions_at_their_next_occurrence(&pg_replica(unique_lock()));
+}
+
+/// One replica runs j1 every second; a reread, a second and a half after an occurrence of
+/// `*/5`, reschedules j1 to every five seconds and adds j9 on the same: each first runs at the
+/// next multiple of five, never the one just before the reread (as cron and supercronic; a
+/// catch-up is for a known definition's occurrences, missed while no replica ran them).
+pub fn a_reread_starts_new_definitions_at_their_next_occurrence(spawn: Spawn) {
+    let file = every_second("rescheduled", 1, RAN);
+    let a = spawn("A", &file);
+    wait_for_shares(&[&a], 1, &[("A", 1)]);
+    // 1.5 s past a multiple of five seconds: aligned with the wall clock, not a wait for an
+    // event.
+    let now = SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .expect("after 1970");
+    let into = (now.as_millis() % 5000) as u64;
+    std::thread::sleep(Duration::from_millis((6500 - into) % 5000));
+    std::fs::write(
+        &file.0,
+        format!(
+            "# pgleader: name=j1\n*/5 * * * * * * {RAN} v=2\n\
+             # pgleader: name=j9\n*/5 * * * * * * {RAN}\n"
+        ),
+    )
+    .expect("write the crontab");
+    let reread = rfc3339(SystemTime::now());
+    a.signal(Signal::SIGHUP);
+    a.wait_log("reread the crontab");
+    for (job, needle) in [("j1", "job=j1 "), ("j9", "job=j9 ")] {
+        let deadline = Instant::now() + WAIT;
+        let first = loop {
+            let lines = a.lines(Stream::Stdout);
+            let first = lines
+                .iter()
+                .filter(|line| line.contains(needle))
+                .filter(|line| job == "j9" || line.ends_with("v=2"))
+                .map(|line| field(line, "at"))
+                .next();
+            if let Some(first) = first {
+                break first;
+            }
+            assert!(Instant::now() < deadline, "{job} never ran\n{}", a.dump());
+            std::thread::sleep(Duration::from_millis(50));
+        };
+        assert!(
+            first.as_str() > reread.as_str(),
+            "{job}'s first run under its new definition was the occurrence of {first}, before \
+             the reread at {reread}\n{}",
+            a.dump()
+        );
+    }
+    a.terminate_cleanly();
+    assert_each_occurrence_once(&[&a]);
+}
+
+#[test]
 fn in_a_rolling_deploy_a_job_only_some_replicas_know_runs_on_one_of_those() {
     let lock = unique_lock();
     a_rolling_deploy_runs_every_job_once(

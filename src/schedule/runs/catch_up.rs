@@ -65,6 +65,12 @@ impl<L: Ledger> Runs<L> {
         }
         let blocked = foreign_ledger_blocks_catch_up(self.foreign_ledger_seen, catch_up);
         match latest {
+            // A definition the ledger never recorded (a crontab job added or rescheduled)
+            // starts from its next occurrence, as cron's do.
+            Some(latest) if newest.is_none() && !self.plan.catch_up_new => {
+                debug!(event = "first_leader", job = self.plan.job.as_deref(), occurrence = %rfc3339(latest), "the latest occurrence, {}, came before this definition was known: starting from the next", rfc3339(latest));
+                self.due = if self.plan.once { None } else { next };
+            }
             Some(latest) if blocked => {
                 warn!(event = "no_catch_up", job = self.plan.job.as_deref(), occurrence = %rfc3339(latest), "not catching up the occurrence of {}: a replica that records this lock's runs in another ledger table was seen lately and may have run it", rfc3339(latest));
                 self.due = if self.plan.once { None } else { next };

@@ -470,6 +470,8 @@ fn define(lock: &LockKey, crontab: &Crontab) -> Result<BTreeMap<u32, Definition>
             busy_retry: Duration::from_millis(500),
             job: Some(job.name.clone()),
             overlap: job.overlap,
+            // A job added or rescheduled runs from its next occurrence, as in cron.
+            catch_up_new: false,
         };
         let mut env = job.env.clone();
         env.push(("PGLEADER_JOB".into(), job.name.clone()));
