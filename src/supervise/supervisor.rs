@@ -414,14 +414,8 @@ impl<B: Backend> Supervisor<B> {
         let parked = self.take_parked().await;
         let (command, hooks) = (&self.settings.command, &self.settings.hooks);
         let watch = Some((deadline, &Label::leader()));
-        let started = match parked {
-            // A keeper killed since it was checked fails here; a fresh one is the fallback.
-            Some(parked) => parked
-                .start(env, hold, watch)
-                .or_else(|_| Parked::spawn(command, hooks)?.start(env, hold, watch)),
-            None => Parked::spawn(command, hooks).and_then(|parked| parked.start(env, hold, watch)),
-        };
-        let spawned = started.context("cannot start the keeper process")?;
+        let spawned = Parked::start_or_fresh(parked, command, hooks, env, hold, watch)
+            .context("cannot start the keeper process")?;
         self.backoff.reset();
         debug!(
             event = "spawned",
