@@ -39,6 +39,24 @@ pub enum Shutdown {
     Insist,
 }
 
+/// What a signal event means to pgleader, whatever it is doing: the one reading of signals
+/// ([`Inbox::meaning`]) that the single leader, a stop under way and the shard room all act on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SignalMeaning {
+    /// TERM or INT, or the signal channel's end before any shutdown was asked for (nothing more
+    /// can come: taken as a TERM); with what it asks for given the ones before it.
+    Shutdown(Signal, Shutdown),
+    /// HUP under `pgleader cron`: reread the crontab (remembered in
+    /// [`Inbox::reread_requested`]).
+    Reread,
+    /// Pass it on to the commands' process groups.
+    Forward(Signal),
+    /// A child changed state: reap.
+    Reap,
+    /// The signal channel ended after a shutdown was asked for: nothing more can come.
+    Closed,
+}
+
 /// The signal events, the shutdown state, and where transitions are published.
 #[derive(Debug)]
 pub struct Inbox {
@@ -83,6 +101,26 @@ impl Inbox {
         let event = self.signals.recv().await;
         self.signals_open = event.is_some();
         event
+    }
+
+    /// What `event` means (see [`SignalMeaning`]); the first TERM or INT and a HUP asking for
+    /// a reread are remembered.
+    pub fn meaning(&mut self, event: Option<SignalEvent>) -> SignalMeaning {
+        match event {
+            Some(SignalEvent::Shutdown(received)) => {
+                SignalMeaning::Shutdown(received, self.shutdown_signal(received))
+            }
+            None if self.shutdown_requested.is_none() => {
+                SignalMeaning::Shutdown(Signal::SIGTERM, self.shutdown_signal(Signal::SIGTERM))
+            }
+            None => SignalMeaning::Closed,
+            Some(SignalEvent::Forward(Signal::SIGHUP)) if self.hup_rereads => {
+                self.reread_requested = true;
+                SignalMeaning::Reread
+            }
+            Some(SignalEvent::Forward(signal)) => SignalMeaning::Forward(signal),
+            Some(SignalEvent::ChildStateChanged) => SignalMeaning::Reap,
+        }
     }
 
     /// What a TERM or INT asks for, given the ones before it; the first is remembered.
@@ -167,46 +205,34 @@ impl Inbox {
                 _ = async { match timer { Some(at) => sleep_until(at).await, None => std::future::pending().await } } => {
                     stop.on_timer(&job, Instant::now());
                 }
-                event = self.next_signal() => {
-                    let shutdown = match event {
-                        Some(SignalEvent::Shutdown(received)) => Some(received),
-                        // Nothing more can come (no second TERM, no SIGCHLD): as a TERM.
-                        None if self.shutdown_requested.is_none() => Some(Signal::SIGTERM),
-                        other => {
-                            self.handle_signal(other, Some(&mut job));
-                            None
-                        }
-                    };
-                    match shutdown.map(|received| (received, self.shutdown_signal(received))) {
-                        Some((received, Shutdown::First)) => {
-                            self.note_shutdown(received, "shutting down once the command has stopped");
-                            stop.retarget(&job, received);
-                        }
-                        Some((received, Shutdown::Insist)) => stop.insist(&job, received),
-                        Some((_, Shutdown::Repeated)) | None => {}
+                event = self.next_signal() => match self.meaning(event) {
+                    SignalMeaning::Shutdown(received, Shutdown::First) => {
+                        self.note_shutdown(received, "shutting down once the command has stopped");
+                        stop.retarget(&job, received);
                     }
-                }
+                    SignalMeaning::Shutdown(received, Shutdown::Insist) => stop.insist(&job, received),
+                    meaning => {
+                        self.on_job_signal(meaning, Some(&mut job));
+                    }
+                },
                 report = job.next_report() => stop.on_report(&job, report),
             }
         }
     }
 
-    /// Handles a signal event while a job may run. Returns true if a child was reaped.
-    pub fn handle_signal(&mut self, event: Option<SignalEvent>, job: Option<&mut Job>) -> bool {
-        match event {
-            Some(SignalEvent::Forward(Signal::SIGHUP)) if self.hup_rereads => {
-                self.reread_requested = true;
-                false
-            }
-            Some(SignalEvent::Forward(signal)) => {
+    /// Does what a signal that is no shutdown means while `job` may run: passes it on, or
+    /// reaps. Returns true if a child was reaped.
+    pub fn on_job_signal(&mut self, meaning: SignalMeaning, job: Option<&mut Job>) -> bool {
+        match meaning {
+            SignalMeaning::Forward(signal) => {
                 forward(signal, job.into_iter().map(|job| &*job));
                 false
             }
-            Some(SignalEvent::ChildStateChanged) => {
+            SignalMeaning::Reap => {
                 reap(job.into_iter());
                 true
             }
-            Some(SignalEvent::Shutdown(_)) | None => false,
+            SignalMeaning::Shutdown(..) | SignalMeaning::Reread | SignalMeaning::Closed => false,
         }
     }
 
@@ -226,15 +252,15 @@ impl Inbox {
 
     /// Handles a signal while no command runs. Returns true if pgleader should shut down.
     pub fn idle_signal(&mut self, event: Option<SignalEvent>) -> bool {
-        match event {
-            Some(SignalEvent::Shutdown(signal)) => {
+        match self.meaning(event) {
+            SignalMeaning::Shutdown(signal, _) => {
                 self.shutdown_requested = Some(Instant::now());
                 self.note_shutdown(signal, "shutting down");
                 true
             }
-            None => true,
-            other => {
-                self.handle_signal(other, None);
+            SignalMeaning::Closed => true,
+            meaning => {
+                self.on_job_signal(meaning, None);
                 false
             }
         }

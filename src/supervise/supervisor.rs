@@ -45,6 +45,7 @@ use crate::supervise::duty::{Duty, Next};
 use crate::supervise::health::Health;
 use crate::supervise::hook;
 use crate::supervise::inbox::Inbox;
+use crate::supervise::inbox::SignalMeaning;
 use crate::supervise::job::{self, Job, Parked};
 use crate::supervise::keeper::Report;
 use crate::supervise::label::Label;
@@ -186,7 +187,7 @@ enum LeadEvent {
     /// `pgleader step-down` asked, with this request id.
     StepDown(String),
     Ended(String),
-    Signal(Option<SignalEvent>),
+    Signal(SignalMeaning),
     Report(Report),
     Unhealthy,
 }

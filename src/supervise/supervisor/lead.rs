@@ -16,9 +16,9 @@ use crate::operate::notify;
 use crate::schedule::calendar::rfc3339;
 use crate::supervise::duty::{Next, Shift};
 use crate::supervise::hook;
+use crate::supervise::inbox::SignalMeaning;
 use crate::supervise::job::{CommandError, Job};
 use crate::supervise::keeper::Report;
-use crate::supervise::signals::SignalEvent;
 use crate::supervise::stop::status_of;
 use crate::supervise::watchdog::Deadline;
 use crate::time::for_people as fmt;
@@ -122,7 +122,7 @@ impl<B: Backend> Supervisor<B> {
                 reason = session.ended() => LeadEvent::Ended(reason),
                 _ = sleep_until(deadline) => LeadEvent::Deadline,
                 result = async { match &mut check { Some((_, future)) => future.await, None => std::future::pending().await } } => LeadEvent::CheckDone(result),
-                event = self.inbox.next_signal() => LeadEvent::Signal(event),
+                event = self.inbox.next_signal() => LeadEvent::Signal(self.inbox.meaning(event)),
                 report = async { match &mut job { Some(job) => job.next_report().await, None => std::future::pending().await } } => LeadEvent::Report(report),
                 _ = sleep_until(next_check), if check.is_none() => LeadEvent::CheckDue,
                 _ = sleep_until(relinquish_at.map_or(deadline, |(at, _)| at)), if relinquish_at.is_some() => LeadEvent::Relinquish,
@@ -301,11 +301,7 @@ impl<B: Backend> Supervisor<B> {
                         return Ok(Led::Unhealthy(status));
                     }
                     // A closed signal channel (nothing more can come) counts as a TERM.
-                    LeadEvent::Signal(event @ (Some(SignalEvent::Shutdown(_)) | None)) => {
-                        let signal = match event {
-                            Some(SignalEvent::Shutdown(signal)) => signal,
-                            _ => Signal::SIGTERM,
-                        };
+                    LeadEvent::Signal(SignalMeaning::Shutdown(signal, _)) => {
                         self.inbox.begin_shutdown(
                             signal,
                             "shutting down: stopping the command, then releasing the lock",
@@ -318,9 +314,9 @@ impl<B: Backend> Supervisor<B> {
                             .await;
                         return Ok(Led::Shutdown(status));
                     }
-                    LeadEvent::Signal(event) => {
+                    LeadEvent::Signal(meaning) => {
                         // A keeper killed from outside: the command is gone with it.
-                        if self.inbox.handle_signal(event, job.as_mut())
+                        if self.inbox.on_job_signal(meaning, job.as_mut())
                             && let Some(mut vanished) = job.take_if(|job| job.is_finished())
                         {
                             let status = self.inbox.vanished(&mut vanished);
