@@ -26,7 +26,7 @@ use crate::supervise::inbox;
 use crate::supervise::job::{CommandError, CommandLine, Job};
 use crate::supervise::keeper::Report;
 use crate::supervise::label::Label;
-use crate::supervise::stop::{Stop, StopRules, status_of};
+use crate::supervise::stop::{Stop, StopRules};
 use crate::time::for_people as fmt;
 
 /// What a command is known by in the table, and how its log lines name it.
@@ -90,8 +90,6 @@ struct Entry<T> {
     job: Option<Job>,
     /// Set once the command is being stopped, or has exited and what it left is.
     stopping: Option<Stopping>,
-    /// How the command ended before any stop began (on its own, or its `--pre-start` failed).
-    ended: Option<ChildStatus>,
     /// Its command's last start and exit: what `/status` shows.
     started: Option<(i32, Timestamp)>,
     last_exit: Option<(ChildStatus, Timestamp)>,
@@ -155,7 +153,6 @@ impl<K: Key, T> Commands<K, T> {
                 start_at,
                 job: None,
                 stopping: None,
-                ended: None,
                 started: None,
                 last_exit: None,
                 pre_start_failures: 0,
@@ -241,7 +238,7 @@ impl<K: Key, T> Commands<K, T> {
         let stop = entry
             .job
             .as_ref()
-            .map(|job| Stop::begin(job, signal, self.rules, entry.label.clone(), entry.ended));
+            .map(|job| Stop::begin(job, signal, self.rules, entry.label.clone()));
         entry.stopping = Some(Stopping { after, stop });
     }
 
@@ -324,24 +321,22 @@ impl<K: Key, T> Commands<K, T> {
             }
             // The keeper logged why; its post-stop runs next, and the command is tried again
             // later, 1s doubling up to a minute while its pre-start keeps failing.
-            Report::PreStartFailed(code) => {
+            Report::PreStartFailed(_) => {
                 entry.pre_start_failures = entry.pre_start_failures.saturating_add(1);
-                if entry.stopping.is_none() {
-                    entry.ended = Some(ChildStatus::Exited(code.max(1)));
-                    self.stop(key, kill_signal, After::Restart);
-                    return Ok(());
-                }
-            }
-            Report::Exited(_) | Report::Killed(_) if entry.stopping.is_none() => {
-                // On its own: what it left in its group goes too; the entry stays and its
-                // command starts again after --restart-delay.
-                let status = status_of(report);
-                label.log_exited(status);
-                entry.ended = Some(status);
-                self.stop(key, kill_signal, After::Restart);
-                return Ok(());
             }
             _ => {}
+        }
+        // Ended on its own, or its --pre-start failed: what it left in its group goes too;
+        // the entry stays and its command starts again after --restart-delay.
+        if entry.stopping.is_none()
+            && let Some(job) = &entry.job
+            && let Some((_, stop)) = Stop::after_end(job, report, kill_signal, self.rules, label)
+        {
+            entry.stopping = Some(Stopping {
+                after: After::Restart,
+                stop: Some(stop),
+            });
+            return Ok(());
         }
         if let Some((job, stop)) = entry.stop_under_way() {
             stop.on_report(job, report);
@@ -366,7 +361,6 @@ impl<K: Key, T> Commands<K, T> {
                 && entry.start_at <= now
             {
                 entry.job = Some(start(key, &entry.item)?);
-                entry.ended = None;
             }
         }
         Ok(())

@@ -22,7 +22,7 @@ use crate::operate::telemetry::Telemetry;
 use crate::supervise::job::{self, Job};
 use crate::supervise::label::Label;
 use crate::supervise::signals::SignalEvent;
-use crate::supervise::stop::{Stop, StopRules, end_of};
+use crate::supervise::stop::{Stop, StopRules};
 
 /// A second TERM or INT sends SIGKILL at once, unless it follows the first this closely.
 pub const REPEAT_WINDOW: Duration = Duration::from_secs(1);
@@ -171,31 +171,23 @@ impl Inbox {
         signal: Signal,
     ) -> Option<ChildStatus> {
         match job {
-            Some(job) => Some(self.stop(job, signal, None).await),
+            Some(job) => Some(self.stop(job, signal).await),
             None => None,
         }
     }
 
-    /// Stops a job by the stop machine's rules (`stop.rs`). `ended` is how the command ended
-    /// when only what it left behind is being stopped (see `Stop::begin`); otherwise its end
-    /// is published. Returns once nothing of the job is left.
-    pub async fn stop(
-        &mut self,
-        job: Job,
-        signal: Signal,
-        ended: Option<ChildStatus>,
-    ) -> ChildStatus {
-        let stop = Stop::begin(&job, signal, self.rules, Label::leader(), ended);
+    /// Stops a job by the stop machine's rules (`stop.rs`) and publishes how its command
+    /// ended. Returns once nothing of the job is left.
+    pub async fn stop(&mut self, job: Job, signal: Signal) -> ChildStatus {
+        let stop = Stop::begin(&job, signal, self.rules, Label::leader());
         let status = self.drive(job, stop).await;
-        if ended.is_none() {
-            self.telemetry.command_exited(status);
-        }
+        self.telemetry.command_exited(status);
         status
     }
 
     /// Awaits each step of a stop until nothing of the job is left, and answers signals
     /// meanwhile: a first TERM/INT becomes the stop signal, a second one insists.
-    async fn drive(&mut self, mut job: Job, mut stop: Stop) -> ChildStatus {
+    pub async fn drive(&mut self, mut job: Job, mut stop: Stop) -> ChildStatus {
         loop {
             if let Some(status) = stop.finish(&mut job, Instant::now()) {
                 return status;
@@ -234,20 +226,6 @@ impl Inbox {
             }
             SignalMeaning::Shutdown(..) | SignalMeaning::Reread | SignalMeaning::Closed => false,
         }
-    }
-
-    /// The keeper vanished without the supervisor stopping it (killed from outside): how the
-    /// command ended, logged and published. What it left in its group is still to be stopped.
-    pub fn vanished(&mut self, job: &mut Job) -> ChildStatus {
-        let status = end_of(job, None);
-        self.command_exited(status);
-        status
-    }
-
-    /// The command exited on its own: logged and published.
-    pub fn command_exited(&mut self, status: ChildStatus) {
-        Label::leader().log_exited(status);
-        self.telemetry.command_exited(status);
     }
 
     /// Handles a signal while no command runs. Returns true if pgleader should shut down.

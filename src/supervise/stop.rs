@@ -79,18 +79,31 @@ pub struct Stop {
 }
 
 impl Stop {
-    /// Begins stopping `job`: `signal` to its process group (SIGKILL through the keeper).
-    /// `ended` is how the command ended when only what it left behind is being stopped (it
-    /// exited on its own, or its `--pre-start` failed); otherwise the stop is logged, and so is
-    /// the command's end.
-    pub fn begin(
+    /// Begins stopping `job`: `signal` to its process group (SIGKILL through the keeper). The
+    /// stop is logged, and so is the command's end.
+    pub fn begin(job: &Job, signal: Signal, rules: StopRules, label: Label) -> Stop {
+        Stop::new(job, signal, rules, label, None, true)
+    }
+
+    /// The command ended before any stop began, as the keeper's `report` says ([`ended_by`]):
+    /// its end is logged (a failed `--pre-start` the keeper logged already), and what it left
+    /// behind in its group is stopped with `signal`, by a stop that knows how it ended. `None`
+    /// for a report that says no such thing.
+    pub fn after_end(
         job: &Job,
+        report: Report,
         signal: Signal,
         rules: StopRules,
         label: Label,
-        ended: Option<ChildStatus>,
-    ) -> Stop {
-        Stop::new(job, signal, rules, label, ended, ended.is_none())
+    ) -> Option<(ChildStatus, Stop)> {
+        let ended = ended_by(report)?;
+        if !matches!(report, Report::PreStartFailed(_)) {
+            label.log_exited(ended);
+        }
+        Some((
+            ended,
+            Stop::new(job, signal, rules, label, Some(ended), false),
+        ))
     }
 
     /// Clears up after a keeper that vanished (killed from outside) without being stopped:
@@ -241,10 +254,9 @@ impl Stop {
                 self.kill_at = None;
                 self.keeper_kill_at = Some(Instant::now() + self.rules.hook_timeout + KEEPER_GRACE);
             }
-            // The keeper logged it; post-stop comes next. The command never ran: its end is
-            // not "exited" (the keeper's own exit status would say 0).
-            Report::PreStartFailed(code) => {
-                self.status.get_or_insert(ChildStatus::Exited(code.max(1)));
+            // The keeper logged it; post-stop comes next.
+            Report::PreStartFailed(_) => {
+                self.status = self.status.or(ended_by(report));
                 self.exit_logged = true;
             }
             // The keeper exits with 126/127 right after; its status stands for the command's.
@@ -377,6 +389,21 @@ pub fn end_of(job: &mut Job, known: Option<ChildStatus>) -> ChildStatus {
         })
         .or_else(|| job.keeper_status())
         .unwrap_or(ChildStatus::Signaled(Signal::SIGKILL))
+}
+
+/// How the command ended, when the keeper's `report` says it ended before any stop began:
+/// exited or killed on its own, or never run because its `--pre-start` failed (then its end
+/// is the hook's code, at least 1: the keeper's own exit status would say 0).
+pub fn ended_by(report: Report) -> Option<ChildStatus> {
+    match report {
+        Report::Exited(_) | Report::Killed(_) => Some(status_of(report)),
+        Report::PreStartFailed(code) => Some(ChildStatus::Exited(code.max(1))),
+        Report::Started(_)
+        | Report::SpawnFailed(_)
+        | Report::Done(_)
+        | Report::PostStop(_)
+        | Report::Expired(_) => None,
+    }
 }
 
 /// How the command ended, from the keeper's report of its end.

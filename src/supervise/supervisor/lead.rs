@@ -19,7 +19,8 @@ use crate::supervise::hook;
 use crate::supervise::inbox::SignalMeaning;
 use crate::supervise::job::{CommandError, Job};
 use crate::supervise::keeper::Report;
-use crate::supervise::stop::status_of;
+use crate::supervise::label::Label;
+use crate::supervise::stop::Stop;
 use crate::supervise::watchdog::Deadline;
 use crate::time::for_people as fmt;
 
@@ -317,12 +318,14 @@ impl<B: Backend> Supervisor<B> {
                     LeadEvent::Signal(meaning) => {
                         // A keeper killed from outside: the command is gone with it.
                         if self.inbox.on_job_signal(meaning, job.as_mut())
-                            && let Some(mut vanished) = job.take_if(|job| job.is_finished())
+                            && let Some(vanished) = job.take_if(|job| job.is_finished())
                         {
-                            let status = self.inbox.vanished(&mut vanished);
                             // Whatever it left in its group is SIGKILLed: no keeper is left to
                             // stop it gracefully.
-                            break 'exited (status, Some((vanished, Signal::SIGKILL)));
+                            let stop = Stop::vanished(&vanished, self.inbox.rules, Label::leader());
+                            let status = self.inbox.drive(vanished, stop).await;
+                            self.inbox.telemetry.command_exited(status);
+                            break 'exited (status, None);
                         }
                         continue 'leading;
                     }
@@ -360,18 +363,24 @@ impl<B: Backend> Supervisor<B> {
                     LeadEvent::Report(Report::Expired(_)) => {
                         (LossReason::CheckTimeout, keepers.lost_reason())
                     }
-                    LeadEvent::Report(Report::PreStartFailed(code)) => {
+                    LeadEvent::Report(report @ Report::PreStartFailed(code)) => {
                         let why = format!("its --pre-start failed ({})", hook::describe(code));
                         self.inbox
                             .telemetry
                             .leadership_lost(LossReason::PreStartFailed, &why);
                         notify::status(&format!("{why}; releasing the lock"));
                         // The keeper runs --post-stop, then reports that nothing is left.
-                        if let Some(job) = job.take() {
-                            let kill_signal = self.settings.kill_signal;
-                            // Stopped as a command that ended with its --pre-start.
-                            let ended = ChildStatus::Exited(code.max(1));
-                            self.inbox.stop(job, kill_signal, Some(ended)).await;
+                        let kill_signal = self.settings.kill_signal;
+                        if let Some(job) = job.take()
+                            && let Some((_, stop)) = Stop::after_end(
+                                &job,
+                                report,
+                                kill_signal,
+                                self.inbox.rules,
+                                Label::leader(),
+                            )
+                        {
+                            self.inbox.drive(job, stop).await;
                         }
                         shift.settle(Some((None, &why)), timeout).await;
                         self.duty.end(&shift);
@@ -379,10 +388,14 @@ impl<B: Backend> Supervisor<B> {
                         return Ok(Led::PreStartFailed);
                     }
                     LeadEvent::Report(report) => {
-                        let status = status_of(report);
-                        self.inbox.command_exited(status);
-                        let kill_signal = self.settings.kill_signal;
-                        break 'exited (status, job.take().map(|job| (job, kill_signal)));
+                        let (kill_signal, rules) = (self.settings.kill_signal, self.inbox.rules);
+                        let Some((status, stop)) = job.as_ref().and_then(|job| {
+                            Stop::after_end(job, report, kill_signal, rules, Label::leader())
+                        }) else {
+                            continue 'leading;
+                        };
+                        self.inbox.telemetry.command_exited(status);
+                        break 'exited (status, job.take().map(|job| (job, stop)));
                     }
                 };
                 // Whatever pgleader heard first on waking, its keeper acted before it.
@@ -435,8 +448,8 @@ impl<B: Backend> Supervisor<B> {
             });
             // Whatever it left behind in its process group goes too, before the lock is
             // released or the next occurrence runs.
-            if let Some((job, signal)) = leftovers {
-                self.inbox.stop(job, signal, Some(status)).await;
+            if let Some((job, stop)) = leftovers {
+                self.inbox.drive(job, stop).await;
             }
             // A scheduled leader keeps the lock between runs, and parks a fresh keeper for the
             // next occurrence; unless a TERM came while the leftovers were being stopped.
