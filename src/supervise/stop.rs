@@ -76,6 +76,9 @@ pub struct Stop {
     /// did not run): no stop signal of pgleader's, only the wait, and SIGKILL on a second
     /// TERM or INT.
     keeper_stops: bool,
+    /// Nothing of this stop is logged above debug: its owner says what happened (the health
+    /// probe's, [`Stop::kill_quietly`]).
+    quiet: bool,
 }
 
 impl Stop {
@@ -110,6 +113,21 @@ impl Stop {
     /// SIGKILL to what it left in its group, and the command's end logged once it is known.
     pub fn vanished(job: &Job, rules: StopRules, label: Label) -> Stop {
         Stop::new(job, Signal::SIGKILL, rules, label, None, false)
+    }
+
+    /// Kills what is left of a job whose end its owner reports itself (a health probe that
+    /// timed out, or whose leftovers outlived it): SIGKILL to everything through the keeper,
+    /// and its group SIGKILLed directly should the keeper not finish within [`KEEPER_GRACE`];
+    /// then [`Stop::next_timer`] says `None`, and the owner may give up. Nothing is logged.
+    pub fn kill_quietly(job: &Job, label: Label) -> Stop {
+        let rules = StopRules {
+            kill_timeout: Duration::ZERO,
+            hook_timeout: Duration::ZERO,
+        };
+        let mut stop = Stop::new(job, Signal::SIGKILL, rules, label, None, false);
+        stop.exit_logged = true;
+        stop.quiet = true;
+        stop
     }
 
     fn new(
@@ -153,6 +171,7 @@ impl Stop {
                 status: ended,
                 exit_logged: ended.is_some(),
                 keeper_stops: true,
+                quiet: false,
             };
         }
         // Sent before the log line: the next leader waits for this command's end.
@@ -184,6 +203,7 @@ impl Stop {
             status: ended,
             exit_logged: ended.is_some(),
             keeper_stops: false,
+            quiet: false,
         }
     }
 
@@ -215,14 +235,16 @@ impl Stop {
             );
             self.escalate(job);
         } else if self.keeper_kill_at.is_some_and(|at| at <= now) {
-            self.label.warn_kill(
-                self.pgid,
-                None,
-                format_args!(
-                    "the keeper{} did not finish; sending SIGKILL to the process group",
-                    self.label.of()
-                ),
-            );
+            if !self.quiet {
+                self.label.warn_kill(
+                    self.pgid,
+                    None,
+                    format_args!(
+                        "the keeper{} did not finish; sending SIGKILL to the process group",
+                        self.label.of()
+                    ),
+                );
+            }
             job.kill_groups();
             self.keeper_kill_at = None;
         }
