@@ -1,10 +1,14 @@
 //! Many commands at once under one replica: a table of commands keyed by what each one is (a
-//! shard number today, a crontab job's name next), each started under a keeper of its own,
-//! stopped by the one stop machine (`stop.rs`), reported on and signalled from one loop.
+//! shard's number under `--shards`; under `pgleader cron`, a crontab job's item, or a run that
+//! goes on beside the next one), each started under a keeper of its own, stopped by the one
+//! stop machine (`stop.rs`), reported on and signalled from one loop. The shard room
+//! (`sharded/`) owns one table and serves both.
 //!
-//! The table decides nothing about who runs what: its owner (the shard room's roster, a
-//! crontab's schedules) inserts an entry when a command may run, says when it must stop and
-//! what happens once its tree is gone ([`After`]), and drives the table from its own `select!`:
+//! The table decides nothing about who runs what: its owner (the roster's share, a crontab
+//! job's schedule and overlap rule) inserts an entry when a command may run, says when it must
+//! stop and what happens once its tree is gone ([`After`]), and how a command that exited
+//! starts again ([`Restart`]: after `--restart-delay`, or at the job's next occurrence), and
+//! drives the table from its own `select!`:
 //! the table's reports ([`Commands::next_report`] into [`Commands::on_report`]), its timer
 //! ([`Commands::next_timer`] into [`Commands::on_timer`]), SIGCHLD into [`Commands::reap`],
 //! and after every event [`Commands::settle`], which says which commands are wholly gone.

@@ -1,5 +1,6 @@
 //! How a command is stopped: the one set of rules for every command pgleader runs, the single
-//! leader's, a shard's, and whatever runs many commands next (DESIGN.md, invariant 10).
+//! leader's, a shard's and a crontab job's run (DESIGN.md, invariant 10), and, killed at once
+//! and quietly, the health probe's (`Stop::kill_quietly`).
 //!
 //! The rules: the stop signal to the command's process group, then SIGCONT (a stopped command
 //! must be able to act on it), sent again if the command starts only now (a signal sent to the
@@ -16,6 +17,10 @@
 //! after every event and at every timer). The single leader awaits it in a small loop
 //! (`Inbox::stop`, through `Inbox::drive`); a table of many commands polls one per command from
 //! its own loop (`commands.rs`), so that stopping one never holds up the others.
+//!
+//! The decisions around a stop are made here once, for every owner: a command that ended on
+//! its own or whose `--pre-start` failed ([`Stop::after_end`], [`ended_by`]), a keeper that
+//! vanished ([`Stop::vanished`]), a stop asked for ([`Stop::begin`]).
 
 use std::time::Duration;
 
