@@ -1,12 +1,14 @@
 //! What the supervisor hears besides the backend, and what it does to the command in answer:
-//! the signal events (TERM and INT to shut down, others to pass on, CHLD to reap), and the
+//! the signal events and what each means ([`SignalMeaning`]: TERM and INT to shut down, HUP
+//! under `pgleader cron` to reread the crontab, CHLD to reap, others to pass on), and the
 //! single leader's way of stopping its job: awaiting the stop machine (`stop.rs`) step by step.
 //!
 //! The [`Inbox`] owns the signal channel and remembers when a shutdown was asked for, so that a
 //! second TERM can escalate to SIGKILL wherever it arrives: while the command runs, while it is
-//! being stopped, or while pgleader waits. Whoever runs many commands at once (`commands.rs`)
-//! asks it the same question ([`Inbox::shutdown_signal`]) and passes signals on and reaps
-//! through the same two functions ([`forward`], [`reap`]).
+//! being stopped, or while pgleader waits. Every room reads signals through it
+//! ([`Inbox::meaning`], the one place that says which signal means what), and whoever runs many
+//! commands at once (`commands.rs`) passes signals on and reaps through the same two functions
+//! ([`forward`], [`reap`]).
 
 use std::time::Duration;
 
