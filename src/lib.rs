@@ -1,6 +1,10 @@
-//! pgleader runs a command on exactly one replica of a service: the one whose PostgreSQL
-//! session holds an advisory lock. It stops the command the moment that replica is no longer
-//! the leader, and goes back into the election.
+//! pgleader runs a command on exactly one replica of a service: the one whose session holds
+//! the lock, a PostgreSQL advisory lock or a Redis key (on one server, or a Redlock quorum).
+//! It stops the command the moment that replica is no longer the leader, and goes back into
+//! the election. `pgleader run` runs it as a service, once (`--once`), on a schedule
+//! (`--schedule`), or once per shard with every replica running its share (`--shards`);
+//! `pgleader cron` shares a crontab's jobs out among the replicas; `status` and `step-down`
+//! ask a running fleet.
 //!
 //! The binary (`main.rs`) parses the command line and calls [`execute`]; the modules below
 //! each own one concern, on floors that import only downwards:
@@ -8,10 +12,14 @@
 //! - [`time`], [`exit`], [`cli`], [`environment`], [`percent`]: leaves;
 //! - [`election`]: the boundary every backend implements (traits, the lock's key, the lease
 //!   rule, backoff, participants, the ledger's contract);
-//! - [`schedule`]: cron on the server's clock, catch-up, agreement (no backend types);
+//! - [`schedule`]: cron on the server's clock, catch-up, agreement, the crontab's reader (no
+//!   backend types);
 //! - [`postgres`], [`redis`]: the backends, siblings that never import each other;
-//! - [`operate`]: logs, notify, telemetry, metrics, HTTP, `status`, docs;
-//! - [`supervise`]: the state machine, the leader's duty, the job and its keeper, signals;
+//! - [`operate`]: logs, notify, telemetry, metrics, HTTP, `status` (and `--watch`), `step-down`,
+//!   `cron --check`, docs;
+//! - [`supervise`]: the single leader's state machine and duty, the shard room (`--shards`,
+//!   `pgleader cron`), the stop machine, the job and its keeper, hooks, the health probe,
+//!   signals;
 //! - [`config`]: validated settings, and which backend they name; then this file.
 //!
 //! DESIGN.md in the repository's shared notes lists the invariants the code keeps and the tests

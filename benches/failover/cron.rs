@@ -318,8 +318,8 @@ pub fn scenarios(
         plan.cost_window,
     ));
     match yacron.and_then(Yacron::finish) {
-        Ok((row, cost)) => {
-            rows.push(row);
+        Ok((figures, note, cost)) => {
+            rows.push(yacron_row(figures, note));
             crontab.costs.push(cost);
         }
         Err(err) => {
@@ -405,7 +405,7 @@ fn all_costs(
 }
 
 /// yacron's lateness row.
-pub fn yacron_row(figures: Figures, note: String) -> Row {
+fn yacron_row(figures: Figures, note: String) -> Row {
     row(
         "cron.yacron.lateness",
         &format!("14. crontab: {JOBS} jobs"),

@@ -90,8 +90,9 @@ impl Yacron {
     }
 
     /// Its RSS [`RSS_AFTER`] after its start, and the lateness of each job's run on the first
-    /// whole minute at least 2 s after its start.
-    pub fn finish(self) -> anyhow::Result<(crate::figures::Row, CrontabCost)> {
+    /// whole minute at least 2 s after its start, with a note for its row (the scenario,
+    /// `cron.rs`, makes the row: it knows the jobs and the row's place).
+    pub fn finish(self) -> anyhow::Result<(Figures, String, CrontabCost)> {
         let window = RSS_AFTER;
         if let Some(rest) = window.checked_sub(self.started.elapsed()) {
             sleep(rest);
@@ -162,7 +163,7 @@ impl Yacron {
             rss_kib: rss,
             requests_per_second: None,
         };
-        Ok((crate::cron::yacron_row(figures, note), cost))
+        Ok((figures, note, cost))
     }
 }
 

@@ -18,6 +18,20 @@
 //! - a statement counts only once its transaction has committed: if one statement of a
 //!   transaction fails, the others were rolled back with it and are told so (as
 //!   [`Outcome::RolledBack`], which the ledger reports as busy, to be tried again).
+//!
+//! This is the one place below the supervisor with a spawned task and state behind a `Mutex`,
+//! which "one task owns the child, the session and the signals; nothing is shared behind
+//! locks" (DESIGN.md) would seem to forbid. That rule is about who decides: no two places may
+//! disagree on what runs, or act on the session out of turn. Nothing here decides: the task
+//! only sends, in order, statements the ledgers chose already. It is a task of its own so that
+//! a caller that stops waiting (a crontab job moved to another replica, its future dropped)
+//! cannot cancel, half sent, a transaction that carries the others' statements. It lives while
+//! statements wait, each bounded by `statement_timeout`, and not past the session: dropping the
+//! session aborts its connection, and what waits is told it failed ([`Outcome::NotCommitted`])
+//! or [`Outcome::Gone`]. The `Mutex`es hand the queue and the prepared statements between the
+//! callers and that task (a spawned task must be `Send`: no `RefCell`); each is held for a few
+//! lines without an `.await`, on pgleader's one runtime thread, so nothing ever waits on one
+//! and none can delay an event loop.
 
 use std::collections::{BTreeMap, HashMap};
 use std::pin::Pin;

@@ -1,10 +1,14 @@
 //! Many commands at once under one replica: a table of commands keyed by what each one is (a
-//! shard number today, a crontab job's name next), each started under a keeper of its own,
-//! stopped by the one stop machine (`stop.rs`), reported on and signalled from one loop.
+//! shard's number under `--shards`; under `pgleader cron`, a crontab job's item, or a run that
+//! goes on beside the next one), each started under a keeper of its own, stopped by the one
+//! stop machine (`stop.rs`), reported on and signalled from one loop. The shard room
+//! (`sharded/`) owns one table and serves both.
 //!
-//! The table decides nothing about who runs what: its owner (the shard room's roster, a
-//! crontab's schedules) inserts an entry when a command may run, says when it must stop and
-//! what happens once its tree is gone ([`After`]), and drives the table from its own `select!`:
+//! The table decides nothing about who runs what: its owner (the roster's share, a crontab
+//! job's schedule and overlap rule) inserts an entry when a command may run, says when it must
+//! stop and what happens once its tree is gone ([`After`]), and how a command that exited
+//! starts again ([`Restart`]: after `--restart-delay`, or at the job's next occurrence), and
+//! drives the table from its own `select!`:
 //! the table's reports ([`Commands::next_report`] into [`Commands::on_report`]), its timer
 //! ([`Commands::next_timer`] into [`Commands::on_timer`]), SIGCHLD into [`Commands::reap`],
 //! and after every event [`Commands::settle`], which says which commands are wholly gone.
@@ -26,7 +30,7 @@ use crate::supervise::inbox;
 use crate::supervise::job::{CommandError, CommandLine, Job};
 use crate::supervise::keeper::Report;
 use crate::supervise::label::Label;
-use crate::supervise::stop::{Stop, StopRules, status_of};
+use crate::supervise::stop::{Stop, StopRules};
 use crate::time::for_people as fmt;
 
 /// What happens to an entry once its command's whole tree is gone.
@@ -78,8 +82,6 @@ struct Entry<T> {
     job: Option<Job>,
     /// Set once the command is being stopped, or has exited and what it left is.
     stopping: Option<Stopping>,
-    /// How the command ended before any stop began (on its own, or its `--pre-start` failed).
-    ended: Option<ChildStatus>,
     /// Its command's last start and exit: what `/status` shows.
     started: Option<(i32, Timestamp)>,
     last_exit: Option<(ChildStatus, Timestamp)>,
@@ -143,7 +145,6 @@ impl<K: Ord + Clone, T> Commands<K, T> {
                 start_at,
                 job: None,
                 stopping: None,
-                ended: None,
                 started: None,
                 last_exit: None,
                 pre_start_failures: 0,
@@ -229,7 +230,7 @@ impl<K: Ord + Clone, T> Commands<K, T> {
         let stop = entry
             .job
             .as_ref()
-            .map(|job| Stop::begin(job, signal, self.rules, entry.label.clone(), entry.ended));
+            .map(|job| Stop::begin(job, signal, self.rules, entry.label.clone()));
         entry.stopping = Some(Stopping { after, stop });
     }
 
@@ -312,24 +313,22 @@ impl<K: Ord + Clone, T> Commands<K, T> {
             }
             // The keeper logged why; its post-stop runs next, and the command is tried again
             // later, 1s doubling up to a minute while its pre-start keeps failing.
-            Report::PreStartFailed(code) => {
+            Report::PreStartFailed(_) => {
                 entry.pre_start_failures = entry.pre_start_failures.saturating_add(1);
-                if entry.stopping.is_none() {
-                    entry.ended = Some(ChildStatus::Exited(code.max(1)));
-                    self.stop(key, kill_signal, After::Restart);
-                    return Ok(());
-                }
-            }
-            Report::Exited(_) | Report::Killed(_) if entry.stopping.is_none() => {
-                // On its own: what it left in its group goes too; the entry stays and its
-                // command starts again after --restart-delay.
-                let status = status_of(report);
-                label.log_exited(status);
-                entry.ended = Some(status);
-                self.stop(key, kill_signal, After::Restart);
-                return Ok(());
             }
             _ => {}
+        }
+        // Ended on its own, or its --pre-start failed: what it left in its group goes too;
+        // the entry stays and its command starts again after --restart-delay.
+        if entry.stopping.is_none()
+            && let Some(job) = &entry.job
+            && let Some((_, stop)) = Stop::after_end(job, report, kill_signal, self.rules, label)
+        {
+            entry.stopping = Some(Stopping {
+                after: After::Restart,
+                stop: Some(stop),
+            });
+            return Ok(());
         }
         if let Some((job, stop)) = entry.stop_under_way() {
             stop.on_report(job, report);
@@ -354,7 +353,6 @@ impl<K: Ord + Clone, T> Commands<K, T> {
                 && entry.start_at <= now
             {
                 entry.job = Some(start(key, &entry.item)?);
-                entry.ended = None;
             }
         }
         Ok(())

@@ -32,7 +32,6 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use jiff::Timestamp;
-use nix::sys::signal::Signal;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep, sleep_until};
@@ -46,7 +45,8 @@ use crate::supervise::hook::Hooks;
 use crate::supervise::inbox::Inbox;
 use crate::supervise::job::{CommandLine, Parked};
 use crate::supervise::keeper::Report;
-use crate::supervise::stop::{KEEPER_GRACE, status_of};
+use crate::supervise::label::Label;
+use crate::supervise::stop::{Stop, status_of};
 use crate::time::for_people as fmt;
 
 /// `--health-cmd` and its companions.
@@ -461,17 +461,14 @@ impl Probe {
         }
         if !finished {
             // Timed out, or its leftovers outlived it: the keeper SIGKILLs every descendant
-            // and reports when none is left; if it cannot, its group goes with it.
-            let _ = job.kill_everything();
-            let grace = sleep(KEEPER_GRACE);
-            tokio::pin!(grace);
-            loop {
+            // and reports when none is left; if it cannot, its group goes with it, and the
+            // probe is over (its keeper is reaped as an orphan, not waited for here).
+            let mut stop = Stop::kill_quietly(&job, Label::job("health probe"));
+            while stop.finish(&mut job, Instant::now()).is_none() {
+                let Some(at) = stop.next_timer() else { break };
                 tokio::select! {
-                    report = job.next_report() => if matches!(report, Report::Done(_)) { break },
-                    _ = &mut grace => {
-                        let _ = job.signal(Signal::SIGKILL);
-                        break;
-                    }
+                    report = job.next_report() => stop.on_report(&job, report),
+                    _ = sleep_until(at) => stop.on_timer(&job, Instant::now()),
                 }
             }
         }

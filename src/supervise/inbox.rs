@@ -1,12 +1,14 @@
 //! What the supervisor hears besides the backend, and what it does to the command in answer:
-//! the signal events (TERM and INT to shut down, others to pass on, CHLD to reap), and the
+//! the signal events and what each means ([`SignalMeaning`]: TERM and INT to shut down, HUP
+//! under `pgleader cron` to reread the crontab, CHLD to reap, others to pass on), and the
 //! single leader's way of stopping its job: awaiting the stop machine (`stop.rs`) step by step.
 //!
 //! The [`Inbox`] owns the signal channel and remembers when a shutdown was asked for, so that a
 //! second TERM can escalate to SIGKILL wherever it arrives: while the command runs, while it is
-//! being stopped, or while pgleader waits. Whoever runs many commands at once (`commands.rs`)
-//! asks it the same question ([`Inbox::shutdown_signal`]) and passes signals on and reaps
-//! through the same two functions ([`forward`], [`reap`]).
+//! being stopped, or while pgleader waits. Every room reads signals through it
+//! ([`Inbox::meaning`], the one place that says which signal means what), and whoever runs many
+//! commands at once (`commands.rs`) passes signals on and reaps through the same two functions
+//! ([`forward`], [`reap`]).
 
 use std::time::Duration;
 
@@ -22,7 +24,7 @@ use crate::operate::telemetry::Telemetry;
 use crate::supervise::job::{self, Job};
 use crate::supervise::label::Label;
 use crate::supervise::signals::SignalEvent;
-use crate::supervise::stop::{Stop, StopRules, end_of};
+use crate::supervise::stop::{Stop, StopRules};
 
 /// A second TERM or INT sends SIGKILL at once, unless it follows the first this closely.
 pub const REPEAT_WINDOW: Duration = Duration::from_secs(1);
@@ -37,6 +39,24 @@ pub enum Shutdown {
     Repeated,
     /// A later one: kill now.
     Insist,
+}
+
+/// What a signal event means to pgleader, whatever it is doing: the one reading of signals
+/// ([`Inbox::meaning`]) that the single leader, a stop under way and the shard room all act on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SignalMeaning {
+    /// TERM or INT, or the signal channel's end before any shutdown was asked for (nothing more
+    /// can come: taken as a TERM); with what it asks for given the ones before it.
+    Shutdown(Signal, Shutdown),
+    /// HUP under `pgleader cron`: reread the crontab (remembered in
+    /// [`Inbox::reread_requested`]).
+    Reread,
+    /// Pass it on to the commands' process groups.
+    Forward(Signal),
+    /// A child changed state: reap.
+    Reap,
+    /// The signal channel ended after a shutdown was asked for: nothing more can come.
+    Closed,
 }
 
 /// The signal events, the shutdown state, and where transitions are published.
@@ -83,6 +103,26 @@ impl Inbox {
         let event = self.signals.recv().await;
         self.signals_open = event.is_some();
         event
+    }
+
+    /// What `event` means (see [`SignalMeaning`]); the first TERM or INT and a HUP asking for
+    /// a reread are remembered.
+    pub fn meaning(&mut self, event: Option<SignalEvent>) -> SignalMeaning {
+        match event {
+            Some(SignalEvent::Shutdown(received)) => {
+                SignalMeaning::Shutdown(received, self.shutdown_signal(received))
+            }
+            None if self.shutdown_requested.is_none() => {
+                SignalMeaning::Shutdown(Signal::SIGTERM, self.shutdown_signal(Signal::SIGTERM))
+            }
+            None => SignalMeaning::Closed,
+            Some(SignalEvent::Forward(Signal::SIGHUP)) if self.hup_rereads => {
+                self.reread_requested = true;
+                SignalMeaning::Reread
+            }
+            Some(SignalEvent::Forward(signal)) => SignalMeaning::Forward(signal),
+            Some(SignalEvent::ChildStateChanged) => SignalMeaning::Reap,
+        }
     }
 
     /// What a TERM or INT asks for, given the ones before it; the first is remembered.
@@ -133,31 +173,23 @@ impl Inbox {
         signal: Signal,
     ) -> Option<ChildStatus> {
         match job {
-            Some(job) => Some(self.stop(job, signal, None).await),
+            Some(job) => Some(self.stop(job, signal).await),
             None => None,
         }
     }
 
-    /// Stops a job by the stop machine's rules (`stop.rs`). `ended` is how the command ended
-    /// when only what it left behind is being stopped (see `Stop::begin`); otherwise its end
-    /// is published. Returns once nothing of the job is left.
-    pub async fn stop(
-        &mut self,
-        job: Job,
-        signal: Signal,
-        ended: Option<ChildStatus>,
-    ) -> ChildStatus {
-        let stop = Stop::begin(&job, signal, self.rules, Label::leader(), ended);
+    /// Stops a job by the stop machine's rules (`stop.rs`) and publishes how its command
+    /// ended. Returns once nothing of the job is left.
+    pub async fn stop(&mut self, job: Job, signal: Signal) -> ChildStatus {
+        let stop = Stop::begin(&job, signal, self.rules, Label::leader());
         let status = self.drive(job, stop).await;
-        if ended.is_none() {
-            self.telemetry.command_exited(status);
-        }
+        self.telemetry.command_exited(status);
         status
     }
 
     /// Awaits each step of a stop until nothing of the job is left, and answers signals
     /// meanwhile: a first TERM/INT becomes the stop signal, a second one insists.
-    async fn drive(&mut self, mut job: Job, mut stop: Stop) -> ChildStatus {
+    pub async fn drive(&mut self, mut job: Job, mut stop: Stop) -> ChildStatus {
         loop {
             if let Some(status) = stop.finish(&mut job, Instant::now()) {
                 return status;
@@ -167,74 +199,48 @@ impl Inbox {
                 _ = async { match timer { Some(at) => sleep_until(at).await, None => std::future::pending().await } } => {
                     stop.on_timer(&job, Instant::now());
                 }
-                event = self.next_signal() => {
-                    let shutdown = match event {
-                        Some(SignalEvent::Shutdown(received)) => Some(received),
-                        // Nothing more can come (no second TERM, no SIGCHLD): as a TERM.
-                        None if self.shutdown_requested.is_none() => Some(Signal::SIGTERM),
-                        other => {
-                            self.handle_signal(other, Some(&mut job));
-                            None
-                        }
-                    };
-                    match shutdown.map(|received| (received, self.shutdown_signal(received))) {
-                        Some((received, Shutdown::First)) => {
-                            self.note_shutdown(received, "shutting down once the command has stopped");
-                            stop.retarget(&job, received);
-                        }
-                        Some((received, Shutdown::Insist)) => stop.insist(&job, received),
-                        Some((_, Shutdown::Repeated)) | None => {}
+                event = self.next_signal() => match self.meaning(event) {
+                    SignalMeaning::Shutdown(received, Shutdown::First) => {
+                        self.note_shutdown(received, "shutting down once the command has stopped");
+                        stop.retarget(&job, received);
                     }
-                }
+                    SignalMeaning::Shutdown(received, Shutdown::Insist) => stop.insist(&job, received),
+                    meaning => {
+                        self.on_job_signal(meaning, Some(&mut job));
+                    }
+                },
                 report = job.next_report() => stop.on_report(&job, report),
             }
         }
     }
 
-    /// Handles a signal event while a job may run. Returns true if a child was reaped.
-    pub fn handle_signal(&mut self, event: Option<SignalEvent>, job: Option<&mut Job>) -> bool {
-        match event {
-            Some(SignalEvent::Forward(Signal::SIGHUP)) if self.hup_rereads => {
-                self.reread_requested = true;
-                false
-            }
-            Some(SignalEvent::Forward(signal)) => {
+    /// Does what a signal that is no shutdown means while `job` may run: passes it on, or
+    /// reaps. Returns true if a child was reaped.
+    pub fn on_job_signal(&mut self, meaning: SignalMeaning, job: Option<&mut Job>) -> bool {
+        match meaning {
+            SignalMeaning::Forward(signal) => {
                 forward(signal, job.into_iter().map(|job| &*job));
                 false
             }
-            Some(SignalEvent::ChildStateChanged) => {
+            SignalMeaning::Reap => {
                 reap(job.into_iter());
                 true
             }
-            Some(SignalEvent::Shutdown(_)) | None => false,
+            SignalMeaning::Shutdown(..) | SignalMeaning::Reread | SignalMeaning::Closed => false,
         }
-    }
-
-    /// The keeper vanished without the supervisor stopping it (killed from outside): how the
-    /// command ended, logged and published. What it left in its group is still to be stopped.
-    pub fn vanished(&mut self, job: &mut Job) -> ChildStatus {
-        let status = end_of(job, None);
-        self.command_exited(status);
-        status
-    }
-
-    /// The command exited on its own: logged and published.
-    pub fn command_exited(&mut self, status: ChildStatus) {
-        Label::leader().log_exited(status);
-        self.telemetry.command_exited(status);
     }
 
     /// Handles a signal while no command runs. Returns true if pgleader should shut down.
     pub fn idle_signal(&mut self, event: Option<SignalEvent>) -> bool {
-        match event {
-            Some(SignalEvent::Shutdown(signal)) => {
+        match self.meaning(event) {
+            SignalMeaning::Shutdown(signal, _) => {
                 self.shutdown_requested = Some(Instant::now());
                 self.note_shutdown(signal, "shutting down");
                 true
             }
-            None => true,
-            other => {
-                self.handle_signal(other, None);
+            SignalMeaning::Closed => true,
+            meaning => {
+                self.on_job_signal(meaning, None);
                 false
             }
         }

@@ -277,6 +277,25 @@ impl Parked {
         })
     }
 
+    /// Starts the command under `parked` (a keeper started ahead of time), else under a fresh
+    /// keeper for `command` and its `hooks`; as [`Parked::start`] otherwise. A parked keeper
+    /// killed since it was last checked fails its start (nothing was started), so a fresh one
+    /// is the fallback then too.
+    pub fn start_or_fresh(
+        parked: Option<Parked>,
+        command: &CommandLine,
+        hooks: &Hooks,
+        env: &[(&str, String)],
+        hold: &[Lent],
+        watch: Option<(&Deadline, &Label)>,
+    ) -> io::Result<Job> {
+        let fresh = || Parked::spawn(command, hooks)?.start(env, hold, watch);
+        match parked {
+            Some(parked) => parked.start(env, hold, watch).or_else(|_| fresh()),
+            None => fresh(),
+        }
+    }
+
     /// Hands a membership's keeper ([`Parked::spawn_membership`]) the sockets to hold, with
     /// their farewells: it is at work from now on.
     pub fn into_membership(self, hold: &[Lent]) -> io::Result<MembershipKeeper> {

@@ -1,12 +1,20 @@
-//! Supervising the command: the state machine of `pgleader run` (elect, lead, stop, re-enter),
-//! the leader's duty while it leads (a service, a single run, a schedule), a sharded replica's
-//! room (`--shards`: a command per shard it holds), the job and its keeper process, the signals
-//! pgleader receives, and what `/proc` says about a process group.
+//! Supervising commands. Two rooms run them:
+//! - the single leader (`supervisor.rs`, `supervisor/`): the state machine of `pgleader run`
+//!   (elect, lead, stop, re-enter), with its duty while it leads (`duty.rs`: a service, a
+//!   single run, a schedule);
+//! - the shard room (`sharded/`): `pgleader run --shards K`, a command per shard the replica
+//!   holds, and `pgleader cron`, the crontab's jobs shared out among the replicas, each owner
+//!   running its jobs' occurrences; one holder session, one table of commands (`commands.rs`).
+//!
+//! Beside them: the job and its keeper process (`job.rs`, `keeper.rs`, `spawn.rs`,
+//! `farewell.rs`), `--pre-start`/`--post-stop` (`hook.rs`), the health probe (`health.rs`), the
+//! signals pgleader receives and what each means (`signals.rs`, `inbox.rs`), how the log names
+//! a command (`label.rs`), and what `/proc` says about a process group (`procfs.rs`).
 //!
 //! Every command, whoever runs it, is stopped by one set of rules (`stop.rs`): the single
-//! leader awaits them (`inbox.rs`), and whatever runs many commands at once keeps them in a
-//! table (`commands.rs`) that drives one stop per command. Each leadership shares its deadline
-//! with its commands' keepers (`watchdog.rs`), which stop their trees by the same rules should
+//! leader awaits them (`inbox.rs`), and the shard room keeps its commands in a table
+//! (`commands.rs`) that drives one stop per command. Each leadership shares its deadline with
+//! its commands' keepers (`watchdog.rs`), which stop their trees by the same rules should
 //! pgleader itself stop running.
 //!
 //! Everything here works through the election's boundary (`election/`): the supervisor is

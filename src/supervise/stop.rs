@@ -1,5 +1,6 @@
 //! How a command is stopped: the one set of rules for every command pgleader runs, the single
-//! leader's, a shard's, and whatever runs many commands next (DESIGN.md, invariant 10).
+//! leader's, a shard's and a crontab job's run (DESIGN.md, invariant 10), and, killed at once
+//! and quietly, the health probe's (`Stop::kill_quietly`).
 //!
 //! The rules: the stop signal to the command's process group, then SIGCONT (a stopped command
 //! must be able to act on it), sent again if the command starts only now (a signal sent to the
@@ -16,6 +17,10 @@
 //! after every event and at every timer). The single leader awaits it in a small loop
 //! (`Inbox::stop`, through `Inbox::drive`); a table of many commands polls one per command from
 //! its own loop (`commands.rs`), so that stopping one never holds up the others.
+//!
+//! The decisions around a stop are made here once, for every owner: a command that ended on
+//! its own or whose `--pre-start` failed ([`Stop::after_end`], [`ended_by`]), a keeper that
+//! vanished ([`Stop::vanished`]), a stop asked for ([`Stop::begin`]).
 
 use std::time::Duration;
 
@@ -76,27 +81,58 @@ pub struct Stop {
     /// did not run): no stop signal of pgleader's, only the wait, and SIGKILL on a second
     /// TERM or INT.
     keeper_stops: bool,
+    /// Nothing of this stop is logged above debug: its owner says what happened (the health
+    /// probe's, [`Stop::kill_quietly`]).
+    quiet: bool,
 }
 
 impl Stop {
-    /// Begins stopping `job`: `signal` to its process group (SIGKILL through the keeper).
-    /// `ended` is how the command ended when only what it left behind is being stopped (it
-    /// exited on its own, or its `--pre-start` failed); otherwise the stop is logged, and so is
-    /// the command's end.
-    pub fn begin(
+    /// Begins stopping `job`: `signal` to its process group (SIGKILL through the keeper). The
+    /// stop is logged, and so is the command's end.
+    pub fn begin(job: &Job, signal: Signal, rules: StopRules, label: Label) -> Stop {
+        Stop::new(job, signal, rules, label, None, true)
+    }
+
+    /// The command ended before any stop began, as the keeper's `report` says ([`ended_by`]):
+    /// its end is logged (a failed `--pre-start` the keeper logged already), and what it left
+    /// behind in its group is stopped with `signal`, by a stop that knows how it ended. `None`
+    /// for a report that says no such thing.
+    pub fn after_end(
         job: &Job,
+        report: Report,
         signal: Signal,
         rules: StopRules,
         label: Label,
-        ended: Option<ChildStatus>,
-    ) -> Stop {
-        Stop::new(job, signal, rules, label, ended, ended.is_none())
+    ) -> Option<(ChildStatus, Stop)> {
+        let ended = ended_by(report)?;
+        if !matches!(report, Report::PreStartFailed(_)) {
+            label.log_exited(ended);
+        }
+        Some((
+            ended,
+            Stop::new(job, signal, rules, label, Some(ended), false),
+        ))
     }
 
     /// Clears up after a keeper that vanished (killed from outside) without being stopped:
     /// SIGKILL to what it left in its group, and the command's end logged once it is known.
     pub fn vanished(job: &Job, rules: StopRules, label: Label) -> Stop {
         Stop::new(job, Signal::SIGKILL, rules, label, None, false)
+    }
+
+    /// Kills what is left of a job whose end its owner reports itself (a health probe that
+    /// timed out, or whose leftovers outlived it): SIGKILL to everything through the keeper,
+    /// and its group SIGKILLed directly should the keeper not finish within [`KEEPER_GRACE`];
+    /// then [`Stop::next_timer`] says `None`, and the owner may give up. Nothing is logged.
+    pub fn kill_quietly(job: &Job, label: Label) -> Stop {
+        let rules = StopRules {
+            kill_timeout: Duration::ZERO,
+            hook_timeout: Duration::ZERO,
+        };
+        let mut stop = Stop::new(job, Signal::SIGKILL, rules, label, None, false);
+        stop.exit_logged = true;
+        stop.quiet = true;
+        stop
     }
 
     fn new(
@@ -140,6 +176,7 @@ impl Stop {
                 status: ended,
                 exit_logged: ended.is_some(),
                 keeper_stops: true,
+                quiet: false,
             };
         }
         // Sent before the log line: the next leader waits for this command's end.
@@ -171,6 +208,7 @@ impl Stop {
             status: ended,
             exit_logged: ended.is_some(),
             keeper_stops: false,
+            quiet: false,
         }
     }
 
@@ -202,14 +240,16 @@ impl Stop {
             );
             self.escalate(job);
         } else if self.keeper_kill_at.is_some_and(|at| at <= now) {
-            self.label.warn_kill(
-                self.pgid,
-                None,
-                format_args!(
-                    "the keeper{} did not finish; sending SIGKILL to the process group",
-                    self.label.of()
-                ),
-            );
+            if !self.quiet {
+                self.label.warn_kill(
+                    self.pgid,
+                    None,
+                    format_args!(
+                        "the keeper{} did not finish; sending SIGKILL to the process group",
+                        self.label.of()
+                    ),
+                );
+            }
             job.kill_groups();
             self.keeper_kill_at = None;
         }
@@ -241,10 +281,9 @@ impl Stop {
                 self.kill_at = None;
                 self.keeper_kill_at = Some(Instant::now() + self.rules.hook_timeout + KEEPER_GRACE);
             }
-            // The keeper logged it; post-stop comes next. The command never ran: its end is
-            // not "exited" (the keeper's own exit status would say 0).
-            Report::PreStartFailed(code) => {
-                self.status.get_or_insert(ChildStatus::Exited(code.max(1)));
+            // The keeper logged it; post-stop comes next.
+            Report::PreStartFailed(_) => {
+                self.status = self.status.or(ended_by(report));
                 self.exit_logged = true;
             }
             // The keeper exits with 126/127 right after; its status stands for the command's.
@@ -377,6 +416,21 @@ pub fn end_of(job: &mut Job, known: Option<ChildStatus>) -> ChildStatus {
         })
         .or_else(|| job.keeper_status())
         .unwrap_or(ChildStatus::Signaled(Signal::SIGKILL))
+}
+
+/// How the command ended, when the keeper's `report` says it ended before any stop began:
+/// exited or killed on its own, or never run because its `--pre-start` failed (then its end
+/// is the hook's code, at least 1: the keeper's own exit status would say 0).
+pub fn ended_by(report: Report) -> Option<ChildStatus> {
+    match report {
+        Report::Exited(_) | Report::Killed(_) => Some(status_of(report)),
+        Report::PreStartFailed(code) => Some(ChildStatus::Exited(code.max(1))),
+        Report::Started(_)
+        | Report::SpawnFailed(_)
+        | Report::Done(_)
+        | Report::PostStop(_)
+        | Report::Expired(_) => None,
+    }
 }
 
 /// How the command ended, from the keeper's report of its end.

@@ -45,6 +45,7 @@ use crate::supervise::duty::{Duty, Next};
 use crate::supervise::health::Health;
 use crate::supervise::hook;
 use crate::supervise::inbox::Inbox;
+use crate::supervise::inbox::SignalMeaning;
 use crate::supervise::job::{self, Job, Parked};
 use crate::supervise::keeper::Report;
 use crate::supervise::label::Label;
@@ -186,7 +187,7 @@ enum LeadEvent {
     /// `pgleader step-down` asked, with this request id.
     StepDown(String),
     Ended(String),
-    Signal(Option<SignalEvent>),
+    Signal(SignalMeaning),
     Report(Report),
     Unhealthy,
 }
@@ -414,14 +415,8 @@ impl<B: Backend> Supervisor<B> {
         let parked = self.take_parked().await;
         let (command, hooks) = (&self.settings.command, &self.settings.hooks);
         let watch = Some((deadline, &Label::leader()));
-        let started = match parked {
-            // A keeper killed since it was checked fails here; a fresh one is the fallback.
-            Some(parked) => parked
-                .start(env, hold, watch)
-                .or_else(|_| Parked::spawn(command, hooks)?.start(env, hold, watch)),
-            None => Parked::spawn(command, hooks).and_then(|parked| parked.start(env, hold, watch)),
-        };
-        let spawned = started.context("cannot start the keeper process")?;
+        let spawned = Parked::start_or_fresh(parked, command, hooks, env, hold, watch)
+            .context("cannot start the keeper process")?;
         self.backoff.reset();
         debug!(
             event = "spawned",
