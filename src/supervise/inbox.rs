@@ -126,7 +126,7 @@ impl Inbox {
     }
 
     /// What a TERM or INT asks for, given the ones before it; the first is remembered.
-    pub fn shutdown_signal(&mut self, received: Signal) -> Shutdown {
+    fn shutdown_signal(&mut self, received: Signal) -> Shutdown {
         match self.shutdown_requested {
             Some(first) if first.elapsed() < REPEAT_WINDOW => {
                 debug!(

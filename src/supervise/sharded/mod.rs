@@ -56,7 +56,7 @@ use crate::operate::telemetry::{ShardView, Telemetry};
 use crate::schedule::crontab::Crontab;
 use crate::supervise::commands::{After, Settled};
 use crate::supervise::health::Health;
-use crate::supervise::inbox::{Inbox, Shutdown};
+use crate::supervise::inbox::{Inbox, Shutdown, SignalMeaning};
 use crate::supervise::keeper::Report;
 use crate::supervise::label::Label;
 use crate::supervise::signals::SignalEvent;
@@ -652,24 +652,16 @@ impl<B: ShardBackend + Clone + 'static, D: Duty<B::Holder>> Room<B, D> {
     }
 
     fn on_signal(&mut self, event: Option<SignalEvent>) {
-        match event {
-            Some(SignalEvent::Forward(Signal::SIGHUP)) if self.inbox.hup_rereads => {
-                self.inbox.reread_requested = true;
-            }
-            Some(SignalEvent::Forward(signal)) => self.table.forward(signal),
-            Some(SignalEvent::ChildStateChanged) => self.table.reap(),
-            Some(SignalEvent::Shutdown(signal)) => match self.inbox.shutdown_signal(signal) {
-                Shutdown::First => self.shut_down(signal),
-                Shutdown::Repeated => {}
-                Shutdown::Insist => self.table.insist(signal),
-            },
-            // Nothing more can come: no second TERM, no SIGCHLD (keepers are then read until
-            // their reports end, and their groups through the process table).
-            None => {
-                if self.inbox.shutdown_requested.is_none() {
-                    self.shut_down(Signal::SIGTERM);
-                }
-            }
+        match self.inbox.meaning(event) {
+            SignalMeaning::Forward(signal) => self.table.forward(signal),
+            SignalMeaning::Reap => self.table.reap(),
+            SignalMeaning::Shutdown(signal, Shutdown::First) => self.shut_down(signal),
+            SignalMeaning::Shutdown(signal, Shutdown::Insist) => self.table.insist(signal),
+            // A reread waits for the end of the event's handling (`serve`); a repeated signal
+            // and the channel's end after a shutdown change nothing.
+            SignalMeaning::Reread
+            | SignalMeaning::Shutdown(_, Shutdown::Repeated)
+            | SignalMeaning::Closed => {}
         }
     }
 

@@ -273,14 +273,16 @@ impl<H: Holder> Duty<H> for Scheduled<H> {
         env.extend(self.jobs.env(item, run.occurrence, run.attempt));
         let mut hold = launch.hold;
         hold.extend(self.parking.membership_lent());
-        let watch = Some(launch.watch);
-        let fresh = || Parked::spawn(command, &self.hooks)?.start(&env, &hold, watch);
-        let started = match self.parking.take(item, command) {
-            // A keeper killed since it was checked fails here; a fresh one is the fallback.
-            Some(parked) => parked.start(&env, &hold, watch).or_else(|_| fresh()),
-            None => fresh(),
-        };
-        started.map_err(keeper_failed)
+        let parked = self.parking.take(item, command);
+        Parked::start_or_fresh(
+            parked,
+            command,
+            &self.hooks,
+            &env,
+            &hold,
+            Some(launch.watch),
+        )
+        .map_err(keeper_failed)
     }
 
     fn taken(

@@ -91,9 +91,8 @@ impl<H: Holder> Duty<H> for Shards {
         launch
             .env
             .push(("PGLEADER_SHARDS", self.sharding.count.to_string()));
-        let (env, watch) = (&launch.env, Some(launch.watch));
-        Parked::spawn(&self.command, &self.hooks)
-            .and_then(|parked| parked.start(env, &launch.hold, watch))
+        let (env, hold, watch) = (&launch.env, &launch.hold, Some(launch.watch));
+        Parked::start_or_fresh(None, &self.command, &self.hooks, env, hold, watch)
             .map_err(keeper_failed)
     }
 
