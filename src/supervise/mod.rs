@@ -14,17 +14,14 @@
 
 pub mod commands;
 pub mod duty;
-pub mod farewell;
 pub mod health;
 pub mod hook;
 pub mod inbox;
-pub mod job;
 pub mod keeper;
 pub mod label;
 pub mod procfs;
 pub mod sharded;
 pub mod signals;
-pub mod spawn;
 pub mod stop;
 pub mod supervisor;
 pub mod watchdog;
@@ -38,7 +35,7 @@ use tracing::info;
 use crate::election::lock::LockKey;
 use crate::schedule::Plan;
 use crate::time::for_people as fmt;
-use job::CommandLine;
+use keeper::handle::CommandLine;
 
 /// What the supervisor needs of `pgleader run`'s settings (the backend has the rest).
 #[derive(Debug, Clone)]

@@ -38,7 +38,7 @@ use tracing::{debug, warn};
 
 use crate::election::socket::Lent;
 use crate::supervise::hook::Hooks;
-use crate::supervise::job::{CommandLine, MembershipKeeper, Parked, await_let_go};
+use crate::supervise::keeper::handle::{CommandLine, MembershipKeeper, Parked, await_let_go};
 
 /// How long before its job's next occurrence a keeper is started: ample for a batch of
 /// keepers to be spawned on a busy machine (33 took 30 to 100 ms on the benchmark's 2 cores),
