@@ -14,11 +14,11 @@ use crate::exit::ChildStatus;
 use crate::supervise::hook::{self, Ended, Hook};
 use crate::supervise::keeper::channel::{Request, read_request, stopping_waits};
 use crate::supervise::keeper::protocol::Report;
-use crate::supervise::keeper::tree::Job;
+use crate::supervise::keeper::tree::Tree;
 use crate::supervise::watchdog::Step;
 use crate::time::for_people;
 
-impl Job {
+impl Tree {
     /// Runs `--post-stop`, if set, once the command's tree is gone.
     pub(super) fn run_post_stop(&mut self) {
         let Some(line) = self.hooks.post_stop.clone() else {

@@ -23,7 +23,7 @@ use crate::supervise::keeper::farewell::{Farewells, Parent};
 use crate::supervise::keeper::membership::hold_membership;
 use crate::supervise::keeper::protocol::{ARGV0, Options, Report};
 use crate::supervise::keeper::spawn;
-use crate::supervise::keeper::tree::{Job, Reaped};
+use crate::supervise::keeper::tree::{Reaped, Tree};
 use crate::supervise::watchdog::{Step, Watch};
 
 /// Runs the keeper; never returns. Called before Rust's runtime has set itself up (see
@@ -151,9 +151,9 @@ fn run() -> io::Result<i32> {
         return Ok(0);
     }
     // The leader's connection sockets: held, never read or written, until every process of the
-    // job is gone (`Job::finish`). The command does not inherit them (they arrived
+    // job is gone (`Tree::finish`). The command does not inherit them (they arrived
     // close-on-exec).
-    let mut job = Job {
+    let mut tree = Tree {
         main_pid: None,
         main_done: false,
         main_status: None,
@@ -176,33 +176,33 @@ fn run() -> io::Result<i32> {
     // pgleader stopped (or hung) between its last look at the deadline and this start: the
     // deadline has passed, and nothing starts. Reported as a run killed, as the next leader
     // records an interrupted run.
-    let channel = &job.channel;
-    if job
+    let channel = &tree.channel;
+    if tree
         .watch
         .as_mut()
         .is_some_and(|watch| watch.check(|| stopping_waits(channel)) == Step::Stop)
     {
-        job.begin_own_stop();
-        let _ = job
+        tree.begin_own_stop();
+        let _ = tree
             .channel
             .write_all(&Report::Killed(Signal::SIGKILL as i32).encode());
-        job.finish();
+        tree.finish();
         return Ok(0);
     }
 
-    if let Some(line) = job.hooks.pre_start.clone() {
-        let mut ended = job.run_hook(Hook::PreStart, &line);
+    if let Some(line) = tree.hooks.pre_start.clone() {
+        let mut ended = tree.run_hook(Hook::PreStart, &line);
         // It passed after the keeper's own stop had begun (it ignored the signal, or ended
         // just then): the leadership is over, and the command must not start.
-        if ended == Ended::Passed && job.watch.as_ref().is_some_and(Watch::stops_by_itself) {
+        if ended == Ended::Passed && tree.watch.as_ref().is_some_and(Watch::stops_by_itself) {
             ended = Ended::Interrupted;
         }
         if ended != Ended::Passed {
             // A failed write means pgleader is gone; post-stop runs all the same.
-            let _ = job
+            let _ = tree
                 .channel
                 .write_all(&Report::PreStartFailed(ended.code()).encode());
-            job.end();
+            tree.end();
             return Ok(0);
         }
     }
@@ -210,39 +210,44 @@ fn run() -> io::Result<i32> {
     let spawned = prepared
         .as_mut()
         .map_err(|err| Errno::from_raw(err.raw_os_error().unwrap_or(Errno::EINVAL as i32)))
-        .and_then(|prepared| prepared.spawn(&job.env));
+        .and_then(|prepared| prepared.spawn(&tree.env));
     let main_pid = match spawned {
         Ok(pid) => pid,
         Err(errno) => {
-            let _ = job
+            let _ = tree
                 .channel
                 .write_all(&Report::SpawnFailed(errno as i32).encode());
             // What --pre-start did is undone all the same.
-            job.run_post_stop();
+            tree.run_post_stop();
             return Ok(if errno == Errno::ENOENT { 127 } else { 126 });
         }
     };
-    job.main_pid = Some(main_pid);
-    // A failed write means pgleader is gone; the poll loop below notices and cleans up.
-    let _ = job
+    tree.main_pid = Some(main_pid);
+    // A failed write means pgleader is gone; the poll loop (`watch_over`) notices and cleans up.
+    let _ = tree
         .channel
         .write_all(&Report::Started(main_pid.as_raw()).encode());
+    watch_over(&mut tree)
+}
 
+/// Watches over the running command until nothing of its tree is left: pgleader's requests
+/// and its end, the children's exits, the deadline. Returns the keeper's exit code.
+fn watch_over(tree: &mut Tree) -> io::Result<i32> {
     loop {
         // The deadline's timer third, when there is one (no allocation: a waiting keeper's
         // every page of code and heap stays resident).
-        let watched = job.watch.as_ref().map_or(job.channel.as_fd(), Watch::fd);
+        let watched = tree.watch.as_ref().map_or(tree.channel.as_fd(), Watch::fd);
         let mut fds = [
-            PollFd::new(job.channel.as_fd(), PollFlags::POLLIN),
-            PollFd::new(job.signalfd.as_fd(), PollFlags::POLLIN),
+            PollFd::new(tree.channel.as_fd(), PollFlags::POLLIN),
+            PollFd::new(tree.signalfd.as_fd(), PollFlags::POLLIN),
             PollFd::new(watched, PollFlags::POLLIN),
         ];
-        let polled = if job.watch.is_some() { 3 } else { 2 };
+        let polled = if tree.watch.is_some() { 3 } else { 2 };
         match poll(&mut fds[..polled], PollTimeout::NONE) {
             Err(Errno::EINTR) => continue,
             Err(err) => {
                 // Unable to watch over the job any more: end it rather than orphan it.
-                job.kill_everything();
+                tree.kill_everything();
                 return Err(err.into());
             }
             Ok(_) => {}
@@ -252,45 +257,45 @@ fn run() -> io::Result<i32> {
         let watch_ready = polled == 3 && fds[2].any().unwrap_or(true);
 
         if channel_ready {
-            let request = read_request(&mut job.channel);
+            let request = read_request(&mut tree.channel);
             let request_is_gone = matches!(request, Request::PgleaderGone);
             match request {
                 Request::None => {}
                 Request::Stopping => {
-                    if let Some(watch) = &mut job.watch {
+                    if let Some(watch) = &mut tree.watch {
                         watch.pgleader_stops();
                     }
                 }
                 // pgleader asks for the end (its kill timeout ran out), or died without
                 // stopping us: nothing of the job may outlive this moment.
                 Request::KillEverything | Request::Abort | Request::PgleaderGone => {
-                    job.pgleader_gone |= request_is_gone;
-                    job.kill_everything();
-                    job.end();
+                    tree.pgleader_gone |= request_is_gone;
+                    tree.kill_everything();
+                    tree.end();
                     return Ok(0);
                 }
             }
         }
-        if watch_ready && let Some(watch) = &mut job.watch {
-            match watch.check(|| stopping_waits(&job.channel)) {
+        if watch_ready && let Some(watch) = &mut tree.watch {
+            match watch.check(|| stopping_waits(&tree.channel)) {
                 Step::Wait => {}
                 Step::Stop => {
                     // SIGKILL at once (the kill signal, or a kill timeout of 0): all is gone.
-                    if job.begin_own_stop() {
-                        job.end();
+                    if tree.begin_own_stop() {
+                        tree.end();
                         return Ok(0);
                     }
                 }
                 Step::Escalate => {
-                    job.log_escalation();
-                    job.kill_everything();
-                    job.end();
+                    tree.log_escalation();
+                    tree.kill_everything();
+                    tree.end();
                     return Ok(0);
                 }
             }
         }
-        if children_ready && job.reap() == Reaped::NoChildrenLeft && job.main_done {
-            job.end();
+        if children_ready && tree.reap() == Reaped::NoChildrenLeft && tree.main_done {
+            tree.end();
             return Ok(0);
         }
     }

@@ -33,8 +33,10 @@ pub(super) enum Reaped {
     NoChildrenLeft,
 }
 
-/// The keeper's side of a running job.
-pub(super) struct Job {
+/// The command's tree, as the keeper keeps it: the command and what it started, the hook
+/// that runs, and what goes with them until the last of them is gone (the channel it reports
+/// on, the leader's sockets it holds, the deadline it watches).
+pub(super) struct Tree {
     /// The command, once it runs.
     pub(super) main_pid: Option<Pid>,
     pub(super) main_done: bool,
@@ -56,12 +58,12 @@ pub(super) struct Job {
     pub(super) watch: Option<Watch>,
     /// How pgleader logs, for the lines the keeper writes of its own stop.
     pub(super) log: Option<(LogFormat, i8)>,
-    /// Lines being written beside the keeper's work (see [`Job::log_aside`]), each saying
+    /// Lines being written beside the keeper's work (see [`Tree::log_aside`]), each saying
     /// when it is done.
     pub(super) logging: Vec<std::sync::mpsc::Receiver<()>>,
 }
 
-impl Job {
+impl Tree {
     /// Reaps every child that has exited, reporting the command's own end and noting a
     /// hook's.
     pub(super) fn reap(&mut self) -> Reaped {
@@ -100,7 +102,7 @@ impl Job {
     }
 
     /// The end of the job once nothing of the command is left: `--post-stop`, then
-    /// [`Job::finish`].
+    /// [`Tree::finish`].
     pub(super) fn end(&mut self) {
         self.run_post_stop();
         self.finish();
@@ -214,7 +216,7 @@ impl Job {
 
     /// Writes a log line on a thread of its own: the keeper's own stop is for a pgleader that
     /// does not run, and that may be because nobody reads the pipe both write their logs to; a
-    /// write blocked there must not hold up the stop. [`Job::finish`] waits a little for these
+    /// write blocked there must not hold up the stop. [`Tree::finish`] waits a little for these
     /// lines before the keeper exits.
     fn log_aside(&mut self, line: impl FnOnce() + Send + 'static) {
         if let Some((format, verbosity)) = self.log {
