@@ -54,8 +54,9 @@
 //!   end of the channel (`channel.rs`), the command's tree (`tree.rs`), the hooks it runs
 //!   (`hooks.rs`, what a hook is being `supervise/hook.rs`), the command's start
 //!   ([`spawn`]), the farewell ([`farewell`]) and the Redis membership's keeper
-//!   (`membership.rs`). `keeper.ld` gathers this code, and only this, by its symbols' paths:
-//!   a file moved in or out of it moves in or out of the keeper's resident pages.
+//!   (`membership.rs`). `keeper.ld` gathers these files' code, and the readers of
+//!   `protocol.rs`, by their symbols' paths (so not `handle.rs`): a function moved to another
+//!   file may move in or out of the keeper's resident pages.
 
 pub mod handle;
 pub mod protocol;
