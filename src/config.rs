@@ -23,7 +23,7 @@ use crate::schedule::calendar::Schedule;
 use crate::schedule::crontab::Crontab;
 use crate::supervise::health::HealthCheck;
 use crate::supervise::hook::Hooks;
-use crate::supervise::job::CommandLine;
+use crate::supervise::keeper::handle::CommandLine;
 use crate::supervise::{Settings, Sharding};
 
 /// A usage error: the message says what is wrong; pgleader exits with 2.

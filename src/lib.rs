@@ -55,7 +55,7 @@ use crate::postgres::PgBackend;
 use crate::redis::RedisBackend;
 use crate::redis::quorum::QuorumBackend;
 use crate::schedule::crontab::Crontab;
-use crate::supervise::job::CommandError;
+use crate::supervise::keeper::handle::CommandError;
 use crate::supervise::sharded::Fleet;
 use crate::supervise::signals::SignalEvent;
 use crate::supervise::{sharded, signals, supervisor};

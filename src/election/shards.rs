@@ -217,7 +217,7 @@ pub trait Holder {
             .collect()
     }
 
-    /// What a crontab member's keeper of its membership is lent (see `job::MembershipKeeper`):
+    /// What a crontab member's keeper of its membership is lent (see `handle::MembershipKeeper`):
     /// the holder's sockets with a farewell that ends the membership, said once pgleader and
     /// every command of the replica are gone. None where the server itself ends everything when
     /// the connection closes (PostgreSQL), or where no farewell can be said (TLS).

@@ -10,7 +10,7 @@
 //! A backend whose server does not free the lock when the connection closes (Redis: a key lives
 //! until its TTL) also gives the keeper a [`Farewell`] for the socket: a command the keeper
 //! writes on it, once pgleader died and the whole tree is gone, to release the lock at once
-//! (see `supervise/farewell.rs`).
+//! (see `supervise/keeper/farewell.rs`).
 
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};

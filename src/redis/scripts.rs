@@ -258,7 +258,7 @@ return 1
 
 /// The keeper's farewell for a leader whose pgleader died: [`RELEASE`] once its command's whole
 /// tree is gone, answering `{released (0/1), ARGV[5]}`, the marker the keeper waits for (see
-/// `supervise/farewell.rs`).
+/// `supervise/keeper/farewell.rs`).
 const FAREWELL: &str = r#"
 local function release()
 "#;

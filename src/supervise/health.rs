@@ -12,10 +12,10 @@
 //! the supervisor's event loop.
 //!
 //! Each probe is `sh -c CMD` with stdin from /dev/null, run under a keeper of its own (the
-//! command's keeper, `keeper.rs`, with nothing to hold), so that:
+//! command's keeper, `keeper/`, with nothing to hold), so that:
 //! - the probe has a process group of its own, never the command's;
 //! - its exit status comes over the keeper's socket, not from `waitpid`: pgleader reaps every
-//!   child on each SIGCHLD (`job::reap_all`, it may be PID 1), and would otherwise steal it.
+//!   child on each SIGCHLD (`handle::reap_all`, it may be PID 1), and would otherwise steal it.
 //!   Only the keeper is reaped there, as any orphan is;
 //! - a probe that outlives `--health-timeout` is killed with its whole tree (the keeper is a
 //!   subreaper: a grandchild that left the group with setsid goes too), and so is anything a
@@ -43,8 +43,8 @@ use crate::operate::notify;
 use crate::operate::telemetry::{HealthState, HealthView, Telemetry};
 use crate::supervise::hook::Hooks;
 use crate::supervise::inbox::Inbox;
-use crate::supervise::job::{CommandLine, Parked};
-use crate::supervise::keeper::Report;
+use crate::supervise::keeper::handle::{CommandLine, Parked};
+use crate::supervise::keeper::protocol::Report;
 use crate::supervise::label::Label;
 use crate::supervise::stop::{Stop, status_of};
 use crate::time::for_people as fmt;

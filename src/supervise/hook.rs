@@ -1,7 +1,7 @@
 //! Hooks: `--pre-start` and `--post-stop`, shell command lines run around each run of the
 //! command, in order and once per transition.
 //!
-//! They run in the keeper (`keeper.rs`), not in pgleader, because only the keeper is there on
+//! They run in the keeper (`keeper/hooks.rs`), not in pgleader, because only the keeper is there on
 //! every path: `--pre-start` after the win, before the command (a failure means the command
 //! never starts), `--post-stop` once the command's whole tree is gone, whatever ended it, and
 //! while the keeper still holds the leader's connection sockets, so that the lock is released

@@ -21,7 +21,7 @@ use crate::exit::ChildStatus;
 use crate::operate::metrics::LossReason;
 use crate::operate::notify;
 use crate::operate::telemetry::Telemetry;
-use crate::supervise::job::{self, Job};
+use crate::supervise::keeper::handle::{self, Job};
 use crate::supervise::label::Label;
 use crate::supervise::signals::SignalEvent;
 use crate::supervise::stop::{Stop, StopRules};
@@ -280,7 +280,7 @@ pub fn forward<'a>(signal: Signal, jobs: impl Iterator<Item = &'a Job>) {
 /// Reaps every child that exited, telling the job whose keeper it was.
 pub fn reap<'a>(jobs: impl Iterator<Item = &'a mut Job>) {
     let mut jobs: Vec<&mut Job> = jobs.collect();
-    for (pid, status) in job::reap_all() {
+    for (pid, status) in handle::reap_all() {
         let ours = jobs.iter_mut().any(|job| job.note_reaped(pid, status));
         if !ours {
             debug!(

@@ -2,12 +2,14 @@
 //! - the single leader (`supervisor.rs`, `supervisor/`): the state machine of `pgleader run`
 //!   (elect, lead, stop, re-enter), with its duty while it leads (`duty.rs`: a service, a
 //!   single run, a schedule);
-//! - the shard room (`sharded/`): `pgleader run --shards K`, a command per shard the replica
-//!   holds, and `pgleader cron`, the crontab's jobs shared out among the replicas, each owner
-//!   running its jobs' occurrences; one holder session, one table of commands (`commands.rs`).
+//! - the shard room (`sharded/`): one holder session, one table of commands (`commands.rs`),
+//!   and a duty that says what runs for each item the replica holds: `pgleader run --shards
+//!   K` (a command per shard), `--shards K --schedule` (each shard's occurrences once) and
+//!   `pgleader cron` (the crontab's jobs shared out among the replicas, each owner running its
+//!   jobs' occurrences).
 //!
-//! Beside them: the job and its keeper process (`job.rs`, `keeper.rs`, `spawn.rs`,
-//! `farewell.rs`), `--pre-start`/`--post-stop` (`hook.rs`), the health probe (`health.rs`), the
+//! Beside them: the keeper, the process every command runs under (`keeper/`: what runs in it,
+//! what both sides speak, and pgleader's handle to it), `--pre-start`/`--post-stop` (`hook.rs`), the health probe (`health.rs`), the
 //! signals pgleader receives and what each means (`signals.rs`, `inbox.rs`), how the log names
 //! a command (`label.rs`), and what `/proc` says about a process group (`procfs.rs`).
 //!
@@ -22,17 +24,14 @@
 
 pub mod commands;
 pub mod duty;
-pub mod farewell;
 pub mod health;
 pub mod hook;
 pub mod inbox;
-pub mod job;
 pub mod keeper;
 pub mod label;
 pub mod procfs;
 pub mod sharded;
 pub mod signals;
-pub mod spawn;
 pub mod stop;
 pub mod supervisor;
 pub mod watchdog;
@@ -46,7 +45,7 @@ use tracing::info;
 use crate::election::lock::LockKey;
 use crate::schedule::Plan;
 use crate::time::for_people as fmt;
-use job::CommandLine;
+use keeper::handle::CommandLine;
 
 /// What the supervisor needs of `pgleader run`'s settings (the backend has the rest).
 #[derive(Debug, Clone)]

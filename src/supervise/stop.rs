@@ -29,8 +29,8 @@ use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
 use crate::exit::ChildStatus;
-use crate::supervise::job::Job;
-use crate::supervise::keeper::Report;
+use crate::supervise::keeper::handle::Job;
+use crate::supervise::keeper::protocol::Report;
 use crate::supervise::label::Label;
 use crate::time::for_people as fmt;
 

@@ -46,8 +46,8 @@ use crate::supervise::health::Health;
 use crate::supervise::hook;
 use crate::supervise::inbox::Inbox;
 use crate::supervise::inbox::SignalMeaning;
-use crate::supervise::job::{self, Job, Parked};
-use crate::supervise::keeper::Report;
+use crate::supervise::keeper::handle::{self, Job, Parked};
+use crate::supervise::keeper::protocol::Report;
 use crate::supervise::label::Label;
 use crate::supervise::signals::SignalEvent;
 use crate::supervise::watchdog::Deadline;
@@ -98,7 +98,7 @@ struct Supervisor<B: Backend> {
     last_disturbance: Option<Instant>,
     /// When to stop retrying a connection (a scheduled --once).
     connect_deadline: Option<Instant>,
-    /// The keeper started ahead of the next command, waiting (see `job::Parked`).
+    /// The keeper started ahead of the next command, waiting (see `handle::Parked`).
     parked: Option<Ahead>,
     /// Whether this replica may queue and lead (`--health-cmd`).
     health: Health,
@@ -434,6 +434,6 @@ impl<B: Backend> Supervisor<B> {
         };
         let pid = parked.pid();
         drop(parked);
-        job::await_let_go(vec![pid], Duration::from_secs(1)).await;
+        handle::await_let_go(vec![pid], Duration::from_secs(1)).await;
     }
 }

@@ -244,7 +244,7 @@ return 1
 /// gone. A crontab's member says -1 there: the keeper of its membership ends it, once every
 /// command's keeper is done (a job added or removed since a command started, or one with no
 /// run, would be missing from a list given here). Answers `{given (0/1), ARGV[6]}`, the marker the keeper
-/// waits for (see `supervise/farewell.rs`).
+/// waits for (see `supervise/keeper/farewell.rs`).
 const FAREWELL: &str = r#"
 local function give()
 "#;
@@ -264,7 +264,7 @@ return {given, ARGV[6]}
 "#;
 
 /// The farewell of a crontab member's keeper of its membership, said once pgleader and every
-/// command of the replica are gone (see `keeper::hold_membership`): the membership, if it is
+/// command of the replica are gone (see `supervise/keeper/membership.rs`): the membership, if it is
 /// still this member's. The others then read the roster, which frees every item key naming a
 /// member that is gone, and deal the jobs out at once. Answers `{1, ARGV[5]}`, the marker the
 /// keeper waits for.

@@ -24,7 +24,7 @@ use crate::exit::ChildStatus;
 use crate::operate::telemetry::Telemetry;
 use crate::schedule::clock::ServerClock;
 use crate::supervise::commands::{Commands, Restart, Settled};
-use crate::supervise::job::{CommandLine, Job};
+use crate::supervise::keeper::handle::{CommandLine, Job};
 use crate::supervise::label::Label;
 use crate::supervise::watchdog::Deadline;
 

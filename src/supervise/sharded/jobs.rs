@@ -32,7 +32,7 @@ use crate::schedule::clock::ServerClock;
 use crate::schedule::crontab::{Changes, CronJob, Crontab};
 use crate::schedule::runs::{self, Runs, RunsEvent};
 use crate::schedule::{Plan, Publish};
-use crate::supervise::job::{CommandError, CommandLine};
+use crate::supervise::keeper::handle::{CommandError, CommandLine};
 use crate::supervise::label::Label;
 
 /// A job as this replica defines it.

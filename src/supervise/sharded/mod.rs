@@ -57,7 +57,7 @@ use crate::schedule::crontab::Crontab;
 use crate::supervise::commands::{After, Settled};
 use crate::supervise::health::Health;
 use crate::supervise::inbox::{Inbox, Shutdown, SignalMeaning};
-use crate::supervise::keeper::Report;
+use crate::supervise::keeper::protocol::Report;
 use crate::supervise::label::Label;
 use crate::supervise::signals::SignalEvent;
 use crate::supervise::watchdog::Deadline;

@@ -1,7 +1,7 @@
 //! Keepers started ahead of a crontab's occurrences, so that an occurrence costs the command's
 //! own fork and exec, not a keeper's too.
 //!
-//! Every command runs under a keeper of pgleader's (`keeper.rs`), and starting one is an exec
+//! Every command runs under a keeper of pgleader's (`keeper/`), and starting one is an exec
 //! of pgleader: about a millisecond of CPU, spent by the spawning thread until the exec is done.
 //! A room that started its keepers as the occurrences came did it one after the other on its
 //! one thread, at the very instant every job of a `* * * * *` crontab falls due: measured with
@@ -38,7 +38,7 @@ use tracing::{debug, warn};
 
 use crate::election::socket::Lent;
 use crate::supervise::hook::Hooks;
-use crate::supervise::job::{CommandLine, MembershipKeeper, Parked, await_let_go};
+use crate::supervise::keeper::handle::{CommandLine, MembershipKeeper, Parked, await_let_go};
 
 /// How long before its job's next occurrence a keeper is started: ample for a batch of
 /// keepers to be spawned on a busy machine (33 took 30 to 100 ms on the benchmark's 2 cores),

@@ -34,7 +34,7 @@ use crate::schedule::runs::{MOST_AT_ONCE, RunsEvent};
 use crate::supervise::Sharding;
 use crate::supervise::commands::{After, Restart, Settled};
 use crate::supervise::hook::Hooks;
-use crate::supervise::job::{CommandError, CommandLine, Job, Parked};
+use crate::supervise::keeper::handle::{CommandError, CommandLine, Job, Parked};
 use crate::supervise::label::Label;
 use crate::time::for_people as fmt;
 

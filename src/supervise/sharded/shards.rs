@@ -18,7 +18,7 @@ use crate::schedule::clock::ServerClock;
 use crate::supervise::Sharding;
 use crate::supervise::commands::{Restart, Settled};
 use crate::supervise::hook::Hooks;
-use crate::supervise::job::{CommandLine, Job, Parked};
+use crate::supervise::keeper::handle::{CommandLine, Job, Parked};
 use crate::supervise::label::Label;
 
 /// The command, once per shard.

@@ -472,7 +472,7 @@ pub fn wait_gone(pid: i32, timeout: Duration) -> bool {
     ready == 1
 }
 
-/// The living keepers (`pgleader-keeper`, see `src/supervise/keeper.rs`) whose parent is `pid`.
+/// The living keepers (`pgleader-keeper`, see `src/supervise/keeper/`) whose parent is `pid`.
 pub fn keepers_of(pid: i32) -> Vec<i32> {
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return Vec::new();

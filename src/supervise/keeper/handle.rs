@@ -26,7 +26,7 @@ use thiserror::Error;
 use crate::election::socket::Lent;
 use crate::exit::{self, ChildStatus};
 use crate::supervise::hook::Hooks;
-use crate::supervise::keeper::{self, Report};
+use crate::supervise::keeper::protocol::{self, Report};
 use crate::supervise::label::Label;
 use crate::supervise::procfs;
 use crate::supervise::watchdog::{self, Deadline};
@@ -152,7 +152,7 @@ fn check_executable(path: &Path) -> Result<(), Option<&'static str>> {
 }
 
 /// A keeper started ahead of time, parked until pgleader wins: it has set itself up and waits
-/// for the command's environment and the sockets to hold (see `keeper.rs`). Dropping it closes
+/// for the command's environment and the sockets to hold (see `keeper/`). Dropping it closes
 /// its channel, and the keeper exits without having started anything.
 #[derive(Debug)]
 pub struct Parked {
@@ -181,7 +181,7 @@ impl Parked {
     /// [`notify::PRIVATE_ENV`]: crate::operate::notify::PRIVATE_ENV
     pub fn spawn(command: &CommandLine, hooks: &Hooks) -> io::Result<Parked> {
         Parked::spawn_with(|fd| {
-            keeper::keeper_args(
+            protocol::keeper_args(
                 fd,
                 hooks,
                 &command.program.clone().into_os_string(),
@@ -191,16 +191,16 @@ impl Parked {
     }
 
     /// Starts a membership's keeper, parked: it will run no command, only hold the sockets
-    /// [`Parked::into_membership`] hands it (see `keeper::hold_membership`).
+    /// [`Parked::into_membership`] hands it (see `membership.rs`).
     pub fn spawn_membership() -> io::Result<Parked> {
-        Parked::spawn_with(keeper::membership_keeper_args)
+        Parked::spawn_with(protocol::membership_keeper_args)
     }
 
     /// Starts a keeper with the arguments `args` gives for its end of the channel.
     fn spawn_with(args: impl FnOnce(RawFd) -> Vec<OsString>) -> io::Result<Parked> {
         let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
         let theirs_fd = theirs.as_raw_fd();
-        let mut argv = vec![c_string(keeper::ARGV0.as_bytes())?];
+        let mut argv = vec![c_string(protocol::ARGV0.as_bytes())?];
         for arg in args(theirs_fd) {
             argv.push(c_string(arg.as_bytes())?);
         }
@@ -315,14 +315,14 @@ impl Parked {
         watch: Option<(&Deadline, &Label)>,
     ) -> io::Result<()> {
         let terms = watch.map(|(deadline, label)| watchdog::encode(deadline.terms(), label));
-        let message = keeper::start_message(env, hold, terms.as_deref());
+        let message = protocol::start_message(env, hold, terms.as_deref());
         let mut hold: Vec<RawFd> = hold.iter().map(|lent| lent.fd).collect();
         hold.extend(watch.map(|(deadline, _)| deadline.fd()));
-        if hold.len() > keeper::MAX_HELD + usize::from(watch.is_some()) {
+        if hold.len() > protocol::MAX_HELD + usize::from(watch.is_some()) {
             return Err(io::Error::other(format!(
                 "{} connection sockets to hand to the keeper, at most {} fit in one message",
                 hold.len(),
-                keeper::MAX_HELD
+                protocol::MAX_HELD
             )));
         }
         let rights = [ControlMessage::ScmRights(&hold)];
@@ -356,7 +356,7 @@ impl Parked {
     }
 }
 
-/// A membership's keeper at work (see `keeper::hold_membership`): it holds the replica's
+/// A membership's keeper at work (see `membership.rs`): it holds the replica's
 /// connection sockets, and says the membership's farewell once pgleader and every command's
 /// keeper that holds a copy of [`MembershipKeeper::lent`] are gone.
 #[derive(Debug)]
@@ -378,7 +378,7 @@ impl MembershipKeeper {
         // A failed write means the keeper is gone already.
         let _ = send(
             self.channel.as_raw_fd(),
-            &[keeper::KILL_EVERYTHING],
+            &[protocol::KILL_EVERYTHING],
             MsgFlags::MSG_NOSIGNAL | MsgFlags::MSG_DONTWAIT,
         );
         self.keeper
@@ -438,7 +438,7 @@ impl Job {
     /// Asks the keeper to SIGKILL everything the command started, wherever it went (setsid
     /// included), and to exit once nothing is left.
     pub fn kill_everything(&self) -> io::Result<()> {
-        self.request(keeper::KILL_EVERYTHING)
+        self.request(protocol::KILL_EVERYTHING)
     }
 
     /// Whether the keeper stops the command by itself: the leadership's deadline passed while
@@ -451,13 +451,13 @@ impl Job {
     /// itself: it then only makes sure that SIGKILL follows.
     pub fn tell_stopping(&self) {
         if self.deadline.is_some() {
-            let _ = self.request(keeper::STOPPING);
+            let _ = self.request(protocol::STOPPING);
         }
     }
 
     /// Asks the keeper to end everything now, a running `--post-stop` included.
     pub fn abort(&self) -> io::Result<()> {
-        self.request(keeper::ABORT)
+        self.request(protocol::ABORT)
     }
 
     /// Sends the keeper a request byte; a keeper that is gone already is not an error.

@@ -57,7 +57,7 @@ use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
 use nix::sys::socket::{MsgFlags, recv, send};
 use nix::unistd::{Pid, getppid};
 
-use crate::election::socket::{Farewell, Lent};
+use crate::election::socket::Farewell;
 
 /// The longest the keeper waits for the server's answers before it closes the sockets anyway.
 pub const TIMEOUT: Duration = Duration::from_secs(1);
@@ -68,42 +68,6 @@ const PARENT_EXIT: Duration = Duration::from_millis(100);
 
 /// The most the keeper reads (peeks) of a socket's receive queue.
 const PEEK: usize = 64 * 1024;
-
-/// The farewells of a start message, in the order of its sockets: for each, the command's
-/// length (little-endian 32 bits, 0 for none), the command, the marker's length, the marker.
-pub fn encode(lent: &[Lent]) -> Vec<u8> {
-    let mut out = Vec::new();
-    for lent in lent {
-        let (command, marker) = match &lent.farewell {
-            Some(farewell) => (&farewell.command[..], &farewell.marker[..]),
-            None => (&[][..], &[][..]),
-        };
-        for part in [command, marker] {
-            out.extend_from_slice(&(part.len() as u32).to_le_bytes());
-            out.extend_from_slice(part);
-        }
-    }
-    out
-}
-
-/// The farewells [`encode`] wrote; `None` if the bytes are not such a list.
-pub fn decode(mut bytes: &[u8]) -> Option<Vec<Option<Farewell>>> {
-    let take = |bytes: &mut &[u8]| -> Option<Vec<u8>> {
-        let len = u32::from_le_bytes(bytes.get(..4)?.try_into().ok()?) as usize;
-        let part = bytes.get(4..4 + len)?.to_vec();
-        *bytes = &bytes[4 + len..];
-        Some(part)
-    };
-    let mut farewells = Vec::new();
-    while !bytes.is_empty() {
-        let command = take(&mut bytes)?;
-        let marker = take(&mut bytes)?;
-        farewells.push(
-            (!command.is_empty() && !marker.is_empty()).then_some(Farewell { command, marker }),
-        );
-    }
-    Some(farewells)
-}
 
 /// pgleader, the keeper's parent, watched from the keeper's start: whether it has died.
 #[derive(Debug)]
@@ -300,25 +264,6 @@ mod tests {
             command: command.as_bytes().to_vec(),
             marker: marker.as_bytes().to_vec(),
         }
-    }
-
-    #[test]
-    fn farewells_survive_a_round_trip() {
-        let lent = [
-            Lent {
-                fd: 3,
-                farewell: Some(farewell("*1\r\n$4\r\nPING\r\n", "m1")),
-            },
-            Lent::hold(4),
-            Lent {
-                fd: 5,
-                farewell: Some(farewell("x", "m2")),
-            },
-        ];
-        let expected: Vec<Option<Farewell>> = lent.iter().map(|l| l.farewell.clone()).collect();
-        assert_eq!(decode(&encode(&lent)), Some(expected));
-        assert_eq!(decode(&[]), Some(vec![]));
-        assert_eq!(decode(&[9, 0, 0, 0, b'a']), None);
     }
 
     #[test]
