@@ -429,8 +429,12 @@ fn on_postgres_a_leader_stuck_on_a_full_log_pipe_has_its_command_stopped_by_its_
     let fleet = Fleet::postgres();
     let journal = Journal::new("stuck-pipe");
     let path = journal.path.display();
+    // The shell's own stderr goes nowhere: told to stop while `yes` fills the pipe, the
+    // shell may report its job's death there ("Terminated") before its trap runs, and a full
+    // pipe would hold it until the keeper's SIGKILL, with nothing journaled.
     let chatty = format!(
-        "trap 'echo \"A stopped lock $(date +%s%N)\" >> {path}; exit 0' TERM; \
+        "exec 2>/dev/null; \
+         trap 'echo \"A stopped lock $(date +%s%N)\" >> {path}; exit 0' TERM; \
          echo \"A started lock $(date +%s%N)\" >> {path}; \
          yes 'a line of the command, written again and again to a pipe nobody reads' & wait $!"
     );
