@@ -467,16 +467,16 @@ pub struct CronArgs {
     pub replica: ReplicaArgs,
 
     /// The crontab: five-field lines (six or seven with a year, seconds first in seven, as
-    /// supercronic reads them), @hourly and its kind, @every DURATION, NAME=value lines
-    /// (CRON_TZ= sets the zone of the jobs below it, SHELL= their shell), and per-job options in
-    /// a comment above a job: # pgleader: name=NAME overlap=skip|allow|replace catch-up=1h
-    /// timeout=30m. SIGHUP rereads it
+    /// supercronic reads them), @hourly and its kind, @every DURATION, NAME=value lines given
+    /// to every job, the last value winning (CRON_TZ= sets the zone, else TZ, /etc/localtime or
+    /// UTC; SHELL= the shell), and per-job options in a comment above a job: # pgleader:
+    /// name=NAME overlap=skip|allow|replace catch-up=1h timeout=30m zone=ZONE. SIGHUP rereads it
     #[arg(value_name = "CRONTAB")]
     pub crontab: PathBuf,
 
-    /// Read and check the crontab without connecting; print each job (name, schedule, zone,
-    /// command, options, definition) with its next occurrences; exit 0, or 2 naming the file,
-    /// the line and what is wrong
+    /// Read and check the crontab without connecting; print its warnings and each job (name,
+    /// schedule, zone and where it comes from, command, options, definition) with its next
+    /// occurrences; exit 0, or 2 naming the file, the line and what is wrong
     #[arg(long)]
     pub check: bool,
 

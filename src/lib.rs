@@ -78,7 +78,10 @@ async fn cron(args: CronArgs) -> anyhow::Result<u8> {
     if !args.check {
         // Listen first: from here on TERM and INT are pgleader's to handle.
         let signals = signals::listen().context("cannot listen for signals")?;
-        let (config, warnings) = RunConfig::for_cron(args, crontab, &ProcessEnvironment)?;
+        // What the file may not mean to its author is said at start too, not only by --check.
+        let notes = crontab.warnings(jiff::Timestamp::now());
+        let (config, mut warnings) = RunConfig::for_cron(args, crontab, &ProcessEnvironment)?;
+        warnings.extend(notes);
         return supervise(config, warnings, signals).await;
     }
     let from = match &args.from {

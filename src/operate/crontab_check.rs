@@ -1,6 +1,9 @@
 //! `pgleader cron --check`: a crontab as pgleader reads it, job by job, with the next
 //! occurrences of each in its own zone, so that a file can be checked (in CI, in a Dockerfile's
 //! build) before any replica runs it, and a daylight-saving night can be looked at in advance.
+//! It also says what the file may not mean to its author (the reader's notes: where cron would
+//! read it otherwise, where supercronic would refuse it, a job that never runs) and where each
+//! job's zone comes from, since with no `CRON_TZ` that is the host's.
 
 use std::fmt::Write;
 
@@ -19,9 +22,18 @@ pub fn report(crontab: &Crontab, from: Timestamp, count: usize) -> String {
         crontab.path.display(),
         if jobs == 1 { "" } else { "s" }
     );
+    for warning in crontab.warnings(from) {
+        let _ = writeln!(out, "warning: {warning}");
+    }
     for job in &crontab.jobs {
         let _ = writeln!(out, "\n{} (line {})", job.name, job.line);
         let _ = writeln!(out, "  schedule  {}", schedule(job));
+        let _ = writeln!(
+            out,
+            "  zone      {} ({})",
+            job.when.timezone(),
+            job.zone_source
+        );
         let _ = writeln!(out, "  command   {} -c {:?}", job.shell, job.command);
         let _ = writeln!(
             out,
@@ -34,7 +46,14 @@ pub fn report(crontab: &Crontab, from: Timestamp, count: usize) -> String {
         // As `status` shows a job's definitions while replicas disagree: which file is which.
         let definition = definition_hex(job.definition_marker());
         let _ = writeln!(out, "  definition {definition}");
-        for (index, at) in occurrences(job, from, count).into_iter().enumerate() {
+        let next = occurrences(job, from, count);
+        if next.is_empty() && count > 0 {
+            let _ = writeln!(
+                out,
+                "  next      none: it never occurs again, and never runs"
+            );
+        }
+        for (index, at) in next.into_iter().enumerate() {
             let label = if index == 0 { "  next" } else { "" };
             let _ = writeln!(out, "{label:<12}{at}");
         }

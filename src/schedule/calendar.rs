@@ -72,11 +72,18 @@ impl Schedule {
     /// `Europe/Paris`, or `UTC`).
     pub fn parse(expression: &str, timezone: &str) -> Result<Schedule, String> {
         let timezone = zone(timezone)?;
-        Schedule::from_canonical(canonical(expression)?, timezone)
+        let schedule = Schedule::from_canonical(canonical(expression)?, timezone)?;
+        // A `--schedule` that never runs is a mistake to say at once; a crontab line is another
+        // matter (supercronic accepts it, and `--check` warns of it).
+        if !schedule.occurs_after(Timestamp::now()) {
+            return Err("this schedule never matches a future time".into());
+        }
+        Ok(schedule)
     }
 
     /// A crontab line's schedule, as `crontab.rs` read it: seven fields, seconds first and
     /// year last (a year of `*` leaves the canonical form at six fields, as `--schedule`'s).
+    /// One that never occurs again is a schedule all the same, as it is for supercronic.
     pub fn from_crontab_fields(fields: [&str; 7], timezone: TimeZone) -> Result<Schedule, String> {
         let fields = match fields {
             [seconds, minute, hour, day, month, weekday, "*"] => {
@@ -147,16 +154,30 @@ impl Schedule {
             .map_err(|err| {
                 format!("{err} (expected a cron expression such as \"0 3 * * *\" or @daily)")
             })?;
-        let schedule = Schedule {
+        Ok(Schedule {
             rule: Rule::Cron(Arc::new(cron)),
             expression,
             timezone,
             zone_name,
-        };
-        if schedule.next_after(Timestamp::now()).is_none() {
-            return Err("this schedule never matches a future time".into());
+        })
+    }
+
+    /// The same schedule on another zone's wall clock (`@every` keeps counting in UTC).
+    pub fn in_zone(&self, timezone: TimeZone) -> Schedule {
+        match self.rule {
+            Rule::Every(_) => self.clone(),
+            Rule::Cron(_) => Schedule {
+                zone_name: timezone.iana_name().unwrap_or("UTC").to_owned(),
+                timezone,
+                ..self.clone()
+            },
         }
-        Ok(schedule)
+    }
+
+    /// Whether the schedule has an occurrence after `at`: a crontab line of a past year, or of
+    /// 31 February, has none, and its job never runs.
+    pub fn occurs_after(&self, at: Timestamp) -> bool {
+        self.next_after(at).is_some()
     }
 
     /// The canonical expression: six fields, seconds first (seven, year last, for a crontab

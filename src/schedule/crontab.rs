@@ -2,32 +2,42 @@
 //! crontab runs unchanged, with the same meaning.
 //!
 //! A line is blank, a comment (`#`), an environment line (`NAME=value`, quotes stripped as
-//! Vixie cron does; `SHELL=` picks the shell, `CRON_TZ=` the zone the schedules below it are
-//! read in), or a job: a schedule and a command run through `$SHELL -c` (`/bin/sh` by default).
-//! A schedule is tried as supercronic tries it: seven fields (seconds first, year last), then
-//! six (year last), then five (`minute hour day month weekday`), then a nickname (`@hourly`,
-//! `@daily`, `@weekly`, `@monthly`, `@yearly`, and pgleader's own `@every DURATION`). Note that
-//! `--schedule`'s six fields put seconds first: in a crontab file the file's meaning wins.
+//! Vixie cron does; `SHELL=` picks the shell, `CRON_TZ=` the zone the schedules are read in), or
+//! a job: a schedule and a command run through `$SHELL -c` (`/bin/sh` by default). A schedule
+//! is cut as supercronic cuts it: seven fields (seconds first, year last), then six (year last),
+//! then five (`minute hour day month weekday`), then a nickname (`@hourly`, `@daily`,
+//! `@weekly`, `@monthly`, `@yearly`, and pgleader's own `@every DURATION`), the first reading
+//! that parses in supercronic's grammar (`fields.rs`) winning, whether or not it ever occurs
+//! again (a past year, 31 February: accepted, warned of, never run). Note that `--schedule`'s
+//! six fields put seconds first: in a crontab file the file's meaning wins.
 //!
-//! Where cron and supercronic differ (a file that sets a name twice: cron applies each value to
-//! the lines below it, supercronic gives every job the last one), pgleader follows cron: an
-//! environment or `CRON_TZ` line applies to the jobs below it, so that one file can read
-//! different jobs in different zones.
+//! As supercronic does, every environment line applies to every job, the last value of a name
+//! winning, `CRON_TZ` and `SHELL` included; with no `CRON_TZ`, the local zone (`zone.rs`). Cron
+//! reads such a file otherwise (each line applies to the jobs below it), so the reader notes
+//! where the two differ: a name set twice, or below a job. A job that needs a zone of its own
+//! says so in its directive (`zone=`).
 //!
 //! Per-job options ride in a comment directly above the job, which cron and supercronic ignore:
-//! `# pgleader: name=report overlap=skip catch-up=1h timeout=30m`. A job is known by its name;
-//! without one, by its command (a stable name made from it, with `-2`, `-3` after a command
-//! that more than one line runs), so that changing a line's schedule keeps the job.
+//! `# pgleader: name=report overlap=skip catch-up=1h timeout=30m zone=Europe/Paris`. A job is
+//! known by its name; without one, by its command (a stable name made from it, with `-2`, `-3`
+//! after a command that more than one line runs), so that changing a line's schedule keeps the
+//! job.
+
+mod fields;
+mod zone;
 
 use std::collections::HashMap;
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use jiff::Timestamp;
 use jiff::tz::TimeZone;
 
 use crate::election::lock::LockKey;
+use crate::environment::ProcessEnvironment;
 use crate::schedule::calendar::{self, Schedule};
+pub use zone::{Host, ZoneSource};
 
 /// The shell a job's command runs through when no `SHELL=` line says otherwise.
 pub const DEFAULT_SHELL: &str = "/bin/sh";
@@ -46,6 +56,9 @@ const DIRECTIVE: &str = "pgleader:";
 pub struct Crontab {
     pub path: PathBuf,
     pub jobs: Vec<CronJob>,
+    /// What the file may not mean to its author, by line: where cron would read it otherwise,
+    /// where supercronic would refuse it.
+    pub notes: Vec<(usize, String)>,
 }
 
 /// One job of a crontab.
@@ -56,11 +69,13 @@ pub struct CronJob {
     /// Its line in the file, from 1.
     pub line: usize,
     pub when: Schedule,
+    /// Where the schedule's zone comes from (the zone itself is in `when`).
+    pub zone_source: ZoneSource,
     /// The command, as written, run through `shell -c`.
     pub command: String,
     pub shell: String,
-    /// The environment lines above it, in order (`SHELL` and `CRON_TZ` included, as cron
-    /// passes them on).
+    /// The file's environment lines, in order, the last value of a name winning (`SHELL` and
+    /// `CRON_TZ` included, as cron passes them on): the same for every job.
     pub env: Vec<(String, String)>,
     pub overlap: Overlap,
     /// How late a missed occurrence may still run; only the latest, never a backlog.
@@ -201,8 +216,13 @@ impl fmt::Display for CrontabError {
 impl std::error::Error for CrontabError {}
 
 impl Crontab {
-    /// Reads and checks the crontab at `path`.
+    /// Reads and checks the crontab at `path`, its local zone the host's.
     pub fn read(path: &Path) -> Result<Crontab, CrontabError> {
+        Crontab::read_on(path, &Host::real(&ProcessEnvironment))
+    }
+
+    /// Reads and checks the crontab at `path`, its local zone `host`'s.
+    pub fn read_on(path: &Path, host: &Host) -> Result<Crontab, CrontabError> {
         let text = std::fs::read(path).map_err(|err| CrontabError {
             path: path.to_owned(),
             line: None,
@@ -213,20 +233,113 @@ impl Crontab {
             line: None,
             message: "the crontab is not UTF-8 text".into(),
         })?;
-        Crontab::parse(path, &text)
+        Crontab::parse(path, &text, host)
     }
 
-    /// Checks the crontab `text`, read from `path`.
-    pub fn parse(path: &Path, text: &str) -> Result<Crontab, CrontabError> {
-        let fail = |line: usize, message: String| CrontabError {
+    /// Checks the crontab `text`, read from `path`, its local zone `host`'s.
+    pub fn parse(path: &Path, text: &str, host: &Host) -> Result<Crontab, CrontabError> {
+        let fail = |line: Option<usize>, message: String| CrontabError {
             path: path.to_owned(),
-            line: Some(line),
+            line,
             message,
         };
-        let mut env: Vec<(String, String)> = Vec::new();
-        let mut zone = TimeZone::UTC;
+        let read = Lines::read(text).map_err(|(line, message)| fail(Some(line), message))?;
+        let needs_local_zone = read.cron_tz.is_none()
+            && read
+                .jobs
+                .iter()
+                .any(|job| job.when.period().is_none() && job.options.zone.is_none());
+        let (zone, source) = match read.cron_tz {
+            Some((zone, line)) => (zone, ZoneSource::CronTz { line }),
+            None if needs_local_zone => host
+                .local_zone()
+                .map_err(|message| fail(None, format!("{message}; the zone of the jobs")))?,
+            None => (TimeZone::UTC, ZoneSource::Default),
+        };
+        let shell = read
+            .env
+            .iter()
+            .find(|(name, _)| name == "SHELL")
+            .map_or(DEFAULT_SHELL.to_owned(), |(_, shell)| shell.clone());
+        let mut jobs = Vec::with_capacity(read.jobs.len());
+        for job in read.jobs {
+            let (line, options) = (job.line, job.options);
+            let (when, zone_source) = match options.zone {
+                _ if job.when.period().is_some() => (job.when, ZoneSource::Every),
+                Some((line, own)) => (job.when.in_zone(own), ZoneSource::Directive { line }),
+                None => (job.when.in_zone(zone.clone()), source.clone()),
+            };
+            jobs.push(CronJob {
+                name: options.name.unwrap_or_default(),
+                line,
+                when,
+                zone_source,
+                command: job.command,
+                shell: shell.clone(),
+                env: read.env.clone(),
+                overlap: options.overlap.unwrap_or_default(),
+                catch_up: options.catch_up.unwrap_or(DEFAULT_CATCH_UP),
+                timeout: options.timeout.filter(|timeout| !timeout.is_zero()),
+            });
+        }
+        name_jobs(&mut jobs).map_err(|(line, message)| fail(Some(line), message))?;
+        Ok(Crontab {
+            path: path.to_owned(),
+            jobs,
+            notes: read.notes,
+        })
+    }
+
+    /// What to warn of at `at`, a line each (`FILE:LINE: what`): the file's notes, and each job
+    /// whose schedule has no occurrence after `at` (it never runs).
+    pub fn warnings(&self, at: Timestamp) -> Vec<String> {
+        let mut warnings = self.notes.clone();
+        for job in &self.jobs {
+            if !job.when.occurs_after(at) {
+                warnings.push((
+                    job.line,
+                    format!(
+                        "job {} never runs: its schedule {} has no occurrence after {} (a past \
+                         year, or a day no month has)",
+                        job.name,
+                        job.when,
+                        calendar::rfc3339(at)
+                    ),
+                ));
+            }
+        }
+        warnings.sort_by_key(|(line, _)| *line);
+        warnings
+            .into_iter()
+            .map(|(line, text)| format!("{}:{line}: {text}", self.path.display()))
+            .collect()
+    }
+}
+
+/// A crontab's lines, read in order: the environment, the zone, the jobs (their schedules in
+/// UTC until the file's zone is known) and the notes.
+#[derive(Default)]
+struct Lines {
+    env: Vec<(String, String)>,
+    cron_tz: Option<(TimeZone, usize)>,
+    jobs: Vec<Pending>,
+    notes: Vec<(usize, String)>,
+}
+
+/// A job line, read.
+struct Pending {
+    line: usize,
+    when: Schedule,
+    command: String,
+    options: Options,
+}
+
+impl Lines {
+    fn read(text: &str) -> Result<Lines, (usize, String)> {
+        let mut read = Lines::default();
+        // Where each name was first set.
+        let mut set: HashMap<String, usize> = HashMap::new();
         let mut options: Option<(usize, Options)> = None;
-        let mut jobs = Vec::new();
         for (index, raw) in text.lines().enumerate() {
             let number = index + 1;
             let line = raw.trim();
@@ -236,66 +349,84 @@ impl Crontab {
             if let Some(comment) = line.strip_prefix('#') {
                 if let Some(words) = comment.trim_start().strip_prefix(DIRECTIVE) {
                     if let Some((above, _)) = options {
-                        return Err(fail(
+                        return Err((
                             number,
                             format!(
                                 "a second pgleader directive for one job (the first is on line {above})"
                             ),
                         ));
                     }
-                    options = Some((number, Options::parse(words).map_err(|m| fail(number, m))?));
+                    options = Some((number, Options::parse(number, words)?));
                 }
                 continue;
             }
             if let Some((name, value)) = environment_line(line) {
                 if let Some((above, _)) = options {
-                    return Err(fail(
+                    return Err((
                         above,
                         "a pgleader directive must stand directly above a job line".into(),
                     ));
                 }
                 if name == "CRON_TZ" {
-                    zone = calendar::zone(&value).map_err(|m| fail(number, m))?;
+                    read.cron_tz = Some((calendar::zone(&value).map_err(|m| (number, m))?, number));
                 }
-                env.retain(|(set, _)| *set != name);
-                env.push((name, value));
+                if let Some(note) = read.note_on_setting(&name, set.get(&name).copied()) {
+                    read.notes.push((number, note));
+                }
+                set.entry(name.clone()).or_insert(number);
+                read.env.retain(|(set, _)| *set != name);
+                read.env.push((name, value));
                 continue;
             }
-            let (when, command) = job_line(line, &zone).map_err(|m| fail(number, m))?;
-            if command.is_empty() {
-                return Err(fail(number, "the job has a schedule but no command".into()));
+            let job = job_line(line).map_err(|m| (number, m))?;
+            if let Some(why) = job.refused_by_supercronic {
+                read.notes.push((number, why));
             }
-            let options = options
-                .take()
-                .map(|(_, options)| options)
-                .unwrap_or_default();
-            let shell = env
-                .iter()
-                .find(|(name, _)| name == "SHELL")
-                .map_or(DEFAULT_SHELL.to_owned(), |(_, shell)| shell.clone());
-            jobs.push(CronJob {
-                name: options.name.unwrap_or_default(),
+            read.jobs.push(Pending {
                 line: number,
-                when,
-                command: command.to_owned(),
-                shell,
-                env: env.clone(),
-                overlap: options.overlap.unwrap_or_default(),
-                catch_up: options.catch_up.unwrap_or(DEFAULT_CATCH_UP),
-                timeout: options.timeout.filter(|timeout| !timeout.is_zero()),
+                when: job.when,
+                command: job.command.to_owned(),
+                options: options
+                    .take()
+                    .map(|(_, options)| options)
+                    .unwrap_or_default(),
             });
         }
         if let Some((above, _)) = options {
-            return Err(fail(
+            return Err((
                 above,
                 "a pgleader directive must stand directly above a job line".into(),
             ));
         }
-        name_jobs(&mut jobs).map_err(|(line, message)| fail(line, message))?;
-        Ok(Crontab {
-            path: path.to_owned(),
-            jobs,
-        })
+        Ok(read)
+    }
+
+    /// What to say of a line that sets `name` where cron would read it otherwise than
+    /// supercronic (and pgleader) do: set before on line `first`, or below a job.
+    fn note_on_setting(&self, name: &str, first: Option<usize>) -> Option<String> {
+        let below = self.jobs.first().map(|job| job.line);
+        let (what, cron) = match (first, below) {
+            (Some(first), _) => (
+                format!("{name} is set again (first on line {first})"),
+                "cron gives each value to the jobs below it",
+            ),
+            (None, Some(job)) => (
+                format!("{name} is set below a job (line {job})"),
+                "cron gives it only to the jobs below it",
+            ),
+            (None, None) => return None,
+        };
+        let every = if name == "CRON_TZ" {
+            "every job's schedule is read in the last zone given, as supercronic reads it"
+        } else {
+            "every job gets the last value, as under supercronic"
+        };
+        let instead = if name == "CRON_TZ" {
+            "; for a zone of a job's own, use zone= in its pgleader directive"
+        } else {
+            ""
+        };
+        Some(format!("{what}: {every}; {cron}{instead}"))
     }
 }
 
@@ -306,16 +437,23 @@ struct Options {
     overlap: Option<Overlap>,
     catch_up: Option<Duration>,
     timeout: Option<Duration>,
+    /// The job's own zone, and the directive's line.
+    zone: Option<(usize, TimeZone)>,
 }
 
 impl Options {
-    /// `name=report overlap=skip catch-up=1h timeout=30m`, in any order.
-    fn parse(words: &str) -> Result<Options, String> {
+    /// `name=report overlap=skip catch-up=1h timeout=30m zone=Europe/Paris`, in any order, on
+    /// line `line`.
+    fn parse(line: usize, words: &str) -> Result<Options, (usize, String)> {
+        Options::parse_words(line, words).map_err(|message| (line, message))
+    }
+
+    fn parse_words(line: usize, words: &str) -> Result<Options, String> {
         let mut options = Options::default();
         for word in words.split_whitespace() {
             let Some((key, value)) = word.split_once('=') else {
                 return Err(format!(
-                    "{word:?} in a pgleader directive is not KEY=VALUE (keys: name, overlap, catch-up, timeout)"
+                    "{word:?} in a pgleader directive is not KEY=VALUE (keys: name, overlap, catch-up, timeout, zone)"
                 ));
             };
             let duplicate = match key {
@@ -335,9 +473,14 @@ impl Options {
                 }
                 "catch-up" => options.catch_up.replace(duration(key, value)?).is_some(),
                 "timeout" => options.timeout.replace(duration(key, value)?).is_some(),
+                "zone" => {
+                    let zone =
+                        calendar::zone(value).map_err(|err| format!("zone={value}: {err}"))?;
+                    options.zone.replace((line, zone)).is_some()
+                }
                 _ => {
                     return Err(format!(
-                        "unknown key {key:?} in a pgleader directive (keys: name, overlap, catch-up, timeout)"
+                        "unknown key {key:?} in a pgleader directive (keys: name, overlap, catch-up, timeout, zone)"
                     ));
                 }
             };
@@ -371,12 +514,9 @@ fn duration(key: &str, value: &str) -> Result<Duration, String> {
 /// line is not one.
 fn environment_line(line: &str) -> Option<(String, String)> {
     let (name, value) = line.split_once('=')?;
+    // As supercronic matches it: a name is anything without spaces or '='.
     let name = name.trim_end();
-    let mut chars = name.chars();
-    let first = chars.next()?;
-    if !(first.is_ascii_alphabetic() || first == '_')
-        || !chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
-    {
+    if name.is_empty() || name.contains(char::is_whitespace) {
         return None;
     }
     let value = value.trim();
@@ -391,32 +531,58 @@ fn environment_line(line: &str) -> Option<(String, String)> {
     Some((name.to_owned(), unquoted.to_owned()))
 }
 
-/// A job line's schedule and command: seven fields, then six, then five, then a nickname.
-fn job_line<'a>(line: &'a str, zone: &TimeZone) -> Result<(Schedule, &'a str), String> {
+/// A job line, read: its schedule (in UTC until the file's zone is known) and command.
+struct JobLine<'a> {
+    when: Schedule,
+    command: &'a str,
+    /// Why supercronic would refuse the line, when pgleader reads it anyway.
+    refused_by_supercronic: Option<String>,
+}
+
+/// A job line's schedule and command, cut as supercronic cuts it: the first of seven, six and
+/// five fields that parses in its grammar and leaves a command, else a nickname. Only when no
+/// such reading exists are the readings pgleader alone accepts tried.
+fn job_line(line: &str) -> Result<JobLine<'_>, String> {
     let tokens = tokens(line);
     if let Some((first, _)) = tokens.first()
         && first.starts_with('@')
     {
-        return nickname(line, &tokens, zone);
+        return nickname(line, &tokens);
     }
+    let words: Vec<&str> = tokens.iter().map(|(word, _)| *word).collect();
     let mut five_error = None;
-    for count in [7, 6, 5] {
-        if tokens.len() < count {
-            continue;
+    for lenient in [false, true] {
+        for count in [7, 6, 5] {
+            // A schedule is followed by a command, or it is not this reading.
+            if words.len() <= count {
+                continue;
+            }
+            match fields::read(&words[..count], lenient) {
+                Ok(fields) => {
+                    let seven = fields.seven.each_ref().map(String::as_str);
+                    let when =
+                        Schedule::from_crontab_fields(seven, TimeZone::UTC).map_err(|err| {
+                            format!("not a schedule: {:?}: {err}", words[..count].join(" "))
+                        })?;
+                    let refused_by_supercronic = fields.refused_by_supercronic.map(|why| {
+                        format!("supercronic refuses this line ({why}); pgleader reads it")
+                    });
+                    return Ok(JobLine {
+                        when,
+                        command: rest(line, &tokens, count),
+                        refused_by_supercronic,
+                    });
+                }
+                // The five-field reading's complaint is the one a crontab's author understands.
+                Err(err) if count == 5 && !lenient => {
+                    five_error = Some((words[..count].join(" "), err));
+                }
+                Err(_) => {}
+            }
         }
-        let fields: Vec<&str> = tokens[..count].iter().map(|(field, _)| *field).collect();
-        let seven: [&str; 7] = match fields.as_slice() {
-            [s, m, h, dom, mon, dow, y] => [s, m, h, dom, mon, dow, y],
-            [m, h, dom, mon, dow, y] => ["0", m, h, dom, mon, dow, y],
-            [m, h, dom, mon, dow] => ["0", m, h, dom, mon, dow, "*"],
-            _ => continue,
-        };
-        match Schedule::from_crontab_fields(seven, zone.clone()) {
-            Ok(schedule) => return Ok((schedule, rest(line, &tokens, count))),
-            // The five-field reading's complaint is the one a crontab's author understands.
-            Err(err) if count == 5 => five_error = Some((fields.join(" "), err)),
-            Err(_) => {}
-        }
+    }
+    if (5..=7).contains(&words.len()) && fields::read(&words, true).is_ok() {
+        return Err("the job has a schedule but no command".into());
     }
     Err(match five_error {
         Some((fields, err)) => format!("not a schedule: {fields:?}: {err}"),
@@ -425,11 +591,7 @@ fn job_line<'a>(line: &'a str, zone: &TimeZone) -> Result<(Schedule, &'a str), S
 }
 
 /// `@hourly` and its kind, or `@every DURATION`, and the command after it.
-fn nickname<'a>(
-    line: &'a str,
-    tokens: &[(&'a str, usize)],
-    zone: &TimeZone,
-) -> Result<(Schedule, &'a str), String> {
+fn nickname<'a>(line: &'a str, tokens: &[(&'a str, usize)]) -> Result<JobLine<'a>, String> {
     let nickname = tokens[0].0.to_ascii_lowercase();
     if nickname == "@every" {
         let Some((every, _)) = tokens.get(1) else {
@@ -438,7 +600,11 @@ fn nickname<'a>(
         let every = humantime::parse_duration(every).map_err(|err| {
             format!("@every {every}: {err} (expected a duration such as 30s or 5m)")
         })?;
-        return Ok((Schedule::every(every)?, rest(line, tokens, 2)));
+        return job(
+            Schedule::every(every)?,
+            rest(line, tokens, 2),
+            Some("supercronic refuses @every, pgleader's own".into()),
+        );
     }
     let fields = match nickname.as_str() {
         "@yearly" | "@annually" => ["0", "0", "0", "1", "1", "*", "*"],
@@ -453,8 +619,26 @@ fn nickname<'a>(
             ));
         }
     };
-    let schedule = Schedule::from_crontab_fields(fields, zone.clone())?;
-    Ok((schedule, rest(line, tokens, 1)))
+    let capitals = (nickname != tokens[0].0).then(|| {
+        format!(
+            "supercronic refuses {} (it reads nicknames in lower case only)",
+            tokens[0].0
+        )
+    });
+    let schedule = Schedule::from_crontab_fields(fields, TimeZone::UTC)?;
+    job(schedule, rest(line, tokens, 1), capitals)
+}
+
+/// A nickname's job line, refused without a command.
+fn job(when: Schedule, command: &str, why: Option<String>) -> Result<JobLine<'_>, String> {
+    if command.is_empty() {
+        return Err("the job has a schedule but no command".into());
+    }
+    Ok(JobLine {
+        when,
+        command,
+        refused_by_supercronic: why.map(|why| format!("{why}; pgleader reads it")),
+    })
 }
 
 /// The whitespace-separated words of a line, with where each starts.
@@ -579,242 +763,6 @@ fn slug_is_faithful(command: &str, slug: &str) -> bool {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn parse(text: &str) -> Result<Crontab, CrontabError> {
-        Crontab::parse(Path::new("crontab"), text)
-    }
-
-    fn schedule(job: &CronJob) -> String {
-        format!("{} {}", job.when.expression(), job.when.timezone())
-    }
-
-    #[test]
-    fn every_form_supercronic_reads_is_read_with_its_meaning() {
-        let tab = parse(
-            "# a comment\n\
-             \n\
-             */5 * * * * echo five\n\
-             0 3 * * * 2030 echo six\n\
-             */10 0 3 * * * 2030 echo seven\n\
-             @hourly echo hourly\n\
-             @every 30s echo every\n",
-        )
-        .expect("parse");
-        let got: Vec<(String, &str)> = tab
-            .jobs
-            .iter()
-            .map(|job| (schedule(job), job.command.as_str()))
-            .collect();
-        assert_eq!(
-            got,
-            vec![
-                ("0 */5 * * * * UTC".to_owned(), "echo five"),
-                ("0 0 3 * * * 2030 UTC".to_owned(), "echo six"),
-                ("*/10 0 3 * * * 2030 UTC".to_owned(), "echo seven"),
-                ("0 0 * * * * UTC".to_owned(), "echo hourly"),
-                ("@every 30s UTC".to_owned(), "echo every"),
-            ]
-        );
-    }
-
-    #[test]
-    fn a_crontab_as_people_write_it_is_read_as_written() {
-        // Padded columns, tabs, a trailing comment (part of the command, as for cron), a `%`,
-        // and a last line without a newline.
-        let tab = parse(
-            "# m h  dom mon dow   command\n\
-             MAILTO=\"\"\n\
-             PATH=/usr/local/bin:/usr/bin:/bin\n\
-             \n  */5  *   *   *   *    /app/bin/sync --quiet   # every five\n\
-             0    3   *   *   1-5  date +%Y-%m-%d >> /var/log/nightly.log 2>&1\n\
-             \t@daily\tfind /tmp -mtime +7 -delete\n\
-             30 2 * * * echo last",
-        )
-        .expect("parse");
-        let got: Vec<(String, usize, &str)> = tab
-            .jobs
-            .iter()
-            .map(|job| (schedule(job), job.line, job.command.as_str()))
-            .collect();
-        assert_eq!(
-            got,
-            vec![
-                (
-                    "0 */5 * * * * UTC".to_owned(),
-                    5,
-                    "/app/bin/sync --quiet   # every five"
-                ),
-                (
-                    "0 0 3 * * 1-5 UTC".to_owned(),
-                    6,
-                    "date +%Y-%m-%d >> /var/log/nightly.log 2>&1"
-                ),
-                (
-                    "0 0 0 * * * UTC".to_owned(),
-                    7,
-                    "find /tmp -mtime +7 -delete"
-                ),
-                ("0 30 2 * * * UTC".to_owned(), 8, "echo last"),
-            ]
-        );
-        assert_eq!(
-            tab.jobs[0].env,
-            vec![
-                ("MAILTO".into(), String::new()),
-                ("PATH".into(), "/usr/local/bin:/usr/bin:/bin".into())
-            ]
-        );
-    }
-
-    #[test]
-    fn environment_lines_apply_to_the_jobs_below_them() {
-        let tab = parse(
-            "CRON_TZ=Europe/Paris\n\
-             GREETING = \"hello there\"\n\
-             0 3 * * * echo $GREETING\n\
-             SHELL=/bin/bash\n\
-             CRON_TZ='America/New_York'\n\
-             GREETING=bye\n\
-             0 4 * * * echo $GREETING\n",
-        )
-        .expect("parse");
-        let [first, second] = tab.jobs.as_slice() else {
-            panic!("two jobs")
-        };
-        assert_eq!(schedule(first), "0 0 3 * * * Europe/Paris");
-        assert_eq!(first.shell, "/bin/sh");
-        assert_eq!(
-            first.env,
-            vec![
-                ("CRON_TZ".into(), "Europe/Paris".into()),
-                ("GREETING".into(), "hello there".into())
-            ]
-        );
-        assert_eq!(schedule(second), "0 0 4 * * * America/New_York");
-        assert_eq!(second.shell, "/bin/bash");
-        assert!(second.env.contains(&("GREETING".into(), "bye".into())));
-        assert_eq!(second.env.len(), 3);
-    }
-
-    #[test]
-    fn a_directive_names_a_job_and_sets_its_options() {
-        let tab = parse(
-            "# pgleader: name=report overlap=replace catch-up=10m timeout=30m\n\
-             0 3 * * * ./report.sh  --all\n\
-             0 4 * * * ./report.sh  --all\n",
-        )
-        .expect("parse");
-        let [named, plain] = tab.jobs.as_slice() else {
-            panic!("two jobs")
-        };
-        assert_eq!(named.name, "report");
-        assert_eq!(named.overlap, Overlap::Replace);
-        assert_eq!(named.catch_up, Duration::from_secs(600));
-        assert_eq!(named.timeout, Some(Duration::from_secs(1800)));
-        assert_eq!(named.command, "./report.sh  --all");
-        assert_eq!(plain.overlap, Overlap::Skip);
-        assert_eq!(plain.catch_up, DEFAULT_CATCH_UP);
-        assert_eq!(plain.timeout, None);
-        assert!(plain.name.starts_with("report-sh-all-"), "{}", plain.name);
-    }
-
-    #[test]
-    fn a_job_without_a_name_is_named_by_its_command_and_keeps_it_across_schedules() {
-        let one = parse("0 3 * * * /usr/bin/backup --full\n").expect("parse");
-        let other = parse("*/5 * * * * /usr/bin/backup --full\n").expect("parse");
-        assert_eq!(one.jobs[0].name, "usr-bin-backup-full");
-        assert_eq!(one.jobs[0].name, other.jobs[0].name);
-        let twice = parse("0 3 * * * backup\n0 4 * * * backup\n0 5 * * * backup\n").expect("parse");
-        let names: Vec<&str> = twice.jobs.iter().map(|job| job.name.as_str()).collect();
-        assert_eq!(names, ["backup", "backup-2", "backup-3"]);
-        let long = "x".repeat(100);
-        let named = name_from_command(&long);
-        assert!(named.len() <= 57 && named.starts_with("xxx"), "{named}");
-        assert_ne!(name_from_command("echo A"), name_from_command("echo a"));
-    }
-
-    #[test]
-    fn a_reread_file_tells_added_removed_changed_and_unchanged_jobs_apart() {
-        let old = parse(
-            "# pgleader: name=stays\n0 3 * * * a\n\
-             # pgleader: name=moves\n0 4 * * * b\n\
-             # pgleader: name=goes\n0 5 * * * c\n\
-             # pgleader: name=retimed\n0 6 * * * d\n",
-        )
-        .expect("parse");
-        let new = parse(
-            "\n# pgleader: name=moves\n0 4 * * * b\n\
-             # pgleader: name=stays\n0 3 * * * a\n\
-             # pgleader: name=retimed\n0 7 * * * d\n\
-             # pgleader: name=new\n0 8 * * * e\n",
-        )
-        .expect("parse");
-        assert_eq!(
-            Changes::between(&old, &new),
-            Changes {
-                added: vec!["new".into()],
-                removed: vec!["goes".into()],
-                changed: vec!["retimed".into()],
-                unchanged: vec!["moves".into(), "stays".into()],
-            }
-        );
-        // What a job's command sees is part of its definition; where it stands is not.
-        let env = parse("A=1\n# pgleader: name=stays\n0 3 * * * a\n").expect("parse");
-        assert_ne!(env.jobs[0].fingerprint(), old.jobs[0].fingerprint());
-        assert_eq!(new.jobs[1].fingerprint(), old.jobs[0].fingerprint());
-    }
-
-    #[test]
-    fn bad_lines_are_refused_with_their_line_and_what_is_wrong() {
-        let cases = [
-            ("0 3 * *\n", 1, "not a job line"),
-            ("0 3 * * * \n", 1, "no command"),
-            ("0 25 * * * echo\n", 1, "not a schedule"),
-            (
-                "CRON_TZ=Mars/Olympus\n0 3 * * * echo\n",
-                1,
-                "unknown time zone",
-            ),
-            ("@fortnightly echo\n", 1, "unknown nickname"),
-            ("@every soon echo\n", 1, "@every soon"),
-            (
-                "\n# pgleader: nom=x\n0 3 * * * echo\n",
-                2,
-                "unknown key \"nom\"",
-            ),
-            (
-                "# pgleader: overlap=queue\n0 3 * * * echo\n",
-                1,
-                "expected skip, allow or replace",
-            ),
-            ("# pgleader: name=a b\n0 3 * * * echo\n", 1, "not KEY=VALUE"),
-            (
-                "# pgleader: name=x\nA=b\n0 3 * * * echo\n",
-                1,
-                "directly above a job line",
-            ),
-            ("# pgleader: name=x\n", 1, "directly above a job line"),
-            (
-                "# pgleader: name=x\n0 3 * * * a\n# pgleader: name=x\n0 4 * * * b\n",
-                4,
-                "two jobs are named \"x\" (lines 2 and 4)",
-            ),
-            (
-                "# pgleader: name=no/slash\n0 3 * * * a\n",
-                1,
-                "a job name is",
-            ),
-        ];
-        for (text, line, wanted) in cases {
-            let err = parse(text).expect_err(text);
-            assert_eq!(err.line, Some(line), "{text:?}: {err}");
-            assert!(err.to_string().contains(wanted), "{text:?}: {err}");
-            assert!(
-                err.to_string().starts_with(&format!("crontab:{line}: ")),
-                "{err}"
-            );
-        }
-    }
-}
+mod supercronic_tests;
+#[cfg(test)]
+mod tests;

@@ -54,14 +54,14 @@ fn check_prints_each_job_with_its_schedule_zone_command_and_next_occurrences() {
         "jobs",
         "# nightly work\n\
          MAILTO=\"\"\n\
-         CRON_TZ=Europe/Paris\n\
-         # pgleader: name=report overlap=replace catch-up=10m timeout=30m\n\
-         30 3 * * * ./report.sh --all\n\
-         \n\
          CRON_TZ=UTC\n\
          SHELL=/bin/bash\n\
+         # pgleader: name=report overlap=replace catch-up=10m timeout=30m zone=Europe/Paris\n\
+         30 3 * * * ./report.sh --all\n\
+         \n\
          */15 * * * * 2099 echo quarter\n\
-         @every 90s echo often\n",
+         @every 90s echo often\n\
+         0 0 1 1 * 2026 true\n",
     );
     let (code, stdout, stderr) = cron(
         &file,
@@ -69,37 +69,97 @@ fn check_prints_each_job_with_its_schedule_zone_command_and_next_occurrences() {
     );
     assert_eq!(code, 0, "{stderr}");
     let expected = format!(
-        "{}: 3 jobs
+        "{path}: 4 jobs
+warning: {path}:9: supercronic refuses @every, pgleader's own; pgleader reads it
+warning: {path}:10: job true never runs: its schedule \"0 0 0 1 1 * 2026\" (UTC) has no occurrence after 2026-11-26T12:00:00Z (a past year, or a day no month has)
 
-report (line 5)
+report (line 6)
   schedule  0 30 3 * * * in Europe/Paris (seconds first)
-  command   /bin/sh -c \"./report.sh --all\"
+  zone      Europe/Paris (zone= in the directive, line 5)
+  command   /bin/bash -c \"./report.sh --all\"
   options   overlap=replace catch-up=10m timeout=30m
   definition {}
   next      2026-11-27 03:30:00 +01:00
             2026-11-28 03:30:00 +01:00
 
-echo-quarter (line 9)
+echo-quarter (line 8)
   schedule  0 */15 * * * * 2099 in UTC (seconds first)
+  zone      UTC (CRON_TZ, line 3)
   command   /bin/bash -c \"echo quarter\"
   options   overlap=skip catch-up=1h timeout=none
   definition {}
   next      2099-01-01 00:00:00 +00:00
             2099-01-01 00:15:00 +00:00
 
-echo-often (line 10)
+echo-often (line 9)
   schedule  @every 1m 30s (from the Unix epoch, UTC)
+  zone      UTC (@every counts from the Unix epoch)
   command   /bin/bash -c \"echo often\"
   options   overlap=skip catch-up=1h timeout=none
   definition {}
   next      2026-11-26 12:01:30 +00:00
-            2026-11-26 12:03:00 +00:00",
-        file.0.display(),
+            2026-11-26 12:03:00 +00:00
+
+true (line 10)
+  schedule  0 0 0 1 1 * 2026 in UTC (seconds first)
+  zone      UTC (CRON_TZ, line 3)
+  command   /bin/bash -c \"true\"
+  options   overlap=skip catch-up=1h timeout=none
+  definition {}
+  next      none: it never occurs again, and never runs",
         definition(&file, "report"),
         definition(&file, "echo-quarter"),
         definition(&file, "echo-often"),
+        definition(&file, "true"),
+        path = file.0.display(),
     );
     assert_eq!(stdout, expected);
+}
+
+#[test]
+fn with_no_cron_tz_the_local_zone_is_used_and_check_says_where_it_came_from() {
+    let file = File::new("local", "SHELL=/bin/sh\n0 3 * * * echo local\nA=1\n");
+    let check = |tz: &str| {
+        let mut command = pgleader();
+        command
+            .env("TZ", tz)
+            .args([
+                "cron",
+                "--check",
+                "--from",
+                "2026-11-26T12:00:00Z",
+                "--next",
+                "1",
+            ])
+            .arg(&file.0);
+        let (status, stdout, stderr) = Proc::spawn("pgleader cron --check", command).finish();
+        (
+            status.code().expect("an exit code"),
+            stdout.join("\n"),
+            stderr.join("\n"),
+        )
+    };
+    let (code, stdout, stderr) = check("America/New_York");
+    assert_eq!(code, 0, "{stderr}");
+    assert!(
+        stdout.contains("  zone      America/New_York (TZ)\n"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("  next      2026-11-27 03:00:00 -05:00"),
+        "{stdout}"
+    );
+    // A name set below a job: cron would not give it to the job above.
+    assert!(
+        stdout.contains(":3: A is set below a job (line 2): every job gets the last value"),
+        "{stdout}"
+    );
+    let (code, stdout, stderr) = check("Mars/Olympus");
+    assert_eq!(code, 2, "{stdout}");
+    assert!(
+        stderr.contains("TZ=\"Mars/Olympus\": unknown time zone"),
+        "{stderr}"
+    );
 }
 
 /// A job's definition as `pgleader status` shows it while replicas define it otherwise.
