@@ -436,18 +436,24 @@ pub fn sighup_rereads_the_file(spawn: Spawn) {
     }
     wait_for_shares(&[&a, &b], 2, &[("A", 1), ("B", 1)]);
 
-    // j1 changed, j2 removed, j3 added.
+    // j1 changed, j2 removed, j3 added; and a name set below a job, which the reread warns of
+    // as a start does.
     std::fs::write(
         &file.0,
         format!(
             "# pgleader: name=j1\n* * * * * * * {RAN} v=2\n\
-             # pgleader: name=j3\n* * * * * * * {RAN}\n"
+             # pgleader: name=j3\n* * * * * * * {RAN}\nLATE=1\n"
         ),
     )
     .expect("write the crontab");
     let reread = Instant::now();
     for replica in [&a, &b] {
         replica.signal(Signal::SIGHUP);
+        let warned = replica.wait_log("LATE is set below a job");
+        assert!(
+            warned.contains(&format!("{}:5", file.0.display())),
+            "{warned}"
+        );
         let line = replica.wait_log("reread the crontab");
         assert_eq!(
             (

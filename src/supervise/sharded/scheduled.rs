@@ -429,6 +429,10 @@ impl<H: Holder> Duty<H> for Scheduled<H> {
         let reread = Crontab::read(&path)
             .map_err(|err| err.to_string())
             .and_then(|crontab| {
+                // What the file may not mean to its author, said as at start.
+                for warning in crontab.warnings(jiff::Timestamp::now()) {
+                    warn!(event = "config", lock = %lock, "{warning}");
+                }
                 let reread = self.jobs.reread(&lock, crontab);
                 reread.map_err(|err| err.to_string())
             });
