@@ -39,8 +39,17 @@ pub struct RunConfig {
     pub supervision: Settings,
     /// Where to serve /leader, /healthz, /status and /metrics, if anywhere.
     pub http: Option<SocketAddr>,
-    /// `pgleader cron`: the crontab whose jobs the fleet shares out.
-    pub crontab: Option<Crontab>,
+    /// What runs: the command, or a crontab's jobs.
+    pub work: Work,
+}
+
+/// What a replica runs.
+#[derive(Debug, Clone)]
+pub enum Work {
+    /// `pgleader run`: the command, once across the fleet, or once per shard (`--shards`).
+    Command(CommandLine),
+    /// `pgleader cron`: the crontab whose jobs the fleet shares out, each job its own command.
+    Crontab(Crontab),
 }
 
 /// The backend a URL's scheme chose, configured. `lib.rs` matches it once and runs the
@@ -111,7 +120,7 @@ impl RunConfig {
         args: RunArgs,
         env: &dyn Environment,
     ) -> anyhow::Result<(RunConfig, Vec<String>)> {
-        Self::build(args, env, false)
+        Self::build(args, env, None)
     }
 
     /// Validates `pgleader cron`'s arguments for `crontab`: what a replica of a fleet is
@@ -135,10 +144,10 @@ impl RunConfig {
             retry_interrupted: 0,
             shards: None,
             max_shards: None,
-            // Each job's command is its own (`SHELL -c LINE`); this one is never run.
-            command: vec![crate::schedule::crontab::DEFAULT_SHELL.into()],
+            // Each job's command is its own (`SHELL -c LINE`).
+            command: Vec::new(),
         };
-        let (mut config, warnings) = Self::build(run, env, true)?;
+        let (config, warnings) = Self::build(run, env, Some(crontab))?;
         if matches!(config.backend, Elector::Quorum(_)) {
             return Err(UsageError(
                 "a crontab across the fleet cannot run on a Redlock quorum: each job's owner \
@@ -149,15 +158,15 @@ impl RunConfig {
             )
             .into());
         }
-        config.crontab = Some(crontab);
         Ok((config, warnings))
     }
 
-    /// [`RunConfig::from_args`], with a ledger whether or not `--schedule` asks for one.
+    /// [`RunConfig::from_args`]; with a `crontab` its jobs run rather than a command, and a
+    /// ledger is kept whether or not `--schedule` asks for one.
     fn build(
         args: RunArgs,
         env: &dyn Environment,
-        ledger: bool,
+        crontab: Option<Crontab>,
     ) -> anyhow::Result<(RunConfig, Vec<String>)> {
         let lock = lock_key(&args.replica.lock, env)?;
         let database = database(&args.replica.connection, env)?;
@@ -199,10 +208,16 @@ impl RunConfig {
         // Without a schedule there is no ledger, and --ledger-table is not looked at.
         let table = match &schedule {
             Some(_) => ledger_table(&args.replica.ledger)?,
-            None if ledger => ledger_table(&args.replica.ledger)?,
+            None if crontab.is_some() => ledger_table(&args.replica.ledger)?,
             None => TableName::default(),
         };
-        let command = CommandLine::resolve(args.command, env.var_os("PATH").as_deref())?;
+        let work = match crontab {
+            Some(crontab) => Work::Crontab(crontab),
+            None => Work::Command(CommandLine::resolve(
+                args.command,
+                env.var_os("PATH").as_deref(),
+            )?),
+        };
         let session_name = participant::label(
             database.application_name(),
             schedule
@@ -216,7 +231,6 @@ impl RunConfig {
         let ledger_statement_timeout = args.replica.check_timeout / 2;
         let supervision = Settings {
             session_name,
-            command,
             once: args.once || args.no_wait,
             no_wait: args.no_wait,
             busy_exit_code: args.busy_exit_code,
@@ -291,7 +305,7 @@ impl RunConfig {
             backend,
             supervision,
             http: args.replica.http,
-            crontab: None,
+            work,
         };
         Ok((config, warnings))
     }

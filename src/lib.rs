@@ -43,7 +43,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use tracing::warn;
 
 use crate::cli::{Command, CronArgs, RunArgs, StatusArgs, StepDownArgs};
-use crate::config::{Database, Elector, RunConfig, UsageError};
+use crate::config::{Database, Elector, RunConfig, UsageError, Work};
 use crate::election::lock::LockKey;
 use crate::election::shards::JoinError;
 use crate::election::{Backend, ConnectError};
@@ -55,7 +55,7 @@ use crate::postgres::PgBackend;
 use crate::redis::RedisBackend;
 use crate::redis::quorum::QuorumBackend;
 use crate::schedule::crontab::Crontab;
-use crate::supervise::keeper::handle::CommandError;
+use crate::supervise::keeper::handle::{CommandError, CommandLine};
 use crate::supervise::sharded::Fleet;
 use crate::supervise::signals::SignalEvent;
 use crate::supervise::{sharded, signals, supervisor};
@@ -121,7 +121,7 @@ async fn supervise(
         schedule: settings.schedule.as_ref().map(|plan| plan.schedule.clone()),
         shards: settings.shards.map(|sharding| sharding.count),
         health_check: settings.health.is_some(),
-        crontab: config.crontab.is_some(),
+        crontab: matches!(config.work, Work::Crontab(_)),
     });
     // Checked before the election: a system that refuses the keepers' shared deadline (no
     // memfd) stops pgleader before it can win, rather than at every win.
@@ -132,29 +132,42 @@ async fn supervise(
         http::spawn(http::bind(address).await?, telemetry.clone());
     }
     notify::init();
-    let fleet = match (config.crontab, config.supervision.shards) {
-        (Some(crontab), _) => Some(Fleet::Crontab(crontab)),
-        (None, Some(sharding)) => Some(Fleet::Shards(sharding)),
-        (None, None) => None,
+    let shards = config.supervision.shards;
+    let settings = config.supervision;
+    let role = match (config.work, shards) {
+        (Work::Crontab(crontab), _) => Role::Fleet(Fleet::Crontab(crontab)),
+        (Work::Command(command), Some(sharding)) => Role::Fleet(Fleet::Shards(sharding, command)),
+        (Work::Command(command), None) => Role::Leader(command),
     };
-    let outcome = match (config.backend, fleet) {
-        (Elector::Postgres(backend), Some(fleet)) => {
-            sharded::run(backend, config.supervision, fleet, signals, telemetry).await?
+    let outcome = match (config.backend, role) {
+        (Elector::Postgres(backend), Role::Leader(command)) => {
+            supervisor::run(backend, settings, command, signals, telemetry).await?
         }
-        (Elector::Postgres(backend), None) => {
-            supervisor::run(backend, config.supervision, signals, telemetry).await?
+        (Elector::Postgres(backend), Role::Fleet(fleet)) => {
+            sharded::run(backend, settings, fleet, signals, telemetry).await?
         }
-        (Elector::Redis(backend), Some(fleet)) => {
-            sharded::run(backend, config.supervision, fleet, signals, telemetry).await?
+        (Elector::Redis(backend), Role::Leader(command)) => {
+            supervisor::run(backend, settings, command, signals, telemetry).await?
         }
-        (Elector::Redis(backend), None) => {
-            supervisor::run(backend, config.supervision, signals, telemetry).await?
+        (Elector::Redis(backend), Role::Fleet(fleet)) => {
+            sharded::run(backend, settings, fleet, signals, telemetry).await?
         }
-        (Elector::Quorum(backend), _) => {
-            supervisor::run(backend, config.supervision, signals, telemetry).await?
+        (Elector::Quorum(backend), Role::Leader(command)) => {
+            supervisor::run(backend, settings, command, signals, telemetry).await?
+        }
+        // Refused while the configuration was read.
+        (Elector::Quorum(_), Role::Fleet(_)) => {
+            anyhow::bail!("a sharded lock or a crontab cannot run on a Redlock quorum")
         }
     };
     Ok(outcome.exit_code())
+}
+
+/// What a replica is: the single leader's candidate for its command, or one of a fleet's
+/// replicas sharing items out.
+enum Role {
+    Leader(CommandLine),
+    Fleet(Fleet),
 }
 
 async fn status(args: StatusArgs) -> anyhow::Result<u8> {

@@ -286,13 +286,13 @@ impl<K: Ord + Clone, T> Commands<K, T> {
         .await
     }
 
-    /// A keeper's report about `key`'s command, `command`. An error means the command cannot
-    /// be run at all.
+    /// A keeper's report about `key`'s command, `command` (`None` if its owner no longer knows
+    /// it). An error means the command cannot be run at all.
     pub fn on_report(
         &mut self,
         key: &K,
         report: Report,
-        command: &CommandLine,
+        command: Option<&CommandLine>,
     ) -> Result<(), CommandError> {
         let kill_signal = self.kill_signal;
         let Some(entry) = self.entries.get_mut(key) else {
@@ -301,15 +301,24 @@ impl<K: Ord + Clone, T> Commands<K, T> {
         let label = entry.label.clone();
         match report {
             Report::Started(pid) => {
-                info!(event = "child_started", shard = label.shard, job = label.job.as_deref(), pid, command = %command.display(), "started the command{}", label.of());
+                let command = command.map(|command| command.display().to_string());
+                info!(
+                    event = "child_started",
+                    shard = label.shard,
+                    job = label.job.as_deref(),
+                    pid,
+                    command = command.as_deref().unwrap_or("?"),
+                    "started the command{}",
+                    label.of()
+                );
                 entry.started = Some((pid, Timestamp::now()));
                 entry.pre_start_failures = 0;
             }
             Report::SpawnFailed(errno) => {
-                return Err(CommandError::from_errno(
-                    command.program().as_os_str(),
-                    errno,
-                ));
+                let program = command.map_or(label.name().as_ref(), |command| {
+                    command.program().as_os_str()
+                });
+                return Err(CommandError::from_errno(program, errno));
             }
             // The keeper logged why; its post-stop runs next, and the command is tried again
             // later, 1s doubling up to a minute while its pre-start keeps failing.

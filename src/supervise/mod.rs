@@ -45,7 +45,6 @@ use tracing::info;
 use crate::election::lock::LockKey;
 use crate::schedule::Plan;
 use crate::time::for_people as fmt;
-use keeper::handle::CommandLine;
 
 /// What the supervisor needs of `pgleader run`'s settings (the backend has the rest).
 #[derive(Debug, Clone)]
@@ -53,7 +52,6 @@ pub struct Settings {
     pub lock: LockKey,
     /// The name pgleader's sessions carry on the server (`<name>:<pid>@<host>`).
     pub session_name: String,
-    pub command: CommandLine,
     pub once: bool,
     pub no_wait: bool,
     pub busy_exit_code: u8,

@@ -46,7 +46,7 @@ use crate::supervise::health::Health;
 use crate::supervise::hook;
 use crate::supervise::inbox::Inbox;
 use crate::supervise::inbox::SignalMeaning;
-use crate::supervise::keeper::handle::{self, Job, Parked};
+use crate::supervise::keeper::handle::{self, CommandLine, Job, Parked};
 use crate::supervise::keeper::protocol::Report;
 use crate::supervise::label::Label;
 use crate::supervise::signals::SignalEvent;
@@ -60,6 +60,7 @@ const STABLE_SESSION: Duration = Duration::from_secs(2);
 pub async fn run<B: Backend>(
     backend: B,
     settings: Settings,
+    command: CommandLine,
     signals: UnboundedReceiver<SignalEvent>,
     telemetry: Telemetry,
 ) -> anyhow::Result<Outcome> {
@@ -75,6 +76,7 @@ pub async fn run<B: Backend>(
         inbox: Inbox::new(signals, telemetry, settings.stop_rules()),
         backend,
         settings,
+        command,
         backoff: Backoff::default(),
         last_disturbance: None,
         parked: None,
@@ -88,6 +90,8 @@ pub async fn run<B: Backend>(
 struct Supervisor<B: Backend> {
     backend: B,
     settings: Settings,
+    /// What the leader runs.
+    command: CommandLine,
     /// Signals, the shutdown state, the telemetry; and stopping the job.
     inbox: Inbox,
     /// What the leader does while it leads, and what one leadership leaves the next.
@@ -362,7 +366,7 @@ impl<B: Backend> Supervisor<B> {
         if self.parked.is_some() {
             return;
         }
-        let command = self.settings.command.clone();
+        let command = self.command.clone();
         let hooks = self.settings.hooks.clone();
         self.parked = Some(Ahead::Spawning(tokio::task::spawn_blocking(move || {
             Parked::spawn(&command, &hooks)
@@ -413,7 +417,7 @@ impl<B: Backend> Supervisor<B> {
         deadline: &Deadline,
     ) -> anyhow::Result<Job> {
         let parked = self.take_parked().await;
-        let (command, hooks) = (&self.settings.command, &self.settings.hooks);
+        let (command, hooks) = (&self.command, &self.settings.hooks);
         let watch = Some((deadline, &Label::leader()));
         let spawned = Parked::start_or_fresh(parked, command, hooks, env, hold, watch)
             .context("cannot start the keeper process")?;

@@ -57,6 +57,7 @@ use crate::schedule::crontab::Crontab;
 use crate::supervise::commands::{After, Settled};
 use crate::supervise::health::Health;
 use crate::supervise::inbox::{Inbox, Shutdown, SignalMeaning};
+use crate::supervise::keeper::handle::CommandLine;
 use crate::supervise::keeper::protocol::Report;
 use crate::supervise::label::Label;
 use crate::supervise::signals::SignalEvent;
@@ -72,7 +73,7 @@ use shards::Shards;
 #[derive(Debug)]
 pub enum Fleet {
     /// `pgleader run --shards K`: the command once per shard.
-    Shards(Sharding),
+    Shards(Sharding, CommandLine),
     /// `pgleader cron`: the crontab's jobs, each occurrence once.
     Crontab(Crontab),
 }
@@ -102,16 +103,15 @@ pub async fn run<B: ShardBackend + Clone + 'static>(
     let inbox = Inbox::new(signals, telemetry.clone(), settings.stop_rules());
     let (lock, hooks) = (settings.lock.clone(), settings.hooks.clone());
     match (fleet, &settings.schedule) {
-        (Fleet::Shards(sharding), None) => {
-            let command = settings.command.clone();
+        (Fleet::Shards(sharding, command), None) => {
             let restart_delay = settings.restart_delay;
             let duty = Shards::new(sharding, command, hooks, restart_delay, lock.to_string());
             Room::new(backend, settings, duty, health, inbox)
                 .run()
                 .await
         }
-        (Fleet::Shards(sharding), Some(plan)) => {
-            let what = (plan, &settings.command);
+        (Fleet::Shards(sharding, command), Some(plan)) => {
+            let what = (plan, &command);
             let duty: Scheduled<B::Holder> =
                 Scheduled::shards(lock, sharding, what, hooks, telemetry);
             Room::new(backend, settings, duty, health, inbox)
@@ -514,7 +514,7 @@ impl<B: ShardBackend + Clone + 'static, D: Duty<B::Holder>> Room<B, D> {
                     self.lose_all(&reason, LossReason::CheckTimeout);
                     link.leave_for(reason);
                 }
-                let command = self.duty.command(slot).unwrap_or(&self.settings.command);
+                let command = self.duty.command(slot);
                 if let Err(err) = self.table.on_report(&slot, report, command) {
                     self.fail(link, err.into());
                 }

@@ -86,7 +86,7 @@ impl<B: Backend> Supervisor<B> {
             epoch,
             "became leader"
         );
-        notify::leading(lock, epoch, &self.settings.command.display());
+        notify::leading(lock, epoch, &self.command.display());
         self.inbox.telemetry.leading(epoch, session.id());
         let delay = self.settings.start_delay(
             self.last_disturbance,
@@ -478,14 +478,13 @@ impl<B: Backend> Supervisor<B> {
                 if let Some(timeline) = leading.timeline.take() {
                     timeline.log(Instant::now());
                 }
-                info!(event = "child_started", pid, command = %self.settings.command.display(), "started the command");
+                info!(event = "child_started", pid, command = %self.command.display(), "started the command");
                 self.inbox.telemetry.command_started(pid);
                 self.pre_start_failures = 0;
                 Step::Lead(session)
             }
             Report::SpawnFailed(errno) => {
-                let err =
-                    CommandError::from_errno(self.settings.command.program().as_os_str(), errno);
+                let err = CommandError::from_errno(self.command.program().as_os_str(), errno);
                 self.inbox
                     .telemetry
                     .leadership_lost(LossReason::CommandExited, &err.to_string());
