@@ -19,7 +19,7 @@ Not taken here, since a crontab's jobs are their own schedules: run's --once, --
 
 Exit status (cron):
   0
-      --check read the crontab; or shut down by TERM or INT, every running command stopped and recorded
+      --check read the crontab; or shut down: by TERM once the running jobs ended by themselves (or --drain-timeout stopped them), by INT or a second TERM with every running command stopped and recorded
   1
       fatal error (as for run: bad password, unknown database, a ledger table that cannot be used, ...)
   2
@@ -470,9 +470,16 @@ pub struct CronArgs {
     /// supercronic reads them), @hourly and its kind, @every DURATION, NAME=value lines given
     /// to every job, the last value winning (CRON_TZ= sets the zone, else TZ, /etc/localtime or
     /// UTC; SHELL= the shell), and per-job options in a comment above a job: # pgleader:
-    /// name=NAME overlap=skip|allow|replace catch-up=1h timeout=30m zone=ZONE. SIGHUP rereads it
+    /// name=NAME overlap=skip|allow|replace catch-up=1h timeout=30m zone=ZONE. SIGHUP or SIGUSR2 (supercronic's reload) rereads it
     #[arg(value_name = "CRONTAB")]
     pub crontab: PathBuf,
+
+    /// On TERM, how long the runs going on may take to end by themselves before they are
+    /// stopped as at any shutdown (the kill signal, SIGKILL after --kill-timeout); none: as
+    /// long as they need, as supercronic. Meanwhile the replica starts no run and hands its
+    /// other jobs over at once. A second TERM, or an INT, stops the runs at once
+    #[arg(long, value_name = "DURATION", value_parser = duration, env = "PGLEADER_DRAIN_TIMEOUT")]
+    pub drain_timeout: Option<Duration>,
 
     /// Read and check the crontab without connecting; print its warnings and each job (name,
     /// schedule, zone and where it comes from, command, options, definition) with its next

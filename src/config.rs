@@ -3,6 +3,7 @@
 //! is made: a bad value is a usage error (exit 2), a command that cannot run is 126 or 127.
 
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use thiserror::Error;
 
@@ -48,8 +49,9 @@ pub struct RunConfig {
 pub enum Work {
     /// `pgleader run`: the command, once across the fleet, or once per shard (`--shards`).
     Command(CommandLine),
-    /// `pgleader cron`: the crontab whose jobs the fleet shares out, each job its own command.
-    Crontab(Crontab),
+    /// `pgleader cron`: the crontab whose jobs the fleet shares out, each job its own command;
+    /// and how long a TERM's drain may last (`--drain-timeout`, none by default).
+    Crontab(Crontab, Option<Duration>),
 }
 
 /// The backend a URL's scheme chose, configured. `lib.rs` matches it once and runs the
@@ -130,6 +132,7 @@ impl RunConfig {
         crontab: Crontab,
         env: &dyn Environment,
     ) -> anyhow::Result<(RunConfig, Vec<String>)> {
+        let drain_timeout = args.drain_timeout;
         let run = RunArgs {
             replica: args.replica,
             once: false,
@@ -147,7 +150,7 @@ impl RunConfig {
             // Each job's command is its own (`SHELL -c LINE`).
             command: Vec::new(),
         };
-        let (config, warnings) = Self::build(run, env, Some(crontab))?;
+        let (config, warnings) = Self::build(run, env, Some((crontab, drain_timeout)))?;
         if matches!(config.backend, Elector::Quorum(_)) {
             return Err(UsageError(
                 "a crontab across the fleet cannot run on a Redlock quorum: each job's owner \
@@ -166,7 +169,7 @@ impl RunConfig {
     fn build(
         args: RunArgs,
         env: &dyn Environment,
-        crontab: Option<Crontab>,
+        crontab: Option<(Crontab, Option<Duration>)>,
     ) -> anyhow::Result<(RunConfig, Vec<String>)> {
         let lock = lock_key(&args.replica.lock, env)?;
         let database = database(&args.replica.connection, env)?;
@@ -212,7 +215,7 @@ impl RunConfig {
             None => TableName::default(),
         };
         let work = match crontab {
-            Some(crontab) => Work::Crontab(crontab),
+            Some((crontab, drain_timeout)) => Work::Crontab(crontab, drain_timeout),
             None => Work::Command(CommandLine::resolve(
                 args.command,
                 env.var_os("PATH").as_deref(),

@@ -121,7 +121,7 @@ async fn supervise(
         schedule: settings.schedule.as_ref().map(|plan| plan.schedule.clone()),
         shards: settings.shards.map(|sharding| sharding.count),
         health_check: settings.health.is_some(),
-        crontab: matches!(config.work, Work::Crontab(_)),
+        crontab: matches!(config.work, Work::Crontab(..)),
     });
     // Checked before the election: a system that refuses the keepers' shared deadline (no
     // memfd) stops pgleader before it can win, rather than at every win.
@@ -135,7 +135,7 @@ async fn supervise(
     let shards = config.supervision.shards;
     let settings = config.supervision;
     let role = match (config.work, shards) {
-        (Work::Crontab(crontab), _) => Role::Fleet(Fleet::Crontab(crontab)),
+        (Work::Crontab(crontab, drain), _) => Role::Fleet(Fleet::Crontab(crontab, drain)),
         (Work::Command(command), Some(sharding)) => Role::Fleet(Fleet::Shards(sharding, command)),
         (Work::Command(command), None) => Role::Leader(command),
     };

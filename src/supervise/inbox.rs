@@ -48,7 +48,7 @@ pub enum SignalMeaning {
     /// TERM or INT, or the signal channel's end before any shutdown was asked for (nothing more
     /// can come: taken as a TERM); with what it asks for given the ones before it.
     Shutdown(Signal, Shutdown),
-    /// HUP under `pgleader cron`: reread the crontab (remembered in
+    /// HUP or USR2 under `pgleader cron`: reread the crontab (remembered in
     /// [`Inbox::reread_requested`]).
     Reread,
     /// Pass it on to the commands' process groups.
@@ -71,8 +71,9 @@ pub struct Inbox {
     pub telemetry: Telemetry,
     /// `--kill-timeout` and `--hook-timeout`, for every stop.
     pub rules: StopRules,
-    /// `pgleader cron`: HUP rereads the crontab rather than being passed on.
-    pub hup_rereads: bool,
+    /// `pgleader cron`: HUP and USR2 (supercronic's reload) reread the crontab rather than being
+    /// passed on.
+    pub rereads: bool,
     /// A HUP that asks for a reread came and is not acted on yet.
     pub reread_requested: bool,
 }
@@ -89,7 +90,7 @@ impl Inbox {
             shutdown_requested: None,
             telemetry,
             rules,
-            hup_rereads: false,
+            rereads: false,
             reread_requested: false,
         }
     }
@@ -116,7 +117,7 @@ impl Inbox {
                 SignalMeaning::Shutdown(Signal::SIGTERM, self.shutdown_signal(Signal::SIGTERM))
             }
             None => SignalMeaning::Closed,
-            Some(SignalEvent::Forward(Signal::SIGHUP)) if self.hup_rereads => {
+            Some(SignalEvent::Forward(Signal::SIGHUP | Signal::SIGUSR2)) if self.rereads => {
                 self.reread_requested = true;
                 SignalMeaning::Reread
             }

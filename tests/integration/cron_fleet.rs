@@ -374,6 +374,20 @@ fn the_jobs_are_shared_out_evenly_and_each_occurrence_runs_once() {
     stop_and_assert_each_occurrence_once(&[&a, &b, &c]);
 }
 
+/// The outcome the shared cluster's ledger records for the occurrence `at` under the key named
+/// `name`.
+fn outcome_in_ledger(name: &str, at: &str) -> String {
+    let rows = Cluster::shared()
+        .client()
+        .query(
+            "SELECT outcome FROM pgleader_ledger \
+             WHERE lock_key = hashtextextended($1, 0) AND scheduled_for = $2::text::timestamptz",
+            &[&name, &at],
+        )
+        .expect("the ledger");
+    rows[0].get(0)
+}
+
 /// How many distinct occurrences the shared cluster's ledger records as succeeded under the
 /// key named `name`, and how many rows.
 pub fn succeeded_in_ledger(name: &str) -> (i64, i64) {
@@ -532,7 +546,8 @@ pub fn a_reread_starts_new_definitions_at_their_next_occurrence(spawn: Spawn) {
     )
     .expect("write the crontab");
     let reread = rfc3339(SystemTime::now());
-    a.signal(Signal::SIGHUP);
+    // USR2, supercronic's reload signal, rereads as HUP does.
+    a.signal(Signal::SIGUSR2);
     a.wait_log("reread the crontab");
     for (job, needle) in [("j1", "job=j1 "), ("j9", "job=j9 ")] {
         let deadline = Instant::now() + WAIT;
@@ -559,6 +574,126 @@ pub fn a_reread_starts_new_definitions_at_their_next_occurrence(spawn: Spawn) {
     }
     a.terminate_cleanly();
     assert_each_occurrence_once(&[&a]);
+}
+
+#[test]
+fn a_term_lets_a_running_job_end_and_hands_the_other_jobs_over_at_once() {
+    a_term_drains(&pg_replica(unique_lock()), false);
+}
+
+#[test]
+fn a_replica_killed_9_while_it_drains_leaves_nothing_running_and_its_job_runs_elsewhere() {
+    a_term_drains(&pg_replica(unique_lock()), true);
+}
+
+/// Four every-second jobs on A and B, one of them (`long`) taking three seconds. Its owner is
+/// told TERM while a run of `long` goes on: it starts no run, hands its other job over at once
+/// (the other replica runs its next occurrences on time), lets the run end by itself (no
+/// signal), and keeps `long` until then, so that no occurrence of it starts elsewhere beside
+/// the run; then it exits 0. With `kill`, the owner is killed -9 in the middle of the drain
+/// instead: its keeper kills the run's tree, and `long` runs on the other replica after it.
+pub fn a_term_drains(spawn: Spawn, kill: bool) {
+    let mut text = String::from("# pgleader: name=long\n");
+    text.push_str(&format!(
+        "* * * * * * * {RAN}; sleep 3; echo end job=long at=$PGLEADER_SCHEDULED_TIME\n"
+    ));
+    for n in 1..=3 {
+        text.push_str(&format!("# pgleader: name=j{n}\n* * * * * * * {RAN}\n"));
+    }
+    let file = File::new("drain", &text);
+    let a = spawn("A", &file);
+    let b = spawn("B", &file);
+    let runners = wait_for_shares(&[&a, &b], 4, &[("A", 2), ("B", 2)]);
+    let (owner, other) = match runners["long"].as_str() {
+        "A" => (&a, &b),
+        _ => (&b, &a),
+    };
+    let handed: Vec<String> = runners
+        .iter()
+        .filter(|(job, by)| job.as_str() != "long" && by.as_str() == owner.name)
+        .map(|(job, _)| job.clone())
+        .collect();
+    // A run of `long` that has just started: TERM now leaves it most of its three seconds.
+    let runs_so_far = lines_with(owner, Stream::Stdout, &["ran job=long"]).len();
+    let started = owner.wait_for_nth(Stream::Stdout, "ran job=long", runs_so_far + 1);
+    let at = field(&started, "at");
+    owner.signal(Signal::SIGTERM);
+    let termed = SystemTime::now();
+    owner.wait_log("draining");
+    // The other replica runs the handed-over job from its next occurrence or the one after.
+    let by = rfc3339(termed + Duration::from_secs(2));
+    for job in &handed {
+        let first = other.wait_stdout(&format!("ran job={job} "));
+        let first = lines_with(other, Stream::Stdout, &[&format!("ran job={job} ")])
+            .into_iter()
+            .map(|line| field(&line, "at"))
+            .find(|ran| ran.as_str() > rfc3339(termed - Duration::from_secs(1)).as_str())
+            .unwrap_or_else(|| field(&first, "at"));
+        assert!(
+            first <= by,
+            "{job} first ran on {} at {first}, the drain began at {}\n{}",
+            other.name,
+            rfc3339(termed),
+            owner.dump()
+        );
+    }
+    if kill {
+        owner.signal(Signal::SIGKILL);
+        assert!(owner.wait_exit().code().is_none());
+        assert!(
+            !owner.printed(Stream::Stdout, &format!("end job=long at={at}")),
+            "the run ended before the kill: too slow a machine for this test\n{}",
+            owner.dump()
+        );
+    } else {
+        // The run ends by itself, and then the drained replica exits 0.
+        owner.wait_stdout(&format!("end job=long at={at}"));
+        assert_eq!(owner.wait_code(), 0, "{}", owner.dump());
+        assert!(
+            !owner.printed(Stream::Stderr, "interrupted"),
+            "{}",
+            owner.dump()
+        );
+    }
+    // `long` moves once the run's tree is gone, and never ran beside it: drained, its first
+    // occurrence on the other replica comes after the run's three seconds; killed, after the
+    // occurrence of the run the keeper killed.
+    let moved = other.wait_stdout("ran job=long ");
+    let moved = field(&moved, "at");
+    let began: jiff::Timestamp = at.parse().expect("an instant");
+    let after = match kill {
+        false => rfc3339(SystemTime::from(began) + Duration::from_secs(3)),
+        true => rfc3339(SystemTime::from(began) + Duration::from_secs(1)),
+    };
+    assert!(
+        moved >= after,
+        "long ran on {} at {moved}, beside the drained run of {at}\n{}",
+        other.name,
+        other.dump()
+    );
+    other.terminate_cleanly();
+    assert_each_occurrence_once(&[&a, &b]);
+}
+
+#[test]
+fn a_drain_bounded_by_drain_timeout_stops_the_run_still_going_then() {
+    let lock = unique_lock();
+    let file = File::new(
+        "drain-bound",
+        "# pgleader: name=endless\n\
+         * * * * * * * trap 'echo got TERM at=$PGLEADER_SCHEDULED_TIME; exit 0' TERM; \
+         echo start at=$PGLEADER_SCHEDULED_TIME; sleep 1000 & wait\n",
+    );
+    let a = replica_with("A", lock, &file, &["--drain-timeout=1s"]);
+    let started = field(&a.wait_stdout("start at="), "at");
+    a.signal(Signal::SIGTERM);
+    a.wait_log("draining");
+    let bound = a.wait_log("took its --drain-timeout");
+    assert_eq!(field(&bound, "runs"), "1", "{bound}");
+    assert_eq!(field(&a.wait_stdout("got TERM"), "at"), started);
+    assert_eq!(a.wait_code(), 0, "{}", a.dump());
+    let outcome = outcome_in_ledger(&format!("{lock}\u{1f}endless"), &started);
+    assert_eq!(outcome, "interrupted");
 }
 
 #[test]
@@ -798,16 +933,10 @@ fn with_overlap_replace_the_next_occurrence_stops_the_run_still_going_and_runs()
         position("got TERM") < position(&format!("start at={second}")),
         "{lines:?}"
     );
-    a.terminate_cleanly();
-    let mut client = Cluster::shared().client();
-    let rows = client
-        .query(
-            "SELECT outcome FROM pgleader_ledger \
-             WHERE lock_key = hashtextextended($1, 0) AND scheduled_for = $2::text::timestamptz",
-            &[&format!("{lock}\u{1f}feed"), &first],
-        )
-        .expect("the ledger");
-    assert_eq!(rows[0].get::<_, String>(0), "interrupted");
+    // INT: a TERM would drain, waiting for the run going on.
+    a.interrupt_cleanly();
+    let outcome = outcome_in_ledger(&format!("{lock}\u{1f}feed"), &first);
+    assert_eq!(outcome, "interrupted");
 }
 
 #[test]
@@ -897,7 +1026,8 @@ fn the_claims_due_at_one_instant_are_committed_in_one_transaction() {
         transactions <= 2,
         "the {JOBS} claims of {at} took {transactions} transactions"
     );
-    a.terminate_cleanly();
+    // INT: a TERM would drain, waiting for the run going on.
+    a.interrupt_cleanly();
 }
 
 /// What the log says when a keeper is parked ahead of a job's occurrence (`parking.rs`, -v).

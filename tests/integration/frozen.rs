@@ -174,10 +174,11 @@ fn a_frozen_replica_s_commands_stop_before_the_next_replica_s(
     took
 }
 
-/// Both replicas end with a TERM, and exit 0.
-fn stop_both(a: &Proc, b: &Proc) {
+/// Both replicas end with `signal`, and exit 0: TERM for single leaders, INT for a fleet's
+/// replicas (a crontab's TERM would drain, waiting for commands that never end by themselves).
+fn stop_both(a: &Proc, b: &Proc, signal: Signal) {
     for replica in [a, b] {
-        replica.signal(Signal::SIGTERM);
+        replica.signal(signal);
         assert_eq!(replica.wait_code(), 0, "{}", replica.dump());
     }
 }
@@ -200,7 +201,7 @@ fn a_frozen_leader_s_command_is_stopped_by_its_keeper(fleet: Fleet, extra: &[&st
     );
     // Back in the queue, behind B.
     a.wait_for_nth(Stream::Stderr, "waiting for the lock", 2);
-    stop_both(&a, &b);
+    stop_both(&a, &b, Signal::SIGTERM);
 }
 
 /// A quorum of three Redis servers of its own, as one fleet.
@@ -280,7 +281,7 @@ fn a_frozen_replica_s_share_is_stopped_by_its_keepers(
         &keys,
         "lost every shard",
     );
-    stop_both(&a, &b);
+    stop_both(&a, &b, Signal::SIGINT);
 }
 
 /// Waits until the journal shows `tag`'s command of `key` running: started, not stopped since.
@@ -609,5 +610,5 @@ fn on_postgres_a_leader_frozen_during_its_pre_start_never_starts_its_command() {
     assert!(lost.contains(KEEPER_REASON), "{lost}");
     a.wait_for_nth(Stream::Stderr, "waiting for the lock", 2);
     assert!(!a.printed(Stream::Stdout, "A started"), "{}", a.dump());
-    stop_both(&a, &b);
+    stop_both(&a, &b, Signal::SIGTERM);
 }

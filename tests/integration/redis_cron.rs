@@ -16,8 +16,9 @@ use crate::contract::block_on;
 use crate::cron_fleet::{
     a_killed_replica_s_jobs_run_on_the_other, a_long_job_skips_its_next_occurrence,
     a_reread_starts_new_definitions_at_their_next_occurrence, a_rolling_deploy_runs_every_job_once,
-    cron_replica, run_replica, runs, shards_and_a_crontab_on_one_lock_refuse_each_other,
-    sighup_rereads_the_file, stop_and_assert_each_occurrence_once, three_replicas_share_six_jobs,
+    a_term_drains, cron_replica, run_replica, runs,
+    shards_and_a_crontab_on_one_lock_refuse_each_other, sighup_rereads_the_file,
+    stop_and_assert_each_occurrence_once, three_replicas_share_six_jobs,
 };
 use crate::crontab::File;
 use crate::harness::shards::nightly_of_jobs_7_and_9;
@@ -490,6 +491,16 @@ fn on_redis_in_a_rolling_deploy_a_job_only_some_replicas_know_runs_on_one_of_tho
 #[test]
 fn on_redis_a_reread_runs_an_added_or_rescheduled_job_from_its_next_occurrence() {
     a_reread_starts_new_definitions_at_their_next_occurrence(&redis_replica(unique_lock()));
+}
+
+#[test]
+fn on_redis_a_term_lets_a_running_job_end_and_hands_the_other_jobs_over_at_once() {
+    a_term_drains(&redis_replica(unique_lock()), false);
+}
+
+#[test]
+fn on_redis_a_replica_killed_9_while_it_drains_leaves_nothing_running() {
+    a_term_drains(&redis_replica(unique_lock()), true);
 }
 
 #[test]

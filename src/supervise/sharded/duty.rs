@@ -178,6 +178,18 @@ pub trait Duty<H: Holder> {
     /// on, if they changed.
     async fn reread(&mut self, table: &mut Table, holder: &H, mood: Mood) -> Option<Items>;
 
+    /// The first TERM, where the duty drains rather than stops (`pgleader cron`, as
+    /// supercronic): no run starts any more, the items whose commands do not run are given up
+    /// now, and those whose runs go on stay held until the runs end by themselves. The items
+    /// shared out from now on, and how long the drain may last (`--drain-timeout`); `None`:
+    /// the duty does not drain, and every command is stopped.
+    async fn drain(
+        &mut self,
+        table: &mut Table,
+        holder: &H,
+        mood: Mood,
+    ) -> Option<(Items, Option<Duration>)>;
+
     /// What the HTTP endpoint and metrics show of the duty, beside the room's shards.
     fn publish(&self, table: &Table, telemetry: &Telemetry);
 }

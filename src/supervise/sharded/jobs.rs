@@ -222,6 +222,17 @@ impl<L: Ledger> Jobs<L> {
         })
     }
 
+    /// A drain (TERM under `pgleader cron`): every owned job is retired as a reread that
+    /// removed it would (no occurrence starts any more; a run going on finishes, then the job
+    /// is given up), and the fleet is told this replica knows no job, so that it deals every
+    /// job to the others. Returns the owned jobs.
+    pub fn retire_all(&mut self) -> Vec<u32> {
+        let owned: Vec<u32> = self.runs.keys().copied().collect();
+        self.retired.extend(owned.iter().copied());
+        self.items = Items::Listed(Arc::new(Listing::default()));
+        owned
+    }
+
     /// Whether a reread removed `item` while this replica owned it.
     pub fn is_retired(&self, item: u32) -> bool {
         self.retired.contains(&item)

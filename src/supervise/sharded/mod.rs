@@ -74,8 +74,8 @@ use shards::Shards;
 pub enum Fleet {
     /// `pgleader run --shards K`: the command once per shard.
     Shards(Sharding, CommandLine),
-    /// `pgleader cron`: the crontab's jobs, each occurrence once.
-    Crontab(Crontab),
+    /// `pgleader cron`: the crontab's jobs, each occurrence once; and `--drain-timeout`.
+    Crontab(Crontab, Option<Duration>),
 }
 
 /// A session that lived this long was healthy: the next reconnection happens at once.
@@ -118,8 +118,9 @@ pub async fn run<B: ShardBackend + Clone + 'static>(
                 .run()
                 .await
         }
-        (Fleet::Crontab(crontab), _) => {
-            let duty: Scheduled<B::Holder> = Scheduled::crontab(lock, &crontab, hooks, telemetry)?;
+        (Fleet::Crontab(crontab, drain_timeout), _) => {
+            let what = (&crontab, drain_timeout);
+            let duty: Scheduled<B::Holder> = Scheduled::crontab(lock, what, hooks, telemetry)?;
             Room::new(backend, settings, duty, health, inbox)
                 .run()
                 .await
@@ -145,6 +146,17 @@ struct Room<B: ShardBackend, D> {
     leftover_watchers: Vec<i32>,
     /// Whether this replica may join and hold items (`--health-cmd`).
     health: Health,
+    /// A TERM's drain, under way (see [`Room::drain`]).
+    drain: Option<Drain>,
+    /// A TERM came that asks for a drain, not begun yet.
+    drain_requested: bool,
+}
+
+/// A TERM's drain under way: the runs going on end by themselves, until `until` if
+/// `--drain-timeout` bounds it.
+#[derive(Clone, Copy, Debug)]
+struct Drain {
+    until: Option<Instant>,
 }
 
 /// How a session that is being left ends, once every command's tree is gone.
@@ -181,6 +193,8 @@ enum Event<W, A> {
     Timer,
     /// The moment the duty asked to be woken at has come.
     Wake,
+    /// A TERM's drain took its `--drain-timeout`.
+    DrainTimeout,
     /// The duty asks for something.
     Ask(A),
     Unhealthy,
@@ -188,7 +202,7 @@ enum Event<W, A> {
 
 impl<B: ShardBackend + Clone + 'static, D: Duty<B::Holder>> Room<B, D> {
     fn new(backend: B, settings: Settings, duty: D, health: Health, mut inbox: Inbox) -> Self {
-        inbox.hup_rereads = duty.rereads();
+        inbox.rereads = duty.rereads();
         let table = Table::new(settings.stop_rules(), settings.kill_signal, duty.restart());
         Room {
             items: duty.items(),
@@ -201,6 +215,8 @@ impl<B: ShardBackend + Clone + 'static, D: Duty<B::Holder>> Room<B, D> {
             backoff: Backoff::default(),
             last_disturbance: None,
             leftover_watchers: Vec::new(),
+            drain: None,
+            drain_requested: false,
         }
     }
 
@@ -301,15 +317,18 @@ impl<B: ShardBackend + Clone + 'static, D: Duty<B::Holder>> Room<B, D> {
             if let Some(ending) = self.ending(&mut link) {
                 return self.end_session(link, ending).await;
             }
-            let quiet = link.leaving.is_some() || self.inbox.shutdown_requested.is_some();
+            let quiet = self.quiet(&link);
             let event = self.next_event(&mut link, quiet).await;
             self.on_event(&mut link, event, quiet).await;
+            if std::mem::take(&mut self.drain_requested) {
+                self.drain(&mut link).await;
+            }
             if let Err(err) = self.finish_stopped(&mut link).await {
                 let reason = format!("a statement failed: {err}");
                 self.lose_all(&reason, LossReason::CheckFailed);
                 link.leave_for(reason);
             }
-            if std::mem::take(&mut self.inbox.reread_requested) && !quiet {
+            if std::mem::take(&mut self.inbox.reread_requested) && !quiet && !self.draining() {
                 self.reread(&mut link).await;
             }
             self.publish(link.me);
@@ -411,6 +430,7 @@ impl<B: ShardBackend + Clone + 'static, D: Duty<B::Holder>> Room<B, D> {
         let holds_any = !self.table.is_empty();
         let wake = self.duty.plan(&self.table, quiet, self.health.is_healthy());
         let timer = self.table.next_timer();
+        let drain_until = self.drain.and_then(|drain| drain.until);
         let leaving = link.leaving.is_some();
         let (health, table, duty) = (&mut self.health, &mut self.table, &mut self.duty);
         let Link {
@@ -432,6 +452,7 @@ impl<B: ShardBackend + Clone + 'static, D: Duty<B::Holder>> Room<B, D> {
             (slot, report) = table.next_report() => Event::Report(slot, report),
             _ = until(timer) => Event::Timer,
             _ = until(wake) => Event::Wake,
+            _ = until(drain_until) => Event::DrainTimeout,
             result = async { match watching.as_mut().and_then(|w| w.watch.as_mut()) { Some(watch) => watch.await, None => std::future::pending().await } } => Event::Watched(result),
             (member, result) = async { match opening { Some((_, future)) => future.await, None => std::future::pending().await } } => Event::Opened(member, result),
             ask = std::future::poll_fn(|cx| duty.poll_ask(cx, quiet)) => Event::Ask(ask),
@@ -525,6 +546,16 @@ impl<B: ShardBackend + Clone + 'static, D: Duty<B::Holder>> Room<B, D> {
                 }
             }
             Event::Wake => self.duty.woken(&mut self.table, self.settings.kill_signal),
+            Event::DrainTimeout => {
+                let left = self
+                    .table
+                    .iter()
+                    .filter(|(slot, _, _)| self.table.is_started(slot));
+                let left = left.count();
+                warn!(event = "drain_timeout", lock = %self.settings.lock, runs = left, "the drain took its --drain-timeout: stopping the {left} run(s) still going");
+                self.drain = None;
+                self.shut_down(Signal::SIGTERM);
+            }
             Event::Ask(ask) => {
                 let then = self
                     .duty
@@ -596,15 +627,22 @@ impl<B: ShardBackend + Clone + 'static, D: Duty<B::Holder>> Room<B, D> {
         })
     }
 
-    /// SIGHUP, where the duty rereads: the items it shares out from now on are told to the
+    /// SIGHUP or SIGUSR2, where the duty rereads: the items it shares out from now on are told to the
     /// server (those it removed whose last runs go on stay this replica's until they end).
     async fn reread(&mut self, link: &mut Link<B>) {
-        let timeout = self.settings.check_timeout;
         let mood = self.mood(link);
         let reread = self.duty.reread(&mut self.table, &link.holder, mood);
         let Some(items) = reread.await else {
             return;
         };
+        self.tell_items(link, items, "rereading the crontab").await;
+    }
+
+    /// Tells the server the items this replica shares out from now on, `items` (those it no
+    /// longer knows whose last runs go on stay this replica's until they end), and reads the
+    /// roster again; a statement that fails loses every item.
+    async fn tell_items(&mut self, link: &mut Link<B>, items: Items, doing: &str) {
+        let timeout = self.settings.check_timeout;
         self.items = items;
         let finishing = self
             .table
@@ -620,10 +658,7 @@ impl<B: ShardBackend + Clone + 'static, D: Duty<B::Holder>> Room<B, D> {
         let failed = match told {
             Ok(Ok(())) => None,
             Ok(Err(err)) => Some(format!("a statement failed: {err}")),
-            Err(_) => Some(format!(
-                "a statement failed: {}",
-                no_answer("rereading the crontab")
-            )),
+            Err(_) => Some(format!("a statement failed: {}", no_answer(doing))),
         };
         if let Some(reason) = failed {
             self.lose_all(&reason, LossReason::CheckFailed);
@@ -631,6 +666,50 @@ impl<B: ShardBackend + Clone + 'static, D: Duty<B::Holder>> Room<B, D> {
             return;
         }
         link.read_soon(false, timeout);
+    }
+
+    /// The first TERM, where the duty drains: no run starts any more, the items whose
+    /// commands do not run are given up at once (the others deal them out and run their next
+    /// occurrences on time), and those whose runs go on are kept, so that nobody starts their
+    /// next occurrence beside them, until the runs end by themselves; then pgleader leaves and
+    /// exits. Where the duty does not drain, every command is stopped.
+    async fn drain(&mut self, link: &mut Link<B>) {
+        let mood = self.mood(link);
+        let drained = self.duty.drain(&mut self.table, &link.holder, mood).await;
+        let Some((items, timeout)) = drained else {
+            self.drain = None;
+            self.shut_down(Signal::SIGTERM);
+            return;
+        };
+        self.drain = Some(Drain {
+            until: timeout.map(|timeout| Instant::now() + timeout),
+        });
+        let running = self
+            .table
+            .iter()
+            .filter(|(slot, _, _)| self.table.is_started(slot));
+        let running = running.count();
+        let bound = timeout.map_or_else(
+            || "with no bound".to_owned(),
+            |timeout| format!("for at most {} (--drain-timeout)", fmt(timeout)),
+        );
+        self.inbox.begin_shutdown(
+            Signal::SIGTERM,
+            &format!("draining: {running} run(s) go on to their end, {bound}; the other jobs are handed over"),
+        );
+        info!(event = "draining", lock = %self.settings.lock, runs = running, "draining: no run starts any more, the jobs not running are handed over now, and {running} run(s) go on to their end, {bound}; a second TERM or an INT stops them");
+        self.tell_items(link, items, "draining").await;
+    }
+
+    /// Whether a TERM's drain is under way.
+    fn draining(&self) -> bool {
+        self.drain.is_some()
+    }
+
+    /// Whether the session takes nothing new and starts nothing: it is being left, or
+    /// pgleader shuts down; not while it drains, whose runs go on, and the session with them.
+    fn quiet(&self, link: &Link<B>) -> bool {
+        link.leaving.is_some() || (self.inbox.shutdown_requested.is_some() && !self.draining())
     }
 
     /// A command cannot run at all: every command is killed, and the session left with `err`
@@ -655,7 +734,19 @@ impl<B: ShardBackend + Clone + 'static, D: Duty<B::Holder>> Room<B, D> {
         match self.inbox.meaning(event) {
             SignalMeaning::Forward(signal) => self.table.forward(signal),
             SignalMeaning::Reap => self.table.reap(),
+            // Where the duty drains (`drain`), the first TERM lets the runs end by themselves.
+            SignalMeaning::Shutdown(Signal::SIGTERM, Shutdown::First) => {
+                self.drain = Some(Drain { until: None });
+                self.drain_requested = true;
+            }
             SignalMeaning::Shutdown(signal, Shutdown::First) => self.shut_down(signal),
+            // A second TERM, or an INT, during a drain: the runs are stopped as at any
+            // shutdown; after that, each stop insists.
+            SignalMeaning::Shutdown(signal, Shutdown::Insist) if self.draining() => {
+                self.drain = None;
+                self.drain_requested = false;
+                self.shut_down(signal);
+            }
             SignalMeaning::Shutdown(signal, Shutdown::Insist) => self.table.insist(signal),
             // A reread waits for the end of the event's handling (`serve`); a repeated signal
             // and the channel's end after a shutdown change nothing.
@@ -691,7 +782,7 @@ impl<B: ShardBackend + Clone + 'static, D: Duty<B::Holder>> Room<B, D> {
     /// means the session is in doubt.
     async fn finish_stopped(&mut self, link: &mut Link<B>) -> Result<(), SessionError> {
         loop {
-            let quiet = link.leaving.is_some() || self.inbox.shutdown_requested.is_some();
+            let quiet = self.quiet(link);
             let settled = self.table.settle(quiet);
             if settled.is_empty() {
                 return Ok(());

@@ -43,6 +43,8 @@ pub struct Scheduled<H: Holder> {
     jobs: Jobs<H::Ledger>,
     /// `--max-shards`.
     cap: Option<u32>,
+    /// A crontab's `--drain-timeout`, where TERM drains (`None` inside: no bound).
+    drain: Option<Option<Duration>>,
     parking: Parking,
     lock: LockKey,
     hooks: Hooks,
@@ -61,13 +63,15 @@ impl<H: Holder> Scheduled<H> {
     /// A crontab's jobs (`pgleader cron`).
     pub fn crontab(
         lock: LockKey,
-        crontab: &Crontab,
+        (crontab, drain_timeout): (&Crontab, Option<Duration>),
         hooks: Hooks,
         telemetry: Telemetry,
     ) -> Result<Scheduled<H>, CommandError> {
         let jobs = Jobs::crontab(&lock, crontab, telemetry.clone())?;
         telemetry.jobs_defined(jobs.known());
-        Ok(Scheduled::of(jobs, None, lock, hooks, telemetry))
+        let mut duty = Scheduled::of(jobs, None, lock, hooks, telemetry);
+        duty.drain = Some(drain_timeout);
+        Ok(duty)
     }
 
     /// A job per shard, each running `command` at the occurrences of `plan` (`--schedule
@@ -93,6 +97,7 @@ impl<H: Holder> Scheduled<H> {
         Scheduled {
             jobs,
             cap,
+            drain: None,
             parking: Parking::default(),
             lock,
             hooks,
@@ -180,17 +185,35 @@ impl<H: Holder> Scheduled<H> {
         if slot.is_aside() {
             // A run that went on aside is over: its entry goes.
             table.stop(&slot, mood.kill_signal, After::Forget);
-        } else if self.jobs.is_retired(item) {
-            // Removed from the file: its last run is recorded, then it goes.
-            self.jobs.disown(item, None, mood.timeout).await;
-            table.stop(&slot, mood.kill_signal, After::Give);
-        } else if self.jobs.take_redefinition(item) {
+        }
+        if self.jobs.is_retired(item) {
+            // Removed from the file, or drained: once its last run is over and recorded, it
+            // goes.
+            self.give_up_if_idle(item, table, mood).await;
+        } else if !slot.is_aside() && self.jobs.take_redefinition(item) {
             let epoch = table.item_mut(&slot).map_or(0, |held| held.epoch);
             self.jobs.disown(item, None, mood.timeout).await;
             if let Some(clock) = self.jobs.clock() {
                 self.jobs.own(item, holder, epoch, clock, Instant::now());
             }
         }
+    }
+}
+
+impl<H: Holder> Scheduled<H> {
+    /// Gives up a retired job once nothing of it runs (neither its own run nor one kept
+    /// aside, whose runs hold its lock until they end): its runs are recorded, and its item
+    /// is given away once settled.
+    async fn give_up_if_idle(&mut self, item: u32, table: &mut Table, mood: Mood) {
+        let own = Slot::of(item);
+        let runs = table
+            .iter()
+            .any(|(slot, _, _)| slot.item == item && table.is_started(slot));
+        if runs || !table.contains_key(&own) {
+            return;
+        }
+        self.jobs.disown(item, None, mood.timeout).await;
+        table.stop(&own, mood.kill_signal, After::Give);
     }
 }
 
@@ -425,7 +448,7 @@ impl<H: Holder> Duty<H> for Scheduled<H> {
     async fn reread(&mut self, table: &mut Table, holder: &H, mood: Mood) -> Option<Items> {
         let lock = self.lock.clone();
         let path = self.jobs.path()?.to_owned();
-        info!(event = "rereading", lock = %lock, "SIGHUP: rereading the crontab {}", path.display());
+        info!(event = "rereading", lock = %lock, "rereading the crontab {} (SIGHUP or SIGUSR2)", path.display());
         let reread = Crontab::read(&path)
             .map_err(|err| err.to_string())
             .and_then(|crontab| {
@@ -455,11 +478,7 @@ impl<H: Holder> Duty<H> for Scheduled<H> {
         }
         info!(event = "crontab_reread", lock = %lock, added = changes.added.len(), removed = changes.removed.len(), changed = changes.changed.len(), unchanged = changes.unchanged.len(), "reread the crontab: {} added, {} removed, {} changed, {} unchanged", changes.added.len(), changes.removed.len(), changes.changed.len(), changes.unchanged.len());
         for item in reread.removed {
-            let slot = Slot::of(item);
-            if !table.is_started(&slot) {
-                self.jobs.disown(item, None, mood.timeout).await;
-                table.stop(&slot, mood.kill_signal, After::Give);
-            }
+            self.give_up_if_idle(item, table, mood).await;
         }
         for item in reread.changed {
             let slot = Slot::of(item);
@@ -475,6 +494,19 @@ impl<H: Holder> Duty<H> for Scheduled<H> {
         }
         self.telemetry.jobs_defined(self.jobs.known());
         Some(self.jobs.items())
+    }
+
+    async fn drain(
+        &mut self,
+        table: &mut Table,
+        _: &H,
+        mood: Mood,
+    ) -> Option<(Items, Option<Duration>)> {
+        let timeout = self.drain?;
+        for item in self.jobs.retire_all() {
+            self.give_up_if_idle(item, table, mood).await;
+        }
+        Some((self.jobs.items(), timeout))
     }
 
     /// A crontab's jobs owned here by name (between two runs, a job's command is not

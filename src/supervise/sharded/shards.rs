@@ -140,5 +140,9 @@ impl<H: Holder> Duty<H> for Shards {
         None
     }
 
+    async fn drain(&mut self, _: &mut Table, _: &H, _: Mood) -> Option<(Items, Option<Duration>)> {
+        None
+    }
+
     fn publish(&self, _: &Table, _: &Telemetry) {}
 }

@@ -171,6 +171,13 @@ impl Proc {
         assert_eq!(self.wait_code(), 0, "{}", self.dump());
     }
 
+    /// INT, and an exit 0: the commands are stopped at once (a crontab replica's TERM drains,
+    /// waiting for its running jobs to end by themselves).
+    pub fn interrupt_cleanly(&self) {
+        self.signal(Signal::SIGINT);
+        assert_eq!(self.wait_code(), 0, "{}", self.dump());
+    }
+
     /// Waits until a leader running a `patient_child` tagged with this process' name loses its
     /// leadership: the command gets TERM and the log says why. Returns that log line.
     pub fn wait_lost_leadership(&self) -> String {
