@@ -41,6 +41,21 @@ fn start(name: &str, args: &[&str], env: &[(&str, &str)]) -> (Proc, PathBuf) {
     if let Some(dir) = std::env::var_os("PGLEADER_TEST_PG_BINDIR") {
         command.env("PGLEADER_TEST_PG_BINDIR", dir);
     }
+    // As a terminal starts it: INT neither blocked nor ignored. A child inherits both, and
+    // the test runner is not always started from a terminal (a non-interactive shell's
+    // background job has INT ignored): bash then never runs the script's INT trap, and the
+    // script interrupted midway ran on to its end and exited 0.
+    // SAFETY: between fork and exec only async-signal-safe calls (sigprocmask, signal).
+    unsafe {
+        use std::os::unix::process::CommandExt as _;
+        command.pre_exec(|| {
+            let mut none: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut none);
+            libc::sigprocmask(libc::SIG_SETMASK, &none, std::ptr::null_mut());
+            libc::signal(libc::SIGINT, libc::SIG_DFL);
+            Ok(())
+        });
+    }
     (Proc::spawn(name, command), tmp)
 }
 
