@@ -121,6 +121,7 @@ complete -c pgleader -n "__fish_pgleader_using_subcommand cron" -l from -d 'With
 complete -c pgleader -n "__fish_pgleader_using_subcommand cron" -l next -d 'With --check: how many occurrences to list for each job' -r
 complete -c pgleader -n "__fish_pgleader_using_subcommand cron" -l log-format -d 'Log format: one line of text per event, or one JSON object per line' -r -f -a "text\t''
 json\t''"
+complete -c pgleader -n "__fish_pgleader_using_subcommand cron" -l passthrough-logs -d 'Write the jobs\' output as it is, on pgleader\'s stdout and stderr, as supercronic\'s -passthrough-logs does. Without it, each line a job writes is a log line of its own on stderr, in --log-format, with job=NAME, stream=stdout|stderr, occurrence=TIME and replica=PID@HOST (a line longer than 4 KiB is split into parts, marked part=N)'
 complete -c pgleader -n "__fish_pgleader_using_subcommand cron" -l check -d 'Read and check the crontab without connecting; print its warnings and each job (name, schedule, zone and where it comes from, command, options, definition) with its next occurrences; exit 0, or 2 naming the file, the line and what is wrong'
 complete -c pgleader -n "__fish_pgleader_using_subcommand cron" -s v -l verbose -d 'Log more: -v adds debug details (every check, every reaped process), -vv everything'
 complete -c pgleader -n "__fish_pgleader_using_subcommand cron" -s q -l quiet -d 'Log less: -q only warnings and errors, -qq only errors'

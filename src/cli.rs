@@ -481,6 +481,13 @@ pub struct CronArgs {
     #[arg(long, value_name = "DURATION", value_parser = duration, env = "PGLEADER_DRAIN_TIMEOUT")]
     pub drain_timeout: Option<Duration>,
 
+    /// Write the jobs' output as it is, on pgleader's stdout and stderr, as supercronic's
+    /// -passthrough-logs does. Without it, each line a job writes is a log line of its own on
+    /// stderr, in --log-format, with job=NAME, stream=stdout|stderr, occurrence=TIME and
+    /// replica=PID@HOST (a line longer than 4 KiB is split into parts, marked part=N)
+    #[arg(long, env = "PGLEADER_PASSTHROUGH_LOGS", value_parser = BoolishValueParser::new())]
+    pub passthrough_logs: bool,
+
     /// Read and check the crontab without connecting; print its warnings and each job (name,
     /// schedule, zone and where it comes from, command, options, definition) with its next
     /// occurrences; exit 0, or 2 naming the file, the line and what is wrong

@@ -25,6 +25,7 @@ use crate::schedule::crontab::Crontab;
 use crate::supervise::health::HealthCheck;
 use crate::supervise::hook::Hooks;
 use crate::supervise::keeper::handle::CommandLine;
+use crate::supervise::keeper::protocol::Output;
 use crate::supervise::{Settings, Sharding};
 
 /// A usage error: the message says what is wrong; pgleader exits with 2.
@@ -50,8 +51,18 @@ pub enum Work {
     /// `pgleader run`: the command, once across the fleet, or once per shard (`--shards`).
     Command(CommandLine),
     /// `pgleader cron`: the crontab whose jobs the fleet shares out, each job its own command;
-    /// and how long a TERM's drain may last (`--drain-timeout`, none by default).
-    Crontab(Crontab, Option<Duration>),
+    /// and how the replica runs it.
+    Crontab(Crontab, CronOptions),
+}
+
+/// How a replica of `pgleader cron` runs its crontab, beyond what the file says.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CronOptions {
+    /// How long a TERM's drain may last (`--drain-timeout`); none by default.
+    pub drain_timeout: Option<Duration>,
+    /// Where the jobs' output goes: log lines naming the job, or as it is
+    /// (`--passthrough-logs`).
+    pub output: Output,
 }
 
 /// The backend a URL's scheme chose, configured. `lib.rs` matches it once and runs the
@@ -132,7 +143,14 @@ impl RunConfig {
         crontab: Crontab,
         env: &dyn Environment,
     ) -> anyhow::Result<(RunConfig, Vec<String>)> {
-        let drain_timeout = args.drain_timeout;
+        let options = CronOptions {
+            drain_timeout: args.drain_timeout,
+            output: if args.passthrough_logs {
+                Output::Inherited
+            } else {
+                Output::Tagged
+            },
+        };
         let run = RunArgs {
             replica: args.replica,
             once: false,
@@ -150,7 +168,7 @@ impl RunConfig {
             // Each job's command is its own (`SHELL -c LINE`).
             command: Vec::new(),
         };
-        let (config, warnings) = Self::build(run, env, Some((crontab, drain_timeout)))?;
+        let (config, warnings) = Self::build(run, env, Some((crontab, options)))?;
         if matches!(config.backend, Elector::Quorum(_)) {
             return Err(UsageError(
                 "a crontab across the fleet cannot run on a Redlock quorum: each job's owner \
@@ -169,7 +187,7 @@ impl RunConfig {
     fn build(
         args: RunArgs,
         env: &dyn Environment,
-        crontab: Option<(Crontab, Option<Duration>)>,
+        crontab: Option<(Crontab, CronOptions)>,
     ) -> anyhow::Result<(RunConfig, Vec<String>)> {
         let lock = lock_key(&args.replica.lock, env)?;
         let database = database(&args.replica.connection, env)?;
@@ -215,7 +233,7 @@ impl RunConfig {
             None => TableName::default(),
         };
         let work = match crontab {
-            Some((crontab, drain_timeout)) => Work::Crontab(crontab, drain_timeout),
+            Some((crontab, options)) => Work::Crontab(crontab, options),
             None => Work::Command(CommandLine::resolve(
                 args.command,
                 env.var_os("PATH").as_deref(),

@@ -135,7 +135,7 @@ async fn supervise(
     let shards = config.supervision.shards;
     let settings = config.supervision;
     let role = match (config.work, shards) {
-        (Work::Crontab(crontab, drain), _) => Role::Fleet(Fleet::Crontab(crontab, drain)),
+        (Work::Crontab(crontab, options), _) => Role::Fleet(Fleet::Crontab(crontab, options)),
         (Work::Command(command), Some(sharding)) => Role::Fleet(Fleet::Shards(sharding, command)),
         (Work::Command(command), None) => Role::Leader(command),
     };

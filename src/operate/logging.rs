@@ -139,7 +139,8 @@ where
     }
 }
 
-fn needs_quotes(text: &str) -> bool {
+/// Whether a field's value is written quoted in the text format.
+pub fn needs_quotes(text: &str) -> bool {
     text.is_empty()
         || text
             .chars()

@@ -17,7 +17,7 @@ use crate::harness::pg::sessions_of;
 use crate::harness::process::{is_running, pid_field};
 use crate::harness::shards::wait_for_two_sessions_each;
 use crate::harness::{
-    Cluster, Proc, Stream, WAIT, field, log_time, pgleader, run_with_url, unique_lock,
+    Cluster, Proc, Stream, WAIT, field, log_time, pgleader, printed, run_with_url, unique_lock,
 };
 use crate::observability::sample;
 
@@ -46,13 +46,16 @@ pub fn every_second(tag: &str, jobs: usize, command: &str) -> File {
 pub const RAN: &str =
     "echo ran job=$PGLEADER_JOB at=$PGLEADER_SCHEDULED_TIME epoch=$PGLEADER_EPOCH";
 
-/// `pgleader cron --lock-id LOCK ARGS FILE` against the server of `url`.
+/// `pgleader cron --lock-id LOCK --passthrough-logs ARGS FILE` against the server of `url`:
+/// these scenarios read what the jobs print on the replica's stdout, as it is
+/// (`cron_output.rs` tests the tagged lines, and runs a fleet on them).
 pub fn cron_replica(name: &str, url: &str, lock: i64, args: &[&str], file: &File) -> Proc {
     let mut command = pgleader();
     command
         .env("PGLEADER_DATABASE_URL", url)
         .arg("cron")
         .arg(format!("--lock-id={lock}"))
+        .arg("--passthrough-logs")
         .args(args)
         .arg(&file.0);
     Proc::spawn(name, command)
@@ -70,11 +73,16 @@ pub fn run_replica(name: &str, url: &str, lock: i64, args: &[&str]) -> Proc {
     )
 }
 
-/// Every run the replicas printed: (job, occurrence) → the replicas that ran it.
+/// Every run the replicas printed, as it is or as tagged log lines: (job, occurrence) → the
+/// replicas that ran it.
 pub fn runs(replicas: &[&Proc]) -> BTreeMap<(String, String), Vec<String>> {
     let mut seen: BTreeMap<(String, String), Vec<String>> = BTreeMap::new();
     for replica in replicas {
-        for line in replica.lines(Stream::Stdout) {
+        let tagged = replica
+            .lines(Stream::Stderr)
+            .into_iter()
+            .filter_map(|line| printed(&line));
+        for line in replica.lines(Stream::Stdout).into_iter().chain(tagged) {
             if line.starts_with("ran ") {
                 seen.entry((field(&line, "job"), field(&line, "at")))
                     .or_default()

@@ -335,7 +335,8 @@ fn two_jobs(fleet: &Fleet) -> impl Fn(&str, &Journal) -> Proc + '_ {
             ),
         );
         let mut command = fleet.pgleader("cron", &TIMINGS);
-        command.arg(&file.0);
+        // The jobs' lines as they are, on stdout, where the scenario waits for them.
+        command.arg("--passthrough-logs").arg(&file.0);
         let replica = Proc::spawn(name, command);
         // The file is read at start; the replica keeps what it read.
         replica.wait_log("joined the replicas of this crontab");

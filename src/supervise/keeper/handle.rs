@@ -26,7 +26,7 @@ use thiserror::Error;
 use crate::election::socket::Lent;
 use crate::exit::{self, ChildStatus};
 use crate::supervise::hook::Hooks;
-use crate::supervise::keeper::protocol::{self, Report};
+use crate::supervise::keeper::protocol::{self, Output, Report};
 use crate::supervise::label::Label;
 use crate::supervise::procfs;
 use crate::supervise::watchdog::{self, Deadline};
@@ -64,6 +64,7 @@ impl CommandError {
 pub struct CommandLine {
     program: PathBuf,
     argv: Vec<OsString>,
+    output: Output,
 }
 
 impl CommandLine {
@@ -84,7 +85,11 @@ impl CommandLine {
                 None => CommandError::NotFound(display),
                 Some(reason) => CommandError::NotExecutable(program.display().to_string(), reason),
             })?;
-            return Ok(CommandLine { program, argv });
+            return Ok(CommandLine {
+                program,
+                argv,
+                output: Output::Inherited,
+            });
         }
         let search = path_var.unwrap_or(OsStr::new("/usr/local/bin:/usr/bin:/bin"));
         let mut not_executable = None;
@@ -100,6 +105,7 @@ impl CommandLine {
                     return Ok(CommandLine {
                         program: candidate,
                         argv,
+                        output: Output::Inherited,
                     });
                 }
                 Err(None) => {}
@@ -114,6 +120,11 @@ impl CommandLine {
             }
             None => CommandError::NotFound(display),
         })
+    }
+
+    /// The same command, its output sent where `output` says.
+    pub fn with_output(self, output: Output) -> Self {
+        CommandLine { output, ..self }
     }
 
     pub fn program(&self) -> &Path {
@@ -184,6 +195,7 @@ impl Parked {
             protocol::keeper_args(
                 fd,
                 hooks,
+                command.output,
                 &command.program.clone().into_os_string(),
                 &command.argv,
             )

@@ -53,8 +53,8 @@
 //! - everything else, the keeper's own process only: its way in and its run (`process.rs`), its
 //!   end of the channel (`channel.rs`), the command's tree (`tree.rs`), the hooks it runs
 //!   (`hooks.rs`, what a hook is being `supervise/hook.rs`), the command's start
-//!   ([`spawn`]), the farewell ([`farewell`]) and the Redis membership's keeper
-//!   (`membership.rs`). `keeper.ld` gathers these files' code, and the readers of
+//!   ([`spawn`]), the farewell ([`farewell`]), a crontab job's output as log lines
+//!   (`output.rs`) and the Redis membership's keeper (`membership.rs`). `keeper.ld` gathers these files' code, and the readers of
 //!   `protocol.rs`, by their symbols' paths (so not `handle.rs`): a function moved to another
 //!   file may move in or out of the keeper's resident pages.
 
@@ -65,6 +65,7 @@ mod channel;
 mod farewell;
 mod hooks;
 mod membership;
+mod output;
 mod process;
 mod spawn;
 mod tree;

@@ -16,12 +16,14 @@ use nix::sys::prctl;
 use nix::sys::signal::{SigSet, SigmaskHow, Signal, sigprocmask};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 
+use crate::cli::LogFormat;
 use crate::operate::logging;
 use crate::supervise::hook::{Ended, Hook};
 use crate::supervise::keeper::channel::{Request, read_request, stopping_waits, wait_for_start};
 use crate::supervise::keeper::farewell::{Farewells, Parent};
 use crate::supervise::keeper::membership::hold_membership;
-use crate::supervise::keeper::protocol::{ARGV0, Options, Report};
+use crate::supervise::keeper::output::{Relay, Tag};
+use crate::supervise::keeper::protocol::{ARGV0, Options, Output, Report};
 use crate::supervise::keeper::spawn;
 use crate::supervise::keeper::tree::{Reaped, Tree};
 use crate::supervise::watchdog::{Step, Watch};
@@ -171,6 +173,7 @@ fn run() -> io::Result<i32> {
         watch: start.watch,
         log: options.log.map(|format| (format, options.verbosity)),
         logging: Vec::new(),
+        output: None,
     };
 
     // pgleader stopped (or hung) between its last look at the deadline and this start: the
@@ -207,12 +210,26 @@ fn run() -> io::Result<i32> {
         }
     }
 
+    // A crontab job's output becomes log lines (`output.rs`); without the relay's thread, it
+    // goes where pgleader's does rather than nowhere.
+    let mut relay = match options.output {
+        Output::Tagged => Relay::start(tag(&tree.env, options.log)).ok(),
+        Output::Inherited => None,
+    };
     let spawned = prepared
         .as_mut()
         .map_err(|err| Errno::from_raw(err.raw_os_error().unwrap_or(Errno::EINVAL as i32)))
-        .and_then(|prepared| prepared.spawn(&tree.env));
+        .and_then(|prepared| {
+            prepared.spawn(&tree.env, relay.as_ref().and_then(Relay::for_command))
+        });
     let main_pid = match spawned {
-        Ok(pid) => pid,
+        Ok(pid) => {
+            if let Some(relay) = &mut relay {
+                relay.command_started();
+            }
+            tree.output = relay;
+            pid
+        }
         Err(errno) => {
             let _ = tree
                 .channel
@@ -228,6 +245,27 @@ fn run() -> io::Result<i32> {
         .channel
         .write_all(&Report::Started(main_pid.as_raw()).encode());
     watch_over(&mut tree)
+}
+
+/// What the log lines of the command's output say besides its text: the job and the
+/// occurrence (from the environment pgleader gave it) and the replica, pgleader's pid (the
+/// keeper's parent) and host.
+fn tag(env: &[(OsString, OsString)], format: Option<LogFormat>) -> Tag {
+    let var = |name: &str| {
+        env.iter()
+            .find(|(key, _)| key == name)
+            .map(|(_, value)| value.to_string_lossy().into_owned())
+    };
+    Tag {
+        format: format.unwrap_or(LogFormat::Text),
+        job: var("PGLEADER_JOB").unwrap_or_default(),
+        occurrence: var("PGLEADER_SCHEDULED_TIME"),
+        replica: format!(
+            "{}@{}",
+            nix::unistd::getppid(),
+            crate::election::participant::host_name()
+        ),
+    }
 }
 
 /// Watches over the running command until nothing of its tree is left: pgleader's requests

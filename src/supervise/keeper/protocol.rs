@@ -81,23 +81,39 @@ impl Report {
     }
 }
 
+/// Where the command's stdout and stderr go.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Output {
+    /// To pgleader's own stdout and stderr, as they are (`pgleader run`, and `pgleader cron
+    /// --passthrough-logs`).
+    #[default]
+    Inherited,
+    /// Each line a log line of pgleader's, naming the job, the stream, the occurrence and the
+    /// replica (`pgleader cron`; see `output.rs`).
+    Tagged,
+}
+
 /// Whether this process was started as a keeper.
 pub fn is_keeper_invocation() -> bool {
     std::env::args_os().next().is_some_and(|arg0| arg0 == ARGV0)
 }
 
 /// The arguments pgleader passes: the channel's descriptor; `KEY=VALUE` options (the hooks,
-/// pgleader's log format and verbosity) up to `--`; the program to execute, the command's
-/// `argv[0]` and its arguments.
+/// pgleader's log format and verbosity, where the output goes) up to `--`; the program to
+/// execute, the command's `argv[0]` and its arguments.
 pub fn keeper_args(
     fd: RawFd,
     hooks: &Hooks,
+    output: Output,
     program: &OsString,
     argv: &[OsString],
 ) -> Vec<OsString> {
     let mut args = vec![OsString::from(fd.to_string())];
     args.extend(hooks.to_args());
     args.extend(log_args());
+    if output == Output::Tagged {
+        args.push(OsString::from(TAGGED));
+    }
     args.push(OsString::from(END_OF_OPTIONS));
     args.push(program.clone());
     args.extend(argv.iter().cloned());
@@ -131,14 +147,17 @@ fn log_args() -> Vec<OsString> {
 const LOG: &str = "log=";
 const VERBOSITY: &str = "verbosity=";
 const MEMBERSHIP: &str = "membership";
+const TAGGED: &str = "output=tagged";
 const END_OF_OPTIONS: &str = "--";
 
-/// The keeper's options: the hooks, and how to log (as pgleader does).
+/// The keeper's options: the hooks, how to log (as pgleader does) and where the command's
+/// output goes.
 #[derive(Default)]
 pub(super) struct Options {
     pub(super) hooks: Hooks,
     pub(super) log: Option<LogFormat>,
     pub(super) verbosity: i8,
+    pub(super) output: Output,
     /// A membership's keeper: no command, see `membership.rs`.
     pub(super) membership: bool,
 }
@@ -164,6 +183,8 @@ impl Options {
                 options.verbosity = verbosity.parse().unwrap_or(0);
             } else if word == MEMBERSHIP {
                 options.membership = true;
+            } else if word == TAGGED {
+                options.output = Output::Tagged;
             } else if !options.hooks.read_arg(&word) {
                 return Err(io::Error::other(format!("unknown option {word:?}")));
             }

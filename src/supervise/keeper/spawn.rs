@@ -42,6 +42,8 @@ pub struct Prepared {
     stack: Box<[MaybeUninit<u8>]>,
     /// The keeper, which must still be the child's parent once its death signal is set.
     parent: libc::pid_t,
+    /// The descriptors the command gets as its stdout and stderr, if not the keeper's own.
+    output: Option<[c_int; 2]>,
     /// Set by the child when it could not execute the command.
     errno: AtomicI32,
 }
@@ -66,19 +68,27 @@ impl Prepared {
             envp_ptrs: Vec::new(),
             stack: Box::new_uninit_slice(CHILD_STACK),
             parent: std::process::id() as libc::pid_t,
+            output: None,
             errno: AtomicI32::new(0),
         })
     }
 
     /// Starts the command with `env` added to the environment (replacing the keeper's entries
-    /// of the same names); returns once it has been executed, with its pid, or with the errno
-    /// of `execve` (the failed child reaped). The child, between the clone and `execve`:
+    /// of the same names), and `output` as its stdout and stderr if given; returns once it has
+    /// been executed, with its pid, or with the errno of `execve` (the failed child reaped).
+    /// The child, between the clone and `execve`:
     /// - sets SIGPIPE back to its default (Rust ignores it, and an ignored signal stays
     ///   ignored across `execve`);
+    /// - puts `output` on its descriptors 1 and 2;
     /// - asks for SIGKILL when the keeper dies, and gives up if the keeper is gone already;
     /// - unblocks every signal (the keeper blocks them all), last, so that no signal is acted
     ///   on before the command's own code runs.
-    pub fn spawn(&mut self, env: &[(OsString, OsString)]) -> Result<Pid, Errno> {
+    pub fn spawn(
+        &mut self,
+        env: &[(OsString, OsString)],
+        output: Option<[c_int; 2]>,
+    ) -> Result<Pid, Errno> {
+        self.output = output;
         self.added_env = env
             .iter()
             .map(|(key, value)| entry(key, value))
@@ -162,6 +172,11 @@ extern "C" fn run_child(data: *mut c_void) -> c_int {
     // lock or unwinds.
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        if let Some([stdout, stderr]) = prepared.output
+            && (libc::dup2(stdout, 1) == -1 || libc::dup2(stderr, 2) == -1)
+        {
+            return fail(*libc::__errno_location());
+        }
         if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) != 0 {
             return fail(*libc::__errno_location());
         }
@@ -194,7 +209,7 @@ mod tests {
             &[OsString::from("x")],
         )
         .expect("prepared");
-        assert_eq!(prepared.spawn(&[]), Err(Errno::ENOENT));
+        assert_eq!(prepared.spawn(&[], None), Err(Errno::ENOENT));
     }
 
     #[test]
@@ -224,7 +239,7 @@ mod tests {
             ),
             (OsString::from("HOME"), OsString::from("/replaced")),
         ];
-        let pid = prepared.spawn(&added).expect("spawned");
+        let pid = prepared.spawn(&added, None).expect("spawned");
         assert_eq!(waitpid(pid, None), Ok(WaitStatus::Exited(pid, 0)));
         let written = std::fs::read_to_string(&out).expect("output");
         let _ = std::fs::remove_dir_all(&dir);

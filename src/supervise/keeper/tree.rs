@@ -19,6 +19,7 @@ use crate::cli::LogFormat;
 use crate::operate::logging;
 use crate::supervise::hook::Hooks;
 use crate::supervise::keeper::farewell::{self, Farewells};
+use crate::supervise::keeper::output::Relay;
 use crate::supervise::keeper::protocol::Report;
 use crate::supervise::procfs;
 use crate::supervise::watchdog::Watch;
@@ -61,6 +62,8 @@ pub(super) struct Tree {
     /// Lines being written beside the keeper's work (see [`Tree::log_aside`]), each saying
     /// when it is done.
     pub(super) logging: Vec<std::sync::mpsc::Receiver<()>>,
+    /// The command's output turned into log lines, once it runs (`output.rs`).
+    pub(super) output: Option<Relay>,
 }
 
 impl Tree {
@@ -135,6 +138,11 @@ impl Tree {
         for logged in self.logging.drain(..) {
             let left = until.saturating_duration_since(std::time::Instant::now());
             let _ = logged.recv_timeout(left);
+        }
+        // The last lines the tree wrote: the failover did not wait for them (the sockets are
+        // closed and `Done` is said), but the keeper's exit does.
+        if let Some(relay) = self.output.take() {
+            relay.finish();
         }
     }
 

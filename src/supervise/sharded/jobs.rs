@@ -33,6 +33,7 @@ use crate::schedule::crontab::{Changes, CronJob, Crontab};
 use crate::schedule::runs::{self, Runs, RunsEvent};
 use crate::schedule::{Plan, Publish};
 use crate::supervise::keeper::handle::{CommandError, CommandLine};
+use crate::supervise::keeper::protocol::Output;
 use crate::supervise::label::Label;
 
 /// A job as this replica defines it.
@@ -70,6 +71,8 @@ pub struct Jobs<L: Ledger> {
     redefined: BTreeSet<u32>,
     /// This replica's ledger, as the holder session's preparation fingerprinted it.
     own_ledger: String,
+    /// Where a crontab's jobs' output goes.
+    output: Output,
     /// The latest sample of the server's clock.
     clock: Option<ServerClock>,
     /// The jobs another member defines otherwise, with that member, as last logged.
@@ -103,14 +106,17 @@ impl<L: Ledger> Jobs<L> {
     pub fn crontab(
         lock: &LockKey,
         crontab: &Crontab,
+        output: Output,
         telemetry: Telemetry,
     ) -> Result<Jobs<L>, CommandError> {
-        Ok(Jobs::of(
-            define(lock, crontab)?,
+        let mut jobs = Jobs::of(
+            define(lock, crontab, output)?,
             listing(crontab),
             Some(crontab.clone()),
             telemetry,
-        ))
+        );
+        jobs.output = output;
+        Ok(jobs)
     }
 
     /// A job per shard of `count`, each running `command` on `plan`'s schedule, its runs
@@ -162,6 +168,7 @@ impl<L: Ledger> Jobs<L> {
             retired: BTreeSet::new(),
             redefined: BTreeSet::new(),
             own_ledger: String::new(),
+            output: Output::Inherited,
             clock: None,
             disagreeing: BTreeSet::new(),
         }
@@ -181,7 +188,7 @@ impl<L: Ledger> Jobs<L> {
     /// unchanged ones are not touched; what changed among the owned ones is for the room to
     /// act on (see [`Reread`]).
     pub fn reread(&mut self, lock: &LockKey, crontab: Crontab) -> Result<Reread, CommandError> {
-        let mut definitions = define(lock, &crontab)?;
+        let mut definitions = define(lock, &crontab, self.output)?;
         let changes = match &self.crontab {
             Some(before) => Changes::between(before, &crontab),
             None => Changes::default(),
@@ -464,7 +471,11 @@ impl<L: Ledger> Jobs<L> {
 }
 
 /// Each job of `crontab`, by its item: its command, `SHELL -c LINE`, and its ledger key.
-fn define(lock: &LockKey, crontab: &Crontab) -> Result<BTreeMap<u32, Definition>, CommandError> {
+fn define(
+    lock: &LockKey,
+    crontab: &Crontab,
+    output: Output,
+) -> Result<BTreeMap<u32, Definition>, CommandError> {
     let mut definitions = BTreeMap::new();
     for job in &crontab.jobs {
         let argv: Vec<OsString> = vec![
@@ -472,7 +483,8 @@ fn define(lock: &LockKey, crontab: &Crontab) -> Result<BTreeMap<u32, Definition>
             "-c".into(),
             job.command.clone().into(),
         ];
-        let command = CommandLine::resolve(argv, std::env::var_os("PATH").as_deref())?;
+        let command =
+            CommandLine::resolve(argv, std::env::var_os("PATH").as_deref())?.with_output(output);
         let plan = Plan {
             schedule: job.when.clone(),
             catch_up: job.catch_up,

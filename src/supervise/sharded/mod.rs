@@ -46,6 +46,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::time::{Instant, sleep_until};
 use tracing::{debug, info, warn};
 
+use crate::config::CronOptions;
 use crate::election::backoff::Backoff;
 use crate::election::shards::{Holder, HolderEvent, Items, JoinError, ShardBackend, Watcher};
 use crate::election::{ConnectError, SessionError, elsewhere_hint};
@@ -74,8 +75,8 @@ use shards::Shards;
 pub enum Fleet {
     /// `pgleader run --shards K`: the command once per shard.
     Shards(Sharding, CommandLine),
-    /// `pgleader cron`: the crontab's jobs, each occurrence once; and `--drain-timeout`.
-    Crontab(Crontab, Option<Duration>),
+    /// `pgleader cron`: the crontab's jobs, each occurrence once; and how it runs them.
+    Crontab(Crontab, CronOptions),
 }
 
 /// A session that lived this long was healthy: the next reconnection happens at once.
@@ -118,8 +119,8 @@ pub async fn run<B: ShardBackend + Clone + 'static>(
                 .run()
                 .await
         }
-        (Fleet::Crontab(crontab, drain_timeout), _) => {
-            let what = (&crontab, drain_timeout);
+        (Fleet::Crontab(crontab, options), _) => {
+            let what = (&crontab, options);
             let duty: Scheduled<B::Holder> = Scheduled::crontab(lock, what, hooks, telemetry)?;
             Room::new(backend, settings, duty, health, inbox)
                 .run()

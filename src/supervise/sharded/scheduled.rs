@@ -21,6 +21,7 @@ use super::duty::{
 };
 use super::jobs::Jobs;
 use super::parking::{self, Parking};
+use crate::config::CronOptions;
 use crate::election::ledger::LedgerError;
 use crate::election::lock::LockKey;
 use crate::election::shards::{Holder, Items, Seen};
@@ -63,14 +64,14 @@ impl<H: Holder> Scheduled<H> {
     /// A crontab's jobs (`pgleader cron`).
     pub fn crontab(
         lock: LockKey,
-        (crontab, drain_timeout): (&Crontab, Option<Duration>),
+        (crontab, options): (&Crontab, CronOptions),
         hooks: Hooks,
         telemetry: Telemetry,
     ) -> Result<Scheduled<H>, CommandError> {
-        let jobs = Jobs::crontab(&lock, crontab, telemetry.clone())?;
+        let jobs = Jobs::crontab(&lock, crontab, options.output, telemetry.clone())?;
         telemetry.jobs_defined(jobs.known());
         let mut duty = Scheduled::of(jobs, None, lock, hooks, telemetry);
-        duty.drain = Some(drain_timeout);
+        duty.drain = Some(options.drain_timeout);
         Ok(duty)
     }
 

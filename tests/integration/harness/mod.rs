@@ -220,6 +220,17 @@ pub fn field(line: &str, key: &str) -> String {
         .to_owned()
 }
 
+/// What a `pgleader cron` job printed, from a tagged log line of its (text format): the text
+/// without pgleader's time, level and tag; `None` for any other line.
+pub fn printed(line: &str) -> Option<String> {
+    if !line.contains(" stream=std") {
+        return None;
+    }
+    let (_, rest) = line.split_once(" INFO  ")?;
+    let (text, _) = rest.rsplit_once(" job=")?;
+    Some(text.to_owned())
+}
+
 /// Bounds an async step of a test, as every wait in the suite is bounded.
 pub async fn within<T>(what: &str, step: impl Future<Output = T>) -> T {
     tokio::time::timeout(WAIT, step)

@@ -138,12 +138,15 @@ impl Proc {
         what: &str,
         wanted: impl Fn(&str) -> bool,
     ) -> String {
+        // Lines only ever arrive at the end: each is looked at once, however many there are.
+        let mut looked_at = 0;
         let found = self.wait_until(WAIT, |state| {
-            state
-                .lines
+            let found = state.lines[looked_at..]
                 .iter()
                 .find(|(s, line, _)| *s == stream && wanted(line))
-                .map(|(_, line, _)| line.clone())
+                .map(|(_, line, _)| line.clone());
+            looked_at = state.lines.len();
+            found
         });
         found.unwrap_or_else(|| {
             panic!(
