@@ -481,6 +481,13 @@ pub struct CronArgs {
     #[arg(long, value_name = "DURATION", value_parser = duration, env = "PGLEADER_DRAIN_TIMEOUT")]
     pub drain_timeout: Option<Duration>,
 
+    /// Reread the crontab when its content changes, as supercronic's -inotify: the directories
+    /// on the way to the file are watched (its own, and those of the symlinks it goes
+    /// through), so a Kubernetes ConfigMap's update, a symlink swap, is seen too. A bad file is
+    /// refused as on HUP: the crontab read before keeps running
+    #[arg(long, env = "PGLEADER_INOTIFY", value_parser = BoolishValueParser::new())]
+    pub inotify: bool,
+
     /// Write the jobs' output as it is, on pgleader's stdout and stderr, as supercronic's
     /// -passthrough-logs does. Without it, each line a job writes is a log line of its own on
     /// stderr, in --log-format, with job=NAME, stream=stdout|stderr, occurrence=TIME and

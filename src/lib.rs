@@ -58,7 +58,7 @@ use crate::schedule::crontab::Crontab;
 use crate::supervise::keeper::handle::{CommandError, CommandLine};
 use crate::supervise::sharded::Fleet;
 use crate::supervise::signals::SignalEvent;
-use crate::supervise::{sharded, signals, supervisor};
+use crate::supervise::{file_watch, sharded, signals, supervisor};
 
 /// Runs a subcommand to its end and returns the exit code. Must run inside a tokio runtime
 /// whose thread lives as long as the process.
@@ -77,7 +77,11 @@ async fn cron(args: CronArgs) -> anyhow::Result<u8> {
     let crontab = Crontab::read(&args.crontab).map_err(|err| UsageError(err.to_string()))?;
     if !args.check {
         // Listen first: from here on TERM and INT are pgleader's to handle.
-        let signals = signals::listen().context("cannot listen for signals")?;
+        let (events, signals) = signals::listen().context("cannot listen for signals")?;
+        if args.inotify {
+            file_watch::spawn(args.crontab.clone(), events)
+                .context("cannot watch the crontab for changes (--inotify)")?;
+        }
         // What the file may not mean to its author is said at start too, not only by --check.
         let notes = crontab.warnings(jiff::Timestamp::now());
         let (config, mut warnings) = RunConfig::for_cron(args, crontab, &ProcessEnvironment)?;
@@ -98,7 +102,7 @@ async fn cron(args: CronArgs) -> anyhow::Result<u8> {
 
 async fn run(args: RunArgs) -> anyhow::Result<u8> {
     // Listen first: from here on TERM and INT are pgleader's to handle.
-    let signals = signals::listen().context("cannot listen for signals")?;
+    let (_, signals) = signals::listen().context("cannot listen for signals")?;
     let (config, warnings) = RunConfig::from_args(args, &ProcessEnvironment)?;
     supervise(config, warnings, signals).await
 }

@@ -24,6 +24,7 @@
 
 pub mod commands;
 pub mod duty;
+pub mod file_watch;
 pub mod health;
 pub mod hook;
 pub mod inbox;

@@ -23,6 +23,9 @@ pub enum SignalEvent {
     Forward(Signal),
     /// CHLD: reap.
     ChildStateChanged,
+    /// Not a signal: the crontab's content changed (`--inotify`, see `file_watch.rs`); read as
+    /// HUP under `pgleader cron`.
+    CrontabChanged,
 }
 
 /// The signals that are forwarded to the child without stopping pgleader.
@@ -35,8 +38,12 @@ pub const FORWARDED: [Signal; 5] = [
 ];
 
 /// Starts listening. Must be called inside the runtime; the listeners live as long as the
-/// runtime does.
-pub fn listen() -> std::io::Result<mpsc::UnboundedReceiver<SignalEvent>> {
+/// runtime does. The sender is for events of other sources, told as signals are
+/// ([`SignalEvent::CrontabChanged`]).
+pub fn listen() -> std::io::Result<(
+    mpsc::UnboundedSender<SignalEvent>,
+    mpsc::UnboundedReceiver<SignalEvent>,
+)> {
     let (tx, rx) = mpsc::unbounded_channel();
     let mut wanted = vec![
         (Signal::SIGTERM, SignalEvent::Shutdown(Signal::SIGTERM)),
@@ -55,5 +62,5 @@ pub fn listen() -> std::io::Result<mpsc::UnboundedReceiver<SignalEvent>> {
             }
         });
     }
-    Ok(rx)
+    Ok((tx, rx))
 }

@@ -6,6 +6,7 @@ mod harness;
 mod containers;
 mod contract;
 mod cron_fleet;
+mod cron_inotify;
 mod cron_nemesis;
 mod cron_output;
 mod cron_seen;

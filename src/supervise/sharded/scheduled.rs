@@ -449,7 +449,7 @@ impl<H: Holder> Duty<H> for Scheduled<H> {
     async fn reread(&mut self, table: &mut Table, holder: &H, mood: Mood) -> Option<Items> {
         let lock = self.lock.clone();
         let path = self.jobs.path()?.to_owned();
-        info!(event = "rereading", lock = %lock, "rereading the crontab {} (SIGHUP or SIGUSR2)", path.display());
+        info!(event = "rereading", lock = %lock, "rereading the crontab {}", path.display());
         let reread = Crontab::read(&path)
             .map_err(|err| err.to_string())
             .and_then(|crontab| {
