@@ -181,6 +181,61 @@ fn the_try_script_does_the_same_on_redis() {
 }
 
 #[test]
+fn the_try_script_s_crontab_moves_a_killed_replica_s_jobs_and_drains_a_running_job_on_term() {
+    let block = readme_first_block();
+    let cron: Vec<&str> = block[1].split_whitespace().skip(1).collect();
+    let (run, tmp) = start(
+        "scripts/try --cron",
+        &cron,
+        &[("PGLEADER_RESTART_FENCE", "0")],
+    );
+    run.wait_stdout("tagged with its job");
+    let killed = replica_in(&run, "try: kill -9");
+    let drained = replica_in(&run, "try: kill -TERM");
+    let processes = processes_of(run.pid.as_raw(), &tmp);
+    run.wait_stdout("exited 0 once its backup had finished");
+    let (status, stdout, _) = run.finish();
+    assert!(status.success(), "{}", run.dump());
+    // Every job's lines, tagged, both streams; none from the killed replica after its kill.
+    for tag in [
+        "job=hello stream=stdout",
+        "job=report stream=stderr",
+        "job=backup",
+    ] {
+        assert!(
+            stdout.iter().any(|line| line.contains(tag)),
+            "{tag}\n{}",
+            run.dump()
+        );
+    }
+    let after = |needle: &str| {
+        stdout
+            .iter()
+            .position(|line| line.contains(needle))
+            .unwrap_or_else(|| panic!("no {needle:?}\n{}", run.dump()))
+    };
+    let kill = after("try: kill -9");
+    assert!(
+        !stdout[kill..]
+            .iter()
+            .any(|line| line.starts_with(&format!("    replica {killed} |"))),
+        "{}",
+        run.dump()
+    );
+    // The drained replica's backup, begun before the TERM, finished after it.
+    let term = after("try: kill -TERM");
+    let finished = format!("    replica {drained} |");
+    assert!(
+        stdout[term..]
+            .iter()
+            .any(|line| line.starts_with(&finished) && line.contains("backup: finished")),
+        "{}",
+        run.dump()
+    );
+    assert_nothing_left(&processes, &tmp, &run);
+}
+
+#[test]
 fn the_try_script_interrupted_midway_leaves_nothing_behind() {
     // With the restart fence, as a newcomer runs it: the first leader waits it out, seconds in
     // which the script is surely midway.
