@@ -60,10 +60,35 @@ const NEXT_ROW: &str = "cron.kill9.next";
 
 /// The ids of the fleets' rows, in the order the report shows them, each backend's side by
 /// side.
-const FLEET_ROWS: [&str; 4] = [LATENESS_ROW, LIGHT_ROW, OWNED_ROW, NEXT_ROW];
+const FLEET_ROWS: [&str; 7] = [
+    LATENESS_ROW,
+    LIGHT_ROW,
+    LIGHT_RAW_ROW,
+    OWNED_ROW,
+    NEXT_ROW,
+    TERM_OWNED_ROW,
+    TERM_NEXT_ROW,
+];
+
+/// The id of a TERM's hand-over: from the TERM to the others owning the replica's idle jobs.
+pub const TERM_OWNED_ROW: &str = "cron.term.owned";
+
+/// The id of the lateness of a TERMed replica's idle jobs' next occurrence on the others.
+const TERM_NEXT_ROW: &str = "cron.term.next";
+
+/// Scenario 14d's job that runs across the TERM: every 5 s for 2 s, its start and end
+/// printed apart from the other jobs' lines (`l` and `e`, which [`Run::parse`] skips).
+const LONG_JOB: &str = "# pgleader: name=long\n*/5 * * * * * * echo l long $PGLEADER_SCHEDULED_TIME; sleep 2; echo e long $PGLEADER_SCHEDULED_TIME\n";
 
 /// The id of the light fleets' lateness (scenario 14c).
 pub const LIGHT_ROW: &str = "cron.light.lateness";
+
+/// The id of the light fleet's lateness with the jobs' output as it is (`--passthrough-logs`),
+/// beside the tagged lines of [`LIGHT_ROW`].
+pub const LIGHT_RAW_ROW: &str = "cron.light.lateness.passthrough";
+
+/// The label of `pgleader cron --passthrough-logs`'s rows on PostgreSQL.
+pub const CRON_RAW_LABEL: &str = "pgleader cron --passthrough-logs";
 
 /// The id of the floor's row, shown after the fleets' lateness.
 pub const FLOOR_ROW: &str = "cron.lateness.floor";
@@ -105,17 +130,31 @@ fn scratch() -> PathBuf {
 
 /// A crontab of `jobs` jobs `j1`..`jN` on `schedule` (seven fields), run by bash.
 fn crontab(name: &str, schedule: &str, jobs: usize) -> anyhow::Result<PathBuf> {
+    crontab_with(name, schedule, jobs, "")
+}
+
+/// [`crontab`], with the lines of `more` after its jobs.
+fn crontab_with(name: &str, schedule: &str, jobs: usize, more: &str) -> anyhow::Result<PathBuf> {
     let mut text = String::from("SHELL=/bin/bash\n");
     for n in 1..=jobs {
         text.push_str(&format!(
             "# pgleader: name=j{n}\n{schedule} {JOB_COMMAND}\n"
         ));
     }
+    text.push_str(more);
     let dir = scratch();
     std::fs::create_dir_all(&dir)?;
     let path = dir.join(format!("{name}-{}.crontab", std::process::id()));
     std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))?;
     Ok(path)
+}
+
+/// How a replica writes its jobs' output: as tagged log lines on stderr (the default), or as it
+/// is on stdout (`--passthrough-logs`). [`runs_of`] reads either.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Output {
+    Tagged,
+    Passthrough,
 }
 
 /// Where a crontab's replicas keep their jobs: the benchmark's PostgreSQL, or its Redis server
@@ -173,16 +212,30 @@ pub fn cron_how(backend: &str) -> String {
     format!("one `pgleader cron` on {backend}, {JOBS} jobs")
 }
 
-/// `pgleader cron --lock-id=LOCK FILE` on `backend`.
+/// `pgleader cron --lock-id=LOCK FILE` on `backend`, its jobs' output tagged.
 fn replica(backend: Backend, tag: &str, lock: i64, file: &std::path::Path) -> Candidate {
+    replica_with(backend, tag, lock, file, Output::Tagged)
+}
+
+/// [`replica`], its jobs' output written as `output` says.
+fn replica_with(
+    backend: Backend,
+    tag: &str,
+    lock: i64,
+    file: &std::path::Path,
+    output: Output,
+) -> Candidate {
     let mut command = harness::pgleader();
     command
         .env_remove("PGLEADER_RESTART_FENCE")
         .env("PGLEADER_DATABASE_URL", backend.url())
         .arg("cron")
         .arg(format!("--lock-id={lock}"))
-        .args(backend.options())
-        .arg(file);
+        .args(backend.options());
+    if output == Output::Passthrough {
+        command.arg("--passthrough-logs");
+    }
+    command.arg(file);
     Candidate::spawn(tag, command)
 }
 
@@ -221,10 +274,27 @@ impl Run {
 
 /// Every run `candidate` printed so far.
 fn runs_of(candidate: &Candidate) -> Vec<Run> {
-    candidate
-        .lines(Stream::Stdout)
+    printed(candidate)
         .iter()
         .filter_map(|line| Run::parse(line))
+        .collect()
+}
+
+/// What the jobs of `candidate` printed so far: their lines as they are on stdout, and the
+/// text of their tagged log lines on stderr (between the level and the tag).
+fn printed(candidate: &Candidate) -> Vec<String> {
+    let tagged = candidate
+        .lines(Stream::Stderr)
+        .into_iter()
+        .filter(|line| line.contains(" stream=stdout"))
+        .filter_map(|line| {
+            let (_, rest) = line.split_once(" INFO  ")?;
+            Some(rest.rsplit_once(" job=")?.0.to_owned())
+        });
+    candidate
+        .lines(Stream::Stdout)
+        .into_iter()
+        .chain(tagged)
         .collect()
 }
 
@@ -348,15 +418,20 @@ pub fn scenarios(
     }
     rows.push(floor(plan, LIGHT_JOBS));
     for backend in &backends {
-        rows.push(light(*backend, plan));
+        rows.push(light(*backend, plan, Output::Tagged));
     }
+    for backend in &backends {
+        rows.extend(drained(*backend, plan));
+    }
+    // The jobs' lines as they are, beside the tagged ones (PostgreSQL's fleet).
+    rows.push(light(backends[0], plan, Output::Passthrough));
     // Each measure's rows side by side, PostgreSQL's first (the sort is stable), each floor
     // after its fleets' lateness; yacron's row, none of these, stays first.
     rows.sort_by_key(|row| {
         let floor = row.id == FLOOR_ROW || row.id == LIGHT_FLOOR_ROW;
         let id = match row.id.as_str() {
             FLOOR_ROW => LATENESS_ROW,
-            LIGHT_FLOOR_ROW => LIGHT_ROW,
+            LIGHT_FLOOR_ROW => LIGHT_RAW_ROW,
             id => id,
         };
         (
@@ -380,10 +455,21 @@ fn all_costs(
 ) -> Vec<CrontabCost> {
     eprintln!("bench: 14. crontab: one host's cost, {JOBS} jobs, {load}");
     let on = pg.log_statements(true);
+    let postgres = Backend::Postgres(pg);
     let mut costs = vec![
-        on.and_then(|()| cron_cost(Backend::Postgres(pg), schedules.0, load, window)),
+        on.and_then(|()| cron_cost(postgres, schedules.0, load, window, Output::Tagged)),
         plain_cost(pg, schedules.1, load, window),
     ];
+    // Busy, the jobs' output as it is, beside the tagged lines.
+    if load == "every second" {
+        costs.push(cron_cost(
+            postgres,
+            schedules.0,
+            load,
+            window,
+            Output::Passthrough,
+        ));
+    }
     if let Err(err) = pg.log_statements(false) {
         eprintln!("bench:   cannot turn the server's statement log off: {err:#}");
     }
@@ -392,7 +478,7 @@ fn all_costs(
         costs.push(
             backend
                 .ready()
-                .and_then(|()| cron_cost(backend, schedules.0, load, window)),
+                .and_then(|()| cron_cost(backend, schedules.0, load, window, Output::Tagged)),
         );
     }
     costs
@@ -496,12 +582,17 @@ fn floor(plan: &Plan, jobs: usize) -> Row {
 }
 
 /// Scenario 14c: the lateness of a fleet of [`LIGHT_JOBS`] every-second jobs on [`REPLICAS`]
-/// replicas on `backend`, over the plan's window.
-fn light(backend: Backend, plan: &Plan) -> Row {
+/// replicas on `backend`, over the plan's window, their output written as `output` says.
+fn light(backend: Backend, plan: &Plan, output: Output) -> Row {
     eprintln!(
-        "bench: {}, on {}, {} of runs",
+        "bench: {}, on {}{}, {} of runs",
         scenario_of(LIGHT_JOBS),
         backend.name(),
+        if output == Output::Passthrough {
+            ", --passthrough-logs"
+        } else {
+            ""
+        },
         crate::figures::secs(plan.window)
     );
     let result = (|| -> anyhow::Result<(Figures, String)> {
@@ -509,7 +600,7 @@ fn light(backend: Backend, plan: &Plan) -> Row {
         let lock = harness::unique_lock();
         let file = crontab("light", EVERY_SECOND, LIGHT_JOBS)?;
         let live: Vec<Candidate> = (0..REPLICAS)
-            .map(|i| replica(backend, &format!("L{i}"), lock, &file))
+            .map(|i| replica_with(backend, &format!("L{i}"), lock, &file, output))
             .collect();
         lateness(&live, plan.window, LIGHT_JOBS)
     })();
@@ -518,10 +609,14 @@ fn light(backend: Backend, plan: &Plan) -> Row {
         figures.failure(format!("{err:#}").replace('\n', " "));
         (figures, String::new())
     });
+    let (id, label) = match output {
+        Output::Tagged => (LIGHT_ROW, backend.label()),
+        Output::Passthrough => (LIGHT_RAW_ROW, CRON_RAW_LABEL),
+    };
     row(
-        LIGHT_ROW,
+        id,
         &scenario_of(LIGHT_JOBS),
-        backend.label(),
+        label,
         "from each occurrence to its command running ($EPOCHREALTIME), every run in the window",
         figures,
         note,
@@ -690,51 +785,14 @@ fn kill_once(
 ) -> anyhow::Result<(Duration, Vec<f64>, usize)> {
     let second = balanced(live, JOBS)?;
     let victim = run % live.len();
-    let orphaned: Vec<String> = runs_of(&live[victim])
-        .into_iter()
-        .filter(|r| r.occurrence == second)
-        .map(|r| r.job)
-        .collect();
+    let orphaned = jobs_at(&live[victim], second);
     sleep(random_phase(Duration::from_secs(1)));
     let fault = Instant::now();
     let killed_at: DateTime<Utc> = SystemTime::now().into();
     live[victim].signal(Signal::SIGKILL);
     gone.push(live.remove(victim));
-    let needles: Vec<String> = orphaned
-        .iter()
-        .map(|job| format!("took job {job} "))
-        .collect();
-    let survivors: Vec<&Candidate> = live.iter().collect();
-    let last = last_of(
-        &survivors,
-        Stream::Stderr,
-        &needles,
-        fault,
-        Duration::from_secs(10),
-    )
-    .map_err(|pending| {
-        anyhow::anyhow!(
-            "{pending:?} were never taken\n{}",
-            tail(&gone[gone.len() - 1].dump())
-        )
-    })?;
-    // The first whole second after the kill, and a second to run it in.
-    let next = killed_at.trunc_subsecs(0) + chrono::Duration::seconds(1);
-    let wait = (next + chrono::Duration::milliseconds(2_500) - Utc::now()).to_std();
-    sleep(wait.unwrap_or_default());
-    let runs: Vec<Run> = live.iter().flat_map(runs_of).collect();
-    let mut lateness = Vec::new();
-    let mut missed = 0;
-    for job in &orphaned {
-        let first = runs
-            .iter()
-            .filter(|r| &r.job == job && r.occurrence >= next)
-            .min_by_key(|r| r.occurrence);
-        match first {
-            Some(r) if r.occurrence == next => lateness.push(r.late_ms()),
-            _ => missed += 1,
-        }
-    }
+    let last = taken(live, &orphaned, fault, &gone[gone.len() - 1])?;
+    let (lateness, missed) = next_runs(live, &orphaned, killed_at);
     eprintln!(
         "bench:   run {}: {} jobs owned elsewhere after {:.1} ms; next occurrence p50 {}",
         run + 1,
@@ -744,6 +802,174 @@ fn kill_once(
     );
     live.push(replica(backend, &format!("J{run}"), lock, file));
     Ok((last, lateness, missed))
+}
+
+/// The jobs `candidate` ran the occurrence `second` of.
+fn jobs_at(candidate: &Candidate, second: DateTime<Utc>) -> Vec<String> {
+    runs_of(candidate)
+        .into_iter()
+        .filter(|r| r.occurrence == second)
+        .map(|r| r.job)
+        .collect()
+}
+
+/// How long after `fault` the last of `jobs` was taken by one of `live` (its "took job" line);
+/// an error, with the end of `left`'s output, if one was not within 10 s.
+fn taken(
+    live: &[Candidate],
+    jobs: &[String],
+    fault: Instant,
+    left: &Candidate,
+) -> anyhow::Result<Duration> {
+    let needles: Vec<String> = jobs.iter().map(|job| format!("took job {job} ")).collect();
+    let survivors: Vec<&Candidate> = live.iter().collect();
+    last_of(
+        &survivors,
+        Stream::Stderr,
+        &needles,
+        fault,
+        Duration::from_secs(10),
+    )
+    .map_err(|pending| anyhow::anyhow!("{pending:?} were never taken\n{}", tail(&left.dump())))
+}
+
+/// Once it has had a second to run: the lateness of each of `jobs`' first occurrence after
+/// `fault` (the next whole second) on `live`, and how many of them did not run then.
+fn next_runs(live: &[Candidate], jobs: &[String], fault: DateTime<Utc>) -> (Vec<f64>, usize) {
+    let next = fault.trunc_subsecs(0) + chrono::Duration::seconds(1);
+    let wait = (next + chrono::Duration::milliseconds(2_500) - Utc::now()).to_std();
+    sleep(wait.unwrap_or_default());
+    let runs: Vec<Run> = live.iter().flat_map(runs_of).collect();
+    let (mut lateness, mut missed) = (Vec::new(), 0);
+    for job in jobs {
+        match runs.iter().find(|r| &r.job == job && r.occurrence == next) {
+            Some(r) => lateness.push(r.late_ms()),
+            None => missed += 1,
+        }
+    }
+    (lateness, missed)
+}
+
+/// Scenario 14d: a TERM to the replica whose `long` job runs, [`LIGHT_JOBS`] every-second jobs
+/// beside it on [`REPLICAS`] replicas on `backend`, `plan.kills` times: how soon the others own
+/// its idle jobs, how late those jobs' next occurrence runs there, and whether the run going on
+/// ended by itself (no signal: it prints its end) before the replica exited.
+fn drained(backend: Backend, plan: &Plan) -> Vec<Row> {
+    let scenario = format!(
+        "14d. crontab: TERM of one of {REPLICAS} replicas while a 2 s run of its goes on, {LIGHT_JOBS} every-second jobs"
+    );
+    eprintln!(
+        "bench: {scenario}, on {}, {} runs",
+        backend.name(),
+        plan.kills
+    );
+    let (mut owned, mut next) = (Figures::default(), Figures::default());
+    let (mut ended, mut missed) = (0, 0);
+    let mut live: Vec<Candidate> = Vec::new();
+    let result = (|| -> anyhow::Result<()> {
+        backend.ready()?;
+        let lock = harness::unique_lock();
+        let file = crontab_with("drain", EVERY_SECOND, LIGHT_JOBS, LONG_JOB)?;
+        for i in 0..REPLICAS {
+            live.push(replica(backend, &format!("D{i}"), lock, &file));
+        }
+        for run in 0..plan.kills {
+            let (taken, lateness, finished, not_run) = term_once(&mut live, run)?;
+            owned.sample(taken);
+            lateness.into_iter().for_each(|l| next.sample_ms(l));
+            ended += usize::from(finished);
+            missed += not_run;
+            live.push(replica(backend, &format!("J{run}"), lock, &file));
+        }
+        Ok(())
+    })();
+    if let Err(err) = result {
+        owned.failure(format!("{err:#}").replace('\n', " "));
+    }
+    let next_note = format!("{}; {missed} next occurrences not run", p99(&next));
+    vec![
+        row(
+            TERM_OWNED_ROW,
+            &scenario,
+            backend.label(),
+            "from the TERM to the last \"took job\" line on the others for its idle jobs",
+            owned,
+            format!(
+                "the run going on ended by itself, unsignalled, before the replica exited: {ended} of {} TERMs",
+                plan.kills
+            ),
+        ),
+        row(
+            TERM_NEXT_ROW,
+            &scenario,
+            backend.label(),
+            "each of its idle jobs' first occurrence after the TERM: from the occurrence to its command running",
+            next,
+            next_note,
+        ),
+    ]
+}
+
+/// One TERM of scenario 14d: once the fleet is balanced, waits for `long` to start, TERMs the
+/// replica running it and measures; the TERMed replica leaves `live`.
+fn term_once(
+    live: &mut Vec<Candidate>,
+    run: usize,
+) -> anyhow::Result<(Duration, Vec<f64>, bool, usize)> {
+    let second = balanced(live, LIGHT_JOBS)?;
+    let longs = |c: &Candidate| {
+        printed(c)
+            .iter()
+            .filter(|l| l.starts_with("l long "))
+            .count()
+    };
+    let before: Vec<usize> = live.iter().map(longs).collect();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let owner = loop {
+        if let Some(i) = (0..live.len()).find(|i| longs(&live[*i]) > before[*i]) {
+            break i;
+        }
+        if Instant::now() > deadline {
+            bail!("the long job did not start within 10 s");
+        }
+        sleep(Duration::from_millis(10));
+    };
+    let occurrence = printed(&live[owner])
+        .into_iter()
+        .rfind(|l| l.starts_with("l long "))
+        .and_then(|l| l.split_whitespace().nth(2).map(str::to_owned))
+        .unwrap_or_default();
+    let idle = jobs_at(&live[owner], second);
+    sleep(random_phase(Duration::from_millis(500)));
+    let fault = Instant::now();
+    let termed_at: DateTime<Utc> = SystemTime::now().into();
+    live[owner].signal(Signal::SIGTERM);
+    let termed = live.remove(owner);
+    let last = taken(live, &idle, fault, &termed)?;
+    // The run going on prints its end, then the replica lets the job go and exits.
+    let finished = termed
+        .line(
+            Stream::Stderr,
+            "released every shard",
+            1,
+            None,
+            Duration::from_secs(10),
+        )
+        .is_some()
+        && printed(&termed).contains(&format!("e long {occurrence}"));
+    let (lateness, missed) = next_runs(live, &idle, termed_at);
+    eprintln!(
+        "bench:   run {}: {} idle jobs owned elsewhere after {:.1} ms; the run going on {}",
+        run + 1,
+        idle.len(),
+        last.as_secs_f64() * 1000.0,
+        if finished {
+            "ended by itself"
+        } else {
+            "did NOT end by itself"
+        }
+    );
+    Ok((last, lateness, finished, missed))
 }
 
 /// Sessions, memory and requests (statements on PostgreSQL, with the server's statement log
@@ -794,25 +1020,28 @@ fn measure(
     })
 }
 
-/// One `pgleader cron` on `backend` owning all [`JOBS`] jobs on `schedule`.
+/// One `pgleader cron` on `backend` owning all [`JOBS`] jobs on `schedule`, its jobs' output
+/// written as `output` says.
 fn cron_cost(
     backend: Backend,
     schedule: &str,
     load: &'static str,
     window: Duration,
+    output: Output,
 ) -> anyhow::Result<CrontabCost> {
     let file = crontab("cost", schedule, JOBS)?;
-    let cron = replica(backend, "C", harness::unique_lock(), &file);
+    let cron = replica_with(backend, "C", harness::unique_lock(), &file, output);
+    let how = match output {
+        Output::Tagged => cron_how(backend.name()),
+        Output::Passthrough => format!(
+            "one `pgleader cron --passthrough-logs` on {}, {JOBS} jobs",
+            backend.name()
+        ),
+    };
     cron.line(Stream::Stderr, "took job ", JOBS, None, SETUP_WAIT)
         .with_context(|| format!("it never took its {JOBS} jobs\n{}", tail(&cron.dump())))?;
     sleep(Duration::from_secs(1));
-    measure(
-        backend,
-        cron_how(backend.name()),
-        load,
-        &[cron.pid()],
-        window,
-    )
+    measure(backend, how, load, &[cron.pid()], window)
 }
 
 /// [`JOBS`] `pgleader run --schedule SCHEDULE` processes, one lock each, each leading.

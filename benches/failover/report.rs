@@ -32,8 +32,8 @@ pub const ONLY_FAILOVER: &str = "1, 1c, 2, 5 and 6 of pgleader";
 pub const ONLY_SHARDS: &str = "11, 11b, 12 and 13: shards";
 
 /// Scenario 14's costs: `pgleader cron` on PostgreSQL and on Redis and the plain processes, at
-/// rest and every second, and yacron.
-const CRONTAB_COSTS: usize = 7;
+/// rest and every second, `pgleader cron --passthrough-logs` every second, and yacron.
+const CRONTAB_COSTS: usize = 8;
 
 /// `--only cron`'s scenarios.
 pub const ONLY_CRON: &str = "14, 14b and 14c: a crontab across the fleet";
