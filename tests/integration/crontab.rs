@@ -10,9 +10,15 @@ use crate::harness::{Proc, pgleader};
 pub struct File(pub PathBuf);
 
 impl File {
+    /// A file named after `name` and numbered: two tests that run one scenario at once (on
+    /// PostgreSQL and on Redis) each have their own.
     pub fn new(name: &str, text: &str) -> File {
-        let path =
-            std::env::temp_dir().join(format!("pgleader-crontab-{}-{name}", std::process::id()));
+        static FILES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let number = FILES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!(
+            "pgleader-crontab-{}-{number}-{name}",
+            std::process::id()
+        ));
         std::fs::write(&path, text).expect("write the crontab");
         File(path)
     }

@@ -132,17 +132,18 @@ impl Tree {
             }
         }
         self.held_connections.clear();
+        // The last lines the tree wrote, before `Done`: pgleader may exit once it reads it,
+        // and as a container's PID 1 its exit takes the keeper with it. (A failover after a
+        // kill -9 does not wait for them: the sockets are closed already.)
+        if let Some(relay) = self.output.take() {
+            relay.finish();
+        }
         let _ = self.channel.write_all(&Report::Done(0).encode());
         // The lines of the keeper's own stop, unless their write is blocked (nobody reads).
         let until = std::time::Instant::now() + LOG_WAIT;
         for logged in self.logging.drain(..) {
             let left = until.saturating_duration_since(std::time::Instant::now());
             let _ = logged.recv_timeout(left);
-        }
-        // The last lines the tree wrote: the failover did not wait for them (the sockets are
-        // closed and `Done` is said), but the keeper's exit does.
-        if let Some(relay) = self.output.take() {
-            relay.finish();
         }
     }
 
