@@ -10,7 +10,8 @@
 //!
 //! Beside them: the keeper, the process every command runs under (`keeper/`: what runs in it,
 //! what both sides speak, and pgleader's handle to it), `--pre-start`/`--post-stop` (`hook.rs`), the health probe (`health.rs`), the
-//! signals pgleader receives and what each means (`signals.rs`, `inbox.rs`), how the log names
+//! signals pgleader receives and what each means (`signals.rs`, `inbox.rs`; a crontab's change
+//! under `--inotify` arrives as one, from `file_watch.rs`), how the log names
 //! a command (`label.rs`), and what `/proc` says about a process group (`procfs.rs`).
 //!
 //! Every command, whoever runs it, is stopped by one set of rules (`stop.rs`): the single
