@@ -581,7 +581,9 @@ fn status_watch_prints_each_change_of_holder_and_waiters_until_interrupted() {
         }
     };
     let (text, json) = (watch(false), watch(true));
+    // Both have printed the free lock before anyone takes it.
     text.wait_stdout(": free; nobody waiting");
+    json.wait_stdout("\"held\":false");
 
     let a = patient_leader(cluster, lock);
     let a_line = text.wait_stdout(&format!("leader pgleader {}@", a.pid));
