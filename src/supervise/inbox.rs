@@ -117,11 +117,11 @@ impl Inbox {
                 SignalMeaning::Shutdown(Signal::SIGTERM, self.shutdown_signal(Signal::SIGTERM))
             }
             None => SignalMeaning::Closed,
-            // Only a crontab is watched (`--inotify`), and a crontab rereads.
             Some(SignalEvent::Forward(Signal::SIGHUP | Signal::SIGUSR2)) if self.rereads => {
                 self.reread_requested = true;
                 SignalMeaning::Reread
             }
+            // Only a crontab is watched (`--inotify`), and a crontab rereads.
             Some(SignalEvent::CrontabChanged) => {
                 self.reread_requested = true;
                 SignalMeaning::Reread
