@@ -223,6 +223,7 @@ impl RunConfig {
                 job: None,
                 overlap: crate::schedule::crontab::Overlap::Skip,
                 catch_up_new: true,
+                jitter: Duration::ZERO,
             }),
             None => None,
         };

@@ -37,11 +37,13 @@ pub fn report(crontab: &Crontab, from: Timestamp, count: usize) -> String {
         let _ = writeln!(out, "  command   {} -c {:?}", job.shell, job.command);
         let _ = writeln!(
             out,
-            "  options   overlap={} catch-up={} timeout={}",
+            "  options   overlap={} catch-up={} timeout={} jitter={}",
             job.overlap.as_str(),
             fmt(job.catch_up),
             job.timeout
-                .map_or_else(|| "none".to_owned(), |timeout| fmt(timeout).to_string())
+                .map_or_else(|| "none".to_owned(), |timeout| fmt(timeout).to_string()),
+            job.jitter
+                .map_or_else(|| "none".to_owned(), |jitter| fmt(jitter).to_string())
         );
         // As `status` shows a job's definitions while replicas disagree: which file is which.
         let definition = definition_hex(job.definition_marker());
@@ -84,7 +86,22 @@ fn occurrences(job: &CronJob, from: Timestamp, count: usize) -> Vec<String> {
             .when
             .local(next)
             .unwrap_or_else(|| next.to_zoned(jiff::tz::TimeZone::UTC));
-        found.push(wall_clock.strftime("%Y-%m-%d %H:%M:%S %:z").to_string());
+        let mut line = wall_clock.strftime("%Y-%m-%d %H:%M:%S %:z").to_string();
+        if let Some(most) = job.jitter {
+            // Every replica puts this occurrence off by as much: it can be shown in advance.
+            let delay = crate::schedule::jitter(&job.name, next, most);
+            let start = job
+                .when
+                .local(next.checked_add(delay).unwrap_or(next))
+                .unwrap_or_else(|| next.to_zoned(jiff::tz::TimeZone::UTC));
+            let format = if start.date() == wall_clock.date() {
+                "%H:%M:%S%.3f"
+            } else {
+                "%Y-%m-%d %H:%M:%S%.3f"
+            };
+            let _ = write!(line, ", starts {} (jitter)", start.strftime(format));
+        }
+        found.push(line);
         at = next;
     }
     found

@@ -235,6 +235,26 @@ impl Schedule {
         Some(at.to_zoned(self.timezone.clone()))
     }
 
+    /// The shortest time between two occurrences among the next [`GAPS_LOOKED_AT`] after
+    /// `from` (`@every`: its period); `None` if it occurs less than twice more. A year of a
+    /// daily schedule, so that a daylight-saving night's short day counts.
+    pub fn shortest_gap(&self, from: Timestamp) -> Option<Duration> {
+        if let Some(period) = self.period() {
+            return Some(period);
+        }
+        let mut at = self.next_after(from)?;
+        let mut shortest: Option<Duration> = None;
+        for _ in 0..GAPS_LOOKED_AT {
+            let Some(next) = self.next_after(at) else {
+                break;
+            };
+            let gap = Duration::try_from(next.duration_since(at)).unwrap_or_default();
+            shortest = Some(shortest.map_or(gap, |shortest| shortest.min(gap)));
+            at = next;
+        }
+        shortest
+    }
+
     /// The time from `occurrence` to the one after it, if there is one.
     pub fn gap_after(&self, occurrence: Timestamp) -> Option<Duration> {
         let next = self.next_after(occurrence)?;
@@ -247,6 +267,9 @@ impl fmt::Display for Schedule {
         write!(f, "\"{}\" ({})", self.expression, self.zone_name)
     }
 }
+
+/// How many gaps between occurrences [`Schedule::shortest_gap`] looks at.
+const GAPS_LOOKED_AT: usize = 400;
 
 /// The fingerprint of a definition as the ledger stores it; see [`Schedule::fingerprint`].
 pub fn fingerprint_of(expression: &str, timezone: &str) -> String {

@@ -18,7 +18,7 @@
 //! says so in its directive (`zone=`).
 //!
 //! Per-job options ride in a comment directly above the job, which cron and supercronic ignore:
-//! `# pgleader: name=report overlap=skip catch-up=1h timeout=30m zone=Europe/Paris`. A job is
+//! `# pgleader: name=report overlap=skip catch-up=1h timeout=30m jitter=30s zone=Europe/Paris`. A job is
 //! known by its name; without one, by its command (a stable name made from it, with `-2`, `-3`
 //! after a command that more than one line runs), so that changing a line's schedule keeps the
 //! job.
@@ -37,6 +37,7 @@ use jiff::tz::TimeZone;
 use crate::election::lock::LockKey;
 use crate::environment::ProcessEnvironment;
 use crate::schedule::calendar::{self, Schedule};
+use crate::time::for_people;
 pub use zone::{Host, ZoneSource};
 
 /// The shell a job's command runs through when no `SHELL=` line says otherwise.
@@ -82,6 +83,9 @@ pub struct CronJob {
     pub catch_up: Duration,
     /// How long a run may take before it is stopped; `None`: as long as it needs.
     pub timeout: Option<Duration>,
+    /// The most an occurrence's start is put off by (`jitter=`), shorter than the schedule's
+    /// shortest gap; `None`: each starts at its occurrence. See [`crate::schedule::jitter`].
+    pub jitter: Option<Duration>,
 }
 
 impl CronJob {
@@ -119,6 +123,11 @@ impl CronJob {
         );
         for (name, value) in &self.env {
             text.push_str(&format!("\u{1f}{name}={value}"));
+        }
+        // Only when set, so that the jobs defined before jitter= existed keep their definition
+        // across a rolling deploy.
+        if let Some(jitter) = self.jitter {
+            text.push_str(&format!("\u{1f}jitter={}", jitter.as_millis()));
         }
         calendar::fingerprint_of(&text, "")
     }
@@ -269,6 +278,10 @@ impl Crontab {
                 Some((line, own)) => (job.when.in_zone(own), ZoneSource::Directive { line }),
                 None => (job.when.in_zone(zone.clone()), source.clone()),
             };
+            let jitter = options.jitter.filter(|jitter| !jitter.is_zero());
+            if let Some(jitter) = jitter {
+                check_jitter(&when, jitter).map_err(|message| fail(Some(line), message))?;
+            }
             jobs.push(CronJob {
                 name: options.name.unwrap_or_default(),
                 line,
@@ -280,6 +293,7 @@ impl Crontab {
                 overlap: options.overlap.unwrap_or_default(),
                 catch_up: options.catch_up.unwrap_or(DEFAULT_CATCH_UP),
                 timeout: options.timeout.filter(|timeout| !timeout.is_zero()),
+                jitter,
             });
         }
         name_jobs(&mut jobs).map_err(|(line, message)| fail(Some(line), message))?;
@@ -437,12 +451,13 @@ struct Options {
     overlap: Option<Overlap>,
     catch_up: Option<Duration>,
     timeout: Option<Duration>,
+    jitter: Option<Duration>,
     /// The job's own zone, and the directive's line.
     zone: Option<(usize, TimeZone)>,
 }
 
 impl Options {
-    /// `name=report overlap=skip catch-up=1h timeout=30m zone=Europe/Paris`, in any order, on
+    /// `name=report overlap=skip catch-up=1h timeout=30m jitter=30s zone=Europe/Paris`, in any order, on
     /// line `line`.
     fn parse(line: usize, words: &str) -> Result<Options, (usize, String)> {
         Options::parse_words(line, words).map_err(|message| (line, message))
@@ -453,7 +468,7 @@ impl Options {
         for word in words.split_whitespace() {
             let Some((key, value)) = word.split_once('=') else {
                 return Err(format!(
-                    "{word:?} in a pgleader directive is not KEY=VALUE (keys: name, overlap, catch-up, timeout, zone)"
+                    "{word:?} in a pgleader directive is not KEY=VALUE (keys: name, overlap, catch-up, timeout, jitter, zone)"
                 ));
             };
             let duplicate = match key {
@@ -473,6 +488,7 @@ impl Options {
                 }
                 "catch-up" => options.catch_up.replace(duration(key, value)?).is_some(),
                 "timeout" => options.timeout.replace(duration(key, value)?).is_some(),
+                "jitter" => options.jitter.replace(duration(key, value)?).is_some(),
                 "zone" => {
                     let zone =
                         calendar::zone(value).map_err(|err| format!("zone={value}: {err}"))?;
@@ -480,7 +496,7 @@ impl Options {
                 }
                 _ => {
                     return Err(format!(
-                        "unknown key {key:?} in a pgleader directive (keys: name, overlap, catch-up, timeout, zone)"
+                        "unknown key {key:?} in a pgleader directive (keys: name, overlap, catch-up, timeout, jitter, zone)"
                     ));
                 }
             };
@@ -489,6 +505,20 @@ impl Options {
             }
         }
         Ok(options)
+    }
+}
+
+/// A job's `jitter=` must be shorter than the shortest gap between two of its occurrences, so
+/// that an occurrence's delayed start never comes after the next occurrence.
+fn check_jitter(when: &Schedule, jitter: Duration) -> Result<(), String> {
+    match when.shortest_gap(Timestamp::now()) {
+        Some(gap) if jitter >= gap => Err(format!(
+            "jitter={} is not shorter than the {} between two of the job's occurrences: a \
+             run put off by up to that much could start after the next occurrence",
+            for_people(jitter),
+            for_people(gap)
+        )),
+        _ => Ok(()),
     }
 }
 

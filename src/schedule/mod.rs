@@ -54,9 +54,17 @@ pub struct Plan {
     /// cron and supercronic do). Catch-up is for a known definition's occurrences, missed
     /// while no replica could run them.
     pub catch_up_new: bool,
+    /// A crontab job's `jitter=`: each occurrence starts [`jitter`] after it; zero for
+    /// `--schedule`.
+    pub jitter: Duration,
 }
 
 impl Plan {
+    /// How long the start of the occurrence of `at` is put off.
+    pub fn delay_of(&self, at: Timestamp) -> Duration {
+        jitter(self.job.as_deref().unwrap_or_default(), at, self.jitter)
+    }
+
     /// The definition the ledger records.
     pub fn definition(&self) -> Definition {
         Definition {
@@ -64,6 +72,20 @@ impl Plan {
             timezone: self.schedule.timezone().to_owned(),
         }
     }
+}
+
+/// How long the start of job `job`'s occurrence of `at` is put off under `jitter=most`: less
+/// than `most`, drawn from a hash of the job's name and the occurrence, so that whichever replica
+/// runs it (after a takeover, a deploy) waits the same, and the jobs of one minute spread
+/// over it rather than start at one instant.
+pub fn jitter(job: &str, at: Timestamp, most: Duration) -> Duration {
+    let most_ms = most.as_millis() as u64;
+    if most_ms == 0 {
+        return Duration::ZERO;
+    }
+    let drawn = LockKey::from_name(&format!("pgleader jitter {job} {}", calendar::rfc3339(at)))
+        .key() as u64;
+    Duration::from_millis(drawn % most_ms)
 }
 
 /// What became of one occurrence of a schedule (`--schedule`): the `outcome` label of
@@ -127,9 +149,22 @@ pub struct RunView {
     pub ended_at: Option<Timestamp>,
     /// The host of the pgleader that ran it.
     pub host: Option<String>,
+    /// How long `jitter=` put its start off: its lateness counts from then.
+    pub delay: Duration,
 }
 
 impl RunView {
+    /// How late the run started after its occurrence (after the start `jitter=` put it off
+    /// to), on the server's clock; `None` before it started.
+    pub fn lateness(&self) -> Option<Duration> {
+        let start = self
+            .scheduled_for
+            .checked_add(self.delay)
+            .unwrap_or(self.scheduled_for);
+        let late = self.claimed_at?.duration_since(start);
+        Some(Duration::try_from(late).unwrap_or_default())
+    }
+
     /// Takes a later report of the same occurrence (its outcome, when it ended) into this one,
     /// keeping what only the earlier said (the claim, the host).
     pub fn complete(&mut self, later: RunView) {
@@ -139,6 +174,9 @@ impl RunView {
         self.claimed_at = later.claimed_at.or(self.claimed_at);
         self.ended_at = later.ended_at.or(self.ended_at);
         self.host = later.host.or(self.host.take());
+        if !later.delay.is_zero() {
+            self.delay = later.delay;
+        }
     }
 }
 
@@ -241,3 +279,26 @@ pub fn foreign_ledger_blocks_catch_up(seen: Option<Instant>, catch_up: Duration)
 /// occurrence it was meant for: a host clock that runs ahead, or a timer that fires a little
 /// early, must not make it run yesterday's occurrence or nothing at all.
 pub const EARLY_WINDOW: Duration = Duration::from_secs(60);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn jitter_is_the_same_for_an_occurrence_and_spreads_a_minute_of_jobs() {
+        let at: Timestamp = "2026-11-28T03:00:00Z".parse().expect("instant");
+        let most = Duration::from_secs(60);
+        assert_eq!(jitter("report", at, most), jitter("report", at, most));
+        assert_eq!(jitter("report", at, Duration::ZERO), Duration::ZERO);
+        let next: Timestamp = "2026-11-28T03:01:00Z".parse().expect("instant");
+        assert_ne!(jitter("report", at, most), jitter("report", next, most));
+        // A hundred jobs of one occurrence: each within the bound, spread over it.
+        let delays: Vec<Duration> = (0..100)
+            .map(|job| jitter(&format!("j{job}"), at, most))
+            .collect();
+        assert!(delays.iter().all(|delay| *delay < most));
+        let seconds: std::collections::HashSet<u64> =
+            delays.iter().map(Duration::as_secs).collect();
+        assert!(seconds.len() > 40, "{} distinct seconds", seconds.len());
+    }
+}

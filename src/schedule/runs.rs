@@ -243,6 +243,7 @@ impl<L: Ledger> Runs<L> {
                 claimed_at: Some(self.clock.now()),
                 ended_at: None,
                 host: Some(self.claimant.host.clone()),
+                delay: self.plan.delay_of(run.at),
             });
         }
     }
@@ -258,6 +259,7 @@ impl<L: Ledger> Runs<L> {
             claimed_at: None,
             ended_at: Some(self.clock.now()),
             host: None,
+            delay: Duration::ZERO,
         });
     }
 
@@ -349,7 +351,8 @@ impl<L: Ledger> Runs<L> {
 
     /// When to act on the occurrence `at`.
     fn wake_for(&self, at: Timestamp) -> Instant {
-        let mut wake = self.clock.instant_of(at);
+        // jitter=: the occurrence's start is put off, the same on every replica.
+        let mut wake = self.clock.instant_of(at) + self.plan.delay_of(at);
         if self.running.is_none() {
             wake = wake.max(self.not_before);
             if let Some(until) = self.early_until {
@@ -537,6 +540,7 @@ impl<L: Ledger> Runs<L> {
                                 claimed_at: None,
                                 ended_at: Some(clock.now()),
                                 host: host.clone(),
+                                delay: Duration::ZERO,
                             });
                             warn!(
                                 event = "scheduled_run_interrupted", job = job.as_deref(),
@@ -687,7 +691,9 @@ impl<L: Ledger> Runs<L> {
                     started: false,
                 });
                 self.due = self.after(at);
-                let late = crate::time::elapsed(at, self.clock.now());
+                // From the start jitter= put it off to.
+                let start = at.checked_add(self.plan.delay_of(at)).unwrap_or(at);
+                let late = crate::time::elapsed(start, self.clock.now());
                 info!(
                     event = "scheduled_run", job = self.plan.job.as_deref(),
                     occurrence = %rfc3339(at),

@@ -62,7 +62,7 @@ fn check_prints_each_job_with_its_schedule_zone_command_and_next_occurrences() {
          MAILTO=\"\"\n\
          CRON_TZ=UTC\n\
          SHELL=/bin/bash\n\
-         # pgleader: name=report overlap=replace catch-up=10m timeout=30m zone=Europe/Paris\n\
+         # pgleader: name=report overlap=replace catch-up=10m timeout=30m jitter=5m zone=Europe/Paris\n\
          30 3 * * * ./report.sh --all\n\
          \n\
          */15 * * * * 2099 echo quarter\n\
@@ -83,16 +83,16 @@ report (line 6)
   schedule  0 30 3 * * * in Europe/Paris (seconds first)
   zone      Europe/Paris (zone= in the directive, line 5)
   command   /bin/bash -c \"./report.sh --all\"
-  options   overlap=replace catch-up=10m timeout=30m
+  options   overlap=replace catch-up=10m timeout=30m jitter=5m
   definition {}
-  next      2026-11-27 03:30:00 +01:00
-            2026-11-28 03:30:00 +01:00
+  next      2026-11-27 03:30:00 +01:00, starts 03:32:59.128 (jitter)
+            2026-11-28 03:30:00 +01:00, starts 03:34:29.558 (jitter)
 
 echo-quarter (line 8)
   schedule  0 */15 * * * * 2099 in UTC (seconds first)
   zone      UTC (CRON_TZ, line 3)
   command   /bin/bash -c \"echo quarter\"
-  options   overlap=skip catch-up=1h timeout=none
+  options   overlap=skip catch-up=1h timeout=none jitter=none
   definition {}
   next      2099-01-01 00:00:00 +00:00
             2099-01-01 00:15:00 +00:00
@@ -101,7 +101,7 @@ echo-often (line 9)
   schedule  @every 1m 30s (from the Unix epoch, UTC)
   zone      UTC (@every counts from the Unix epoch)
   command   /bin/bash -c \"echo often\"
-  options   overlap=skip catch-up=1h timeout=none
+  options   overlap=skip catch-up=1h timeout=none jitter=none
   definition {}
   next      2026-11-26 12:01:30 +00:00
             2026-11-26 12:03:00 +00:00
@@ -110,7 +110,7 @@ true (line 10)
   schedule  0 0 0 1 1 * 2026 in UTC (seconds first)
   zone      UTC (CRON_TZ, line 3)
   command   /bin/bash -c \"true\"
-  options   overlap=skip catch-up=1h timeout=none
+  options   overlap=skip catch-up=1h timeout=none jitter=none
   definition {}
   next      none: it never occurs again, and never runs",
         definition(&file, "report"),
@@ -238,6 +238,10 @@ fn a_bad_crontab_is_refused_with_its_file_line_and_what_is_wrong() {
         (
             "# pgleader: name=a\n0 3 * * * x\n# pgleader: name=a\n0 4 * * * y\n",
             ":4: two jobs are named \"a\" (lines 2 and 4)",
+        ),
+        (
+            "# pgleader: jitter=2m\n* * * * * x\n",
+            ":2: jitter=2m is not shorter than the 1m between two of the job's occurrences",
         ),
     ];
     for (text, wanted) in cases {

@@ -7,6 +7,7 @@ mod containers;
 mod contract;
 mod cron_fleet;
 mod cron_inotify;
+mod cron_jitter;
 mod cron_nemesis;
 mod cron_output;
 mod cron_seen;

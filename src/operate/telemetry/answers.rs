@@ -389,6 +389,7 @@ mod tests {
             claimed_at: Some(at),
             ended_at: None,
             host: Some("web-1".into()),
+            delay: Duration::ZERO,
         });
         t.scheduled_run(RunView {
             scheduled_for: at,
@@ -398,6 +399,7 @@ mod tests {
             claimed_at: None,
             ended_at: Some(at),
             host: None,
+            delay: Duration::ZERO,
         });
         let status = t.status_json(&t.snapshot(), Timestamp::now());
         assert_eq!(status["role"], "leader");

@@ -57,9 +57,7 @@ impl JobView {
 
     /// How late its last run started after its occurrence, on the server's clock.
     pub fn lateness(&self) -> Option<Duration> {
-        let run = self.last_run.as_ref()?;
-        let late = run.claimed_at?.duration_since(run.scheduled_for);
-        Duration::try_from(late).ok()
+        self.last_run.as_ref()?.lateness()
     }
 }
 
@@ -175,9 +173,7 @@ impl Telemetry {
         if let Some(metrics) = metrics {
             if let Some(outcome) = run.outcome {
                 metrics.ran(job, outcome, run.ended_at.unwrap_or_else(Timestamp::now));
-            } else if let Some(claimed) = run.claimed_at
-                && let Ok(late) = Duration::try_from(claimed.duration_since(run.scheduled_for))
-            {
+            } else if let Some(late) = run.lateness() {
                 metrics.started(job, late);
             }
         }
@@ -281,6 +277,7 @@ mod tests {
                 claimed_at: Some(at + SignedDuration::from_millis(250)),
                 ended_at: None,
                 host: Some("web-1".into()),
+                delay: Duration::ZERO,
             },
         );
         t.job_run(
@@ -293,6 +290,7 @@ mod tests {
                 claimed_at: None,
                 ended_at: Some(at + SignedDuration::from_secs(2)),
                 host: None,
+                delay: Duration::ZERO,
             },
         );
         let status = t.status_json(&t.snapshot(), Timestamp::now());

@@ -247,6 +247,32 @@ fn a_directive_names_a_job_and_sets_its_options() {
 }
 
 #[test]
+fn jitter_is_an_option_of_the_definition_and_must_be_shorter_than_the_shortest_gap() {
+    let tab = parse(
+        "# pgleader: name=spread jitter=59s\n* * * * * a\n\
+         # pgleader: name=plain\n* * * * * a\n\
+         # pgleader: name=nightly jitter=2h\n0 3 * * * a\n",
+    )
+    .expect("parse");
+    assert_eq!(tab.jobs[0].jitter, Some(Duration::from_secs(59)));
+    assert_eq!(tab.jobs[1].jitter, None);
+    // A definition that changes only its jitter changes; one without keeps its old marker.
+    let without = parse("# pgleader: name=spread\n* * * * * a\n").expect("parse");
+    assert_ne!(tab.jobs[0].fingerprint(), without.jobs[0].fingerprint());
+    assert_eq!(
+        tab.jobs[1].fingerprint(),
+        parse("* * * * * a\n").expect("parse").jobs[0].fingerprint()
+    );
+    // The shortest gap, not the first: 00:00 and 00:01 every day leave a minute between.
+    let err = parse("# pgleader: jitter=90s\n0,1 0 * * * a\n").expect_err("90 s > 1 min");
+    assert!(err.to_string().contains("1m between"), "{err}");
+    // A daylight-saving night's 23-hour day is the shortest gap of a daily job in Berlin.
+    let err = parse("# pgleader: jitter=23h30m zone=Europe/Berlin\n30 12 * * * a\n")
+        .expect_err("longer than the short day");
+    assert!(err.to_string().contains("23h between"), "{err}");
+}
+
+#[test]
 fn a_job_without_a_name_is_named_by_its_command_and_keeps_it_across_schedules() {
     let one = parse("0 3 * * * /usr/bin/backup --full\n").expect("parse");
     let other = parse("*/5 * * * * /usr/bin/backup --full\n").expect("parse");
@@ -332,6 +358,12 @@ fn bad_lines_are_refused_with_their_line_and_what_is_wrong() {
             1,
             "a job name is",
         ),
+        (
+            "# pgleader: jitter=1m\n* * * * * a\n",
+            2,
+            "jitter=1m is not shorter than the 1m between two of the job's occurrences",
+        ),
+        ("# pgleader: jitter=soon\n* * * * * a\n", 1, "jitter=soon"),
     ];
     for (text, line, wanted) in cases {
         let err = parse(text).expect_err(text);

@@ -495,6 +495,7 @@ fn define(
             overlap: job.overlap,
             // A job added or rescheduled runs from its next occurrence, as in cron.
             catch_up_new: false,
+            jitter: job.jitter.unwrap_or_default(),
         };
         let mut env = job.env.clone();
         env.push(("PGLEADER_JOB".into(), job.name.clone()));
