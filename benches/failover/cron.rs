@@ -298,11 +298,18 @@ fn printed(candidate: &Candidate) -> Vec<String> {
         .collect()
 }
 
-/// Waits until every one of the `jobs` jobs ran the latest whole second once and each replica
-/// ran its share of them (33 or 34 of 100 on 3); returns that second.
-fn balanced(fleet: &[Candidate], jobs: usize) -> anyhow::Result<DateTime<Utc>> {
+/// Waits until every one of the `jobs` every-second jobs ran the latest whole second once and
+/// each replica ran its share of them (33 or 34 of 100 on 3; with `others` jobs of another
+/// schedule in the file, down to that many fewer); returns that second.
+fn balanced(fleet: &[Candidate], jobs: usize, others: usize) -> anyhow::Result<DateTime<Utc>> {
     let deadline = Instant::now() + SETUP_WAIT;
-    let (low, high) = (jobs / fleet.len(), jobs.div_ceil(fleet.len()));
+    // The file's `others` jobs count in each replica's share: a replica that holds one has
+    // as many every-second jobs fewer.
+    let all = jobs + others;
+    let (low, high) = (
+        (all / fleet.len()).saturating_sub(others),
+        all.div_ceil(fleet.len()),
+    );
     loop {
         let second = (Utc::now() - chrono::Duration::milliseconds(1_200)).trunc_subsecs(0);
         let per_replica: Vec<usize> = fleet
@@ -510,7 +517,7 @@ fn lateness(
     window: Duration,
     jobs: usize,
 ) -> anyhow::Result<(Figures, String)> {
-    let settled = balanced(live, jobs)?;
+    let settled = balanced(live, jobs, 0)?;
     let first = settled + chrono::Duration::seconds(1);
     let last = settled + chrono::Duration::from_std(window)?;
     let wait = (last + chrono::Duration::milliseconds(1_500) - Utc::now()).to_std()?;
@@ -783,7 +790,7 @@ fn kill_once(
     file: &std::path::Path,
     run: usize,
 ) -> anyhow::Result<(Duration, Vec<f64>, usize)> {
-    let second = balanced(live, JOBS)?;
+    let second = balanced(live, JOBS, 0)?;
     let victim = run % live.len();
     let orphaned = jobs_at(&live[victim], second);
     sleep(random_phase(Duration::from_secs(1)));
@@ -916,7 +923,8 @@ fn term_once(
     live: &mut Vec<Candidate>,
     run: usize,
 ) -> anyhow::Result<(Duration, Vec<f64>, bool, usize)> {
-    let second = balanced(live, LIGHT_JOBS)?;
+    // The long job is one of the file's jobs too.
+    let second = balanced(live, LIGHT_JOBS, 1)?;
     let longs = |c: &Candidate| {
         printed(c)
             .iter()
