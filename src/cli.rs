@@ -470,7 +470,7 @@ pub struct CronArgs {
     /// supercronic reads them), @hourly and its kind, @every DURATION, NAME=value lines given
     /// to every job, the last value winning (CRON_TZ= sets the zone, else TZ, /etc/localtime or
     /// UTC; SHELL= the shell), and per-job options in a comment above a job: # pgleader:
-    /// name=NAME overlap=skip|allow|replace catch-up=1h timeout=30m jitter=30s zone=ZONE. SIGHUP or SIGUSR2 (supercronic's reload) rereads it
+    /// name=NAME overlap=skip|allow|replace catch-up=1h timeout=30m jitter=30s ping=URL|none zone=ZONE (PGLEADER_PING=URL: every job's monitor, {job} its name). SIGHUP or SIGUSR2 (supercronic's reload) rereads it
     #[arg(value_name = "CRONTAB")]
     pub crontab: PathBuf,
 

@@ -36,6 +36,7 @@ use jiff::tz::TimeZone;
 
 use crate::election::lock::LockKey;
 use crate::environment::ProcessEnvironment;
+use crate::operate::pings::Target;
 use crate::schedule::calendar::{self, Schedule};
 use crate::time::for_people;
 pub use zone::{Host, ZoneSource};
@@ -48,6 +49,10 @@ pub const DEFAULT_CATCH_UP: Duration = Duration::from_secs(3600);
 
 /// The longest job name.
 const MAX_NAME: usize = 64;
+
+/// The environment line that gives every job of the file a monitor (`ping=` in a job's directive
+/// wins, `ping=none` opts out).
+pub const PING_VARIABLE: &str = "PGLEADER_PING";
 
 /// The directive comment's opening.
 const DIRECTIVE: &str = "pgleader:";
@@ -86,6 +91,8 @@ pub struct CronJob {
     /// The most an occurrence's start is put off by (`jitter=`), shorter than the schedule's
     /// shortest gap; `None`: each starts at its occurrence. See [`crate::schedule::jitter`].
     pub jitter: Option<Duration>,
+    /// The monitor its runs are pinged to (`ping=`, else the file's `PGLEADER_PING=`).
+    pub ping: Option<Target>,
 }
 
 impl CronJob {
@@ -128,6 +135,10 @@ impl CronJob {
         // across a rolling deploy.
         if let Some(jitter) = self.jitter {
             text.push_str(&format!("\u{1f}jitter={}", jitter.as_millis()));
+        }
+        // So that a reread that changes only the monitor hands the job's runs the new one.
+        if let Some(ping) = &self.ping {
+            text.push_str(&format!("\u{1f}ping={}", ping.url_for_fingerprint()));
         }
         calendar::fingerprint_of(&text, "")
     }
@@ -270,7 +281,14 @@ impl Crontab {
             .iter()
             .find(|(name, _)| name == "SHELL")
             .map_or(DEFAULT_SHELL.to_owned(), |(_, shell)| shell.clone());
+        // Every job's monitor unless its directive says otherwise (`{job}` in it: the job's name).
+        let default_ping = read
+            .env
+            .iter()
+            .rfind(|(name, _)| name == PING_VARIABLE)
+            .map(|(_, url)| url.clone());
         let mut jobs = Vec::with_capacity(read.jobs.len());
+        let mut pings = Vec::with_capacity(read.jobs.len());
         for job in read.jobs {
             let (line, options) = (job.line, job.options);
             let (when, zone_source) = match options.zone {
@@ -279,6 +297,13 @@ impl Crontab {
                 None => (job.when.in_zone(zone.clone()), source.clone()),
             };
             let jitter = options.jitter.filter(|jitter| !jitter.is_zero());
+            pings.push(
+                options
+                    .ping
+                    .clone()
+                    .or(default_ping.clone())
+                    .filter(|text| text != "none"),
+            );
             if let Some(jitter) = jitter {
                 check_jitter(&when, jitter).map_err(|message| fail(Some(line), message))?;
             }
@@ -294,9 +319,19 @@ impl Crontab {
                 catch_up: options.catch_up.unwrap_or(DEFAULT_CATCH_UP),
                 timeout: options.timeout.filter(|timeout| !timeout.is_zero()),
                 jitter,
+                ping: None,
             });
         }
         name_jobs(&mut jobs).map_err(|(line, message)| fail(Some(line), message))?;
+        for (job, ping) in jobs.iter_mut().zip(pings) {
+            if let Some(text) = ping {
+                // The error names the host at most: the URL's path is the check's secret.
+                let target = Target::parse(&text, &job.name).map_err(|err| {
+                    fail(Some(job.line), format!("ping= of job {}: {err}", job.name))
+                })?;
+                job.ping = Some(target);
+            }
+        }
         Ok(Crontab {
             path: path.to_owned(),
             jobs,
@@ -452,6 +487,7 @@ struct Options {
     catch_up: Option<Duration>,
     timeout: Option<Duration>,
     jitter: Option<Duration>,
+    ping: Option<String>,
     /// The job's own zone, and the directive's line.
     zone: Option<(usize, TimeZone)>,
 }
@@ -468,7 +504,7 @@ impl Options {
         for word in words.split_whitespace() {
             let Some((key, value)) = word.split_once('=') else {
                 return Err(format!(
-                    "{word:?} in a pgleader directive is not KEY=VALUE (keys: name, overlap, catch-up, timeout, jitter, zone)"
+                    "{word:?} in a pgleader directive is not KEY=VALUE (keys: name, overlap, catch-up, timeout, jitter, ping, zone)"
                 ));
             };
             let duplicate = match key {
@@ -489,6 +525,7 @@ impl Options {
                 "catch-up" => options.catch_up.replace(duration(key, value)?).is_some(),
                 "timeout" => options.timeout.replace(duration(key, value)?).is_some(),
                 "jitter" => options.jitter.replace(duration(key, value)?).is_some(),
+                "ping" => options.ping.replace(value.to_owned()).is_some(),
                 "zone" => {
                     let zone =
                         calendar::zone(value).map_err(|err| format!("zone={value}: {err}"))?;
@@ -496,7 +533,7 @@ impl Options {
                 }
                 _ => {
                     return Err(format!(
-                        "unknown key {key:?} in a pgleader directive (keys: name, overlap, catch-up, timeout, jitter, zone)"
+                        "unknown key {key:?} in a pgleader directive (keys: name, overlap, catch-up, timeout, jitter, ping, zone)"
                     ));
                 }
             };

@@ -10,6 +10,7 @@ mod cron_inotify;
 mod cron_jitter;
 mod cron_nemesis;
 mod cron_output;
+mod cron_pings;
 mod cron_seen;
 mod crontab;
 mod docs;

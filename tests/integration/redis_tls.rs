@@ -12,10 +12,10 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::Signal;
 use rcgen::{CertificateParams, KeyPair};
 
+use crate::harness::certs::authority;
 use crate::harness::redis::ServerTls;
 use crate::harness::run_named as run;
 use crate::harness::{Redis, assert_permanent_error, patient_child, unique_lock};
-use crate::tls::authority;
 
 /// The only name the server's certificate is for: not 127.0.0.1, the address it listens on.
 const SERVER_NAME: &str = "localhost";

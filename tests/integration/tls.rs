@@ -5,8 +5,9 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose};
+use rcgen::{CertificateParams, DnType, KeyPair};
 
+use crate::harness::certs::authority;
 use crate::harness::cluster::{Options, SECRET_PASSWORD, SECRET_USER, ServerTls};
 use crate::harness::pg::assert_password_hidden;
 use crate::harness::{
@@ -91,17 +92,6 @@ fn server() -> &'static TlsServer {
         cluster.execute(&format!("CREATE ROLE {CERT_USER} LOGIN SUPERUSER"));
         TlsServer { cluster, dir }
     })
-}
-
-/// A self-signed CA: its certificate in PEM, and what signs with it.
-pub(crate) fn authority(name: &str) -> (String, Issuer<'static, KeyPair>) {
-    let key = KeyPair::generate().expect("key");
-    let mut params = CertificateParams::new(Vec::<String>::new()).expect("params");
-    params.distinguished_name.push(DnType::CommonName, name);
-    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-    let cert = params.self_signed(&key).expect("self-sign the CA");
-    (cert.pem(), Issuer::new(params, key))
 }
 
 /// `pgleader run --once` with this URL (and extra environment) to its end.

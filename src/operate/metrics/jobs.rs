@@ -28,6 +28,7 @@ pub struct JobMetrics {
     period: GaugeVec,
     known_since: GaugeVec,
     definition_mismatch: IntGaugeVec,
+    pings_undelivered: IntCounterVec,
 }
 
 impl JobMetrics {
@@ -51,7 +52,17 @@ impl JobMetrics {
         )
         .expect("valid metric");
         register(registry, runs.clone());
+        let pings_undelivered = IntCounterVec::new(
+            Opts::new(
+                "job_pings_undelivered_total",
+                "Pings of the job to its monitor (ping=) that this replica could not deliver: every attempt failed, or too many waited",
+            ),
+            &["job"],
+        )
+        .expect("valid metric");
+        register(registry, pings_undelivered.clone());
         JobMetrics {
+            pings_undelivered,
             runs,
             last_success: gauge(
                 "job_last_success_timestamp_seconds",
@@ -94,6 +105,7 @@ impl JobMetrics {
         self.running.with_label_values(&[job]);
         self.owned.with_label_values(&[job]);
         self.definition_mismatch.with_label_values(&[job]);
+        self.pings_undelivered.with_label_values(&[job]);
         self.set_period(job, period);
         self.known_since
             .with_label_values(&[job])
@@ -111,6 +123,7 @@ impl JobMetrics {
         for outcome in RECORDED {
             let _ = self.runs.remove_label_values(&[job, outcome.as_str()]);
         }
+        let _ = self.pings_undelivered.remove_label_values(&[job]);
         for gauges in [
             &self.last_success,
             &self.lateness,
@@ -146,6 +159,11 @@ impl JobMetrics {
                 .with_label_values(&[job])
                 .set(seconds(ended));
         }
+    }
+
+    /// A ping of `job`'s could not be delivered.
+    pub fn ping_undelivered(&self, job: &str) {
+        self.pings_undelivered.with_label_values(&[job]).inc();
     }
 
     /// An occurrence of `job` started `late` after its time.

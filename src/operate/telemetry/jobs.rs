@@ -167,6 +167,13 @@ impl Telemetry {
         });
     }
 
+    /// A ping of `job`'s to its monitor could not be delivered (`ping=`).
+    pub fn ping_undelivered(&self, job: &str) {
+        if let Some(metrics) = self.inner.metrics.jobs.as_ref() {
+            metrics.ping_undelivered(job);
+        }
+    }
+
     /// An occurrence of `job` was claimed (no outcome yet) or its outcome recorded here.
     pub fn job_run(&self, job: &str, run: RunView) {
         let metrics = self.inner.metrics.jobs.as_ref();

@@ -26,6 +26,7 @@ use crate::election::lock::LockKey;
 use crate::election::participant::host_name;
 use crate::election::shards::{Holder, Items, Listing, Roster};
 use crate::exit::ChildStatus;
+use crate::operate::pings::{Pinger, Target};
 use crate::operate::telemetry::Telemetry;
 use crate::schedule::calendar::{Schedule, rfc3339};
 use crate::schedule::clock::ServerClock;
@@ -52,6 +53,8 @@ pub struct Definition {
     pub timeout: Option<Duration>,
     /// The key its ledger rows are kept under: the fleet's lock and the job's name.
     pub key: LockKey,
+    /// The monitor a crontab job's runs are pinged to (`ping=`).
+    pub ping: Option<Target>,
 }
 
 /// The jobs this replica knows, and the runs of those it owns.
@@ -79,6 +82,8 @@ pub struct Jobs<L: Ledger> {
     disagreeing: BTreeSet<(String, i32)>,
     /// Where each owned job's runs publish their claims and outcomes.
     telemetry: Telemetry,
+    /// Sends the pings of the jobs that have a monitor, once one has.
+    pinger: Option<Pinger>,
 }
 
 /// What a reread changed among the jobs this replica owns.
@@ -146,6 +151,7 @@ impl<L: Ledger> Jobs<L> {
                     ],
                     timeout: None,
                     key: job_key(lock, &format!("shard {shard}")),
+                    ping: None,
                 };
                 (shard, definition)
             })
@@ -171,6 +177,7 @@ impl<L: Ledger> Jobs<L> {
             output: Output::Inherited,
             clock: None,
             disagreeing: BTreeSet::new(),
+            pinger: None,
         }
     }
 
@@ -341,8 +348,19 @@ impl<L: Ledger> Jobs<L> {
         };
         let plan = definition.plan.clone();
         let telemetry = self.telemetry.clone();
+        let pings = definition.ping.clone().map(|target| {
+            let pinger = self
+                .pinger
+                .get_or_insert_with(|| Pinger::start(telemetry.clone()));
+            (pinger.clone(), target)
+        });
         let publish = match definition.label.job.clone() {
-            Some(name) => Publish(Rc::new(move |run| telemetry.job_run(&name, run))),
+            Some(name) => Publish(Rc::new(move |run| {
+                if let Some((pinger, target)) = &pings {
+                    pinger.run(&name, target, &run);
+                }
+                telemetry.job_run(&name, run);
+            })),
             None => Publish(Rc::new(move |run| telemetry.scheduled_run(run))),
         };
         let start = runs::Start {
@@ -506,6 +524,7 @@ fn define(
             env,
             timeout: job.timeout,
             key: job_key(lock, &job.name),
+            ping: job.ping.clone(),
         };
         definitions.insert(job.item(), definition);
     }

@@ -1,9 +1,11 @@
 //! What the integration tests share: a real PostgreSQL cluster, pgleader processes with their
 //! output captured, and small helpers to build child commands.
 
+pub mod certs;
 pub mod cluster;
 pub mod fleet;
 pub mod http;
+pub mod monitor;
 pub mod namespace;
 pub mod nemesis;
 pub mod pg;
