@@ -7,13 +7,14 @@
 //! (`cron_replica` passes `--passthrough-logs`).
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use crate::cron_fleet::{
     a_killed_replica_s_jobs_run_on_the_other, stop_and_assert_each_occurrence_once,
     three_replicas_share_six_jobs,
 };
 use crate::crontab::File;
-use crate::harness::process::is_running;
+use crate::harness::process::{is_running, wait_gone};
 use crate::harness::{Cluster, Proc, Redis, Stream, field, pgleader, printed, unique_lock};
 use crate::redis_shards::QUICK;
 
@@ -64,6 +65,12 @@ fn each_line_a_job_writes_is_a_log_line_naming_its_job_stream_occurrence_and_rep
         printed(line).as_deref() == Some("no newline")
     });
     let at = field(&last, "occurrence");
+    // stdout and stderr are relayed apart: "err one" may come after the last stdout line.
+    for text in ["out one", "out two", "err one"] {
+        a.wait_line_where(Stream::Stderr, text, |line| {
+            printed(line).as_deref() == Some(text) && line.contains(&format!(" occurrence={at} "))
+        });
+    }
     let of_run: BTreeMap<String, String> = a
         .lines(Stream::Stderr)
         .iter()
@@ -96,7 +103,13 @@ fn long_lines_binary_bytes_and_a_lot_of_output_on_both_streams_stay_whole_in_val
     const LONG: usize = 10_000;
     const COUNT: usize = 10_000;
     // Once: the next occurrences find the mark and print nothing.
-    let once = std::env::temp_dir().join(format!("pgleader-loud-{}", unique_lock()));
+    // Named after this test process too: lock ids start again in each, and a file a failed
+    // run left behind would keep the job quiet.
+    let once = std::env::temp_dir().join(format!(
+        "pgleader-loud-{}-{}",
+        std::process::id(),
+        unique_lock()
+    ));
     let file = File::new(
         "tagged-json",
         &format!(
@@ -122,6 +135,12 @@ fn long_lines_binary_bytes_and_a_lot_of_output_on_both_streams_stay_whole_in_val
         .as_str()
         .expect("an occurrence")
         .to_owned();
+    // stderr is relayed apart from stdout: its last line may come after "the end".
+    a.wait_line_where(Stream::Stderr, "stderr's last number", |line| {
+        line.contains(&format!("\"message\":\"{COUNT}\""))
+            && line.contains("\"stream\":\"stderr\"")
+            && line.contains(&format!("\"occurrence\":\"{at}\""))
+    });
     let lines = json_lines_of(&a, "loud", &at);
     let text = |value: &serde_json::Value| value["message"].as_str().expect("a message").to_owned();
 
@@ -196,7 +215,13 @@ fn a_run_s_last_line_reaches_the_log_after_pgleader_is_killed_9() {
     a.signal(nix::sys::signal::Signal::SIGKILL);
     let last = a.wait_line_where(Stream::Stderr, "the unfinished line", unfinished);
     assert_eq!(field(&last, "job"), "slow");
-    assert!(!is_running(pid), "the run outlived pgleader\n{}", a.dump());
+    // The line is written at the pipe's end, which a process killed -9 closes as it exits,
+    // a moment before it is gone: the run goes at once after, not necessarily before.
+    assert!(
+        wait_gone(pid, Duration::from_secs(5)),
+        "the run outlived pgleader\n{}",
+        a.dump()
+    );
 }
 
 /// [`Spawn`] for a tagged replica on `url`'s server, with `args`.

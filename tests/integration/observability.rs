@@ -320,7 +320,7 @@ fn a_real_prometheus_scrapes_the_replicas_and_evaluates_the_example_rules() {
             .as_array()
             .cloned()
             .unwrap_or_default();
-        assert_eq!(loaded.len(), 10, "{rules}");
+        assert_eq!(loaded.len(), 11, "{rules}");
         if loaded
             .iter()
             .all(|rule| rule["health"] == "ok" && rule["state"] == "inactive")
