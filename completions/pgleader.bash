@@ -411,7 +411,7 @@ _pgleader() {
             return 0
             ;;
         pgleader__subcmd__status)
-            opts="-d -v -q -h -V --lock-id --lock --database-url --ledger-table --json --watch --log-format --verbose --quiet --help --version"
+            opts="-d -v -q -h -V --lock-id --lock --database-url --ledger-table --json --watch --job --log-format --verbose --quiet --help --version"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -434,6 +434,10 @@ _pgleader() {
                     return 0
                     ;;
                 --ledger-table)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --job)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;

@@ -458,6 +458,12 @@ pub struct StatusArgs {
     /// time its holder or its waiters change, until interrupted
     #[arg(long)]
     pub watch: bool,
+
+    /// For a crontab fleet (pgleader cron): the last runs of job JOB instead, newest first, from
+    /// the ledger: each occurrence's outcome, exit code, how long it took, the replica that ran
+    /// it and why it was missed, skipped or interrupted. Exit status 1 when none is recorded
+    #[arg(long, value_name = "JOB", conflicts_with = "watch")]
+    pub job: Option<String>,
 }
 
 /// `pgleader cron`.

@@ -176,6 +176,13 @@ enum Role {
 
 async fn status(args: StatusArgs) -> anyhow::Result<u8> {
     let lock = config::lock_key(&args.lock, &ProcessEnvironment)?;
+    if let Some(job) = &args.job {
+        crate::schedule::crontab::job_name(job).map_err(|_| {
+            UsageError(format!(
+                "--job {job:?}: a job name is 1 to 64 letters, digits, '-', '_' or '.'"
+            ))
+        })?;
+    }
     let database = config::database(&args.connection, &ProcessEnvironment)?;
     config::no_ledger_table_on_redis(&args.ledger, &database)?;
     match database {
@@ -248,6 +255,20 @@ async fn show_status<B: Backend>(
         .observe()
         .await
         .with_context(|| format!("cannot connect to {backend}"))?;
+    if let Some(job) = &args.job {
+        let runs = status::JobRuns::read(lock, job, &observer).await?;
+        let text = if args.json {
+            format!("{}\n", runs.to_json())
+        } else {
+            runs.to_text()
+        };
+        let _ = std::io::Write::write_all(&mut std::io::stdout(), text.as_bytes());
+        return Ok(if runs.runs.is_empty() {
+            exit::FAILURE
+        } else {
+            exit::SUCCESS
+        });
+    }
     let status = status::read(lock, &observer).await?;
     let text = if args.json {
         format!("{}\n", status.to_json())

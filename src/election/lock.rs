@@ -20,6 +20,12 @@ pub struct LockKey {
 }
 
 impl LockKey {
+    /// The key a crontab job's ledger rows are kept under, in the fleet of this lock: the
+    /// fleet's key and the job's name, apart by a character no name holds (U+001F).
+    pub fn of_job(&self, job: &str) -> LockKey {
+        LockKey::from_name(&format!("{}\u{1f}{job}", self.key()))
+    }
+
     /// A key given as a number (`--lock-id`).
     pub fn from_id(key: i64) -> Self {
         LockKey { key, name: None }

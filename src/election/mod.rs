@@ -221,6 +221,17 @@ pub trait Observer {
     /// The newest `limit` rows of the lock's ledger; `None` when it has no ledger at all.
     fn history(&self, limit: i64) -> impl Future<Output = Result<Option<Vec<Entry>>, LedgerError>>;
 
+    /// The newest `limit` rows of crontab job `job`'s ledger in the fleet of this lock (none
+    /// where the backend keeps no crontab).
+    fn job_history(
+        &self,
+        job: &str,
+        limit: i64,
+    ) -> impl Future<Output = Result<Vec<Entry>, LedgerError>> {
+        let _ = (job, limit);
+        async { Ok(Vec::new()) }
+    }
+
     /// The server's clock now.
     fn server_time(&self) -> impl Future<Output = Result<Timestamp, LedgerError>>;
 

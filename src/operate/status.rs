@@ -9,6 +9,7 @@
 //! (see `schedule/report.rs`): the schedule, the next occurrence and the last runs. For a
 //! sharded lock (`--shards`) it shows each replica with its shards, and every shard's holder.
 
+mod job_runs;
 mod jobs;
 
 use std::fmt::Write as _;
@@ -20,6 +21,7 @@ use crate::election::Observer;
 use crate::election::lock::LockKey;
 use crate::election::participant::{Participant, ServerView, ShardsView};
 use crate::schedule::report::{self, ScheduleReport};
+pub use job_runs::JobRuns;
 pub use jobs::JobsReport;
 
 /// What the server knows about the lock.

@@ -111,6 +111,12 @@ impl Observer for PgObserver {
         ledger::read_recent(&self.client.client, &self.table, &self.lock, limit).await
     }
 
+    async fn job_history(&self, job: &str, limit: i64) -> Result<Vec<Entry>, LedgerError> {
+        let key = self.lock.of_job(job);
+        let rows = ledger::read_recent(&self.client.client, &self.table, &key, limit).await?;
+        Ok(rows.unwrap_or_default())
+    }
+
     async fn server_time(&self) -> Result<Timestamp, LedgerError> {
         ledger::server_time(&self.client.client).await
     }

@@ -65,6 +65,15 @@ impl Observer for RedisObserver {
         })
     }
 
+    async fn job_history(&self, job: &str, limit: i64) -> Result<Vec<Entry>, LedgerError> {
+        ledger::recent(
+            &mut self.connection.conn.clone(),
+            &self.keys.job(job),
+            limit,
+        )
+        .await
+    }
+
     async fn server_time(&self) -> Result<Timestamp, LedgerError> {
         ledger::server_time(&mut self.connection.conn.clone()).await
     }

@@ -559,8 +559,8 @@ fn check_jitter(when: &Schedule, jitter: Duration) -> Result<(), String> {
     }
 }
 
-/// A job name as a directive gives it: what logs, metrics and the ledger show.
-fn job_name(value: &str) -> Result<String, String> {
+/// A job name as a directive (or `status --job`) gives it: what logs, metrics and the ledger show.
+pub fn job_name(value: &str) -> Result<String, String> {
     let fits = value
         .chars()
         .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));

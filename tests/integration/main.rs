@@ -6,6 +6,7 @@ mod harness;
 mod containers;
 mod contract;
 mod cron_fleet;
+mod cron_history;
 mod cron_inotify;
 mod cron_jitter;
 mod cron_nemesis;

@@ -544,8 +544,7 @@ fn listing(crontab: &Crontab) -> Items {
     }))
 }
 
-/// The key a job's ledger rows are kept under: the fleet's lock and the job's name, apart by
-/// a character no name holds (U+001F).
+/// The key a job's ledger rows are kept under ([`LockKey::of_job`]).
 pub fn job_key(lock: &LockKey, job: &str) -> LockKey {
-    LockKey::from_name(&format!("{}\u{1f}{job}", lock.key()))
+    lock.of_job(job)
 }
