@@ -27,6 +27,7 @@ use chrono::{DateTime, SubsecRound, Utc};
 use nix::sys::signal::Signal;
 
 use crate::figures::{Crontab, CrontabCost, CrontabFleet, Figures, Row, ms};
+use crate::harness::monitor::{Answer, Monitor};
 use crate::harness::{self, Stream};
 use crate::procfs;
 use crate::redis_lock::{self, CHECK_INTERVAL};
@@ -60,10 +61,11 @@ const NEXT_ROW: &str = "cron.kill9.next";
 
 /// The ids of the fleets' rows, in the order the report shows them, each backend's side by
 /// side.
-const FLEET_ROWS: [&str; 7] = [
+const FLEET_ROWS: [&str; 8] = [
     LATENESS_ROW,
     LIGHT_ROW,
     LIGHT_RAW_ROW,
+    LIGHT_PINGS_ROW,
     OWNED_ROW,
     NEXT_ROW,
     TERM_OWNED_ROW,
@@ -86,6 +88,13 @@ pub const LIGHT_ROW: &str = "cron.light.lateness";
 /// The id of the light fleet's lateness with the jobs' output as it is (`--passthrough-logs`),
 /// beside the tagged lines of [`LIGHT_ROW`].
 pub const LIGHT_RAW_ROW: &str = "cron.light.lateness.passthrough";
+
+/// The id of the light fleet's lateness with every job pinging a monitor (`ping=`), beside
+/// [`LIGHT_ROW`].
+pub const LIGHT_PINGS_ROW: &str = "cron.light.lateness.pings";
+
+/// The label of that row.
+pub const CRON_PINGS_LABEL: &str = "pgleader cron, every job with ping= (a local monitor)";
 
 /// The label of `pgleader cron --passthrough-logs`'s rows on PostgreSQL.
 pub const CRON_RAW_LABEL: &str = "pgleader cron --passthrough-logs";
@@ -150,11 +159,13 @@ fn crontab_with(name: &str, schedule: &str, jobs: usize, more: &str) -> anyhow::
 }
 
 /// How a replica writes its jobs' output: as tagged log lines on stderr (the default), or as it
-/// is on stdout (`--passthrough-logs`). [`runs_of`] reads either.
+/// is on stdout (`--passthrough-logs`). [`runs_of`] reads either. `Pinged`: tagged, each job
+/// also pinging a monitor of the benchmark's own (`PGLEADER_PING=`) at each start and end.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Output {
     Tagged,
     Passthrough,
+    Pinged,
 }
 
 /// Where a crontab's replicas keep their jobs: the benchmark's PostgreSQL, or its Redis server
@@ -430,15 +441,16 @@ pub fn scenarios(
     for backend in &backends {
         rows.extend(drained(*backend, plan));
     }
-    // The jobs' lines as they are, beside the tagged ones (PostgreSQL's fleet).
+    // The jobs' lines as they are, and pings, beside the tagged ones (PostgreSQL's fleet).
     rows.push(light(backends[0], plan, Output::Passthrough));
+    rows.push(light(backends[0], plan, Output::Pinged));
     // Each measure's rows side by side, PostgreSQL's first (the sort is stable), each floor
     // after its fleets' lateness; yacron's row, none of these, stays first.
     rows.sort_by_key(|row| {
         let floor = row.id == FLOOR_ROW || row.id == LIGHT_FLOOR_ROW;
         let id = match row.id.as_str() {
             FLOOR_ROW => LATENESS_ROW,
-            LIGHT_FLOOR_ROW => LIGHT_RAW_ROW,
+            LIGHT_FLOOR_ROW => LIGHT_PINGS_ROW,
             id => id,
         };
         (
@@ -595,21 +607,36 @@ fn light(backend: Backend, plan: &Plan, output: Output) -> Row {
         "bench: {}, on {}{}, {} of runs",
         scenario_of(LIGHT_JOBS),
         backend.name(),
-        if output == Output::Passthrough {
-            ", --passthrough-logs"
-        } else {
-            ""
+        match output {
+            Output::Tagged => "",
+            Output::Passthrough => ", --passthrough-logs",
+            Output::Pinged => ", ping= on every job",
         },
         crate::figures::secs(plan.window)
     );
     let result = (|| -> anyhow::Result<(Figures, String)> {
         backend.ready()?;
         let lock = harness::unique_lock();
-        let file = crontab("light", EVERY_SECOND, LIGHT_JOBS)?;
+        let monitor = (output == Output::Pinged).then(|| Monitor::start(Answer::Status(200)));
+        let pings = monitor.as_ref().map_or_else(String::new, |monitor| {
+            format!("PGLEADER_PING=http://{}/ping/{{job}}\n", monitor.address)
+        });
+        let file = crontab_with("light", EVERY_SECOND, LIGHT_JOBS, &pings)?;
         let live: Vec<Candidate> = (0..REPLICAS)
             .map(|i| replica_with(backend, &format!("L{i}"), lock, &file, output))
             .collect();
-        lateness(&live, plan.window, LIGHT_JOBS)
+        let (figures, note) = lateness(&live, plan.window, LIGHT_JOBS)?;
+        Ok(match monitor {
+            Some(monitor) => {
+                drop(live);
+                let received = monitor.received().len();
+                (
+                    figures,
+                    format!("{note}; the monitor received {received} pings"),
+                )
+            }
+            None => (figures, note),
+        })
     })();
     let (figures, note) = result.unwrap_or_else(|err| {
         let mut figures = Figures::default();
@@ -619,6 +646,7 @@ fn light(backend: Backend, plan: &Plan, output: Output) -> Row {
     let (id, label) = match output {
         Output::Tagged => (LIGHT_ROW, backend.label()),
         Output::Passthrough => (LIGHT_RAW_ROW, CRON_RAW_LABEL),
+        Output::Pinged => (LIGHT_PINGS_ROW, CRON_PINGS_LABEL),
     };
     row(
         id,
@@ -799,7 +827,7 @@ fn kill_once(
     live[victim].signal(Signal::SIGKILL);
     gone.push(live.remove(victim));
     let last = taken(live, &orphaned, fault, &gone[gone.len() - 1])?;
-    let (lateness, missed) = next_runs(live, &orphaned, killed_at);
+    let (lateness, missed, _) = next_runs(live, None, &orphaned, killed_at);
     eprintln!(
         "bench:   run {}: {} jobs owned elsewhere after {:.1} ms; next occurrence p50 {}",
         run + 1,
@@ -841,20 +869,29 @@ fn taken(
 }
 
 /// Once it has had a second to run: the lateness of each of `jobs`' first occurrence after
-/// `fault` (the next whole second) on `live`, and how many of them did not run then.
-fn next_runs(live: &[Candidate], jobs: &[String], fault: DateTime<Utc>) -> (Vec<f64>, usize) {
+/// `fault` (the next whole second) on `live`, how many of them did not run there, and how many
+/// of those `left` (the replica the fault hit, when it lives on: a TERM) ran itself.
+fn next_runs(
+    live: &[Candidate],
+    left: Option<&Candidate>,
+    jobs: &[String],
+    fault: DateTime<Utc>,
+) -> (Vec<f64>, usize, usize) {
     let next = fault.trunc_subsecs(0) + chrono::Duration::seconds(1);
     let wait = (next + chrono::Duration::milliseconds(2_500) - Utc::now()).to_std();
     sleep(wait.unwrap_or_default());
     let runs: Vec<Run> = live.iter().flat_map(runs_of).collect();
-    let (mut lateness, mut missed) = (Vec::new(), 0);
+    let by_left: Vec<Run> = left.map(runs_of).unwrap_or_default();
+    let (mut lateness, mut missed, mut ran_by_left) = (Vec::new(), 0, 0);
     for job in jobs {
-        match runs.iter().find(|r| &r.job == job && r.occurrence == next) {
+        let of = |r: &&Run| &r.job == job && r.occurrence == next;
+        match runs.iter().find(of) {
             Some(r) => lateness.push(r.late_ms()),
+            None if by_left.iter().any(|r| of(&r)) => ran_by_left += 1,
             None => missed += 1,
         }
     }
-    (lateness, missed)
+    (lateness, missed, ran_by_left)
 }
 
 /// Scenario 14d: a TERM to the replica whose `long` job runs, [`LIGHT_JOBS`] every-second jobs
@@ -871,7 +908,7 @@ fn drained(backend: Backend, plan: &Plan) -> Vec<Row> {
         plan.kills
     );
     let (mut owned, mut next) = (Figures::default(), Figures::default());
-    let (mut ended, mut missed) = (0, 0);
+    let (mut ended, mut missed, mut ran_before) = (0, 0, 0);
     let mut live: Vec<Candidate> = Vec::new();
     let result = (|| -> anyhow::Result<()> {
         backend.ready()?;
@@ -881,11 +918,12 @@ fn drained(backend: Backend, plan: &Plan) -> Vec<Row> {
             live.push(replica(backend, &format!("D{i}"), lock, &file));
         }
         for run in 0..plan.kills {
-            let (taken, lateness, finished, not_run) = term_once(&mut live, run)?;
+            let (taken, lateness, finished, not_run, ran_there) = term_once(&mut live, run)?;
             owned.sample(taken);
             lateness.into_iter().for_each(|l| next.sample_ms(l));
             ended += usize::from(finished);
             missed += not_run;
+            ran_before += ran_there;
             live.push(replica(backend, &format!("J{run}"), lock, &file));
         }
         Ok(())
@@ -893,7 +931,10 @@ fn drained(backend: Backend, plan: &Plan) -> Vec<Row> {
     if let Err(err) = result {
         owned.failure(format!("{err:#}").replace('\n', " "));
     }
-    let next_note = format!("{}; {missed} next occurrences not run", p99(&next));
+    let next_note = format!(
+        "{}; {missed} next occurrences not run ({ran_before} more run by the TERMed replica before it let the job go)",
+        p99(&next)
+    );
     vec![
         row(
             TERM_OWNED_ROW,
@@ -918,11 +959,13 @@ fn drained(backend: Backend, plan: &Plan) -> Vec<Row> {
 }
 
 /// One TERM of scenario 14d: once the fleet is balanced, waits for `long` to start, TERMs the
-/// replica running it and measures; the TERMed replica leaves `live`.
+/// replica running it and measures (the hand-over, the next occurrences' lateness, whether the
+/// run ended by itself, how many next occurrences ran nowhere and how many on the TERMed
+/// replica itself); the TERMed replica leaves `live`.
 fn term_once(
     live: &mut Vec<Candidate>,
     run: usize,
-) -> anyhow::Result<(Duration, Vec<f64>, bool, usize)> {
+) -> anyhow::Result<(Duration, Vec<f64>, bool, usize, usize)> {
     // The long job is one of the file's jobs too.
     let second = balanced(live, LIGHT_JOBS, 1)?;
     let longs = |c: &Candidate| {
@@ -965,7 +1008,7 @@ fn term_once(
         )
         .is_some()
         && printed(&termed).contains(&format!("e long {occurrence}"));
-    let (lateness, missed) = next_runs(live, &idle, termed_at);
+    let (lateness, missed, ran_before) = next_runs(live, Some(&termed), &idle, termed_at);
     eprintln!(
         "bench:   run {}: {} idle jobs owned elsewhere after {:.1} ms; the run going on {}",
         run + 1,
@@ -977,7 +1020,7 @@ fn term_once(
             "did NOT end by itself"
         }
     );
-    Ok((last, lateness, finished, missed))
+    Ok((last, lateness, finished, missed, ran_before))
 }
 
 /// Sessions, memory and requests (statements on PostgreSQL, with the server's statement log
@@ -1040,7 +1083,8 @@ fn cron_cost(
     let file = crontab("cost", schedule, JOBS)?;
     let cron = replica_with(backend, "C", harness::unique_lock(), &file, output);
     let how = match output {
-        Output::Tagged => cron_how(backend.name()),
+        // The costs are measured without pings (no monitor here).
+        Output::Tagged | Output::Pinged => cron_how(backend.name()),
         Output::Passthrough => format!(
             "one `pgleader cron --passthrough-logs` on {}, {JOBS} jobs",
             backend.name()
