@@ -31,6 +31,24 @@ _pgleader() {
             pgleader,step-down)
                 cmd="pgleader__subcmd__step__subcmd__down"
                 ;;
+            pgleader__subcmd__cron,help)
+                cmd="pgleader__subcmd__cron__subcmd__help"
+                ;;
+            pgleader__subcmd__cron,pause)
+                cmd="pgleader__subcmd__cron__subcmd__pause"
+                ;;
+            pgleader__subcmd__cron,resume)
+                cmd="pgleader__subcmd__cron__subcmd__resume"
+                ;;
+            pgleader__subcmd__cron__subcmd__help,help)
+                cmd="pgleader__subcmd__cron__subcmd__help__subcmd__help"
+                ;;
+            pgleader__subcmd__cron__subcmd__help,pause)
+                cmd="pgleader__subcmd__cron__subcmd__help__subcmd__pause"
+                ;;
+            pgleader__subcmd__cron__subcmd__help,resume)
+                cmd="pgleader__subcmd__cron__subcmd__help__subcmd__resume"
+                ;;
             pgleader__subcmd__help,cron)
                 cmd="pgleader__subcmd__help__subcmd__cron"
                 ;;
@@ -45,6 +63,12 @@ _pgleader() {
                 ;;
             pgleader__subcmd__help,step-down)
                 cmd="pgleader__subcmd__help__subcmd__step__subcmd__down"
+                ;;
+            pgleader__subcmd__help__subcmd__cron,pause)
+                cmd="pgleader__subcmd__help__subcmd__cron__subcmd__pause"
+                ;;
+            pgleader__subcmd__help__subcmd__cron,resume)
+                cmd="pgleader__subcmd__help__subcmd__cron__subcmd__resume"
                 ;;
             *)
                 ;;
@@ -71,7 +95,7 @@ _pgleader() {
             return 0
             ;;
         pgleader__subcmd__cron)
-            opts="-d -v -q -h -V --lock-id --lock --database-url --check-interval --check-timeout --kill-signal --kill-timeout --lease --takeover-delay --ledger-table --health-cmd --health-interval --health-timeout --health-retries --restart-fence --wait-refresh --pre-start --post-stop --hook-timeout --http --drain-timeout --inotify --passthrough-logs --check --from --next --log-format --verbose --quiet --help --version"
+            opts="-d -v -q -h -V --lock-id --lock --database-url --check-interval --check-timeout --kill-signal --kill-timeout --lease --takeover-delay --ledger-table --health-cmd --health-interval --health-timeout --health-retries --restart-fence --wait-refresh --pre-start --post-stop --hook-timeout --http --drain-timeout --inotify --passthrough-logs --check --from --next --log-format --verbose --quiet --help --version pause resume help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -184,6 +208,138 @@ _pgleader() {
             COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
             return 0
             ;;
+        pgleader__subcmd__cron__subcmd__help)
+            opts="pause resume help"
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        pgleader__subcmd__cron__subcmd__help__subcmd__help)
+            opts=""
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 4 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        pgleader__subcmd__cron__subcmd__help__subcmd__pause)
+            opts=""
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 4 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        pgleader__subcmd__cron__subcmd__help__subcmd__resume)
+            opts=""
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 4 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        pgleader__subcmd__cron__subcmd__pause)
+            opts="-d -v -q -h -V --lock-id --lock --database-url --ledger-table --all --log-format --verbose --quiet --help --version"
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                --lock-id)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --lock)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --database-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                -d)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --ledger-table)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --log-format)
+                    COMPREPLY=($(compgen -W "text json" -- "${cur}"))
+                    return 0
+                    ;;
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        pgleader__subcmd__cron__subcmd__resume)
+            opts="-d -v -q -h -V --lock-id --lock --database-url --ledger-table --all --log-format --verbose --quiet --help --version"
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                --lock-id)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --lock)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --database-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                -d)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --ledger-table)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --log-format)
+                    COMPREPLY=($(compgen -W "text json" -- "${cur}"))
+                    return 0
+                    ;;
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
         pgleader__subcmd__help)
             opts="run status step-down cron help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
@@ -199,8 +355,36 @@ _pgleader() {
             return 0
             ;;
         pgleader__subcmd__help__subcmd__cron)
-            opts=""
+            opts="pause resume"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        pgleader__subcmd__help__subcmd__cron__subcmd__pause)
+            opts=""
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 4 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        pgleader__subcmd__help__subcmd__cron__subcmd__resume)
+            opts=""
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 4 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
             fi

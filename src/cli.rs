@@ -461,14 +461,57 @@ pub struct StatusArgs {
 
     /// For a crontab fleet (pgleader cron): the last runs of job JOB instead, newest first, from
     /// the ledger: each occurrence's outcome, exit code, how long it took, the replica that ran
-    /// it and why it was missed, skipped or interrupted. Exit status 1 when none is recorded
+    /// it and why it was missed, skipped or interrupted. Exit status 3 when none is recorded
     #[arg(long, value_name = "JOB", conflicts_with = "watch")]
     pub job: Option<String>,
 }
 
+/// `pgleader cron pause` and `pgleader cron resume`.
+#[derive(Debug, Subcommand)]
+pub enum CronAction {
+    /// Pause a job across the fleet (or --all): its occurrences are recorded as paused, not
+    /// run and not missed, until it is resumed; kept by the server, through restarts and
+    /// rereads of every replica. A run going on is not stopped
+    Pause(CronJobArgs),
+    /// Resume a paused job (or --all: every pause of the fleet): it runs from its next
+    /// occurrence, the paused ones not caught up
+    Resume(CronJobArgs),
+}
+
+/// Which fleet, and which of its jobs.
+#[derive(Debug, Args)]
+pub struct CronJobArgs {
+    #[command(flatten)]
+    pub lock: LockArgs,
+
+    #[command(flatten)]
+    pub connection: ConnectionArgs,
+
+    #[command(flatten)]
+    pub ledger: LedgerArgs,
+
+    /// The job, by its name (name= in its directive, or the name made from its command, as
+    /// `pgleader cron --check` shows it)
+    #[arg(
+        value_name = "JOB",
+        required_unless_present = "all",
+        conflicts_with = "all"
+    )]
+    pub job: Option<String>,
+
+    /// Every job of the fleet, those its crontab gains later too
+    #[arg(long)]
+    pub all: bool,
+}
+
 /// `pgleader cron`.
 #[derive(Debug, Args)]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
 pub struct CronArgs {
+    /// Operates the fleet's jobs instead of running a replica
+    #[command(subcommand)]
+    pub action: Option<CronAction>,
+
     #[command(flatten)]
     pub replica: ReplicaArgs,
 
@@ -477,8 +520,8 @@ pub struct CronArgs {
     /// to every job, the last value winning (CRON_TZ= sets the zone, else TZ, /etc/localtime or
     /// UTC; SHELL= the shell), and per-job options in a comment above a job: # pgleader:
     /// name=NAME overlap=skip|allow|replace catch-up=1h timeout=30m jitter=30s ping=URL|none zone=ZONE (PGLEADER_PING=URL: every job's monitor, {job} its name). SIGHUP or SIGUSR2 (supercronic's reload) rereads it
-    #[arg(value_name = "CRONTAB")]
-    pub crontab: PathBuf,
+    #[arg(value_name = "CRONTAB", required = true)]
+    pub crontab: Option<PathBuf>,
 
     /// On TERM, how long the runs going on may take to end by themselves before they are
     /// stopped as at any shutdown (the kill signal, SIGKILL after --kill-timeout); none: as

@@ -42,7 +42,7 @@ use anyhow::Context;
 use tokio::sync::mpsc::UnboundedReceiver;
 use tracing::warn;
 
-use crate::cli::{Command, CronArgs, RunArgs, StatusArgs, StepDownArgs};
+use crate::cli::{Command, CronAction, CronArgs, RunArgs, StatusArgs, StepDownArgs};
 use crate::config::{Database, Elector, RunConfig, UsageError, Work};
 use crate::election::lock::LockKey;
 use crate::election::shards::JoinError;
@@ -73,20 +73,27 @@ pub async fn execute(command: Command) -> anyhow::Result<u8> {
 
 /// `pgleader cron`: `--check` reads the crontab and says what it would run; otherwise this
 /// replica runs its share of the crontab's jobs.
-async fn cron(args: CronArgs) -> anyhow::Result<u8> {
-    let crontab = Crontab::read(&args.crontab).map_err(|err| UsageError(err.to_string()))?;
+async fn cron(mut args: CronArgs) -> anyhow::Result<u8> {
+    if let Some(action) = args.action.take() {
+        return cron_action(action).await;
+    }
+    let path = args.crontab.clone().context("no crontab given")?;
+    let crontab = Crontab::read(&path).map_err(|err| UsageError(err.to_string()))?;
     if !args.check {
         // Listen first: from here on TERM and INT are pgleader's to handle.
         let (events, signals) = signals::listen().context("cannot listen for signals")?;
         if args.inotify {
-            file_watch::spawn(args.crontab.clone(), events)
+            file_watch::spawn(path, events)
                 .context("cannot watch the crontab for changes (--inotify)")?;
         }
         // What the file may not mean to its author is said at start too, not only by --check.
         let notes = crontab.warnings(jiff::Timestamp::now());
         let (config, mut warnings) = RunConfig::for_cron(args, crontab, &ProcessEnvironment)?;
         warnings.extend(notes);
-        return supervise(config, warnings, signals).await;
+        let code = supervise(config, warnings, signals).await;
+        // A drained run's end, still queued for its monitor, is sent before the replica goes.
+        operate::pings::drain(operate::pings::DRAIN).await;
+        return code;
     }
     let from = match &args.from {
         Some(text) => text.parse::<jiff::Timestamp>().map_err(|err| {
@@ -174,24 +181,75 @@ enum Role {
     Fleet(Fleet),
 }
 
-async fn status(args: StatusArgs) -> anyhow::Result<u8> {
+/// `pgleader cron pause|resume`: a fleet's pause, kept by its server.
+async fn cron_action(action: CronAction) -> anyhow::Result<u8> {
+    let (args, pause) = match action {
+        CronAction::Pause(args) => (args, true),
+        CronAction::Resume(args) => (args, false),
+    };
     let lock = config::lock_key(&args.lock, &ProcessEnvironment)?;
-    if let Some(job) = &args.job {
-        crate::schedule::crontab::job_name(job).map_err(|_| {
-            UsageError(format!(
-                "--job {job:?}: a job name is 1 to 64 letters, digits, '-', '_' or '.'"
-            ))
-        })?;
+    let job = args.job.as_deref().filter(|_| !args.all);
+    if let Some(job) = job {
+        check_job_name(job, "")?;
     }
     let database = config::database(&args.connection, &ProcessEnvironment)?;
     config::no_ledger_table_on_redis(&args.ledger, &database)?;
     match database {
         Database::Postgres(connection) => {
-            for warning in connection.warnings {
-                warn!(event = "config", "{warning}");
-            }
-            let table = config::ledger_table(&args.ledger)?;
-            let backend = PgBackend::for_status(connection.settings, lock.clone(), table);
+            let backend = postgres_to_read(connection, &lock, &args.ledger)?;
+            operate::pause::pause_or_resume(&lock, &backend, job, pause).await
+        }
+        Database::Redis(server) => {
+            let backend = RedisBackend::for_status(server, lock.clone());
+            operate::pause::pause_or_resume(&lock, &backend, job, pause).await
+        }
+        Database::Quorum(_) => Err(UsageError(
+            "a crontab cannot run on a Redlock quorum, so none of its jobs can be paused there"
+                .to_owned(),
+        )
+        .into()),
+    }
+}
+
+/// A job name given on the command line (`what` says where), or a usage error.
+fn check_job_name(job: &str, what: &str) -> Result<(), UsageError> {
+    crate::schedule::crontab::job_name(job)
+        .map(|_| ())
+        .map_err(|_| {
+            UsageError(format!(
+                "{what}{job:?}: a job name is 1 to 64 letters, digits, '-', '_' or '.'"
+            ))
+        })
+}
+
+/// The PostgreSQL backend of a command that reads (and asks) rather than leads: status,
+/// step-down, pause; the connection's warnings said first.
+fn postgres_to_read(
+    connection: config::Connection,
+    lock: &LockKey,
+    ledger: &cli::LedgerArgs,
+) -> anyhow::Result<PgBackend> {
+    for warning in connection.warnings {
+        warn!(event = "config", "{warning}");
+    }
+    let table = config::ledger_table(ledger)?;
+    Ok(PgBackend::for_status(
+        connection.settings,
+        lock.clone(),
+        table,
+    ))
+}
+
+async fn status(args: StatusArgs) -> anyhow::Result<u8> {
+    let lock = config::lock_key(&args.lock, &ProcessEnvironment)?;
+    if let Some(job) = &args.job {
+        check_job_name(job, "--job ")?;
+    }
+    let database = config::database(&args.connection, &ProcessEnvironment)?;
+    config::no_ledger_table_on_redis(&args.ledger, &database)?;
+    match database {
+        Database::Postgres(connection) => {
+            let backend = postgres_to_read(connection, &lock, &args.ledger)?;
             show_status(&lock, &backend, &args).await
         }
         Database::Redis(server) => {
@@ -221,11 +279,8 @@ async fn step_down(args: StepDownArgs) -> anyhow::Result<u8> {
     let timeout = args.timeout;
     match database {
         Database::Postgres(connection) => {
-            for warning in connection.warnings {
-                warn!(event = "config", "{warning}");
-            }
-            let table = config::ledger_table(&cli::LedgerArgs { ledger_table: None })?;
-            let backend = PgBackend::for_status(connection.settings, lock.clone(), table);
+            let no_ledger = cli::LedgerArgs { ledger_table: None };
+            let backend = postgres_to_read(connection, &lock, &no_ledger)?;
             operate::step_down::step_down(&lock, &backend, timeout).await
         }
         Database::Redis(server) => {
@@ -263,8 +318,9 @@ async fn show_status<B: Backend>(
             runs.to_text()
         };
         let _ = std::io::Write::write_all(&mut std::io::stdout(), text.as_bytes());
+        // No run recorded: nothing there, as for a free lock.
         return Ok(if runs.runs.is_empty() {
-            exit::FAILURE
+            exit::LOCK_FREE
         } else {
             exit::SUCCESS
         });

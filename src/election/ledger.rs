@@ -125,6 +125,9 @@ pub enum Claim {
     Early { server_now: Timestamp },
     /// This session does not hold the lock (any more): nothing was written.
     NotLeader,
+    /// A crontab job the fleet pauses (`pgleader cron pause`): the occurrence was recorded as
+    /// `paused`, with `detail` (who paused it, and when), and is not to run.
+    Paused { detail: String },
 }
 
 /// The ledger of one lock and one schedule definition, reached through one session. Cheap to

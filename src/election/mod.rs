@@ -232,6 +232,23 @@ pub trait Observer {
         async { Ok(Vec::new()) }
     }
 
+    /// Pauses crontab job `job` of the fleet of this lock (`*`: every job) with `detail` (who
+    /// paused it, and when), or with `None` resumes it (`*`: every pause of the fleet); whether
+    /// anything changed. `None` where the backend keeps no crontab.
+    fn set_paused(
+        &self,
+        job: &str,
+        detail: Option<&str>,
+    ) -> impl Future<Output = Result<Option<bool>, LedgerError>> {
+        let _ = (job, detail);
+        async { Ok(None) }
+    }
+
+    /// The fleet's paused jobs (`*`: every job), each with its pause's detail, by name.
+    fn paused(&self) -> impl Future<Output = Result<Vec<(String, String)>, LedgerError>> {
+        async { Ok(Vec::new()) }
+    }
+
     /// The server's clock now.
     fn server_time(&self) -> impl Future<Output = Result<Timestamp, LedgerError>>;
 

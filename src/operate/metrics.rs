@@ -291,7 +291,7 @@ impl Metrics {
                 "scheduled_runs_total",
                 "Occurrences of the schedule, by outcome",
                 "outcome",
-                ScheduledOutcome::ALL.map(ScheduledOutcome::as_str),
+                ScheduledOutcome::OF_SCHEDULE.map(ScheduledOutcome::as_str),
             )
         });
         let shards = shards.map(|count| ShardMetrics::new(&registry, count));

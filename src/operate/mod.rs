@@ -10,6 +10,7 @@ pub mod http;
 pub mod logging;
 pub mod metrics;
 pub mod notify;
+pub mod pause;
 pub mod pings;
 pub mod status;
 pub mod step_down;

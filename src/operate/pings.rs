@@ -6,11 +6,19 @@
 //! the end of a run match whichever replica sent them.
 //!
 //! A ping is news about the schedule, never part of it: the runs hand each ping to a bounded
-//! queue and go on; one task sends them, a few at once, each attempt bounded by
-//! [`ATTEMPT_TIMEOUT`], retried [`ATTEMPTS`] times, and counted as undelivered when all fail or
-//! when the queue is full. A monitor's URL is its credential (a Healthchecks UUID, a ping key):
-//! logs, status and metrics show its scheme and host only ([`Target::shown`]).
+//! queue of its job's and go on. A task per job sends that job's pings one after the other, in
+//! the order they came (a monitor must not see a run's start after its end), each attempt
+//! bounded by [`ATTEMPT_TIMEOUT`], retried [`ATTEMPTS`] times, and counted as undelivered when
+//! all fail or when the queue is full; a monitor that hangs holds up its own jobs' pings only.
+//! At most [`IN_FLIGHT`] go at once across the jobs. A replica that ends waits a moment for the
+//! pings still queued ([`drain`]), so that a drained run's end reaches its monitor. A monitor's
+//! URL is its credential (a Healthchecks UUID, a ping key): logs, status and metrics show its
+//! scheme and host only ([`Target::shown`]).
 
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
@@ -19,7 +27,7 @@ use hyper::body::Bytes;
 use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
-use tokio::sync::{Semaphore, mpsc};
+use tokio::sync::{Notify, Semaphore, mpsc};
 use tracing::{debug, warn};
 use url::Url;
 
@@ -27,11 +35,14 @@ use crate::election::lock::LockKey;
 use crate::operate::telemetry::Telemetry;
 use crate::schedule::{RunView, ScheduledOutcome};
 
-/// How many pings wait to be sent at most; more are dropped (and counted).
-pub const QUEUE: usize = 256;
+/// How many pings of one job wait to be sent at most; more are dropped (and counted).
+pub const QUEUE: usize = 32;
 
-/// How many pings are sent at once.
-const IN_FLIGHT: usize = 8;
+/// How many pings are sent at once, across the jobs.
+const IN_FLIGHT: usize = 64;
+
+/// How long an ending replica waits for the pings still queued.
+pub const DRAIN: Duration = Duration::from_secs(5);
 
 /// How many times a ping is tried.
 pub const ATTEMPTS: u32 = 3;
@@ -60,10 +71,7 @@ impl Target {
         let text = text.replace("{job}", job);
         let url = Url::parse(&text).map_err(|err| format!("not a URL ({err})"))?;
         if !matches!(url.scheme(), "http" | "https") {
-            return Err(format!(
-                "a {}: URL; a monitor is pinged over http:// or https://",
-                url.scheme()
-            ));
+            return Err("not an http:// or https:// URL: a monitor is pinged over HTTP".into());
         }
         if url.host_str().is_none_or(str::is_empty) {
             return Err("a URL without a host".into());
@@ -115,20 +123,66 @@ struct Ping {
     body: String,
 }
 
-/// Sends the pings of a replica's jobs: cheap to clone, each clone queueing to the same task.
+/// The pings queued or being sent, process-wide, for [`drain`].
+static PENDING: AtomicUsize = AtomicUsize::new(0);
+static SETTLED: Notify = Notify::const_new();
+
+/// One ping less to wait for.
+fn settled() {
+    if PENDING.fetch_sub(1, Ordering::AcqRel) == 1 {
+        SETTLED.notify_waiters();
+    }
+}
+
+/// Waits up to `bound` for the pings still queued or being sent (a replica that ends).
+pub async fn drain(bound: Duration) {
+    let _ = tokio::time::timeout(bound, async {
+        loop {
+            let settled = SETTLED.notified();
+            if PENDING.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            settled.await;
+        }
+    })
+    .await;
+}
+
+/// Sends the pings of a replica's jobs, each job's in order: cheap to clone, the clones
+/// sharing the jobs' queues.
 #[derive(Clone, Debug)]
 pub struct Pinger {
-    queue: mpsc::Sender<Ping>,
+    queues: Rc<RefCell<HashMap<String, mpsc::Sender<Ping>>>>,
+    slots: Arc<Semaphore>,
     telemetry: Telemetry,
 }
 
 impl Pinger {
-    /// Starts the task that sends the pings (on the current runtime); `telemetry` counts what
-    /// could not be delivered.
+    /// A pinger whose tasks run on the current runtime; `telemetry` counts what could not be
+    /// delivered.
     pub fn start(telemetry: Telemetry) -> Pinger {
-        let (queue, pings) = mpsc::channel(QUEUE);
-        tokio::spawn(send_all(pings, telemetry.clone()));
-        Pinger { queue, telemetry }
+        Pinger {
+            queues: Rc::default(),
+            slots: Arc::new(Semaphore::new(IN_FLIGHT)),
+            telemetry,
+        }
+    }
+
+    /// The queue of `job`'s pings, and its task, started with its first ping.
+    fn queue_of(&self, job: &str) -> mpsc::Sender<Ping> {
+        let mut queues = self.queues.borrow_mut();
+        queues
+            .entry(job.to_owned())
+            .or_insert_with(|| {
+                let (queue, pings) = mpsc::channel(QUEUE);
+                tokio::spawn(send_in_order(
+                    pings,
+                    self.slots.clone(),
+                    self.telemetry.clone(),
+                ));
+                queue
+            })
+            .clone()
     }
 
     /// Pings `target` about `run` of `job`, if the run says something a monitor wants: its
@@ -137,7 +191,8 @@ impl Pinger {
         let at = crate::time::rfc3339(run.scheduled_for);
         let (suffix, body) = match run.outcome {
             None if run.claimed_at.is_some() => ("/start".to_owned(), String::new()),
-            None | Some(ScheduledOutcome::Busy) => return,
+            // A paused job is neither late nor failing: its monitor is told nothing.
+            None | Some(ScheduledOutcome::Busy | ScheduledOutcome::Paused) => return,
             Some(ScheduledOutcome::Succeeded) => (String::new(), String::new()),
             Some(ScheduledOutcome::Failed) => match run.exit_code {
                 Some(code) => (
@@ -168,13 +223,15 @@ impl Pinger {
             shown: target.shown(),
             body,
         };
-        if let Err(err) = self.queue.try_send(ping) {
+        PENDING.fetch_add(1, Ordering::AcqRel);
+        if let Err(err) = self.queue_of(job).try_send(ping) {
+            settled();
             let ping = match err {
                 mpsc::error::TrySendError::Full(ping) | mpsc::error::TrySendError::Closed(ping) => {
                     ping
                 }
             };
-            warn!(event = "ping_dropped", job = %ping.job, monitor = %ping.shown, "a ping to {} was dropped: {QUEUE} pings already wait to be sent", ping.shown);
+            warn!(event = "ping_dropped", job = %ping.job, monitor = %ping.shown, "a ping to {} was dropped: {QUEUE} pings of job {} already wait to be sent", ping.shown, ping.job);
             self.telemetry.ping_undelivered(&ping.job);
         }
     }
@@ -198,17 +255,17 @@ pub fn run_id(job: &str, at: &str) -> String {
     )
 }
 
-async fn send_all(mut pings: mpsc::Receiver<Ping>, telemetry: Telemetry) {
-    let slots = Arc::new(Semaphore::new(IN_FLIGHT));
+/// Sends one job's pings, one after the other.
+async fn send_in_order(
+    mut pings: mpsc::Receiver<Ping>,
+    slots: Arc<Semaphore>,
+    telemetry: Telemetry,
+) {
     while let Some(ping) = pings.recv().await {
-        let Ok(slot) = slots.clone().acquire_owned().await else {
-            return;
-        };
-        let telemetry = telemetry.clone();
-        tokio::spawn(async move {
+        if let Ok(_slot) = slots.acquire().await {
             deliver(ping, &telemetry).await;
-            drop(slot);
-        });
+        }
+        settled();
     }
 }
 
@@ -241,16 +298,33 @@ async fn deliver(ping: Ping, telemetry: &Telemetry) {
 
 /// One attempt: a POST of the body, the answer's status.
 async fn send(ping: &Ping) -> Result<u16, String> {
+    use rustls::pki_types::ServerName;
     let url = &ping.url;
-    let host = url.host_str().unwrap_or_default();
     let port = url.port_or_known_default().unwrap_or(80);
-    let tcp = TcpStream::connect((host, port))
-        .await
-        .map_err(|err| format!("cannot connect: {err}"))?;
+    // A name is looked up; an address (`[::1]` in the URL) is connected to as it is, and its
+    // certificate checked for the address.
+    let (tcp, name) = match url.host() {
+        Some(url::Host::Domain(domain)) => (
+            TcpStream::connect((domain, port)).await,
+            ServerName::try_from(domain.to_owned()).map_err(|err| err.to_string()),
+        ),
+        Some(url::Host::Ipv4(address)) => (
+            TcpStream::connect((address, port)).await,
+            Ok(ServerName::IpAddress(std::net::IpAddr::V4(address).into())),
+        ),
+        Some(url::Host::Ipv6(address)) => (
+            TcpStream::connect((address, port)).await,
+            Ok(ServerName::IpAddress(std::net::IpAddr::V6(address).into())),
+        ),
+        None => return Err("no host".into()),
+    };
+    let tcp = tcp.map_err(|err| format!("cannot connect: {err}"))?;
     if url.scheme() == "https" {
-        let config = tls_config()?;
-        let name = rustls::pki_types::ServerName::try_from(host.to_owned())
-            .map_err(|err| format!("not a host name for TLS: {err}"))?;
+        // Read once, off the runtime's thread: the certificate store is files.
+        let config = tokio::task::spawn_blocking(tls_config)
+            .await
+            .map_err(|err| format!("TLS: {err}"))??;
+        let name = name.map_err(|err| format!("not a host name for TLS: {err}"))?;
         let tls = tokio_rustls::TlsConnector::from(config)
             .connect(name, tcp)
             .await
@@ -277,6 +351,7 @@ where
         target.push('?');
         target.push_str(query);
     }
+    // host_str() keeps an IPv6 address's brackets, as the Host header wants them.
     let authority = match url.port() {
         Some(port) => format!("{}:{port}", url.host_str().unwrap_or_default()),
         None => url.host_str().unwrap_or_default().to_owned(),
@@ -355,7 +430,7 @@ mod tests {
     fn a_bad_ping_url_is_refused_without_repeating_its_secret() {
         for (text, wanted) in [
             ("hc-ping.com/SECRET", "not a URL"),
-            ("ftp://host/SECRET", "a ftp: URL"),
+            ("ftp://host/SECRET", "not an http:// or https:// URL"),
             ("https://user:pw@host/SECRET", "user"),
             ("https://host/SECRET#x", "fragment"),
         ] {

@@ -69,7 +69,12 @@ pub async fn query<O: Observer>(lock: &LockKey, observer: &O) -> anyhow::Result<
                 .await
                 .map_err(anyhow::Error::from)
                 .context("cannot read the crontab's jobs from the ledger")?;
-            Some(JobsReport::new(now, jobs.unwrap_or_default(), shards))
+            let paused = observer
+                .paused()
+                .await
+                .map_err(anyhow::Error::from)
+                .context("cannot read the crontab's paused jobs")?;
+            Some(JobsReport::new(now, jobs.unwrap_or_default(), shards).with_pauses(&paused))
         }
         _ => None,
     };

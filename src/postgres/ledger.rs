@@ -42,7 +42,7 @@ pub const DDL: &str = "CREATE TABLE {table} (
     schedule      text        NOT NULL,
     timezone      text        NOT NULL,
     outcome       text        NOT NULL CHECK (outcome IN
-                  ('running', 'succeeded', 'failed', 'interrupted', 'skipped', 'missed')),
+                  ('running', 'succeeded', 'failed', 'interrupted', 'skipped', 'missed', 'paused')),
     exit_code     integer,
     detail        text,
     attempt       integer     NOT NULL DEFAULT 1,
@@ -53,6 +53,19 @@ pub const DDL: &str = "CREATE TABLE {table} (
     backend_pid   integer,
     epoch         bigint,
     PRIMARY KEY (lock_key, scheduled_for)
+)";
+
+/// The outcomes the ledger table's check allows, as the DDL lists them.
+const OUTCOMES: &str =
+    "'running', 'succeeded', 'failed', 'interrupted', 'skipped', 'missed', 'paused'";
+
+/// The table of a crontab fleet's paused jobs (`pgleader cron pause`), beside the ledger table
+/// and named after it (`pgleader_ledger_paused`): a row per paused job, by the name its ledger
+/// rows carry (`<fleet key>` U+001F `<job>`, or `*` for every job), with who paused it.
+pub const PAUSED_DDL: &str = "CREATE TABLE {table} (
+    lock_name text        PRIMARY KEY,
+    detail    text        NOT NULL,
+    paused_at timestamptz NOT NULL DEFAULT clock_timestamp()
 )";
 
 /// A validated table name: `name` or `schema.name`, plain SQL identifiers, folded to lower
@@ -105,6 +118,19 @@ impl TableName {
     /// The statement that creates it, for error messages and docs/scheduled-jobs.md.
     pub fn ddl(&self) -> String {
         DDL.replace("{table}", &self.sql)
+    }
+
+    /// The table of a crontab fleet's paused jobs, beside this one: `<name>_paused`.
+    pub fn paused(&self) -> TableName {
+        TableName::parse(&format!("{}_paused", self.text)).unwrap_or_else(|_| {
+            // A name of 63 characters has no room for the suffix: the name is cut.
+            let (schema, name) = match self.text.split_once('.') {
+                Some((schema, name)) => (format!("{schema}."), name),
+                None => (String::new(), self.text.as_str()),
+            };
+            let cut: String = name.chars().take(63 - "_paused".len()).collect();
+            TableName::parse(&format!("{schema}{cut}_paused")).expect("a valid name")
+        })
     }
 }
 
@@ -187,16 +213,31 @@ impl PgLedger {
         // session's locks as each transaction begins.
         let leads = |classid: &str, objid: &str| held_in_transaction(classid, objid, subid);
         let leads_claim = leads("$10", "$11");
+        // A crontab job's occurrence is recorded as paused while the fleet pauses the job (its
+        // name, or `*`): `<fleet key>` U+001F `<job>` is the job's lock name, `$2`.
+        let paused = match guard {
+            Guard::Plain => "SELECT NULL::text AS detail WHERE false".to_owned(),
+            Guard::Item { .. } => format!(
+                "SELECT detail FROM {} WHERE lock_name IN ($2, \
+                   pg_catalog.split_part($2, pg_catalog.chr(31), 1) || pg_catalog.chr(31) || '*') \
+                 ORDER BY lock_name DESC LIMIT 1",
+                table.paused().sql()
+            ),
+        };
         let claim = format!(
             "WITH now AS (SELECT pg_catalog.clock_timestamp() AS t),
              leads AS (SELECT {leads_claim} AS held),
+             paused AS ({paused}),
              existing AS (SELECT outcome FROM {t} WHERE lock_key = $1 AND scheduled_for = $3),
              newer AS (SELECT FROM {t} WHERE lock_key = $1 AND scheduled_for > $3),
              claimed AS (
                INSERT INTO {t} AS l (lock_key, scheduled_for, lock_name, schedule, timezone, outcome,
-                                     attempt, claimed_at, host, pid, backend_pid, epoch)
-               SELECT $1, $3, $2, $4, $5, 'running', 1, now.t, $6, $7, pg_catalog.pg_backend_pid(), $8
-                 FROM now, leads WHERE leads.held AND now.t >= $3 AND NOT EXISTS (SELECT FROM newer)
+                                     attempt, claimed_at, host, pid, backend_pid, epoch, ended_at, detail)
+               SELECT $1, $3, $2, $4, $5, CASE WHEN paused.detail IS NULL THEN 'running' ELSE 'paused' END,
+                      1, now.t, $6, $7, pg_catalog.pg_backend_pid(), $8,
+                      CASE WHEN paused.detail IS NULL THEN NULL ELSE now.t END, paused.detail
+                 FROM now CROSS JOIN leads LEFT JOIN paused ON true
+                WHERE leads.held AND now.t >= $3 AND NOT EXISTS (SELECT FROM newer)
                ON CONFLICT (lock_key, scheduled_for) DO UPDATE
                   SET outcome = 'running', attempt = l.attempt + 1, claimed_at = EXCLUDED.claimed_at,
                       ended_at = NULL, exit_code = NULL, detail = NULL, host = EXCLUDED.host,
@@ -204,7 +245,8 @@ impl PgLedger {
                 WHERE l.outcome = 'interrupted' AND l.attempt <= $9
                RETURNING attempt)
              SELECT (SELECT attempt FROM claimed), (SELECT outcome FROM existing),
-                    EXISTS (SELECT FROM newer), (SELECT t FROM now), (SELECT held FROM leads)"
+                    EXISTS (SELECT FROM newer), (SELECT t FROM now), (SELECT held FROM leads),
+                    (SELECT detail FROM paused)"
         );
         let finish = format!(
             "WITH done AS (
@@ -380,6 +422,148 @@ impl PgLedger {
     }
 }
 
+impl PgLedger {
+    /// Makes a crontab fleet's ledger ready for paused jobs: the table of pauses beside the
+    /// ledger table ([`PAUSED_DDL`]), and `paused` among the outcomes the ledger table's check
+    /// allows (a table made before pauses existed has its check replaced). Says what to run
+    /// when this role cannot.
+    pub async fn prepare_pauses(&self) -> Result<(), LedgerError> {
+        let client = &self.client;
+        let table = &self.inner.table;
+        ensure_paused_table(client, table).await?;
+        let checks = client
+            .query_typed(
+                "SELECT c.conname::text, pg_catalog.pg_get_constraintdef(c.oid) \
+                   FROM pg_catalog.pg_constraint c \
+                  WHERE c.conrelid = pg_catalog.to_regclass($1) AND c.contype = 'c'",
+                &[(&table.sql(), Type::TEXT)],
+            )
+            .await
+            .map_err(query_error)?;
+        for check in checks {
+            let (name, definition): (String, String) = (check.get(0), check.get(1));
+            if !definition.contains("outcome") || definition.contains("'paused'") {
+                continue;
+            }
+            let alter = format!(
+                "ALTER TABLE {t} DROP CONSTRAINT \"{name}\", \
+                 ADD CONSTRAINT \"{name}\" CHECK (outcome IN ({OUTCOMES}))",
+                t = table.sql()
+            );
+            if let Err(err) = client.batch_execute(&alter).await {
+                return Err(LedgerError::Fatal(format!(
+                    "the ledger table {} was made before crontab jobs could be paused, and this \
+                     role cannot add 'paused' to the outcomes its check allows: {}; have its \
+                     owner run:\n{alter};",
+                    table.as_str(),
+                    describe(&err)
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Creates the table of a crontab fleet's paused jobs beside the ledger table `ledger` when it
+/// is missing, and says what to run when this role cannot.
+pub async fn ensure_paused_table(client: &Client, ledger: &TableName) -> Result<(), LedgerError> {
+    let paused = ledger.paused();
+    if resolve(client, &paused).await?.is_some() {
+        return Ok(());
+    }
+    let ddl = PAUSED_DDL.replace("{table}", paused.sql());
+    let create = ddl.replacen("CREATE TABLE", "CREATE TABLE IF NOT EXISTS", 1);
+    if let Err(err) = client.batch_execute(&create).await
+        && resolve(client, &paused).await?.is_none()
+    {
+        return Err(LedgerError::Fatal(format!(
+            "cannot create the table of paused jobs {}: {}; have an administrator create it \
+             with:\n{ddl};\nGRANT SELECT, INSERT, UPDATE, DELETE ON {} TO <role>;",
+            paused.as_str(),
+            describe(&err),
+            paused.sql()
+        )));
+    }
+    Ok(())
+}
+
+/// Pauses `name` (`<fleet key>` U+001F `<job>`, or `*` after the separator) with `detail`, or
+/// resumes it (`None`; `*`: every pause of the fleet); whether a row changed.
+pub async fn set_paused(
+    client: &Client,
+    ledger: &TableName,
+    fleet: &LockKey,
+    job: &str,
+    detail: Option<&str>,
+) -> Result<bool, LedgerError> {
+    ensure_paused_table(client, ledger).await?;
+    let t = ledger.paused();
+    let name = format!("{}\u{1f}{job}", fleet.key());
+    let changed = match (job, detail) {
+        (_, Some(detail)) => {
+            client
+                .execute_typed(
+                    &format!(
+                        "INSERT INTO {} (lock_name, detail) VALUES ($1, $2) \
+                         ON CONFLICT (lock_name) DO UPDATE SET detail = EXCLUDED.detail, \
+                         paused_at = pg_catalog.clock_timestamp()",
+                        t.sql()
+                    ),
+                    &[(&name, Type::TEXT), (&detail, Type::TEXT)],
+                )
+                .await
+        }
+        ("*", None) => {
+            let prefix = format!("{}\u{1f}", fleet.key());
+            client
+                .execute_typed(
+                    &format!(
+                        "DELETE FROM {} WHERE pg_catalog.left(lock_name, pg_catalog.length($1)) = $1",
+                        t.sql()
+                    ),
+                    &[(&prefix, Type::TEXT)],
+                )
+                .await
+        }
+        (_, None) => {
+            client
+                .execute_typed(
+                    &format!("DELETE FROM {} WHERE lock_name = $1", t.sql()),
+                    &[(&name, Type::TEXT)],
+                )
+                .await
+        }
+    }
+    .map_err(query_error)?;
+    Ok(changed > 0)
+}
+
+/// The paused jobs of the fleet of `fleet` (`*`: every job), each with its detail; none when
+/// the table of pauses does not exist.
+pub async fn read_paused(
+    client: &Client,
+    ledger: &TableName,
+    fleet: &LockKey,
+) -> Result<Vec<(String, String)>, LedgerError> {
+    let t = ledger.paused();
+    if resolve(client, &t).await?.is_none() {
+        return Ok(Vec::new());
+    }
+    let prefix = format!("{}\u{1f}", fleet.key());
+    let rows = client
+        .query_typed(
+            &format!(
+                "SELECT pg_catalog.substr(lock_name, pg_catalog.length($1) + 1), detail FROM {} \
+                  WHERE pg_catalog.left(lock_name, pg_catalog.length($1)) = $1 ORDER BY 1",
+                t.sql()
+            ),
+            &[(&prefix, Type::TEXT)],
+        )
+        .await
+        .map_err(query_error)?;
+    Ok(rows.iter().map(|row| (row.get(0), row.get(1))).collect())
+}
+
 impl Ledger for PgLedger {
     /// Makes sure the table exists and that this role may use it: creates it when missing,
     /// and says what to run when it cannot. Returns its schema-qualified name.
@@ -517,7 +701,11 @@ impl Ledger for PgLedger {
         let newer: bool = row.get(2);
         let server_now: Timestamp = row.get(3);
         let held: bool = row.get(4);
+        let paused: Option<String> = row.get(5);
         Ok(match (attempt, existing) {
+            // A new row for a paused job is the paused occurrence's, not a claim (a retried
+            // interrupted run, an existing row, goes on).
+            (Some(_), None) if let Some(detail) = paused => Claim::Paused { detail },
             (Some(attempt), _) => Claim::Claimed { attempt },
             (None, _) if !held => Claim::NotLeader,
             (None, _) if newer => Claim::Superseded,

@@ -117,6 +117,20 @@ impl Observer for PgObserver {
         Ok(rows.unwrap_or_default())
     }
 
+    async fn set_paused(
+        &self,
+        job: &str,
+        detail: Option<&str>,
+    ) -> Result<Option<bool>, LedgerError> {
+        ledger::set_paused(&self.client.client, &self.table, &self.lock, job, detail)
+            .await
+            .map(Some)
+    }
+
+    async fn paused(&self) -> Result<Vec<(String, String)>, LedgerError> {
+        ledger::read_paused(&self.client.client, &self.table, &self.lock).await
+    }
+
     async fn server_time(&self) -> Result<Timestamp, LedgerError> {
         ledger::server_time(&self.client.client).await
     }

@@ -75,7 +75,9 @@ end
 "#;
 
 /// ARGV[2] the occurrence, ARGV[3] the retries allowed, ARGV[4] the claimant's fields as JSON
-/// (host, pid, backend_pid, epoch, schedule, timezone, lock_name).
+/// (host, pid, backend_pid, epoch, schedule, timezone, lock_name); for a crontab job, KEYS[5]
+/// the fleet's paused jobs and ARGV[5] the job's name: a paused job's occurrence is recorded
+/// as `paused` instead of claimed.
 const CLAIM: &str = r#"
 if not leads() then return {'notleader'} end
 local at, retries = ARGV[2], tonumber(ARGV[3])
@@ -108,6 +110,14 @@ if not born then
 end
 if tonumber(at) <= tonumber(born) then return {'taken', 'unknown: the server restarted without its data after it'} end
 local r = fill({scheduled_for = at, attempt = '1', schedule = who.schedule, timezone = who.timezone, lock_name = who.lock_name})
+if KEYS[5] then
+  local p = redis.call('HGET', KEYS[5], ARGV[5]) or redis.call('HGET', KEYS[5], '*')
+  if p then
+    r.outcome = 'paused'; r.ended_at = now; r.detail = cjson.decode(p).detail
+    put(at, r)
+    return {'paused', r.detail}
+  end
+end
 put(at, r)
 return {'claimed', '1'}
 "#;
@@ -216,8 +226,13 @@ pub enum Guard {
     /// The plain lock's own key (`--schedule`).
     Plain,
     /// A crontab job's item: its shard key, `pgleader:{NAME}:shard:<item>`, which the fleet
-    /// member's holder connection holds while it owns the job.
-    Item { shard: String },
+    /// member's holder connection holds while it owns the job; and the fleet's paused jobs
+    /// (`pgleader:{NAME}:paused`), which the job's claims look up by its name `job`.
+    Item {
+        shard: String,
+        paused: String,
+        job: String,
+    },
 }
 
 /// The ledger of one lock and one schedule definition, on one session's connection.
@@ -263,7 +278,7 @@ impl RedisLedger {
     fn invocation<'a>(&self, script: &'a Script) -> redis::ScriptInvocation<'a> {
         let guard = match &self.guard {
             Guard::Plain => &self.args.keys.lock,
-            Guard::Item { shard } => shard,
+            Guard::Item { shard, .. } => shard,
         };
         let mut invocation = script.prepare_invoke();
         invocation
@@ -573,6 +588,10 @@ impl Ledger for RedisLedger {
             .arg(micros(at))
             .arg(retries)
             .arg(self.who(claimant));
+        // A crontab job's claim records the occurrence as paused while the fleet pauses it.
+        if let Guard::Item { paused, job, .. } = &self.guard {
+            invocation.key(paused).arg(job);
+        }
         let answer: Vec<String> = self.run(&invocation).await?;
         let detail = answer.get(1).map(String::as_str).unwrap_or_default();
         Ok(match answer.first().map(String::as_str) {
@@ -587,6 +606,9 @@ impl Ledger for RedisLedger {
                 server_now: instant(detail).unwrap_or(at),
             },
             Some("notleader") => Claim::NotLeader,
+            Some("paused") => Claim::Paused {
+                detail: detail.to_owned(),
+            },
             other => {
                 return Err(LedgerError::Query(format!(
                     "the claim script answered {other:?}"

@@ -74,6 +74,54 @@ impl Observer for RedisObserver {
         .await
     }
 
+    async fn set_paused(
+        &self,
+        job: &str,
+        detail: Option<&str>,
+    ) -> Result<Option<bool>, LedgerError> {
+        let mut conn = self.connection.conn.clone();
+        let key = self.keys.paused();
+        let changed: i64 = match (job, detail) {
+            (_, Some(detail)) => {
+                let value = serde_json::json!({ "detail": detail }).to_string();
+                redis::cmd("HSET")
+                    .arg(&key)
+                    .arg(job)
+                    .arg(value)
+                    .query_async(&mut conn)
+                    .await
+            }
+            ("*", None) => redis::cmd("DEL").arg(&key).query_async(&mut conn).await,
+            (_, None) => {
+                redis::cmd("HDEL")
+                    .arg(&key)
+                    .arg(job)
+                    .query_async(&mut conn)
+                    .await
+            }
+        }
+        .map_err(|err| LedgerError::Query(format!("cannot change the pauses: {err}")))?;
+        Ok(Some(changed > 0 || detail.is_some()))
+    }
+
+    async fn paused(&self) -> Result<Vec<(String, String)>, LedgerError> {
+        let all: Vec<(String, String)> = redis::cmd("HGETALL")
+            .arg(self.keys.paused())
+            .query_async(&mut self.connection.conn.clone())
+            .await
+            .map_err(|err| LedgerError::Query(format!("cannot read the pauses: {err}")))?;
+        Ok(all
+            .into_iter()
+            .map(|(job, value)| {
+                let detail = serde_json::from_str::<serde_json::Value>(&value)
+                    .ok()
+                    .and_then(|v| v["detail"].as_str().map(str::to_owned))
+                    .unwrap_or(value);
+                (job, detail)
+            })
+            .collect())
+    }
+
     async fn server_time(&self) -> Result<Timestamp, LedgerError> {
         ledger::server_time(&mut self.connection.conn.clone()).await
     }

@@ -85,6 +85,12 @@ impl Keys {
         format!("{}:born", self.lock)
     }
 
+    /// The crontab fleet's paused jobs (`pgleader cron pause`): a hash of job name (or `*`,
+    /// every job) to who paused it and when, as JSON.
+    pub fn paused(&self) -> String {
+        format!("{}:paused", self.lock)
+    }
+
     /// The keys of crontab job `job` of this fleet, whose ledger lives under
     /// `pgleader:{NAME}:job:<job>` (`:runs`, `:rows`, `:born`). A job's name is letters,
     /// digits, `-`, `_` and `.`, so no job's keys are another's or the fleet's own.

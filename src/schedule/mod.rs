@@ -106,16 +106,29 @@ pub enum ScheduledOutcome {
     Missed,
     /// A timer (--once) found its occurrence claimed by another replica and did not run it.
     Busy,
+    /// A crontab job the fleet pauses (`pgleader cron pause`): not run, and not missed.
+    Paused,
 }
 
 impl ScheduledOutcome {
-    pub const ALL: [ScheduledOutcome; 6] = [
+    /// The outcomes of `--schedule`'s occurrences (the `outcome` label's values).
+    pub const OF_SCHEDULE: [ScheduledOutcome; 6] = [
         ScheduledOutcome::Succeeded,
         ScheduledOutcome::Failed,
         ScheduledOutcome::Interrupted,
         ScheduledOutcome::Skipped,
         ScheduledOutcome::Missed,
         ScheduledOutcome::Busy,
+    ];
+
+    pub const ALL: [ScheduledOutcome; 7] = [
+        ScheduledOutcome::Succeeded,
+        ScheduledOutcome::Failed,
+        ScheduledOutcome::Interrupted,
+        ScheduledOutcome::Skipped,
+        ScheduledOutcome::Missed,
+        ScheduledOutcome::Busy,
+        ScheduledOutcome::Paused,
     ];
 
     /// The outcome of a ledger row (`skipped`, `missed`, ...); `None` for `running`.
@@ -133,6 +146,7 @@ impl ScheduledOutcome {
             ScheduledOutcome::Skipped => "skipped",
             ScheduledOutcome::Missed => "missed",
             ScheduledOutcome::Busy => "busy",
+            ScheduledOutcome::Paused => "paused",
         }
     }
 }

@@ -692,8 +692,7 @@ impl<L: Ledger> Runs<L> {
                 });
                 self.due = self.after(at);
                 // From the start jitter= put it off to.
-                let start = at.checked_add(self.plan.delay_of(at)).unwrap_or(at);
-                let late = crate::time::elapsed(start, self.clock.now());
+                let late = crate::time::elapsed(self.start_of(at), self.clock.now());
                 info!(
                     event = "scheduled_run", job = self.plan.job.as_deref(),
                     occurrence = %rfc3339(at),
@@ -713,6 +712,19 @@ impl<L: Ledger> Runs<L> {
                 debug!(event = "early", job = self.plan.job.as_deref(), occurrence = %rfc3339(at), "the server's clock has not reached the occurrence yet; waiting {} more", for_people(ahead));
                 self.early_until = Some(Instant::now() + ahead.max(Duration::from_millis(1)));
                 self.due = Some(at);
+                None
+            }
+            Claim::Paused { detail } => {
+                // Once per pause in the log, not at every occurrence of an every-second job.
+                let text = format!(
+                    "job paused: its occurrences are recorded as paused ({detail}) until pgleader cron resume"
+                );
+                if self.warned.as_deref() != Some(text.as_str()) {
+                    info!(event = "job_paused", job = self.plan.job.as_deref(), occurrence = %rfc3339(at), "not running the occurrence of {}: {text}", rfc3339(at));
+                    self.warned = Some(text);
+                }
+                self.publish(at, "paused", None);
+                self.due = self.after(at);
                 None
             }
             Claim::NotLeader => {

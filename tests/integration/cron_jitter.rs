@@ -72,15 +72,15 @@ fn assert_started_when_drawn(replica: &Proc, late: Duration) {
     }
 }
 
-/// Two jobs every 5 s with `jitter=4s` on A and B, one each. B is killed -9 just after an
-/// occurrence of its job whose delay is at least 1.5 s, before its start; A runs that
-/// occurrence at the same delayed start. Every run of either replica started at its drawn
-/// delay.
+/// Two jobs every 5 s with `jitter=4s catch-up=1s` on A and B, one each. B is killed -9 1.5 s
+/// after an occurrence of its job whose delay is at least 2.5 s, before its start (and past its
+/// catch-up, counted from the occurrence); A runs that occurrence at the same delayed start.
+/// Every run of either replica started at its drawn delay.
 fn a_takeover_keeps_the_delay_drawn_for_the_occurrence(spawn: Spawn) {
     let mut text = String::from("SHELL=/bin/bash\n");
     for n in 1..=2 {
         text.push_str(&format!(
-            "# pgleader: name=j{n} jitter=4s\n*/{PERIOD} * * * * * * echo ran job=$PGLEADER_JOB \
+            "# pgleader: name=j{n} jitter=4s catch-up=1s\n*/{PERIOD} * * * * * * echo ran job=$PGLEADER_JOB \
              at=$PGLEADER_SCHEDULED_TIME started=$EPOCHREALTIME\n"
         ));
     }
@@ -99,16 +99,17 @@ fn a_takeover_keeps_the_delay_drawn_for_the_occurrence(spawn: Spawn) {
     // B runs the job once, so that the ledger knows it and a takeover catches up its
     // occurrence rather than starting from the next.
     b.wait_stdout(&format!("ran job={job} "));
-    // The next occurrence whose start is put off by 1.5 s or more, at least a second away.
+    // The next occurrence whose start is put off by 2.5 s or more, at least a second away.
     let now = Timestamp::now();
     let first = now.as_second() - now.as_second().rem_euclid(PERIOD) + 2 * PERIOD;
     let at = (0..20)
         .map(|k| Timestamp::from_second(first + k * PERIOD).expect("an instant"))
-        .find(|at| jitter(&job, *at, JITTER) >= Duration::from_millis(1500))
-        .expect("one of 20 occurrences put off by 1.5 s or more");
+        .find(|at| jitter(&job, *at, JITTER) >= Duration::from_millis(2500))
+        .expect("one of 20 occurrences put off by 2.5 s or more");
     let (delay, start) = delayed(&job, at);
-    // The fault's moment: 300 ms after the occurrence, well before its delayed start.
-    let kill_at = SystemTime::from(at.checked_add(Duration::from_millis(300)).expect("time"));
+    // The fault's moment: 1.5 s after the occurrence, later than its catch-up=1s, well before
+    // its delayed start: the occurrence is not late, and must not be recorded missed.
+    let kill_at = SystemTime::from(at.checked_add(Duration::from_millis(1500)).expect("time"));
     std::thread::sleep(
         kill_at
             .duration_since(SystemTime::now())

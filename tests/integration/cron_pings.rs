@@ -31,6 +31,8 @@ fn pings_tell_a_monitor_of_each_run_and_a_slow_or_failing_monitor_holds_up_nothi
     let ok = Monitor::start(Answer::Status(200));
     let failing = Monitor::start(Answer::Status(500));
     let hanging = Monitor::start(Answer::Hang);
+    // Slower than drained's run: its end waits behind its start's ping.
+    let slow = Monitor::start(Answer::Slowly(Duration::from_secs(2)));
     let (tls, ca_pem) = Monitor::start_tls(Answer::Status(200));
     let ca = File::new("ping-ca.pem", &ca_pem);
     let ran = "echo ran job=$PGLEADER_JOB at=$PGLEADER_SCHEDULED_TIME started=$EPOCHREALTIME";
@@ -42,6 +44,7 @@ fn pings_tell_a_monitor_of_each_run_and_a_slow_or_failing_monitor_holds_up_nothi
              # pgleader: name=good\n* * * * * * * true\n\
              # pgleader: name=bad\n* * * * * * * exit 3\n\
              # pgleader: name=long\n* * * * * * * sleep 1.5\n\
+             # pgleader: name=drained ping=http://{slow}/SECRET-SLOW/drained\n*/4 * * * * * * sleep 1.5\n\
              # pgleader: name=quiet ping=none\n* * * * * * * true\n\
              # pgleader: name=to-500 ping=http://{failing}/SECRET-500\n* * * * * * * true\n\
              # pgleader: name=to-hang ping=http://{hanging}/SECRET-HANG\n* * * * * * * {ran}\n\
@@ -49,6 +52,7 @@ fn pings_tell_a_monitor_of_each_run_and_a_slow_or_failing_monitor_holds_up_nothi
             ok = ok.address,
             failing = failing.address,
             hanging = hanging.address,
+            slow = slow.address,
             tls_port = tls.address.port(),
         ),
     );
@@ -139,7 +143,43 @@ fn pings_tell_a_monitor_of_each_run_and_a_slow_or_failing_monitor_holds_up_nothi
             replica.dump()
         );
     }
+    // TERM while drained's run goes on: the drain lets it end, and its end, queued behind the
+    // slow monitor's answer to its start, reaches it before the replica is gone. On every
+    // monitor, every run's start came before its end.
+    let runs_of_drained = replica
+        .lines(Stream::Stderr)
+        .iter()
+        .filter(|line| line.contains("started the command of job drained"))
+        .count();
+    replica.wait_line(
+        Stream::Stderr,
+        "started the command of job drained",
+        runs_of_drained + 1,
+        None,
+        WAIT,
+    );
     replica.terminate_cleanly();
+    for (monitor, prefix) in [(&ok, "/SECRET-KEY/"), (&slow, "/SECRET-SLOW/")] {
+        let received = monitor.received();
+        for (index, start) in received.iter().enumerate() {
+            let Some(job) = path(start)
+                .strip_prefix(prefix)
+                .and_then(|rest| rest.strip_suffix("/start"))
+            else {
+                continue;
+            };
+            let end = received.iter().position(|r| {
+                rid(r) == rid(start)
+                    && path(r).starts_with(&format!("{prefix}{job}"))
+                    && !path(r).ends_with("/start")
+            });
+            assert!(
+                end.is_some_and(|end| end > index),
+                "{job}'s run {} started at ping {index}, its end at {end:?}: {received:#?}",
+                rid(start)
+            );
+        }
+    }
 
     assert!(
         !ok.received().iter().any(|r| r.target.contains("/quiet")),
@@ -175,7 +215,7 @@ fn a_bad_ping_url_is_refused_with_exit_2_without_printing_it() {
         let stderr = stderr.join("\n");
         assert_eq!(status.code(), Some(2), "{stderr}");
         assert!(
-            stderr.contains(":2: ping= of job x: a ftp: URL"),
+            stderr.contains(":2: ping= of job x: not an http:// or https:// URL"),
             "{stderr}"
         );
         assert!(!stderr.contains("SECRET"), "{stderr}");

@@ -11,6 +11,7 @@ mod cron_inotify;
 mod cron_jitter;
 mod cron_nemesis;
 mod cron_output;
+mod cron_pause;
 mod cron_pings;
 mod cron_seen;
 mod crontab;

@@ -29,6 +29,7 @@ pub struct JobMetrics {
     known_since: GaugeVec,
     definition_mismatch: IntGaugeVec,
     pings_undelivered: IntCounterVec,
+    paused: IntGaugeVec,
 }
 
 impl JobMetrics {
@@ -46,7 +47,7 @@ impl JobMetrics {
         let runs = IntCounterVec::new(
             Opts::new(
                 "job_runs_total",
-                "Occurrences of the crontab job this replica recorded, by outcome (succeeded, failed, interrupted, skipped, missed)",
+                "Occurrences of the crontab job this replica recorded, by outcome (succeeded, failed, interrupted, skipped, missed, paused)",
             ),
             &["job", "outcome"],
         )
@@ -55,7 +56,7 @@ impl JobMetrics {
         let pings_undelivered = IntCounterVec::new(
             Opts::new(
                 "job_pings_undelivered_total",
-                "Pings of the job to its monitor (ping=) that this replica could not deliver: every attempt failed, or too many waited",
+                "Pings of the job to its monitor (ping=) that this replica could not deliver: every attempt failed, or too many of the job's waited",
             ),
             &["job"],
         )
@@ -63,6 +64,10 @@ impl JobMetrics {
         register(registry, pings_undelivered.clone());
         JobMetrics {
             pings_undelivered,
+            paused: int_gauge(
+                "job_paused",
+                "1 while the job's occurrences are recorded as paused (pgleader cron pause), as the replica that owns it last found at an occurrence, else 0",
+            ),
             runs,
             last_success: gauge(
                 "job_last_success_timestamp_seconds",
@@ -106,6 +111,7 @@ impl JobMetrics {
         self.owned.with_label_values(&[job]);
         self.definition_mismatch.with_label_values(&[job]);
         self.pings_undelivered.with_label_values(&[job]);
+        self.paused.with_label_values(&[job]);
         self.set_period(job, period);
         self.known_since
             .with_label_values(&[job])
@@ -132,7 +138,12 @@ impl JobMetrics {
         ] {
             let _ = gauges.remove_label_values(&[job]);
         }
-        for gauges in [&self.running, &self.owned, &self.definition_mismatch] {
+        for gauges in [
+            &self.running,
+            &self.owned,
+            &self.definition_mismatch,
+            &self.paused,
+        ] {
             let _ = gauges.remove_label_values(&[job]);
         }
     }
@@ -154,6 +165,9 @@ impl JobMetrics {
     /// An occurrence of `job` ended here with `outcome`, at `ended`.
     pub fn ran(&self, job: &str, outcome: ScheduledOutcome, ended: Timestamp) {
         self.runs.with_label_values(&[job, outcome.as_str()]).inc();
+        self.paused
+            .with_label_values(&[job])
+            .set(i64::from(outcome == ScheduledOutcome::Paused));
         if outcome == ScheduledOutcome::Succeeded {
             self.last_success
                 .with_label_values(&[job])
@@ -168,6 +182,7 @@ impl JobMetrics {
 
     /// An occurrence of `job` started `late` after its time.
     pub fn started(&self, job: &str, late: Duration) {
+        self.paused.with_label_values(&[job]).set(0);
         self.lateness
             .with_label_values(&[job])
             .set(late.as_secs_f64());
@@ -175,12 +190,13 @@ impl JobMetrics {
 }
 
 /// The outcomes a crontab job's run can have (`busy` is a timer's, `--once`).
-const RECORDED: [ScheduledOutcome; 5] = [
+const RECORDED: [ScheduledOutcome; 6] = [
     ScheduledOutcome::Succeeded,
     ScheduledOutcome::Failed,
     ScheduledOutcome::Interrupted,
     ScheduledOutcome::Skipped,
     ScheduledOutcome::Missed,
+    ScheduledOutcome::Paused,
 ];
 
 fn seconds(time: Timestamp) -> f64 {

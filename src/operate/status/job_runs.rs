@@ -71,8 +71,7 @@ impl JobRuns {
                 let _ = write!(line, "  exit {code}");
             }
             if let Some(ended) = run.ended_at
-                && run.outcome != "missed"
-                && run.outcome != "skipped"
+                && !matches!(run.outcome.as_str(), "missed" | "skipped" | "paused")
             {
                 let _ = write!(
                     line,

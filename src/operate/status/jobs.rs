@@ -43,6 +43,8 @@ pub struct JobStatus {
     /// Each definition the replicas that know the job hold of it, with those replicas (their
     /// member ids and sessions): more than one while their files differ.
     pub definitions: Vec<(u32, Vec<(i32, Participant)>)>,
+    /// Who paused it, and when (`pgleader cron pause`), while it is paused.
+    pub paused: Option<String>,
 }
 
 impl JobsReport {
@@ -74,6 +76,7 @@ impl JobsReport {
                     owner: owner(item),
                     entry: Some(entry),
                     definitions: definitions(item),
+                    paused: None,
                 }
             })
             .collect();
@@ -90,8 +93,23 @@ impl JobsReport {
             owner: owner(item),
             entry: None,
             definitions: definitions(item),
+            paused: None,
         }));
         JobsReport { now, jobs }
+    }
+
+    /// The report with the fleet's pauses (by job name, `*` for every job) on its jobs.
+    pub fn with_pauses(mut self, paused: &[(String, String)]) -> JobsReport {
+        let every = paused
+            .iter()
+            .find(|(job, _)| job == crate::operate::pause::EVERY_JOB);
+        for job in &mut self.jobs {
+            let own = paused
+                .iter()
+                .find(|(name, _)| Some(name) == job.name.as_ref());
+            job.paused = own.or(every).map(|(_, detail)| detail.clone());
+        }
+        self
     }
 
     /// How many jobs nobody owns.
@@ -235,6 +253,9 @@ impl JobsReport {
             }
             None => line.push_str("; never ran"),
         }
+        if let Some(paused) = &job.paused {
+            let _ = write!(line, "; PAUSED ({paused})");
+        }
         if job.is_defined_otherwise() {
             let ways: Vec<String> = job
                 .definitions
@@ -286,6 +307,7 @@ impl JobsReport {
                     })),
                     "last_success": entry.and_then(|entry| entry.last_success).map(calendar::rfc3339),
                     "defined_otherwise": job.is_defined_otherwise(),
+                    "paused": job.paused,
                     "definitions": job.definitions.iter().map(|(definition, replicas)| json!({
                         "definition": definition_hex(*definition),
                         "members": replicas.iter().map(|(member, _)| *member).collect::<Vec<_>>(),

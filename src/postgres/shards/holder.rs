@@ -109,10 +109,13 @@ impl Holder for PgShardHolder {
             expression: String::new(),
             timezone: String::new(),
         };
-        self.session
-            .ledger_of(&self.keys.plain, Guard::Plain, &definition)
-            .prepare()
-            .await
+        let ledger = self
+            .session
+            .ledger_of(&self.keys.plain, Guard::Plain, &definition);
+        let location = ledger.prepare().await?;
+        // The jobs' claims look their pauses up (`pgleader cron pause`).
+        ledger.prepare_pauses().await?;
+        Ok(location)
     }
 
     /// Takes the markers of the jobs added and lets those of the jobs removed go, then tells

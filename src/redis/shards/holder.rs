@@ -170,6 +170,8 @@ impl Holder for RedisShardHolder {
         );
         Some(ledger.guarded_by(Guard::Item {
             shard: self.args.keys.shard(item),
+            paused: fleet.paused(),
+            job: job_name(job),
         }))
     }
 

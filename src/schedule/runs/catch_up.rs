@@ -34,7 +34,12 @@ impl<L: Ledger> Runs<L> {
         let schedule = self.schedule();
         let latest = schedule.latest_at_or_before(now);
         let next = schedule.next_after(now);
-        let age = |at: Timestamp| crate::time::elapsed(at, now);
+        // From the start jitter= puts the occurrence off to: one whose start has not come is
+        // not late, whoever takes the job over meanwhile.
+        let plan = self.plan.clone();
+        let age = |at: Timestamp| {
+            crate::time::elapsed(at.checked_add(plan.delay_of(at)).unwrap_or(at), now)
+        };
         let catch_up = self.plan.catch_up;
         if self.plan.once
             && let Some(next) = next
@@ -145,13 +150,24 @@ impl<L: Ledger> Runs<L> {
             latest,
             "while this leader could not start yet; only the most recent one",
         );
-        let age = crate::time::elapsed(latest, now);
+        // Woken for an earlier occurrence, the most recent one still waits for the start
+        // jitter= puts it off to.
+        if latest != at && self.start_of(latest) > now {
+            self.due = Some(latest);
+            return;
+        }
+        let age = crate::time::elapsed(self.start_of(latest), now);
         if age > self.plan.catch_up && !passed.is_empty() {
             self.record_missed(latest, age);
             self.due = self.schedule().next_after(now);
             return;
         }
         self.queue.push_back(Step::Claim(latest));
+    }
+
+    /// When the occurrence of `at` starts: `jitter=` puts it off, the same on every replica.
+    pub(super) fn start_of(&self, at: Timestamp) -> Timestamp {
+        at.checked_add(self.plan.delay_of(at)).unwrap_or(at)
     }
 
     /// The occurrences from `from` (included) to `to` (excluded), at most [`COUNTED`].

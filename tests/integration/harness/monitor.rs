@@ -14,6 +14,8 @@ use super::WAIT;
 #[derive(Clone, Copy, Debug)]
 pub enum Answer {
     Status(u16),
+    /// 200, this long after the request.
+    Slowly(Duration),
     /// Reads the request, then never answers (holding the connection).
     Hang,
 }
@@ -142,7 +144,17 @@ fn handle<S: Read + Write>(stream: S, answer: Answer, record: &Mutex<Vec<Receive
         body: String::from_utf8_lossy(&body).into_owned(),
     });
     let mut stream = reader.into_inner();
+    if let Answer::Slowly(pause) = answer {
+        std::thread::sleep(pause);
+    }
     match answer {
+        Answer::Slowly(_) | Answer::Status(200) => {
+            let _ = write!(
+                stream,
+                "HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nOK"
+            );
+            let _ = stream.flush();
+        }
         Answer::Status(status) => {
             let _ = write!(
                 stream,
