@@ -37,13 +37,17 @@ pub fn report(crontab: &Crontab, from: Timestamp, count: usize) -> String {
         let _ = writeln!(out, "  command   {} -c {:?}", job.shell, job.command);
         let _ = writeln!(
             out,
-            "  options   overlap={} catch-up={} timeout={} jitter={}",
+            "  options   overlap={} catch-up={} timeout={} jitter={} ping={}",
             job.overlap.as_str(),
             fmt(job.catch_up),
             job.timeout
                 .map_or_else(|| "none".to_owned(), |timeout| fmt(timeout).to_string()),
             job.jitter
-                .map_or_else(|| "none".to_owned(), |jitter| fmt(jitter).to_string())
+                .map_or_else(|| "none".to_owned(), |jitter| fmt(jitter).to_string()),
+            // The monitor's host only: its path is the check's secret.
+            job.ping
+                .as_ref()
+                .map_or_else(|| "none".to_owned(), |ping| ping.shown())
         );
         // As `status` shows a job's definitions while replicas disagree: which file is which.
         let definition = definition_hex(job.definition_marker());

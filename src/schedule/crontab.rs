@@ -289,6 +289,8 @@ impl Crontab {
             .map(|(_, url)| url.clone());
         let mut jobs = Vec::with_capacity(read.jobs.len());
         let mut pings = Vec::with_capacity(read.jobs.len());
+        // The shortest gap of each schedule, computed once however many jobs share it.
+        let mut gaps: HashMap<String, Option<Duration>> = HashMap::new();
         for job in read.jobs {
             let (line, options) = (job.line, job.options);
             let (when, zone_source) = match options.zone {
@@ -305,7 +307,10 @@ impl Crontab {
                     .filter(|text| text != "none"),
             );
             if let Some(jitter) = jitter {
-                check_jitter(&when, jitter).map_err(|message| fail(Some(line), message))?;
+                let gap = *gaps
+                    .entry(when.to_string())
+                    .or_insert_with(|| when.shortest_gap(Timestamp::now()));
+                check_jitter(gap, jitter).map_err(|message| fail(Some(line), message))?;
             }
             jobs.push(CronJob {
                 name: options.name.unwrap_or_default(),
@@ -547,8 +552,8 @@ impl Options {
 
 /// A job's `jitter=` must be shorter than the shortest gap between two of its occurrences, so
 /// that an occurrence's delayed start never comes after the next occurrence.
-fn check_jitter(when: &Schedule, jitter: Duration) -> Result<(), String> {
-    match when.shortest_gap(Timestamp::now()) {
+fn check_jitter(shortest_gap: Option<Duration>, jitter: Duration) -> Result<(), String> {
+    match shortest_gap {
         Some(gap) if jitter >= gap => Err(format!(
             "jitter={} is not shorter than the {} between two of the job's occurrences: a \
              run put off by up to that much could start after the next occurrence",

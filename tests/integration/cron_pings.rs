@@ -222,3 +222,21 @@ fn a_bad_ping_url_is_refused_with_exit_2_without_printing_it() {
         assert!(stdout.is_empty());
     }
 }
+
+#[test]
+fn check_shows_a_job_s_monitor_by_its_host_only() {
+    let file = File::new(
+        "check-ping",
+        "PGLEADER_PING=https://hc-ping.com/SECRET-KEY/{job}\n\
+         # pgleader: name=backup\n0 3 * * * true\n\
+         # pgleader: name=quiet ping=none\n0 4 * * * true\n",
+    );
+    let mut command = pgleader();
+    command.args(["cron", "--check"]).arg(&file.0);
+    let (status, stdout, stderr) = Proc::spawn("check ping", command).finish();
+    assert_eq!(status.code(), Some(0), "{stderr:?}");
+    let stdout = stdout.join("\n");
+    assert!(stdout.contains("ping=https://hc-ping.com\n"), "{stdout}");
+    assert!(stdout.contains("ping=none\n"), "{stdout}");
+    assert!(!stdout.contains("SECRET"), "{stdout}");
+}

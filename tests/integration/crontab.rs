@@ -83,7 +83,7 @@ report (line 6)
   schedule  0 30 3 * * * in Europe/Paris (seconds first)
   zone      Europe/Paris (zone= in the directive, line 5)
   command   /bin/bash -c \"./report.sh --all\"
-  options   overlap=replace catch-up=10m timeout=30m jitter=5m
+  options   overlap=replace catch-up=10m timeout=30m jitter=5m ping=none
   definition {}
   next      2026-11-27 03:30:00 +01:00, starts 03:32:59.128 (jitter)
             2026-11-28 03:30:00 +01:00, starts 03:34:29.558 (jitter)
@@ -92,7 +92,7 @@ echo-quarter (line 8)
   schedule  0 */15 * * * * 2099 in UTC (seconds first)
   zone      UTC (CRON_TZ, line 3)
   command   /bin/bash -c \"echo quarter\"
-  options   overlap=skip catch-up=1h timeout=none jitter=none
+  options   overlap=skip catch-up=1h timeout=none jitter=none ping=none
   definition {}
   next      2099-01-01 00:00:00 +00:00
             2099-01-01 00:15:00 +00:00
@@ -101,7 +101,7 @@ echo-often (line 9)
   schedule  @every 1m 30s (from the Unix epoch, UTC)
   zone      UTC (@every counts from the Unix epoch)
   command   /bin/bash -c \"echo often\"
-  options   overlap=skip catch-up=1h timeout=none jitter=none
+  options   overlap=skip catch-up=1h timeout=none jitter=none ping=none
   definition {}
   next      2026-11-26 12:01:30 +00:00
             2026-11-26 12:03:00 +00:00
@@ -110,7 +110,7 @@ true (line 10)
   schedule  0 0 0 1 1 * 2026 in UTC (seconds first)
   zone      UTC (CRON_TZ, line 3)
   command   /bin/bash -c \"true\"
-  options   overlap=skip catch-up=1h timeout=none jitter=none
+  options   overlap=skip catch-up=1h timeout=none jitter=none ping=none
   definition {}
   next      none: it never occurs again, and never runs",
         definition(&file, "report"),
