@@ -212,7 +212,37 @@ fn a_run_s_last_line_reaches_the_log_after_pgleader_is_killed_9() {
         "{}",
         a.dump()
     );
+    // The run's keeper (its parent): when the line does not come, when each went says more.
+    let keeper = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            stat.rsplit_once(") ")?
+                .1
+                .split_whitespace()
+                .nth(1)?
+                .parse::<i32>()
+                .ok()
+        })
+        .unwrap_or(0);
+    let killed = std::time::Instant::now();
     a.signal(nix::sys::signal::Signal::SIGKILL);
+    let watched = std::thread::spawn(move || {
+        let (mut keeper_gone, mut run_gone) = (None, None);
+        while killed.elapsed() < Duration::from_secs(10)
+            && (keeper_gone.is_none() || run_gone.is_none())
+        {
+            if keeper_gone.is_none() && !is_running(keeper) {
+                keeper_gone = Some(killed.elapsed());
+            }
+            if run_gone.is_none() && !is_running(pid) {
+                run_gone = Some(killed.elapsed());
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        format!(
+            "after the kill, the keeper (pid {keeper}) went at {keeper_gone:?}, the run at {run_gone:?}"
+        )
+    });
     // What is left of the job when the line does not come: the next look at a rare failure
     // in CI (the line missing after 20 s, nothing of the keeper logged) starts from there.
     let left = || {
@@ -242,8 +272,9 @@ fn a_run_s_last_line_reaches_the_log_after_pgleader_is_killed_9() {
         .map(|(line, _)| line)
         .filter(|line| unfinished(line))
         .unwrap_or_else(|| {
+            let timings = watched.join().unwrap_or_default();
             panic!(
-                "no unfinished line within the wait; {}\n{}",
+                "no unfinished line within the wait; {timings}; {}\n{}",
                 left(),
                 a.dump()
             )
