@@ -456,12 +456,19 @@ impl Cluster {
 
     /// `pg_terminate_backend`: the server ends that session, as an administrator would.
     pub fn terminate_backend(&self, backend_pid: i32) {
-        let terminated: bool = self
-            .client()
+        assert!(
+            self.terminate_backend_if_there(backend_pid),
+            "no session with backend pid {backend_pid}"
+        );
+    }
+
+    /// [`Cluster::terminate_backend`] of a session that may have ended already (a nemesis
+    /// aiming at a session an earlier fault may have ended); whether it was there.
+    pub fn terminate_backend_if_there(&self, backend_pid: i32) -> bool {
+        self.client()
             .query_one("SELECT pg_terminate_backend($1)", &[&backend_pid])
             .expect("pg_terminate_backend")
-            .get(0);
-        assert!(terminated, "no session with backend pid {backend_pid}");
+            .get(0)
     }
 
     /// The operating-system user the server runs as, when the tests run as root.
