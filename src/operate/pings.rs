@@ -158,9 +158,9 @@ pub struct Pinger {
 }
 
 impl Pinger {
-    /// A pinger whose tasks run on the current runtime; `telemetry` counts what could not be
-    /// delivered.
-    pub fn start(telemetry: Telemetry) -> Pinger {
+    /// A pinger whose jobs' tasks start on the current runtime with their first ping;
+    /// `telemetry` counts what could not be delivered.
+    pub fn new(telemetry: Telemetry) -> Pinger {
         Pinger {
             queues: Rc::default(),
             slots: Arc::new(Semaphore::new(IN_FLIGHT)),
@@ -320,10 +320,14 @@ async fn send(ping: &Ping) -> Result<u16, String> {
     };
     let tcp = tcp.map_err(|err| format!("cannot connect: {err}"))?;
     if url.scheme() == "https" {
-        // Read once, off the runtime's thread: the certificate store is files.
-        let config = tokio::task::spawn_blocking(tls_config)
-            .await
-            .map_err(|err| format!("TLS: {err}"))??;
+        // Read once, off the runtime's thread (the certificate store is files); after that,
+        // taken as it is.
+        let config = match TLS_CONFIG.get() {
+            Some(config) => config.clone()?,
+            None => tokio::task::spawn_blocking(tls_config)
+                .await
+                .map_err(|err| format!("TLS: {err}"))??,
+        };
         let name = name.map_err(|err| format!("not a host name for TLS: {err}"))?;
         let tls = tokio_rustls::TlsConnector::from(config)
             .connect(name, tcp)
@@ -374,9 +378,10 @@ where
 
 /// The TLS settings of every ping: the system's trusted roots (`SSL_CERT_FILE` and
 /// `SSL_CERT_DIR` point elsewhere), read once.
+static TLS_CONFIG: OnceLock<Result<Arc<rustls::ClientConfig>, String>> = OnceLock::new();
+
 fn tls_config() -> Result<Arc<rustls::ClientConfig>, String> {
-    static CONFIG: OnceLock<Result<Arc<rustls::ClientConfig>, String>> = OnceLock::new();
-    CONFIG
+    TLS_CONFIG
         .get_or_init(|| {
             let mut roots = rustls::RootCertStore::empty();
             let found = rustls_native_certs::load_native_certs();

@@ -351,7 +351,7 @@ impl<L: Ledger> Jobs<L> {
         let pings = definition.ping.clone().map(|target| {
             let pinger = self
                 .pinger
-                .get_or_insert_with(|| Pinger::start(telemetry.clone()));
+                .get_or_insert_with(|| Pinger::new(telemetry.clone()));
             (pinger.clone(), target)
         });
         let publish = match definition.label.job.clone() {
