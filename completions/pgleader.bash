@@ -95,7 +95,7 @@ _pgleader() {
             return 0
             ;;
         pgleader__subcmd__cron)
-            opts="-d -v -q -h -V --lock-id --lock --database-url --check-interval --check-timeout --kill-signal --kill-timeout --lease --takeover-delay --ledger-table --health-cmd --health-interval --health-timeout --health-retries --restart-fence --wait-refresh --pre-start --post-stop --hook-timeout --http --drain-timeout --inotify --passthrough-logs --check --from --next --log-format --verbose --quiet --help --version pause resume help"
+            opts="-d -v -q -h -V --lock-id --lock --database-url --check-interval --check-timeout --kill-signal --kill-timeout --lease --takeover-delay --ledger-table --health-cmd --health-interval --health-timeout --health-retries --restart-fence --wait-refresh --pre-start --post-stop --hook-timeout --http --drain-timeout --inotify --passthrough-logs --keep-output --check --from --next --log-format --verbose --quiet --help --version pause resume help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -186,6 +186,10 @@ _pgleader() {
                     return 0
                     ;;
                 --drain-timeout)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --keep-output)
                     COMPREPLY=($(compgen -f "${cur}"))
                     return 0
                     ;;

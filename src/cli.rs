@@ -544,6 +544,14 @@ pub struct CronArgs {
     #[arg(long, env = "PGLEADER_PASSTHROUGH_LOGS", value_parser = BoolishValueParser::new())]
     pub passthrough_logs: bool,
 
+    /// How much of the end of each run's output is kept with the run's ledger row, for
+    /// `pgleader status --lock NAME --job JOB`: the last whole lines that fit, both streams in
+    /// the order their lines ended, bytes that are not text written \xNN. At most 64KiB; 0
+    /// keeps nothing. The ledger keeps a job's last 100 rows. Nothing is kept with
+    /// --passthrough-logs, whose output pgleader never reads
+    #[arg(long, value_name = "SIZE", default_value = "1KiB", value_parser = output_size, env = "PGLEADER_KEEP_OUTPUT")]
+    pub keep_output: u32,
+
     /// Read and check the crontab without connecting; print its warnings and each job (name,
     /// schedule, zone and where it comes from, command, options, definition) with its next
     /// occurrences; exit 0, or 2 naming the file, the line and what is wrong
@@ -604,6 +612,34 @@ fn shell_line(value: &str) -> Result<String, String> {
 pub fn duration(value: &str) -> Result<Duration, String> {
     humantime::parse_duration(value.trim())
         .map_err(|err| format!("{err} (expected a duration such as 500ms, 10s or 1m)"))
+}
+
+/// The most `--keep-output` keeps of a run's output.
+pub const MOST_OUTPUT_KEPT: u32 = 64 * 1024;
+
+/// `--keep-output`: bytes, or KiB with that suffix (`K` too), up to [`MOST_OUTPUT_KEPT`].
+fn output_size(value: &str) -> Result<u32, String> {
+    let value = value.trim();
+    let (number, unit) = match value.find(|c: char| !c.is_ascii_digit()) {
+        Some(at) => value.split_at(at),
+        None => (value, ""),
+    };
+    let unit = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1024,
+        _ => {
+            return Err(format!(
+                "{value:?} is not a size (expected bytes, or KiB such as 4KiB)"
+            ));
+        }
+    };
+    let size = number
+        .parse::<u32>()
+        .ok()
+        .and_then(|n| n.checked_mul(unit))
+        .filter(|size| *size <= MOST_OUTPUT_KEPT)
+        .ok_or_else(|| format!("{value:?} is out of range: at most 64KiB"))?;
+    Ok(size)
 }
 
 /// `--restart-fence`: computed from the other timings, or given.

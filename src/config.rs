@@ -148,7 +148,9 @@ impl RunConfig {
             output: if args.passthrough_logs {
                 Output::Inherited
             } else {
-                Output::Tagged
+                Output::Tagged {
+                    keep: args.keep_output,
+                }
             },
         };
         let run = RunArgs {

@@ -86,6 +86,8 @@ pub struct Entry {
     pub detail: Option<String>,
     pub schedule: String,
     pub timezone: String,
+    /// The last lines the run printed, when they were kept (`--keep-output`).
+    pub output: Option<String>,
 }
 
 /// A crontab job as the ledger knows it (`pgleader status` of a crontab fleet): its name, its
@@ -106,6 +108,8 @@ pub struct LateFinish {
     pub outcome: &'static str,
     pub exit_code: Option<i32>,
     pub ended_at: Timestamp,
+    /// The last lines the run printed, when they were kept (`--keep-output`).
+    pub output: Option<String>,
 }
 
 /// A run an earlier leader left `running`: its occurrence, and the host and pid of the pgleader

@@ -45,6 +45,7 @@ pub const DDL: &str = "CREATE TABLE {table} (
                   ('running', 'succeeded', 'failed', 'interrupted', 'skipped', 'missed', 'paused')),
     exit_code     integer,
     detail        text,
+    output        text,
     attempt       integer     NOT NULL DEFAULT 1,
     claimed_at    timestamptz NOT NULL DEFAULT clock_timestamp(),
     ended_at      timestamptz,
@@ -248,9 +249,15 @@ impl PgLedger {
                     EXISTS (SELECT FROM newer), (SELECT t FROM now), (SELECT held FROM leads),
                     (SELECT detail FROM paused)"
         );
+        // A crontab fleet's (or scheduled shards') table has the column of the runs' output
+        // (added by `prepare_pauses` to a table made before it); a plain lock's may not.
+        let output = match guard {
+            Guard::Plain => "",
+            Guard::Item { .. } => ", output = $7",
+        };
         let finish = format!(
             "WITH done AS (
-               UPDATE {t} SET outcome = $4, exit_code = $5, detail = $6,
+               UPDATE {t} SET outcome = $4, exit_code = $5, detail = $6{output},
                               ended_at = pg_catalog.clock_timestamp()
                 WHERE lock_key = $1 AND scheduled_for = $2 AND epoch = $3 AND outcome = 'running'
                RETURNING 1),
@@ -431,6 +438,7 @@ impl PgLedger {
         let client = &self.client;
         let table = &self.inner.table;
         ensure_paused_table(client, table).await?;
+        ensure_output_column(client, table).await?;
         let checks = client
             .query_typed(
                 "SELECT c.conname::text, pg_catalog.pg_get_constraintdef(c.oid) \
@@ -462,6 +470,37 @@ impl PgLedger {
         }
         Ok(())
     }
+}
+
+/// Adds the column of the runs' output (`--keep-output`) to a ledger table made before it
+/// existed, and says what to run when this role cannot. A nullable column without a default:
+/// PostgreSQL adds it without rewriting the table.
+async fn ensure_output_column(client: &Client, table: &TableName) -> Result<(), LedgerError> {
+    let has: bool = client
+        .query_typed_one(
+            "SELECT EXISTS (SELECT FROM pg_catalog.pg_attribute \
+                             WHERE attrelid = pg_catalog.to_regclass($1) AND attname = 'output' \
+                               AND NOT attisdropped)",
+            &[(&table.sql(), Type::TEXT)],
+        )
+        .await
+        .map_err(query_error)?
+        .get(0);
+    if has {
+        return Ok(());
+    }
+    let alter = format!(
+        "ALTER TABLE {} ADD COLUMN IF NOT EXISTS output text",
+        table.sql()
+    );
+    client.batch_execute(&alter).await.map_err(|err| {
+        LedgerError::Fatal(format!(
+            "the ledger table {} was made before the runs' output was kept, and this role \
+             cannot add the column: {}; have its owner run:\n{alter};",
+            table.as_str(),
+            describe(&err)
+        ))
+    })
 }
 
 /// Creates the table of a crontab fleet's paused jobs beside the ledger table `ledger` when it
@@ -716,7 +755,7 @@ impl Ledger for PgLedger {
 
     async fn finish(&self, finish: &LateFinish, detail: Option<&str>) -> Result<bool, LedgerError> {
         let key = self.inner.lock.key();
-        let params = vec![
+        let mut params = vec![
             param(key, Type::INT8),
             param(finish.at, Type::TIMESTAMPTZ),
             param(finish.epoch, Type::INT8),
@@ -724,6 +763,9 @@ impl Ledger for PgLedger {
             param(finish.exit_code, Type::INT4),
             param(detail.map(str::to_owned), Type::TEXT),
         ];
+        if let Guard::Item { .. } = self.inner.guard {
+            params.push(param(finish.output.clone(), Type::TEXT));
+        }
         let row = self.bounded_one(&self.inner.finish, params).await?;
         Ok(row.get::<_, i64>(0) > 0)
     }
@@ -822,11 +864,14 @@ pub async fn resolve(client: &Client, table: &TableName) -> Result<Option<String
         .get(0))
 }
 
+/// The newest rows of a lock, with the runs' output where the table has the column (read
+/// through the row as JSON: a plain lock's table made before the column has none).
 fn recent_sql(table: &TableName) -> String {
     format!(
         "SELECT scheduled_for, outcome, exit_code, attempt, claimed_at, ended_at, host, pid, \
-                backend_pid, epoch, detail, schedule, timezone \
-           FROM {} WHERE lock_key = $1 ORDER BY scheduled_for DESC LIMIT $2",
+                backend_pid, epoch, detail, schedule, timezone, \
+                pg_catalog.to_jsonb(l) ->> 'output' \
+           FROM {} l WHERE lock_key = $1 ORDER BY scheduled_for DESC LIMIT $2",
         table.sql()
     )
 }
@@ -849,7 +894,7 @@ pub async fn read_recent(
         )
         .await
         .map_err(query_error)?;
-    Ok(Some(rows.iter().map(entry).collect()))
+    Ok(Some(rows.iter().map(entry_with_output).collect()))
 }
 
 /// Each job of the crontab fleet of `lock` with its newest row, for `pgleader status`, which
@@ -906,6 +951,15 @@ fn entry(row: &tokio_postgres::Row) -> Entry {
         detail: row.get(10),
         schedule: row.get(11),
         timezone: row.get(12),
+        output: None,
+    }
+}
+
+/// A row of [`recent_sql`]: with the run's output.
+fn entry_with_output(row: &tokio_postgres::Row) -> Entry {
+    Entry {
+        output: row.get(13),
+        ..entry(row)
     }
 }
 

@@ -123,7 +123,8 @@ return {'claimed', '1'}
 "#;
 
 /// ARGV[2] the occurrence, ARGV[3] the epoch, ARGV[4] the outcome, ARGV[5] the exit code or
-/// '', ARGV[6] the detail or ''. Returns how many rows were updated.
+/// '', ARGV[6] the detail or '', ARGV[7] how many rows to keep, ARGV[8] the run's output or ''.
+/// Returns how many rows were updated.
 const FINISH: &str = r#"
 local at = ARGV[2]
 local r = row(at)
@@ -132,6 +133,7 @@ if r and r.epoch == ARGV[3] and r.outcome == 'running' then
   r.outcome = ARGV[4]; r.ended_at = now
   if ARGV[5] ~= '' then r.exit_code = ARGV[5] end
   if ARGV[6] ~= '' then r.detail = ARGV[6] end
+  if ARGV[8] ~= '' then r.output = ARGV[8] end
   put(at, r); done = 1
 end
 local extra = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[7])
@@ -371,6 +373,7 @@ fn entry(json: &str) -> Option<Entry> {
         detail: text("detail"),
         schedule: text("schedule").unwrap_or_default(),
         timezone: text("timezone").unwrap_or_default(),
+        output: text("output"),
     })
 }
 
@@ -619,7 +622,10 @@ impl Ledger for RedisLedger {
 
     async fn finish(&self, finish: &LateFinish, detail: Option<&str>) -> Result<bool, LedgerError> {
         let mut invocation = self.ending(&FINISH_SCRIPT, finish);
-        invocation.arg(detail.unwrap_or_default()).arg(KEEP);
+        invocation
+            .arg(detail.unwrap_or_default())
+            .arg(KEEP)
+            .arg(finish.output.as_deref().unwrap_or_default());
         let done: i64 = self.run(&invocation).await?;
         Ok(done > 0)
     }

@@ -239,6 +239,7 @@ mod tests {
             detail: None,
             schedule: schedule.into(),
             timezone: timezone.into(),
+            output: None,
         }
     }
 

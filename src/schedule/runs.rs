@@ -363,16 +363,18 @@ impl<L: Ledger> Runs<L> {
     }
 
     /// The command of the run of `at` ended on its own (`overlap=allow`: one of several):
-    /// record how.
-    pub fn exited_at(&mut self, at: Timestamp, status: ChildStatus) {
+    /// record how, with the last lines it printed (`output`) if they were kept.
+    pub fn exited_at(&mut self, at: Timestamp, status: ChildStatus, output: Option<String>) {
         if self.running.is_none_or(|run| run.at != at)
             && let Some(aside) = self.aside.iter().position(|run| run.at == at)
         {
             let run = self.aside.remove(aside);
-            self.record_exit(run, status);
+            self.record_exit(run, status, output);
             return;
         }
-        self.exited(status);
+        if let Some(run) = self.running.take() {
+            self.record_exit(run, status, output);
+        }
     }
 
     /// The command ended on its own: record how.
@@ -380,10 +382,11 @@ impl<L: Ledger> Runs<L> {
         let Some(run) = self.running.take() else {
             return;
         };
-        self.record_exit(run, status);
+        self.record_exit(run, status, None);
     }
 
-    fn record_exit(&mut self, run: Run, status: ChildStatus) {
+    /// Records how `run` ended, with the last lines it printed (`output`) if they were kept.
+    fn record_exit(&mut self, run: Run, status: ChildStatus, output: Option<String>) {
         let succeeded = status == ChildStatus::Exited(0);
         let replaced = self.replacing.take();
         let outcome = match replaced {
@@ -408,6 +411,7 @@ impl<L: Ledger> Runs<L> {
             outcome,
             exit_code: Some(i32::from(status.exit_code())),
             ended_at: self.clock.now(),
+            output,
         };
         self.publish(run.at, outcome, finish.exit_code);
         self.finishing = Some(finish.clone());
@@ -505,6 +509,7 @@ impl<L: Ledger> Runs<L> {
             outcome: "interrupted",
             exit_code: status.map(|status| i32::from(status.exit_code())),
             ended_at: self.clock.now(),
+            output: None,
         };
         match self.ledger.finish(&finish, Some(why)).await {
             Ok(_) => self.publish(run.at, finish.outcome, finish.exit_code),

@@ -85,6 +85,9 @@ struct Entry<T> {
     /// Its command's last start and exit: what `/status` shows.
     started: Option<(i32, Timestamp)>,
     last_exit: Option<(ChildStatus, Timestamp)>,
+    /// The last lines of its command's last run, when its keeper kept them (`--keep-output`),
+    /// until its owner takes them.
+    output: Option<Vec<u8>>,
     /// `--pre-start` failures in a row: the next try waits longer each time.
     pre_start_failures: u32,
 }
@@ -147,9 +150,16 @@ impl<K: Ord + Clone, T> Commands<K, T> {
                 stopping: None,
                 started: None,
                 last_exit: None,
+                output: None,
                 pre_start_failures: 0,
             },
         );
+    }
+
+    /// The last lines of the last run of `key`'s command, once settled, if its keeper kept
+    /// them (`--keep-output`).
+    pub fn take_output(&mut self, key: &K) -> Option<Vec<u8>> {
+        self.entries.get_mut(key)?.output.take()
     }
 
     pub fn contains_key(&self, key: &K) -> bool {
@@ -424,6 +434,7 @@ impl<K: Ord + Clone, T> Commands<K, T> {
                 entry.started = None;
                 entry.last_exit = Some((status, Timestamp::now()));
             }
+            entry.output = entry.job.as_mut().and_then(Job::take_output);
             let after = entry.stopping.as_ref().map_or(After::Restart, |s| s.after);
             let outcome = match after {
                 After::Restart if !quiet => {

@@ -272,3 +272,115 @@ fn on_postgres_a_fleet_with_tagged_output_shares_its_jobs_and_survives_a_kill_9(
 fn on_redis_a_fleet_with_tagged_output_shares_its_jobs_and_survives_a_kill_9() {
     a_fleet_reading_tagged_lines_runs_each_occurrence_once(&Redis::shared().url(), &QUICK);
 }
+
+/// `status --job JOB --json` on `url`'s server for `lock`, once a run of `job` has ended with
+/// its output kept (or, `kept` false, once one has ended at all).
+fn ended_run(url: &str, lock: i64, job: &str, kept: bool) -> serde_json::Value {
+    poll_until(
+        Duration::from_millis(100),
+        || format!("no ended run of {job} in the ledger"),
+        || {
+            let mut command = pgleader();
+            command.env("PGLEADER_DATABASE_URL", url).args([
+                "status",
+                &format!("--lock-id={lock}"),
+                "--job",
+                job,
+                "--json",
+            ]);
+            let shown = Proc::spawn("status --job", command);
+            shown.wait_code();
+            let seen: serde_json::Value =
+                serde_json::from_str(&shown.lines(Stream::Stdout).join("\n")).ok()?;
+            seen["runs"]
+                .as_array()?
+                .iter()
+                .find(|run| run["outcome"] == "failed" && (!kept || run["output"].is_string()))
+                .cloned()
+        },
+    )
+}
+
+/// A run's last lines are kept with its ledger row, bounded by --keep-output, from a whole
+/// line, both streams, bytes that are not text escaped; shown by `status --job` in JSON and
+/// indented under the run in text; --keep-output 0 keeps nothing.
+fn a_run_s_last_lines_are_kept_with_its_ledger_row(url: &str, args: &[&str]) {
+    let file = File::new(
+        "kept",
+        "# pgleader: name=talk\n\
+         * * * * * * * for i in $(seq -w 1 40); do echo \"line $i\"; done; echo warned >&2; \
+         printf 'bin\\377'; exit 3\n",
+    );
+    let lock = unique_lock();
+    let mut with = args.to_vec();
+    with.extend(["--keep-output", "100"]);
+    let a = tagged("A", url, lock, &with, &file);
+    let run = ended_run(url, lock, "talk", true);
+    let output = run["output"].as_str().expect("output kept");
+    assert!(output.len() <= 100, "{output:?}");
+    assert!(
+        output.starts_with("line "),
+        "not from a whole line: {output:?}"
+    );
+    assert!(
+        output.ends_with("line 40\nwarned\nbin\\xff\n"),
+        "{output:?}"
+    );
+    // The text: the run's lines indented under it.
+    let mut command = pgleader();
+    command.env("PGLEADER_DATABASE_URL", url).args([
+        "status",
+        &format!("--lock-id={lock}"),
+        "--job",
+        "talk",
+    ]);
+    let text = Proc::spawn("status --job text", command);
+    assert_eq!(text.wait_code(), 0, "{}", text.dump());
+    let lines = text.lines(Stream::Stdout);
+    assert!(
+        lines.iter().any(|line| line == "      | line 40"),
+        "{lines:?}"
+    );
+    a.terminate_cleanly();
+    // Nothing kept with 0.
+    let lock = unique_lock();
+    let mut with = args.to_vec();
+    with.extend(["--keep-output", "0"]);
+    let b = tagged("B", url, lock, &with, &file);
+    let run = ended_run(url, lock, "talk", false);
+    assert!(run["output"].is_null(), "{run}");
+    b.terminate_cleanly();
+}
+
+#[test]
+fn on_postgres_a_run_s_last_lines_are_kept_with_its_ledger_row() {
+    a_run_s_last_lines_are_kept_with_its_ledger_row(&Cluster::shared().url(), &[]);
+}
+
+#[test]
+fn on_redis_a_run_s_last_lines_are_kept_with_its_ledger_row() {
+    a_run_s_last_lines_are_kept_with_its_ledger_row(&Redis::shared().url(), &QUICK);
+}
+
+#[test]
+fn a_keep_output_size_out_of_range_is_refused_with_exit_2() {
+    let file = File::new("kept-bad", "* * * * * true\n");
+    for bad in ["65KiB", "lots", "-1"] {
+        let refused = tagged(
+            "bad size",
+            &Cluster::shared().url(),
+            unique_lock(),
+            &[&format!("--keep-output={bad}")],
+            &file,
+        );
+        assert_eq!(refused.wait_code(), 2, "{}", refused.dump());
+        assert!(
+            refused
+                .lines(Stream::Stderr)
+                .iter()
+                .any(|line| line.contains("--keep-output")),
+            "{}",
+            refused.dump()
+        );
+    }
+}

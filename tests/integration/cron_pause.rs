@@ -171,13 +171,14 @@ fn on_redis_a_paused_job_runs_nowhere_through_restarts_until_resumed() {
 /// A ledger table made before pauses existed (its check without `paused`): the first fleet
 /// replica adds `paused` to it, and creates the table of pauses beside it.
 #[test]
-fn a_ledger_table_made_before_pauses_gains_the_paused_outcome() {
+fn a_ledger_table_made_before_pauses_gains_the_paused_outcome_and_the_output_column() {
     let table = format!("old_ledger_{}", unique_lock());
     let old = pgleader::postgres::ledger::TableName::parse(&table)
         .expect("a table name")
         .ddl()
-        .replace(", 'paused'", "");
-    assert!(!old.contains("paused"), "{old}");
+        .replace(", 'paused'", "")
+        .replace("    output        text,\n", "");
+    assert!(!old.contains("paused") && !old.contains("output"), "{old}");
     let cluster = Cluster::shared();
     cluster.execute(&old);
     let check = || -> String {
@@ -211,5 +212,16 @@ fn a_ledger_table_made_before_pauses_gains_the_paused_outcome() {
         .expect("to_regclass")
         .get(0);
     assert!(paused, "no table of pauses beside {table}");
+    // And the column of the runs' output (--keep-output).
+    let output: bool = cluster
+        .client()
+        .query_one(
+            "SELECT EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass($1) \
+                              AND attname = 'output' AND NOT attisdropped)",
+            &[&table],
+        )
+        .expect("pg_attribute")
+        .get(0);
+    assert!(output, "no output column added to {table}");
     replica.terminate_cleanly();
 }

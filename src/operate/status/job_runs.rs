@@ -1,8 +1,8 @@
 //! `pgleader status --lock NAME --job JOB`: one crontab job's last runs, newest first, from the
 //! ledger, which keeps them under the job's name whichever replica ran them: each occurrence's
 //! outcome, exit code, how long it took, which replica ran it, and what the ledger says of it
-//! (why it was missed, skipped or interrupted). It needs no crontab file and no replica
-//! running. Apart from `jobs.rs`, which lists every job with its newest run only.
+//! (why it was missed, skipped or interrupted), and the last lines it printed where they were
+//! kept (`--keep-output`). It needs no crontab file and no replica running. Apart from `jobs.rs`, which lists every job with its newest run only.
 
 use std::fmt::Write as _;
 
@@ -92,6 +92,13 @@ impl JobRuns {
                 let _ = write!(line, ": {detail}");
             }
             let _ = writeln!(text, "{}", line.trim_end());
+            // What it printed, indented under it: the user's text, a line of the job's own
+            // never taken for one of status's.
+            if let Some(output) = run.output.as_deref().filter(|output| !output.is_empty()) {
+                for printed in output.strip_suffix('\n').unwrap_or(output).split('\n') {
+                    let _ = writeln!(text, "      | {printed}");
+                }
+            }
         }
         text
     }
@@ -115,6 +122,7 @@ impl JobRuns {
                     "pid": run.pid,
                     "epoch": run.epoch,
                     "detail": run.detail,
+                    "output": run.output,
                 })
             })
             .collect();

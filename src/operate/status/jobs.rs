@@ -373,6 +373,7 @@ mod tests {
                 detail: None,
                 schedule: "0 0 3 * * *".to_owned(),
                 timezone: "UTC".to_owned(),
+                output: None,
             },
             last_success: None,
         };

@@ -461,6 +461,7 @@ mod tests {
             detail: None,
             schedule: String::new(),
             timezone: String::new(),
+            output: None,
         }
     }
 

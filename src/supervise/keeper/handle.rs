@@ -286,6 +286,7 @@ impl Parked {
             post_stop: None,
             deadline: watch.map(|(deadline, _)| deadline.clone()),
             expired: false,
+            output: None,
         })
     }
 
@@ -430,6 +431,8 @@ pub struct Job {
     deadline: Option<Deadline>,
     /// The keeper reported that it stops the command by itself, the deadline having passed.
     expired: bool,
+    /// The run's last lines, once the keeper has reported them (`--keep-output`).
+    output: Option<Vec<u8>>,
 }
 
 impl Job {
@@ -529,6 +532,11 @@ impl Job {
         }
     }
 
+    /// The run's last lines, if the keeper kept and reported them.
+    pub fn take_output(&mut self) -> Option<Vec<u8>> {
+        self.output.take()
+    }
+
     /// Records a reaped child if it is this job's keeper; true if it was.
     pub fn note_reaped(&mut self, pid: Pid, status: WaitStatus) -> bool {
         if pid == self.keeper {
@@ -578,6 +586,22 @@ impl Job {
 
     fn take_buffered(&mut self) -> Option<Report> {
         while self.pending.len() >= Report::LEN {
+            // The run's last lines: kept aside, whole once all of them have come.
+            if self.pending[0] == protocol::OUTPUT {
+                let len = u32::from_le_bytes([
+                    self.pending[1],
+                    self.pending[2],
+                    self.pending[3],
+                    self.pending[4],
+                ]) as usize;
+                if self.pending.len() < Report::LEN + len {
+                    return None;
+                }
+                let tail = self.pending[Report::LEN..Report::LEN + len].to_vec();
+                self.pending.drain(..Report::LEN + len);
+                self.output = Some(tail);
+                continue;
+            }
             let mut bytes = [0u8; Report::LEN];
             bytes.copy_from_slice(&self.pending[..Report::LEN]);
             self.pending.drain(..Report::LEN);
@@ -595,7 +619,7 @@ impl Job {
 
     /// Reads what the socket holds without blocking; false when nothing more can come now.
     fn read_available(&mut self) -> bool {
-        let mut buf = [0u8; 256];
+        let mut buf = [0u8; 4096];
         match self.channel.try_read(&mut buf) {
             Ok(0) => {
                 self.channel_closed = true;

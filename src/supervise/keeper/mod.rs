@@ -65,7 +65,7 @@ mod channel;
 mod farewell;
 mod hooks;
 mod membership;
-mod output;
+pub(crate) mod output;
 mod process;
 mod spawn;
 mod tree;

@@ -16,12 +16,17 @@
 //! that is split into parts marked `part=1`, `part=2`, ...; bytes that are not UTF-8 are
 //! written `\xNN`, and so are control characters other than the tab in the text format (JSON
 //! escapes them its own way).
+//!
+//! The relay also keeps the last lines of the run (`--keep-output` bytes, [`Tail`]), which the
+//! keeper reports to pgleader once the tree is gone, for the run's ledger row: what a run
+//! printed can be read after the fact with `pgleader status --job`.
 
+use std::collections::VecDeque;
 use std::io::{self, Write};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use nix::errno::Errno;
@@ -57,27 +62,81 @@ pub struct Relay {
     /// Bytes read or written so far, for [`Relay::finish`] to tell a slow log from one nobody
     /// reads.
     progress: Arc<AtomicU64>,
+    /// The run's last lines, as far as they were read.
+    tail: Arc<Mutex<Tail>>,
+}
+
+/// The last bytes of a run's lines, both streams in the order their lines ended, for the
+/// run's ledger row: at most `keep` bytes, from the first whole line once older ones were
+/// dropped (unless a single line fills them all).
+#[derive(Debug, Default)]
+pub struct Tail {
+    keep: usize,
+    bytes: VecDeque<u8>,
+    cut: bool,
+}
+
+impl Tail {
+    pub fn new(keep: usize) -> Tail {
+        Tail {
+            keep,
+            ..Tail::default()
+        }
+    }
+
+    /// Keeps `text`, a line or a part of one (`ends`: the line ends with it).
+    fn push(&mut self, text: &[u8], ends: bool) {
+        if self.keep == 0 {
+            return;
+        }
+        let from = text.len().saturating_sub(self.keep);
+        self.cut |= from > 0;
+        self.bytes.extend(&text[from..]);
+        if ends {
+            self.bytes.push_back(b'\n');
+        }
+        let over = self.bytes.len().saturating_sub(self.keep);
+        if over > 0 {
+            self.bytes.drain(..over);
+            self.cut = true;
+        }
+    }
+
+    /// What is kept, from its first whole line.
+    pub fn take(&mut self) -> Vec<u8> {
+        let mut bytes: Vec<u8> = self.bytes.drain(..).collect();
+        if std::mem::take(&mut self.cut)
+            && let Some(end) = bytes.iter().position(|b| *b == b'\n')
+            && end + 1 < bytes.len()
+        {
+            bytes.drain(..=end);
+        }
+        bytes
+    }
 }
 
 impl Relay {
     /// Makes the command's pipes and starts reading them on a thread of its own.
-    pub fn start(tag: Tag) -> io::Result<Relay> {
+    /// Keeps the last `keep` bytes of the run's lines ([`Relay::finish`] returns them).
+    pub fn start(tag: Tag, keep: usize) -> io::Result<Relay> {
         let (out_read, out_write) = pipe2(OFlag::O_CLOEXEC)?;
         let (err_read, err_write) = pipe2(OFlag::O_CLOEXEC)?;
         let progress = Arc::new(AtomicU64::new(0));
+        let tail = Arc::new(Mutex::new(Tail::new(keep)));
         let (finished, done) = mpsc::channel();
-        let counted = Arc::clone(&progress);
+        let (counted, kept) = (Arc::clone(&progress), Arc::clone(&tail));
         std::thread::Builder::new()
             .name("output".into())
             .stack_size(64 * 1024)
             .spawn(move || {
-                relay([out_read, err_read], &tag, &counted);
+                relay([out_read, err_read], &tag, &counted, &kept);
                 let _ = finished.send(());
             })?;
         Ok(Relay {
             writers: Some([out_write, err_write]),
             done,
             progress,
+            tail,
         })
     }
 
@@ -96,32 +155,41 @@ impl Relay {
 
     /// Waits for every line to be written, the tree being gone; gives up once the log has
     /// taken nothing for [`STALLED`] (nobody reads it, or something outside the tree holds a
-    /// pipe open).
-    pub fn finish(mut self) {
+    /// pipe open). Returns the run's last lines, as far as they were read.
+    pub fn finish(mut self) -> Vec<u8> {
         self.writers = None;
         let mut seen = self.progress.load(Ordering::Relaxed);
         let mut since = Instant::now();
         loop {
             match self.done.recv_timeout(Duration::from_millis(100)) {
-                Ok(()) | Err(RecvTimeoutError::Disconnected) => return,
+                Ok(()) | Err(RecvTimeoutError::Disconnected) => break,
                 Err(RecvTimeoutError::Timeout) => {}
             }
             let now = self.progress.load(Ordering::Relaxed);
             if now != seen {
                 (seen, since) = (now, Instant::now());
             } else if since.elapsed() >= STALLED {
-                return;
+                break;
             }
         }
+        let mut tail = self
+            .tail
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        tail.take()
     }
 }
 
 /// The relay's thread: reads both pipes to their end, writing each line as it is complete.
-fn relay(pipes: [OwnedFd; 2], tag: &Tag, progress: &AtomicU64) {
+fn relay(pipes: [OwnedFd; 2], tag: &Tag, progress: &AtomicU64, tail: &Mutex<Tail>) {
     let mut streams = [Stream::new("stdout"), Stream::new("stderr")];
     let mut open = [true, true];
     let mut chunk = vec![0u8; 16 * 1024];
-    let mut log = Log { tag, progress };
+    let mut log = Log {
+        tag,
+        progress,
+        tail: Some(tail),
+    };
     while open.iter().any(|open| *open) {
         let which: Vec<usize> = (0..2).filter(|i| open[*i]).collect();
         let mut fds: Vec<PollFd> = which
@@ -215,6 +283,8 @@ fn incomplete_tail(bytes: &[u8]) -> usize {
 struct Log<'a> {
     tag: &'a Tag,
     progress: &'a AtomicU64,
+    /// Where the run's last lines are kept.
+    tail: Option<&'a Mutex<Tail>>,
 }
 
 impl Log<'_> {
@@ -222,6 +292,10 @@ impl Log<'_> {
     /// is not a part already, else in parts numbered on from `part`. `ends` says whether the
     /// line ends with `text` (then `part` goes back to 0).
     fn line(&mut self, stream: &str, text: &[u8], part: &mut u32, ends: bool) {
+        if let Some(tail) = self.tail {
+            let mut tail = tail.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+            tail.push(text, ends);
+        }
         let units = units(text, self.tag.format);
         let time = crate::time::rfc3339_millis(jiff::Timestamp::now());
         if *part == 0 && ends {
@@ -355,6 +429,25 @@ fn units(text: &[u8], format: LogFormat) -> Vec<String> {
     units
 }
 
+/// A run's last lines as text for its ledger row: bytes that are not UTF-8, and control
+/// characters other than the newline and the tab, written `\xNN`, as in the log.
+pub fn tail_text(tail: &[u8]) -> String {
+    let mut text = String::with_capacity(tail.len());
+    for chunk in tail.utf8_chunks() {
+        for c in chunk.valid().chars() {
+            if c.is_control() && c != '\n' && c != '\t' {
+                text.push_str(&hex(c as u32));
+            } else {
+                text.push(c);
+            }
+        }
+        for byte in chunk.invalid() {
+            text.push_str(&hex(u32::from(*byte)));
+        }
+    }
+    text
+}
+
 /// `\xNN`.
 fn hex(value: u32) -> String {
     format!("\\x{value:02x}")
@@ -408,10 +501,36 @@ mod tests {
     }
 
     #[test]
+    fn a_tail_as_text_escapes_what_is_not_text_and_keeps_its_lines() {
+        assert_eq!(tail_text(b"a\xff\0b\tc\nd\x1b"), "a\\xff\\x00b\tc\nd\\x1b");
+    }
+
+    #[test]
+    fn the_tail_keeps_the_last_whole_lines_that_fit() {
+        let mut tail = Tail::new(10);
+        tail.push(b"first", true);
+        tail.push(b"second", true);
+        tail.push(b"thi", false);
+        tail.push(b"rd", true);
+        // "first" went for lack of room, and what was left of "second" with it.
+        assert_eq!(tail.take(), b"third\n");
+        tail.push(b"a line longer than what is kept", true);
+        assert_eq!(tail.take(), b"t is kept\n");
+        let mut none = Tail::new(0);
+        none.push(b"x", true);
+        assert!(none.take().is_empty());
+        let mut whole = Tail::new(64);
+        whole.push(b"one", true);
+        whole.push(b"two", false);
+        assert_eq!(whole.take(), b"one\ntwo");
+    }
+
+    #[test]
     fn frames_name_the_job_the_stream_the_occurrence_and_the_replica() {
         let log = Log {
             tag: &tag(LogFormat::Text),
             progress: &AtomicU64::new(0),
+            tail: None,
         };
         let (head, tail) = log.frame("T", "stderr", Some(2));
         assert_eq!(head, "T INFO  ");
@@ -422,6 +541,7 @@ mod tests {
         let log = Log {
             tag: &tag(LogFormat::Json),
             progress: &AtomicU64::new(0),
+            tail: None,
         };
         let (head, tail) = log.frame("T", "stdout", None);
         let line = format!("{head}hello{tail}");

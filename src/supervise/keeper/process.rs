@@ -213,7 +213,7 @@ fn run() -> io::Result<i32> {
     // A crontab job's output becomes log lines (`output.rs`); without the relay's thread, it
     // goes where pgleader's does rather than nowhere.
     let mut relay = match options.output {
-        Output::Tagged => Relay::start(tag(&tree.env, options.log)).ok(),
+        Output::Tagged { keep } => Relay::start(tag(&tree.env, options.log), keep as usize).ok(),
         Output::Inherited => None,
     };
     let spawned = prepared

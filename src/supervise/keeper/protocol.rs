@@ -81,6 +81,19 @@ impl Report {
     }
 }
 
+/// The tag of the report of the end of a run's output, sent before `Done` when the keeper keeps
+/// it: then a little-endian 32-bit length and that many bytes, the run's last lines.
+pub const OUTPUT: u8 = b'O';
+
+/// The report of a run's last lines `tail` ([`OUTPUT`]).
+pub fn output_report(tail: &[u8]) -> Vec<u8> {
+    let mut report = Vec::with_capacity(5 + tail.len());
+    report.push(OUTPUT);
+    report.extend_from_slice(&(tail.len() as u32).to_le_bytes());
+    report.extend_from_slice(tail);
+    report
+}
+
 /// Where the command's stdout and stderr go.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Output {
@@ -89,8 +102,9 @@ pub enum Output {
     #[default]
     Inherited,
     /// Each line a log line of pgleader's, naming the job, the stream, the occurrence and the
-    /// replica (`pgleader cron`; see `output.rs`).
-    Tagged,
+    /// replica (`pgleader cron`; see `output.rs`); the last `keep` bytes of the run's lines are
+    /// reported before `Done` ([`OUTPUT`]), for the ledger (`--keep-output`).
+    Tagged { keep: u32 },
 }
 
 /// Whether this process was started as a keeper.
@@ -111,8 +125,11 @@ pub fn keeper_args(
     let mut args = vec![OsString::from(fd.to_string())];
     args.extend(hooks.to_args());
     args.extend(log_args());
-    if output == Output::Tagged {
+    if let Output::Tagged { keep } = output {
         args.push(OsString::from(TAGGED));
+        if keep > 0 {
+            args.push(OsString::from(format!("{KEEP}{keep}")));
+        }
     }
     args.push(OsString::from(END_OF_OPTIONS));
     args.push(program.clone());
@@ -148,6 +165,7 @@ const LOG: &str = "log=";
 const VERBOSITY: &str = "verbosity=";
 const MEMBERSHIP: &str = "membership";
 const TAGGED: &str = "output=tagged";
+const KEEP: &str = "keep=";
 const END_OF_OPTIONS: &str = "--";
 
 /// The keeper's options: the hooks, how to log (as pgleader does) and where the command's
@@ -184,7 +202,11 @@ impl Options {
             } else if word == MEMBERSHIP {
                 options.membership = true;
             } else if word == TAGGED {
-                options.output = Output::Tagged;
+                options.output = Output::Tagged { keep: 0 };
+            } else if let Some(keep) = word.strip_prefix(KEEP) {
+                options.output = Output::Tagged {
+                    keep: keep.parse().unwrap_or(0),
+                };
             } else if !options.hooks.read_arg(&word) {
                 return Err(io::Error::other(format!("unknown option {word:?}")));
             }
@@ -386,6 +408,27 @@ mod tests {
             assert_eq!(Report::decode(report.encode()), Some(report));
         }
         assert_eq!(Report::decode(*b"?\0\0\0\0"), None);
+    }
+
+    #[test]
+    fn the_output_options_survive_a_round_trip() {
+        for output in [
+            Output::Inherited,
+            Output::Tagged { keep: 0 },
+            Output::Tagged { keep: 4096 },
+        ] {
+            let args = keeper_args(3, &Hooks::default(), output, &"sh".into(), &["sh".into()]);
+            let mut rest = args.into_iter().skip(1);
+            let options = Options::read(&mut rest).expect("options");
+            assert_eq!(options.output, output);
+        }
+        let report = output_report(b"last\n");
+        assert_eq!(report[0], OUTPUT);
+        assert_eq!(
+            u32::from_le_bytes([report[1], report[2], report[3], report[4]]),
+            5
+        );
+        assert_eq!(&report[5..], b"last\n");
     }
 
     #[test]

@@ -20,7 +20,7 @@ use crate::operate::logging;
 use crate::supervise::hook::Hooks;
 use crate::supervise::keeper::farewell::{self, Farewells};
 use crate::supervise::keeper::output::Relay;
-use crate::supervise::keeper::protocol::Report;
+use crate::supervise::keeper::protocol::{self, Report};
 use crate::supervise::procfs;
 use crate::supervise::watchdog::Watch;
 use crate::time::for_people;
@@ -136,7 +136,11 @@ impl Tree {
         // and as a container's PID 1 its exit takes the keeper with it. (A failover after a
         // kill -9 does not wait for them: the sockets are closed already.)
         if let Some(relay) = self.output.take() {
-            relay.finish();
+            let tail = relay.finish();
+            // Before `Done`, for the run's ledger row (`--keep-output`).
+            if !tail.is_empty() {
+                let _ = self.channel.write_all(&protocol::output_report(&tail));
+            }
         }
         let _ = self.channel.write_all(&Report::Done(0).encode());
         // The lines of the keeper's own stop, unless their write is blocked (nobody reads).

@@ -419,10 +419,16 @@ impl<L: Ledger> Jobs<L> {
     }
 
     /// Item `item`'s command exited on its own: its runs record how.
-    pub fn exited(&mut self, item: u32, occurrence: Option<Timestamp>, status: ChildStatus) {
+    pub fn exited(
+        &mut self,
+        item: u32,
+        occurrence: Option<Timestamp>,
+        status: ChildStatus,
+        output: Option<String>,
+    ) {
         if let Some(runs) = self.runs.get_mut(&item) {
             match occurrence {
-                Some(at) => runs.exited_at(at, status),
+                Some(at) => runs.exited_at(at, status, output),
                 None => runs.exited(status),
             }
         }

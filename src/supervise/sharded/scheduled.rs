@@ -36,6 +36,7 @@ use crate::supervise::Sharding;
 use crate::supervise::commands::{After, Restart, Settled};
 use crate::supervise::hook::Hooks;
 use crate::supervise::keeper::handle::{CommandError, CommandLine, Job, Parked};
+use crate::supervise::keeper::output::tail_text;
 use crate::supervise::label::Label;
 use crate::time::for_people as fmt;
 
@@ -180,8 +181,9 @@ impl<H: Holder> Scheduled<H> {
         if let Some(run) = run {
             run.timeout_at = None;
         }
+        let output = table.take_output(&slot).map(|tail| tail_text(&tail));
         if let Some(status) = status {
-            self.jobs.exited(item, occurrence, status);
+            self.jobs.exited(item, occurrence, status, output);
         }
         if slot.is_aside() {
             // A run that went on aside is over: its entry goes.
