@@ -314,13 +314,13 @@ impl Roster {
             let even = left / open.len() as u32;
             let (capped, uncapped): (Vec<usize>, Vec<usize>) = open
                 .iter()
-                .partition(|&&i| self.members[i].cap.is_some_and(|cap| cap <= even));
+                .partition(|&&i| self.limit(i).is_some_and(|cap| cap <= even));
             if capped.is_empty() {
                 open = uncapped;
                 break;
             }
             for i in capped {
-                let cap = self.members[i].cap.unwrap_or(0);
+                let cap = self.limit(i).unwrap_or(0);
                 shares[i] = cap;
                 left -= cap;
             }
@@ -340,6 +340,23 @@ impl Roster {
             shares[i] = even + u32::from(rank < extra);
         }
         shares
+    }
+
+    /// The most items member `i` can hold: its `--max-shards`, and no more than the items
+    /// of the roster it knows (a draining crontab replica knows none: it takes nothing, so
+    /// its share must go to the others, or they pass its jobs back and forth).
+    fn limit(&self, i: usize) -> Option<u32> {
+        let member = &self.members[i];
+        let known = member.knows.as_ref().map(|knows| {
+            self.items
+                .iter()
+                .filter(|item| knows.contains(item))
+                .count() as u32
+        });
+        match (member.cap, known) {
+            (Some(cap), Some(known)) => Some(cap.min(known)),
+            (cap, known) => cap.or(known),
+        }
     }
 
     /// The items no member holds.
@@ -573,6 +590,34 @@ mod tests {
         assert_eq!(r.to_take(2), vec![20, 30]);
         assert!(!r.known_elsewhere(30, 2));
         assert!(r.known_elsewhere(20, 2));
+    }
+
+    #[test]
+    fn a_draining_member_that_knows_no_job_has_no_share_and_the_others_keep_theirs() {
+        let knowing = |id: i32, knows: &[u32], holds: &[u32]| Member {
+            knows: Some(knows.iter().copied().collect()),
+            ..member(id, None, holds)
+        };
+        let items = Items::Listed(Arc::new(Listing {
+            items: (0..11).collect(),
+            definitions: BTreeMap::new(),
+        }));
+        // 3 drains: it lists no job while its last run ends, holding that job still. The two
+        // others share all eleven, so that neither is over its share once it has taken the
+        // drained jobs (a share of 4 each, as before, had them hand those jobs back and forth
+        // until 3 was gone, and occurrences went unclaimed meanwhile).
+        let all: Vec<u32> = (0..11).collect();
+        let r = Roster {
+            items,
+            members: vec![
+                knowing(1, &all, &[0, 1, 2, 3, 4]),
+                knowing(2, &all, &[5, 6, 7, 8]),
+                knowing(3, &[], &[10]),
+            ],
+        };
+        assert_eq!(r.shares(), vec![6, 5, 0]);
+        assert_eq!(r.to_take(1), vec![9]);
+        assert_eq!(r.to_take(2), Vec::<u32>::new());
     }
 
     #[test]

@@ -302,10 +302,13 @@ impl<L: Ledger> Jobs<L> {
 
     /// The jobs this replica owns or knows that another member defines otherwise: (job name,
     /// that member's id), from a roster. A member that knows a job and does not say this
-    /// replica's definition of it defines it otherwise.
+    /// replica's definition of it defines it otherwise. Not the jobs it no longer shares out
+    /// (all of them once it drains): it says no definition of those any more, and a roster
+    /// read on PostgreSQL then carries none of the others' either.
     fn disagreements(&self, roster: &Roster, me: i32) -> BTreeSet<(String, i32)> {
         let mut found = BTreeSet::new();
-        for job in self.crontab.iter().flat_map(|crontab| &crontab.jobs) {
+        let shared = self.crontab.iter().flat_map(|crontab| &crontab.jobs);
+        for job in shared.filter(|job| self.items.contains(job.item())) {
             let (item, marker) = (job.item(), job.definition_marker());
             for member in roster.members.iter().filter(|member| member.id != me) {
                 if member.knows(item) && member.defines.get(&item) != Some(&marker) {
