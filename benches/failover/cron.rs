@@ -61,10 +61,11 @@ const NEXT_ROW: &str = "cron.kill9.next";
 
 /// The ids of the fleets' rows, in the order the report shows them, each backend's side by
 /// side.
-const FLEET_ROWS: [&str; 8] = [
+const FLEET_ROWS: [&str; 9] = [
     LATENESS_ROW,
     LIGHT_ROW,
     LIGHT_RAW_ROW,
+    LIGHT_UNKEPT_ROW,
     LIGHT_PINGS_ROW,
     OWNED_ROW,
     NEXT_ROW,
@@ -93,7 +94,14 @@ pub const LIGHT_RAW_ROW: &str = "cron.light.lateness.passthrough";
 /// [`LIGHT_ROW`].
 pub const LIGHT_PINGS_ROW: &str = "cron.light.lateness.pings";
 
+/// The id of the light fleet's lateness with none of the runs' output kept for the ledger
+/// (`--keep-output 0`), beside [`LIGHT_ROW`], which keeps the default 1 KiB.
+pub const LIGHT_UNKEPT_ROW: &str = "cron.light.lateness.unkept";
+
 /// The label of that row.
+pub const CRON_UNKEPT_LABEL: &str = "pgleader cron --keep-output 0";
+
+/// The label of the pings' row.
 pub const CRON_PINGS_LABEL: &str = "pgleader cron, every job with ping= (a local monitor)";
 
 /// The label of `pgleader cron --passthrough-logs`'s rows on PostgreSQL.
@@ -166,6 +174,8 @@ enum Output {
     Tagged,
     Passthrough,
     Pinged,
+    /// Tagged, keeping none of the runs' output for the ledger (`--keep-output 0`).
+    NotKept,
 }
 
 /// Where a crontab's replicas keep their jobs: the benchmark's PostgreSQL, or its Redis server
@@ -243,8 +253,14 @@ fn replica_with(
         .arg("cron")
         .arg(format!("--lock-id={lock}"))
         .args(backend.options());
-    if output == Output::Passthrough {
-        command.arg("--passthrough-logs");
+    match output {
+        Output::Passthrough => {
+            command.arg("--passthrough-logs");
+        }
+        Output::NotKept => {
+            command.arg("--keep-output=0");
+        }
+        Output::Tagged | Output::Pinged => {}
     }
     command.arg(file);
     Candidate::spawn(tag, command)
@@ -443,6 +459,7 @@ pub fn scenarios(
     }
     // The jobs' lines as they are, and pings, beside the tagged ones (PostgreSQL's fleet).
     rows.push(light(backends[0], plan, Output::Passthrough));
+    rows.push(light(backends[0], plan, Output::NotKept));
     rows.push(light(backends[0], plan, Output::Pinged));
     // Each measure's rows side by side, PostgreSQL's first (the sort is stable), each floor
     // after its fleets' lateness; yacron's row, none of these, stays first.
@@ -611,6 +628,7 @@ fn light(backend: Backend, plan: &Plan, output: Output) -> Row {
             Output::Tagged => "",
             Output::Passthrough => ", --passthrough-logs",
             Output::Pinged => ", ping= on every job",
+            Output::NotKept => ", --keep-output 0",
         },
         crate::figures::secs(plan.window)
     );
@@ -647,6 +665,7 @@ fn light(backend: Backend, plan: &Plan, output: Output) -> Row {
         Output::Tagged => (LIGHT_ROW, backend.label()),
         Output::Passthrough => (LIGHT_RAW_ROW, CRON_RAW_LABEL),
         Output::Pinged => (LIGHT_PINGS_ROW, CRON_PINGS_LABEL),
+        Output::NotKept => (LIGHT_UNKEPT_ROW, CRON_UNKEPT_LABEL),
     };
     row(
         id,
@@ -1084,7 +1103,7 @@ fn cron_cost(
     let cron = replica_with(backend, "C", harness::unique_lock(), &file, output);
     let how = match output {
         // The costs are measured without pings (no monitor here).
-        Output::Tagged | Output::Pinged => cron_how(backend.name()),
+        Output::Tagged | Output::Pinged | Output::NotKept => cron_how(backend.name()),
         Output::Passthrough => format!(
             "one `pgleader cron --passthrough-logs` on {}, {JOBS} jobs",
             backend.name()
