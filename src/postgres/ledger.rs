@@ -15,6 +15,7 @@
 //! within `--catch-up`). Only the newest [`KEEP`] rows of each lock are kept.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use jiff::Timestamp;
@@ -150,6 +151,9 @@ pub struct LedgerSettings {
     /// How long one of a leader's ledger statements may wait: well under --check-timeout, so
     /// that the checks, which share the session, are not held up past their deadline.
     pub statement_timeout: Duration,
+    /// Whether the table has the column of the runs' output, learned when a fleet prepares it
+    /// (`prepare_pauses`), for every ledger of this process's sessions (one per job).
+    pub keeps_output: Arc<AtomicBool>,
 }
 
 /// The ledger of one lock and one schedule definition, on one session: the statements,
@@ -181,6 +185,10 @@ struct Statements {
     user_name: Option<String>,
     claim: Arc<str>,
     finish: Arc<str>,
+    /// `finish` that records the run's output too, once the table has the column (a crontab
+    /// fleet's or scheduled shards' ledger, see `prepare_pauses`).
+    finish_output: Arc<str>,
+    keeps_output: Arc<AtomicBool>,
     record: Arc<str>,
     interrupt_stale: Arc<str>,
     recent: Arc<str>,
@@ -249,14 +257,9 @@ impl PgLedger {
                     EXISTS (SELECT FROM newer), (SELECT t FROM now), (SELECT held FROM leads),
                     (SELECT detail FROM paused)"
         );
-        // A crontab fleet's (or scheduled shards') table has the column of the runs' output
-        // (added by `prepare_pauses` to a table made before it); a plain lock's may not.
-        let output = match guard {
-            Guard::Plain => "",
-            Guard::Item { .. } => ", output = $7",
-        };
-        let finish = format!(
-            "WITH done AS (
+        let finish_with = |output: &str| {
+            format!(
+                "WITH done AS (
                UPDATE {t} SET outcome = $4, exit_code = $5, detail = $6{output},
                               ended_at = pg_catalog.clock_timestamp()
                 WHERE lock_key = $1 AND scheduled_for = $2 AND epoch = $3 AND outcome = 'running'
@@ -267,8 +270,10 @@ impl PgLedger {
                    ORDER BY scheduled_for DESC OFFSET {offset} LIMIT 1)
                RETURNING 1)
              SELECT (SELECT count(*) FROM done), (SELECT count(*) FROM pruned)",
-            offset = KEEP - 1
-        );
+                offset = KEEP - 1
+            )
+        };
+        let (finish, finish_output) = (finish_with(""), finish_with(", output = $7"));
         let leads_record = leads("$11", "$12");
         let record = format!(
             "INSERT INTO {t} (lock_key, scheduled_for, lock_name, schedule, timezone, outcome, detail,
@@ -316,6 +321,8 @@ impl PgLedger {
                 user_name,
                 claim: claim.into(),
                 finish: finish.into(),
+                finish_output: finish_output.into(),
+                keeps_output: Arc::clone(&settings.keeps_output),
                 record: record.into(),
                 interrupt_stale: interrupt_stale.into(),
                 recent: recent.into(),
@@ -438,7 +445,8 @@ impl PgLedger {
         let client = &self.client;
         let table = &self.inner.table;
         ensure_paused_table(client, table).await?;
-        ensure_output_column(client, table).await?;
+        let keeps = ensure_output_column(client, table).await?;
+        self.inner.keeps_output.store(keeps, Ordering::Relaxed);
         let checks = client
             .query_typed(
                 "SELECT c.conname::text, pg_catalog.pg_get_constraintdef(c.oid) \
@@ -473,34 +481,44 @@ impl PgLedger {
 }
 
 /// Adds the column of the runs' output (`--keep-output`) to a ledger table made before it
-/// existed, and says what to run when this role cannot. A nullable column without a default:
-/// PostgreSQL adds it without rewriting the table.
-async fn ensure_output_column(client: &Client, table: &TableName) -> Result<(), LedgerError> {
-    let has: bool = client
-        .query_typed_one(
-            "SELECT EXISTS (SELECT FROM pg_catalog.pg_attribute \
-                             WHERE attrelid = pg_catalog.to_regclass($1) AND attname = 'output' \
-                               AND NOT attisdropped)",
-            &[(&table.sql(), Type::TEXT)],
-        )
-        .await
-        .map_err(query_error)?
-        .get(0);
-    if has {
-        return Ok(());
+/// existed; whether the table has it. A nullable column without a default: PostgreSQL adds it
+/// without rewriting the table, but the ALTER waits for a lock on it, bounded here so that
+/// the runs' statements never queue behind it for long. A role that may not alter the table
+/// (or a table busy for longer) keeps working without the column, and the log says what to
+/// run: the output is then not kept.
+async fn ensure_output_column(client: &Client, table: &TableName) -> Result<bool, LedgerError> {
+    let has = || async {
+        let row = client
+            .query_typed_one(
+                "SELECT EXISTS (SELECT FROM pg_catalog.pg_attribute \
+                                 WHERE attrelid = pg_catalog.to_regclass($1) \
+                                   AND attname = 'output' AND NOT attisdropped)",
+                &[(&table.sql(), Type::TEXT)],
+            )
+            .await
+            .map_err(query_error)?;
+        Ok::<bool, LedgerError>(row.get(0))
+    };
+    if has().await? {
+        return Ok(true);
     }
     let alter = format!(
         "ALTER TABLE {} ADD COLUMN IF NOT EXISTS output text",
         table.sql()
     );
-    client.batch_execute(&alter).await.map_err(|err| {
-        LedgerError::Fatal(format!(
-            "the ledger table {} was made before the runs' output was kept, and this role \
-             cannot add the column: {}; have its owner run:\n{alter};",
+    // One query string: an implicit transaction, whose failure undoes the SET too.
+    let bounded = format!("SET lock_timeout = '2s'; {alter}; RESET lock_timeout");
+    if let Err(err) = client.batch_execute(&bounded).await {
+        tracing::warn!(
+            event = "ledger_output_column",
+            table = table.as_str(),
+            "the ledger table {} has no column for the runs' output, and it could not be added ({}): runs are recorded without their output; have its owner run:\n{alter};",
             table.as_str(),
             describe(&err)
-        ))
-    })
+        );
+        return Ok(false);
+    }
+    has().await
 }
 
 /// Creates the table of a crontab fleet's paused jobs beside the ledger table `ledger` when it
@@ -763,10 +781,13 @@ impl Ledger for PgLedger {
             param(finish.exit_code, Type::INT4),
             param(detail.map(str::to_owned), Type::TEXT),
         ];
-        if let Guard::Item { .. } = self.inner.guard {
+        let statement = if self.inner.keeps_output.load(Ordering::Relaxed) {
             params.push(param(finish.output.clone(), Type::TEXT));
-        }
-        let row = self.bounded_one(&self.inner.finish, params).await?;
+            &self.inner.finish_output
+        } else {
+            &self.inner.finish
+        };
+        let row = self.bounded_one(statement, params).await?;
         Ok(row.get::<_, i64>(0) > 0)
     }
 

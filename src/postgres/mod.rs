@@ -68,6 +68,7 @@ impl PgBackend {
                 table,
                 user_name,
                 statement_timeout: ledger_statement_timeout,
+                keeps_output: Default::default(),
             },
             wait_refresh,
         }

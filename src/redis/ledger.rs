@@ -92,7 +92,7 @@ end
 if existing then
   if existing.outcome == 'interrupted' and tonumber(existing.attempt) <= retries and not later then
     existing.attempt = tostring(tonumber(existing.attempt) + 1)
-    put(at, fill(existing))
+    put(at, fill(existing)); redis.call('HDEL', KEYS[3], at .. ':output')
     return {'claimed', existing.attempt}
   end
   if later then return {'superseded'} end
@@ -133,13 +133,14 @@ if r and r.epoch == ARGV[3] and r.outcome == 'running' then
   r.outcome = ARGV[4]; r.ended_at = now
   if ARGV[5] ~= '' then r.exit_code = ARGV[5] end
   if ARGV[6] ~= '' then r.detail = ARGV[6] end
-  if ARGV[8] ~= '' then r.output = ARGV[8] end
   put(at, r); done = 1
+  -- Beside the row, not in it: the scripts that read rows never decode it.
+  if ARGV[8] ~= '' then redis.call('HSET', KEYS[3], at .. ':output', ARGV[8]) end
 end
 local extra = redis.call('ZCARD', KEYS[2]) - tonumber(ARGV[7])
 if extra > 0 then
   for _, old in ipairs(redis.call('ZRANGE', KEYS[2], 0, extra - 1)) do
-    redis.call('HDEL', KEYS[3], old); redis.call('ZREM', KEYS[2], old)
+    redis.call('HDEL', KEYS[3], old, old .. ':output'); redis.call('ZREM', KEYS[2], old)
   end
 end
 return done
@@ -166,7 +167,7 @@ local at = ARGV[2]
 local r = row(at)
 if r and r.epoch == ARGV[3] and r.outcome == 'running' then
   if r.attempt == '1' then
-    redis.call('HDEL', KEYS[3], at); redis.call('ZREM', KEYS[2], at)
+    redis.call('HDEL', KEYS[3], at, at .. ':output'); redis.call('ZREM', KEYS[2], at)
   else
     r.outcome = 'interrupted'; r.attempt = tostring(tonumber(r.attempt) - 1); put(at, r)
   end
@@ -204,10 +205,15 @@ return found
 "#;
 
 /// ARGV[2] how many: the newest rows, newest first, as JSON.
+/// ARGV[2] how many rows: each row, then the output kept beside it (`<at>:output`) or nil.
 const RECENT: &str = r#"
 local ids = redis.call('ZREVRANGE', KEYS[2], 0, tonumber(ARGV[2]) - 1)
 if #ids == 0 then return {} end
-return redis.call('HMGET', KEYS[3], unpack(ids))
+local fields = {}
+for _, id in ipairs(ids) do
+  table.insert(fields, id); table.insert(fields, id .. ':output')
+end
+return redis.call('HMGET', KEYS[3], unpack(fields))
 "#;
 
 fn script(body: &str) -> Script {
@@ -373,7 +379,7 @@ fn entry(json: &str) -> Option<Entry> {
         detail: text("detail"),
         schedule: text("schedule").unwrap_or_default(),
         timezone: text("timezone").unwrap_or_default(),
-        output: text("output"),
+        output: None,
     })
 }
 
@@ -427,9 +433,12 @@ pub async fn recent(
         .await
         .map_err(ledger_error)?;
     Ok(rows
-        .iter()
-        .flatten()
-        .filter_map(|json| entry(json))
+        .chunks(2)
+        .filter_map(|pair| {
+            let mut entry = entry(pair.first()?.as_deref()?)?;
+            entry.output = pair.get(1).cloned().flatten();
+            Some(entry)
+        })
         .collect())
 }
 

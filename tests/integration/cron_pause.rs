@@ -225,3 +225,46 @@ fn a_ledger_table_made_before_pauses_gains_the_paused_outcome_and_the_output_col
     assert!(output, "no output column added to {table}");
     replica.terminate_cleanly();
 }
+
+/// A ledger table made before the runs' output was kept, which the fleet's role may use but
+/// not alter: the replica runs its jobs all the same, without their output, and says what its
+/// owner should run.
+#[test]
+fn a_ledger_table_the_role_cannot_alter_runs_its_jobs_without_their_output() {
+    let lock = unique_lock();
+    let (table, role) = (format!("dml_ledger_{lock}"), format!("dml_only_{lock}"));
+    let old = pgleader::postgres::ledger::TableName::parse(&table)
+        .expect("a table name")
+        .ddl()
+        .replace("    output        text,\n", "");
+    let cluster = Cluster::shared();
+    cluster.execute(&old);
+    cluster.execute(&format!(
+        "CREATE TABLE {table}_paused (lock_name text PRIMARY KEY, detail text NOT NULL, \
+                                     paused_at timestamptz NOT NULL DEFAULT clock_timestamp());
+         CREATE ROLE {role} LOGIN;
+         GRANT SELECT, INSERT, UPDATE, DELETE ON {table}, {table}_paused TO {role};"
+    ));
+    let url = cluster.url().replacen("postgres@", &format!("{role}@"), 1);
+    let file = every_second("dml-ledger", 1, RAN);
+    let replica = cron_replica(
+        "A",
+        &url,
+        lock,
+        &[&format!("--ledger-table={table}")],
+        &file,
+    );
+    replica.wait_stdout("ran job=j1");
+    replica.wait_log("no column for the runs' output");
+    // The statement for the owner, on the line after.
+    let alter = format!("ALTER TABLE \"{table}\" ADD COLUMN IF NOT EXISTS output text;");
+    assert!(
+        replica
+            .lines(Stream::Stderr)
+            .iter()
+            .any(|line| line.starts_with(&alter)),
+        "{}",
+        replica.dump()
+    );
+    replica.terminate_cleanly();
+}

@@ -532,8 +532,14 @@ impl Job {
         }
     }
 
-    /// The run's last lines, if the keeper kept and reported them.
+    /// The run's last lines, if the keeper kept and reported them. Called once the job is
+    /// over: the keeper sends them just before `Done` and exits, and pgleader may have reaped
+    /// it (its SIGCHLD handled first) before reading that far, so what it left on the channel
+    /// is read here.
     pub fn take_output(&mut self) -> Option<Vec<u8>> {
+        if self.output.is_none() && self.keeper_status.is_some() {
+            let _ = self.remaining_reports();
+        }
         self.output.take()
     }
 

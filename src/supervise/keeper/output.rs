@@ -90,15 +90,20 @@ impl Tail {
             return;
         }
         let from = text.len().saturating_sub(self.keep);
-        self.cut |= from > 0;
         self.bytes.extend(&text[from..]);
         if ends {
             self.bytes.push_back(b'\n');
         }
         let over = self.bytes.len().saturating_sub(self.keep);
+        if from > 0 {
+            // The line alone fills what is kept: it begins in its middle.
+            self.cut = true;
+        } else if over > 0 {
+            // Cut mid-line, unless what went ended with a line.
+            self.cut = self.bytes[over - 1] != b'\n';
+        }
         if over > 0 {
             self.bytes.drain(..over);
-            self.cut = true;
         }
     }
 
@@ -514,6 +519,11 @@ mod tests {
         tail.push(b"rd", true);
         // "first" went for lack of room, and what was left of "second" with it.
         assert_eq!(tail.take(), b"third\n");
+        // Cut where a line ends: the next line is whole, and kept.
+        tail.push(b"abcd", true);
+        tail.push(b"efgh", true);
+        tail.push(b"ijkl", true);
+        assert_eq!(tail.take(), b"efgh\nijkl\n");
         tail.push(b"a line longer than what is kept", true);
         assert_eq!(tail.take(), b"t is kept\n");
         let mut none = Tail::new(0);
