@@ -137,6 +137,9 @@ pub struct Runs<L: Ledger> {
     replacing: Option<Timestamp>,
     /// Said at the next poll.
     ask: Option<RunsEvent>,
+    /// The last lines of the run going on, once it was stopped with its job (`--keep-output`),
+    /// for its row as interrupted.
+    stopped_output: Option<String>,
     /// How the last run ended, until the ledger has it.
     finishing: Option<LateFinish>,
     /// Emitted once the queue has drained.
@@ -210,6 +213,7 @@ impl<L: Ledger> Runs<L> {
             replacing: None,
             ask: None,
             finishing: None,
+            stopped_output: None,
             closing: None,
             probing: false,
             warned: None,
@@ -362,6 +366,12 @@ impl<L: Ledger> Runs<L> {
         wake
     }
 
+    /// The last lines of the run going on, which its job's stop ended: recorded with it as
+    /// interrupted when [`Runs::settle`] follows.
+    pub fn stopped_with(&mut self, output: Option<String>) {
+        self.stopped_output = output;
+    }
+
     /// The command of the run of `at` ended on its own (`overlap=allow`: one of several):
     /// record how, with the last lines it printed (`output`) if they were kept.
     pub fn exited_at(&mut self, at: Timestamp, status: ChildStatus, output: Option<String>) {
@@ -476,10 +486,11 @@ impl<L: Ledger> Runs<L> {
             }
             // Runs still going aside (`overlap=allow`) were stopped too.
             for run in std::mem::take(&mut self.aside) {
-                self.record_interrupted(run, stopped).await;
+                self.record_interrupted(run, stopped, None).await;
             }
             if let Some(run) = self.running.take() {
-                self.record_interrupted(run, stopped).await;
+                let output = self.stopped_output.take();
+                self.record_interrupted(run, stopped, output).await;
             }
         };
         if tokio::time::timeout(timeout, work).await.is_err() {
@@ -493,7 +504,12 @@ impl<L: Ledger> Runs<L> {
 
     /// Records a run that was stopped as interrupted (`stopped`: its command's status, and
     /// why), or takes its claim back when its command never started.
-    async fn record_interrupted(&mut self, run: Run, stopped: Option<(Option<ChildStatus>, &str)>) {
+    async fn record_interrupted(
+        &mut self,
+        run: Run,
+        stopped: Option<(Option<ChildStatus>, &str)>,
+        output: Option<String>,
+    ) {
         let at = rfc3339(run.at);
         if !run.started {
             debug!(event = "unclaimed", job = self.plan.job.as_deref(), occurrence = %at, "taking back the claim of {at}: its command never started");
@@ -509,7 +525,7 @@ impl<L: Ledger> Runs<L> {
             outcome: "interrupted",
             exit_code: status.map(|status| i32::from(status.exit_code())),
             ended_at: self.clock.now(),
-            output: None,
+            output,
         };
         match self.ledger.finish(&finish, Some(why)).await {
             Ok(_) => self.publish(run.at, finish.outcome, finish.exit_code),

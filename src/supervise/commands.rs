@@ -119,6 +119,9 @@ struct Stopping {
 #[derive(Debug)]
 pub struct Commands<K: Ord + Clone, T> {
     entries: BTreeMap<K, Entry<T>>,
+    /// The kept output of the entries the last [`Commands::settle`] removed, for their owner
+    /// to take right after it (see [`Commands::take_output`]).
+    settled_output: BTreeMap<K, Vec<u8>>,
     rules: StopRules,
     kill_signal: Signal,
     restart: Restart,
@@ -130,6 +133,7 @@ impl<K: Ord + Clone, T> Commands<K, T> {
     pub fn new(rules: StopRules, kill_signal: Signal, restart: Restart) -> Self {
         Commands {
             entries: BTreeMap::new(),
+            settled_output: BTreeMap::new(),
             rules,
             kill_signal,
             restart,
@@ -157,9 +161,12 @@ impl<K: Ord + Clone, T> Commands<K, T> {
     }
 
     /// The last lines of the last run of `key`'s command, once settled, if its keeper kept
-    /// them (`--keep-output`).
+    /// them (`--keep-output`); those of an entry the settle removed only until the next one.
     pub fn take_output(&mut self, key: &K) -> Option<Vec<u8>> {
-        self.entries.get_mut(key)?.output.take()
+        match self.entries.get_mut(key) {
+            Some(entry) => entry.output.take(),
+            None => self.settled_output.remove(key),
+        }
     }
 
     pub fn contains_key(&self, key: &K) -> bool {
@@ -400,6 +407,7 @@ impl<K: Ord + Clone, T> Commands<K, T> {
     /// forgotten what it was by then: a job a reread removed).
     pub fn settle(&mut self, quiet: bool) -> Vec<(K, Option<ChildStatus>, Settled, Label)> {
         let now = Instant::now();
+        self.settled_output.clear();
         let mut settled = Vec::new();
         for (key, entry) in &mut self.entries {
             let status = match (&mut entry.job, &mut entry.stopping) {
@@ -482,8 +490,11 @@ impl<K: Ord + Clone, T> Commands<K, T> {
             settled.push((key.clone(), status, outcome, entry.label.clone()));
         }
         for (key, _, outcome, _) in &settled {
-            if *outcome != Settled::Restarting {
-                self.entries.remove(key);
+            if *outcome != Settled::Restarting
+                && let Some(entry) = self.entries.remove(key)
+                && let Some(output) = entry.output
+            {
+                self.settled_output.insert(key.clone(), output);
             }
         }
         settled

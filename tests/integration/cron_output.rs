@@ -273,12 +273,12 @@ fn on_redis_a_fleet_with_tagged_output_shares_its_jobs_and_survives_a_kill_9() {
     a_fleet_reading_tagged_lines_runs_each_occurrence_once(&Redis::shared().url(), &QUICK);
 }
 
-/// `status --job JOB --json` on `url`'s server for `lock`, once a run of `job` has ended with
-/// its output kept (or, `kept` false, once one has ended at all).
-fn ended_run(url: &str, lock: i64, job: &str, kept: bool) -> serde_json::Value {
+/// `status --job JOB --json` on `url`'s server for `lock`, once a run of `job` has ended as
+/// `outcome` with its output kept (or, `kept` false, once one has ended so at all).
+fn ended_run(url: &str, lock: i64, job: &str, outcome: &str, kept: bool) -> serde_json::Value {
     poll_until(
         Duration::from_millis(100),
-        || format!("no ended run of {job} in the ledger"),
+        || format!("no {outcome} run of {job} in the ledger"),
         || {
             let mut command = pgleader();
             command.env("PGLEADER_DATABASE_URL", url).args([
@@ -295,7 +295,7 @@ fn ended_run(url: &str, lock: i64, job: &str, kept: bool) -> serde_json::Value {
             seen["runs"]
                 .as_array()?
                 .iter()
-                .find(|run| run["outcome"] == "failed" && (!kept || run["output"].is_string()))
+                .find(|run| run["outcome"] == outcome && (!kept || run["output"].is_string()))
                 .cloned()
         },
     )
@@ -303,19 +303,22 @@ fn ended_run(url: &str, lock: i64, job: &str, kept: bool) -> serde_json::Value {
 
 /// A run's last lines are kept with its ledger row, bounded by --keep-output, from a whole
 /// line, both streams, bytes that are not text escaped; shown by `status --job` in JSON and
-/// indented under the run in text; --keep-output 0 keeps nothing.
+/// indented under the run in text; a run stopped with its replica keeps them too, as
+/// interrupted; --keep-output 0 keeps nothing.
 fn a_run_s_last_lines_are_kept_with_its_ledger_row(url: &str, args: &[&str]) {
     let file = File::new(
         "kept",
         "# pgleader: name=talk\n\
          * * * * * * * for i in $(seq -w 1 40); do echo \"line $i\"; done; echo warned >&2; \
-         printf 'bin\\377'; exit 3\n",
+         printf 'bin\\377'; exit 3\n\
+         # pgleader: name=long\n\
+         * * * * * * * echo begun; exec sleep 1000\n",
     );
     let lock = unique_lock();
     let mut with = args.to_vec();
     with.extend(["--keep-output", "100"]);
     let a = tagged("A", url, lock, &with, &file);
-    let run = ended_run(url, lock, "talk", true);
+    let run = ended_run(url, lock, "talk", "failed", true);
     let output = run["output"].as_str().expect("output kept");
     // 100 bytes, the one that is not text written in four characters.
     assert!(output.len() <= 100 + 3, "{output:?}");
@@ -323,8 +326,12 @@ fn a_run_s_last_lines_are_kept_with_its_ledger_row(url: &str, args: &[&str]) {
         output.starts_with("line "),
         "not from a whole line: {output:?}"
     );
+    // The two streams' last lines in the order they ended, which the pipes do not fix.
+    let (_, last) = output
+        .split_once("line 40\n")
+        .expect("the last stdout line");
     assert!(
-        output.ends_with("line 40\nwarned\nbin\\xff\n"),
+        ["warned\nbin\\xff\n", "bin\\xff\nwarned\n"].contains(&last),
         "{output:?}"
     );
     // The text: the run's lines indented under it.
@@ -342,15 +349,21 @@ fn a_run_s_last_lines_are_kept_with_its_ledger_row(url: &str, args: &[&str]) {
         lines.iter().any(|line| line == "      | line 40"),
         "{lines:?}"
     );
-    a.terminate_cleanly();
+    // A run stopped with its replica (INT: at once) is recorded as interrupted, with its lines.
+    a.wait_line_where(Stream::Stderr, "the long run began", |line| {
+        printed(line).as_deref() == Some("begun")
+    });
+    a.interrupt_cleanly();
+    let run = ended_run(url, lock, "long", "interrupted", true);
+    assert_eq!(run["output"], "begun\n", "{run}");
     // Nothing kept with 0.
     let lock = unique_lock();
     let mut with = args.to_vec();
     with.extend(["--keep-output", "0"]);
     let b = tagged("B", url, lock, &with, &file);
-    let run = ended_run(url, lock, "talk", false);
+    let run = ended_run(url, lock, "talk", "failed", false);
     assert!(run["output"].is_null(), "{run}");
-    b.terminate_cleanly();
+    b.interrupt_cleanly();
 }
 
 #[test]

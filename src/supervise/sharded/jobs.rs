@@ -458,7 +458,19 @@ impl<L: Ledger> Jobs<L> {
         stopped: Option<(Option<ChildStatus>, &str)>,
         timeout: Duration,
     ) {
+        self.disown_with(item, stopped, None, timeout).await;
+    }
+
+    /// [`Jobs::disown`], the run that was stopped having printed `output` last.
+    pub async fn disown_with(
+        &mut self,
+        item: u32,
+        stopped: Option<(Option<ChildStatus>, &str)>,
+        output: Option<String>,
+        timeout: Duration,
+    ) {
         if let Some(mut runs) = self.runs.remove(&item) {
+            runs.stopped_with(output);
             runs.settle(stopped, timeout).await;
         }
         self.forget_retired(item);

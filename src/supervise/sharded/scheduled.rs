@@ -438,7 +438,11 @@ impl<H: Holder> Duty<H> for Scheduled<H> {
                         _ => "this replica no longer holds the job",
                     };
                     let stopped = Some((*status, why));
-                    self.jobs.disown(slot.item, stopped, mood.timeout).await;
+                    let output = table.take_output(slot).map(|tail| tail_text(&tail));
+                    let item = slot.item;
+                    self.jobs
+                        .disown_with(item, stopped, output, mood.timeout)
+                        .await;
                 }
             }
         }
