@@ -305,6 +305,7 @@ impl Roster {
         let mut shares = vec![0; n];
         let mut open: Vec<usize> = (0..n).collect();
         let mut left = self.items.len();
+        let limits: Vec<Option<u32>> = (0..n).map(|i| self.limit(i)).collect();
         // Water-filling: members whose cap is below an even split get their cap, and the rest
         // is split again among the others.
         loop {
@@ -314,13 +315,13 @@ impl Roster {
             let even = left / open.len() as u32;
             let (capped, uncapped): (Vec<usize>, Vec<usize>) = open
                 .iter()
-                .partition(|&&i| self.limit(i).is_some_and(|cap| cap <= even));
+                .partition(|&&i| limits[i].is_some_and(|cap| cap <= even));
             if capped.is_empty() {
                 open = uncapped;
                 break;
             }
             for i in capped {
-                let cap = self.limit(i).unwrap_or(0);
+                let cap = limits[i].unwrap_or(0);
                 shares[i] = cap;
                 left -= cap;
             }
@@ -618,6 +619,48 @@ mod tests {
         assert_eq!(r.shares(), vec![6, 5, 0]);
         assert_eq!(r.to_take(1), vec![9]);
         assert_eq!(r.to_take(2), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn shares_add_up_to_what_the_members_can_hold_and_none_exceeds_its_limit() {
+        // Members that know some of 12 jobs (a rolling deploy, a drain), some capped: every
+        // share is within what its member can hold, and together they hold every job some
+        // member can, or all their limits.
+        let items = Items::Listed(Arc::new(Listing {
+            items: (0..12).collect(),
+            definitions: BTreeMap::new(),
+        }));
+        let mut seed = 7u64;
+        let mut next = |below: u64| {
+            seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            (seed >> 33) % below
+        };
+        for _ in 0..500 {
+            let n = 1 + next(5) as i32;
+            let members: Vec<Member> = (1..=n)
+                .map(|id| Member {
+                    knows: (next(3) > 0).then(|| (0..12).filter(|_| next(4) > 0).collect()),
+                    ..member(id, (next(4) == 0).then(|| next(6) as u32), &[])
+                })
+                .collect();
+            let r = Roster {
+                items: items.clone(),
+                members,
+            };
+            let shares = r.shares();
+            let limits: Vec<u32> = (0..r.members.len())
+                .map(|i| r.limit(i).unwrap_or(12))
+                .collect();
+            for (share, limit) in shares.iter().zip(&limits) {
+                assert!(share <= limit, "{shares:?} over {limits:?}");
+            }
+            let total: u32 = shares.iter().sum();
+            assert_eq!(
+                total,
+                limits.iter().sum::<u32>().min(12),
+                "{shares:?} of {limits:?}"
+            );
+        }
     }
 
     #[test]
