@@ -382,17 +382,19 @@ impl<L: Ledger> Runs<L> {
             self.record_exit(run, status, output);
             return;
         }
-        if let Some(run) = self.running.take() {
-            self.record_exit(run, status, output);
-        }
+        self.running_exited(status, output);
     }
 
     /// The command ended on its own: record how.
     pub fn exited(&mut self, status: ChildStatus) {
-        let Some(run) = self.running.take() else {
-            return;
-        };
-        self.record_exit(run, status, None);
+        self.running_exited(status, None);
+    }
+
+    /// The run going on ended on its own: record how, with its `output`.
+    fn running_exited(&mut self, status: ChildStatus, output: Option<String>) {
+        if let Some(run) = self.running.take() {
+            self.record_exit(run, status, output);
+        }
     }
 
     /// Records how `run` ended, with the last lines it printed (`output`) if they were kept.

@@ -434,23 +434,15 @@ fn units(text: &[u8], format: LogFormat) -> Vec<String> {
     units
 }
 
-/// A run's last lines as text for its ledger row: bytes that are not UTF-8, and control
-/// characters other than the newline and the tab, written `\xNN`, as in the log.
+/// A run's last lines as text for its ledger row: each line escaped as in the text log
+/// ([`units`]: bytes that are not UTF-8, and control characters other than the tab, written
+/// `\xNN`), the newlines between them kept.
 pub fn tail_text(tail: &[u8]) -> String {
-    let mut text = String::with_capacity(tail.len());
-    for chunk in tail.utf8_chunks() {
-        for c in chunk.valid().chars() {
-            if c.is_control() && c != '\n' && c != '\t' {
-                text.push_str(&hex(c as u32));
-            } else {
-                text.push(c);
-            }
-        }
-        for byte in chunk.invalid() {
-            text.push_str(&hex(u32::from(*byte)));
-        }
-    }
-    text
+    let lines: Vec<String> = tail
+        .split(|byte| *byte == b'\n')
+        .map(|line| units(line, LogFormat::Text).concat())
+        .collect();
+    lines.join("\n")
 }
 
 /// `\xNN`.
