@@ -9,7 +9,7 @@ use crate::harness::{Cluster, Proc, Redis, Stream, pgleader, poll_until, unique_
 use crate::redis_shards::QUICK;
 
 /// `status --job JOB --json` of the fleet, once it shows a run for which `wanted` holds.
-fn runs_until(
+pub fn runs_until(
     status: StatusOf,
     job: &str,
     wanted: impl Fn(&serde_json::Value) -> bool,

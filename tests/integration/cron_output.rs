@@ -13,6 +13,7 @@ use crate::cron_fleet::{
     a_killed_replica_s_jobs_run_on_the_other, stop_and_assert_each_occurrence_once,
     three_replicas_share_six_jobs,
 };
+use crate::cron_history::runs_until;
 use crate::crontab::File;
 use crate::harness::process::{poll_until, wait_gone};
 use crate::harness::{Cluster, Proc, Redis, Stream, field, pgleader, printed, unique_lock};
@@ -273,32 +274,26 @@ fn on_redis_a_fleet_with_tagged_output_shares_its_jobs_and_survives_a_kill_9() {
     a_fleet_reading_tagged_lines_runs_each_occurrence_once(&Redis::shared().url(), &QUICK);
 }
 
-/// `status --job JOB --json` on `url`'s server for `lock`, once a run of `job` has ended as
-/// `outcome` with its output kept (or, `kept` false, once one has ended so at all).
+/// `pgleader status --lock-id LOCK ARGS` on `url`'s server.
+fn status_on(url: &str, lock: i64) -> impl Fn(&str, &[&str]) -> Proc {
+    move |name, args| {
+        let mut command = pgleader();
+        command
+            .env("PGLEADER_DATABASE_URL", url)
+            .args(["status", &format!("--lock-id={lock}")])
+            .args(args);
+        Proc::spawn(name, command)
+    }
+}
+
+/// The run of `job` that `status --job` shows once one has ended as `outcome` with its output
+/// kept (or, `kept` false, once one has ended so at all).
 fn ended_run(url: &str, lock: i64, job: &str, outcome: &str, kept: bool) -> serde_json::Value {
-    poll_until(
-        Duration::from_millis(100),
-        || format!("no {outcome} run of {job} in the ledger"),
-        || {
-            let mut command = pgleader();
-            command.env("PGLEADER_DATABASE_URL", url).args([
-                "status",
-                &format!("--lock-id={lock}"),
-                "--job",
-                job,
-                "--json",
-            ]);
-            let shown = Proc::spawn("status --job", command);
-            shown.wait_code();
-            let seen: serde_json::Value =
-                serde_json::from_str(&shown.lines(Stream::Stdout).join("\n")).ok()?;
-            seen["runs"]
-                .as_array()?
-                .iter()
-                .find(|run| run["outcome"] == outcome && (!kept || run["output"].is_string()))
-                .cloned()
-        },
-    )
+    let ended =
+        |run: &serde_json::Value| run["outcome"] == outcome && (!kept || run["output"].is_string());
+    let seen = runs_until(&status_on(url, lock), job, ended);
+    let runs = seen["runs"].as_array().expect("runs");
+    runs.iter().find(|run| ended(run)).expect("the run").clone()
 }
 
 /// A run's last lines are kept with its ledger row, bounded by --keep-output, from a whole
@@ -335,14 +330,7 @@ fn a_run_s_last_lines_are_kept_with_its_ledger_row(url: &str, args: &[&str]) {
         "{output:?}"
     );
     // The text: the run's lines indented under it.
-    let mut command = pgleader();
-    command.env("PGLEADER_DATABASE_URL", url).args([
-        "status",
-        &format!("--lock-id={lock}"),
-        "--job",
-        "talk",
-    ]);
-    let text = Proc::spawn("status --job text", command);
+    let text = status_on(url, lock)("status --job text", &["--job", "talk"]);
     assert_eq!(text.wait_code(), 0, "{}", text.dump());
     let lines = text.lines(Stream::Stdout);
     assert!(
