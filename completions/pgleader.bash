@@ -40,6 +40,9 @@ _pgleader() {
             pgleader__subcmd__cron,resume)
                 cmd="pgleader__subcmd__cron__subcmd__resume"
                 ;;
+            pgleader__subcmd__cron,run)
+                cmd="pgleader__subcmd__cron__subcmd__run"
+                ;;
             pgleader__subcmd__cron__subcmd__help,help)
                 cmd="pgleader__subcmd__cron__subcmd__help__subcmd__help"
                 ;;
@@ -48,6 +51,9 @@ _pgleader() {
                 ;;
             pgleader__subcmd__cron__subcmd__help,resume)
                 cmd="pgleader__subcmd__cron__subcmd__help__subcmd__resume"
+                ;;
+            pgleader__subcmd__cron__subcmd__help,run)
+                cmd="pgleader__subcmd__cron__subcmd__help__subcmd__run"
                 ;;
             pgleader__subcmd__help,cron)
                 cmd="pgleader__subcmd__help__subcmd__cron"
@@ -69,6 +75,9 @@ _pgleader() {
                 ;;
             pgleader__subcmd__help__subcmd__cron,resume)
                 cmd="pgleader__subcmd__help__subcmd__cron__subcmd__resume"
+                ;;
+            pgleader__subcmd__help__subcmd__cron,run)
+                cmd="pgleader__subcmd__help__subcmd__cron__subcmd__run"
                 ;;
             *)
                 ;;
@@ -95,7 +104,7 @@ _pgleader() {
             return 0
             ;;
         pgleader__subcmd__cron)
-            opts="-d -v -q -h -V --lock-id --lock --database-url --check-interval --check-timeout --kill-signal --kill-timeout --lease --takeover-delay --ledger-table --health-cmd --health-interval --health-timeout --health-retries --restart-fence --wait-refresh --pre-start --post-stop --hook-timeout --http --drain-timeout --inotify --passthrough-logs --keep-output --check --from --next --log-format --verbose --quiet --help --version pause resume help"
+            opts="-d -v -q -h -V --lock-id --lock --database-url --check-interval --check-timeout --kill-signal --kill-timeout --lease --takeover-delay --ledger-table --health-cmd --health-interval --health-timeout --health-retries --restart-fence --wait-refresh --pre-start --post-stop --hook-timeout --http --drain-timeout --inotify --passthrough-logs --keep-output --check --from --next --log-format --verbose --quiet --help --version run pause resume help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -213,7 +222,7 @@ _pgleader() {
             return 0
             ;;
         pgleader__subcmd__cron__subcmd__help)
-            opts="pause resume help"
+            opts="run pause resume help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -255,6 +264,20 @@ _pgleader() {
             return 0
             ;;
         pgleader__subcmd__cron__subcmd__help__subcmd__resume)
+            opts=""
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 4 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        pgleader__subcmd__cron__subcmd__help__subcmd__run)
             opts=""
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 4 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
@@ -344,6 +367,44 @@ _pgleader() {
             COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
             return 0
             ;;
+        pgleader__subcmd__cron__subcmd__run)
+            opts="-d -v -q -h -V --lock-id --lock --database-url --ledger-table --no-wait --log-format --verbose --quiet --help --version"
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                --lock-id)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --lock)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --database-url)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                -d)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --ledger-table)
+                    COMPREPLY=($(compgen -f "${cur}"))
+                    return 0
+                    ;;
+                --log-format)
+                    COMPREPLY=($(compgen -W "text json" -- "${cur}"))
+                    return 0
+                    ;;
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
         pgleader__subcmd__help)
             opts="run status step-down cron help"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 2 ]] ; then
@@ -359,7 +420,7 @@ _pgleader() {
             return 0
             ;;
         pgleader__subcmd__help__subcmd__cron)
-            opts="pause resume"
+            opts="run pause resume"
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 3 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
                 return 0
@@ -387,6 +448,20 @@ _pgleader() {
             return 0
             ;;
         pgleader__subcmd__help__subcmd__cron__subcmd__resume)
+            opts=""
+            if [[ ${cur} == -* || ${COMP_CWORD} -eq 4 ]] ; then
+                COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+                return 0
+            fi
+            case "${prev}" in
+                *)
+                    COMPREPLY=()
+                    ;;
+            esac
+            COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )
+            return 0
+            ;;
+        pgleader__subcmd__help__subcmd__cron__subcmd__run)
             opts=""
             if [[ ${cur} == -* || ${COMP_CWORD} -eq 4 ]] ; then
                 COMPREPLY=( $(compgen -W "${opts}" -- "${cur}") )

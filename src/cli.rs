@@ -466,9 +466,15 @@ pub struct StatusArgs {
     pub job: Option<String>,
 }
 
-/// `pgleader cron pause` and `pgleader cron resume`.
+/// `pgleader cron run`, `pgleader cron pause` and `pgleader cron resume`.
 #[derive(Debug, Subcommand)]
 pub enum CronAction {
+    /// Run a job once, now, on the replica that owns it, as asked by hand: recorded beside the
+    /// ledger with who asked (user@host), never as one of its occurrences; it follows the
+    /// job's overlap= (skip: not beside a run going on). Waits for the run and exits with its
+    /// exit status (75 when it was skipped or interrupted); 2 when no replica defines the job,
+    /// 1 when none runs
+    Run(CronRunArgs),
     /// Pause a job across the fleet (or --all): its occurrences are recorded as paused, not
     /// run and not missed, until it is resumed; kept by the server, through restarts and
     /// rereads of every replica. A run going on is not stopped
@@ -502,6 +508,29 @@ pub struct CronJobArgs {
     /// Every job of the fleet, those its crontab gains later too
     #[arg(long)]
     pub all: bool,
+}
+
+/// Which fleet, which of its jobs, and whether to wait for the run.
+#[derive(Debug, Args)]
+pub struct CronRunArgs {
+    #[command(flatten)]
+    pub lock: LockArgs,
+
+    #[command(flatten)]
+    pub connection: ConnectionArgs,
+
+    #[command(flatten)]
+    pub ledger: LedgerArgs,
+
+    /// The job, by its name (name= in its directive, or the name made from its command, as
+    /// `pgleader cron --check` shows it)
+    #[arg(value_name = "JOB")]
+    pub job: String,
+
+    /// Return once the fleet has the request, without waiting for the run (which goes on;
+    /// `pgleader status --lock NAME --job JOB` shows it)
+    #[arg(long)]
+    pub no_wait: bool,
 }
 
 /// `pgleader cron`.

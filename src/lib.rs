@@ -42,7 +42,7 @@ use anyhow::Context;
 use tokio::sync::mpsc::UnboundedReceiver;
 use tracing::warn;
 
-use crate::cli::{Command, CronAction, CronArgs, RunArgs, StatusArgs, StepDownArgs};
+use crate::cli::{Command, CronAction, CronArgs, CronRunArgs, RunArgs, StatusArgs, StepDownArgs};
 use crate::config::{Database, Elector, RunConfig, UsageError, Work};
 use crate::election::lock::LockKey;
 use crate::election::shards::JoinError;
@@ -181,9 +181,34 @@ enum Role {
     Fleet(Fleet),
 }
 
-/// `pgleader cron pause|resume`: a fleet's pause, kept by its server.
+/// `pgleader cron run`: a job run once, now, by hand.
+async fn cron_run(args: CronRunArgs) -> anyhow::Result<u8> {
+    let lock = config::lock_key(&args.lock, &ProcessEnvironment)?;
+    check_job_name(&args.job, "")?;
+    let (job, wait) = (args.job.as_str(), !args.no_wait);
+    let database = config::database(&args.connection, &ProcessEnvironment)?;
+    config::no_ledger_table_on_redis(&args.ledger, &database)?;
+    match database {
+        Database::Postgres(connection) => {
+            let backend = postgres_to_read(connection, &lock, &args.ledger)?;
+            operate::run_now::run_now(&lock, &backend, job, wait).await
+        }
+        Database::Redis(server) => {
+            let backend = RedisBackend::for_status(server, lock.clone());
+            operate::run_now::run_now(&lock, &backend, job, wait).await
+        }
+        Database::Quorum(_) => Err(UsageError(
+            "a crontab cannot run on a Redlock quorum, so none of its jobs can be run there"
+                .to_owned(),
+        )
+        .into()),
+    }
+}
+
+/// `pgleader cron run|pause|resume`: a run asked by hand, a fleet's pause.
 async fn cron_action(action: CronAction) -> anyhow::Result<u8> {
     let (args, pause) = match action {
+        CronAction::Run(args) => return cron_run(args).await,
         CronAction::Pause(args) => (args, true),
         CronAction::Resume(args) => (args, false),
     };
@@ -319,7 +344,7 @@ async fn show_status<B: Backend>(
         };
         let _ = std::io::Write::write_all(&mut std::io::stdout(), text.as_bytes());
         // No run recorded: nothing there, as for a free lock.
-        return Ok(if runs.runs.is_empty() {
+        return Ok(if runs.runs.is_empty() && runs.asked.is_empty() {
             exit::LOCK_FREE
         } else {
             exit::SUCCESS

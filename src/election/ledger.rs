@@ -112,6 +112,53 @@ pub struct LateFinish {
     pub output: Option<String>,
 }
 
+/// A run of a crontab job asked for by hand (`pgleader cron run`), as its owner takes it:
+/// the request's number, when it was asked (on the server's clock) and by whom (`user@host`).
+/// It is recorded beside the job's ledger, never as one of its occurrences.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Asked {
+    pub id: i64,
+    pub asked_at: Timestamp,
+    pub asked_by: String,
+}
+
+/// A request to run a job by hand, as `pgleader cron run` and `status --job` read it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct AskedEntry {
+    pub id: i64,
+    pub asked_at: Option<Timestamp>,
+    pub asked_by: String,
+    /// `asked` (no owner took it yet), `running`, `succeeded`, `failed`, `skipped` (a run of
+    /// the job went on under `overlap=skip`) or `interrupted`.
+    pub outcome: String,
+    pub exit_code: Option<i32>,
+    pub started_at: Option<Timestamp>,
+    pub ended_at: Option<Timestamp>,
+    pub host: Option<String>,
+    pub pid: Option<i32>,
+    pub detail: Option<String>,
+    pub output: Option<String>,
+}
+
+impl AskedEntry {
+    /// Whether the run is over (or will never start).
+    pub fn is_settled(&self) -> bool {
+        !matches!(self.outcome.as_str(), "asked" | "running")
+    }
+}
+
+/// How a run asked by hand ended, recorded on its request (only by the leadership, `epoch`,
+/// that took it).
+#[derive(Clone, Debug, PartialEq)]
+pub struct AskedFinish {
+    pub id: i64,
+    pub epoch: i64,
+    pub outcome: &'static str,
+    pub exit_code: Option<i32>,
+    pub detail: Option<String>,
+    pub output: Option<String>,
+}
+
 /// A run an earlier leader left `running`: its occurrence, and the host and pid of the pgleader
 /// that ran it.
 pub type StaleRun = (Timestamp, Option<String>, Option<i32>);
@@ -187,6 +234,35 @@ pub trait Ledger: Clone + 'static {
     /// Takes back a claim whose command never started, so that the next leader may still run
     /// it.
     fn unclaim(&self, at: Timestamp, epoch: i64) -> impl Future<Output = Result<(), LedgerError>>;
+
+    /// Takes the oldest request to run this crontab job by hand (`pgleader cron run`) that no
+    /// owner took yet, in one atomic step that succeeds only while this session holds the
+    /// job, so that a request is consumed once. `skip`: a run of the job goes on and its
+    /// `overlap=skip` refuses another, so the request is recorded as `skipped` with this
+    /// detail instead. `None` where no request waits (or the backend keeps none).
+    fn take_asked(
+        &self,
+        claimant: &Claimant,
+        skip: Option<&str>,
+    ) -> impl Future<Output = Result<Option<Asked>, LedgerError>> {
+        let _ = (claimant, skip);
+        async { Ok(None) }
+    }
+
+    /// Records how a run asked by hand ended, on its request, if that leadership took it.
+    fn finish_asked(
+        &self,
+        finish: &AskedFinish,
+    ) -> impl Future<Output = Result<bool, LedgerError>> {
+        let _ = finish;
+        async { Ok(false) }
+    }
+
+    /// Marks the runs asked by hand that earlier owners of the job left `running` as
+    /// interrupted, while this session holds the job: they are never started again. How many.
+    fn interrupt_stale_asked(&self) -> impl Future<Output = Result<u64, LedgerError>> {
+        async { Ok(0) }
+    }
 
     /// Records an occurrence that did not run (`skipped`, `missed`), unless it or a later one is
     /// already recorded. True if recorded.

@@ -48,7 +48,7 @@ use std::time::Duration;
 use jiff::Timestamp;
 use thiserror::Error;
 
-use ledger::{Definition, Entry, JobEntry, Ledger, LedgerError};
+use ledger::{AskedEntry, Definition, Entry, JobEntry, Ledger, LedgerError};
 use participant::LockView;
 use step_down::Requests;
 
@@ -246,6 +246,30 @@ pub trait Observer {
 
     /// The fleet's paused jobs (`*`: every job), each with its pause's detail, by name.
     fn paused(&self) -> impl Future<Output = Result<Vec<(String, String)>, LedgerError>> {
+        async { Ok(Vec::new()) }
+    }
+
+    /// Asks the crontab fleet of this lock to run its job `job` once, now (`pgleader cron
+    /// run`), as `asked_by` (`user@host`), and wakes its replicas; the request's number.
+    /// `None` where the backend keeps no crontab.
+    fn ask_run(
+        &self,
+        job: &str,
+        asked_by: &str,
+    ) -> impl Future<Output = Result<Option<i64>, LedgerError>> {
+        let _ = (job, asked_by);
+        async { Ok(None) }
+    }
+
+    /// The requests to run job `job` by hand, newest first: request `id` alone, or the
+    /// newest `limit`.
+    fn asked_runs(
+        &self,
+        job: &str,
+        id: Option<i64>,
+        limit: i64,
+    ) -> impl Future<Output = Result<Vec<AskedEntry>, LedgerError>> {
+        let _ = (job, id, limit);
         async { Ok(Vec::new()) }
     }
 

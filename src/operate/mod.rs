@@ -12,6 +12,7 @@ pub mod metrics;
 pub mod notify;
 pub mod pause;
 pub mod pings;
+pub mod run_now;
 pub mod status;
 pub mod step_down;
 pub mod telemetry;

@@ -24,13 +24,18 @@ use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, Row};
 
 use crate::election::ledger::{
-    Claim, Claimant, Definition, Entry, JobEntry, KEEP, LateFinish, Ledger, LedgerError, StaleRun,
+    Asked, AskedFinish, Claim, Claimant, Definition, Entry, JobEntry, KEEP, LateFinish, Ledger,
+    LedgerError, StaleRun,
 };
 use crate::election::lock::LockKey;
 use crate::election::participant::{self, Participant};
 use crate::postgres::bundle::{Bundle, Outcome, Param, param};
 use crate::postgres::describe::describe;
 use crate::postgres::locks::{LOCK_ROWS, held_in_transaction, this_lock};
+
+mod asked;
+
+pub use asked::{ASKED_DDL, ask, read_asked, read_asked_history};
 
 /// The default table name.
 pub const DEFAULT_TABLE: &str = "pgleader_ledger";
@@ -124,14 +129,24 @@ impl TableName {
 
     /// The table of a crontab fleet's paused jobs, beside this one: `<name>_paused`.
     pub fn paused(&self) -> TableName {
-        TableName::parse(&format!("{}_paused", self.text)).unwrap_or_else(|_| {
-            // A name of 63 characters has no room for the suffix: the name is cut.
+        self.beside("_paused")
+    }
+
+    /// The table of a crontab fleet's runs asked for by hand, beside this one: `<name>_asked`.
+    pub fn asked(&self) -> TableName {
+        self.beside("_asked")
+    }
+
+    /// A table named after this one: `<name><suffix>`, the name cut where it would be longer
+    /// than PostgreSQL's 63 characters.
+    fn beside(&self, suffix: &str) -> TableName {
+        TableName::parse(&format!("{}{suffix}", self.text)).unwrap_or_else(|_| {
             let (schema, name) = match self.text.split_once('.') {
                 Some((schema, name)) => (format!("{schema}."), name),
                 None => (String::new(), self.text.as_str()),
             };
-            let cut: String = name.chars().take(63 - "_paused".len()).collect();
-            TableName::parse(&format!("{schema}{cut}_paused")).expect("a valid name")
+            let cut: String = name.chars().take(63 - suffix.len()).collect();
+            TableName::parse(&format!("{schema}{cut}{suffix}")).expect("a valid name")
         })
     }
 }
@@ -154,6 +169,8 @@ pub struct LedgerSettings {
     /// Whether the table has the column of the runs' output, learned when a fleet prepares it
     /// (`prepare_pauses`), for every ledger of this process's sessions (one per job).
     pub keeps_output: Arc<AtomicBool>,
+    /// Whether the table of runs asked for by hand exists (`asked.rs`), learned likewise.
+    pub asks: Arc<AtomicBool>,
 }
 
 /// The ledger of one lock and one schedule definition, on one session: the statements,
@@ -189,6 +206,9 @@ struct Statements {
     /// fleet's or scheduled shards' ledger, see `prepare_pauses`).
     finish_output: Arc<str>,
     keeps_output: Arc<AtomicBool>,
+    /// The statements of the runs asked for by hand, for a crontab job's ledger.
+    asked: Option<asked::Statements>,
+    asks: Arc<AtomicBool>,
     record: Arc<str>,
     interrupt_stale: Arc<str>,
     recent: Arc<str>,
@@ -323,6 +343,11 @@ impl PgLedger {
                 finish: finish.into(),
                 finish_output: finish_output.into(),
                 keeps_output: Arc::clone(&settings.keeps_output),
+                asked: match guard {
+                    Guard::Plain => None,
+                    Guard::Item { .. } => Some(asked::Statements::new(&settings.table, leads)),
+                },
+                asks: Arc::clone(&settings.asks),
                 record: record.into(),
                 interrupt_stale: interrupt_stale.into(),
                 recent: recent.into(),
@@ -447,6 +472,8 @@ impl PgLedger {
         ensure_paused_table(client, table).await?;
         let keeps = ensure_output_column(client, table).await?;
         self.inner.keeps_output.store(keeps, Ordering::Relaxed);
+        let asks = asked::ensure_table(client, table).await?;
+        self.inner.asks.store(asks, Ordering::Relaxed);
         let checks = client
             .query_typed(
                 "SELECT c.conname::text, pg_catalog.pg_get_constraintdef(c.oid) \
@@ -819,6 +846,22 @@ impl Ledger for PgLedger {
         ];
         self.bounded(&self.inner.unclaim, params).await?;
         Ok(())
+    }
+
+    async fn take_asked(
+        &self,
+        claimant: &Claimant,
+        skip: Option<&str>,
+    ) -> Result<Option<Asked>, LedgerError> {
+        self.take_asked_run(claimant, skip).await
+    }
+
+    async fn finish_asked(&self, finish: &AskedFinish) -> Result<bool, LedgerError> {
+        self.finish_asked_run(finish).await
+    }
+
+    async fn interrupt_stale_asked(&self) -> Result<u64, LedgerError> {
+        self.interrupt_stale_asked_runs().await
     }
 
     async fn record(

@@ -69,6 +69,7 @@ impl PgBackend {
                 user_name,
                 statement_timeout: ledger_statement_timeout,
                 keeps_output: Default::default(),
+                asks: Default::default(),
             },
             wait_refresh,
         }

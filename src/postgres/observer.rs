@@ -13,7 +13,7 @@ use std::sync::LazyLock;
 use jiff::Timestamp;
 use tokio_postgres::types::Type;
 
-use crate::election::ledger::{Entry, JobEntry, LedgerError};
+use crate::election::ledger::{AskedEntry, Entry, JobEntry, LedgerError};
 use crate::election::lock::LockKey;
 use crate::election::participant::{LockView, Participant};
 use crate::election::{ConnectError, Observer};
@@ -129,6 +129,30 @@ impl Observer for PgObserver {
 
     async fn paused(&self) -> Result<Vec<(String, String)>, LedgerError> {
         ledger::read_paused(&self.client.client, &self.table, &self.lock).await
+    }
+
+    async fn ask_run(&self, job: &str, asked_by: &str) -> Result<Option<i64>, LedgerError> {
+        let channel = shards::ShardKeys::of(&self.lock).channel();
+        let client = &self.client.client;
+        ledger::ask(client, &self.table, &self.lock, job, asked_by, &channel)
+            .await
+            .map(Some)
+    }
+
+    async fn asked_runs(
+        &self,
+        job: &str,
+        id: Option<i64>,
+        limit: i64,
+    ) -> Result<Vec<AskedEntry>, LedgerError> {
+        let client = &self.client.client;
+        match id {
+            Some(id) => Ok(ledger::read_asked(client, &self.table, &self.lock, job, id)
+                .await?
+                .into_iter()
+                .collect()),
+            None => ledger::read_asked_history(client, &self.table, &self.lock, job, limit).await,
+        }
     }
 
     async fn server_time(&self) -> Result<Timestamp, LedgerError> {

@@ -38,6 +38,8 @@
 //! back), so a ledger statement that times out is reported as a failure of the session
 //! ([`LedgerError::Query`]: leadership in doubt), never as "busy, try again".
 
+pub mod asked;
+
 use std::sync::LazyLock;
 use std::time::Duration;
 
@@ -46,7 +48,8 @@ use redis::Script;
 use redis::aio::MultiplexedConnection;
 
 use crate::election::ledger::{
-    Claim, Claimant, Definition, Entry, JobEntry, KEEP, LateFinish, Ledger, LedgerError, StaleRun,
+    Asked, AskedFinish, Claim, Claimant, Definition, Entry, JobEntry, KEEP, LateFinish, Ledger,
+    LedgerError, StaleRun,
 };
 use crate::election::participant::{self, Participant};
 use crate::redis::scripts::ScriptArgs;
@@ -650,6 +653,22 @@ impl Ledger for RedisLedger {
         let mut invocation = self.invocation(&UNCLAIM_SCRIPT);
         invocation.arg(micros(at)).arg(epoch);
         self.run::<i64>(&invocation).await.map(|_| ())
+    }
+
+    async fn take_asked(
+        &self,
+        claimant: &Claimant,
+        skip: Option<&str>,
+    ) -> Result<Option<Asked>, LedgerError> {
+        self.take_asked_run(claimant, skip).await
+    }
+
+    async fn finish_asked(&self, finish: &AskedFinish) -> Result<bool, LedgerError> {
+        self.finish_asked_run(finish).await
+    }
+
+    async fn interrupt_stale_asked(&self) -> Result<u64, LedgerError> {
+        self.interrupt_stale_asked_runs().await
     }
 
     async fn record(

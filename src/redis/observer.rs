@@ -7,7 +7,7 @@ use std::time::Duration;
 use jiff::Timestamp;
 
 use crate::election::Observer;
-use crate::election::ledger::{Entry, JobEntry, LedgerError};
+use crate::election::ledger::{AskedEntry, Entry, JobEntry, LedgerError};
 use crate::election::participant::{LockView, Participant};
 use crate::redis::connection::Connection;
 use crate::redis::ledger::{self, participant};
@@ -119,6 +119,32 @@ impl Observer for RedisObserver {
                     .unwrap_or(value);
                 (job, detail)
             })
+            .collect())
+    }
+
+    async fn ask_run(&self, job: &str, asked_by: &str) -> Result<Option<i64>, LedgerError> {
+        let channel = shards::ShardKeys {
+            base: self.keys.lock.clone(),
+        }
+        .channel();
+        let mut conn = self.connection.conn.clone();
+        ledger::asked::ask(&mut conn, &self.keys.job(job), job, asked_by, &channel)
+            .await
+            .map(Some)
+    }
+
+    async fn asked_runs(
+        &self,
+        job: &str,
+        id: Option<i64>,
+        limit: i64,
+    ) -> Result<Vec<AskedEntry>, LedgerError> {
+        let mut conn = self.connection.conn.clone();
+        let limit = if id.is_some() { 1 } else { limit };
+        let found = ledger::asked::read(&mut conn, &self.keys.job(job), id, limit).await?;
+        Ok(found
+            .into_iter()
+            .filter(|entry| id.is_none_or(|id| entry.id == id))
             .collect())
     }
 

@@ -91,6 +91,18 @@ impl Keys {
         format!("{}:paused", self.lock)
     }
 
+    /// A crontab job's runs asked for by hand (`pgleader cron run`): a hash of request number
+    /// to its row as JSON (`seq` the last number handed out, `<n>:output` the run's output),
+    /// and the list of the numbers no owner took yet (`:asked:queue`). See
+    /// `redis/ledger/asked.rs`.
+    pub fn asked(&self) -> String {
+        format!("{}:asked", self.lock)
+    }
+
+    pub fn asked_queue(&self) -> String {
+        format!("{}:asked:queue", self.lock)
+    }
+
     /// The keys of crontab job `job` of this fleet, whose ledger lives under
     /// `pgleader:{NAME}:job:<job>` (`:runs`, `:rows`, `:born`). A job's name is letters,
     /// digits, `-`, `_` and `.`, so no job's keys are another's or the fleet's own.

@@ -38,12 +38,15 @@ use jiff::Timestamp;
 use tokio::time::{Instant, Sleep, sleep_until};
 use tracing::{debug, info, warn};
 
-use crate::election::ledger::{Claim, Claimant, LateFinish, Ledger, LedgerError};
+use crate::election::ledger::{
+    Asked, AskedFinish, Claim, Claimant, LateFinish, Ledger, LedgerError,
+};
 use crate::election::lock::LockKey;
 use crate::exit::ChildStatus;
 use crate::schedule::agreement::{Agreement, Verdict, agree};
 use crate::schedule::calendar::{Schedule, rfc3339};
 use crate::schedule::clock::ServerClock;
+use crate::schedule::crontab::Overlap;
 use crate::schedule::{Plan, Publish, RunView, ScheduledOutcome};
 use crate::time::for_people;
 
@@ -54,8 +57,14 @@ pub const MOST_AT_ONCE: usize = 4;
 /// What the supervisor is to do.
 #[derive(Debug)]
 pub enum RunsEvent {
-    /// Start the command for this occurrence (`attempt` > 1 for a retried interrupted run).
-    Start { occurrence: Timestamp, attempt: i32 },
+    /// Start the command for this occurrence (`attempt` > 1 for a retried interrupted run);
+    /// or, with `asked`, for a run asked by hand (`pgleader cron run`), `occurrence` being
+    /// when it was asked.
+    Start {
+        occurrence: Timestamp,
+        attempt: i32,
+        asked: Option<Asked>,
+    },
     /// `--once`: the run is over and recorded; exit with the command's status.
     Done,
     /// `--once`: there is nothing for this timer to run (claimed elsewhere, or nothing due);
@@ -63,10 +72,10 @@ pub enum RunsEvent {
     NothingToRun,
     /// The replicas disagree on the schedule and this one must not run its version.
     Disagree(String),
-    /// `overlap=replace`: the occurrence `occurrence` has come while the previous run still
-    /// goes; stop that run ([`Runs::exited`] then records it as interrupted and claims this
-    /// one).
-    Replace { occurrence: Timestamp },
+    /// `overlap=replace`: the occurrence `occurrence` has come (or, `asked`, a run asked by
+    /// hand then) while the previous run still goes; stop that run ([`Runs::exited`] then
+    /// records it as interrupted and starts this one).
+    Replace { occurrence: Timestamp, asked: bool },
     /// A ledger statement failed for good (`Fatal`) or the session is in trouble (`Query`).
     Failed(LedgerError),
 }
@@ -78,6 +87,20 @@ struct Run {
     attempt: i32,
     /// Whether the command was started (a claim can be followed by a refusal to start).
     started: bool,
+    /// A run asked by hand: its request's number (`at` is when it was asked).
+    asked: Option<i64>,
+}
+
+impl Run {
+    /// The run of a claimed occurrence.
+    fn of(at: Timestamp, attempt: i32) -> Run {
+        Run {
+            at,
+            attempt,
+            started: false,
+            asked: None,
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -90,6 +113,12 @@ enum Step {
         detail: String,
     },
     Finish(LateFinish),
+    /// Takes the oldest run asked by hand; `skip` says why it is recorded as skipped instead
+    /// (filled in as the statement is sent, from the runs going on then).
+    TakeAsked {
+        skip: Option<String>,
+    },
+    FinishAsked(AskedFinish),
 }
 
 enum Done {
@@ -97,6 +126,7 @@ enum Done {
     Claimed(Result<(ClaimResult, Option<ServerClock>), LedgerError>),
     Recorded(Result<bool, LedgerError>),
     Finished(Result<bool, LedgerError>),
+    Taken(Result<Option<Asked>, LedgerError>),
 }
 
 struct Began {
@@ -135,6 +165,10 @@ pub struct Runs<L: Ledger> {
     aside: Vec<Run>,
     /// `overlap=replace`: the running command is being stopped for this occurrence.
     replacing: Option<Timestamp>,
+    /// `overlap=replace`: the run asked by hand that starts once the running command is gone.
+    replacing_for: Option<(Run, Asked)>,
+    /// Whether the job takes runs asked by hand (a crontab's).
+    takes_asked: bool,
     /// Said at the next poll.
     ask: Option<RunsEvent>,
     /// The last lines of the run going on, once it was stopped with its job (`--keep-output`),
@@ -179,6 +213,8 @@ pub struct Start {
     pub foreign_ledger_seen: Option<Instant>,
     /// Where runs and outcomes are published for the HTTP endpoint.
     pub publish: Publish,
+    /// Whether the job takes runs asked by hand (`pgleader cron run`): a crontab's.
+    pub takes_asked: bool,
 }
 
 impl<L: Ledger> Runs<L> {
@@ -211,6 +247,8 @@ impl<L: Ledger> Runs<L> {
             running: None,
             aside: Vec::new(),
             replacing: None,
+            replacing_for: None,
+            takes_asked: start.takes_asked,
             ask: None,
             finishing: None,
             stopped_output: None,
@@ -235,10 +273,25 @@ impl<L: Ledger> Runs<L> {
         }
     }
 
+    /// Someone asked for a run by hand (`pgleader cron run`): the oldest request is taken
+    /// once the statements queued before are through.
+    pub fn asked(&mut self) {
+        let queued = self
+            .queue
+            .iter()
+            .any(|step| matches!(step, Step::TakeAsked { .. }));
+        if self.takes_asked && !queued {
+            self.queue.push_back(Step::TakeAsked { skip: None });
+        }
+    }
+
     /// The command for the claimed occurrence started.
     pub fn started(&mut self) {
         if let Some(run) = &mut self.running {
             run.started = true;
+            if run.asked.is_some() {
+                return;
+            }
             self.publish.run(RunView {
                 scheduled_for: run.at,
                 outcome: None,
@@ -318,6 +371,7 @@ impl<L: Ledger> Runs<L> {
             if paused.is_none()
                 && let Some(step) = self.queue.pop_front()
             {
+                let step = self.prepared(step);
                 let pending = self.launch(step.clone());
                 self.op = Some((step, pending));
                 continue;
@@ -329,6 +383,17 @@ impl<L: Ledger> Runs<L> {
             }
             if let Some(event) = self.ask.take() {
                 return Poll::Ready(event);
+            }
+            // overlap=replace: the run asked by hand starts once the one it replaces is gone.
+            if self.running.is_none()
+                && let Some((run, asked)) = self.replacing_for.take()
+            {
+                self.running = Some(run);
+                return Poll::Ready(RunsEvent::Start {
+                    occurrence: run.at,
+                    attempt: 1,
+                    asked: Some(asked),
+                });
             }
             // While a run is being replaced, its successor waits for it to be gone.
             let due = self
@@ -372,11 +437,19 @@ impl<L: Ledger> Runs<L> {
         self.stopped_output = output;
     }
 
-    /// The command of the run of `at` ended on its own (`overlap=allow`: one of several):
-    /// record how, with the last lines it printed (`output`) if they were kept.
-    pub fn exited_at(&mut self, at: Timestamp, status: ChildStatus, output: Option<String>) {
-        if self.running.is_none_or(|run| run.at != at)
-            && let Some(aside) = self.aside.iter().position(|run| run.at == at)
+    /// The command of the run of `at` (`asked`: the run asked by hand of that number) ended
+    /// on its own (`overlap=allow`: one of several): record how, with the last lines it
+    /// printed (`output`) if they were kept.
+    pub fn exited_at(
+        &mut self,
+        at: Timestamp,
+        asked: Option<i64>,
+        status: ChildStatus,
+        output: Option<String>,
+    ) {
+        let this = |run: &Run| run.at == at && run.asked == asked;
+        if !self.running.as_ref().is_some_and(this)
+            && let Some(aside) = self.aside.iter().position(this)
         {
             let run = self.aside.remove(aside);
             self.record_exit(run, status, output);
@@ -400,6 +473,25 @@ impl<L: Ledger> Runs<L> {
     /// Records how `run` ended, with the last lines it printed (`output`) if they were kept.
     fn record_exit(&mut self, run: Run, status: ChildStatus, output: Option<String>) {
         let succeeded = status == ChildStatus::Exited(0);
+        if let Some(id) = run.asked {
+            let outcome = if succeeded { "succeeded" } else { "failed" };
+            let by_hand = self.replacing_for.is_some();
+            if by_hand {
+                self.replacing = None;
+            }
+            let outcome = if by_hand { "interrupted" } else { outcome };
+            info!(event = "asked_run_finished", job = self.plan.job.as_deref(), request = id, outcome, status = %status, exit_code = status.exit_code(), "the run asked by hand (request {id}) {outcome} ({status})");
+            self.queue.push_back(Step::FinishAsked(AskedFinish {
+                id,
+                epoch: self.claimant.epoch,
+                outcome,
+                exit_code: Some(i32::from(status.exit_code())),
+                detail: by_hand
+                    .then(|| "replaced by a run asked by hand (overlap=replace)".to_owned()),
+                output,
+            }));
+            return;
+        }
         let replaced = self.replacing.take();
         let outcome = match replaced {
             Some(_) => "interrupted",
@@ -410,7 +502,11 @@ impl<L: Ledger> Runs<L> {
         let next = next.as_deref().unwrap_or("none");
         let at = rfc3339(run.at);
         if let Some(by) = replaced {
-            warn!(event = "scheduled_run_interrupted", job = self.plan.job.as_deref(), occurrence = %at, attempt = run.attempt, outcome, status = %status, next, "the run of {at} was replaced by the occurrence of {} (overlap=replace)", rfc3339(by));
+            let by = match &self.replacing_for {
+                Some((_, asked)) => format!("a run asked by hand by {}", asked.asked_by),
+                None => format!("the occurrence of {}", rfc3339(by)),
+            };
+            warn!(event = "scheduled_run_interrupted", job = self.plan.job.as_deref(), occurrence = %at, attempt = run.attempt, outcome, status = %status, next, "the run of {at} was replaced by {by} (overlap=replace)");
         } else if succeeded {
             info!(event = "scheduled_run_finished", job = self.plan.job.as_deref(), occurrence = %at, attempt = run.attempt, outcome, exit_code = status.exit_code(), next, "the run of {at} succeeded");
         } else {
@@ -452,13 +548,16 @@ impl<L: Ledger> Runs<L> {
                         Step::Claim(at),
                         Done::Claimed(Ok((ClaimResult::Claim(Claim::Claimed { attempt }, _), _))),
                     ) => {
-                        self.running = Some(Run {
-                            at,
-                            attempt,
-                            started: false,
-                        });
+                        self.running = Some(Run::of(at, attempt));
                     }
                     (Step::Finish(_), Done::Finished(Ok(true))) => self.finishing = None,
+                    // Taken, never started: recorded as interrupted below.
+                    (Step::TakeAsked { skip: None }, Done::Taken(Ok(Some(asked)))) => {
+                        self.aside.push(Run {
+                            asked: Some(asked.id),
+                            ..Run::of(asked.asked_at, 1)
+                        });
+                    }
                     _ => {}
                 }
             }
@@ -483,8 +582,14 @@ impl<L: Ledger> Runs<L> {
                             self.publish(at, outcome, None);
                         }
                     }
-                    Step::Begin | Step::Claim(_) => {}
+                    Step::FinishAsked(finish) => {
+                        let _ = self.ledger.finish_asked(&finish).await;
+                    }
+                    Step::Begin | Step::Claim(_) | Step::TakeAsked { .. } => {}
                 }
+            }
+            if let Some((run, _)) = self.replacing_for.take() {
+                self.aside.push(run);
             }
             // Runs still going aside (`overlap=allow`) were stopped too.
             for run in std::mem::take(&mut self.aside) {
@@ -512,6 +617,35 @@ impl<L: Ledger> Runs<L> {
         stopped: Option<(Option<ChildStatus>, &str)>,
         output: Option<String>,
     ) {
+        if let Some(id) = run.asked {
+            let why = match stopped {
+                _ if !run.started => "its replica stopped before starting it",
+                Some((_, why)) => why,
+                None => "its leader stepped down",
+            };
+            warn!(
+                event = "asked_run_interrupted",
+                job = self.plan.job.as_deref(),
+                request = id,
+                reason = why,
+                "the run asked by hand (request {id}) was interrupted: {why}"
+            );
+            let finish = AskedFinish {
+                id,
+                epoch: self.claimant.epoch,
+                outcome: "interrupted",
+                exit_code: stopped
+                    .and_then(|(status, _)| status)
+                    .filter(|_| run.started)
+                    .map(|status| i32::from(status.exit_code())),
+                detail: Some(why.to_owned()),
+                output,
+            };
+            if let Err(err) = self.ledger.finish_asked(&finish).await {
+                warn!(event = "ledger_failed", job = self.plan.job.as_deref(), reason = %err, "cannot record the interrupted run asked by hand; the job's next owner will");
+            }
+            return;
+        }
         let at = rfc3339(run.at);
         if !run.started {
             debug!(event = "unclaimed", job = self.plan.job.as_deref(), occurrence = %at, "taking back the claim of {at}: its command never started");
@@ -552,8 +686,15 @@ impl<L: Ledger> Runs<L> {
                 let schedule = self.plan.schedule.clone();
                 let job = self.plan.job.clone();
                 let (catch_up_new, definition) = (self.plan.catch_up_new, self.plan.definition());
+                let takes_asked = self.takes_asked;
                 Box::pin(async move {
                     let result = async {
+                        if takes_asked {
+                            let stale = ledger.interrupt_stale_asked().await?;
+                            if stale > 0 {
+                                warn!(event = "asked_run_interrupted", job = job.as_deref(), runs = stale, "{stale} run(s) asked by hand were interrupted: the job's previous owner lost it while they ran");
+                            }
+                        }
                         for (at, host, pid) in ledger.interrupt_stale().await? {
                             publish.run(RunView {
                                 scheduled_for: at,
@@ -630,7 +771,38 @@ impl<L: Ledger> Runs<L> {
             Step::Finish(finish) => {
                 Box::pin(async move { Done::Finished(ledger.finish(&finish, None).await) })
             }
+            Step::TakeAsked { skip } => {
+                Box::pin(
+                    async move { Done::Taken(ledger.take_asked(&claimant, skip.as_deref()).await) },
+                )
+            }
+            Step::FinishAsked(finish) => {
+                Box::pin(async move { Done::Finished(ledger.finish_asked(&finish).await) })
+            }
         }
+    }
+
+    /// `step` as it is sent: a run asked by hand is skipped when the job's `overlap=` refuses
+    /// another run beside those going on now.
+    fn prepared(&self, step: Step) -> Step {
+        let Step::TakeAsked { .. } = step else {
+            return step;
+        };
+        let going = self.running.map(|run| match run.asked {
+            Some(id) => format!("the run asked by hand (request {id})"),
+            None => format!("the run of {}", rfc3339(run.at)),
+        });
+        let skip = match (self.plan.overlap, going) {
+            (Overlap::Skip, Some(going)) => Some(format!("{going} was still going (overlap=skip)")),
+            (Overlap::Allow, Some(_)) if self.aside.len() + 1 >= MOST_AT_ONCE => Some(format!(
+                "{MOST_AT_ONCE} runs of the job were going, the most overlap=allow starts"
+            )),
+            (Overlap::Replace, Some(_)) if self.replacing.is_some() => {
+                Some("a run going on was being replaced already (overlap=replace)".to_owned())
+            }
+            _ => None,
+        };
+        Step::TakeAsked { skip }
     }
 
     fn on_done(&mut self, step: Step, done: Done) -> Option<RunsEvent> {
@@ -638,7 +810,8 @@ impl<L: Ledger> Runs<L> {
             Done::Began(Err(err))
             | Done::Claimed(Err(err))
             | Done::Recorded(Err(err))
-            | Done::Finished(Err(err)) => Some(err),
+            | Done::Finished(Err(err))
+            | Done::Taken(Err(err)) => Some(err),
             _ => None,
         };
         if let Some(LedgerError::Busy(reason)) = failed {
@@ -653,12 +826,22 @@ impl<L: Ledger> Runs<L> {
             Done::Began(Err(err))
             | Done::Claimed(Err(err))
             | Done::Recorded(Err(err))
-            | Done::Finished(Err(err)) => Some(RunsEvent::Failed(err)),
+            | Done::Finished(Err(err))
+            | Done::Taken(Err(err)) => Some(RunsEvent::Failed(err)),
+            Done::Taken(Ok(None)) => None,
+            Done::Taken(Ok(Some(asked))) => {
+                let Step::TakeAsked { skip } = step else {
+                    return None;
+                };
+                self.on_taken(asked, skip)
+            }
             Done::Began(Ok(began)) => {
                 if let Some(event) = self.note_agreement(began.agreement) {
                     return Some(event);
                 }
                 self.plan_first(began.newest);
+                // Runs asked by hand before this owner took the job.
+                self.asked();
                 None
             }
             Done::Claimed(Ok((result, sample))) => {
@@ -708,11 +891,7 @@ impl<L: Ledger> Runs<L> {
         match claim {
             Claim::Claimed { attempt } => {
                 self.early_until = None;
-                self.running = Some(Run {
-                    at,
-                    attempt,
-                    started: false,
-                });
+                self.running = Some(Run::of(at, attempt));
                 self.due = self.after(at);
                 // From the start jitter= put it off to.
                 let late = crate::time::elapsed(self.start_of(at), self.clock.now());
@@ -728,6 +907,7 @@ impl<L: Ledger> Runs<L> {
                 Some(RunsEvent::Start {
                     occurrence: at,
                     attempt,
+                    asked: None,
                 })
             }
             Claim::Early { server_now } => {
@@ -782,6 +962,42 @@ impl<L: Ledger> Runs<L> {
                 None
             }
         }
+    }
+
+    /// A run asked by hand was taken (`skip`: recorded as skipped instead): it starts now,
+    /// beside the runs going on (`overlap=allow`) or once the one going on is stopped
+    /// (`overlap=replace`). The next request, if any, is taken after it.
+    fn on_taken(&mut self, asked: Asked, skip: Option<String>) -> Option<RunsEvent> {
+        self.asked();
+        let job = self.plan.job.as_deref();
+        if let Some(why) = skip {
+            info!(event = "asked_run_skipped", job, request = asked.id, asked_by = %asked.asked_by, "not running the run asked by hand by {} (request {}): {why}", asked.asked_by, asked.id);
+            return None;
+        }
+        let run = Run {
+            asked: Some(asked.id),
+            ..Run::of(asked.asked_at, 1)
+        };
+        let late = crate::time::elapsed(asked.asked_at, self.clock.now());
+        info!(event = "asked_run", job, request = asked.id, asked_by = %asked.asked_by, late_ms = late.as_millis() as u64, "running the job by hand, as {} asked at {} (request {})", asked.asked_by, rfc3339(asked.asked_at), asked.id);
+        if self.running.is_some() {
+            if self.plan.overlap == Overlap::Replace {
+                self.replacing = Some(asked.asked_at);
+                self.replacing_for = Some((run, asked.clone()));
+                return Some(RunsEvent::Replace {
+                    occurrence: asked.asked_at,
+                    asked: true,
+                });
+            }
+            // overlap=allow (a refusal was recorded as skipped): the run going on goes aside.
+            self.aside.extend(self.running.take());
+        }
+        self.running = Some(run);
+        Some(RunsEvent::Start {
+            occurrence: asked.asked_at,
+            attempt: 1,
+            asked: Some(asked),
+        })
     }
 
     /// The next occurrence after `at`, and after now: a late run does not queue up the

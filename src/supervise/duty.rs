@@ -164,6 +164,7 @@ impl Duty {
             own_ledger: self.prepared.ledger_fingerprint.clone(),
             foreign_ledger_seen: self.foreign_ledger_seen,
             publish: Publish(Rc::new(move |run| telemetry.scheduled_run(run))),
+            takes_asked: false,
         };
         let ledger = session.ledger(&plan.definition());
         Shift::Scheduled(Box::new(Runs::new(
@@ -204,6 +205,7 @@ impl<S: Session> Shift<S> {
                 RunsEvent::Start {
                     occurrence,
                     attempt,
+                    ..
                 } => Next::Start(Some((occurrence, attempt))),
                 RunsEvent::Done => Next::Done,
                 RunsEvent::NothingToRun => Next::NothingToRun,

@@ -21,7 +21,7 @@ use crate::redis_shards::QUICK;
 
 /// `pgleader cron --lock-id LOCK ARGS FILE` against the server of `url`, its jobs' output
 /// tagged (the default).
-fn tagged(name: &str, url: &str, lock: i64, args: &[&str], file: &File) -> Proc {
+pub fn tagged(name: &str, url: &str, lock: i64, args: &[&str], file: &File) -> Proc {
     let mut command = pgleader();
     command
         .env("PGLEADER_DATABASE_URL", url)

@@ -12,10 +12,10 @@ use crate::redis_shards::QUICK;
 
 /// How a scenario runs `pgleader ARGS` against its fleet's server and lock (`--lock-id`
 /// appended), named as given.
-type Cli<'a> = &'a dyn Fn(&str, &[&str]) -> Proc;
+pub type Cli<'a> = &'a dyn Fn(&str, &[&str]) -> Proc;
 
 /// `pgleader ARGS --lock-id LOCK` against the server of `url`.
-fn pgleader_on(url: &str, lock: i64, name: &str, args: &[&str]) -> Proc {
+pub fn pgleader_on(url: &str, lock: i64, name: &str, args: &[&str]) -> Proc {
     let mut command = pgleader();
     command
         .env("PGLEADER_DATABASE_URL", url)
@@ -32,7 +32,7 @@ fn rfc3339(at: SystemTime) -> String {
 }
 
 /// Runs `pgleader ARGS` to its end: its exit code and stdout.
-fn run(cli: Cli, args: &[&str]) -> (i32, String) {
+pub fn run(cli: Cli, args: &[&str]) -> (i32, String) {
     let done = cli(&args.join(" "), args);
     let code = done.wait_code();
     (code, done.lines(Stream::Stdout).join("\n"))

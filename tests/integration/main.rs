@@ -13,6 +13,7 @@ mod cron_nemesis;
 mod cron_output;
 mod cron_pause;
 mod cron_pings;
+mod cron_run;
 mod cron_seen;
 mod crontab;
 mod docs;

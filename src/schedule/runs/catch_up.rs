@@ -129,7 +129,10 @@ impl<L: Ledger> Runs<L> {
             // Once the run is gone (`exited`), this occurrence is claimed as any other.
             self.due = Some(at);
             self.replacing = Some(latest);
-            self.ask = Some(RunsEvent::Replace { occurrence: latest });
+            self.ask = Some(RunsEvent::Replace {
+                occurrence: latest,
+                asked: false,
+            });
             return;
         }
         if let Some(run) = self.running {

@@ -17,7 +17,7 @@ use jiff::Timestamp;
 use nix::sys::signal::Signal;
 use tokio::time::Instant;
 
-use crate::election::ledger::LedgerError;
+use crate::election::ledger::{Asked, LedgerError};
 use crate::election::shards::{Holder, Items, Seen};
 use crate::election::socket::Lent;
 use crate::exit::ChildStatus;
@@ -49,12 +49,15 @@ impl Slot {
 }
 
 /// A scheduled run an item's command runs for: its occurrence, the attempt, and when it has
-/// taken its `timeout=` (a crontab job's).
-#[derive(Clone, Copy, Debug)]
+/// taken its `timeout=` (a crontab job's); or a run asked by hand, `occurrence` being when it
+/// was asked.
+#[derive(Clone, Debug)]
 pub struct Run {
     pub occurrence: Timestamp,
     pub attempt: i32,
     pub timeout_at: Option<Instant>,
+    /// A run asked by hand (`pgleader cron run`): the request.
+    pub asked: Option<Asked>,
 }
 
 /// What the room knows of an item it holds, beside its command.
@@ -177,6 +180,12 @@ pub trait Duty<H: Holder> {
     /// SIGHUP, when [`Duty::rereads`]: rereads the definition; the items shared out from now
     /// on, if they changed.
     async fn reread(&mut self, table: &mut Table, holder: &H, mood: Mood) -> Option<Items>;
+
+    /// Another replica, or `pgleader cron run`, said `word` on the fleet's channel (the room
+    /// reads the roster again on any word).
+    fn heard(&mut self, word: &str) {
+        let _ = word;
+    }
 
     /// The first TERM, where the duty drains rather than stops (`pgleader cron`, as
     /// supercronic): no run starts any more, the items whose commands do not run are given up

@@ -377,6 +377,7 @@ impl<L: Ledger> Jobs<L> {
             own_ledger: self.own_ledger.clone(),
             foreign_ledger_seen: None,
             publish,
+            takes_asked: self.is_crontab(),
         };
         let Some(ledger) = holder.ledger(&definition.key, item, &plan.definition()) else {
             return;
@@ -421,19 +422,31 @@ impl<L: Ledger> Jobs<L> {
         }
     }
 
-    /// Item `item`'s command exited on its own: its runs record how.
+    /// Item `item`'s command exited on its own: its runs record how. `occurrence`: the run
+    /// it ran for (when it was asked, and the request's number, for a run asked by hand).
     pub fn exited(
         &mut self,
         item: u32,
-        occurrence: Option<Timestamp>,
+        occurrence: Option<(Timestamp, Option<i64>)>,
         status: ChildStatus,
         output: Option<String>,
     ) {
         if let Some(runs) = self.runs.get_mut(&item) {
             match occurrence {
-                Some(at) => runs.exited_at(at, status, output),
+                Some((at, asked)) => runs.exited_at(at, asked, status, output),
                 None => runs.exited(status),
             }
+        }
+    }
+
+    /// Someone asked for a run of job `name` by hand (`pgleader cron run`): if this replica
+    /// owns it, its runs take the request.
+    pub fn asked(&mut self, name: &str) {
+        let owned = self.definitions.iter().find_map(|(item, definition)| {
+            (definition.label.job.as_deref() == Some(name)).then_some(*item)
+        });
+        if let Some(runs) = owned.and_then(|item| self.runs.get_mut(&item)) {
+            runs.asked();
         }
     }
 
@@ -494,7 +507,13 @@ impl<L: Ledger> Jobs<L> {
     /// The environment of item `item`'s command for the occurrence `occurrence`, beside the
     /// leader's: the crontab's variables for the job (`SHELL` and `CRON_TZ` among them, as cron
     /// passes them on) and `PGLEADER_JOB`, or the shard's; then the run's.
-    pub fn env(&self, item: u32, occurrence: Timestamp, attempt: i32) -> Vec<(&str, String)> {
+    pub fn env(
+        &self,
+        item: u32,
+        occurrence: Timestamp,
+        attempt: i32,
+        asked_by: Option<&str>,
+    ) -> Vec<(&str, String)> {
         let Some(definition) = self.definitions.get(&item) else {
             return Vec::new();
         };
@@ -505,6 +524,9 @@ impl<L: Ledger> Jobs<L> {
             .collect();
         env.push(("PGLEADER_SCHEDULED_TIME", rfc3339(occurrence)));
         env.push(("PGLEADER_ATTEMPT", attempt.to_string()));
+        if let Some(asked_by) = asked_by {
+            env.push(("PGLEADER_ASKED_BY", asked_by.to_owned()));
+        }
         env
     }
 }

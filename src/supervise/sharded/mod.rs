@@ -472,6 +472,9 @@ impl<B: ShardBackend + Clone + 'static, D: Duty<B::Holder>> Room<B, D> {
         match event {
             Event::Holder(HolderEvent::Notified(word)) => {
                 debug!(event = "notified", lock = %lock, word = %word, "another replica: {word}");
+                if !quiet {
+                    self.duty.heard(&word);
+                }
                 link.read_soon(quiet, timeout);
             }
             Event::Holder(HolderEvent::Ended(reason)) => {

@@ -177,7 +177,9 @@ impl<H: Holder> Scheduled<H> {
     ) {
         let item = slot.item;
         let run = table.item_mut(&slot).and_then(|held| held.run.as_mut());
-        let occurrence = run.as_ref().map(|run| run.occurrence);
+        let occurrence = run
+            .as_ref()
+            .map(|run| (run.occurrence, run.asked.as_ref().map(|asked| asked.id)));
         if let Some(run) = run {
             run.timeout_at = None;
         }
@@ -222,7 +224,7 @@ impl<H: Holder> Scheduled<H> {
 
 /// When a held command's run has taken its `timeout=`.
 fn timeout_of(held: &Held) -> Option<Instant> {
-    held.run.and_then(|run| run.timeout_at)
+    held.run.as_ref().and_then(|run| run.timeout_at)
 }
 
 impl<H: Holder> Duty<H> for Scheduled<H> {
@@ -290,13 +292,14 @@ impl<H: Holder> Duty<H> for Scheduled<H> {
 
     fn start(&mut self, slot: Slot, held: &Held, launch: Launch<'_>) -> anyhow::Result<Job> {
         let item = slot.item;
-        let (run, definition) = match (held.run, self.jobs.definition(item)) {
+        let (run, definition) = match (&held.run, self.jobs.definition(item)) {
             (Some(run), Some(definition)) => (run, definition),
             _ => anyhow::bail!("job {item} is not in the crontab"),
         };
         let command = &definition.command;
         let mut env: Vec<(&str, String)> = launch.env;
-        env.extend(self.jobs.env(item, run.occurrence, run.attempt));
+        let asked_by = run.asked.as_ref().map(|asked| asked.asked_by.as_str());
+        env.extend(self.jobs.env(item, run.occurrence, run.attempt, asked_by));
         let mut hold = launch.hold;
         hold.extend(self.parking.membership_lent());
         let parked = self.parking.take(item, command);
@@ -357,6 +360,13 @@ impl<H: Holder> Duty<H> for Scheduled<H> {
         }
     }
 
+    /// `asked <job>`: `pgleader cron run` asked for a run of the job by hand.
+    fn heard(&mut self, word: &str) {
+        if let Some(job) = word.strip_prefix("asked ") {
+            self.jobs.asked(job);
+        }
+    }
+
     fn woken(&mut self, table: &mut Table, kill_signal: Signal) {
         self.stop_timed_out(table, kill_signal);
     }
@@ -381,11 +391,13 @@ impl<H: Holder> Duty<H> for Scheduled<H> {
             RunsEvent::Start {
                 occurrence,
                 attempt,
+                asked,
             } => {
                 let run = super::duty::Run {
                     occurrence,
                     attempt,
                     timeout_at: None,
+                    asked,
                 };
                 self.claimed(item, run, table)
             }
@@ -394,8 +406,13 @@ impl<H: Holder> Duty<H> for Scheduled<H> {
                 Then::Nothing
             }
             RunsEvent::Failed(err) => ledger_failed(err),
-            RunsEvent::Replace { occurrence } => {
-                info!(event = "replacing_run", lock = %self.lock, job = label.job.as_deref(), "the occurrence of {} of {} has come while its previous run still goes: stopping that run (overlap=replace)", rfc3339(occurrence), label.name());
+            RunsEvent::Replace { occurrence, asked } => {
+                let what = if asked {
+                    "a run asked by hand".to_owned()
+                } else {
+                    format!("the occurrence of {}", rfc3339(occurrence))
+                };
+                info!(event = "replacing_run", lock = %self.lock, job = label.job.as_deref(), "{what} of {} has come while its previous run still goes: stopping that run (overlap=replace)", label.name());
                 table.stop(&Slot::of(item), kill_signal, After::Restart);
                 Then::Nothing
             }
