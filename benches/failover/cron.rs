@@ -61,7 +61,7 @@ const NEXT_ROW: &str = "cron.kill9.next";
 
 /// The ids of the fleets' rows, in the order the report shows them, each backend's side by
 /// side.
-const FLEET_ROWS: [&str; 9] = [
+const FLEET_ROWS: [&str; 10] = [
     LATENESS_ROW,
     LIGHT_ROW,
     LIGHT_RAW_ROW,
@@ -71,7 +71,14 @@ const FLEET_ROWS: [&str; 9] = [
     NEXT_ROW,
     TERM_OWNED_ROW,
     TERM_NEXT_ROW,
+    ASKED_ROW,
 ];
+
+/// The id of how soon a run asked by hand (`pgleader cron run`) starts (scenario 14e).
+pub const ASKED_ROW: &str = "cron.asked.start";
+
+/// Scenario 14e's runs asked by hand that are measured, after one of each job to warm up.
+const ASKS: usize = 30;
 
 /// The id of a TERM's hand-over: from the TERM to the others owning the replica's idle jobs.
 pub const TERM_OWNED_ROW: &str = "cron.term.owned";
@@ -457,6 +464,9 @@ pub fn scenarios(
     for backend in &backends {
         rows.extend(drained(*backend, plan));
     }
+    for backend in &backends {
+        rows.push(asked(*backend));
+    }
     // The jobs' lines as they are, and pings, beside the tagged ones (PostgreSQL's fleet).
     rows.push(light(backends[0], plan, Output::Passthrough));
     rows.push(light(backends[0], plan, Output::NotKept));
@@ -672,6 +682,88 @@ fn light(backend: Backend, plan: &Plan, output: Output) -> Row {
         &scenario_of(LIGHT_JOBS),
         label,
         "from each occurrence to its command running ($EPOCHREALTIME), every run in the window",
+        figures,
+        note,
+    )
+}
+
+/// Scenario 14e: how soon a run asked by hand starts on its owner, on `backend`. A fleet of
+/// [`REPLICAS`] replicas with [`LIGHT_JOBS`] jobs that never fall due in the window; one
+/// `pgleader cron run` of each job first, not measured (the fleet settles meanwhile), then
+/// [`ASKS`] of them one after the other, round the jobs. Each run prints the moment it was
+/// asked (`PGLEADER_SCHEDULED_TIME`, the server's clock as the request was written) and its
+/// start (`$EPOCHREALTIME`): the time from the one to the other, which the request's wake-up
+/// (NOTIFY, PUBLISH), the owner's take and the keeper's start make up; the command's own start
+/// and its wait for the run's end are not in it.
+fn asked(backend: Backend) -> Row {
+    eprintln!(
+        "bench: 14e. crontab: {ASKS} runs asked by hand (pgleader cron run) of {LIGHT_JOBS} jobs on {REPLICAS} replicas, on {}",
+        backend.name()
+    );
+    let result = (|| -> anyhow::Result<(Figures, String)> {
+        backend.ready()?;
+        let lock = harness::unique_lock();
+        let file = crontab("asked", IDLE, LIGHT_JOBS)?;
+        let live: Vec<Candidate> = (0..REPLICAS)
+            .map(|i| replica(backend, &format!("H{i}"), lock, &file))
+            .collect();
+        for candidate in &live {
+            candidate
+                .logged("joined the replicas", SETUP_WAIT)
+                .with_context(|| format!("a replica never joined\n{}", tail(&candidate.dump())))?;
+        }
+        let ask = |n: usize| -> anyhow::Result<()> {
+            let job = format!("j{}", n % LIGHT_JOBS + 1);
+            let mut command = harness::pgleader();
+            command.env("PGLEADER_DATABASE_URL", backend.url()).args([
+                "cron",
+                "run",
+                &format!("--lock-id={lock}"),
+                &job,
+            ]);
+            let out = command.output().context("cannot run pgleader cron run")?;
+            if !out.status.success() {
+                bail!(
+                    "pgleader cron run {job}: {}\n{}{}",
+                    out.status,
+                    String::from_utf8_lossy(&out.stdout),
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+            Ok(())
+        };
+        for n in 0..LIGHT_JOBS {
+            ask(n)?;
+        }
+        let from = Utc::now();
+        for n in 0..ASKS {
+            ask(n)?;
+        }
+        let runs: Vec<Run> = live
+            .iter()
+            .flat_map(runs_of)
+            .filter(|run| run.occurrence >= from)
+            .collect();
+        let mut late = Figures::default();
+        for run in &runs {
+            late.sample_ms(run.late_ms());
+        }
+        let note = format!("{} runs of {ASKS} asked; {}", runs.len(), p99(&late));
+        eprintln!("bench:   started after p50 {:?} ms, {note}", late.median());
+        Ok((late, note))
+    })();
+    let (figures, note) = result.unwrap_or_else(|err| {
+        let mut figures = Figures::default();
+        figures.failure(format!("{err:#}").replace('\n', " "));
+        (figures, String::new())
+    });
+    row(
+        ASKED_ROW,
+        &format!(
+            "14e. crontab: runs asked by hand (pgleader cron run), {LIGHT_JOBS} jobs, {REPLICAS} replicas"
+        ),
+        backend.label(),
+        "from the request, on the server's clock, to its command running ($EPOCHREALTIME) on the job's owner, one request at a time",
         figures,
         note,
     )
