@@ -93,7 +93,8 @@ impl Keys {
 
     /// A crontab job's runs asked for by hand (`pgleader cron run`): a hash of request number
     /// to its row as JSON (`seq` the last number handed out, `<n>:output` the run's output),
-    /// and the list of the numbers no owner took yet (`:asked:queue`). See
+    /// the list of the numbers no owner took yet (`:asked:queue`), and the set of those running
+    /// (`:asked:running`). See
     /// `redis/ledger/asked.rs`.
     pub fn asked(&self) -> String {
         format!("{}:asked", self.lock)
@@ -101,6 +102,12 @@ impl Keys {
 
     pub fn asked_queue(&self) -> String {
         format!("{}:asked:queue", self.lock)
+    }
+
+    /// The numbers of the requests taken and running (a set), which the job's next owner
+    /// marks interrupted.
+    pub fn asked_running(&self) -> String {
+        format!("{}:asked:running", self.lock)
     }
 
     /// The keys of crontab job `job` of this fleet, whose ledger lives under

@@ -92,6 +92,15 @@ struct Run {
 }
 
 impl Run {
+    /// How the log and the ledger name it: "the run of OCCURRENCE", or "the run asked by hand
+    /// (request N)".
+    fn describe(&self) -> String {
+        match self.asked {
+            Some(id) => format!("the run asked by hand (request {id})"),
+            None => format!("the run of {}", rfc3339(self.at)),
+        }
+    }
+
     /// The run of a claimed occurrence.
     fn of(at: Timestamp, attempt: i32) -> Run {
         Run {
@@ -367,10 +376,29 @@ impl<L: Ledger> Runs<L> {
                 }
                 continue;
             }
+            // overlap=replace: the run asked by hand starts once the one it replaces is gone.
+            if self.running.is_none()
+                && let Some((run, asked)) = self.replacing_for.take()
+            {
+                self.running = Some(run);
+                return Poll::Ready(RunsEvent::Start {
+                    occurrence: run.at,
+                    attempt: 1,
+                    asked: Some(asked),
+                });
+            }
             let paused = self.paused_until.filter(|until| *until > Instant::now());
             if paused.is_none()
                 && let Some(step) = self.queue.pop_front()
             {
+                // A claim queued while nothing ran, now beside a run asked by hand taken
+                // since: the job's overlap= decides, as for an occurrence due beside a run.
+                if let Step::Claim(at) = step
+                    && self.running.is_some()
+                {
+                    self.on_due(at);
+                    continue;
+                }
                 let step = self.prepared(step);
                 let pending = self.launch(step.clone());
                 self.op = Some((step, pending));
@@ -383,17 +411,6 @@ impl<L: Ledger> Runs<L> {
             }
             if let Some(event) = self.ask.take() {
                 return Poll::Ready(event);
-            }
-            // overlap=replace: the run asked by hand starts once the one it replaces is gone.
-            if self.running.is_none()
-                && let Some((run, asked)) = self.replacing_for.take()
-            {
-                self.running = Some(run);
-                return Poll::Ready(RunsEvent::Start {
-                    occurrence: run.at,
-                    attempt: 1,
-                    asked: Some(asked),
-                });
             }
             // While a run is being replaced, its successor waits for it to be gone.
             let due = self
@@ -448,14 +465,14 @@ impl<L: Ledger> Runs<L> {
         output: Option<String>,
     ) {
         let this = |run: &Run| run.at == at && run.asked == asked;
-        if !self.running.as_ref().is_some_and(this)
-            && let Some(aside) = self.aside.iter().position(this)
-        {
+        if self.running.as_ref().is_some_and(this) {
+            self.running_exited(status, output);
+        } else if let Some(aside) = self.aside.iter().position(this) {
             let run = self.aside.remove(aside);
             self.record_exit(run, status, output);
-            return;
+        } else {
+            debug!(event = "run_unknown", job = self.plan.job.as_deref(), occurrence = %rfc3339(at), "a run of {} ended that these runs do not know (already recorded)", rfc3339(at));
         }
-        self.running_exited(status, output);
     }
 
     /// The command ended on its own: record how.
@@ -474,20 +491,26 @@ impl<L: Ledger> Runs<L> {
     fn record_exit(&mut self, run: Run, status: ChildStatus, output: Option<String>) {
         let succeeded = status == ChildStatus::Exited(0);
         if let Some(id) = run.asked {
-            let outcome = if succeeded { "succeeded" } else { "failed" };
-            let by_hand = self.replacing_for.is_some();
-            if by_hand {
-                self.replacing = None;
-            }
-            let outcome = if by_hand { "interrupted" } else { outcome };
+            // overlap=replace: stopped for another run, asked by hand or an occurrence.
+            let replaced = self.replacing.take().map(|by| match &self.replacing_for {
+                Some(_) => "replaced by a run asked by hand (overlap=replace)".to_owned(),
+                None => format!(
+                    "replaced by the occurrence of {} (overlap=replace)",
+                    rfc3339(by)
+                ),
+            });
+            let outcome = match &replaced {
+                Some(_) => "interrupted",
+                None if succeeded => "succeeded",
+                None => "failed",
+            };
             info!(event = "asked_run_finished", job = self.plan.job.as_deref(), request = id, outcome, status = %status, exit_code = status.exit_code(), "the run asked by hand (request {id}) {outcome} ({status})");
             self.queue.push_back(Step::FinishAsked(AskedFinish {
                 id,
                 epoch: self.claimant.epoch,
                 outcome,
                 exit_code: Some(i32::from(status.exit_code())),
-                detail: by_hand
-                    .then(|| "replaced by a run asked by hand (overlap=replace)".to_owned()),
+                detail: replaced,
                 output,
             }));
             return;
@@ -788,16 +811,14 @@ impl<L: Ledger> Runs<L> {
         let Step::TakeAsked { .. } = step else {
             return step;
         };
-        let going = self.running.map(|run| match run.asked {
-            Some(id) => format!("the run asked by hand (request {id})"),
-            None => format!("the run of {}", rfc3339(run.at)),
-        });
+        let going = self.running.map(|run| run.describe());
+        let replacing = self.replacing.is_some() || self.replacing_for.is_some();
         let skip = match (self.plan.overlap, going) {
             (Overlap::Skip, Some(going)) => Some(format!("{going} was still going (overlap=skip)")),
             (Overlap::Allow, Some(_)) if self.aside.len() + 1 >= MOST_AT_ONCE => Some(format!(
                 "{MOST_AT_ONCE} runs of the job were going, the most overlap=allow starts"
             )),
-            (Overlap::Replace, Some(_)) if self.replacing.is_some() => {
+            (Overlap::Replace, _) if replacing => {
                 Some("a run going on was being replaced already (overlap=replace)".to_owned())
             }
             _ => None,

@@ -202,6 +202,89 @@ fn a_request_is_consumed_once_when_its_owner_dies(spawn: Spawn, cli: Cli) {
     let _ = std::fs::remove_file(&long);
 }
 
+/// overlap=replace, a job due every second: a run asked by hand stops the occurrence's run
+/// going on, and the next occurrence stops the run asked by hand in turn (recorded as
+/// interrupted, replaced by that occurrence); the occurrences run on after it.
+fn an_occurrence_replaces_a_run_asked_by_hand(spawn: Spawn, cli: Cli) {
+    let file = File::new(
+        "replaced",
+        "# pgleader: name=busy overlap=replace\n\
+         * * * * * * * echo busy-started asked=${PGLEADER_ASKED_BY:-no}; exec sleep 30\n",
+    );
+    let a = spawn("A", &file);
+    wait_count(&[&a], "busy-started asked=no", 1);
+    let waiting = cli("waiting", &["cron", "run", "busy"]);
+    assert_eq!(waiting.wait_code(), 75, "{}", waiting.dump());
+    let said = waiting.lines(Stream::Stdout).join("\n");
+    assert!(said.contains("job busy was interrupted"), "{said}");
+    assert!(said.contains("replaced by the occurrence of "), "{said}");
+    assert_eq!(
+        count(&[&a], "busy-started asked=") - count(&[&a], "asked=no"),
+        1
+    );
+    // The occurrences go on after it.
+    let before = count(&[&a], "busy-started asked=no");
+    wait_count(&[&a], "busy-started asked=no", before + 2);
+    // INT: a TERM would wait for the run going on, as supercronic does.
+    a.interrupt_cleanly();
+}
+
+#[test]
+fn an_occurrence_replaces_a_run_asked_by_hand_and_the_occurrences_go_on() {
+    let lock = unique_lock();
+    let url = Cluster::shared().url();
+    an_occurrence_replaces_a_run_asked_by_hand(
+        &|name, file| replica(name, &url, lock, &[], file),
+        &|name, args| pgleader_on(&url, lock, name, args),
+    );
+}
+
+#[test]
+fn on_redis_an_occurrence_replaces_a_run_asked_by_hand_and_the_occurrences_go_on() {
+    let lock = unique_lock();
+    let url = Redis::shared().url();
+    an_occurrence_replaces_a_run_asked_by_hand(
+        &|name, file| replica(name, &url, lock, &QUICK, file),
+        &|name, args| pgleader_on(&url, lock, name, args),
+    );
+}
+
+/// A table of runs asked for by hand that the fleet's role may not use (an administrator made
+/// it, and granted nothing): the replica says so and runs its jobs all the same; the request
+/// waits, untaken.
+#[test]
+fn a_table_of_requests_the_role_may_not_use_leaves_the_jobs_running() {
+    let lock = unique_lock();
+    let (table, role) = (format!("guarded_ledger_{lock}"), format!("no_asks_{lock}"));
+    let cluster = Cluster::shared();
+    cluster.execute(&format!(
+        "{};
+         {};
+         {};
+         CREATE ROLE {role} LOGIN;
+         GRANT SELECT, INSERT, UPDATE, DELETE ON {table}, {table}_paused TO {role};",
+        pgleader::postgres::ledger::TableName::parse(&table)
+            .expect("a table name")
+            .ddl(),
+        pgleader::postgres::ledger::PAUSED_DDL.replace("{table}", &format!("{table}_paused")),
+        pgleader::postgres::ledger::ASKED_DDL.replace("{table}", &format!("{table}_asked")),
+    ));
+    let url = cluster.url().replacen("postgres@", &format!("{role}@"), 1);
+    let ledger = format!("--ledger-table={table}");
+    let file = crate::cron_fleet::every_second("no-asks", 1, crate::cron_fleet::RAN);
+    let a = replica("A", &url, lock, &[&ledger], &file);
+    a.wait_log("may not use the table of runs asked for by hand");
+    // As the table's owner: the request is written, and no replica takes it.
+    let (code, said) = run(
+        &|name, args| pgleader_on(&cluster.url(), lock, name, args),
+        &["cron", "run", "j1", "--no-wait", &ledger],
+    );
+    assert_eq!(code, 0, "{said}");
+    wait_count(&[&a], "ran job=j1", 3);
+    assert!(!a.has_exited(), "{}", a.dump());
+    a.terminate_cleanly();
+}
+
 #[test]
 fn a_job_asked_by_hand_runs_once_apart_from_its_occurrences_and_follows_its_overlap() {
     let lock = unique_lock();

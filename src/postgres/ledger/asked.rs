@@ -119,7 +119,9 @@ impl PgLedger {
             param(claimant.epoch, Type::INT8),
             param(skip.map(str::to_owned), Type::TEXT),
         ];
-        let rows = self.bounded(&statements.take, params).await?;
+        let Some(rows) = self.usable(self.bounded(&statements.take, params).await)? else {
+            return Ok(None);
+        };
         Ok(rows.first().map(|row| Asked {
             id: row.get(0),
             asked_at: row.get(1),
@@ -140,8 +142,8 @@ impl PgLedger {
             param(finish.detail.clone(), Type::TEXT),
             param(finish.output.clone(), Type::TEXT),
         ];
-        let rows = self.bounded(&statements.finish, params).await?;
-        Ok(!rows.is_empty())
+        let rows = self.usable(self.bounded(&statements.finish, params).await)?;
+        Ok(rows.is_some_and(|rows| !rows.is_empty()))
     }
 
     pub(super) async fn interrupt_stale_asked_runs(&self) -> Result<u64, LedgerError> {
@@ -154,8 +156,34 @@ impl PgLedger {
             param(classid, Type::OID),
             param(objid, Type::OID),
         ];
-        let rows = self.bounded(&statements.interrupt_stale, params).await?;
-        Ok(rows.len() as u64)
+        let rows = self.usable(self.bounded(&statements.interrupt_stale, params).await)?;
+        Ok(rows.map_or(0, |rows| rows.len() as u64))
+    }
+
+    /// A statement's rows; `None` where the table cannot be used (dropped since, this role's
+    /// privileges taken away): the replica goes on without runs asked by hand, and says so,
+    /// rather than exit as for the ledger's own table.
+    fn usable(
+        &self,
+        result: Result<Vec<tokio_postgres::Row>, LedgerError>,
+    ) -> Result<Option<Vec<tokio_postgres::Row>>, LedgerError> {
+        match result {
+            Ok(rows) => Ok(Some(rows)),
+            Err(LedgerError::Fatal(_)) => {
+                let table = self.inner.table.asked();
+                tracing::warn!(
+                    event = "ledger_asked_table",
+                    table = table.as_str(),
+                    "cannot use the table of runs asked for by hand {} (missing, or this role may not SELECT, INSERT, UPDATE and DELETE on it; docs/scheduled-jobs.md gives its definition): runs asked for by hand are not taken until this replica joins again",
+                    table.as_str()
+                );
+                self.inner
+                    .asks
+                    .store(false, std::sync::atomic::Ordering::Relaxed);
+                Ok(None)
+            }
+            Err(err) => Err(err),
+        }
     }
 }
 
@@ -164,16 +192,33 @@ impl PgLedger {
 /// before, and the log says what to run for `pgleader cron run` to work.
 pub(super) async fn ensure_table(client: &Client, ledger: &TableName) -> Result<bool, LedgerError> {
     let asked = ledger.asked();
-    if resolve(client, &asked).await?.is_some() {
-        return Ok(true);
+    if resolve(client, &asked).await?.is_none()
+        && let Err(err) = create(client, &asked).await
+    {
+        tracing::warn!(
+            event = "ledger_asked_table",
+            table = asked.as_str(),
+            "{err}; runs asked for by hand (pgleader cron run) are not taken until it exists"
+        );
+        return Ok(false);
     }
-    match create(client, &asked).await {
-        Ok(()) => Ok(true),
-        Err(err) => {
+    let row = client
+        .query_typed_one(
+            "SELECT pg_catalog.has_table_privilege($1, 'SELECT') \
+                AND pg_catalog.has_table_privilege($1, 'UPDATE')",
+            &[(&asked.sql(), Type::TEXT)],
+        )
+        .await
+        .map_err(query_error)?;
+    match row.get::<_, bool>(0) {
+        true => Ok(true),
+        false => {
             tracing::warn!(
                 event = "ledger_asked_table",
                 table = asked.as_str(),
-                "{err}; runs asked for by hand (pgleader cron run) are not taken until it exists"
+                "this role may not use the table of runs asked for by hand {}: runs asked for by hand (pgleader cron run) are not taken until it may (GRANT SELECT, INSERT, UPDATE, DELETE ON {} TO <role>)",
+                asked.as_str(),
+                asked.sql()
             );
             Ok(false)
         }
@@ -197,8 +242,7 @@ async fn create(client: &Client, asked: &TableName) -> Result<(), String> {
     }
 }
 
-/// Asks the fleet of `fleet` to run its job `job` now: inserts the request (creating the table
-/// when missing), keeps the job's newest [`KEEP`] requests, and wakes the fleet on `channel`;
+/// Asks the fleet of `fleet` to run its job `job` now: inserts the request, keeps the job's newest [`KEEP`] requests, and wakes the fleet on `channel`;
 /// the request's number.
 pub async fn ask(
     client: &Client,
@@ -210,7 +254,15 @@ pub async fn ask(
 ) -> Result<i64, LedgerError> {
     let asked = ledger.asked();
     if resolve(client, &asked).await?.is_none() {
-        create(client, &asked).await.map_err(LedgerError::Fatal)?;
+        // The fleet's replicas make it as they join: without it, none would take the request.
+        return Err(LedgerError::Fatal(format!(
+            "there is no table {} of runs asked for by hand: the fleet's replicas create it as \
+             they join, if their role may (else have an administrator create it with:\n{};\n\
+             GRANT SELECT, INSERT, UPDATE, DELETE ON {} TO <role>;\nand restart them)",
+            asked.as_str(),
+            ASKED_DDL.replace("{table}", asked.sql()),
+            asked.sql()
+        )));
     }
     let t = asked.sql();
     let key = fleet.of_job(job);

@@ -2,7 +2,7 @@
 //! inside the fleet's braces: `pgleader:{NAME}:job:<job>:asked`, a hash of request number to
 //! its row (JSON, every number a string), with `seq` the last number handed out and
 //! `<n>:output` the run's output; and `:asked:queue`, the list of the requests no owner took
-//! yet.
+//! yet; `:asked:running`, the set of those taken and running.
 //!
 //! `pgleader cron run` adds a request and says `asked <job>` on the fleet's channel, in one
 //! script. The job's owner takes the oldest request with a script that first checks that the
@@ -45,7 +45,7 @@ redis.call('PUBLISH', ARGV[3], ARGV[4])
 return id
 "#;
 
-/// KEYS[1] the job's key, KEYS[2] the requests, KEYS[3] the queue; ARGV[1] the holder's
+/// KEYS[1] the job's key, KEYS[2] the requests, KEYS[3] the queue, KEYS[4] the running; ARGV[1] the holder's
 /// nonce, ARGV[2] the taker's host, ARGV[3] its pid, ARGV[4] its epoch, ARGV[5] the detail of
 /// a request skipped, or ''. Returns the request taken (number, when, by whom), or nil.
 const TAKE: &str = r#"
@@ -60,6 +60,7 @@ while true do
     r.host = ARGV[2]; r.pid = ARGV[3]; r.epoch = ARGV[4]
     if ARGV[5] == '' then
       r.outcome = 'running'; r.started_at = now
+      redis.call('SADD', KEYS[4], id)
     else
       r.outcome = 'skipped'; r.detail = ARGV[5]; r.ended_at = now
     end
@@ -69,13 +70,14 @@ while true do
 end
 "#;
 
-/// KEYS[1] the requests; ARGV[1] the number, ARGV[2] the epoch, ARGV[3] the outcome, ARGV[4]
-/// the exit code or '', ARGV[5] the detail or '', ARGV[6] the output or ''. Returns 1 if
-/// recorded.
+/// KEYS[1] the requests, KEYS[2] the running; ARGV[1] the number, ARGV[2] the epoch, ARGV[3]
+/// the outcome, ARGV[4] the exit code or '', ARGV[5] the detail or '', ARGV[6] the output or
+/// ''. Returns 1 if recorded.
 const FINISH: &str = r#"
 local text = redis.call('HGET', KEYS[1], ARGV[1])
 local r = text and cjson.decode(text)
 if not (r and r.epoch == ARGV[2] and r.outcome == 'running') then return 0 end
+redis.call('SREM', KEYS[2], ARGV[1])
 r.outcome = ARGV[3]; r.ended_at = now
 if ARGV[4] ~= '' then r.exit_code = ARGV[4] end
 if ARGV[5] ~= '' then r.detail = ARGV[5] end
@@ -84,14 +86,13 @@ if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], ARGV[1] .. ':output', ARGV[6])
 return 1
 "#;
 
-/// KEYS[1] the job's key, KEYS[2] the requests; ARGV[1] the holder's nonce, ARGV[2] how many
-/// requests are kept. Marks every `running` request interrupted; returns how many.
+/// KEYS[1] the job's key, KEYS[2] the requests, KEYS[3] the running; ARGV[1] the holder's
+/// nonce. Marks every `running` request interrupted; returns how many.
 const INTERRUPT_STALE: &str = r#"
 local v = redis.call('GET', KEYS[1])
 if not (v and string.match(v, '^nonce=(%x+) ') == ARGV[1]) then return 0 end
 local found = 0
-local seq = tonumber(redis.call('HGET', KEYS[2], 'seq') or '0')
-for id = math.max(1, seq - 2 * tonumber(ARGV[2])), seq do
+for _, id in ipairs(redis.call('SMEMBERS', KEYS[3])) do
   local text = redis.call('HGET', KEYS[2], id)
   local r = text and cjson.decode(text)
   if r and r.outcome == 'running' then
@@ -99,6 +100,7 @@ for id = math.max(1, seq - 2 * tonumber(ARGV[2])), seq do
     redis.call('HSET', KEYS[2], id, cjson.encode(r)); found = found + 1
   end
 end
+redis.call('DEL', KEYS[3])
 return found
 "#;
 
@@ -144,6 +146,7 @@ impl RedisLedger {
             .key(self.guard_key())
             .key(keys.asked())
             .key(keys.asked_queue())
+            .key(keys.asked_running())
             .arg(&self.args.nonce)
             .arg(&claimant.host)
             .arg(claimant.pid)
@@ -161,6 +164,7 @@ impl RedisLedger {
         let mut invocation = FINISH_SCRIPT.prepare_invoke();
         invocation
             .key(self.args.keys.asked())
+            .key(self.args.keys.asked_running())
             .arg(finish.id)
             .arg(finish.epoch)
             .arg(finish.outcome)
@@ -176,8 +180,8 @@ impl RedisLedger {
         invocation
             .key(self.guard_key())
             .key(self.args.keys.asked())
-            .arg(&self.args.nonce)
-            .arg(KEEP);
+            .key(self.args.keys.asked_running())
+            .arg(&self.args.nonce);
         let found: i64 = self.run(&invocation).await?;
         Ok(found.max(0) as u64)
     }

@@ -136,7 +136,7 @@ impl<L: Ledger> Runs<L> {
             return;
         }
         if let Some(run) = self.running {
-            let mut detail = format!("the run of {} was still going", rfc3339(run.at));
+            let mut detail = format!("{} was still going", run.describe());
             if !passed.is_empty() {
                 let _ = write!(detail, " (and {})", describe(&passed, "before it"));
             }
