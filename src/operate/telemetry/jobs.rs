@@ -119,12 +119,14 @@ impl Telemetry {
     /// events. The snapshot changes (and readers wake) only when the picture does.
     pub fn jobs_owned(&self, owned: Vec<(String, CommandView)>) {
         let metrics = self.inner.metrics.jobs.as_ref();
+        // By name: a crontab of 1,000 jobs is looked through after every event of the room.
+        let owned: BTreeMap<String, CommandView> = owned.into_iter().collect();
         self.inner.state.send_if_modified(|s| {
             let mut changed = false;
             for job in &mut s.jobs {
-                let now = owned.iter().find(|(name, _)| *name == job.name);
+                let now = owned.get(&job.name);
                 let (is_owned, command) = match now {
-                    Some((_, command)) => (true, command.clone()),
+                    Some(command) => (true, command.clone()),
                     None => (false, idle()),
                 };
                 let last_exit = command.last_exit.or(job.command.last_exit);

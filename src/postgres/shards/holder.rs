@@ -3,6 +3,7 @@
 //! jobs and hands out each job's ledger, guarded by the job's shard lock.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio_postgres::types::{ToSql, Type};
@@ -27,6 +28,9 @@ pub struct PgShardHolder {
     session: PgSession,
     keys: ShardKeys,
     items: Items,
+    /// The "defines" spaces of `items`' jobs, each with its job, as a roster read asks for
+    /// them: worked out once per change of the items, not at every check.
+    spaces: Arc<BTreeMap<u32, u32>>,
     notifications: Notifications,
 }
 
@@ -72,6 +76,7 @@ impl PgShardHolder {
             session,
             keys,
             items: Items::Listed(Default::default()),
+            spaces: Arc::default(),
             notifications,
         };
         match items {
@@ -159,11 +164,8 @@ impl Holder for PgShardHolder {
     fn roster(&self) -> impl Future<Output = Result<Seen, SessionError>> + 'static {
         let client = self.session.client().clone();
         let (keys, items, me) = (self.keys.clone(), self.items.clone(), self.id());
+        let spaces = Arc::clone(&self.spaces);
         async move {
-            let spaces = match &items {
-                Items::Listed(listing) => keys.defines_of(listing.items.iter().copied()),
-                Items::Numbered(_) => BTreeMap::new(),
-            };
             let defines: Vec<u32> = spaces.keys().copied().collect();
             let (space, classid, objid, knows) = (
                 keys.space as u32,
@@ -295,6 +297,7 @@ impl PgShardHolder {
     async fn know(&mut self, items: &Items) -> Result<(), SessionError> {
         let (Items::Listed(new), Items::Listed(old)) = (items, &self.items) else {
             self.items = items.clone();
+            self.spaces = Arc::default();
             return Ok(());
         };
         let changes = |new: &BTreeSet<u32>, old: &BTreeSet<u32>| -> [Vec<i32>; 2] {
@@ -347,6 +350,7 @@ impl PgShardHolder {
             .await
             .map_err(query_error)?;
         self.items = items.clone();
+        self.spaces = Arc::new(self.keys.defines_of(new.items.iter().copied()));
         Ok(())
     }
 

@@ -307,12 +307,22 @@ impl<L: Ledger> Jobs<L> {
     /// read on PostgreSQL then carries none of the others' either.
     fn disagreements(&self, roster: &Roster, me: i32) -> BTreeSet<(String, i32)> {
         let mut found = BTreeSet::new();
-        let shared = self.crontab.iter().flat_map(|crontab| &crontab.jobs);
-        for job in shared.filter(|job| self.items.contains(job.item())) {
-            let (item, marker) = (job.item(), job.definition_marker());
+        // The markers computed as the file was read: at every roster read, hashing each job's
+        // definition again cost more than the read itself with 1,000 jobs.
+        let Items::Listed(listing) = &self.items else {
+            return found;
+        };
+        for (item, marker) in &listing.definitions {
+            let Some(name) = self
+                .definitions
+                .get(item)
+                .and_then(|d| d.label.job.as_ref())
+            else {
+                continue;
+            };
             for member in roster.members.iter().filter(|member| member.id != me) {
-                if member.knows(item) && member.defines.get(&item) != Some(&marker) {
-                    found.insert((job.name.clone(), member.id));
+                if member.knows(*item) && member.defines.get(item) != Some(marker) {
+                    found.insert((name.clone(), member.id));
                 }
             }
         }

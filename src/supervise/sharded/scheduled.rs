@@ -9,6 +9,7 @@
 //! keepers parked ahead of the occurrences (`parking.rs`), the runs kept aside under
 //! `overlap=allow` (slots beside the job's own), `timeout=`, and a crontab's reread on SIGHUP.
 
+use std::cell::RefCell;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -26,7 +27,7 @@ use crate::election::ledger::LedgerError;
 use crate::election::lock::LockKey;
 use crate::election::shards::{Holder, Items, Seen};
 use crate::exit::ChildStatus;
-use crate::operate::telemetry::{CommandState, Telemetry};
+use crate::operate::telemetry::{CommandState, CommandView, Telemetry};
 use crate::schedule::Plan;
 use crate::schedule::calendar::rfc3339;
 use crate::schedule::clock::ServerClock;
@@ -51,6 +52,10 @@ pub struct Scheduled<H: Holder> {
     lock: LockKey,
     hooks: Hooks,
     telemetry: Telemetry,
+    /// The table's commands as last published: the room publishes after each of its events,
+    /// and most change nothing (a roster read at rest), which a crontab of 1,000 jobs should
+    /// not pay for by name. Cleared by a reread, which renames what is published.
+    published: RefCell<Option<Vec<(Slot, CommandView)>>>,
 }
 
 /// What the jobs wait for beside the room.
@@ -104,6 +109,7 @@ impl<H: Holder> Scheduled<H> {
             lock,
             hooks,
             telemetry,
+            published: RefCell::new(None),
         }
     }
 
@@ -472,6 +478,7 @@ impl<H: Holder> Duty<H> for Scheduled<H> {
     async fn reread(&mut self, table: &mut Table, holder: &H, mood: Mood) -> Option<Items> {
         let lock = self.lock.clone();
         let path = self.jobs.path()?.to_owned();
+        self.published.replace(None);
         info!(event = "rereading", lock = %lock, "rereading the crontab {}", path.display());
         let reread = Crontab::read(&path)
             .map_err(|err| err.to_string())
@@ -539,6 +546,14 @@ impl<H: Holder> Duty<H> for Scheduled<H> {
         if !self.jobs.is_crontab() {
             return;
         }
+        let now: Vec<(Slot, CommandView)> = table
+            .views()
+            .map(|(slot, _, command)| (*slot, command))
+            .collect();
+        if self.published.borrow().as_ref() == Some(&now) {
+            return;
+        }
+        self.published.replace(Some(now));
         let owned = table.views().filter_map(|(slot, _, mut command)| {
             if slot.is_aside() {
                 return None;
