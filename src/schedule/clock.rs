@@ -82,6 +82,17 @@ impl ServerClock {
         host.duration_since(self.server).as_micros() as f64 / 1e6
     }
 
+    /// How far this sample moves the local instant of a server time from where `other` put
+    /// it: the two clocks' drift between the samples, or a step of either.
+    pub fn moved_from(&self, other: &ServerClock) -> Duration {
+        let then = other.instant_of(self.server);
+        if then > self.local {
+            then - self.local
+        } else {
+            self.local - then
+        }
+    }
+
     /// Whether this sample was taken after `other`.
     pub fn is_newer_than(&self, other: &ServerClock) -> bool {
         self.local > other.local

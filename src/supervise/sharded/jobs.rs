@@ -21,6 +21,7 @@ use jiff::Timestamp;
 use tokio::time::Instant;
 use tracing::{info, warn};
 
+use super::ready::Ready;
 use crate::election::ledger::{Claimant, Ledger};
 use crate::election::lock::LockKey;
 use crate::election::participant::host_name;
@@ -66,6 +67,8 @@ pub struct Jobs<L: Ledger> {
     /// Every job of the file, and the jobs a reread removed whose last run is still going.
     definitions: BTreeMap<u32, Definition>,
     runs: BTreeMap<u32, Runs<L>>,
+    /// Which owned jobs' runs want polling (`ready.rs`).
+    ready: Ready,
     /// Owned jobs a reread removed: no occurrence is started any more; the run in progress
     /// finishes, then the job is given up.
     retired: BTreeSet<u32>,
@@ -171,6 +174,7 @@ impl<L: Ledger> Jobs<L> {
             crontab,
             items,
             runs: BTreeMap::new(),
+            ready: Ready::default(),
             retired: BTreeSet::new(),
             redefined: BTreeSet::new(),
             own_ledger: String::new(),
@@ -394,18 +398,27 @@ impl<L: Ledger> Jobs<L> {
         };
         self.runs
             .insert(item, Runs::new(plan, definition.key.clone(), ledger, start));
+        self.ready.mark(item);
     }
 
-    /// The next thing an owned job's runs ask for. Cancel-safe.
+    /// The next thing an owned job's runs ask for: only the jobs marked ready are polled
+    /// (`ready.rs`), each with its own waker. Cancel-safe.
     pub fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<(u32, RunsEvent)> {
-        for (item, runs) in &mut self.runs {
+        let ready = self.ready.take(cx);
+        for (n, item) in ready.iter().copied().enumerate() {
             // No new occurrence for a removed job; its last run's outcome is recorded when it
             // is disowned.
-            if self.retired.contains(item) {
+            if self.retired.contains(&item) {
                 continue;
             }
-            if let Poll::Ready(event) = runs.poll_next(cx) {
-                return Poll::Ready((*item, event));
+            let waker = self.ready.waker(item);
+            let Some(runs) = self.runs.get_mut(&item) else {
+                continue;
+            };
+            if let Poll::Ready(event) = runs.poll_next(&mut Context::from_waker(&waker)) {
+                // It may have more to say; those after it were not polled yet.
+                self.ready.put_back(ready[n..].iter().copied());
+                return Poll::Ready((item, event));
             }
         }
         Poll::Pending
@@ -429,6 +442,7 @@ impl<L: Ledger> Jobs<L> {
     pub fn started(&mut self, item: u32) {
         if let Some(runs) = self.runs.get_mut(&item) {
             runs.started();
+            self.ready.mark(item);
         }
     }
 
@@ -446,6 +460,7 @@ impl<L: Ledger> Jobs<L> {
                 Some((at, asked)) => runs.exited_at(at, asked, status, output),
                 None => runs.exited(status),
             }
+            self.ready.mark(item);
         }
     }
 
@@ -455,16 +470,25 @@ impl<L: Ledger> Jobs<L> {
         let owned = self.definitions.iter().find_map(|(item, definition)| {
             (definition.label.job.as_deref() == Some(name)).then_some(*item)
         });
-        if let Some(runs) = owned.and_then(|item| self.runs.get_mut(&item)) {
+        if let Some(item) = owned
+            && let Some(runs) = self.runs.get_mut(&item)
+        {
             runs.asked();
+            self.ready.mark(item);
         }
     }
 
     /// A roster read, sent at `sent` and answered at `received`, read the server's clock.
     pub fn observe_clock(&mut self, sent: Instant, received: Instant, server: Timestamp) {
-        self.clock = Some(ServerClock::sample(sent, received, server));
+        let sample = ServerClock::sample(sent, received, server);
+        let old = self.clock.replace(sample);
         for runs in self.runs.values_mut() {
             runs.observe_check(sent, received, server);
+        }
+        // A sample that moves the occurrences' instants by a millisecond or more (a clock
+        // stepped) sets every timer again; the drift between two checks does not.
+        if old.is_none_or(|old| sample.moved_from(&old) >= Duration::from_millis(1)) {
+            self.ready.mark_all(self.runs.keys().copied());
         }
     }
 
@@ -492,6 +516,7 @@ impl<L: Ledger> Jobs<L> {
         output: Option<String>,
         timeout: Duration,
     ) {
+        self.ready.forget(item);
         if let Some(mut runs) = self.runs.remove(&item) {
             runs.stopped_with(output);
             runs.settle(stopped, timeout).await;
@@ -510,6 +535,7 @@ impl<L: Ledger> Jobs<L> {
     /// Stops owning `item` without a word to the ledger (the session is lost or in doubt: the
     /// job's next owner marks what was running as interrupted).
     pub fn forget(&mut self, item: u32) {
+        self.ready.forget(item);
         self.runs.remove(&item);
         self.forget_retired(item);
     }

@@ -34,6 +34,7 @@ mod duty;
 mod jobs;
 mod link;
 mod parking;
+mod ready;
 mod roster;
 mod scheduled;
 mod shards;
