@@ -329,6 +329,11 @@ impl<B: ShardBackend + Clone + 'static, D: Duty<B::Holder>> Room<B, D> {
                 let reason = format!("a statement failed: {err}");
                 self.lose_all(&reason, LossReason::CheckFailed);
                 link.leave_for(reason);
+                // The items with no command settle at once, and nothing else would wake the
+                // loop for them: leaving, it waits for no deadline and reads no roster. (A
+                // replica of a 1,000-job fleet whose hand-over missed the deadline sat there,
+                // its jobs lost, until restarted.) What fails now is the same lost session.
+                let _ = self.finish_stopped(&mut link).await;
             }
             if std::mem::take(&mut self.inbox.reread_requested) && !quiet && !self.draining() {
                 self.reread(&mut link).await;
