@@ -898,10 +898,13 @@ impl<L: Ledger> Runs<L> {
                 }
                 None
             }
+            // A run asked by hand's end (`FinishAsked`) leaves the occurrence run's alone.
             Done::Finished(Ok(updated)) => {
-                self.finishing = None;
-                if !updated && let Step::Finish(finish) = step {
-                    warn!(event = "ledger_conflict", job = self.plan.job.as_deref(), occurrence = %rfc3339(finish.at), "the ledger row of {} was no longer this leader's to update", rfc3339(finish.at));
+                if let Step::Finish(finish) = step {
+                    self.finishing = None;
+                    if !updated {
+                        warn!(event = "ledger_conflict", job = self.plan.job.as_deref(), occurrence = %rfc3339(finish.at), "the ledger row of {} was no longer this leader's to update", rfc3339(finish.at));
+                    }
                 }
                 None
             }
