@@ -286,14 +286,18 @@ impl RedisLedger {
         self
     }
 
-    fn invocation<'a>(&self, script: &'a Script) -> redis::ScriptInvocation<'a> {
-        let guard = match &self.guard {
+    /// The key its claims require to hold this session's nonce: the lock's, or the job's.
+    fn guard_key(&self) -> &str {
+        match &self.guard {
             Guard::Plain => &self.args.keys.lock,
             Guard::Item { shard, .. } => shard,
-        };
+        }
+    }
+
+    fn invocation<'a>(&self, script: &'a Script) -> redis::ScriptInvocation<'a> {
         let mut invocation = script.prepare_invoke();
         invocation
-            .key(guard)
+            .key(self.guard_key())
             .key(self.args.keys.runs())
             .key(self.args.keys.rows())
             .key(self.args.keys.born())

@@ -127,14 +127,6 @@ static INTERRUPT_STALE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(INTERR
 static READ_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(READ));
 
 impl RedisLedger {
-    /// The job's key its claims require to hold this session's nonce.
-    fn guard_key(&self) -> &str {
-        match &self.guard {
-            super::Guard::Plain => &self.args.keys.lock,
-            super::Guard::Item { shard, .. } => shard,
-        }
-    }
-
     pub(super) async fn take_asked_run(
         &self,
         claimant: &Claimant,
