@@ -58,6 +58,18 @@ pub struct Listing {
     pub definitions: BTreeMap<u32, u32>,
 }
 
+impl Listing {
+    /// 32 bits of a hash of the jobs and their definitions: alike for alike listings within
+    /// one build, different (but for a chance in 2^32) when either changed.
+    pub fn digest(&self) -> u32 {
+        use std::hash::{Hash, Hasher};
+        let mut hasher = std::hash::DefaultHasher::new();
+        self.items.hash(&mut hasher);
+        self.definitions.hash(&mut hasher);
+        hasher.finish() as u32
+    }
+}
+
 impl Items {
     /// Whether `item` is one of these.
     pub fn contains(&self, item: u32) -> bool {
@@ -166,6 +178,20 @@ pub trait ShardBackend: Display {
     fn watcher(&self, name: &str) -> impl Future<Output = Result<Self::Watcher, ConnectError>>;
 }
 
+/// What a member says when it gave `items` away: the first few of them, and how many more,
+/// so that a hand-over of hundreds stays one short word (PostgreSQL's payloads are bounded).
+pub fn gave_word(items: &[u32]) -> String {
+    const SHOWN: usize = 20;
+    let mut word = String::from("gave");
+    for item in items.iter().take(SHOWN) {
+        word.push_str(&format!(" {item}"));
+    }
+    if items.len() > SHOWN {
+        word.push_str(&format!(" and {} more", items.len() - SHOWN));
+    }
+    word
+}
+
 /// What a holder session hears.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum HolderEvent {
@@ -239,8 +265,10 @@ pub trait Holder {
         shards: &[u32],
     ) -> impl Future<Output = Result<(Vec<u32>, Option<Fence>), SessionError>>;
 
-    /// Releases a shard whose command is gone, and tells the others.
-    fn give(&self, shard: u32) -> impl Future<Output = Result<(), SessionError>>;
+    /// Releases the shards whose commands are gone, in one statement, and tells the others
+    /// once: those it still held and released. One statement, so that handing hundreds of a
+    /// crontab's jobs over to a replica that joins takes one round trip, not one each.
+    fn give(&self, shards: &[u32]) -> impl Future<Output = Result<Vec<u32>, SessionError>>;
 
     /// Releases everything and tells the others, within `timeout`.
     fn leave(self, timeout: Duration) -> impl Future<Output = Result<(), SessionError>>;
@@ -443,6 +471,15 @@ impl Roster {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_hand_over_of_hundreds_is_one_short_word() {
+        assert_eq!(gave_word(&[3, 2]), "gave 3 2");
+        let many: Vec<u32> = (0..667).map(|n| n * 1_000_003).collect();
+        let word = gave_word(&many);
+        assert!(word.ends_with(" and 647 more"), "{word}");
+        assert!(word.len() < 300, "{word}");
+    }
 
     fn member(id: i32, cap: Option<u32>, holds: &[u32]) -> Member {
         Member {

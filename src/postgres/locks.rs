@@ -41,6 +41,14 @@ pub fn knows_space(lock: &LockKey) -> i32 {
     LockKey::from_name(&format!("pgleader knows {}", lock.key())).key() as i32
 }
 
+/// The first int4 of the "markers digest" of a crontab's member under `lock`'s name, the
+/// second int4 being a digest of the jobs it knows and how it defines them:
+/// `hashtextextended('pgleader markers ' || key, 0)::bit(32)::int4` in SQL. A reader reads a
+/// member's thousands of markers again only when its digest changed.
+pub fn markers_space(lock: &LockKey) -> i32 {
+    LockKey::from_name(&format!("pgleader markers {}", lock.key())).key() as i32
+}
+
 /// The first int4 of the "defines job `item` so" marker of a crontab run under `lock`'s name,
 /// the second int4 being the definition: `hashtextextended('pgleader defines ' || key || ' ' ||
 /// item, 0)::bit(32)::int4` in SQL. One space per job, so that whoever reads a member's

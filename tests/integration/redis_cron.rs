@@ -455,7 +455,7 @@ fn a_job_s_claim_succeeds_only_while_its_item_key_holds_its_member_s_nonce() {
         let refused = within("claim", other.claim(at(1), &claimant, 0)).await;
         assert_eq!(refused.expect("claim"), Claim::NotLeader);
         // Given away: no claim, no record.
-        within("give", a.give(7)).await.expect("give");
+        assert_eq!(within("give", a.give(&[7])).await.expect("give"), [7]);
         assert_eq!(claim(2).await, Claim::NotLeader);
         let recorded = within("record", ledger.record(at(3), "skipped", "x", &claimant)).await;
         assert!(!recorded.expect("record"));

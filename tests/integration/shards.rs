@@ -660,7 +660,7 @@ fn a_job_s_claim_succeeds_only_while_its_session_holds_the_job_s_item_lock() {
             Claim::NotLeader,
             "item 9 is nobody's: its job's claim is refused"
         );
-        within("give", a.give(7)).await.expect("give");
+        assert_eq!(within("give", a.give(&[7])).await.expect("give"), [7]);
         assert_eq!(claim(&ledger, 2).await, Claim::NotLeader, "given away");
         let recorded = within("record", ledger.record(at(3), "skipped", "x", &claimant)).await;
         assert!(!recorded.expect("record"), "given away: nothing recorded");

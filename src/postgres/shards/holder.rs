@@ -3,19 +3,19 @@
 //! jobs and hands out each job's ledger, guarded by the job's shard lock.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio_postgres::types::{ToSql, Type};
 
-use super::roster::read_roster;
+use super::roster::{MarkersRead, read_roster};
 use super::statements::{
-    DEFINE_SQL, END_SESSIONS_SQL, FORGET_SQL, GIVE_SQL, KNOW_SQL, MAX_SHARDS, ROSTER_SQL,
-    ShardKeys, TAKE_SQL, UNDEFINE_SQL,
+    DEFINE_SQL, DIGEST_SQL, END_SESSIONS_SQL, FORGET_SQL, GIVE_SQL, KNOW_SQL, MAX_SHARDS,
+    ROSTER_SQL, ShardKeys, TAKE_SQL, UNDEFINE_SQL,
 };
 use crate::election::ledger::{Definition, Ledger, LedgerError};
 use crate::election::lock::LockKey;
-use crate::election::shards::{Holder, HolderEvent, Items, JoinError, Seen};
+use crate::election::shards::{Holder, HolderEvent, Items, JoinError, Seen, gave_word};
 use crate::election::{Fence, Session, SessionError};
 use crate::postgres::PgBackend;
 use crate::postgres::connect::Notifications;
@@ -31,6 +31,11 @@ pub struct PgShardHolder {
     /// The "defines" spaces of `items`' jobs, each with its job, as a roster read asks for
     /// them: worked out once per change of the items, not at every check.
     spaces: Arc<BTreeMap<u32, u32>>,
+    /// The digest of this member's markers, once it holds them (see `shards/mod.rs`).
+    digest: Option<u32>,
+    /// The others' markers as last read (see `MarkersRead`): of the jobs in `spaces`, and so
+    /// dropped when they change.
+    read: Arc<Mutex<Arc<MarkersRead>>>,
     notifications: Notifications,
 }
 
@@ -77,6 +82,8 @@ impl PgShardHolder {
             keys,
             items: Items::Listed(Default::default()),
             spaces: Arc::default(),
+            digest: None,
+            read: Arc::default(),
             notifications,
         };
         match items {
@@ -165,14 +172,19 @@ impl Holder for PgShardHolder {
         let client = self.session.client().clone();
         let (keys, items, me) = (self.keys.clone(), self.items.clone(), self.id());
         let spaces = Arc::clone(&self.spaces);
+        let store = Arc::clone(&self.read);
+        let read = Arc::clone(&store.lock().expect("not poisoned"));
         async move {
             let defines: Vec<u32> = spaces.keys().copied().collect();
-            let (space, classid, objid, knows) = (
+            let (space, classid, objid, knows, markers) = (
                 keys.space as u32,
                 keys.plain.classid(),
                 keys.plain.objid(),
                 keys.knows as u32,
+                keys.markers as u32,
             );
+            let (members, digests): (Vec<i32>, Vec<u32>) =
+                read.iter().map(|(&id, marked)| (id, marked.digest)).unzip();
             let rows = client
                 .query_typed(
                     ROSTER_SQL,
@@ -182,11 +194,19 @@ impl Holder for PgShardHolder {
                         (&objid, Type::OID),
                         (&knows, Type::OID),
                         (&defines, Type::OID_ARRAY),
+                        (&markers, Type::OID),
+                        (&members, Type::INT4_ARRAY),
+                        (&digests, Type::OID_ARRAY),
                     ],
                 )
                 .await
                 .map_err(query_error)?;
-            let seen = read_roster(&keys, &items, &spaces, &rows)?;
+            let (seen, marked) = read_roster(&keys, &items, &spaces, &read, &rows)?;
+            // Unless the jobs changed meanwhile (`know` dropped what was read of them).
+            let mut stored = store.lock().expect("not poisoned");
+            if Arc::ptr_eq(&stored, &read) {
+                *stored = Arc::new(marked);
+            }
             let pid: i32 = rows.first().map_or(0, |row| row.get(0));
             if pid != me {
                 return Err(SessionError::Unsafe(format!(
@@ -229,32 +249,27 @@ impl Holder for PgShardHolder {
         Ok((won, Some(fence)))
     }
 
-    /// Releases a shard (its command is gone) and tells the others, who take it at once.
-    async fn give(&self, shard: u32) -> Result<(), SessionError> {
-        let payload = format!("gave {shard}");
+    /// Releases the shards (their commands are gone) and tells the others, who take them at
+    /// once.
+    async fn give(&self, shards: &[u32]) -> Result<Vec<u32>, SessionError> {
+        let payload = gave_word(shards);
         let channel = self.keys.channel();
-        let shard = shard as i32;
-        let row = self
+        let shards: Vec<i32> = shards.iter().map(|&shard| shard as i32).collect();
+        let rows = self
             .session
             .client()
-            .query_typed_one(
+            .query_typed(
                 GIVE_SQL,
                 &[
                     (&self.keys.space, Type::INT4),
-                    (&shard, Type::INT4),
+                    (&shards, Type::INT4_ARRAY),
                     (&channel, Type::TEXT),
                     (&payload, Type::TEXT),
                 ],
             )
             .await
             .map_err(query_error)?;
-        if row.get::<_, bool>(0) {
-            Ok(())
-        } else {
-            Err(SessionError::Query(format!(
-                "the server says this session did not hold shard {shard}"
-            )))
-        }
+        Ok(rows.iter().map(|row| row.get::<_, i32>(0) as u32).collect())
     }
 
     /// Leaves the roster: every lock of the name released and the others told, within
@@ -349,8 +364,24 @@ impl PgShardHolder {
         by_pairs(UNDEFINE_SQL, undefine)
             .await
             .map_err(query_error)?;
+        // Then the digest, so that a reader that finds it reads the markers as they are now.
+        let digest = new.digest();
+        if self.digest != Some(digest) {
+            let (digest, old) = (digest as i32, self.digest.map(|old| old as i32));
+            let params: [(&(dyn ToSql + Sync), Type); 3] = [
+                (&self.keys.markers, Type::INT4),
+                (&digest, Type::INT4),
+                (&old, Type::INT4),
+            ];
+            client
+                .query_typed(DIGEST_SQL, &params)
+                .await
+                .map_err(query_error)?;
+        }
+        self.digest = Some(digest);
         self.items = items.clone();
         self.spaces = Arc::new(self.keys.defines_of(new.items.iter().copied()));
+        *self.read.lock().expect("not poisoned") = Arc::default();
         Ok(())
     }
 

@@ -3,6 +3,7 @@
 //! replica gets beside sharded ones. Kept apart from the session so that it reads rows only.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 use super::statements::{CAP_BASE, COUNT_BASE, MEMBER_FLOOR, ShardKeys};
 use crate::election::ConnectError;
@@ -10,14 +11,29 @@ use crate::election::SessionError;
 use crate::election::lock::LockKey;
 use crate::election::shards::{Items, Listing, Member, Roster, Seen, kind_of};
 
+/// A crontab member's markers as a reader last read them, under the digest they were read
+/// with: while the member shows the same digest, they are not read again.
+#[derive(Clone, Debug, Default)]
+pub(super) struct Marked {
+    pub(super) digest: u32,
+    /// The jobs it knows, and how it defines those the reader knows.
+    markers: Arc<(BTreeSet<u32>, BTreeMap<u32, u32>)>,
+}
+
+/// Each member's markers as last read, by member.
+pub(super) type MarkersRead = BTreeMap<i32, Marked>;
+
 /// Reads a roster from `ROSTER_SQL`'s rows, as seen by a member that shares out `items`.
-/// `spaces` are the "defines" spaces of the reader's own jobs, each with its job.
+/// `spaces` are the "defines" spaces of the reader's own jobs, each with its job; `read` the
+/// markers read before, which the statement left out for the members whose digest is the
+/// same. Answers the roster and the markers as read now.
 pub(super) fn read_roster(
     keys: &ShardKeys,
     items: &Items,
     spaces: &BTreeMap<u32, u32>,
+    read: &MarkersRead,
     rows: &[tokio_postgres::Row],
-) -> Result<Seen, SessionError> {
+) -> Result<(Seen, MarkersRead), SessionError> {
     let first = rows
         .first()
         .ok_or_else(|| SessionError::Query("the roster returned no row".into()))?;
@@ -26,6 +42,8 @@ pub(super) fn read_roster(
     let (mut holds, mut counts, mut caps, mut plain) = (Vec::new(), Vec::new(), Vec::new(), None);
     let mut knows: BTreeMap<i32, BTreeSet<u32>> = BTreeMap::new();
     let mut defines: BTreeMap<i32, BTreeMap<u32, u32>> = BTreeMap::new();
+    // Each member's digests: two while it changes one for the other.
+    let mut digests: BTreeMap<i32, Vec<u32>> = BTreeMap::new();
     for row in rows {
         let (Some(pid), Some(objid), Some(subid), Some(exclusive)) = (
             row.get::<_, Option<i32>>(2),
@@ -40,6 +58,10 @@ pub(super) fn read_roster(
             continue;
         }
         let classid = row.get::<_, Option<i64>>(6);
+        if classid == Some(i64::from(keys.markers as u32)) {
+            digests.entry(pid).or_default().push(objid as u32);
+            continue;
+        }
         if classid == Some(i64::from(keys.knows as u32)) {
             knows.entry(pid).or_default().insert(objid as u32);
             continue;
@@ -74,10 +96,34 @@ pub(super) fn read_roster(
             member.cap = Some(cap);
         }
     }
+    let mut marked = MarkersRead::new();
     if let Items::Listed(_) = items {
         for member in members.values_mut() {
-            member.knows = Some(knows.remove(&member.id).unwrap_or_default());
-            member.defines = defines.remove(&member.id).unwrap_or_default();
+            let digests = digests.remove(&member.id).unwrap_or_default();
+            let (markers, digest) = match read.get(&member.id) {
+                // Left out by the statement, as it decides: one of its digests is the one
+                // they were read with.
+                Some(before) if digests.contains(&before.digest) => {
+                    (Arc::clone(&before.markers), Some(before.digest))
+                }
+                _ => {
+                    let markers = (
+                        knows.remove(&member.id).unwrap_or_default(),
+                        defines.remove(&member.id).unwrap_or_default(),
+                    );
+                    // Kept under its digest; not while it changes it (or it has none).
+                    let digest = match digests[..] {
+                        [digest] => Some(digest),
+                        _ => None,
+                    };
+                    (Arc::new(markers), digest)
+                }
+            };
+            member.knows = Some(markers.0.clone());
+            member.defines = markers.1.clone();
+            if let Some(digest) = digest {
+                marked.insert(member.id, Marked { digest, markers });
+            }
         }
     }
     let marker = items.marker();
@@ -120,15 +166,13 @@ pub(super) fn read_roster(
         }
     }
     let items = match items {
-        Items::Listed(listing) if !unknown.is_empty() => {
-            Items::Listed(std::sync::Arc::new(Listing {
-                items: listing.items.union(&unknown).copied().collect(),
-                definitions: listing.definitions.clone(),
-            }))
-        }
+        Items::Listed(listing) if !unknown.is_empty() => Items::Listed(Arc::new(Listing {
+            items: listing.items.union(&unknown).copied().collect(),
+            definitions: listing.definitions.clone(),
+        })),
         items => items.clone(),
     };
-    Ok(Seen {
+    let seen = Seen {
         roster: Roster {
             items,
             members: members.into_values().collect(),
@@ -136,7 +180,8 @@ pub(super) fn read_roster(
         taken,
         mismatch,
         server_time,
-    })
+    };
+    Ok((seen, marked))
 }
 
 /// The refusal of a plain replica's session where the replica of server process `pid` runs

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use crate::election::lock::LockKey;
 use crate::postgres::locks::{
-    SHARD_CAP_BASE, SHARD_COUNT_BASE, defines_space, knows_space, shard_space,
+    SHARD_CAP_BASE, SHARD_COUNT_BASE, defines_space, knows_space, markers_space, shard_space,
 };
 
 /// The member locks' range: a server process id is below 2^22 on Linux.
@@ -24,6 +24,8 @@ pub struct ShardKeys {
     pub(super) space: i32,
     /// The first int4 of a crontab's "knows job n" markers.
     pub(super) knows: i32,
+    /// The first int4 of a crontab member's markers digest.
+    pub(super) markers: i32,
     /// The plain key of the same name, to tell a replica that runs it without `--shards`.
     pub(super) plain: LockKey,
 }
@@ -33,6 +35,7 @@ impl ShardKeys {
         ShardKeys {
             space: shard_space(lock),
             knows: knows_space(lock),
+            markers: markers_space(lock),
             plain: lock.clone(),
         }
     }
@@ -74,15 +77,33 @@ impl ShardKeys {
 
 /// Every granted advisory lock of the name, and the plain key's too (waiting or not), with
 /// the server's clock and this session's server process: one row even when there is no lock.
-pub(super) const ROSTER_SQL: &str = "SELECT me.pid, me.now, l.pid, l.objid::int8, \
-        l.objsubid::int4, l.mode = 'ExclusiveLock', l.classid::int8 \
-    FROM (SELECT pg_catalog.pg_backend_pid() AS pid, pg_catalog.clock_timestamp() AS now) me \
-    LEFT JOIN pg_catalog.pg_locks l ON l.locktype = 'advisory' \
+/// A crontab member's markers ("knows" in `$4`, "defines" in the spaces `$5`) come only for
+/// the members whose digest (in space `$6`) is not the one the reader sends for them (`$7`
+/// the members, `$8` their digests): read from the same copy of the lock table.
+pub(super) const ROSTER_SQL: &str = "WITH l AS MATERIALIZED (\
+        SELECT l.pid, l.objid, l.objsubid, l.mode, l.classid FROM pg_catalog.pg_locks l \
+        WHERE l.locktype = 'advisory' \
         AND l.database = (SELECT oid FROM pg_catalog.pg_database \
             WHERE datname = pg_catalog.current_database()) \
         AND ((l.classid = $1 AND l.objsubid = 2 AND l.granted) \
             OR (l.classid = $2 AND l.objid = $3 AND l.objsubid = 1) \
-            OR ((l.classid = $4 OR l.classid = ANY($5)) AND l.objsubid = 2 AND l.granted))";
+            OR ((l.classid = $4 OR l.classid = $6 OR l.classid = ANY($5)) \
+                AND l.objsubid = 2 AND l.granted))), \
+    unchanged AS (SELECT l.pid FROM l \
+        JOIN ROWS FROM (pg_catalog.unnest($7::int4[]), pg_catalog.unnest($8::oid[])) AS c(pid, digest) \
+            ON l.pid = c.pid AND l.objid = c.digest \
+        WHERE l.classid = $6 AND l.objsubid = 2) \
+    SELECT me.pid, me.now, l.pid, l.objid::int8, l.objsubid::int4, l.mode = 'ExclusiveLock', \
+        l.classid::int8 \
+    FROM (SELECT pg_catalog.pg_backend_pid() AS pid, pg_catalog.clock_timestamp() AS now) me \
+    LEFT JOIN (SELECT * FROM l WHERE NOT ((l.classid = $4 OR l.classid = ANY($5)) \
+        AND l.pid IN (SELECT pid FROM unchanged))) l ON true";
+
+/// Holds the member's new markers digest `$2` in space `$1`, shared, and lets the old one `$3`
+/// go (none: null): once its markers changed, so that a reader that finds the new digest
+/// reads them all again.
+pub(super) const DIGEST_SQL: &str = "SELECT pg_catalog.pg_advisory_lock_shared($1::int4, $2::int4), \
+    pg_catalog.pg_advisory_unlock_shared($1::int4, $3::int4)";
 
 /// Takes the "knows job n" markers of `$2`, shared, in space `$1`: never waits, since nobody
 /// takes them exclusively.
@@ -118,8 +139,13 @@ pub(super) const END_SESSIONS_SQL: &str = "SELECT pg_catalog.pg_terminate_backen
         AND a.application_name = pg_catalog.current_setting('application_name') \
         AND a.query LIKE 'DO $pgleader$%'";
 
-pub(super) const GIVE_SQL: &str =
-    "SELECT pg_catalog.pg_advisory_unlock($1::int4, $2::int4), pg_catalog.pg_notify($3, $4)";
+/// Releases each of the shards `$2` this session holds, and tells the others once (`$4`) if
+/// it released any; answers the shards it released.
+pub(super) const GIVE_SQL: &str = "WITH given AS MATERIALIZED (\
+        SELECT i, pg_catalog.pg_advisory_unlock($1::int4, i) AS held \
+        FROM pg_catalog.unnest($2::int4[]) AS i), \
+    told AS MATERIALIZED (SELECT pg_catalog.pg_notify($3, $4) FROM given WHERE held LIMIT 1) \
+    SELECT i FROM given, (SELECT count(*) FROM told) AS n WHERE held";
 
 /// What `status` reads of a sharded lock: every granted lock of its space, with the session
 /// that holds it (one row per lock; a replica's session shows on each of its rows).

@@ -14,7 +14,7 @@ use super::scripts::{
 };
 use crate::election::ledger::{Definition, LedgerError};
 use crate::election::lock::LockKey;
-use crate::election::shards::{Holder, HolderEvent, Items, JoinError, Seen};
+use crate::election::shards::{Holder, HolderEvent, Items, JoinError, Seen, gave_word};
 use crate::election::{ConnectError, Fence, SessionError};
 use crate::redis::RedisBackend;
 use crate::redis::connection::{self, Connection, Purpose, ServerInfo};
@@ -352,22 +352,17 @@ impl Holder for RedisShardHolder {
         ))
     }
 
-    async fn give(&self, shard: u32) -> Result<(), SessionError> {
+    async fn give(&self, shards: &[u32]) -> Result<Vec<u32>, SessionError> {
         let mut conn = self.connection.conn.clone();
-        let given: i64 = self
-            .args
-            .invocation(&GIVE_SCRIPT)
-            .arg(shard)
+        let mut invocation = self.args.invocation(&GIVE_SCRIPT);
+        invocation.arg(gave_word(shards));
+        for shard in shards {
+            invocation.arg(*shard);
+        }
+        invocation
             .invoke_async(&mut conn)
             .await
-            .map_err(query_error)?;
-        if given == 1 {
-            Ok(())
-        } else {
-            Err(SessionError::Query(format!(
-                "the server says this replica did not hold shard {shard}"
-            )))
-        }
+            .map_err(query_error)
     }
 
     /// Releases every shard and the membership, says so, then closes the connection.

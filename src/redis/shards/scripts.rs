@@ -31,6 +31,14 @@ local function connected(n)
   return tonumber(r[2]) > 0
 end
 local function say(word) redis.call('PUBLISH', base .. ':shards', me .. ':' .. word) end
+-- Releases shard n if it is still this member's: whether it was.
+local function release(n)
+  local key = base .. ':shard:' .. n
+  local v = redis.call('GET', key)
+  if not v or nonce_of(v) ~= nonce then return false end
+  redis.call('DEL', key)
+  return true
+end
 -- The items this member shares out, in order, as strings: up to the word 'retiring', after
 -- which come the jobs a reread removed that this member may still hold (a last run finishing).
 local function items()
@@ -229,12 +237,20 @@ return {1, epoch or '0', t[1], t[2], won}
 
 /// Releases shard ARGV[5] if it is still this member's, and says so. Returns 1 if it was.
 const GIVE: &str = r#"
-local key = base .. ':shard:' .. ARGV[5]
-local v = redis.call('GET', key)
-if not v or nonce_of(v) ~= nonce then return 0 end
-redis.call('DEL', key)
+if not release(ARGV[5]) then return 0 end
 say('gave ' .. ARGV[5])
 return 1
+"#;
+
+/// Releases each of the shards ARGV[6..] still this member's, and says ARGV[5] once if it
+/// released any. Returns the shards it released.
+const GIVE_ALL: &str = r#"
+local given = {}
+for i = 6, #ARGV do
+  if release(ARGV[i]) then given[#given + 1] = tonumber(ARGV[i]) end
+end
+if #given > 0 then say(ARGV[5]) end
+return given
 "#;
 
 /// The keeper's farewell for item ARGV[5] of a replica whose pgleader died, once that item's
@@ -326,7 +342,7 @@ pub(super) static MEMBERSHIP_FAREWELL_SOURCE: LazyLock<String> =
 pub(super) static JOIN_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(JOIN));
 pub(super) static ROSTER_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(ROSTER));
 pub(super) static TAKE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(TAKE));
-pub(super) static GIVE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(GIVE));
+pub(super) static GIVE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(GIVE_ALL));
 pub(super) static LEAVE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(LEAVE));
 pub(super) static GONE_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(GONE));
 pub(super) static SHARDED_SCRIPT: LazyLock<Script> = LazyLock::new(|| script(SHARDED));

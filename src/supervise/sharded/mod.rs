@@ -39,6 +39,7 @@ mod roster;
 mod scheduled;
 mod shards;
 
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 use anyhow::bail;
@@ -660,6 +661,8 @@ impl<B: ShardBackend + Clone + 'static, D: Duty<B::Holder>> Room<B, D> {
             .map(|(slot, _, _)| slot.item)
             .filter(|item| !self.items.contains(*item))
             .collect();
+        // A roster read sent before shows the items as they were: not acted on (see `on_read`).
+        link.changed_at = Some(Instant::now());
         let told = tokio::time::timeout(
             link.left(timeout),
             link.holder.set_items(self.items.clone(), finishing),
@@ -817,25 +820,35 @@ impl<B: ShardBackend + Clone + 'static, D: Duty<B::Holder>> Room<B, D> {
             .duty
             .settled(&settled, &mut self.table, &link.holder, mood);
         duty.await;
-        for (slot, _, settled, label) in settled {
-            if settled != Settled::Give {
-                continue;
-            }
-            let left = link.left(self.settings.check_timeout);
-            link.changed_at = Some(Instant::now());
-            let give = tokio::time::timeout(left, link.holder.give(slot.item));
-            match alongside(&mut link.read, &mut link.read_done, give).await {
-                Ok(Ok(())) => {
-                    info!(event = "released", lock = %self.settings.lock, shard = label.shard, job = label.job.as_deref(), "released {}", label.name());
-                    // A replica that was handing over took nothing meanwhile; the roster may
-                    // have changed since (a member gone), and its own word does not come back
-                    // to it.
-                    link.read_soon(quiet, self.settings.check_timeout);
-                }
-                Ok(Err(err)) => return Err(err),
-                Err(_) => return Err(no_answer("releasing a shard")),
-            }
+        let given: Vec<(u32, Label)> = settled
+            .into_iter()
+            .filter(|(_, _, settled, _)| *settled == Settled::Give)
+            .map(|(slot, _, _, label)| (slot.item, label))
+            .collect();
+        if given.is_empty() {
+            return Ok(());
         }
+        let items: Vec<u32> = given.iter().map(|(item, _)| *item).collect();
+        let left = link.left(self.settings.check_timeout);
+        link.changed_at = Some(Instant::now());
+        let give = tokio::time::timeout(left, link.holder.give(&items));
+        let released: BTreeSet<u32> =
+            match alongside(&mut link.read, &mut link.read_done, give).await {
+                Ok(result) => result?.into_iter().collect(),
+                Err(_) => return Err(no_answer("releasing shards")),
+            };
+        for (item, label) in &given {
+            if !released.contains(item) {
+                return Err(SessionError::Query(format!(
+                    "the server says this session did not hold {}",
+                    label.name()
+                )));
+            }
+            info!(event = "released", lock = %self.settings.lock, shard = label.shard, job = label.job.as_deref(), "released {}", label.name());
+        }
+        // A replica that was handing over took nothing meanwhile; the roster may have changed
+        // since (a member gone), and its own word does not come back to it.
+        link.read_soon(quiet, self.settings.check_timeout);
         Ok(())
     }
 

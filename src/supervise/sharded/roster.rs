@@ -170,21 +170,31 @@ impl<B: ShardBackend + Clone + 'static, D: Duty<B::Holder>> Room<B, D> {
         link: &mut Link<B>,
         mine: &BTreeSet<u32>,
     ) -> Result<(), Failure> {
-        let timeout = self.settings.check_timeout;
-        for item in mine {
-            if self.table.contains_key(&Slot::of(*item)) {
-                continue;
-            }
-            link.changed_at = Some(Instant::now());
-            match tokio::time::timeout(link.left(timeout), link.holder.give(*item)).await {
-                Ok(Ok(())) => {}
-                Ok(Err(err)) => {
-                    debug!(event = "release_failed", shard = *item, reason = %err, "shard {item} was not held any more");
-                }
-                Err(_) => return Err(Failure::Session(no_answer("releasing a shard"))),
-            }
+        let strays: Vec<u32> = mine
+            .iter()
+            .copied()
+            .filter(|item| !self.table.contains_key(&Slot::of(*item)))
+            .collect();
+        if strays.is_empty() {
+            return Ok(());
         }
-        Ok(())
+        link.changed_at = Some(Instant::now());
+        let left = link.left(self.settings.check_timeout);
+        match tokio::time::timeout(left, link.holder.give(&strays)).await {
+            Ok(Ok(released)) => {
+                let released: BTreeSet<u32> = released.into_iter().collect();
+                for item in strays.iter().filter(|item| !released.contains(item)) {
+                    debug!(
+                        event = "release_failed",
+                        shard = *item,
+                        "shard {item} was not held any more"
+                    );
+                }
+                Ok(())
+            }
+            Ok(Err(err)) => Err(Failure::Session(err)),
+            Err(_) => Err(Failure::Session(no_answer("releasing shards"))),
+        }
     }
 
     /// Hands `count` items over to replicas short of their share, once their commands' trees
@@ -221,12 +231,14 @@ impl<B: ShardBackend + Clone + 'static, D: Duty<B::Holder>> Room<B, D> {
     /// commands may start now.
     async fn take_free(&mut self, link: &mut Link<B>, seen: &Seen) -> Result<(), Failure> {
         let me = link.me;
-        // Never an item this replica holds already, whatever the roster says.
+        // Never an item this replica holds already, nor one it does not share out (a job a
+        // reread removed, dealt by a roster read before it), whatever the roster says.
         let wanted: Vec<u32> = seen
             .roster
             .to_take(me)
             .into_iter()
             .filter(|item| !self.table.contains_key(&Slot::of(*item)))
+            .filter(|item| self.items.contains(*item))
             .collect();
         // A replica whose probe turned unhealthy takes nothing: it is about to leave.
         if wanted.is_empty() || !self.health.is_healthy() {
