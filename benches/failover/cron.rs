@@ -34,6 +34,9 @@ use crate::redis_lock::{self, CHECK_INTERVAL};
 use crate::tools::{Candidate, Pgleader, SETUP_WAIT, last_of, random_phase, run_command};
 use crate::yacron::Yacron;
 
+mod scale;
+pub use scale::Build;
+
 /// Jobs in every crontab of the scenario.
 pub const JOBS: usize = 100;
 
@@ -145,6 +148,12 @@ pub struct Plan {
     pub kills: usize,
     /// How long each way of running the crontab is measured at rest and busy.
     pub cost_window: Duration,
+    /// The builds scenario 14f measures: cargo's, and `--previous`.
+    pub builds: Vec<Build>,
+    /// Scenario 14f's kill -9 and join runs.
+    pub scale_runs: usize,
+    /// How long scenario 14f measures a replica at rest.
+    pub scale_window: Duration,
 }
 
 /// Where the benchmark writes its crontabs.
@@ -471,6 +480,7 @@ pub fn scenarios(
     rows.push(light(backends[0], plan, Output::Passthrough));
     rows.push(light(backends[0], plan, Output::NotKept));
     rows.push(light(backends[0], plan, Output::Pinged));
+    rows.extend(scale_scenarios(pg, redis, plan));
     // Each measure's rows side by side, PostgreSQL's first (the sort is stable), each floor
     // after its fleets' lateness; yacron's row, none of these, stays first.
     rows.sort_by_key(|row| {
@@ -486,6 +496,23 @@ pub fn scenarios(
         )
     });
     (rows, crontab)
+}
+
+/// Scenario 14f: a crontab of 1,000 idle jobs on each backend, with each build.
+pub fn scale_scenarios(pg: &Pgleader, redis: Option<&redis_lock::Server>, plan: &Plan) -> Vec<Row> {
+    let backends = std::iter::once(Backend::Postgres(pg)).chain(redis.map(Backend::Redis));
+    let mut rows = Vec::new();
+    for backend in backends {
+        for build in &plan.builds {
+            rows.extend(scale::rows(
+                backend,
+                build,
+                plan.scale_runs,
+                plan.scale_window,
+            ));
+        }
+    }
+    rows
 }
 
 /// One host's cost of [`JOBS`] jobs as one `pgleader cron` and as plain processes on

@@ -49,7 +49,7 @@ use crate::tools::{
     STATIC_REDIS_LABEL, Tool, first_line,
 };
 
-const USAGE: &str = "usage: cargo bench --bench failover [-- [--quick] [--only http|redis|quorum|failover|shards|cron] [--runs N] [--out PATH] [--static PATH] [--previous PATH]]
+const USAGE: &str = "usage: cargo bench --bench failover [-- [--quick] [--only http|redis|quorum|failover|shards|cron|scale] [--runs N] [--out PATH] [--static PATH] [--previous PATH]]
   --quick        a few runs per scenario and short windows (CI); the report goes under target/
   --only http    only scenario 9 (the HTTP endpoint) and the idle cost with --http; the report
                  goes under target/ (BENCHMARKS.md is written by full runs only)
@@ -69,7 +69,12 @@ const USAGE: &str = "usage: cargo bench --bench failover [-- [--quick] [--only h
                  with --quick; kill -9 of a replica, 20 runs or 5), and one host's cost as one
                  `pgleader cron` on either, as 100 `pgleader run --schedule` processes and as
                  yacron (pip-installed); beside the lateness, the machine's floor: the same
-                 commands started by 3 spawners with no scheduler; the report goes under target/
+                 commands started by 3 spawners with no scheduler; then 14f; the report goes
+                 under target/
+  --only scale   only scenario 14f (issue 50): 1,000 idle jobs on 3 replicas of `pgleader
+                 cron`, on PostgreSQL and on Redis: a replica's CPU and RSS at rest, a kill -9's
+                 hand-over and a join's share (with --previous, beside that build's); the report
+                 goes under target/
   --runs N       runs per scenario (default 20, or 3 with --quick)
   --out PATH     where to write the report (default BENCHMARKS.md, or target/.../BENCHMARKS.quick.md)
   --static PATH  also run pgleader's failover, start-up, cost and shards' scenarios, on
@@ -96,6 +101,8 @@ struct Plan {
     only_shards: bool,
     /// Only the crontab's scenarios (`--only cron`).
     only_cron: bool,
+    /// `--only scale`: scenario 14f alone.
+    only_scale: bool,
     /// Runs of each scenario whose runs take milliseconds.
     runs: usize,
     /// Runs of each scenario bound by a lease (seconds per run): the partition, and every
@@ -124,6 +131,7 @@ impl Plan {
         let mut only_failover = false;
         let mut only_shards = false;
         let mut only_cron = false;
+        let mut only_scale = false;
         let mut previous_binary = None;
         let mut only_quorum = false;
         let mut runs = None;
@@ -139,10 +147,11 @@ impl Plan {
                     Some("failover") => only_failover = true,
                     Some("shards") => only_shards = true,
                     Some("cron") => only_cron = true,
+                    Some("scale") => only_scale = true,
                     other => {
                         return Err(format!(
                             "--only {other:?}: the groups are http, redis, quorum, failover, \
-                             shards and cron"
+                             shards, cron and scale"
                         ));
                     }
                 },
@@ -180,13 +189,13 @@ impl Plan {
                 other => return Err(format!("unknown argument {other:?}")),
             }
         }
-        if ((only_http || only_cron) && (static_binary.is_some() || previous_binary.is_some()))
-            || (only_quorum && static_binary.is_some())
+        if (only_http && (static_binary.is_some() || previous_binary.is_some()))
+            || ((only_quorum || only_cron || only_scale) && static_binary.is_some())
         {
             return Err(
                 "--static and --previous measure the PostgreSQL, Redis and shards' rows (and \
-                 --previous the quorum's kill -9); --only http and cron run cargo's build alone, \
-                 and --only quorum with --previous only"
+                 --previous the quorum's kill -9 and the 1,000-job crontab's rows); --only http \
+                 runs cargo's build alone, and --only quorum, cron and scale with --previous only"
                     .into(),
             );
         }
@@ -200,6 +209,7 @@ impl Plan {
             only_failover,
             only_shards,
             only_cron,
+            only_scale,
             only_quorum,
             runs,
             lease_runs: if quick { 2 } else { runs },
@@ -220,6 +230,8 @@ impl Plan {
                     PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("BENCHMARKS.shards.md")
                 } else if only_cron {
                     PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("BENCHMARKS.cron.md")
+                } else if only_scale {
+                    PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("BENCHMARKS.scale.md")
                 } else if quick {
                     PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("BENCHMARKS.quick.md")
                 } else {
@@ -336,6 +348,9 @@ fn run(plan: &Plan) -> anyhow::Result<Report> {
     }
     if plan.only_cron {
         return run_cron_only(plan);
+    }
+    if plan.only_scale {
+        return run_scale_only(plan);
     }
     let began = Instant::now();
     let started = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
@@ -780,6 +795,17 @@ impl Plan {
             window: Duration::from_secs(if self.quick { 10 } else { 60 }),
             kills: if self.quick { 5 } else { 20 },
             cost_window: Duration::from_secs(if self.quick { 3 } else { 10 }),
+            builds: std::iter::once(cron::Build {
+                binary: PathBuf::from(env!("CARGO_BIN_EXE_pgleader")),
+                previous: false,
+            })
+            .chain(self.previous_binary.clone().map(|binary| cron::Build {
+                binary,
+                previous: true,
+            }))
+            .collect(),
+            scale_runs: if self.quick { 2 } else { 5 },
+            scale_window: Duration::from_secs(if self.quick { 10 } else { 30 }),
         }
     }
 }
@@ -804,6 +830,27 @@ fn run_cron_only(plan: &Plan) -> anyhow::Result<Report> {
         environment,
         rows,
         crontab: Some(crontab),
+        ..partial_report(plan, started)
+    };
+    written(report, plan)
+}
+
+/// Scenario 14f alone (`--only scale`), against servers of its own.
+fn run_scale_only(plan: &Plan) -> anyhow::Result<Report> {
+    let began = Instant::now();
+    let started = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
+    eprintln!("bench: starting Redis");
+    let redis = redis_lock::Server::start()?;
+    let pgleader = pgleader_on_own_server("bench-scale")?;
+    let mut rows = cron::scale_scenarios(&pgleader, Some(&redis), &plan.cron());
+    sort_by_scenario(&mut rows);
+    let mut environment = environment_on_postgres(&pgleader, plan);
+    environment.push(("Redis", redis.version()));
+    let report = Report {
+        only: Some(report::ONLY_SCALE),
+        took: began.elapsed(),
+        environment,
+        rows,
         ..partial_report(plan, started)
     };
     written(report, plan)

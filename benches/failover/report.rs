@@ -38,6 +38,9 @@ const CRONTAB_COSTS: usize = 8;
 /// `--only cron`'s scenarios.
 pub const ONLY_CRON: &str = "14, 14b and 14c: a crontab across the fleet";
 
+/// `--only scale`'s scenario.
+pub const ONLY_SCALE: &str = "14f: a crontab of 1,000 jobs";
+
 /// Everything one benchmark run measured, and where.
 #[derive(Debug)]
 pub struct Report {
@@ -570,7 +573,7 @@ impl Report {
                 Some(ONLY_QUORUM) => "Q",
                 Some(ONLY_FAILOVER) => "18.",
                 Some(ONLY_SHARDS) => "11",
-                Some(ONLY_CRON) => "14",
+                Some(ONLY_CRON) | Some(ONLY_SCALE) => "14",
                 _ => "9.",
             };
             if self.only.is_some() && !verdict.target.starts_with(group) {
