@@ -171,6 +171,10 @@ pub struct LedgerSettings {
     pub keeps_output: Arc<AtomicBool>,
     /// Whether the table of runs asked for by hand exists (`asked.rs`), learned likewise.
     pub asks: Arc<AtomicBool>,
+    /// The statements' texts for `table`, of the plain lock's ledger and of a crontab job's,
+    /// built once and shared by every ledger (a crontab of 1,000 jobs held 7 KiB of the same
+    /// SQL per job).
+    pub texts: Arc<[std::sync::OnceLock<Arc<Texts>>; 2]>,
 }
 
 /// The ledger of one lock and one schedule definition, on one session: the statements,
@@ -200,15 +204,21 @@ struct Statements {
     definition: Definition,
     /// The application name the user gave, which the session's name starts with.
     user_name: Option<String>,
+    keeps_output: Arc<AtomicBool>,
+    asks: Arc<AtomicBool>,
+    texts: Arc<Texts>,
+}
+
+/// The texts of a ledger's statements, which depend on its table and its guard's form only.
+#[derive(Debug)]
+pub struct Texts {
     claim: Arc<str>,
     finish: Arc<str>,
     /// `finish` that records the run's output too, once the table has the column (a crontab
     /// fleet's or scheduled shards' ledger, see `prepare_pauses`).
     finish_output: Arc<str>,
-    keeps_output: Arc<AtomicBool>,
     /// The statements of the runs asked for by hand, for a crontab job's ledger.
     asked: Option<asked::Statements>,
-    asks: Arc<AtomicBool>,
     record: Arc<str>,
     interrupt_stale: Arc<str>,
     recent: Arc<str>,
@@ -231,8 +241,32 @@ impl PgLedger {
         guard: Guard,
         definition: Definition,
     ) -> PgLedger {
-        let table = settings.table.clone();
-        let user_name = settings.user_name.clone();
+        let form = match guard {
+            Guard::Plain => 0,
+            Guard::Item { .. } => 1,
+        };
+        let texts =
+            settings.texts[form].get_or_init(|| Arc::new(Texts::new(&settings.table, guard)));
+        PgLedger {
+            client,
+            bundle,
+            inner: Arc::new(Statements {
+                table: settings.table.clone(),
+                lock,
+                guard,
+                definition,
+                user_name: settings.user_name.clone(),
+                keeps_output: Arc::clone(&settings.keeps_output),
+                asks: Arc::clone(&settings.asks),
+                texts: Arc::clone(texts),
+            }),
+        }
+    }
+}
+
+impl Texts {
+    /// The texts for `table` and the form of `guard` (its lock is a parameter of each).
+    fn new(table: &TableName, guard: Guard) -> Texts {
         let t = table.sql();
         let subid = match guard {
             Guard::Plain => 1,
@@ -311,7 +345,7 @@ impl PgLedger {
               WHERE lock_key = $1 AND outcome = 'running' AND {leads_stale}
              RETURNING scheduled_for, host, pid"
         );
-        let recent = recent_sql(&table);
+        let recent = recent_sql(table);
         // A leader whose session ended before it could record how its run ended records it on
         // its next session, unless the next leader has started the occurrence again since.
         let late_finish = format!(
@@ -330,35 +364,26 @@ impl PgLedger {
         );
         let exists =
             format!("SELECT EXISTS (SELECT FROM {t} WHERE lock_key = $1 AND scheduled_for = $2)");
-        PgLedger {
-            client,
-            bundle,
-            inner: Arc::new(Statements {
-                table,
-                lock,
-                guard,
-                definition,
-                user_name,
-                claim: claim.into(),
-                finish: finish.into(),
-                finish_output: finish_output.into(),
-                keeps_output: Arc::clone(&settings.keeps_output),
-                asked: match guard {
-                    Guard::Plain => None,
-                    Guard::Item { .. } => Some(asked::Statements::new(&settings.table, leads)),
-                },
-                asks: Arc::clone(&settings.asks),
-                record: record.into(),
-                interrupt_stale: interrupt_stale.into(),
-                recent: recent.into(),
-                exists: exists.into(),
-                late_finish,
-                unclaim: unclaim.into(),
-                participants: participants_sql().into(),
-            }),
+        Texts {
+            claim: claim.into(),
+            finish: finish.into(),
+            finish_output: finish_output.into(),
+            asked: match guard {
+                Guard::Plain => None,
+                Guard::Item { .. } => Some(asked::Statements::new(table, leads)),
+            },
+            record: record.into(),
+            interrupt_stale: interrupt_stale.into(),
+            recent: recent.into(),
+            exists: exists.into(),
+            late_finish,
+            unclaim: unclaim.into(),
+            participants: participants_sql().into(),
         }
     }
+}
 
+impl PgLedger {
     /// Runs one leader-side statement through the session's group commit: bounded by the
     /// statement timeout, in the transaction of the statements asked for at the same moment,
     /// and counted only once that transaction has committed.
@@ -686,7 +711,7 @@ impl Ledger for PgLedger {
         let one = 1_i64;
         client
             .query_typed(
-                &self.inner.recent,
+                &self.inner.texts.recent,
                 &[(&self.inner.lock.key(), Type::INT8), (&one, Type::INT8)],
             )
             .await
@@ -721,7 +746,7 @@ impl Ledger for PgLedger {
             param(lock.classid(), Type::OID),
             param(lock.objid(), Type::OID),
         ];
-        let rows = self.bounded(&self.inner.participants, params).await?;
+        let rows = self.bounded(&self.inner.texts.participants, params).await?;
         Ok(rows
             .iter()
             .map(|row| Participant {
@@ -744,7 +769,9 @@ impl Ledger for PgLedger {
             param(classid, Type::OID),
             param(objid, Type::OID),
         ];
-        let rows = self.bounded(&self.inner.interrupt_stale, params).await?;
+        let rows = self
+            .bounded(&self.inner.texts.interrupt_stale, params)
+            .await?;
         Ok(rows
             .iter()
             .map(|row| (row.get(0), row.get(1), row.get(2)))
@@ -754,14 +781,14 @@ impl Ledger for PgLedger {
     async fn recent(&self, limit: i64) -> Result<Vec<Entry>, LedgerError> {
         let key = self.inner.lock.key();
         let params = vec![param(key, Type::INT8), param(limit, Type::INT8)];
-        let rows = self.bounded(&self.inner.recent, params).await?;
+        let rows = self.bounded(&self.inner.texts.recent, params).await?;
         Ok(rows.iter().map(entry).collect())
     }
 
     async fn has(&self, at: Timestamp) -> Result<bool, LedgerError> {
         let key = self.inner.lock.key();
         let params = vec![param(key, Type::INT8), param(at, Type::TIMESTAMPTZ)];
-        let row = self.bounded_one(&self.inner.exists, params).await?;
+        let row = self.bounded_one(&self.inner.texts.exists, params).await?;
         Ok(row.get(0))
     }
 
@@ -779,7 +806,7 @@ impl Ledger for PgLedger {
             param(classid, Type::OID),
             param(objid, Type::OID),
         ]);
-        let row = self.bounded_one(&self.inner.claim, params).await?;
+        let row = self.bounded_one(&self.inner.texts.claim, params).await?;
         let attempt: Option<i32> = row.get(0);
         let existing: Option<String> = row.get(1);
         let newer: bool = row.get(2);
@@ -810,9 +837,9 @@ impl Ledger for PgLedger {
         ];
         let statement = if self.inner.keeps_output.load(Ordering::Relaxed) {
             params.push(param(finish.output.clone(), Type::TEXT));
-            &self.inner.finish_output
+            &self.inner.texts.finish_output
         } else {
-            &self.inner.finish
+            &self.inner.texts.finish
         };
         let row = self.bounded_one(statement, params).await?;
         Ok(row.get::<_, i64>(0) > 0)
@@ -831,7 +858,7 @@ impl Ledger for PgLedger {
         ];
         let updated = self
             .client
-            .execute_typed(&self.inner.late_finish, &params)
+            .execute_typed(&self.inner.texts.late_finish, &params)
             .await
             .map_err(|err| self.classify(&err))?;
         Ok(updated > 0)
@@ -844,7 +871,7 @@ impl Ledger for PgLedger {
             param(at, Type::TIMESTAMPTZ),
             param(epoch, Type::INT8),
         ];
-        self.bounded(&self.inner.unclaim, params).await?;
+        self.bounded(&self.inner.texts.unclaim, params).await?;
         Ok(())
     }
 
@@ -879,7 +906,7 @@ impl Ledger for PgLedger {
         ]);
         params.extend(claimant_params(claimant));
         params.extend([param(classid, Type::OID), param(objid, Type::OID)]);
-        let rows = self.bounded(&self.inner.record, params).await?;
+        let rows = self.bounded(&self.inner.texts.record, params).await?;
         Ok(!rows.is_empty())
     }
 }

@@ -70,6 +70,7 @@ impl PgBackend {
                 statement_timeout: ledger_statement_timeout,
                 keeps_output: Default::default(),
                 asks: Default::default(),
+                texts: Default::default(),
             },
             wait_refresh,
         }

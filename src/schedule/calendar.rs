@@ -9,8 +9,9 @@
 //! never from the host: every replica with the same pgleader version computes the same
 //! instants, containers without `/usr/share/zoneinfo` included.
 
+use std::collections::HashMap;
 use std::fmt;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, LazyLock, Mutex, OnceLock, PoisonError, Weak};
 use std::time::Duration;
 
 use croner::Cron;
@@ -41,6 +42,29 @@ enum Rule {
     /// Every this many seconds, counted from the Unix epoch (a crontab's `@every`): the same
     /// instants on every replica, whatever the zone.
     Every(u64),
+}
+
+/// The parsed form of a canonical cron expression, shared by every schedule alive with the
+/// same expression: a crontab of 1,000 jobs on a few schedules keeps a few parsed forms, not
+/// 1,000 (about 5 KB each).
+fn parsed(expression: &str) -> Result<Arc<Cron>, String> {
+    static PARSED: LazyLock<Mutex<HashMap<String, Weak<Cron>>>> = LazyLock::new(Default::default);
+    let mut parsed = PARSED.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(cron) = parsed.get(expression).and_then(Weak::upgrade) {
+        return Ok(cron);
+    }
+    let cron = CronParser::builder()
+        .seconds(Seconds::Required)
+        .build()
+        .parse(expression)
+        .map_err(|err| {
+            format!("{err} (expected a cron expression such as \"0 3 * * *\" or @daily)")
+        })?;
+    let cron = Arc::new(cron);
+    // Those no schedule uses any more go as a new one comes.
+    parsed.retain(|_, cron| cron.strong_count() > 0);
+    parsed.insert(expression.to_owned(), Arc::downgrade(&cron));
+    Ok(cron)
 }
 
 impl PartialEq for Schedule {
@@ -147,15 +171,8 @@ impl Schedule {
 
     fn from_canonical(expression: String, timezone: TimeZone) -> Result<Schedule, String> {
         let zone_name = timezone.iana_name().unwrap_or("UTC").to_owned();
-        let cron = CronParser::builder()
-            .seconds(Seconds::Required)
-            .build()
-            .parse(&expression)
-            .map_err(|err| {
-                format!("{err} (expected a cron expression such as \"0 3 * * *\" or @daily)")
-            })?;
         Ok(Schedule {
-            rule: Rule::Cron(Arc::new(cron)),
+            rule: Rule::Cron(parsed(&expression)?),
             expression,
             timezone,
             zone_name,
@@ -315,6 +332,22 @@ fn canonical(expression: &str) -> Result<String, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn schedules_alike_share_one_parsed_expression() {
+        let fields = ["0", "0", "0", "1", "1", "*", "*"];
+        let a = Schedule::from_crontab_fields(fields, TimeZone::UTC).expect("a schedule");
+        let b = Schedule::from_crontab_fields(fields, TimeZone::UTC).expect("a schedule");
+        let c = Schedule::from_crontab_fields(["0", "0", "1", "1", "1", "*", "*"], TimeZone::UTC)
+            .expect("a schedule");
+        let cron = |s: &Schedule| match &s.rule {
+            Rule::Cron(cron) => Arc::clone(cron),
+            Rule::Every(_) => panic!("a cron expression"),
+        };
+        assert!(Arc::ptr_eq(&cron(&a), &cron(&b)));
+        assert!(!Arc::ptr_eq(&cron(&a), &cron(&c)));
+        assert_ne!(a, c);
+    }
 
     fn utc(text: &str) -> Timestamp {
         text.parse().expect("date")

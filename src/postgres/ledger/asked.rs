@@ -98,7 +98,7 @@ impl PgLedger {
     /// without runs asked by hand).
     fn asked_statements(&self) -> Option<&Statements> {
         let asks = self.inner.asks.load(std::sync::atomic::Ordering::Relaxed);
-        self.inner.asked.as_ref().filter(|_| asks)
+        self.inner.texts.asked.as_ref().filter(|_| asks)
     }
 
     pub(super) async fn take_asked_run(
