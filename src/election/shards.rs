@@ -302,11 +302,13 @@ pub struct Member {
     pub cap: Option<u32>,
     /// The shards it holds.
     pub holds: BTreeSet<u32>,
-    /// The items it knows (a crontab's jobs in its file); `None`: every one (shards).
-    pub knows: Option<BTreeSet<u32>>,
+    /// The items it knows (a crontab's jobs in its file); `None`: every one (shards). Shared
+    /// with what the reader kept of the member's markers: a thousand jobs are not copied at
+    /// every check.
+    pub knows: Option<Arc<BTreeSet<u32>>>,
     /// How it defines the jobs it knows, by job number (see [`Listing::definitions`]): on
     /// PostgreSQL only those of the jobs the reader knows itself.
-    pub defines: BTreeMap<u32, u32>,
+    pub defines: Arc<BTreeMap<u32, u32>>,
 }
 
 impl Member {
@@ -376,11 +378,10 @@ impl Roster {
     /// its share must go to the others, or they pass its jobs back and forth).
     fn limit(&self, i: usize) -> Option<u32> {
         let member = &self.members[i];
-        let known = member.knows.as_ref().map(|knows| {
-            self.items
-                .iter()
-                .filter(|item| knows.contains(item))
-                .count() as u32
+        let known = member.knows.as_ref().map(|knows| match &self.items {
+            // Both in order: one pass over each, not a lookup per item.
+            Items::Listed(listing) => listing.items.intersection(knows).count() as u32,
+            items => items.iter().filter(|item| knows.contains(item)).count() as u32,
         });
         match (member.cap, known) {
             (Some(cap), Some(known)) => Some(cap.min(known)),
@@ -484,7 +485,7 @@ mod tests {
     fn member(id: i32, cap: Option<u32>, holds: &[u32]) -> Member {
         Member {
             knows: None,
-            defines: BTreeMap::new(),
+            defines: Arc::default(),
             id,
             cap,
             holds: holds.iter().copied().collect(),
@@ -602,7 +603,7 @@ mod tests {
     #[test]
     fn a_job_is_dealt_only_to_a_member_that_knows_it() {
         let knowing = |id: i32, knows: &[u32]| Member {
-            knows: Some(knows.iter().copied().collect()),
+            knows: Some(Arc::new(knows.iter().copied().collect())),
             ..member(id, None, &[])
         };
         let jobs = |items: &[u32]| {
@@ -633,7 +634,7 @@ mod tests {
     #[test]
     fn a_draining_member_that_knows_no_job_has_no_share_and_the_others_keep_theirs() {
         let knowing = |id: i32, knows: &[u32], holds: &[u32]| Member {
-            knows: Some(knows.iter().copied().collect()),
+            knows: Some(Arc::new(knows.iter().copied().collect())),
             ..member(id, None, holds)
         };
         let items = Items::Listed(Arc::new(Listing {
@@ -676,7 +677,8 @@ mod tests {
             let n = 1 + next(5) as i32;
             let members: Vec<Member> = (1..=n)
                 .map(|id| Member {
-                    knows: (next(3) > 0).then(|| (0..12).filter(|_| next(4) > 0).collect()),
+                    knows: (next(3) > 0)
+                        .then(|| Arc::new((0..12).filter(|_| next(4) > 0).collect())),
                     ..member(id, (next(4) == 0).then(|| next(6) as u32), &[])
                 })
                 .collect();

@@ -16,8 +16,10 @@ use crate::election::shards::{Items, Listing, Member, Roster, Seen, kind_of};
 #[derive(Clone, Debug, Default)]
 pub(super) struct Marked {
     pub(super) digest: u32,
-    /// The jobs it knows, and how it defines those the reader knows.
-    markers: Arc<(BTreeSet<u32>, BTreeMap<u32, u32>)>,
+    /// The jobs it knows.
+    knows: Arc<BTreeSet<u32>>,
+    /// How it defines those of the jobs it knows that the reader knows.
+    defines: Arc<BTreeMap<u32, u32>>,
 }
 
 /// Each member's markers as last read, by member.
@@ -82,7 +84,7 @@ pub(super) fn read_roster(
                         cap: None,
                         holds,
                         knows: None,
-                        defines: BTreeMap::new(),
+                        defines: Arc::default(),
                     },
                 );
             }
@@ -100,29 +102,36 @@ pub(super) fn read_roster(
     if let Items::Listed(_) = items {
         for member in members.values_mut() {
             let digests = digests.remove(&member.id).unwrap_or_default();
-            let (markers, digest) = match read.get(&member.id) {
+            let (knows, defines, digest) = match read.get(&member.id) {
                 // Left out by the statement, as it decides: one of its digests is the one
                 // they were read with.
-                Some(before) if digests.contains(&before.digest) => {
-                    (Arc::clone(&before.markers), Some(before.digest))
-                }
+                Some(before) if digests.contains(&before.digest) => (
+                    Arc::clone(&before.knows),
+                    Arc::clone(&before.defines),
+                    Some(before.digest),
+                ),
                 _ => {
-                    let markers = (
-                        knows.remove(&member.id).unwrap_or_default(),
-                        defines.remove(&member.id).unwrap_or_default(),
-                    );
+                    let knows = Arc::new(knows.remove(&member.id).unwrap_or_default());
+                    let defines = Arc::new(defines.remove(&member.id).unwrap_or_default());
                     // Kept under its digest; not while it changes it (or it has none).
                     let digest = match digests[..] {
                         [digest] => Some(digest),
                         _ => None,
                     };
-                    (Arc::new(markers), digest)
+                    (knows, defines, digest)
                 }
             };
-            member.knows = Some(markers.0.clone());
-            member.defines = markers.1.clone();
+            member.knows = Some(Arc::clone(&knows));
+            member.defines = Arc::clone(&defines);
             if let Some(digest) = digest {
-                marked.insert(member.id, Marked { digest, markers });
+                marked.insert(
+                    member.id,
+                    Marked {
+                        digest,
+                        knows,
+                        defines,
+                    },
+                );
             }
         }
     }

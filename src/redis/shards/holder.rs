@@ -3,11 +3,12 @@
 //! job's item key, and lends its socket with the farewells a keeper says if pgleader dies.
 
 use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use redis::{PushKind, Value};
 
-use super::roster::{Answer, card_of, read_roster, runs_otherwise, seen_items, who};
+use super::roster::{Answer, Cards, card_of, read_roster, runs_otherwise, seen_items, who};
 use super::scripts::{
     Args, FAREWELL_SOURCE, GIVE_SCRIPT, JOIN_SCRIPT, LEAVE_SCRIPT, MEMBERSHIP_FAREWELL_SOURCE,
     RECARD_SCRIPT, ROSTER_SCRIPT, ShardKeys, TAKE_SCRIPT,
@@ -32,6 +33,8 @@ pub struct RedisShardHolder {
     cap: Option<u32>,
     /// What a crontab job's ledger needs beside the connection (see [`Holder::ledger`]).
     ledger: LedgerSettings,
+    /// The members' cards as the last roster read found them, parsed (see [`Cards`]).
+    cards: Arc<Mutex<Arc<Cards>>>,
 }
 
 /// What a crontab job's ledger is given, from the backend's settings.
@@ -114,6 +117,7 @@ impl RedisShardHolder {
                         user_name: backend.user_name.clone(),
                         timeout: backend.ledger_timeout,
                     },
+                    cards: Arc::default(),
                 })
             }
             ["mismatch", id, card] => Err(JoinError::Mismatch(runs_otherwise(id, card, marker))),
@@ -294,6 +298,8 @@ impl Holder for RedisShardHolder {
     fn roster(&self) -> impl Future<Output = Result<Seen, SessionError>> + 'static {
         let mut conn = self.connection.conn.clone();
         let args = self.args.clone();
+        let store = Arc::clone(&self.cards);
+        let before = Arc::clone(&store.lock().expect("not poisoned"));
         async move {
             let (seconds, micros, flat, holders, plain, read): Answer = args
                 .over_items(&ROSTER_SCRIPT)
@@ -305,7 +311,10 @@ impl Holder for RedisShardHolder {
                 Items::Numbered(_) => args.items.iter().collect(),
             };
             let items = seen_items(&args.items, &read);
-            let mut seen = read_roster(&items, &read, &flat, &holders, timestamp(seconds, micros))?;
+            let server_time = timestamp(seconds, micros);
+            let (mut seen, cards) =
+                read_roster(&items, &read, (&flat, &before), &holders, server_time)?;
+            *store.lock().expect("not poisoned") = Arc::new(cards);
             if let Some(plain) = plain {
                 seen.mismatch = Some(format!(
                     "a replica runs this lock without --shards ({plain}): a lock runs either \

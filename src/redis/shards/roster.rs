@@ -3,7 +3,8 @@
 //! (another K, a crontab, or the plain lock), which refuses the join; and the refusal a plain
 //! replica gets beside sharded ones.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
 use std::time::Duration;
 
 use redis::aio::MultiplexedConnection;
@@ -107,6 +108,15 @@ pub(super) fn who(value: &str) -> String {
     )
 }
 
+/// What a member's card says of its jobs, parsed: the jobs it knows (a crontab's member) and
+/// how it defines them.
+type Parsed = (Option<Arc<BTreeSet<u32>>>, Arc<BTreeMap<u32, u32>>);
+
+/// The cards a roster read found, by member, each with what was parsed of it: a card the same
+/// as at the read before is not parsed again (a crontab member's lists its 1,000 jobs).
+#[derive(Debug, Default)]
+pub(super) struct Cards(HashMap<i32, (String, Parsed)>);
+
 /// The roster script's answer: the server's clock, the live members, each item's holder, and
 /// a live plain replica of the name.
 pub(super) type Answer = (i64, i64, Vec<String>, Vec<i64>, Option<String>, Vec<u32>);
@@ -118,11 +128,12 @@ pub(super) type Answer = (i64, i64, Vec<String>, Vec<i64>, Option<String>, Vec<u
 pub(super) fn read_roster(
     items: &Items,
     read: &[u32],
-    flat: &[String],
+    (flat, before): (&[String], &Cards),
     holders: &[i64],
     server_time: jiff::Timestamp,
-) -> Result<Seen, SessionError> {
+) -> Result<(Seen, Cards), SessionError> {
     let mut members: BTreeMap<i32, Member> = BTreeMap::new();
+    let mut cards = Cards::default();
     let mut mismatch = None;
     for pair in flat.chunks(2) {
         let [id, card] = pair else {
@@ -137,15 +148,25 @@ pub(super) fn read_roster(
             mismatch.get_or_insert_with(|| runs_otherwise(&id.to_string(), card, items.marker()));
         }
         let cap = field(card, "cap").and_then(|cap| cap.parse().ok());
-        let listed = matches!(items, Items::Listed(_));
+        let (knows, defines) = match before.0.get(&id) {
+            Some((same, parsed)) if same == card => parsed.clone(),
+            _ => {
+                let listed = matches!(items, Items::Listed(_));
+                let knows = listed.then(|| Arc::new(numbers_in(card, "knows")));
+                (knows, Arc::new(definitions_in(card)))
+            }
+        };
+        cards
+            .0
+            .insert(id, (card.clone(), (knows.clone(), Arc::clone(&defines))));
         members.insert(
             id,
             Member {
                 id,
                 cap,
                 holds: BTreeSet::new(),
-                knows: listed.then(|| numbers_in(card, "knows")),
-                defines: definitions_in(card),
+                knows,
+                defines,
             },
         );
     }
@@ -163,7 +184,7 @@ pub(super) fn read_roster(
             },
         }
     }
-    Ok(Seen {
+    let seen = Seen {
         roster: Roster {
             items: items.clone(),
             members: members.into_values().collect(),
@@ -171,7 +192,8 @@ pub(super) fn read_roster(
         taken,
         mismatch,
         server_time,
-    })
+    };
+    Ok((seen, cards))
 }
 
 /// Refuses a plain replica's session where replicas run the same lock with `--shards`, so
@@ -224,10 +246,10 @@ mod tests {
         ]
         .map(str::to_owned)
         .to_vec();
-        let seen = read_roster(
+        let (seen, _) = read_roster(
             &Items::Numbered(4),
             &[0, 1, 2, 3],
-            &flat,
+            (&flat, &Cards::default()),
             &[2, 0, 5, -1],
             jiff::Timestamp::UNIX_EPOCH,
         )
@@ -240,18 +262,52 @@ mod tests {
                     cap: None,
                     holds: BTreeSet::from([0]),
                     knows: None,
-                    defines: BTreeMap::new(),
+                    defines: Arc::default(),
                 },
                 Member {
                     id: 5,
                     cap: Some(1),
                     holds: BTreeSet::from([2]),
                     knows: None,
-                    defines: BTreeMap::new(),
+                    defines: Arc::default(),
                 },
             ]
         );
         assert_eq!(seen.taken, BTreeSet::from([3]));
         assert_eq!(seen.free(), vec![1]);
+    }
+
+    #[test]
+    fn a_card_the_same_as_at_the_last_read_is_not_parsed_again() {
+        let items = Items::Listed(Arc::new(crate::election::shards::Listing {
+            items: BTreeSet::from([1, 2, 3]),
+            definitions: BTreeMap::new(),
+        }));
+        let card = |knows: &str| {
+            format!("nonce=aa shards=0 cap=none knows={knows} defines=1:7 client=9 session=x")
+        };
+        let read = |cards: &[String], before: &Cards| {
+            let flat: Vec<String> = ["2".to_owned(), cards[0].clone()].to_vec();
+            read_roster(
+                &items,
+                &[1, 2, 3],
+                (&flat, before),
+                &[2, 0, 0],
+                jiff::Timestamp::UNIX_EPOCH,
+            )
+            .expect("a roster")
+        };
+        let (first, cards) = read(&[card("1,2")], &Cards::default());
+        let (again, cards) = read(&[card("1,2")], &cards);
+        let knows = |seen: &Seen| {
+            seen.roster.members[0]
+                .knows
+                .clone()
+                .expect("a crontab's member")
+        };
+        assert!(Arc::ptr_eq(&knows(&first), &knows(&again)));
+        let (changed, _) = read(&[card("1,2,3")], &cards);
+        assert_eq!(*knows(&changed), BTreeSet::from([1, 2, 3]));
+        assert_eq!(*changed.roster.members[0].defines, BTreeMap::from([(1, 7)]));
     }
 }

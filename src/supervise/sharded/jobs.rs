@@ -58,6 +58,52 @@ pub struct Definition {
     pub ping: Option<Target>,
 }
 
+/// What the disagreements were worked out from: this replica's listing and each other
+/// member's markers, held so that their addresses stay theirs.
+#[derive(Debug)]
+struct Compared {
+    listing: Arc<Listing>,
+    members: Vec<MemberMarkers>,
+}
+
+/// A member's id, the jobs it knows and how it defines them.
+type MemberMarkers = (i32, Option<Arc<BTreeSet<u32>>>, Arc<BTreeMap<u32, u32>>);
+
+impl Compared {
+    fn of(items: &Items, roster: &Roster, me: i32) -> Option<Compared> {
+        let Items::Listed(listing) = items else {
+            return None;
+        };
+        let members = roster.members.iter().filter(|member| member.id != me);
+        Some(Compared {
+            listing: Arc::clone(listing),
+            members: members
+                .map(|m| (m.id, m.knows.clone(), Arc::clone(&m.defines)))
+                .collect(),
+        })
+    }
+
+    /// Whether `other` holds the very same markers.
+    fn same(&self, other: &Option<Compared>) -> bool {
+        let Some(other) = other else {
+            return false;
+        };
+        let same_knows =
+            |a: &Option<Arc<BTreeSet<u32>>>, b: &Option<Arc<BTreeSet<u32>>>| match (a, b) {
+                (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+                (None, None) => true,
+                _ => false,
+            };
+        Arc::ptr_eq(&self.listing, &other.listing)
+            && self.members.len() == other.members.len()
+            && self
+                .members
+                .iter()
+                .zip(&other.members)
+                .all(|(a, b)| a.0 == b.0 && same_knows(&a.1, &b.1) && Arc::ptr_eq(&a.2, &b.2))
+    }
+}
+
 /// The jobs this replica knows, and the runs of those it owns.
 pub struct Jobs<L: Ledger> {
     /// The crontab as last read; `None` for scheduled shards.
@@ -83,6 +129,9 @@ pub struct Jobs<L: Ledger> {
     clock: Option<ServerClock>,
     /// The jobs another member defines otherwise, with that member, as last logged.
     disagreeing: BTreeSet<(String, i32)>,
+    /// The markers `disagreeing` was worked out from: this replica's listing and each other
+    /// member's (shared, so that the same ones are told apart by address, at no cost).
+    compared: Option<Compared>,
     /// Where each owned job's runs publish their claims and outcomes.
     telemetry: Telemetry,
     /// Sends the pings of the jobs that have a monitor, once one has.
@@ -181,6 +230,7 @@ impl<L: Ledger> Jobs<L> {
             output: Output::Inherited,
             clock: None,
             disagreeing: BTreeSet::new(),
+            compared: None,
             pinger: None,
         }
     }
@@ -284,6 +334,17 @@ impl<L: Ledger> Jobs<L> {
     /// replica's file (a rolling deploy half done), and once more when they agree again; and
     /// publishes which members those are, per job, for `/status` and the metrics.
     pub fn note_disagreements(&mut self, roster: &Roster, me: i32, lock: &LockKey) {
+        // Nothing to work out again while the markers are the very ones compared last (a
+        // roster read keeps a member's markers until they change).
+        let compared = Compared::of(&self.items, roster, me);
+        if self
+            .compared
+            .as_ref()
+            .is_some_and(|last| last.same(&compared))
+        {
+            return;
+        }
+        self.compared = compared;
         let now = self.disagreements(roster, me);
         if now == self.disagreeing {
             return;
