@@ -301,13 +301,15 @@ impl Holder for RedisShardHolder {
         let store = Arc::clone(&self.cards);
         let before = Arc::clone(&store.lock().expect("not poisoned"));
         async move {
-            let (seconds, micros, flat, holders, plain, read): Answer = args
+            let (seconds, micros, flat, holders, plain, added): Answer = args
                 .over_items(&ROSTER_SCRIPT)
                 .invoke_async(&mut conn)
                 .await
                 .map_err(query_error)?;
-            let read = match &args.items {
-                Items::Listed(_) => read,
+            // This member's items in the order it gave them, then those the others' cards
+            // added (see `ROSTER`).
+            let read: Vec<u32> = match &args.items {
+                Items::Listed(listing) => listing.items.iter().copied().chain(added).collect(),
                 Items::Numbered(_) => args.items.iter().collect(),
             };
             let items = seen_items(&args.items, &read);

@@ -137,9 +137,10 @@ return {'joined', id}
 /// the item keys of members that are gone. Returns `{seconds, microseconds, {id, card, ...} of
 /// the live members, the holder of each item in order (a member id, 0 when free, -1 when the
 /// value is not a holder's), and what a live replica of the plain lock holds or waits as (one
-/// that started at the very moment this one joined), or false}`. An item key counts as a
-/// member's only while it carries that member's nonce. Whether a member runs the name
-/// otherwise is read off the cards.
+/// that started at the very moment this one joined), or false, and the items read beyond the
+/// caller's own, which the others' cards know}`: the holders are of the caller's items in the
+/// order it gave them, then of those. An item key counts as a member's only while it carries
+/// that member's nonce. Whether a member runs the name otherwise is read off the cards.
 const ROSTER: &str = r#"
 local live = live_members()
 if live[me] and nonce_of(live[me]) == nonce then
@@ -150,6 +151,7 @@ local keys = {}
 -- A crontab's member reads the jobs the other members' cards say they know too, so that every
 -- member counts the jobs held by others alike, whatever its own file holds.
 local list = items()
+local own = #list
 if tonumber(ARGV[5]) == 0 then
   local seen = {}
   for _, n in ipairs(list) do seen[n] = true end
@@ -195,7 +197,10 @@ local flat = {}
 for id, card in pairs(live) do
   table.insert(flat, id); table.insert(flat, card)
 end
-return {t[1], t[2], flat, holders, plain_replica() or false, list}
+-- The caller knows its own items: only those the others' cards added come back.
+local added = {}
+for i = own + 1, #list do added[#added + 1] = list[i] end
+return {t[1], t[2], flat, holders, plain_replica() or false, added}
 "#;
 
 /// Rewrites this member's card (ARGV[6], after its nonce) where it is still its own, keeping
