@@ -3,11 +3,13 @@
 //! server, the end of a member is heard by everyone at once through the watcher, and a replica
 //! that runs the name otherwise is refused. Two sessions per replica, whatever the shard count.
 
+use std::collections::BTreeSet;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pgleader::election::ledger::{Claim, Claimant, Ledger};
 use pgleader::election::lock::LockKey;
-use pgleader::election::shards::{Holder, ShardBackend};
+use pgleader::election::shards::{Holder, Items, Listing, Seen, ShardBackend};
 use pgleader::postgres::PgBackend;
 use pgleader::postgres::ledger::PgLedger;
 
@@ -112,6 +114,63 @@ fn the_locks_of_a_sharded_name_are_the_documented_keys_and_never_the_plain_one()
         .await[0]
             .get(0);
         assert_eq!(plain, 0, "a shard took the plain key of the same name");
+    });
+}
+
+/// A crontab member holds one markers digest (in the documented space), never two, and a
+/// new one once its markers changed; another member's roster read follows each change, back
+/// to the first file too (its markers are read again whenever the digest is not the one
+/// they were kept under).
+#[test]
+fn a_crontab_member_holds_one_markers_digest_and_the_others_follow_its_rereads() {
+    let key = unique_key();
+    let backend = backend(key);
+    let listing = |jobs: &[(u32, u32)]| {
+        Items::Listed(Arc::new(Listing {
+            items: jobs.iter().map(|(job, _)| *job).collect(),
+            definitions: jobs.iter().copied().collect(),
+        }))
+    };
+    let (first, second) = (listing(&[(7, 1), (9, 2)]), listing(&[(7, 1), (11, 3)]));
+    block_on(async {
+        let mut a = within("join", backend.join("cron-a", &first, None))
+            .await
+            .expect("join");
+        let b = within("join", backend.join("cron-b", &first, None))
+            .await
+            .expect("join");
+        let digests = |pid: i32| async move {
+            let rows = server_rows(
+                "SELECT objid::int8 FROM pg_locks WHERE locktype = 'advisory' AND pid = $2 \
+                 AND objsubid = 2 \
+                 AND classid = (hashtextextended('pgleader markers ' || $1::int8, 0) & 4294967295)::oid",
+                key,
+                pid,
+            )
+            .await;
+            rows.iter()
+                .map(|row| row.get::<_, i64>(0))
+                .collect::<Vec<_>>()
+        };
+        let knows = |seen: Seen, id: i32| {
+            let member = seen.roster.members.into_iter().find(|m| m.id == id);
+            let knows = member.and_then(|m| m.knows).expect("a crontab's member");
+            knows.iter().copied().collect::<Vec<u32>>()
+        };
+        let at_first = digests(a.id()).await;
+        assert_eq!(at_first.len(), 1, "{at_first:?}");
+        let seen = within("roster", b.roster()).await.expect("roster");
+        assert_eq!(knows(seen, a.id()), [7, 9]);
+        for (items, expected) in [(&second, [7, 11]), (&first, [7, 9])] {
+            within("set items", a.set_items(items.clone(), BTreeSet::new()))
+                .await
+                .expect("set items");
+            let now = digests(a.id()).await;
+            assert_eq!(now.len(), 1, "{now:?}");
+            assert_eq!(now == at_first, items == &first, "{now:?} {at_first:?}");
+            let seen = within("roster", b.roster()).await.expect("roster");
+            assert_eq!(knows(seen, a.id()), expected);
+        }
     });
 }
 

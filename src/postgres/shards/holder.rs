@@ -11,7 +11,7 @@ use tokio_postgres::types::{ToSql, Type};
 use super::roster::{MarkersRead, read_roster};
 use super::statements::{
     DEFINE_SQL, DIGEST_SQL, END_SESSIONS_SQL, FORGET_SQL, GIVE_SQL, KNOW_SQL, MAX_SHARDS,
-    ROSTER_SQL, ShardKeys, TAKE_SQL, UNDEFINE_SQL,
+    ROSTER_SQL, ShardKeys, TAKE_SQL, UNDEFINE_SQL, UNDIGEST_SQL,
 };
 use crate::election::ledger::{Definition, Ledger, LedgerError};
 use crate::election::lock::LockKey;
@@ -358,20 +358,33 @@ impl PgShardHolder {
                 [(&space, Type::INT4), (&numbers, Type::INT4_ARRAY)];
             client.query_typed(sql, &params).await.map(drop)
         };
+        // The old digest goes first: a reader that found it while the markers change would
+        // keep half-changed markers under it, and take them for settled should this member
+        // come back to that file (a rollback) before the reader read it again.
+        let digest = new.digest();
+        let changed = self.digest != Some(digest);
+        if let Some(old) = self.digest.filter(|_| changed) {
+            let params: [(&(dyn ToSql + Sync), Type); 2] = [
+                (&self.keys.markers, Type::INT4),
+                (&(old as i32), Type::INT4),
+            ];
+            client
+                .query_typed(UNDIGEST_SQL, &params)
+                .await
+                .map_err(query_error)?;
+            self.digest = None;
+        }
         by_pairs(DEFINE_SQL, define).await.map_err(query_error)?;
         by_items(KNOW_SQL, know).await.map_err(query_error)?;
         by_items(FORGET_SQL, forget).await.map_err(query_error)?;
         by_pairs(UNDEFINE_SQL, undefine)
             .await
             .map_err(query_error)?;
-        // Then the digest, so that a reader that finds it reads the markers as they are now.
-        let digest = new.digest();
-        if self.digest != Some(digest) {
-            let (digest, old) = (digest as i32, self.digest.map(|old| old as i32));
-            let params: [(&(dyn ToSql + Sync), Type); 3] = [
+        // Then the new digest: a reader that finds one digest finds the markers it says.
+        if changed {
+            let params: [(&(dyn ToSql + Sync), Type); 2] = [
                 (&self.keys.markers, Type::INT4),
-                (&digest, Type::INT4),
-                (&old, Type::INT4),
+                (&(digest as i32), Type::INT4),
             ];
             client
                 .query_typed(DIGEST_SQL, &params)

@@ -44,7 +44,7 @@ pub(super) fn read_roster(
     let (mut holds, mut counts, mut caps, mut plain) = (Vec::new(), Vec::new(), Vec::new(), None);
     let mut knows: BTreeMap<i32, BTreeSet<u32>> = BTreeMap::new();
     let mut defines: BTreeMap<i32, BTreeMap<u32, u32>> = BTreeMap::new();
-    // Each member's digests: two while it changes one for the other.
+    // Each member's digest: none while it changes its markers (see `know`).
     let mut digests: BTreeMap<i32, Vec<u32>> = BTreeMap::new();
     for row in rows {
         let (Some(pid), Some(objid), Some(subid), Some(exclusive)) = (
@@ -103,8 +103,8 @@ pub(super) fn read_roster(
         for member in members.values_mut() {
             let digests = digests.remove(&member.id).unwrap_or_default();
             let (knows, defines, digest) = match read.get(&member.id) {
-                // Left out by the statement, as it decides: one of its digests is the one
-                // they were read with.
+                // Left out by the statement, as it decides: its digest is the one they were
+                // read with.
                 Some(before) if digests.contains(&before.digest) => (
                     Arc::clone(&before.knows),
                     Arc::clone(&before.defines),

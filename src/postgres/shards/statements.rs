@@ -99,11 +99,14 @@ pub(super) const ROSTER_SQL: &str = "WITH l AS MATERIALIZED (\
     LEFT JOIN (SELECT * FROM l WHERE NOT ((l.classid = $4 OR l.classid = ANY($5)) \
         AND l.pid IN (SELECT pid FROM unchanged))) l ON true";
 
-/// Holds the member's new markers digest `$2` in space `$1`, shared, and lets the old one `$3`
-/// go (none: null): once its markers changed, so that a reader that finds the new digest
-/// reads them all again.
-pub(super) const DIGEST_SQL: &str = "SELECT pg_catalog.pg_advisory_lock_shared($1::int4, $2::int4), \
-    pg_catalog.pg_advisory_unlock_shared($1::int4, $3::int4)";
+/// Lets the member's markers digest `$2` in space `$1` go, before its markers change: while
+/// they do it shows none, and a reader reads them all and keeps none of them.
+pub(super) const UNDIGEST_SQL: &str =
+    "SELECT pg_catalog.pg_advisory_unlock_shared($1::int4, $2::int4)";
+
+/// Holds the member's markers digest `$2` in space `$1`, shared, once its markers are what
+/// the digest says: a reader that finds one digest reads settled markers under it.
+pub(super) const DIGEST_SQL: &str = "SELECT pg_catalog.pg_advisory_lock_shared($1::int4, $2::int4)";
 
 /// Takes the "knows job n" markers of `$2`, shared, in space `$1`: never waits, since nobody
 /// takes them exclusively.

@@ -837,14 +837,18 @@ impl<B: ShardBackend + Clone + 'static, D: Duty<B::Holder>> Room<B, D> {
                 Ok(result) => result?.into_iter().collect(),
                 Err(_) => return Err(no_answer("releasing shards")),
             };
+        let mut not_held = None;
         for (item, label) in &given {
-            if !released.contains(item) {
-                return Err(SessionError::Query(format!(
-                    "the server says this session did not hold {}",
-                    label.name()
-                )));
+            if released.contains(item) {
+                info!(event = "released", lock = %self.settings.lock, shard = label.shard, job = label.job.as_deref(), "released {}", label.name());
+            } else {
+                not_held.get_or_insert_with(|| label.name());
             }
-            info!(event = "released", lock = %self.settings.lock, shard = label.shard, job = label.job.as_deref(), "released {}", label.name());
+        }
+        if let Some(name) = not_held {
+            return Err(SessionError::Query(format!(
+                "the server says this session did not hold {name}"
+            )));
         }
         // A replica that was handing over took nothing meanwhile; the roster may have changed
         // since (a member gone), and its own word does not come back to it.
