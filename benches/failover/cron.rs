@@ -154,6 +154,8 @@ pub struct Plan {
     pub scale_runs: usize,
     /// How long scenario 14f measures a replica at rest.
     pub scale_window: Duration,
+    /// Scenario 14f's bursts measured for each build.
+    pub scale_bursts: usize,
 }
 
 /// Where the benchmark writes its crontabs.
@@ -502,6 +504,9 @@ pub fn scenarios(
 pub fn scale_scenarios(pg: &Pgleader, redis: Option<&redis_lock::Server>, plan: &Plan) -> Vec<Row> {
     let backends = std::iter::once(Backend::Postgres(pg)).chain(redis.map(Backend::Redis));
     let mut rows = Vec::new();
+    // The floor first, on a machine as quiet as the fleets' (the servers up, idle); its row
+    // after the bursts'.
+    let floor = scale::burst_floor(plan.scale_bursts);
     for backend in backends {
         for build in &plan.builds {
             rows.extend(scale::rows(
@@ -510,8 +515,10 @@ pub fn scale_scenarios(pg: &Pgleader, redis: Option<&redis_lock::Server>, plan: 
                 plan.scale_runs,
                 plan.scale_window,
             ));
+            rows.push(scale::burst_row(backend, build, plan.scale_bursts));
         }
     }
+    rows.push(floor);
     rows
 }
 
@@ -802,17 +809,22 @@ fn scenario_of(jobs: usize) -> String {
     format!("{number}. crontab: {jobs} every-second jobs, {REPLICAS} replicas")
 }
 
-/// A spawner of the floor (`SPAWNER_ARG INDEX JOBS`): starts the jobs `jN` of `j1`..`jJOBS`
-/// with N - 1 ≡ INDEX modulo [`REPLICAS`] (33 or 34 of 100) as `bash -c` [`JOB_COMMAND`] at
-/// every whole second of the wall clock, with the variables pgleader gives the command, its
+/// A spawner of the floor (`SPAWNER_ARG INDEX JOBS [PERIOD]`): starts the jobs `jN` of
+/// `j1`..`jJOBS` with N - 1 ≡ INDEX modulo [`REPLICAS`] (33 or 34 of 100) as `bash -c`
+/// [`JOB_COMMAND`] at every whole second of the wall clock (every PERIOD seconds, whole
+/// multiples of it, given PERIOD), with the variables pgleader gives the command, its
 /// output on this process's; it exits when its parent (the benchmark) is gone.
-pub fn spawner(index: &str, count: &str) -> ExitCode {
+pub fn spawner(index: &str, count: &str, period: &str) -> ExitCode {
     let Some(index) = index.parse::<usize>().ok().filter(|i| *i < REPLICAS) else {
         eprintln!("{SPAWNER_ARG} {index:?}: not a replica's index below {REPLICAS}");
         return ExitCode::from(2);
     };
     let Ok(count) = count.parse::<usize>() else {
         eprintln!("{SPAWNER_ARG} {index} {count:?}: not a number of jobs");
+        return ExitCode::from(2);
+    };
+    let Some(period) = period.parse::<u64>().ok().filter(|p| *p > 0) else {
+        eprintln!("{SPAWNER_ARG} {index} {count} {period:?}: not a number of seconds");
         return ExitCode::from(2);
     };
     let jobs: Vec<String> = (1..=count)
@@ -825,7 +837,7 @@ pub fn spawner(index: &str, count: &str) -> ExitCode {
         let now = SystemTime::now()
             .duration_since(SystemTime::UNIX_EPOCH)
             .unwrap_or_default();
-        let instant = Duration::from_secs(now.as_secs() + 1);
+        let instant = Duration::from_secs((now.as_secs() / period + 1) * period);
         sleep(instant - now);
         let occurrence = DateTime::<Utc>::from_timestamp(instant.as_secs() as i64, 0)
             .unwrap_or_default()

@@ -293,7 +293,8 @@ fn main() -> ExitCode {
     let mut args = std::env::args().skip(1);
     if args.next().as_deref() == Some(cron::SPAWNER_ARG) {
         let index = args.next().unwrap_or_default();
-        return cron::spawner(&index, &args.next().unwrap_or_default());
+        let jobs = args.next().unwrap_or_default();
+        return cron::spawner(&index, &jobs, args.next().as_deref().unwrap_or("1"));
     }
     let plan = match Plan::from_args() {
         Ok(plan) => plan,
@@ -806,6 +807,7 @@ impl Plan {
             .collect(),
             scale_runs: if self.quick { 2 } else { 5 },
             scale_window: Duration::from_secs(if self.quick { 10 } else { 30 }),
+            scale_bursts: if self.quick { 2 } else { 3 },
         }
     }
 }

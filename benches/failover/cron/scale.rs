@@ -5,7 +5,11 @@
 //! how soon the others own the jobs of a replica killed -9 (each of its jobs' "took job" line
 //! elsewhere), and how soon a replica that joins holds its share (its share's "took job" lines).
 //!
-//! The burst of 1,000 occurrences at one instant is not measured here yet.
+//! Then the burst: the same number of jobs, each every [`BURST_PERIOD`] seconds, all at one
+//! instant, on a fleet at rest. How late each run starts (as scenario 14 measures it), beside
+//! the machine's floor for as many bash starts at those instants ([`burst_floor`]), and how
+//! much resident memory each replica's pgleader and its keepers take above what they took at
+//! rest, read every [`SAMPLE_EVERY`] through each burst.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -15,7 +19,11 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use nix::sys::signal::Signal;
 
-use super::{Backend, IDLE, REPLICAS, crontab, row, tail, taken};
+use chrono::{DateTime, Utc};
+
+use super::{
+    Backend, FLOOR_LABEL, IDLE, REPLICAS, SPAWNER_ARG, crontab, p99, row, runs_of, tail, taken,
+};
 use crate::figures::{Figures, Row};
 use crate::harness::{self, Stream};
 use crate::procfs;
@@ -30,6 +38,18 @@ pub const REST_ROW: &str = "cron.scale.rest";
 pub const KILLED_ROW: &str = "cron.scale.kill9";
 /// The id of a join's share.
 pub const JOINED_ROW: &str = "cron.scale.join";
+
+/// The id of a burst's lateness.
+pub const BURST_ROW: &str = "cron.scale.burst";
+/// The id of the floor beside it.
+pub const BURST_FLOOR_ROW: &str = "cron.scale.burst.floor";
+
+/// Every job of the burst's crontab falls due every this many seconds, all at one instant.
+const BURST_PERIOD: i64 = 10;
+/// The burst's schedule (seven fields), every [`BURST_PERIOD`] seconds.
+const BURST: &str = "*/10 * * * * * *";
+/// How often the replicas' memory is read during the bursts.
+const SAMPLE_EVERY: Duration = Duration::from_millis(100);
 
 /// The labels of a previous build's rows (`--previous`).
 pub const PREVIOUS_LABEL: &str = "pgleader cron previous";
@@ -233,4 +253,162 @@ fn at_rest(live: &[Candidate]) -> anyhow::Result<()> {
 
 fn cpu(pid: i32) -> Duration {
     procfs::cpu_time(pid).unwrap_or_default()
+}
+
+/// The scenario of the burst's rows.
+fn burst_scenario() -> String {
+    format!(
+        "14f. crontab: a burst, {SCALE_JOBS} jobs every {BURST_PERIOD} s at one instant, {REPLICAS} replicas"
+    )
+}
+
+/// The burst's row for `build` on `backend`: `bursts` bursts of a fleet at rest.
+pub fn burst_row(backend: Backend, build: &Build, bursts: usize) -> Row {
+    let label = build.label(backend);
+    eprintln!("bench: {}, {label}", burst_scenario());
+    let mut late = Figures::default();
+    let result = (|| -> anyhow::Result<String> {
+        backend.ready()?;
+        let lock = harness::unique_lock();
+        let file = crontab("burst", BURST, SCALE_JOBS)?;
+        let live: Vec<Candidate> = (0..REPLICAS)
+            .map(|i| replica(backend, &build.binary, &format!("B{i}"), lock, &file))
+            .collect();
+        at_rest(&live)?;
+        let (runs, memory) = measure_bursts(&live, bursts, &mut late)?;
+        Ok(format!("{runs}; {memory}"))
+    })();
+    let note = result.unwrap_or_else(|err| {
+        eprintln!("bench:   failed: {err:#}");
+        late.failure(format!("{err:#}").replace('\n', " "));
+        String::new()
+    });
+    row(
+        BURST_ROW,
+        &burst_scenario(),
+        label,
+        "from each occurrence to its command running ($EPOCHREALTIME), every run of the bursts",
+        late,
+        note,
+    )
+}
+
+/// The floor beside the bursts: [`REPLICAS`] spawners of the benchmark's own (as scenario
+/// 14's floor), each starting its share of the same number of bash commands at the same
+/// instants, with no server, no scheduler and no keeper.
+pub fn burst_floor(bursts: usize) -> Row {
+    eprintln!("bench: {}, the floor", burst_scenario());
+    let mut late = Figures::default();
+    let mut spawners: Vec<Candidate> = Vec::new();
+    let result = (|| -> anyhow::Result<String> {
+        let binary = std::env::current_exe().context("cannot find the benchmark's binary")?;
+        for i in 0..REPLICAS {
+            let mut command = harness::clean(Command::new(&binary));
+            command
+                .arg(SPAWNER_ARG)
+                .arg(i.to_string())
+                .arg(SCALE_JOBS.to_string())
+                .arg(BURST_PERIOD.to_string());
+            spawners.push(Candidate::spawn(&format!("F{i}"), command));
+        }
+        Ok(measure_bursts(&spawners, bursts, &mut late)?.0)
+    })();
+    let note = result.unwrap_or_else(|err| {
+        late.failure(format!("{err:#}").replace('\n', " "));
+        String::new()
+    });
+    row(
+        BURST_FLOOR_ROW,
+        &burst_scenario(),
+        FLOOR_LABEL,
+        "the machine's floor, not a peer: the same bash commands, each spawner process starting its share at each burst's instant (std::process::Command, no database, no keeper); from each occurrence to its command running ($EPOCHREALTIME)",
+        late,
+        note,
+    )
+}
+
+/// Measures the next `bursts` bursts of `live` (a fleet at rest, or the floor's spawners):
+/// each run's lateness into `late`, and what each process and its children held in resident
+/// memory above what they held halfway between two bursts. Returns a note on the runs and one
+/// on the memory.
+fn measure_bursts(
+    live: &[Candidate],
+    bursts: usize,
+    late: &mut Figures,
+) -> anyhow::Result<(String, String)> {
+    let period = chrono::Duration::seconds(BURST_PERIOD);
+    let instant_after = |at: DateTime<Utc>| {
+        let secs = (at.timestamp() / BURST_PERIOD + 1) * BURST_PERIOD;
+        DateTime::<Utc>::from_timestamp(secs, 0).unwrap_or(at)
+    };
+    // At rest: halfway between two instants, every run of the last one long over.
+    let halfway = instant_after(Utc::now()) - period / 2;
+    let halfway = if halfway < Utc::now() {
+        halfway + period
+    } else {
+        halfway
+    };
+    sleep((halfway - Utc::now()).to_std().unwrap_or_default());
+    let rest: Vec<u64> = live
+        .iter()
+        .map(|c| procfs::tree_rss_kib(c.pid()).0)
+        .collect();
+    let first = instant_after(Utc::now() + chrono::Duration::seconds(1));
+    let last = first + period * (bursts as i32 - 1);
+    let end = last + chrono::Duration::seconds(4);
+    // Each process's highest reading in each burst's period (from a second before its
+    // instant), and the most children it had at once.
+    let mut peak = vec![vec![0u64; bursts]; live.len()];
+    let mut children = 0;
+    while Utc::now() < end {
+        let since = Utc::now() - first + chrono::Duration::seconds(1);
+        let burst = (since.num_milliseconds().max(0) / (BURST_PERIOD * 1000)) as usize;
+        let burst = burst.min(bursts - 1);
+        for (i, candidate) in live.iter().enumerate() {
+            let (kib, processes) = procfs::tree_rss_kib(candidate.pid());
+            peak[i][burst] = peak[i][burst].max(kib);
+            children = children.max(processes);
+        }
+        sleep(SAMPLE_EVERY);
+    }
+    let instants: Vec<DateTime<Utc>> = (0..bursts).map(|b| first + period * b as i32).collect();
+    let runs: Vec<super::Run> = live
+        .iter()
+        .flat_map(runs_of)
+        .filter(|r| instants.contains(&r.occurrence))
+        .collect();
+    for run in &runs {
+        late.sample_ms(run.late_ms());
+    }
+    let mut count: std::collections::BTreeMap<(&str, DateTime<Utc>), usize> = Default::default();
+    for run in &runs {
+        *count.entry((run.job.as_str(), run.occurrence)).or_default() += 1;
+    }
+    let twice = count.values().filter(|n| **n > 1).count();
+    let runs_note = format!(
+        "{} of {} occurrences ran ({bursts} bursts × {SCALE_JOBS} jobs), {twice} twice; {}",
+        count.len(),
+        bursts * SCALE_JOBS,
+        p99(late)
+    );
+    let mut above: Vec<u64> = peak
+        .iter()
+        .zip(&rest)
+        .flat_map(|(peaks, rest)| peaks.iter().map(move |p| p.saturating_sub(*rest) / 1024))
+        .collect();
+    above.sort_unstable();
+    let memory_note = format!(
+        "RSS of each replica's pgleader and keepers above rest ({} MiB at rest), a reading per replica and burst: median {} MiB, highest {} MiB; up to {children} keepers at once",
+        rest.iter()
+            .map(|kib| (kib / 1024).to_string())
+            .collect::<Vec<_>>()
+            .join(", "),
+        above.get(above.len() / 2).copied().unwrap_or(0),
+        above.last().copied().unwrap_or(0),
+    );
+    eprintln!(
+        "bench:   lateness p50 {:?} ms; {runs_note}; {memory_note}",
+        late.median()
+    );
+    Ok((runs_note, memory_note))
 }
