@@ -40,12 +40,13 @@
 
 pub mod asked;
 
-use std::sync::LazyLock;
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use jiff::Timestamp;
 use redis::Script;
 use redis::aio::MultiplexedConnection;
+use tokio::sync::Semaphore;
 
 use crate::election::ledger::{
     Asked, AskedFinish, Claim, Claimant, Definition, Entry, JobEntry, KEEP, LateFinish, Ledger,
@@ -256,8 +257,10 @@ pub struct RedisLedger {
     /// What the session's name starts with.
     user_name: Option<String>,
     client_id: i64,
-    /// Bounds each of a leader's ledger scripts.
+    /// Bounds each of a leader's ledger scripts, from when it is sent.
     timeout: Duration,
+    /// The connection's turns to send one (`connection::LEDGER_SLOTS`).
+    slots: Arc<Semaphore>,
 }
 
 impl RedisLedger {
@@ -267,7 +270,7 @@ impl RedisLedger {
         definition: Definition,
         user_name: Option<String>,
         client_id: i64,
-        timeout: Duration,
+        (timeout, slots): (Duration, Arc<Semaphore>),
     ) -> RedisLedger {
         RedisLedger {
             conn,
@@ -277,6 +280,7 @@ impl RedisLedger {
             user_name,
             client_id,
             timeout,
+            slots,
         }
     }
 
@@ -317,18 +321,40 @@ impl RedisLedger {
         invocation
     }
 
-    async fn run<T: redis::FromRedisValue>(
+    /// Runs a ledger script on its own task, once the connection has a turn for it
+    /// (`connection::LEDGER_SLOTS`), bounded by the timeout from then. On a task of its own,
+    /// because a turn is held until the answer: a caller's future left unpolled (a job's run
+    /// waiting while the room settles another) must not keep a turn from the others. A caller
+    /// that gave up before its turn came sends nothing.
+    async fn run<T: redis::FromRedisValue + Send + 'static>(
         &self,
-        invocation: &redis::ScriptInvocation<'_>,
+        invocation: redis::ScriptInvocation<'static>,
     ) -> Result<T, LedgerError> {
-        let mut conn = self.conn.clone();
-        match tokio::time::timeout(self.timeout, invocation.invoke_async(&mut conn)).await {
-            Ok(result) => result.map_err(ledger_error),
-            Err(_) => Err(LedgerError::Query(format!(
-                "no answer from the server to a ledger script within {}",
-                humantime::format_duration(self.timeout)
-            ))),
-        }
+        let (answer, answered) = tokio::sync::oneshot::channel();
+        let (mut conn, slots, timeout) = (self.conn.clone(), Arc::clone(&self.slots), self.timeout);
+        tokio::spawn(async move {
+            // Never closed.
+            let Ok(_turn) = slots.acquire_owned().await else {
+                return;
+            };
+            if answer.is_closed() {
+                return;
+            }
+            let result =
+                match tokio::time::timeout(timeout, invocation.invoke_async(&mut conn)).await {
+                    Ok(result) => result.map_err(ledger_error),
+                    Err(_) => Err(LedgerError::Query(format!(
+                        "no answer from the server to a ledger script within {}",
+                        humantime::format_duration(timeout)
+                    ))),
+                };
+            let _ = answer.send(result);
+        });
+        answered.await.unwrap_or_else(|_| {
+            Err(LedgerError::Query(
+                "the ledger script's task ended without an answer".to_owned(),
+            ))
+        })
     }
 
     /// The claimant's fields, as the scripts take them.
@@ -568,7 +594,7 @@ impl Ledger for RedisLedger {
     }
 
     async fn interrupt_stale(&self) -> Result<Vec<StaleRun>, LedgerError> {
-        let rows: Vec<String> = self.run(&self.invocation(&INTERRUPT_STALE_SCRIPT)).await?;
+        let rows: Vec<String> = self.run(self.invocation(&INTERRUPT_STALE_SCRIPT)).await?;
         Ok(rows
             .iter()
             .filter_map(|json| entry(json))
@@ -611,7 +637,7 @@ impl Ledger for RedisLedger {
         if let Guard::Item { paused, job, .. } = &self.guard {
             invocation.key(paused).arg(job);
         }
-        let answer: Vec<String> = self.run(&invocation).await?;
+        let answer: Vec<String> = self.run(invocation).await?;
         let detail = answer.get(1).map(String::as_str).unwrap_or_default();
         Ok(match answer.first().map(String::as_str) {
             Some("claimed") => Claim::Claimed {
@@ -642,21 +668,21 @@ impl Ledger for RedisLedger {
             .arg(detail.unwrap_or_default())
             .arg(KEEP)
             .arg(finish.output.as_deref().unwrap_or_default());
-        let done: i64 = self.run(&invocation).await?;
+        let done: i64 = self.run(invocation).await?;
         Ok(done > 0)
     }
 
     async fn finish_late(&self, late: &LateFinish) -> Result<bool, LedgerError> {
         let mut invocation = self.ending(&FINISH_LATE_SCRIPT, late);
         invocation.arg(micros(late.ended_at)).arg(late.attempt);
-        let done: i64 = self.run(&invocation).await?;
+        let done: i64 = self.run(invocation).await?;
         Ok(done > 0)
     }
 
     async fn unclaim(&self, at: Timestamp, epoch: i64) -> Result<(), LedgerError> {
         let mut invocation = self.invocation(&UNCLAIM_SCRIPT);
         invocation.arg(micros(at)).arg(epoch);
-        self.run::<i64>(&invocation).await.map(|_| ())
+        self.run::<i64>(invocation).await.map(|_| ())
     }
 
     async fn take_asked(
@@ -688,7 +714,7 @@ impl Ledger for RedisLedger {
             .arg(outcome)
             .arg(detail)
             .arg(self.who(claimant));
-        let recorded: i64 = self.run(&invocation).await?;
+        let recorded: i64 = self.run(invocation).await?;
         Ok(recorded == 1)
     }
 }

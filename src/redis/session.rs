@@ -453,7 +453,10 @@ impl Session for RedisSession {
             definition.clone(),
             self.user_name.clone(),
             self.connection.client_id,
-            self.ledger_timeout,
+            (
+                self.ledger_timeout,
+                Arc::clone(&self.connection.ledger_slots),
+            ),
         )
     }
 }

@@ -144,7 +144,7 @@ impl RedisLedger {
             .arg(claimant.pid)
             .arg(claimant.epoch)
             .arg(skip.unwrap_or_default());
-        let taken: Option<(i64, String, String)> = self.run(&invocation).await?;
+        let taken: Option<(i64, String, String)> = self.run(invocation).await?;
         Ok(taken.map(|(id, asked_at, asked_by)| Asked {
             id,
             asked_at: instant(&asked_at).unwrap_or_else(jiff::Timestamp::now),
@@ -163,7 +163,7 @@ impl RedisLedger {
             .arg(finish.exit_code.map(|c| c.to_string()).unwrap_or_default())
             .arg(finish.detail.as_deref().unwrap_or_default())
             .arg(finish.output.as_deref().unwrap_or_default());
-        let done: i64 = self.run(&invocation).await?;
+        let done: i64 = self.run(invocation).await?;
         Ok(done > 0)
     }
 
@@ -174,7 +174,7 @@ impl RedisLedger {
             .key(self.args.keys.asked())
             .key(self.args.keys.asked_running())
             .arg(&self.args.nonce);
-        let found: i64 = self.run(&invocation).await?;
+        let found: i64 = self.run(invocation).await?;
         Ok(found.max(0) as u64)
     }
 }

@@ -681,7 +681,10 @@ impl Session for QuorumSession {
                     definition.clone(),
                     self.user_name.clone(),
                     member.connection.client_id,
-                    self.ledger_timeout,
+                    (
+                        self.ledger_timeout,
+                        Arc::clone(&member.connection.ledger_slots),
+                    ),
                 )
             })
             .collect();

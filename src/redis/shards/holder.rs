@@ -170,7 +170,10 @@ impl Holder for RedisShardHolder {
             definition.clone(),
             self.ledger.user_name.clone(),
             self.connection.client_id,
-            self.ledger.timeout,
+            (
+                self.ledger.timeout,
+                Arc::clone(&self.connection.ledger_slots),
+            ),
         );
         Some(ledger.guarded_by(Guard::Item {
             shard: self.args.keys.shard(item),
