@@ -17,6 +17,7 @@ use jiff::Timestamp;
 use serde_json::{Value, json};
 
 use super::{CommandState, CommandView, Telemetry, command_json};
+use crate::operate::metrics::JobMetrics;
 use crate::schedule::calendar::{self, Schedule};
 use crate::schedule::crontab::definition_hex;
 use crate::schedule::{RunView, ScheduledOutcome};
@@ -59,6 +60,29 @@ impl JobView {
     pub fn lateness(&self) -> Option<Duration> {
         self.last_run.as_ref()?.lateness()
     }
+}
+
+/// Sets whether `job` is owned here, with its command (`None`: not owned), keeping its last
+/// exit when the new view knows none; true if that changed anything.
+fn own(job: &mut JobView, command: Option<CommandView>, metrics: Option<&JobMetrics>) -> bool {
+    let (is_owned, command) = match command {
+        Some(command) => (true, command),
+        None => (false, idle()),
+    };
+    let last_exit = command.last_exit.or(job.command.last_exit);
+    let command = CommandView {
+        last_exit,
+        ..command
+    };
+    if job.owned == is_owned && job.command == command {
+        return false;
+    }
+    if let Some(metrics) = metrics {
+        metrics.set_owned(&job.name, is_owned, command.state == CommandState::Running);
+    }
+    job.owned = is_owned;
+    job.command = command;
+    true
 }
 
 fn idle() -> CommandView {
@@ -115,34 +139,36 @@ impl Telemetry {
         });
     }
 
-    /// The jobs this replica owns now, by name, with their commands: after each of the room's
-    /// events. The snapshot changes (and readers wake) only when the picture does.
+    /// The jobs this replica owns now, by name, with their commands, every other job being
+    /// owned no longer: at a session's start and after a reread. The snapshot changes (and
+    /// readers wake) only when the picture does.
     pub fn jobs_owned(&self, owned: Vec<(String, CommandView)>) {
         let metrics = self.inner.metrics.jobs.as_ref();
-        // By name: a crontab of 1,000 jobs is looked through after every event of the room.
         let owned: BTreeMap<String, CommandView> = owned.into_iter().collect();
         self.inner.state.send_if_modified(|s| {
             let mut changed = false;
             for job in &mut s.jobs {
-                let now = owned.get(&job.name);
-                let (is_owned, command) = match now {
-                    Some(command) => (true, command.clone()),
-                    None => (false, idle()),
-                };
-                let last_exit = command.last_exit.or(job.command.last_exit);
-                let command = CommandView {
-                    last_exit,
-                    ..command
-                };
-                if job.owned == is_owned && job.command == command {
-                    continue;
+                changed |= own(job, owned.get(&job.name).cloned(), metrics);
+            }
+            changed
+        });
+    }
+
+    /// The jobs whose ownership or command changed since the last call, by name: each with
+    /// its command now, or `None` when no longer owned here. After each of the room's events:
+    /// only what changed is looked up (by name, in the sorted list), so a burst of a thousand
+    /// runs costs each event its own jobs, not the whole file's.
+    pub fn jobs_owned_changed(&self, changes: Vec<(String, Option<CommandView>)>) {
+        if changes.is_empty() {
+            return;
+        }
+        let metrics = self.inner.metrics.jobs.as_ref();
+        self.inner.state.send_if_modified(|s| {
+            let mut changed = false;
+            for (name, command) in changes {
+                if let Ok(at) = s.jobs.binary_search_by(|job| job.name.as_str().cmp(&name)) {
+                    changed |= own(&mut s.jobs[at], command, metrics);
                 }
-                if let Some(metrics) = metrics {
-                    metrics.set_owned(&job.name, is_owned, command.state == CommandState::Running);
-                }
-                job.owned = is_owned;
-                job.command = command;
-                changed = true;
             }
             changed
         });
@@ -187,9 +213,12 @@ impl Telemetry {
             }
         }
         self.update(|s| {
-            let at = match s.jobs.iter().position(|known| known.name == job) {
-                Some(at) => at,
-                None => {
+            let at = match s
+                .jobs
+                .binary_search_by(|known| known.name.as_str().cmp(job))
+            {
+                Ok(at) => at,
+                Err(_) => {
                     s.jobs.push(JobView::new(job, None, None));
                     s.jobs.sort_by(|a, b| a.name.cmp(&b.name));
                     s.jobs
@@ -362,5 +391,76 @@ mod tests {
         assert!(!t.render_metrics().contains("job=\"report\""));
         t.shards_held(Vec::new(), 10);
         assert_eq!(t.snapshot().role, Role::Follower);
+    }
+
+    #[test]
+    fn changes_of_ownership_touch_only_the_jobs_named() {
+        let t = Telemetry::new(Settings {
+            lock: LockKey::from_name("app-cron"),
+            connection: "app@db:5432/app".into(),
+            check_deadline: Duration::from_secs(3),
+            schedule: None,
+            shards: None,
+            health_check: false,
+            crontab: true,
+        });
+        let every = |seconds| Schedule::every(Duration::from_secs(seconds)).expect("every");
+        t.jobs_defined(vec![
+            ("c".into(), every(60), 3),
+            ("a".into(), every(60), 1),
+            ("b".into(), every(60), 2),
+        ]);
+        let running = |pid| CommandView {
+            state: CommandState::Running,
+            pid: Some(pid),
+            started_at: Some(Timestamp::now()),
+            last_exit: None,
+        };
+        let owned = |t: &Telemetry| -> Vec<(String, bool, Option<i32>)> {
+            t.snapshot()
+                .jobs
+                .iter()
+                .map(|job| (job.name.clone(), job.owned, job.command.pid))
+                .collect()
+        };
+        t.jobs_owned(vec![("a".into(), idle()), ("c".into(), running(30))]);
+        assert_eq!(
+            owned(&t),
+            [
+                ("a".into(), true, None),
+                ("b".into(), false, None),
+                ("c".into(), true, Some(30))
+            ]
+        );
+        // b is taken and runs, c is given away, a is left alone; an unknown name is ignored.
+        let mut readers = t.subscribe();
+        readers.borrow_and_update();
+        t.jobs_owned_changed(vec![
+            ("b".into(), Some(running(20))),
+            ("c".into(), None),
+            ("zz".into(), None),
+        ]);
+        assert_eq!(
+            owned(&t),
+            [
+                ("a".into(), true, None),
+                ("b".into(), true, Some(20)),
+                ("c".into(), false, None)
+            ]
+        );
+        assert!(readers.has_changed().expect("open"));
+        // Nothing changed: the readers are not woken.
+        readers.borrow_and_update();
+        t.jobs_owned_changed(vec![("c".into(), None)]);
+        t.jobs_owned_changed(Vec::new());
+        assert!(!readers.has_changed().expect("open"));
+        let metrics = t.render_metrics();
+        for line in [
+            "pgleader_job_owned{job=\"b\",lock=\"app-cron\"} 1",
+            "pgleader_job_running{job=\"b\",lock=\"app-cron\"} 1",
+            "pgleader_job_owned{job=\"c\",lock=\"app-cron\"} 0",
+        ] {
+            assert!(metrics.lines().any(|l| l == line), "{line} in\n{metrics}");
+        }
     }
 }

@@ -10,6 +10,7 @@
 //! `overlap=allow` (slots beside the job's own), `timeout=`, and a crontab's reread on SIGHUP.
 
 use std::cell::RefCell;
+use std::collections::BTreeMap;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -52,10 +53,12 @@ pub struct Scheduled<H: Holder> {
     lock: LockKey,
     hooks: Hooks,
     telemetry: Telemetry,
-    /// The table's commands as last published: the room publishes after each of its events,
-    /// and most change nothing (a roster read at rest), which a crontab of 1,000 jobs should
-    /// not pay for by name. Cleared by a reread, which renames what is published.
-    published: RefCell<Option<Vec<(Slot, CommandView)>>>,
+    /// The table's commands as last published, each with its job's name: the room publishes
+    /// after each of its events, and each changes a few commands at most (a run that starts
+    /// or ends) or none (a roster read at rest), which a crontab of 1,000 jobs should not pay
+    /// for by name. `None`: everything is published anew (at the start, and after a reread,
+    /// which renames what is published).
+    published: RefCell<Option<BTreeMap<Slot, (String, CommandView)>>>,
 }
 
 /// What the jobs wait for beside the room.
@@ -111,6 +114,11 @@ impl<H: Holder> Scheduled<H> {
             telemetry,
             published: RefCell::new(None),
         }
+    }
+
+    /// The name of the crontab job whose command stands in `slot`.
+    fn name_of(&self, slot: Slot) -> Option<String> {
+        self.jobs.definition(slot.item)?.label.job.clone()
     }
 
     /// The place of a run of `item` that goes on beside the next (`overlap=allow`): a free
@@ -541,29 +549,58 @@ impl<H: Holder> Duty<H> for Scheduled<H> {
     }
 
     /// A crontab's jobs owned here by name (between two runs, a job's command is not
-    /// running, not waiting).
+    /// running, not waiting): what changed since the last time, or everything anew.
     fn publish(&self, table: &Table, telemetry: &Telemetry) {
         if !self.jobs.is_crontab() {
             return;
         }
-        let now: Vec<(Slot, CommandView)> = table
-            .views()
-            .map(|(slot, _, command)| (*slot, command))
-            .collect();
-        if self.published.borrow().as_ref() == Some(&now) {
-            return;
-        }
-        self.published.replace(Some(now));
         let owned = table.views().filter_map(|(slot, _, mut command)| {
             if slot.is_aside() {
                 return None;
             }
-            let name = self.jobs.definition(slot.item)?.label.job.clone()?;
             if command.state == CommandState::Waiting {
                 command.state = CommandState::NotRunning;
             }
-            Some((name, command))
+            Some((*slot, command))
         });
-        telemetry.jobs_owned(owned.collect());
+        let mut published = self.published.borrow_mut();
+        let Some(known) = published.as_mut() else {
+            let now: BTreeMap<Slot, (String, CommandView)> = owned
+                .filter_map(|(slot, command)| Some((slot, (self.name_of(slot)?, command))))
+                .collect();
+            telemetry.jobs_owned(now.values().cloned().collect());
+            *published = Some(now);
+            return;
+        };
+        let mut changes = Vec::new();
+        let mut seen = 0;
+        for (slot, command) in owned {
+            match known.get_mut(&slot) {
+                Some((_, was)) if *was == command => {}
+                Some((name, was)) => {
+                    *was = command.clone();
+                    changes.push((name.clone(), Some(command)));
+                }
+                None => {
+                    let Some(name) = self.name_of(slot) else {
+                        continue;
+                    };
+                    changes.push((name.clone(), Some(command.clone())));
+                    known.insert(slot, (name, command));
+                }
+            }
+            seen += 1;
+        }
+        // Every slot seen is known now: any more known are gone from the table.
+        if known.len() > seen {
+            known.retain(|slot, (name, _)| {
+                let kept = table.contains_key(slot);
+                if !kept {
+                    changes.push((name.clone(), None));
+                }
+                kept
+            });
+        }
+        telemetry.jobs_owned_changed(changes);
     }
 }
