@@ -8,8 +8,9 @@
 //! 100 every-second jobs on 3 replicas of a 2-core machine, a start took 3.5 ms of the room's
 //! loop, and the 33rd job of a replica waited for the 32 before it. So, as a waiting replica
 //! of `pgleader run` parks a keeper before it queues for the lock, a replica here parks one for
-//! each job it owns [`AHEAD`] before the job's next occurrence, on a blocking thread, all the
-//! jobs falling due together in one batch. When the occurrence is claimed the keeper is handed
+//! each job it owns [`AHEAD`] before the job's next occurrence (earlier the more jobs fall due
+//! together, [`EACH`] per job), on a blocking thread, all the jobs falling due together in one
+//! batch. When the occurrence is claimed the keeper is handed
 //! the command's environment and the session's sockets, and starts it at once.
 //!
 //! Beside them, while a session lasts, a replica whose backend asks for it (Redis) keeps one
@@ -40,12 +41,21 @@ use crate::election::socket::Lent;
 use crate::supervise::hook::Hooks;
 use crate::supervise::keeper::handle::{CommandLine, MembershipKeeper, Parked, await_let_go};
 
-/// How long before its job's next occurrence a keeper is started: ample for a batch of
-/// keepers to be spawned on a busy machine (33 took 30 to 100 ms on the benchmark's 2 cores),
-/// short enough that a crontab holds none between its occurrences but for this moment (a
+/// How long before its job's next occurrence a keeper is started, at the least (each job due
+/// within [`TOGETHER`] adds [`EACH`]): ample for a batch of keepers to be spawned on a busy
+/// machine (33 took 30 to 100 ms on the benchmark's 2 cores), short enough that a crontab holds none between its occurrences but for this moment (a
 /// keeper is 1.5 MiB of RSS, most of it shared: every-second jobs hold one each a quarter of
 /// the time).
 pub const AHEAD: Duration = Duration::from_millis(250);
+
+/// What starting one keeper takes on a busy machine, as [`AHEAD`] grows with the jobs falling
+/// due together: a batch is started one keeper after the other, about a millisecond of CPU
+/// each (an exec of pgleader), more when the cores are shared.
+pub const EACH: Duration = Duration::from_millis(2);
+
+/// How far ahead the jobs counted for [`EACH`] fall due: those that will want their keepers
+/// in the same batch.
+const TOGETHER: Duration = Duration::from_secs(2);
 
 /// A batch of keepers being started: each job's item, the command line, and how it went.
 pub type Batch = Vec<(u32, CommandLine, io::Result<Parked>)>;
@@ -79,8 +89,9 @@ impl Parking {
     /// Looks at the owned jobs, `owned`: each job's item, and when its next occurrence is
     /// claimed with its command line if it may have a keeper now (not while its command runs,
     /// its next occurrence is being claimed, or it waits for a new definition). Lets go of the
-    /// keepers of jobs no longer owned, starts a batch for the jobs due within [`AHEAD`] that
-    /// have none, and says when the next job will want one.
+    /// keepers of jobs no longer owned, starts a batch for the jobs due within [`AHEAD`] (and
+    /// [`EACH`] more per job due within [`TOGETHER`]) that have none, and says when the next
+    /// job will want one.
     pub fn plan(
         &mut self,
         owned: Vec<(u32, Option<(Instant, &CommandLine)>)>,
@@ -103,6 +114,13 @@ impl Parking {
             return None;
         }
         let now = Instant::now();
+        // A thousand jobs falling due at one instant on 3 replicas: 333 keepers each, whose
+        // batch took some 500 ms, most of them still being started at the instant.
+        let together = owned
+            .iter()
+            .filter(|(_, due)| due.is_some_and(|(at, _)| at <= now + TOGETHER))
+            .count();
+        let ahead = AHEAD + EACH * u32::try_from(together).unwrap_or(u32::MAX);
         let mut batch = Vec::new();
         let mut next: Option<Instant> = None;
         for (item, due) in owned {
@@ -110,7 +128,7 @@ impl Parking {
             if self.parked.contains_key(&item) || self.tried_for.get(&item) == Some(&at) {
                 continue;
             }
-            let want_at = at.checked_sub(AHEAD).unwrap_or(now);
+            let want_at = at.checked_sub(ahead).unwrap_or(now);
             if want_at <= now {
                 self.tried_for.insert(item, at);
                 batch.push((item, command.clone()));
@@ -210,5 +228,37 @@ impl Parking {
         pids.append(&mut self.let_go);
         pids.extend(self.membership.take().map(MembershipKeeper::dismiss));
         await_let_go(pids, Duration::from_secs(1)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ffi::OsStr;
+
+    use super::*;
+
+    #[test]
+    fn jobs_falling_due_together_get_their_keepers_earlier() {
+        let command = CommandLine::resolve(vec!["true".into()], Some(OsStr::new("/bin:/usr/bin")))
+            .expect("true is in /bin");
+        let at = Instant::now() + Duration::from_secs(1);
+        // Far enough ahead that none is started yet: only when the first will want one.
+        let wants_at = |jobs: u32| {
+            let mut parking = Parking::default();
+            let owned = (0..jobs).map(|item| (item, Some((at, &command)))).collect();
+            parking.plan(owned, &Hooks::default())
+        };
+        assert_eq!(wants_at(1), Some(at - AHEAD - EACH));
+        assert_eq!(wants_at(100), Some(at - AHEAD - EACH * 100));
+        // Those due later than TOGETHER do not count.
+        let mut parking = Parking::default();
+        let later = at + TOGETHER;
+        let owned = (0..100)
+            .map(|item| (item, Some((if item == 0 { at } else { later }, &command))))
+            .collect();
+        assert_eq!(
+            parking.plan(owned, &Hooks::default()),
+            Some(at - AHEAD - EACH)
+        );
     }
 }
