@@ -73,8 +73,9 @@ const USAGE: &str = "usage: cargo bench --bench failover [-- [--quick] [--only h
                  under target/
   --only scale   only scenario 14f (issue 50): 1,000 idle jobs on 3 replicas of `pgleader
                  cron`, on PostgreSQL and on Redis: a replica's CPU and RSS at rest, a kill -9's
-                 hand-over and a join's share (with --previous, beside that build's); the report
-                 goes under target/
+                 hand-over and a join's share; then 1,000 jobs every 10 s: the lateness of their
+                 bursts beside the floor's, and the RSS above rest (with --previous, beside that
+                 build's); the report goes under target/
   --runs N       runs per scenario (default 20, or 3 with --quick)
   --out PATH     where to write the report (default BENCHMARKS.md, or target/.../BENCHMARKS.quick.md)
   --static PATH  also run pgleader's failover, start-up, cost and shards' scenarios, on
@@ -1151,7 +1152,7 @@ fn settings(plan: &Plan) -> Vec<(&'static str, String)> {
         (
             "crontab (14)",
             format!(
-                "`pgleader cron --lock-id N FILE` with its defaults on PostgreSQL; on Redis `-d redis://127.0.0.1:PORT --lock-id N {} FILE`, as in the Redis rows (the benchmark's server, up for 10 s before its first replica), its defaults otherwise; FILE: `SHELL=/bin/bash` and {} jobs `j1`..`j{}`, each a `# pgleader: name=jN` line above `* * * * * * * echo c $PGLEADER_JOB $PGLEADER_SCHEDULED_TIME $EPOCHREALTIME` (at rest: `0 0 0 1 1 * *`); the plain processes: `pgleader run --lock-id N --schedule '* * * * * *'` (at rest `0 0 0 1 1 *`) `-- sh -c 'echo ...'`; yacron {}: one YAML file of the same jobs, every minute (`* * * * *`, its finest: it wakes once a minute), shell /bin/bash, RSS read 10 s after its start; statements counted in the server log (log_statement = all) from the processes' sessions; on Redis, the commands their connections sent, seen by MONITOR; the floor: the benchmark's binary re-invoked as {} spawners (`{} INDEX JOBS`), each sleeping until every whole second of the wall clock and then starting its {} or {} jobs' `bash -c 'echo c $PGLEADER_JOB $PGLEADER_SCHEDULED_TIME $EPOCHREALTIME'` with std::process::Command, over the fleets' window, before them, with no database and no keeper; 14c: the same fleets and floor with {} jobs, lateness only; with ping=: PostgreSQL's fleet with `PGLEADER_PING=http://127.0.0.1:PORT/ping/{{job}}`, a monitor of the benchmark's own (a thread per connection answering 200) receiving each run's start and success",
+                "`pgleader cron --lock-id N FILE` with its defaults on PostgreSQL; on Redis `-d redis://127.0.0.1:PORT --lock-id N {} FILE`, as in the Redis rows (the benchmark's server, up for 10 s before its first replica), its defaults otherwise; FILE: `SHELL=/bin/bash` and {} jobs `j1`..`j{}`, each a `# pgleader: name=jN` line above `* * * * * * * echo c $PGLEADER_JOB $PGLEADER_SCHEDULED_TIME $EPOCHREALTIME` (at rest: `0 0 0 1 1 * *`); the plain processes: `pgleader run --lock-id N --schedule '* * * * * *'` (at rest `0 0 0 1 1 *`) `-- sh -c 'echo ...'`; yacron {}: one YAML file of the same jobs, every minute (`* * * * *`, its finest: it wakes once a minute), shell /bin/bash, RSS read 10 s after its start; statements counted in the server log (log_statement = all) from the processes' sessions; on Redis, the commands their connections sent, seen by MONITOR; the floor: the benchmark's binary re-invoked as {} spawners (`{} INDEX JOBS`), each sleeping until every whole second of the wall clock and then starting its {} or {} jobs' `bash -c 'echo c $PGLEADER_JOB $PGLEADER_SCHEDULED_TIME $EPOCHREALTIME'` with std::process::Command, over the fleets' window, before them, with no database and no keeper; 14c: the same fleets and floor with {} jobs, lateness only; 14f's burst: 1,000 jobs `*/10 * * * * * *` on 3 replicas at rest, 3 bursts (2 quick), RSS of each replica and its children from `/proc/PID/task/*/children` and each one's statm every 100 ms against one read halfway between bursts, and its floor: the same spawners with a period (`{} INDEX 1000 10`); with ping=: PostgreSQL's fleet with `PGLEADER_PING=http://127.0.0.1:PORT/ping/{{job}}`, a monitor of the benchmark's own (a thread per connection answering 200) receiving each run's start and success",
                 redis_lock::CHECK_INTERVAL.replace('=', " "),
                 cron::JOBS,
                 cron::JOBS,
@@ -1161,6 +1162,7 @@ fn settings(plan: &Plan) -> Vec<(&'static str, String)> {
                 cron::JOBS / cron::REPLICAS,
                 cron::JOBS.div_ceil(cron::REPLICAS),
                 cron::LIGHT_JOBS,
+                cron::SPAWNER_ARG,
             ),
         ),
         (
