@@ -630,15 +630,7 @@ fn floor(plan: &Plan, jobs: usize) -> Row {
     );
     let mut spawners: Vec<Candidate> = Vec::new();
     let result = (|| -> anyhow::Result<(Figures, String)> {
-        let binary = std::env::current_exe().context("cannot find the benchmark's binary")?;
-        for i in 0..REPLICAS {
-            let mut command = harness::clean(Command::new(&binary));
-            command
-                .arg(SPAWNER_ARG)
-                .arg(i.to_string())
-                .arg(jobs.to_string());
-            spawners.push(Candidate::spawn(&format!("F{i}"), command));
-        }
+        spawners = start_spawners(jobs, 1)?;
         lateness(&spawners, plan.window, jobs)
     })();
     let (figures, note) = result.unwrap_or_else(|err| {
@@ -659,6 +651,23 @@ fn floor(plan: &Plan, jobs: usize) -> Row {
         figures,
         format!("{note}; {REPLICAS} spawners of {low} or {high} jobs each"),
     )
+}
+
+/// [`REPLICAS`] spawners of the floor (this binary re-invoked with [`SPAWNER_ARG`]), sharing
+/// `jobs` jobs, each starting its share every `period` seconds.
+fn start_spawners(jobs: usize, period: u64) -> anyhow::Result<Vec<Candidate>> {
+    let binary = std::env::current_exe().context("cannot find the benchmark's binary")?;
+    Ok((0..REPLICAS)
+        .map(|i| {
+            let mut command = harness::clean(Command::new(&binary));
+            command
+                .arg(SPAWNER_ARG)
+                .arg(i.to_string())
+                .arg(jobs.to_string())
+                .arg(period.to_string());
+            Candidate::spawn(&format!("F{i}"), command)
+        })
+        .collect())
 }
 
 /// Scenario 14c: the lateness of a fleet of [`LIGHT_JOBS`] every-second jobs on [`REPLICAS`]

@@ -22,7 +22,7 @@ use nix::sys::signal::Signal;
 use chrono::{DateTime, Utc};
 
 use super::{
-    Backend, FLOOR_LABEL, IDLE, REPLICAS, SPAWNER_ARG, crontab, p99, row, runs_of, tail, taken,
+    Backend, FLOOR_LABEL, IDLE, REPLICAS, crontab, p99, row, runs_of, start_spawners, tail, taken,
 };
 use crate::figures::{Figures, Row};
 use crate::harness::{self, Stream};
@@ -301,16 +301,7 @@ pub fn burst_floor(bursts: usize) -> Row {
     let mut late = Figures::default();
     let mut spawners: Vec<Candidate> = Vec::new();
     let result = (|| -> anyhow::Result<String> {
-        let binary = std::env::current_exe().context("cannot find the benchmark's binary")?;
-        for i in 0..REPLICAS {
-            let mut command = harness::clean(Command::new(&binary));
-            command
-                .arg(SPAWNER_ARG)
-                .arg(i.to_string())
-                .arg(SCALE_JOBS.to_string())
-                .arg(BURST_PERIOD.to_string());
-            spawners.push(Candidate::spawn(&format!("F{i}"), command));
-        }
+        spawners = start_spawners(SCALE_JOBS, BURST_PERIOD as u64)?;
         Ok(measure_bursts(&spawners, bursts, &mut late)?.0)
     })();
     let note = result.unwrap_or_else(|err| {

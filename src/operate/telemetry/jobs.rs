@@ -278,9 +278,9 @@ mod tests {
     use crate::election::lock::LockKey;
     use crate::operate::telemetry::{Role, Settings};
 
-    #[test]
-    fn a_crontab_replica_shows_its_jobs_and_their_series() {
-        let t = Telemetry::new(Settings {
+    /// The telemetry of a `pgleader cron` replica.
+    fn crontab_replica() -> Telemetry {
+        Telemetry::new(Settings {
             lock: LockKey::from_name("app-cron"),
             connection: "app@db:5432/app".into(),
             check_deadline: Duration::from_secs(3),
@@ -288,7 +288,12 @@ mod tests {
             shards: None,
             health_check: false,
             crontab: true,
-        });
+        })
+    }
+
+    #[test]
+    fn a_crontab_replica_shows_its_jobs_and_their_series() {
+        let t = crontab_replica();
         let every = |seconds| Schedule::every(Duration::from_secs(seconds)).expect("every");
         t.jobs_defined(vec![
             ("report".into(), every(60), 0x1a2b3c4d),
@@ -395,15 +400,7 @@ mod tests {
 
     #[test]
     fn changes_of_ownership_touch_only_the_jobs_named() {
-        let t = Telemetry::new(Settings {
-            lock: LockKey::from_name("app-cron"),
-            connection: "app@db:5432/app".into(),
-            check_deadline: Duration::from_secs(3),
-            schedule: None,
-            shards: None,
-            health_check: false,
-            crontab: true,
-        });
+        let t = crontab_replica();
         let every = |seconds| Schedule::every(Duration::from_secs(seconds)).expect("every");
         t.jobs_defined(vec![
             ("c".into(), every(60), 3),
