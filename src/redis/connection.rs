@@ -55,8 +55,9 @@ pub struct Connection {
 }
 
 /// How many ledger scripts a connection has on their way at once. Each is bounded by the
-/// ledger's timeout from when it is sent, which must measure the server, not a queue of this
-/// replica's own: a crontab of 1,000 jobs on 3 replicas claims 333 occurrences at one instant,
+/// ledger's timeout from when it is sent (a quorum's ledger bounds each member's from the call
+/// as well: a crontab does not run on a quorum), which must measure the server, not a queue of
+/// this replica's own: a crontab of 1,000 jobs on 3 replicas claims 333 occurrences at one instant,
 /// and with all of them sent at once the last waited behind 332 others on a machine busy
 /// starting their commands, past the 1 s timeout, which lost the replica's session and every
 /// job with it (334 of 2,000 occurrences never ran in the benchmark's burst). The rest wait

@@ -263,6 +263,13 @@ pub struct RedisLedger {
     slots: Arc<Semaphore>,
 }
 
+/// What becomes of a ledger script whose caller stopped waiting before its turn came.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Abandoned {
+    Send,
+    Drop,
+}
+
 impl RedisLedger {
     pub fn new(
         conn: MultiplexedConnection,
@@ -321,14 +328,37 @@ impl RedisLedger {
         invocation
     }
 
-    /// Runs a ledger script on its own task, once the connection has a turn for it
-    /// (`connection::LEDGER_SLOTS`), bounded by the timeout from then. On a task of its own,
-    /// because a turn is held until the answer: a caller's future left unpolled (a job's run
-    /// waiting while the room settles another) must not keep a turn from the others. A caller
-    /// that gave up before its turn came sends nothing.
+    /// Runs a ledger script that records (an outcome, a finish, the runs a dead leader left):
+    /// sent even if its caller gave up waiting, as it was before turns were taken, so that what
+    /// it records is not lost to a settle's timeout (a finished run recorded as interrupted
+    /// would run again under --retry-interrupted). See [`RedisLedger::run_if_wanted`].
     async fn run<T: redis::FromRedisValue + Send + 'static>(
         &self,
         invocation: redis::ScriptInvocation<'static>,
+    ) -> Result<T, LedgerError> {
+        self.run_on_turn(invocation, Abandoned::Send).await
+    }
+
+    /// Runs a ledger script that takes something (a claim, a run asked by hand) only if its
+    /// caller still waits when its turn comes: taken for a caller that gave up, it would be
+    /// left for nobody to start or give back.
+    async fn run_if_wanted<T: redis::FromRedisValue + Send + 'static>(
+        &self,
+        invocation: redis::ScriptInvocation<'static>,
+    ) -> Result<T, LedgerError> {
+        self.run_on_turn(invocation, Abandoned::Drop).await
+    }
+
+    /// Runs a ledger script on its own task, once the connection has a turn for it
+    /// (`connection::LEDGER_SLOTS`), bounded by the timeout from then. On a task of its own,
+    /// because a turn is held until the answer: a caller's future left unpolled (a job's run
+    /// waiting while the room settles another) must not keep a turn from the others. The task
+    /// ends with the connection at the latest: dropping it aborts its driver, and the script
+    /// fails.
+    async fn run_on_turn<T: redis::FromRedisValue + Send + 'static>(
+        &self,
+        invocation: redis::ScriptInvocation<'static>,
+        abandoned: Abandoned,
     ) -> Result<T, LedgerError> {
         let (answer, answered) = tokio::sync::oneshot::channel();
         let (mut conn, slots, timeout) = (self.conn.clone(), Arc::clone(&self.slots), self.timeout);
@@ -337,7 +367,7 @@ impl RedisLedger {
             let Ok(_turn) = slots.acquire_owned().await else {
                 return;
             };
-            if answer.is_closed() {
+            if abandoned == Abandoned::Drop && answer.is_closed() {
                 return;
             }
             let result =
@@ -637,7 +667,7 @@ impl Ledger for RedisLedger {
         if let Guard::Item { paused, job, .. } = &self.guard {
             invocation.key(paused).arg(job);
         }
-        let answer: Vec<String> = self.run(invocation).await?;
+        let answer: Vec<String> = self.run_if_wanted(invocation).await?;
         let detail = answer.get(1).map(String::as_str).unwrap_or_default();
         Ok(match answer.first().map(String::as_str) {
             Some("claimed") => Claim::Claimed {

@@ -2,10 +2,11 @@
 //! it owns and whether their commands run, and how each job's last run here went, for `/status`
 //! and the per-job metrics.
 //!
-//! Four hooks, each called by the sharded room without waiting: [`Telemetry::jobs_defined`]
-//! when the file is read (at start, and after a reread), [`Telemetry::jobs_owned`] after each
-//! of the room's events (it changes the snapshot, and wakes readers, only when the picture
-//! does), [`Telemetry::jobs_defined_otherwise`] when the roster shows another member defining
+//! Five hooks, each called by the sharded room without waiting: [`Telemetry::jobs_defined`]
+//! when the file is read (at start, and after a reread), [`Telemetry::jobs_owned`] (every
+//! job's ownership, the first time the room publishes and after a reread) and
+//! [`Telemetry::jobs_owned_changed`] (only what changed, after each of the room's other
+//! events; each changes the snapshot, and wakes readers, only when the picture does), [`Telemetry::jobs_defined_otherwise`] when the roster shows another member defining
 //! a job otherwise (a rolling deploy half done) or agreeing again, and [`Telemetry::job_run`]
 //! from each owned job's runs (the same `RunView` a `--schedule` leader publishes). Kept apart from `telemetry.rs` because a job's state comes
 //! from two places, the room and the job's runs, and is merged here by the job's name.
@@ -140,7 +141,7 @@ impl Telemetry {
     }
 
     /// The jobs this replica owns now, by name, with their commands, every other job being
-    /// owned no longer: at a session's start and after a reread. The snapshot changes (and
+    /// owned no longer: the first time the room publishes, and after a reread. The snapshot changes (and
     /// readers wake) only when the picture does.
     pub fn jobs_owned(&self, owned: Vec<(String, CommandView)>) {
         let metrics = self.inner.metrics.jobs.as_ref();

@@ -144,7 +144,7 @@ impl RedisLedger {
             .arg(claimant.pid)
             .arg(claimant.epoch)
             .arg(skip.unwrap_or_default());
-        let taken: Option<(i64, String, String)> = self.run(invocation).await?;
+        let taken: Option<(i64, String, String)> = self.run_if_wanted(invocation).await?;
         Ok(taken.map(|(id, asked_at, asked_by)| Asked {
             id,
             asked_at: instant(&asked_at).unwrap_or_else(jiff::Timestamp::now),

@@ -23,8 +23,8 @@
 //! A parked keeper is for one command line: a job the crontab redefined since starts under a
 //! fresh keeper, as does a job whose parked keeper is gone (killed from outside) or was not
 //! ready. A job given up (moved to another replica, the session lost) lets its keeper go, which
-//! exits on the end of its channel having started nothing. Only jobs due within [`AHEAD`] hold
-//! one: a crontab at rest holds none.
+//! exits on the end of its channel having started nothing. Only jobs due within their lead
+//! ([`AHEAD`], at most [`MOST_AHEAD`]) hold one: a crontab at rest holds none.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io;
@@ -42,10 +42,11 @@ use crate::supervise::hook::Hooks;
 use crate::supervise::keeper::handle::{CommandLine, MembershipKeeper, Parked, await_let_go};
 
 /// How long before its job's next occurrence a keeper is started, at the least (each job due
-/// within [`TOGETHER`] adds [`EACH`]): ample for a batch of keepers to be spawned on a busy
-/// machine (33 took 30 to 100 ms on the benchmark's 2 cores), short enough that a crontab holds none between its occurrences but for this moment (a
-/// keeper is 1.5 MiB of RSS, most of it shared: every-second jobs hold one each a quarter of
-/// the time).
+/// within [`TOGETHER`] that still wants one adds [`EACH`], up to [`MOST_AHEAD`]): ample for a
+/// batch of keepers to be spawned on a busy machine (33 took 30 to 100 ms on the benchmark's 2
+/// cores), short enough that a crontab holds none between its occurrences but for this moment
+/// (a keeper is 1.5 MiB of RSS, most of it shared: a few every-second jobs hold one each a
+/// quarter of the time).
 pub const AHEAD: Duration = Duration::from_millis(250);
 
 /// What starting one keeper takes on a busy machine, as [`AHEAD`] grows with the jobs falling
@@ -56,6 +57,10 @@ pub const EACH: Duration = Duration::from_millis(2);
 /// How far ahead the jobs counted for [`EACH`] fall due: those that will want their keepers
 /// in the same batch.
 const TOGETHER: Duration = Duration::from_secs(2);
+
+/// The longest lead, however many jobs fall due together: every-second jobs beyond some 375
+/// per replica would otherwise want their next keepers as soon as their runs end.
+const MOST_AHEAD: Duration = Duration::from_secs(1);
 
 /// A batch of keepers being started: each job's item, the command line, and how it went.
 pub type Batch = Vec<(u32, CommandLine, io::Result<Parked>)>;
@@ -116,11 +121,18 @@ impl Parking {
         let now = Instant::now();
         // A thousand jobs falling due at one instant on 3 replicas: 333 keepers each, whose
         // batch took some 500 ms, most of them still being started at the instant.
+        // Counted: those that still want a keeper for that occurrence.
         let together = owned
             .iter()
-            .filter(|(_, due)| due.is_some_and(|(at, _)| at <= now + TOGETHER))
+            .filter(|(item, due)| {
+                due.is_some_and(|(at, _)| {
+                    at <= now + TOGETHER
+                        && !self.parked.contains_key(item)
+                        && self.tried_for.get(item) != Some(&at)
+                })
+            })
             .count();
-        let ahead = AHEAD + EACH * u32::try_from(together).unwrap_or(u32::MAX);
+        let ahead = (AHEAD + EACH * u32::try_from(together).unwrap_or(u32::MAX)).min(MOST_AHEAD);
         let mut batch = Vec::new();
         let mut next: Option<Instant> = None;
         for (item, due) in owned {

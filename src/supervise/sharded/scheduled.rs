@@ -348,10 +348,11 @@ impl<H: Holder> Duty<H> for Scheduled<H> {
         self.jobs.note_disagreements(&seen.roster, me, &self.lock);
     }
 
-    /// Parks keepers for the owned jobs falling due within `parking::AHEAD` (not for a job
-    /// whose command runs, nor while the probe says unhealthy), lets go of those of jobs no
-    /// longer owned (of every job once the replica is `quiet`: leaving, or shutting down),
-    /// and wakes for the next job that will want one, or the next run's `timeout=`.
+    /// Parks keepers for the owned jobs falling due within their lead (`parking::AHEAD`, more
+    /// when many fall due together; not for a job whose command runs, nor while the probe
+    /// says unhealthy), lets go of those of jobs no longer owned (of every job once the
+    /// replica is `quiet`: leaving, or shutting down), and wakes for the next job that will
+    /// want one, or the next run's `timeout=`.
     fn plan(&mut self, table: &Table, quiet: bool, healthy: bool) -> Option<Instant> {
         let due = self
             .jobs
