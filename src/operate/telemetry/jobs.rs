@@ -6,10 +6,12 @@
 //! when the file is read (at start, and after a reread), [`Telemetry::jobs_owned`] (every
 //! job's ownership, the first time the room publishes and after a reread) and
 //! [`Telemetry::jobs_owned_changed`] (only what changed, after each of the room's other
-//! events; each changes the snapshot, and wakes readers, only when the picture does), [`Telemetry::jobs_defined_otherwise`] when the roster shows another member defining
-//! a job otherwise (a rolling deploy half done) or agreeing again, and [`Telemetry::job_run`]
-//! from each owned job's runs (the same `RunView` a `--schedule` leader publishes). Kept apart from `telemetry.rs` because a job's state comes
-//! from two places, the room and the job's runs, and is merged here by the job's name.
+//! events; each changes the snapshot, and wakes readers, only when the picture does),
+//! [`Telemetry::jobs_defined_otherwise`] when the roster shows another member defining a job
+//! otherwise (a rolling deploy half done) or agreeing again, and [`Telemetry::job_run`] from
+//! each owned job's runs (the same `RunView` a `--schedule` leader publishes). Kept apart from
+//! `telemetry.rs` because a job's state comes from two places, the room and the job's runs,
+//! and is merged here by the job's name.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -141,8 +143,8 @@ impl Telemetry {
     }
 
     /// The jobs this replica owns now, by name, with their commands, every other job being
-    /// owned no longer: the first time the room publishes, and after a reread. The snapshot changes (and
-    /// readers wake) only when the picture does.
+    /// owned no longer: the first time the room publishes, and after a reread. The snapshot
+    /// changes (and readers wake) only when the picture does.
     pub fn jobs_owned(&self, owned: Vec<(String, CommandView)>) {
         let metrics = self.inner.metrics.jobs.as_ref();
         let owned: BTreeMap<String, CommandView> = owned.into_iter().collect();

@@ -10,8 +10,8 @@
 //! of `pgleader run` parks a keeper before it queues for the lock, a replica here parks one for
 //! each job it owns [`AHEAD`] before the job's next occurrence (earlier the more jobs fall due
 //! together, [`EACH`] per job), on a blocking thread, all the jobs falling due together in one
-//! batch. When the occurrence is claimed the keeper is handed
-//! the command's environment and the session's sockets, and starts it at once.
+//! batch. When the occurrence is claimed the keeper is handed the command's environment and
+//! the session's sockets, and starts it at once.
 //!
 //! Beside them, while a session lasts, a replica whose backend asks for it (Redis) keeps one
 //! keeper of its membership ([`MembershipKeeper`]): it holds the session's socket between the
