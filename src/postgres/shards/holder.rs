@@ -361,17 +361,16 @@ impl PgShardHolder {
         // The old digest goes first: a reader that found it while the markers change would
         // keep half-changed markers under it, and take them for settled should this member
         // come back to that file (a rollback) before the reader read it again.
+        let markers = self.keys.markers;
+        let by_digest = |sql, digest: u32| async move {
+            let params: [(&(dyn ToSql + Sync), Type); 2] =
+                [(&markers, Type::INT4), (&(digest as i32), Type::INT4)];
+            client.query_typed(sql, &params).await.map(drop)
+        };
         let digest = new.digest();
         let changed = self.digest != Some(digest);
         if let Some(old) = self.digest.filter(|_| changed) {
-            let params: [(&(dyn ToSql + Sync), Type); 2] = [
-                (&self.keys.markers, Type::INT4),
-                (&(old as i32), Type::INT4),
-            ];
-            client
-                .query_typed(UNDIGEST_SQL, &params)
-                .await
-                .map_err(query_error)?;
+            by_digest(UNDIGEST_SQL, old).await.map_err(query_error)?;
             self.digest = None;
         }
         by_pairs(DEFINE_SQL, define).await.map_err(query_error)?;
@@ -382,14 +381,7 @@ impl PgShardHolder {
             .map_err(query_error)?;
         // Then the new digest: a reader that finds one digest finds the markers it says.
         if changed {
-            let params: [(&(dyn ToSql + Sync), Type); 2] = [
-                (&self.keys.markers, Type::INT4),
-                (&(digest as i32), Type::INT4),
-            ];
-            client
-                .query_typed(DIGEST_SQL, &params)
-                .await
-                .map_err(query_error)?;
+            by_digest(DIGEST_SQL, digest).await.map_err(query_error)?;
         }
         self.digest = Some(digest);
         self.items = items.clone();
