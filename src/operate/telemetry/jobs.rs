@@ -294,10 +294,23 @@ mod tests {
         })
     }
 
+    fn every(seconds: u64) -> Schedule {
+        Schedule::every(Duration::from_secs(seconds)).expect("every")
+    }
+
+    /// A command that runs as `pid`.
+    fn running(pid: i32) -> CommandView {
+        CommandView {
+            state: CommandState::Running,
+            pid: Some(pid),
+            started_at: Some(Timestamp::now()),
+            last_exit: None,
+        }
+    }
+
     #[test]
     fn a_crontab_replica_shows_its_jobs_and_their_series() {
         let t = crontab_replica();
-        let every = |seconds| Schedule::every(Duration::from_secs(seconds)).expect("every");
         t.jobs_defined(vec![
             ("report".into(), every(60), 0x1a2b3c4d),
             ("backup".into(), every(5), 7),
@@ -305,13 +318,7 @@ mod tests {
         t.following(10);
         t.shards_held(Vec::new(), 10);
         assert_eq!(t.leads(&t.snapshot()), Err("follower: owns no job".into()));
-        let running = CommandView {
-            state: CommandState::Running,
-            pid: Some(42),
-            started_at: Some(Timestamp::now()),
-            last_exit: None,
-        };
-        t.jobs_owned(vec![("backup".into(), running)]);
+        t.jobs_owned(vec![("backup".into(), running(42))]);
         let at = Timestamp::from_second(1_800_000_000).expect("time");
         t.job_run(
             "backup",
@@ -404,18 +411,11 @@ mod tests {
     #[test]
     fn changes_of_ownership_touch_only_the_jobs_named() {
         let t = crontab_replica();
-        let every = |seconds| Schedule::every(Duration::from_secs(seconds)).expect("every");
         t.jobs_defined(vec![
             ("c".into(), every(60), 3),
             ("a".into(), every(60), 1),
             ("b".into(), every(60), 2),
         ]);
-        let running = |pid| CommandView {
-            state: CommandState::Running,
-            pid: Some(pid),
-            started_at: Some(Timestamp::now()),
-            last_exit: None,
-        };
         let owned = |t: &Telemetry| -> Vec<(String, bool, Option<i32>)> {
             t.snapshot()
                 .jobs
