@@ -88,6 +88,40 @@ fn children(pid: i32) -> Option<Vec<i32>> {
     Some(found)
 }
 
+/// The children of this process's main thread: those it forked, and the orphans reparented to
+/// it as a subreaper (the kernel hands them to the thread group's leader while it lives).
+pub fn own_children() -> Vec<i32> {
+    let pid = std::process::id();
+    fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+        .map(|list| {
+            list.split_whitespace()
+                .filter_map(|pid| pid.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The session `pid` belongs to, if it still runs (and is no zombie).
+pub fn session_of(pid: i32) -> Option<i32> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, rest) = stat.rsplit_once(')')?;
+    let mut fields = rest.split_whitespace();
+    let state = fields.next()?;
+    if matches!(state, "Z" | "X" | "x") {
+        return None;
+    }
+    fields.nth(2)?.parse().ok()
+}
+
+/// The value of `name` in the environment `pid` was executed with, if it can be read.
+pub fn environment_value(pid: i32, name: &str) -> Option<Vec<u8>> {
+    let environ = fs::read(format!("/proc/{pid}/environ")).ok()?;
+    environ.split(|b| *b == 0).find_map(|entry| {
+        let value = entry.strip_prefix(name.as_bytes())?.strip_prefix(b"=")?;
+        Some(value.to_vec())
+    })
+}
+
 /// The living descendants of `root`, parents before their children, from the whole table.
 fn descendants_from_table(root: i32) -> Vec<i32> {
     let table = processes();

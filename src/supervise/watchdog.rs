@@ -325,6 +325,12 @@ impl Watch {
         })
     }
 
+    /// A watch of the same deadline, with the same terms, for another command, `label`: a
+    /// session's keeper watches each run on its own (each may be stopped by pgleader or not).
+    pub fn for_another(&self, label: Label) -> io::Result<Watch> {
+        Watch::new(self.page.fd.try_clone()?, self.terms, label)
+    }
+
     /// The timer, to poll: readable when [`Watch::check`] has something to say.
     pub fn fd(&self) -> BorrowedFd<'_> {
         self.timer.as_fd()

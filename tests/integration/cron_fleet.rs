@@ -14,10 +14,10 @@ use crate::crontab::File;
 use crate::harness::fleet::lines_with;
 use crate::harness::http::{address_of, get};
 use crate::harness::pg::sessions_of;
-use crate::harness::process::{is_running, pid_field};
+use crate::harness::process::{is_running, keepers_of, pid_field};
 use crate::harness::shards::wait_for_two_sessions_each;
 use crate::harness::{
-    Cluster, Proc, Stream, WAIT, field, log_time, pgleader, printed, run_with_url, unique_lock,
+    Cluster, Proc, Stream, WAIT, field, pgleader, printed, run_with_url, unique_lock,
 };
 use crate::observability::sample;
 
@@ -1038,43 +1038,48 @@ fn the_claims_due_at_one_instant_are_committed_in_one_transaction() {
     a.interrupt_cleanly();
 }
 
-/// What the log says when a keeper is parked ahead of a job's occurrence (`parking.rs`, -v).
-const PARKED: &str = "started a keeper for the job's next occurrence";
-
-/// A job's command starts under a keeper started ahead of its occurrence, so that the instant
-/// costs the command's own fork and exec, not a keeper's too; a keeper parked when the
-/// replica shuts down is let go, and is gone before pgleader exits.
+/// Every run of a replica's session starts under one keeper, the session's, started with the
+/// session (`keeper/session.rs`): no keeper per run or parked ahead of an occurrence. It is gone
+/// before pgleader exits.
 #[test]
-fn a_job_s_command_starts_under_a_keeper_parked_before_its_occurrence() {
+fn every_run_of_a_session_starts_under_the_session_s_one_keeper() {
     let lock = unique_lock();
     let file = File::new(
-        "parked",
-        "# pgleader: name=p\n*/2 * * * * * * echo start job=$PGLEADER_JOB keeper=$PPID at=$PGLEADER_SCHEDULED_TIME\n",
+        "session-keeper",
+        "# pgleader: name=p\n* * * * * * * echo start job=$PGLEADER_JOB keeper=$PPID\n\
+         # pgleader: name=q\n* * * * * * * echo start job=$PGLEADER_JOB keeper=$PPID\n",
     );
-    let a = replica_with("A", lock, &file, &["-v"]);
-    // The second run: its keeper had the whole interval to be parked in.
-    let second = a.wait_for_nth(Stream::Stdout, "start job=p", 2);
-    let keeper = pid_field(&second, "keeper");
-    let parked = a.wait_line_where(Stream::Stderr, "its keeper parked", |line| {
-        line.contains(PARKED) && field(line, "pid") == keeper.to_string()
-    });
-    let occurrence = humantime::parse_rfc3339(&field(&second, "at")).expect("an RFC 3339 time");
+    let a = replica_with("A", lock, &file, &[]);
+    let starts: Vec<String> = (1..=6)
+        .map(|n| a.wait_for_nth(Stream::Stdout, "start job=", n))
+        .collect();
+    let keepers: std::collections::BTreeSet<i32> = starts
+        .iter()
+        .map(|line| pid_field(line, "keeper"))
+        .collect();
+    assert_eq!(
+        keepers.len(),
+        1,
+        "the runs of both jobs had keepers {keepers:?}\n{}",
+        a.dump()
+    );
+    let keeper = *keepers.first().expect("a keeper");
+    assert_eq!(
+        keepers_of(a.pid.as_raw()),
+        vec![keeper],
+        "the session's keeper, alone\n{}",
+        a.dump()
+    );
+    let argv = std::fs::read(format!("/proc/{keeper}/cmdline")).unwrap_or_default();
     assert!(
-        log_time(&parked) < occurrence,
-        "the keeper of the run of {} was parked before it:\n{parked}\n{second}",
-        field(&second, "at")
+        argv.split(|b| *b == 0).any(|word| word == b"session"),
+        "{keeper} is not a session's keeper: {:?}",
+        String::from_utf8_lossy(&argv)
     );
-
-    // The next keeper parked, and the replica shut down while it waits (up to a quarter of a
-    // second for an occurrence two seconds apart).
-    let (next, _) = a
-        .wait_line(Stream::Stderr, PARKED, 1, Some(Instant::now()), WAIT)
-        .unwrap_or_else(|| panic!("no keeper parked after the second run\n{}", a.dump()));
-    let waiting = pid_field(&next, "pid");
     a.terminate_cleanly();
     assert!(
-        !is_running(waiting),
-        "the parked keeper {waiting} outlived pgleader\n{}",
+        !is_running(keeper),
+        "the session's keeper {keeper} outlived pgleader\n{}",
         a.dump()
     );
 }

@@ -23,7 +23,7 @@ use crate::cron_fleet::{
 use crate::crontab::File;
 use crate::harness::shards::nightly_of_jobs_7_and_9;
 use crate::harness::{
-    Proc, Redis, Stream, WAIT, keepers_of, pgleader, poll_until, unique_lock, within,
+    Proc, Redis, Stream, WAIT, is_running, keepers_of, pgleader, poll_until, unique_lock, within,
 };
 use crate::redis_shards::{QUICK, backend, unique_name};
 
@@ -186,21 +186,40 @@ fn assert_not_found_by_the_watcher(observer: &Proc) {
     );
 }
 
+/// The long job's `sleep 1000` under each of `replica`'s keepers: `(keeper, run)`.
+fn long_job_under(replica: &Proc) -> Vec<(i32, i32)> {
+    keepers_of(replica.pid.as_raw())
+        .into_iter()
+        .flat_map(|keeper| {
+            std::fs::read_to_string(format!("/proc/{keeper}/task/{keeper}/children"))
+                .unwrap_or_default()
+                .split_whitespace()
+                .filter_map(|child| child.parse::<i32>().ok())
+                .filter(|child| {
+                    std::fs::read(format!("/proc/{child}/cmdline"))
+                        .is_ok_and(|argv| argv == b"sleep\x001000\x00")
+                })
+                .map(|run| (keeper, run))
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
 /// The keepers of `replica` whose child is the long job's `sleep 1000`: not the one of its
 /// membership, nor one parked ahead of an occurrence, nor one running `--post-stop` after a
 /// hand-over.
 fn long_job_keepers(replica: &Proc) -> Vec<i32> {
-    keepers_of(replica.pid.as_raw())
+    long_job_under(replica)
         .into_iter()
-        .filter(|keeper| {
-            std::fs::read_to_string(format!("/proc/{keeper}/task/{keeper}/children"))
-                .unwrap_or_default()
-                .split_whitespace()
-                .any(|child| {
-                    std::fs::read(format!("/proc/{child}/cmdline"))
-                        .is_ok_and(|argv| argv == b"sleep\x001000\x00")
-                })
-        })
+        .map(|(keeper, _)| keeper)
+        .collect()
+}
+
+/// The long job's `sleep 1000` of `replica`, under whichever keeper.
+fn long_job_runs(replica: &Proc) -> Vec<i32> {
+    long_job_under(replica)
+        .into_iter()
+        .map(|(_, run)| run)
         .collect()
 }
 
@@ -248,6 +267,55 @@ fn on_redis_a_replica_killed_9_with_no_job_running_has_its_jobs_taken_at_once() 
     a.terminate_cleanly();
 }
 
+/// Two replicas with `args` of a crontab of one long job, every second, and three that never
+/// fall due: two jobs each, the long one running on one of them, the victim, whose `runs` of it
+/// are `[run]` and who has `keepers` (how many, and what they are), killed -9. Returns `(a,
+/// b)`, which of them was the victim (true: `a`), `run`, and when it was killed.
+fn one_of_two_replicas_killed_9_while_the_long_job_runs(
+    args: &[&str],
+    runs: fn(&Proc) -> Vec<i32>,
+    keepers: (usize, &str),
+) -> (Proc, Proc, bool, i32, Instant) {
+    let lock = unique_lock();
+    let file = File::new(
+        "long-job",
+        "# pgleader: name=long\n* * * * * * * echo long started; exec sleep 1000\n\
+         # pgleader: name=y1\n0 0 0 1 1 * * echo y1\n\
+         # pgleader: name=y2\n0 0 0 1 1 * * echo y2\n\
+         # pgleader: name=y3\n0 0 0 1 1 * * echo y3\n",
+    );
+    let url = Redis::shared().url();
+    let a = cron_replica("A", &url, lock, args, &file);
+    a.wait_stdout("long started");
+    let b = cron_replica("B", &url, lock, args, &file);
+    for n in 1..=2 {
+        b.wait_for_nth(Stream::Stderr, "took job", n);
+    }
+    // Two jobs each, and the long one running on one of them (B starts it at its next
+    // occurrence if it was handed over).
+    let (a_is_victim, run) = poll_until(
+        Duration::from_millis(50),
+        || format!("the long job runs nowhere\n{}\n{}", a.dump(), b.dump()),
+        || match (&runs(&a)[..], &runs(&b)[..]) {
+            ([run], []) => Some((true, *run)),
+            ([], [run]) => Some((false, *run)),
+            _ => None,
+        },
+    );
+    let victim = if a_is_victim { &a } else { &b };
+    assert_eq!(
+        keepers_of(victim.pid.as_raw()).len(),
+        keepers.0,
+        "{}\n{}",
+        keepers.1,
+        victim.dump()
+    );
+    let killed = Instant::now();
+    victim.signal(Signal::SIGKILL);
+    assert!(victim.wait_exit().code().is_none());
+    (a, b, a_is_victim, run, killed)
+}
+
 /// A replica killed -9 while one of its jobs runs and the other waits for its next occurrence:
 /// the other replica takes neither while the running job's keeper is still at work (its
 /// `--post-stop`), and both the moment it is done, long before its watcher's next check. Between
@@ -256,41 +324,12 @@ fn on_redis_a_replica_killed_9_with_no_job_running_has_its_jobs_taken_at_once() 
 /// keeper are gone.
 #[test]
 fn on_redis_a_replica_killed_9_between_runs_has_its_jobs_taken_once_its_last_command_is_gone() {
-    let lock = unique_lock();
-    let file = File::new(
-        "membership",
-        "# pgleader: name=long\n* * * * * * * echo long started; exec sleep 1000\n\
-         # pgleader: name=y1\n0 0 0 1 1 * * echo y1\n\
-         # pgleader: name=y2\n0 0 0 1 1 * * echo y2\n\
-         # pgleader: name=y3\n0 0 0 1 1 * * echo y3\n",
+    let (a, b, a_is_victim, _, killed) = one_of_two_replicas_killed_9_while_the_long_job_runs(
+        &THIRTY_SECOND_CHECKS,
+        long_job_keepers,
+        (2, "the long job's keeper and the membership's"),
     );
-    let url = Redis::shared().url();
-    let a = cron_replica("A", &url, lock, &THIRTY_SECOND_CHECKS, &file);
-    a.wait_stdout("long started");
-    let b = cron_replica("B", &url, lock, &THIRTY_SECOND_CHECKS, &file);
-    for n in 1..=2 {
-        b.wait_for_nth(Stream::Stderr, "took job", n);
-    }
-    // Two jobs each, and the long one running on one of them (B starts it at its next
-    // occurrence if it was handed over).
-    let (victim, observer) = poll_until(
-        Duration::from_millis(50),
-        || format!("the long job runs nowhere\n{}\n{}", a.dump(), b.dump()),
-        || match (long_job_keepers(&a).len(), long_job_keepers(&b).len()) {
-            (1, 0) => Some((&a, &b)),
-            (0, 1) => Some((&b, &a)),
-            _ => None,
-        },
-    );
-    assert_eq!(
-        keepers_of(victim.pid.as_raw()).len(),
-        2,
-        "the long job's keeper and the membership's\n{}",
-        victim.dump()
-    );
-    let killed = Instant::now();
-    victim.signal(Signal::SIGKILL);
-    assert!(victim.wait_exit().code().is_none());
+    let observer = if a_is_victim { &b } else { &a };
     let (first, first_at) = observer
         .wait_line(Stream::Stderr, "took job", 1, Some(killed), WAIT)
         .unwrap_or_else(|| {
@@ -319,6 +358,57 @@ fn on_redis_a_replica_killed_9_between_runs_has_its_jobs_taken_once_its_last_com
     assert_not_found_by_the_watcher(observer);
     let took = last_at.duration_since(killed);
     assert!(took < Duration::from_secs(5), "{took:?}: {last}");
+    observer.terminate_cleanly();
+}
+
+/// The checks of [`THIRTY_SECOND_CHECKS`] without hooks: every run under the session's keeper.
+const THIRTY_SECOND_CHECKS_NO_HOOKS: [&str; 3] = [
+    "--check-interval=30s",
+    "--check-timeout=500ms",
+    "--lease=90s",
+];
+
+/// Without hooks, every run of a replica starts under its session's keeper, which holds the
+/// session's connection from the start (`keeper/session.rs`): a replica killed -9 while one of
+/// its jobs runs has that job's tree killed by the keeper, which then ends the membership, and
+/// the other replica takes all its jobs at once, not by its watcher's check.
+#[test]
+fn on_redis_a_replica_killed_9_has_its_jobs_taken_once_its_session_s_keeper_killed_its_runs() {
+    let (a, b, a_is_victim, run, killed) = one_of_two_replicas_killed_9_while_the_long_job_runs(
+        &THIRTY_SECOND_CHECKS_NO_HOOKS,
+        long_job_runs,
+        (1, "the session's keeper, alone"),
+    );
+    let (victim, observer) = if a_is_victim { (&a, &b) } else { (&b, &a) };
+    let (last, at) = observer
+        .wait_line(Stream::Stderr, "took job", 2, Some(killed), WAIT)
+        .unwrap_or_else(|| {
+            panic!(
+                "the killed replica's two jobs did not move\n{}",
+                observer.dump()
+            )
+        });
+    assert!(
+        !is_running(run),
+        "the killed replica's run {run} still lives, its jobs taken\n{}",
+        observer.dump()
+    );
+    assert!(
+        victim
+            .wait_line(
+                Stream::Stderr,
+                "released the dead replica's locks",
+                1,
+                None,
+                WAIT
+            )
+            .is_some(),
+        "the session's keeper said no farewell\n{}",
+        victim.dump()
+    );
+    assert_not_found_by_the_watcher(observer);
+    let took = at.duration_since(killed);
+    assert!(took < Duration::from_secs(3), "{took:?}: {last}");
     observer.terminate_cleanly();
 }
 

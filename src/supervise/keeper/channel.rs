@@ -26,6 +26,9 @@ pub(super) struct Start {
     pub(super) watch: Option<Watch>,
     /// pgleader asked for the end right after the start, before the keeper read either.
     pub(super) kill_now: bool,
+    /// What came after the start message in the same read: a session's keeper's first
+    /// requests (see `session.rs`).
+    pub(super) rest: Vec<u8>,
 }
 
 /// Waits, parked, for the start message.
@@ -91,6 +94,7 @@ pub(super) fn wait_for_start(channel: &UnixStream) -> io::Result<Option<Start>> 
                     farewells,
                     watch,
                     kill_now: received[end..].contains(&KILL_EVERYTHING),
+                    rest: received[end..].to_vec(),
                 }));
             }
         }

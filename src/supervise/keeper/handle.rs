@@ -31,6 +31,9 @@ use crate::supervise::label::Label;
 use crate::supervise::procfs;
 use crate::supervise::watchdog::{self, Deadline};
 
+mod session;
+pub use session::SessionKeeper;
+
 /// The command could not be run; pgleader stops before taking part in the election.
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum CommandError {
@@ -167,8 +170,8 @@ fn check_executable(path: &Path) -> Result<(), Option<&'static str>> {
 /// its channel, and the keeper exits without having started anything.
 #[derive(Debug)]
 pub struct Parked {
-    keeper: Pid,
-    channel: std::os::unix::net::UnixStream,
+    pub(super) keeper: Pid,
+    pub(super) channel: std::os::unix::net::UnixStream,
 }
 
 impl Parked {
@@ -209,7 +212,7 @@ impl Parked {
     }
 
     /// Starts a keeper with the arguments `args` gives for its end of the channel.
-    fn spawn_with(args: impl FnOnce(RawFd) -> Vec<OsString>) -> io::Result<Parked> {
+    pub(super) fn spawn_with(args: impl FnOnce(RawFd) -> Vec<OsString>) -> io::Result<Parked> {
         let (ours, theirs) = std::os::unix::net::UnixStream::pair()?;
         let theirs_fd = theirs.as_raw_fd();
         let mut argv = vec![c_string(protocol::ARGV0.as_bytes())?];
@@ -278,9 +281,11 @@ impl Parked {
         self.channel.set_nonblocking(true)?;
         Ok(Job {
             keeper: self.keeper,
-            channel: tokio::net::UnixStream::from_std(self.channel)?,
-            pending: Vec::new(),
-            channel_closed: false,
+            link: Link::Own {
+                channel: tokio::net::UnixStream::from_std(self.channel)?,
+                pending: Vec::new(),
+                channel_closed: false,
+            },
             keeper_status: None,
             done: false,
             post_stop: None,
@@ -321,7 +326,7 @@ impl Parked {
 
     /// Sends the start message: `env`, copies of the sockets of `hold`, and the deadline to
     /// watch (its memfd last).
-    fn send_start(
+    pub(super) fn send_start(
         &self,
         env: &[(&str, String)],
         hold: &[Lent],
@@ -415,13 +420,13 @@ pub async fn await_let_go(pids: Vec<Pid>, within: std::time::Duration) {
     }
 }
 
-/// A running job: the keeper (leader of the process group) and what it has reported.
+/// A running job: its keeper and what it has reported.
 #[derive(Debug)]
 pub struct Job {
+    /// The job's own keeper (leader of the command's process group), or the session's keeper
+    /// that runs it.
     keeper: Pid,
-    channel: tokio::net::UnixStream,
-    pending: Vec<u8>,
-    channel_closed: bool,
+    link: Link,
     keeper_status: Option<WaitStatus>,
     /// The keeper reported that nothing of the job is left (it exits next).
     done: bool,
@@ -435,15 +440,37 @@ pub struct Job {
     output: Option<Vec<u8>>,
 }
 
+/// How pgleader hears from a job's keeper and speaks to it.
+#[derive(Debug)]
+enum Link {
+    /// A keeper of the job's own, on a channel of its own.
+    Own {
+        channel: tokio::net::UnixStream,
+        pending: Vec<u8>,
+        channel_closed: bool,
+    },
+    /// A run of the session's keeper (`session.rs`).
+    Session(session::SessionRun),
+}
+
 impl Job {
-    /// The process group of the job (the keeper's pid).
+    /// The process group of the job: its own keeper's pid, or the command's under a session's
+    /// keeper (the session keeper's until the command's start has been read).
     pub fn pgid(&self) -> Pid {
-        self.keeper
+        match &self.link {
+            Link::Session(run) => run.main().unwrap_or(self.keeper),
+            Link::Own { .. } => self.keeper,
+        }
     }
 
-    /// Sends a signal to the whole process group (the command's, and the keeper, which blocks
-    /// all but SIGKILL). A group that is already gone is not an error.
+    /// Sends a signal to the whole process group (the command's, and its own keeper, which
+    /// blocks all but SIGKILL; a session's keeper sends it, after the command's start). A group
+    /// that is already gone is not an error.
     pub fn signal(&self, signal: Signal) -> io::Result<()> {
+        if let Link::Session(run) = &self.link {
+            run.signal(signal);
+            return Ok(());
+        }
         match killpg(self.keeper, signal) {
             Ok(()) | Err(Errno::ESRCH) => Ok(()),
             Err(err) => Err(err.into()),
@@ -451,8 +478,12 @@ impl Job {
     }
 
     /// Asks the keeper to SIGKILL everything the command started, wherever it went (setsid
-    /// included), and to exit once nothing is left.
+    /// included), and to report once nothing is left.
     pub fn kill_everything(&self) -> io::Result<()> {
+        if let Link::Session(run) = &self.link {
+            run.kill();
+            return Ok(());
+        }
         self.request(protocol::KILL_EVERYTHING)
     }
 
@@ -465,28 +496,48 @@ impl Job {
     /// Tells a keeper that watches a deadline that pgleader has begun stopping the command
     /// itself: it then only makes sure that SIGKILL follows.
     pub fn tell_stopping(&self) {
-        if self.deadline.is_some() {
+        if self.deadline.is_none() {
+            return;
+        }
+        if let Link::Session(run) = &self.link {
+            run.tell_stopping();
+        } else {
             let _ = self.request(protocol::STOPPING);
         }
     }
 
     /// Asks the keeper to end everything now, a running `--post-stop` included.
     pub fn abort(&self) -> io::Result<()> {
+        if let Link::Session(run) = &self.link {
+            run.kill();
+            return Ok(());
+        }
         self.request(protocol::ABORT)
     }
 
-    /// Sends the keeper a request byte; a keeper that is gone already is not an error.
+    /// Sends the job's own keeper a request byte; a keeper that is gone already is not an
+    /// error.
     fn request(&self, byte: u8) -> io::Result<()> {
-        match self.channel.try_write(&[byte]) {
+        let Link::Own { channel, .. } = &self.link else {
+            return Ok(());
+        };
+        match channel.try_write(&[byte]) {
             Ok(_) => Ok(()),
             Err(err) if err.kind() == io::ErrorKind::BrokenPipe => Ok(()),
             Err(err) => Err(err),
         }
     }
 
-    /// SIGKILL to the job's process group (the keeper with it) and to the group of a
+    /// SIGKILL to the job's process group (its own keeper with it) and to the group of a
     /// `--post-stop` the keeper runs: for a keeper that does not finish.
     pub fn kill_groups(&self) {
+        if let Link::Session(run) = &self.link {
+            if let Some(main) = run.main() {
+                let _ = killpg(main, Signal::SIGKILL);
+            }
+            run.kill();
+            return;
+        }
         let _ = self.signal(Signal::SIGKILL);
         if let Some(hook) = self.post_stop {
             let _ = killpg(hook, Signal::SIGKILL);
@@ -497,7 +548,13 @@ impl Job {
     /// none is left once the keeper is reaped; if the keeper was killed from outside, its
     /// group may outlive it.
     pub fn group_members(&self) -> Vec<i32> {
-        let mut members = procfs::group_members(self.keeper.as_raw());
+        let mut members = match self.link {
+            Link::Session(ref run) => run
+                .main()
+                .map(|main| procfs::group_members(main.as_raw()))
+                .unwrap_or_default(),
+            Link::Own { .. } => procfs::group_members(self.keeper.as_raw()),
+        };
         if let Some(hook) = self.post_stop {
             members.extend(procfs::group_members(hook.as_raw()));
         }
@@ -514,16 +571,32 @@ impl Job {
     /// sharded replica's). Pending for good once the keeper has closed its end and every
     /// report has been read.
     pub fn poll_report(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Report> {
+        if let Link::Session(run) = &mut self.link {
+            let report = std::task::ready!(run.poll_report(cx));
+            if let Some(output) = run.take_output() {
+                self.output = Some(output);
+            }
+            self.note(report);
+            return std::task::Poll::Ready(report);
+        }
         loop {
             if let Some(report) = self.take_buffered() {
                 return std::task::Poll::Ready(report);
             }
-            if self.channel_closed {
+            let Link::Own {
+                channel,
+                channel_closed,
+                ..
+            } = &mut self.link
+            else {
+                return std::task::Poll::Pending;
+            };
+            if *channel_closed {
                 return std::task::Poll::Pending;
             }
-            match self.channel.poll_read_ready(cx) {
+            match channel.poll_read_ready(cx) {
                 std::task::Poll::Pending => return std::task::Poll::Pending,
-                std::task::Poll::Ready(Err(_)) => self.channel_closed = true,
+                std::task::Poll::Ready(Err(_)) => *channel_closed = true,
                 // A read that would block clears the readiness: the next poll waits again.
                 std::task::Poll::Ready(Ok(())) => {
                     self.read_available();
@@ -537,6 +610,11 @@ impl Job {
     /// it (its SIGCHLD handled first) before reading that far, so what it left on the channel
     /// is read here.
     pub fn take_output(&mut self) -> Option<Vec<u8>> {
+        if let Link::Session(run) = &mut self.link
+            && let Some(output) = run.take_output()
+        {
+            self.output = Some(output);
+        }
         if self.output.is_none() && self.keeper_status.is_some() {
             let _ = self.remaining_reports();
         }
@@ -545,7 +623,7 @@ impl Job {
 
     /// Records a reaped child if it is this job's keeper; true if it was.
     pub fn note_reaped(&mut self, pid: Pid, status: WaitStatus) -> bool {
-        if pid == self.keeper {
+        if pid == self.keeper && matches!(self.link, Link::Own { .. }) {
             self.keeper_status = Some(status);
             true
         } else {
@@ -556,7 +634,9 @@ impl Job {
     /// Whether the whole job is gone: the keeper reported that nothing is left, or it has
     /// exited and been reaped.
     pub fn is_finished(&self) -> bool {
-        self.done || self.keeper_status.is_some()
+        self.done
+            || self.keeper_status.is_some()
+            || matches!(&self.link, Link::Session(run) if run.keeper_gone())
     }
 
     /// Whether the keeper itself reported that nothing of the job is left. It reports so only
@@ -568,13 +648,30 @@ impl Job {
 
     /// Once the keeper is reaped, the reports it sent but pgleader has not read yet.
     pub fn remaining_reports(&mut self) -> Vec<Report> {
+        if let Link::Session(run) = &mut self.link {
+            let reports = run.remaining_reports();
+            if let Some(output) = run.take_output() {
+                self.output = Some(output);
+            }
+            for report in &reports {
+                self.note(*report);
+            }
+            return reports;
+        }
         let mut reports = Vec::new();
         loop {
             if let Some(report) = self.take_buffered() {
                 reports.push(report);
                 continue;
             }
-            if self.channel_closed || !self.read_available() {
+            let closed = matches!(
+                self.link,
+                Link::Own {
+                    channel_closed: true,
+                    ..
+                }
+            );
+            if closed || !self.read_available() {
                 return reports;
             }
         }
@@ -591,54 +688,66 @@ impl Job {
     }
 
     fn take_buffered(&mut self) -> Option<Report> {
-        while self.pending.len() >= Report::LEN {
+        let Link::Own { pending, .. } = &mut self.link else {
+            return None;
+        };
+        while pending.len() >= Report::LEN {
             // The run's last lines: kept aside, whole once all of them have come.
-            if self.pending[0] == protocol::OUTPUT {
-                let len = u32::from_le_bytes([
-                    self.pending[1],
-                    self.pending[2],
-                    self.pending[3],
-                    self.pending[4],
-                ]) as usize;
-                if self.pending.len() < Report::LEN + len {
+            if pending[0] == protocol::OUTPUT {
+                let len =
+                    u32::from_le_bytes([pending[1], pending[2], pending[3], pending[4]]) as usize;
+                if pending.len() < Report::LEN + len {
                     return None;
                 }
-                let tail = self.pending[Report::LEN..Report::LEN + len].to_vec();
-                self.pending.drain(..Report::LEN + len);
+                let tail = pending[Report::LEN..Report::LEN + len].to_vec();
+                pending.drain(..Report::LEN + len);
                 self.output = Some(tail);
                 continue;
             }
             let mut bytes = [0u8; Report::LEN];
-            bytes.copy_from_slice(&self.pending[..Report::LEN]);
-            self.pending.drain(..Report::LEN);
+            bytes.copy_from_slice(&pending[..Report::LEN]);
+            pending.drain(..Report::LEN);
             if let Some(report) = Report::decode(bytes) {
-                self.done |= matches!(report, Report::Done(_));
-                self.expired |= matches!(report, Report::Expired(_));
-                if let Report::PostStop(pid) = report {
-                    self.post_stop = Some(Pid::from_raw(pid));
-                }
+                self.note(report);
                 return Some(report);
             }
         }
         None
     }
 
+    /// Notes what a report says of the job as a whole.
+    fn note(&mut self, report: Report) {
+        self.done |= matches!(report, Report::Done(_));
+        self.expired |= matches!(report, Report::Expired(_));
+        if let Report::PostStop(pid) = report {
+            self.post_stop = Some(Pid::from_raw(pid));
+        }
+    }
+
     /// Reads what the socket holds without blocking; false when nothing more can come now.
     fn read_available(&mut self) -> bool {
+        let Link::Own {
+            channel,
+            pending,
+            channel_closed,
+        } = &mut self.link
+        else {
+            return false;
+        };
         let mut buf = [0u8; 4096];
-        match self.channel.try_read(&mut buf) {
+        match channel.try_read(&mut buf) {
             Ok(0) => {
-                self.channel_closed = true;
+                *channel_closed = true;
                 false
             }
             Ok(n) => {
-                self.pending.extend_from_slice(&buf[..n]);
+                pending.extend_from_slice(&buf[..n]);
                 true
             }
             Err(err) if err.kind() == io::ErrorKind::WouldBlock => false,
             Err(err) if err.kind() == io::ErrorKind::Interrupted => true,
             Err(_) => {
-                self.channel_closed = true;
+                *channel_closed = true;
                 false
             }
         }

@@ -44,17 +44,24 @@
 //!   (Redis, see [`farewell`]): it ends the leadership on the server at once, so a follower
 //!   takes over the moment the old tree is gone rather than at its next check.
 //!
+//! A sharded replica's session whose commands have no hooks (`pgleader cron`) has one keeper
+//! for all of them instead, started with the session and keeping every promise above for each
+//! run ([`session`]): a keeper per run was a process per due job, and a thousand jobs falling
+//! due at once held a thousand.
+//!
 //! Two processes' code lives here, and the files say which runs where:
 //!
 //! - [`protocol`], both: the keeper's arguments, the start message, the request bytes and the
-//!   reports, each writer beside its reader;
+//!   reports, each writer beside its reader (a session's keeper's in `protocol/session.rs`);
 //! - [`handle`], pgleader only: the command it checks, the keeper it parks, starts and
-//!   signals ([`handle::Parked`], [`handle::Job`], [`handle::MembershipKeeper`]);
+//!   signals ([`handle::Parked`], [`handle::Job`], [`handle::MembershipKeeper`],
+//!   [`handle::SessionKeeper`]);
 //! - everything else, the keeper's own process only: its way in and its run (`process.rs`), its
 //!   end of the channel (`channel.rs`), the command's tree (`tree.rs`), the hooks it runs
 //!   (`hooks.rs`, what a hook is being `supervise/hook.rs`), the command's start
 //!   ([`spawn`]), the farewell ([`farewell`]), a crontab job's output as log lines
-//!   (`output.rs`) and the Redis membership's keeper (`membership.rs`). `keeper.ld` gathers these files' code, and the readers of
+//!   (`output.rs`), the Redis membership's keeper (`membership.rs`) and a session's keeper
+//!   ([`session`]). `keeper.ld` gathers these files' code, and the readers of
 //!   `protocol.rs`, by their symbols' paths (so not `handle.rs`): a function moved to another
 //!   file may move in or out of the keeper's resident pages.
 
@@ -67,6 +74,7 @@ mod hooks;
 mod membership;
 pub(crate) mod output;
 mod process;
+mod session;
 mod spawn;
 mod tree;
 

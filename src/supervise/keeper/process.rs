@@ -24,8 +24,8 @@ use crate::supervise::keeper::farewell::{Farewells, Parent};
 use crate::supervise::keeper::membership::hold_membership;
 use crate::supervise::keeper::output::{Relay, Tag};
 use crate::supervise::keeper::protocol::{ARGV0, Options, Output, Report};
-use crate::supervise::keeper::spawn;
-use crate::supervise::keeper::tree::{Reaped, Tree};
+use crate::supervise::keeper::tree::{Aside, Reaped, Tree};
+use crate::supervise::keeper::{session, spawn};
 use crate::supervise::watchdog::{Step, Watch};
 
 /// Runs the keeper; never returns. Called before Rust's runtime has set itself up (see
@@ -98,9 +98,10 @@ fn run() -> io::Result<i32> {
         .and_then(|fd| fd.to_str()?.parse().ok())
         .ok_or_else(|| io::Error::other("this program is started by pgleader, not by hand"))?;
     let options = Options::read(&mut args)?;
-    // Only hooks log here (their output and how they ended), and a membership's farewell.
+    // Only hooks log here (their output and how they ended), and a membership's or a
+    // session's farewell.
     if let Some(format) = options.log
-        && (options.hooks.any() || options.membership)
+        && (options.hooks.any() || options.membership || options.session)
     {
         logging::init(format, options.verbosity);
     }
@@ -118,6 +119,12 @@ fn run() -> io::Result<i32> {
     let channel = UnixStream::from(channel);
     if options.membership {
         return hold_membership(channel);
+    }
+    if options.session {
+        return session::keep(
+            channel,
+            options.log.map(|format| (format, options.verbosity)),
+        );
     }
     let program = args
         .next()
@@ -171,8 +178,7 @@ fn run() -> io::Result<i32> {
         env: start.env,
         hook: None,
         watch: start.watch,
-        log: options.log.map(|format| (format, options.verbosity)),
-        logging: Vec::new(),
+        aside: Aside::new(options.log.map(|format| (format, options.verbosity))),
         output: None,
     };
 
@@ -250,7 +256,7 @@ fn run() -> io::Result<i32> {
 /// What the log lines of the command's output say besides its text: the job and the
 /// occurrence (from the environment pgleader gave it) and the replica, pgleader's pid (the
 /// keeper's parent) and host.
-fn tag(env: &[(OsString, OsString)], format: Option<LogFormat>) -> Tag {
+pub(super) fn tag(env: &[(OsString, OsString)], format: Option<LogFormat>) -> Tag {
     let var = |name: &str| {
         env.iter()
             .find(|(key, _)| key == name)

@@ -17,6 +17,8 @@ use crate::election::socket::{Farewell, Lent};
 use crate::operate::logging;
 use crate::supervise::hook::Hooks;
 
+pub mod session;
+
 /// The name the keeper runs under; the constructor in `main.rs` checks `argv[0]` for it.
 pub const ARGV0: &str = "pgleader-keeper";
 
@@ -178,6 +180,8 @@ pub(super) struct Options {
     pub(super) output: Output,
     /// A membership's keeper: no command, see `membership.rs`.
     pub(super) membership: bool,
+    /// A session's keeper: no command on its line, see `session.rs`.
+    pub(super) session: bool,
 }
 
 impl Options {
@@ -201,6 +205,8 @@ impl Options {
                 options.verbosity = verbosity.parse().unwrap_or(0);
             } else if word == MEMBERSHIP {
                 options.membership = true;
+            } else if word == session::SESSION {
+                options.session = true;
             } else if word == TAGGED {
                 options.output = Output::Tagged { keep: 0 };
             } else if let Some(keep) = word.strip_prefix(KEEP) {
@@ -257,21 +263,19 @@ type Env = Vec<(OsString, OsString)>;
 pub(super) fn parse_body(body: &[u8]) -> io::Result<(Env, Vec<u8>, Vec<Option<Farewell>>)> {
     let bad = || io::Error::other("a start message that does not parse");
     let mut rest = body;
-    let mut part = || -> io::Result<&[u8]> {
-        let len = u32::from_le_bytes(
-            rest.get(..4)
-                .ok_or_else(bad)?
-                .try_into()
-                .map_err(|_| bad())?,
-        ) as usize;
-        let part = rest.get(4..4 + len).ok_or_else(bad)?;
-        rest = &rest[4 + len..];
-        Ok(part)
-    };
-    let env = part()?;
-    let watch = part()?.to_vec();
+    let env = take_part(&mut rest).ok_or_else(bad)?;
+    let watch = take_part(&mut rest).ok_or_else(bad)?.to_vec();
     let farewells = decode_farewells(rest).ok_or_else(bad)?;
     Ok((parse_env(env), watch, farewells))
+}
+
+/// The part `rest` begins with (a little-endian 32-bit length and that many bytes), `rest`
+/// moved past it; `None` if it does not hold a whole one.
+pub(super) fn take_part<'a>(rest: &mut &'a [u8]) -> Option<&'a [u8]> {
+    let len = u32::from_le_bytes(rest.get(..4)?.try_into().ok()?) as usize;
+    let part = rest.get(4..4 + len)?;
+    *rest = &rest[4 + len..];
+    Some(part)
 }
 
 /// The environment entries of a start message's body.
@@ -307,16 +311,10 @@ pub fn encode_farewells(lent: &[Lent]) -> Vec<u8> {
 
 /// The farewells [`encode_farewells`] wrote; `None` if the bytes are not such a list.
 pub fn decode_farewells(mut bytes: &[u8]) -> Option<Vec<Option<Farewell>>> {
-    let take = |bytes: &mut &[u8]| -> Option<Vec<u8>> {
-        let len = u32::from_le_bytes(bytes.get(..4)?.try_into().ok()?) as usize;
-        let part = bytes.get(4..4 + len)?.to_vec();
-        *bytes = &bytes[4 + len..];
-        Some(part)
-    };
     let mut farewells = Vec::new();
     while !bytes.is_empty() {
-        let command = take(&mut bytes)?;
-        let marker = take(&mut bytes)?;
+        let command = take_part(&mut bytes)?.to_vec();
+        let marker = take_part(&mut bytes)?.to_vec();
         farewells.push(
             (!command.is_empty() && !marker.is_empty()).then_some(Farewell { command, marker }),
         );

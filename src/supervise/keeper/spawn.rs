@@ -46,6 +46,10 @@ pub struct Prepared {
     output: Option<[c_int; 2]>,
     /// Set by the child when it could not execute the command.
     errno: AtomicI32,
+    /// Whether the command leads a session of its own (see [`Prepared::leading_a_session`]).
+    own_session: bool,
+    /// The limit of open files the command gets, where the keeper raised its own.
+    open_files: Option<libc::rlimit>,
 }
 
 impl Prepared {
@@ -70,13 +74,31 @@ impl Prepared {
             parent: std::process::id() as libc::pid_t,
             output: None,
             errno: AtomicI32::new(0),
+            own_session: false,
+            open_files: None,
         })
+    }
+
+    /// The command will lead a session (and process group) of its own, `setsid` in the child:
+    /// a session's keeper runs many commands, and tells their descendants apart by their
+    /// session (`session.rs`).
+    pub fn leading_a_session(mut self) -> Self {
+        self.own_session = true;
+        self
+    }
+
+    /// The command will have `limit` as its limit of open files (`RLIMIT_NOFILE`): the one
+    /// pgleader had, where a session's keeper raised its own for its many runs' descriptors.
+    pub fn with_open_files(mut self, limit: Option<libc::rlimit>) -> Self {
+        self.open_files = limit;
+        self
     }
 
     /// Starts the command with `env` added to the environment (replacing the keeper's entries
     /// of the same names), and `output` as its stdout and stderr if given; returns once it has
     /// been executed, with its pid, or with the errno of `execve` (the failed child reaped).
     /// The child, between the clone and `execve`:
+    /// - leads a session of its own, if asked to, and gets its limit of open files back;
     /// - sets SIGPIPE back to its default (Rust ignores it, and an ignored signal stays
     ///   ignored across `execve`);
     /// - puts `output` on its descriptors 1 and 2;
@@ -171,6 +193,14 @@ extern "C" fn run_child(data: *mut c_void) -> c_int {
     // SAFETY: plain system calls on values built beforehand; nothing here allocates, takes a
     // lock or unwinds.
     unsafe {
+        if prepared.own_session && libc::setsid() == -1 {
+            return fail(*libc::__errno_location());
+        }
+        if let Some(limit) = &prepared.open_files
+            && libc::setrlimit(libc::RLIMIT_NOFILE, limit) != 0
+        {
+            return fail(*libc::__errno_location());
+        }
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
         if let Some([stdout, stderr]) = prepared.output
             && (libc::dup2(stdout, 1) == -1 || libc::dup2(stderr, 2) == -1)

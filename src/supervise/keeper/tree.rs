@@ -57,11 +57,8 @@ pub(super) struct Tree {
     pub(super) hook: Option<(Pid, Option<WaitStatus>)>,
     /// The leadership's deadline, watched while the command (or `--pre-start`) runs.
     pub(super) watch: Option<Watch>,
-    /// How pgleader logs, for the lines the keeper writes of its own stop.
-    pub(super) log: Option<(LogFormat, i8)>,
-    /// Lines being written beside the keeper's work (see [`Tree::log_aside`]), each saying
-    /// when it is done.
-    pub(super) logging: Vec<std::sync::mpsc::Receiver<()>>,
+    /// The lines the keeper writes of its own stop.
+    pub(super) aside: Aside,
     /// The command's output turned into log lines, once it runs (`output.rs`).
     pub(super) output: Option<Relay>,
 }
@@ -143,12 +140,7 @@ impl Tree {
             }
         }
         let _ = self.channel.write_all(&Report::Done(0).encode());
-        // The lines of the keeper's own stop, unless their write is blocked (nobody reads).
-        let until = std::time::Instant::now() + LOG_WAIT;
-        for logged in self.logging.drain(..) {
-            let left = until.saturating_duration_since(std::time::Instant::now());
-            let _ = logged.recv_timeout(left);
-        }
+        self.aside.wait();
     }
 
     /// The deadline passed with no news from pgleader (see `watchdog.rs`): tells pgleader (it
@@ -160,7 +152,7 @@ impl Tree {
         let Some(watch) = &self.watch else {
             return false;
         };
-        let (terms, label) = (watch.terms, watch.label.clone());
+        let terms = watch.terms;
         let without_news = i32::try_from(terms.without_news.as_millis()).unwrap_or(i32::MAX);
         // A failed write means pgleader is gone: the channel's end says so next.
         let _ = self
@@ -168,36 +160,14 @@ impl Tree {
             .write_all(&Report::Expired(without_news).encode());
         let at_once = terms.signal == Signal::SIGKILL || terms.kill_timeout.is_zero();
         let running = self.main_pid.is_some() || self.hook.is_some();
+        let line = own_stop_line(watch, getpid().as_raw(), running);
         if running && at_once {
             self.kill_everything();
         } else if running {
             let _ = killpg(getpid(), terms.signal);
             let _ = killpg(getpid(), Signal::SIGCONT);
         }
-        let pgid = getpid().as_raw();
-        let what = if !running {
-            "starting nothing".to_owned()
-        } else if at_once {
-            "SIGKILL to everything it started".to_owned()
-        } else {
-            format!(
-                "{} to its process group, SIGKILL after {} (--kill-timeout)",
-                terms.signal.as_str(),
-                for_people(terms.kill_timeout)
-            )
-        };
-        self.log_aside(move || {
-            warn!(
-                event = "keeper_stop",
-                shard = label.shard,
-                job = label.job.as_deref(),
-                pgid,
-                signal = terms.signal.as_str(),
-                "no news from pgleader for {} (--check-interval + --check-timeout): pgleader is stopped, hung or starved, and the server may soon free the lock; the keeper stops the command{} itself: {what}",
-                for_people(terms.without_news),
-                label.of(),
-            )
-        });
+        self.aside.write(line);
         running && at_once
     }
 
@@ -207,42 +177,8 @@ impl Tree {
         let Some(watch) = &self.watch else {
             return;
         };
-        let (terms, label, own) = (watch.terms, watch.label.clone(), watch.stops_by_itself());
-        let pgid = getpid().as_raw();
-        self.log_aside(move || {
-            let whose = if own {
-                "after the keeper's stop signal"
-            } else {
-                "after pgleader's stop signal, and pgleader did not follow up"
-            };
-            label.warn_kill(
-                pgid,
-                None,
-                format_args!(
-                    "the command{} did not exit within {} (--kill-timeout) {whose}; the keeper sends SIGKILL to everything it started",
-                    label.of(),
-                    for_people(terms.kill_timeout),
-                ),
-            )
-        });
-    }
-
-    /// Writes a log line on a thread of its own: the keeper's own stop is for a pgleader that
-    /// does not run, and that may be because nobody reads the pipe both write their logs to; a
-    /// write blocked there must not hold up the stop. [`Tree::finish`] waits a little for these
-    /// lines before the keeper exits.
-    fn log_aside(&mut self, line: impl FnOnce() + Send + 'static) {
-        if let Some((format, verbosity)) = self.log {
-            logging::init(format, verbosity);
-        }
-        let (done, logged) = std::sync::mpsc::channel();
-        let spawned = std::thread::Builder::new().spawn(move || {
-            line();
-            let _ = done.send(());
-        });
-        if spawned.is_ok() {
-            self.logging.push(logged);
-        }
+        let line = escalation_line(watch, getpid().as_raw());
+        self.aside.write(line);
     }
 
     /// SIGKILLs every descendant, including those that left the process group, until none is
@@ -266,6 +202,108 @@ impl Tree {
             if self.reap() == Reaped::NoChildrenLeft {
                 return;
             }
+        }
+    }
+}
+
+/// The line the keeper logs when it stops `watch`'s command by itself, no news having come from
+/// pgleader: `pgid` is the command's process group, `running` whether anything runs (else it
+/// starts nothing).
+pub(super) fn own_stop_line(
+    watch: &Watch,
+    pgid: i32,
+    running: bool,
+) -> impl FnOnce() + Send + 'static {
+    let (terms, label) = (watch.terms, watch.label.clone());
+    let at_once = terms.signal == Signal::SIGKILL || terms.kill_timeout.is_zero();
+    move || {
+        let what = if !running {
+            "starting nothing".to_owned()
+        } else if at_once {
+            "SIGKILL to everything it started".to_owned()
+        } else {
+            format!(
+                "{} to its process group, SIGKILL after {} (--kill-timeout)",
+                terms.signal.as_str(),
+                for_people(terms.kill_timeout)
+            )
+        };
+        warn!(
+            event = "keeper_stop",
+            shard = label.shard,
+            job = label.job.as_deref(),
+            pgid,
+            signal = terms.signal.as_str(),
+            "no news from pgleader for {} (--check-interval + --check-timeout): pgleader is stopped, hung or starved, and the server may soon free the lock; the keeper stops the command{} itself: {what}",
+            for_people(terms.without_news),
+            label.of(),
+        )
+    }
+}
+
+/// The line the keeper logs when `--kill-timeout` ran out on `watch`'s command (process group
+/// `pgid`): of its own stop, or of one pgleader began and did not follow up.
+pub(super) fn escalation_line(watch: &Watch, pgid: i32) -> impl FnOnce() + Send + 'static {
+    let (terms, label, own) = (watch.terms, watch.label.clone(), watch.stops_by_itself());
+    move || {
+        let whose = if own {
+            "after the keeper's stop signal"
+        } else {
+            "after pgleader's stop signal, and pgleader did not follow up"
+        };
+        label.warn_kill(
+            pgid,
+            None,
+            format_args!(
+                "the command{} did not exit within {} (--kill-timeout) {whose}; the keeper sends SIGKILL to everything it started",
+                label.of(),
+                for_people(terms.kill_timeout),
+            ),
+        )
+    }
+}
+
+/// The lines a keeper writes of its own stop, each on a thread of its own: the keeper's own
+/// stop is for a pgleader that does not run, and that may be because nobody reads the pipe
+/// both write their logs to; a write blocked there must not hold up the stop. [`Aside::wait`]
+/// waits a little for them before the keeper exits.
+pub(super) struct Aside {
+    /// How pgleader logs.
+    log: Option<(LogFormat, i8)>,
+    /// The lines being written, each saying when it is done.
+    pending: Vec<std::sync::mpsc::Receiver<()>>,
+}
+
+impl Aside {
+    pub(super) fn new(log: Option<(LogFormat, i8)>) -> Aside {
+        Aside {
+            log,
+            pending: Vec::new(),
+        }
+    }
+
+    /// Writes `line` on a thread of its own.
+    pub(super) fn write(&mut self, line: impl FnOnce() + Send + 'static) {
+        if let Some((format, verbosity)) = self.log {
+            logging::init(format, verbosity);
+        }
+        let (done, logged) = std::sync::mpsc::channel();
+        let spawned = std::thread::Builder::new().spawn(move || {
+            line();
+            let _ = done.send(());
+        });
+        if spawned.is_ok() {
+            self.pending.push(logged);
+        }
+    }
+
+    /// Waits for the lines written, unless their write is blocked (nobody reads), at most
+    /// [`LOG_WAIT`] in all.
+    pub(super) fn wait(&mut self) {
+        let until = std::time::Instant::now() + LOG_WAIT;
+        for logged in self.pending.drain(..) {
+            let left = until.saturating_duration_since(std::time::Instant::now());
+            let _ = logged.recv_timeout(left);
         }
     }
 }

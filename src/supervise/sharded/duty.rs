@@ -130,8 +130,14 @@ pub trait Duty<H: Holder> {
     /// Logs that the replica joined the fleet as member `me`.
     fn log_joined(&self, lock: &str, me: i32);
 
-    /// A new holder session, before anything is taken on it.
-    async fn begin(&mut self, holder: &H, timeout: Duration) -> Result<(), Unready>;
+    /// A new holder session, before anything is taken on it, with the deadline its commands'
+    /// keepers watch.
+    async fn begin(
+        &mut self,
+        holder: &H,
+        keepers: &Deadline,
+        timeout: Duration,
+    ) -> Result<(), Unready>;
     /// The session is over: nothing of the duty's may outlive it.
     async fn end(&mut self);
 

@@ -364,7 +364,7 @@ impl<B: ShardBackend + Clone + 'static, D: Duty<B::Holder>> Room<B, D> {
         let mut link = Link::new(holder, keepers, abandoned, now, (interval, timeout));
         self.duty
             .log_joined(&self.settings.lock.to_string(), link.me);
-        match self.duty.begin(&link.holder, timeout).await {
+        match self.duty.begin(&link.holder, &link.keepers, timeout).await {
             Ok(()) => Ok(Some(link)),
             Err(unready) => {
                 self.leftover_watchers = std::mem::take(&mut link.abandoned);

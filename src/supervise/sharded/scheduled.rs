@@ -37,9 +37,12 @@ use crate::schedule::runs::{MOST_AT_ONCE, RunsEvent};
 use crate::supervise::Sharding;
 use crate::supervise::commands::{After, Restart, Settled};
 use crate::supervise::hook::Hooks;
-use crate::supervise::keeper::handle::{CommandError, CommandLine, Job, Parked};
+use crate::supervise::keeper::handle::{
+    CommandError, CommandLine, Job, Parked, SessionKeeper, await_let_go,
+};
 use crate::supervise::keeper::output::tail_text;
 use crate::supervise::label::Label;
+use crate::supervise::watchdog::Deadline;
 use crate::time::for_people as fmt;
 
 /// The jobs, the runs of those owned here, and their parked keepers.
@@ -50,6 +53,9 @@ pub struct Scheduled<H: Holder> {
     /// A crontab's `--drain-timeout`, where TERM drains (`None` inside: no bound).
     drain: Option<Option<Duration>>,
     parking: Parking,
+    /// The keeper of every run of the session (`keeper/session.rs`), where the runs have no
+    /// hooks; else each run has a keeper of its own, parked ahead of it.
+    session_keeper: Option<SessionKeeper>,
     lock: LockKey,
     hooks: Hooks,
     telemetry: Telemetry,
@@ -109,6 +115,7 @@ impl<H: Holder> Scheduled<H> {
             cap,
             drain: None,
             parking: Parking::default(),
+            session_keeper: None,
             lock,
             hooks,
             telemetry,
@@ -269,7 +276,12 @@ impl<H: Holder> Duty<H> for Scheduled<H> {
         }
     }
 
-    async fn begin(&mut self, holder: &H, timeout: Duration) -> Result<(), Unready> {
+    async fn begin(
+        &mut self,
+        holder: &H,
+        keepers: &Deadline,
+        timeout: Duration,
+    ) -> Result<(), Unready> {
         let lock = &self.lock;
         match tokio::time::timeout(timeout, holder.prepare_ledger()).await {
             Ok(Ok(location)) => {
@@ -286,13 +298,21 @@ impl<H: Holder> Duty<H> for Scheduled<H> {
                 return Err(Unready::Again);
             }
         }
-        self.parking.keep_membership(&holder.lend_membership());
+        if !self.hooks.any() {
+            self.session_keeper = start_session_keeper(holder, keepers);
+        }
+        if self.session_keeper.is_none() {
+            self.parking.keep_membership(&holder.lend_membership());
+        }
         Ok(())
     }
 
     async fn end(&mut self) {
         // The jobs the session owned are no longer this replica's: nor their keepers.
         self.parking.dismiss().await;
+        if let Some(keeper) = self.session_keeper.take() {
+            await_let_go(vec![keeper.dismiss()], Duration::from_secs(1)).await;
+        }
     }
 
     fn label(&self, item: u32) -> Label {
@@ -314,6 +334,16 @@ impl<H: Holder> Duty<H> for Scheduled<H> {
         let mut env: Vec<(&str, String)> = launch.env;
         let asked_by = run.asked.as_ref().map(|asked| asked.asked_by.as_str());
         env.extend(self.jobs.env(item, run.occurrence, run.attempt, asked_by));
+        if let Some(keeper) = &mut self.session_keeper {
+            let name = definition.label.job.as_deref().unwrap_or_default();
+            match keeper.run(command, name, &env) {
+                Ok(job) => return Ok(job),
+                Err(err) => {
+                    warn!(event = "keeper_failed", lock = %self.lock, reason = %err, "the session's keeper is gone; each command starts under a keeper of its own from now on");
+                    self.session_keeper = None;
+                }
+            }
+        }
         let mut hold = launch.hold;
         hold.extend(self.parking.membership_lent());
         let parked = self.parking.take(item, command);
@@ -354,10 +384,12 @@ impl<H: Holder> Duty<H> for Scheduled<H> {
     /// replica is `quiet`: leaving, or shutting down), and wakes for the next job that will
     /// want one, or the next run's `timeout=`.
     fn plan(&mut self, table: &Table, quiet: bool, healthy: bool) -> Option<Instant> {
+        // Under the session's keeper, nothing to park.
+        let parks = !quiet && self.session_keeper.is_none();
         let due = self
             .jobs
             .due()
-            .filter(|_| !quiet)
+            .filter(|_| parks)
             .map(|(item, due)| {
                 let idle = healthy && !table.is_started(&Slot::of(item));
                 (item, due.filter(|_| idle))
@@ -603,5 +635,29 @@ impl<H: Holder> Duty<H> for Scheduled<H> {
             });
         }
         telemetry.jobs_owned_changed(changes);
+    }
+}
+
+/// Starts the keeper of every run of the session, holding the session's sockets: with the
+/// farewell of the replica's membership where the backend lends one (Redis), else as they are
+/// (PostgreSQL frees the session's locks when the last copy closes). `None` if it cannot be
+/// started: each run then gets a keeper of its own.
+fn start_session_keeper<H: Holder>(holder: &H, keepers: &Deadline) -> Option<SessionKeeper> {
+    let mut hold = holder.lend_membership();
+    if hold.is_empty() {
+        // Each item's farewell (Redis without a membership's, as over TLS) is not the
+        // session's to say: the sockets alone.
+        hold = holder
+            .lend(0)
+            .into_iter()
+            .map(|lent| crate::election::socket::Lent::hold(lent.fd))
+            .collect();
+    }
+    match SessionKeeper::start(&hold, Some(keepers)) {
+        Ok(keeper) => Some(keeper),
+        Err(err) => {
+            warn!(event = "keeper_failed", reason = %err, "cannot start the session's keeper; each command starts under a keeper of its own");
+            None
+        }
     }
 }

@@ -20,6 +20,7 @@ use crate::supervise::commands::{Restart, Settled};
 use crate::supervise::hook::Hooks;
 use crate::supervise::keeper::handle::{CommandLine, Job, Parked};
 use crate::supervise::label::Label;
+use crate::supervise::watchdog::Deadline;
 
 /// The command, once per shard.
 pub struct Shards {
@@ -72,7 +73,7 @@ impl<H: Holder> Duty<H> for Shards {
         info!(event = "joined", lock = %lock, backend_pid = me, shards = count, "joined the replicas of this lock, {count} shards");
     }
 
-    async fn begin(&mut self, _: &H, _: Duration) -> Result<(), Unready> {
+    async fn begin(&mut self, _: &H, _: &Deadline, _: Duration) -> Result<(), Unready> {
         Ok(())
     }
 
