@@ -54,6 +54,32 @@ pub struct Tag {
     pub replica: String,
 }
 
+impl Tag {
+    /// What the log lines of a run's output say besides its text: the job and the occurrence
+    /// (from the environment pgleader gave it, `env`), in `format`, and the replica,
+    /// pgleader's pid (the keeper's parent) and host.
+    pub fn of_run(
+        env: &[(std::ffi::OsString, std::ffi::OsString)],
+        format: Option<LogFormat>,
+    ) -> Tag {
+        let var = |name: &str| {
+            env.iter()
+                .find(|(key, _)| key == name)
+                .map(|(_, value)| value.to_string_lossy().into_owned())
+        };
+        Tag {
+            format: format.unwrap_or(LogFormat::Text),
+            job: var("PGLEADER_JOB").unwrap_or_default(),
+            occurrence: var("PGLEADER_SCHEDULED_TIME"),
+            replica: format!(
+                "{}@{}",
+                nix::unistd::getppid(),
+                crate::election::participant::host_name()
+            ),
+        }
+    }
+}
+
 /// The thread that turns the command's output into log lines, and the pipes' write ends until
 /// the command has its own copies.
 pub struct Relay {

@@ -16,7 +16,6 @@ use nix::sys::prctl;
 use nix::sys::signal::{SigSet, SigmaskHow, Signal, sigprocmask};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 
-use crate::cli::LogFormat;
 use crate::operate::logging;
 use crate::supervise::hook::{Ended, Hook};
 use crate::supervise::keeper::channel::{Request, read_request, stopping_waits, wait_for_start};
@@ -219,7 +218,9 @@ fn run() -> io::Result<i32> {
     // A crontab job's output becomes log lines (`output.rs`); without the relay's thread, it
     // goes where pgleader's does rather than nowhere.
     let mut relay = match options.output {
-        Output::Tagged { keep } => Relay::start(tag(&tree.env, options.log), keep as usize).ok(),
+        Output::Tagged { keep } => {
+            Relay::start(Tag::of_run(&tree.env, options.log), keep as usize).ok()
+        }
         Output::Inherited => None,
     };
     let spawned = prepared
@@ -251,27 +252,6 @@ fn run() -> io::Result<i32> {
         .channel
         .write_all(&Report::Started(main_pid.as_raw()).encode());
     watch_over(&mut tree)
-}
-
-/// What the log lines of the command's output say besides its text: the job and the
-/// occurrence (from the environment pgleader gave it) and the replica, pgleader's pid (the
-/// keeper's parent) and host.
-pub(super) fn tag(env: &[(OsString, OsString)], format: Option<LogFormat>) -> Tag {
-    let var = |name: &str| {
-        env.iter()
-            .find(|(key, _)| key == name)
-            .map(|(_, value)| value.to_string_lossy().into_owned())
-    };
-    Tag {
-        format: format.unwrap_or(LogFormat::Text),
-        job: var("PGLEADER_JOB").unwrap_or_default(),
-        occurrence: var("PGLEADER_SCHEDULED_TIME"),
-        replica: format!(
-            "{}@{}",
-            nix::unistd::getppid(),
-            crate::election::participant::host_name()
-        ),
-    }
 }
 
 /// Watches over the running command until nothing of its tree is left: pgleader's requests

@@ -47,8 +47,7 @@ use tracing::info;
 use crate::cli::LogFormat;
 use crate::supervise::keeper::channel::wait_for_start;
 use crate::supervise::keeper::farewell::{self, Farewells, Parent};
-use crate::supervise::keeper::output::Relay;
-use crate::supervise::keeper::process::tag;
+use crate::supervise::keeper::output::{Relay, Tag};
 use crate::supervise::keeper::protocol::session::{
     self as messages, DISMISS, KILL, RUN, RunSpec, SIGNAL, STOPPING,
 };
@@ -298,7 +297,9 @@ impl Keeper {
             env_value("PGLEADER_SCHEDULED_TIME"),
         );
         let mut relay = match spec.output {
-            Output::Tagged { keep } => Relay::start(tag(&spec.env, self.log), keep as usize).ok(),
+            Output::Tagged { keep } => {
+                Relay::start(Tag::of_run(&spec.env, self.log), keep as usize).ok()
+            }
             Output::Inherited => None,
         };
         let spawned = Prepared::new(&spec.program, &spec.argv)

@@ -384,17 +384,19 @@ impl<H: Holder> Duty<H> for Scheduled<H> {
     /// replica is `quiet`: leaving, or shutting down), and wakes for the next job that will
     /// want one, or the next run's `timeout=`.
     fn plan(&mut self, table: &Table, quiet: bool, healthy: bool) -> Option<Instant> {
-        // Under the session's keeper, nothing to park.
+        // Under the session's keeper, nothing to park: no job is looked at.
         let parks = !quiet && self.session_keeper.is_none();
-        let due = self
-            .jobs
-            .due()
-            .filter(|_| parks)
-            .map(|(item, due)| {
-                let idle = healthy && !table.is_started(&Slot::of(item));
-                (item, due.filter(|_| idle))
-            })
-            .collect();
+        let due = if parks {
+            self.jobs
+                .due()
+                .map(|(item, due)| {
+                    let idle = healthy && !table.is_started(&Slot::of(item));
+                    (item, due.filter(|_| idle))
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
         let park_at = self.parking.plan(due, &self.hooks);
         let run_timeout = table
             .iter()
