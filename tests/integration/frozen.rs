@@ -11,8 +11,8 @@
 //! is read from one file.
 
 use std::io::Read;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::process::Stdio;
+use std::os::fd::OwnedFd;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use nix::sys::signal::Signal;
@@ -440,25 +440,10 @@ fn on_postgres_a_leader_stuck_on_a_full_log_pipe_has_its_command_stopped_by_its_
          echo \"A started lock $(date +%s%N)\" >> {path}; \
          yes 'a line of the command, written again and again to a pipe nobody reads' & wait $!"
     );
-    let (read_end, write_end) = nix::unistd::pipe().expect("a pipe");
-    let write_copy = nix::unistd::dup(&write_end).expect("dup");
     let mut command = fleet.pgleader("run", &TIMINGS);
-    command
-        .args(["--", "sh", "-c", &chatty])
-        .stdin(Stdio::null())
-        .stdout(Stdio::from(write_end))
-        .stderr(Stdio::from(write_copy));
-    let a = KillOnDrop(command.spawn().expect("start pgleader"));
+    command.args(["--", "sh", "-c", &chatty]);
     // Started, and then blocked: the journal says it runs, the pipe fills at once.
-    let started = Instant::now();
-    while !journal
-        .lines()
-        .iter()
-        .any(|line| line.starts_with("A started"))
-    {
-        assert!(started.elapsed() < WAIT, "A's command did not start");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    let (a, read_end) = started_on_a_pipe_nobody_reads(command, &journal);
     let b = fleet.replica("B", &TIMINGS, &journaling_child(&journal, "B"));
     b.wait_stdout("B started key=lock");
     let seen = entries(&journal);
@@ -471,10 +456,41 @@ fn on_postgres_a_leader_stuck_on_a_full_log_pipe_has_its_command_stopped_by_its_
     let b_started = at("B", "started").expect("B started");
     assert!(stopped < b_started, "{seen:?}");
 
-    // The pipe is read again: pgleader writes what it had to say and goes on.
-    // SAFETY: the read end of the pipe made above, owned by nothing else.
-    let mut reader = std::fs::File::from(unsafe { OwnedFd::from_raw_fd(read_end.as_raw_fd()) });
-    std::mem::forget(read_end);
+    let lost = read_again_until(read_end, "leadership lost");
+    assert!(lost.contains(KEEPER_REASON), "{lost}");
+    a.terminate_cleanly();
+    b.terminate_cleanly();
+}
+
+/// Starts `command` (replica A) with its stdout and stderr on one pipe nobody reads, and waits
+/// for the journal to say that A's command started. Returns A and the pipe's read end.
+fn started_on_a_pipe_nobody_reads(
+    mut command: Command,
+    journal: &Journal,
+) -> (KillOnDrop, OwnedFd) {
+    let (read_end, write_end) = nix::unistd::pipe().expect("a pipe");
+    let write_copy = nix::unistd::dup(&write_end).expect("dup");
+    command
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(write_end))
+        .stderr(Stdio::from(write_copy));
+    let a = KillOnDrop(command.spawn().expect("start pgleader"));
+    let started = Instant::now();
+    while !journal
+        .lines()
+        .iter()
+        .any(|line| line.starts_with("A started"))
+    {
+        assert!(started.elapsed() < WAIT, "A's command did not start");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    (a, read_end)
+}
+
+/// The pipe `read_end` is read again, for good: pgleader writes what it had to say and goes
+/// on. Returns the first line that contains `needle`.
+fn read_again_until(read_end: OwnedFd, needle: &'static str) -> String {
+    let mut reader = std::fs::File::from(read_end);
     let (lines, found) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let mut text = Vec::new();
@@ -485,19 +501,66 @@ fn on_postgres_a_leader_stuck_on_a_full_log_pipe_has_its_command_stopped_by_its_
             }
             text.extend_from_slice(&buf[..n]);
             let read = String::from_utf8_lossy(&text);
-            if let Some(line) = read.lines().find(|line| line.contains("leadership lost")) {
+            if let Some(line) = read.lines().find(|line| line.contains(needle)) {
                 let _ = lines.send(line.to_owned());
                 // Keep reading, so that pgleader is never blocked again.
                 text.clear();
             }
         }
     });
-    let lost = found
+    found
         .recv_timeout(WAIT)
-        .expect("A never said it lost its leadership");
-    assert!(lost.contains(KEEPER_REASON), "{lost}");
-    a.terminate_cleanly();
-    b.terminate_cleanly();
+        .unwrap_or_else(|_| panic!("pgleader never said {needle:?}"))
+}
+
+/// A crontab's replica whose stdout and stderr are one pipe that nobody reads: one job prints
+/// 60 kB and ends, its last lines stuck behind the full pipe (their writer waits for good),
+/// while another job goes on; pgleader blocks in its next log line. The session's keeper,
+/// which keeps both runs, stops the second at the deadline all the same, before the next
+/// replica starts it: a run's lines that cannot be written hold up no other run's stop.
+#[test]
+fn on_postgres_a_crontab_replica_stuck_on_a_full_log_pipe_has_its_runs_stopped_by_its_keeper() {
+    let fleet = Fleet::postgres();
+    let journal = Journal::new("stuck-cron-pipe");
+    let long = journaling_child(&journal, "A").replace('%', "\\%");
+    let chatty = "head -c 60000 /dev/zero | tr '\\0' x | fold -w 100";
+    let file = File::new(
+        &format!("stuck-cron-{}", unique_lock()),
+        &format!(
+            "# pgleader: name=long\n* * * * * * * {long}\n\
+             # pgleader: name=chatty\n* * * * * * * {chatty}\n"
+        ),
+    );
+    let mut command = fleet.pgleader("cron", &TIMINGS);
+    command.arg(&file.0);
+    let (a, read_end) = started_on_a_pipe_nobody_reads(command, &journal);
+    let b_command = journaling_child(&journal, "B").replace('%', "\\%");
+    let b_file = File::new(
+        &format!("stuck-cron-b-{}", unique_lock()),
+        &format!(
+            "# pgleader: name=long\n* * * * * * * {b_command}\n\
+             # pgleader: name=chatty\n* * * * * * * {chatty}\n"
+        ),
+    );
+    let mut b_command = fleet.pgleader("cron", &TIMINGS);
+    b_command.arg("--passthrough-logs").arg(&b_file.0);
+    let b = Proc::spawn("B", b_command);
+    b.wait_stdout("B started key=long");
+    let seen = entries(&journal);
+    let at = |tag: &str, what: &str| {
+        seen.iter()
+            .find(|(t, w, k, _)| t == tag && w == what && k == "long")
+            .map(|(_, _, _, at)| *at)
+    };
+    let stopped = at("A", "stopped").unwrap_or_else(|| panic!("A's run still goes on: {seen:?}"));
+    let b_started = at("B", "started").expect("B started");
+    assert!(stopped < b_started, "{seen:?}");
+    let keeper = read_again_until(read_end, "no news from pgleader");
+    assert!(keeper.contains("job=long"), "{keeper}");
+    // INT, not a crontab's TERM, which would drain: a run of `long` never ends by itself.
+    a.interrupt_cleanly();
+    b.signal(Signal::SIGINT);
+    assert_eq!(b.wait_code(), 0, "{}", b.dump());
 }
 
 /// A pgleader the test started itself (its output to a pipe of the test's), killed with its
@@ -506,9 +569,18 @@ struct KillOnDrop(std::process::Child);
 
 impl KillOnDrop {
     /// TERM, and an exit 0 within [`WAIT`].
-    fn terminate_cleanly(mut self) {
+    fn terminate_cleanly(self) {
+        self.end_cleanly(Signal::SIGTERM);
+    }
+
+    /// INT, and an exit 0 within [`WAIT`].
+    fn interrupt_cleanly(self) {
+        self.end_cleanly(Signal::SIGINT);
+    }
+
+    fn end_cleanly(mut self, signal: Signal) {
         let pid = nix::unistd::Pid::from_raw(self.0.id() as i32);
-        nix::sys::signal::kill(pid, Signal::SIGTERM).expect("TERM");
+        nix::sys::signal::kill(pid, signal).expect("a signal");
         let until = Instant::now() + WAIT;
         let status = loop {
             if let Some(status) = self.0.try_wait().expect("wait") {

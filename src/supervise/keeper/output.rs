@@ -188,26 +188,63 @@ impl Relay {
     /// taken nothing for [`STALLED`] (nobody reads it, or something outside the tree holds a
     /// pipe open). Returns the run's last lines, as far as they were read.
     pub fn finish(mut self) -> Vec<u8> {
-        self.writers = None;
-        let mut seen = self.progress.load(Ordering::Relaxed);
-        let mut since = Instant::now();
+        let mut watch = self.finishing();
         loop {
             match self.done.recv_timeout(Duration::from_millis(100)) {
                 Ok(()) | Err(RecvTimeoutError::Disconnected) => break,
                 Err(RecvTimeoutError::Timeout) => {}
             }
-            let now = self.progress.load(Ordering::Relaxed);
-            if now != seen {
-                (seen, since) = (now, Instant::now());
-            } else if since.elapsed() >= STALLED {
+            if watch.stalled(&self) {
                 break;
             }
         }
+        self.take_tail()
+    }
+
+    /// Begins the end of the relay, the tree being gone, for [`Relay::try_finish`] to follow:
+    /// for a keeper that keeps other runs meanwhile.
+    pub fn finishing(&mut self) -> Finishing {
+        self.writers = None;
+        Finishing {
+            seen: self.progress.load(Ordering::Relaxed),
+            since: Instant::now(),
+        }
+    }
+
+    /// The run's last lines once every line is written, or the log has taken nothing for
+    /// [`STALLED`] since `finishing` began; `None` while lines are still being written.
+    pub fn try_finish(&mut self, finishing: &mut Finishing) -> Option<Vec<u8>> {
+        let done = matches!(
+            self.done.try_recv(),
+            Ok(()) | Err(mpsc::TryRecvError::Disconnected)
+        );
+        (done || finishing.stalled(self)).then(|| self.take_tail())
+    }
+
+    fn take_tail(&self) -> Vec<u8> {
         let mut tail = self
             .tail
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         tail.take()
+    }
+}
+
+/// A relay's end under way ([`Relay::finishing`]): the progress last seen, and since when.
+#[derive(Debug)]
+pub struct Finishing {
+    seen: u64,
+    since: Instant,
+}
+
+impl Finishing {
+    /// Whether the log has taken nothing for [`STALLED`].
+    fn stalled(&mut self, relay: &Relay) -> bool {
+        let now = relay.progress.load(Ordering::Relaxed);
+        if now != self.seen {
+            (self.seen, self.since) = (now, Instant::now());
+        }
+        self.since.elapsed() >= STALLED
     }
 }
 

@@ -47,7 +47,7 @@ use tracing::info;
 use crate::cli::LogFormat;
 use crate::supervise::keeper::channel::wait_for_start;
 use crate::supervise::keeper::farewell::{self, Farewells, Parent};
-use crate::supervise::keeper::output::{Relay, Tag};
+use crate::supervise::keeper::output::{Finishing, Relay, Tag};
 use crate::supervise::keeper::protocol::session::{
     self as messages, DISMISS, KILL, RUN, RunSpec, SIGNAL, STOPPING,
 };
@@ -66,6 +66,9 @@ struct Run {
     /// The session's deadline, watched for this run.
     watch: Option<Watch>,
     relay: Option<Relay>,
+    /// Its tree is gone and its last lines are being written (never waited for: other runs
+    /// go on meanwhile).
+    finishing: Option<Finishing>,
     /// Everything of it is being killed: each reap kills again what it may have forked since.
     killing: bool,
     /// `PGLEADER_JOB` and `PGLEADER_SCHEDULED_TIME`, to know its orphans by.
@@ -184,7 +187,13 @@ impl Keeper {
                 let watch = self.runs.get(id)?.watch.as_ref()?;
                 Some(PollFd::new(watch.fd(), PollFlags::POLLIN))
             }));
-            match poll(&mut fds, PollTimeout::NONE) {
+            // A run's last lines being written are looked at again shortly.
+            let timeout = if self.any_finishing() {
+                PollTimeout::from(100u8)
+            } else {
+                PollTimeout::NONE
+            };
+            match poll(&mut fds, timeout) {
                 Err(Errno::EINTR) => continue,
                 // Unable to watch over the runs any more: end them rather than orphan them.
                 Err(_) => return,
@@ -324,6 +333,7 @@ impl Keeper {
                         main_done: false,
                         watch,
                         relay,
+                        finishing: None,
                         killing: false,
                         job,
                         occurrence,
@@ -492,8 +502,8 @@ impl Keeper {
         }
     }
 
-    /// Reports each run whose command is reaped and whose orphans are gone: its output's last
-    /// lines, then `Done`.
+    /// Reports each run whose command is reaped and whose orphans are gone, once its output's
+    /// last lines are written (or the log has stalled): those lines, then `Done`.
     fn finish_done_runs(&mut self) {
         let done: Vec<u32> = self
             .runs
@@ -504,18 +514,32 @@ impl Keeper {
             .map(|(id, _)| *id)
             .collect();
         for id in done {
-            let Some(run) = self.runs.remove(&id) else {
+            let Some(run) = self.runs.get_mut(&id) else {
                 continue;
             };
-            self.mains.remove(&run.main.as_raw());
-            if let Some(relay) = run.relay {
-                let tail = relay.finish();
-                if !tail.is_empty() {
-                    self.send(&messages::output_report(id, &tail));
+            let tail = match &mut run.relay {
+                Some(relay) => {
+                    let finishing = run.finishing.get_or_insert_with(|| relay.finishing());
+                    match relay.try_finish(finishing) {
+                        Some(tail) => tail,
+                        None => continue,
+                    }
                 }
+                None => Vec::new(),
+            };
+            let main = run.main.as_raw();
+            self.runs.remove(&id);
+            self.mains.remove(&main);
+            if !tail.is_empty() {
+                self.send(&messages::output_report(id, &tail));
             }
             self.report(id, Report::Done(0));
         }
+    }
+
+    /// Whether a run's last lines are being written: the keeper looks again shortly.
+    fn any_finishing(&self) -> bool {
+        self.runs.values().any(|run| run.finishing.is_some())
     }
 
     /// The keeper's end: everything of every run killed and reaped, the runs reported done,
@@ -535,7 +559,7 @@ impl Keeper {
         for run in self.runs.values_mut() {
             run.main_done = true;
         }
-        self.finish_done_runs();
+        // The sockets first: the next replica does not wait for the runs' last log lines.
         if self.pgleader_gone || farewell::channel_ended(self.channel.as_fd()) {
             let answered = self.farewells.say_if_orphaned(&self.held);
             if answered > 0 {
@@ -546,6 +570,14 @@ impl Keeper {
             }
         }
         self.held.clear();
+        // Each run's last lines, until written or stalled (`output::STALLED`).
+        loop {
+            self.finish_done_runs();
+            if self.runs.is_empty() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
         self.aside.wait();
     }
 
