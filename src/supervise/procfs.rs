@@ -90,15 +90,20 @@ fn children(pid: i32) -> Option<Vec<i32>> {
 
 /// The children of this process's main thread: those it forked, and the orphans reparented to
 /// it as a subreaper (the kernel hands them to the thread group's leader while it lives).
+/// A kernel without those files (built without CONFIG_PROC_CHILDREN) gets the whole table read.
 pub fn own_children() -> Vec<i32> {
     let pid = std::process::id();
-    fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-        .map(|list| {
-            list.split_whitespace()
-                .filter_map(|pid| pid.parse().ok())
-                .collect()
-        })
-        .unwrap_or_default()
+    match fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")) {
+        Ok(list) => list
+            .split_whitespace()
+            .filter_map(|pid| pid.parse().ok())
+            .collect(),
+        Err(_) => processes()
+            .into_iter()
+            .filter(|process| process.ppid == pid as i32)
+            .map(|process| process.pid)
+            .collect(),
+    }
 }
 
 /// The session `pid` belongs to, if it still runs (and is no zombie).

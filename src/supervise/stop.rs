@@ -272,7 +272,9 @@ impl Stop {
                     pid,
                     "the command started while being stopped"
                 );
-                if !self.keeper_stops {
+                // Under a keeper of its own the signal went to a group where only the keeper
+                // was (it blocks signals); a session's keeper sends it after the start.
+                if !self.keeper_stops && !job.signals_follow_start() {
                     send_stop_signal(job, self.signal);
                 }
             }

@@ -11,7 +11,7 @@
 //! is read from one file.
 
 use std::io::Read;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -487,6 +487,26 @@ fn started_on_a_pipe_nobody_reads(
     (a, read_end)
 }
 
+/// Waits until the pipe of `read_end` holds 60 KiB or more: nearly full, its writers about to
+/// block.
+fn wait_full(read_end: &OwnedFd) {
+    let started = Instant::now();
+    loop {
+        let mut queued: libc::c_int = 0;
+        // SAFETY: FIONREAD writes one int, the bytes the pipe holds, into `queued`.
+        let read = unsafe { libc::ioctl(read_end.as_raw_fd(), libc::FIONREAD, &mut queued) };
+        assert_eq!(read, 0, "FIONREAD: {}", std::io::Error::last_os_error());
+        if queued >= 60 * 1024 {
+            return;
+        }
+        assert!(
+            started.elapsed() < WAIT,
+            "the pipe holds only {queued} bytes"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 /// The pipe `read_end` is read again, for good: pgleader writes what it had to say and goes
 /// on. Returns the first line that contains `needle`.
 fn read_again_until(read_end: OwnedFd, needle: &'static str) -> String {
@@ -534,6 +554,9 @@ fn on_postgres_a_crontab_replica_stuck_on_a_full_log_pipe_has_its_runs_stopped_b
     let mut command = fleet.pgleader("cron", &TIMINGS);
     command.arg(&file.0);
     let (a, read_end) = started_on_a_pipe_nobody_reads(command, &journal);
+    // Stuck: the pipe full (the jobs' lines fill it within a run or two), before B joins,
+    // which A, running, would hand a job over to.
+    wait_full(&read_end);
     let b_command = journaling_child(&journal, "B").replace('%', "\\%");
     let b_file = File::new(
         &format!("stuck-cron-b-{}", unique_lock()),

@@ -477,6 +477,13 @@ impl Job {
         }
     }
 
+    /// Whether a signal sent before the command's start reaches the command once it runs: a
+    /// session's keeper handles pgleader's requests in order, the start first. (A keeper of the
+    /// job's own leads the group, alone until the command starts, and blocks every signal.)
+    pub fn signals_follow_start(&self) -> bool {
+        matches!(self.link, Link::Session(_))
+    }
+
     /// Asks the keeper to SIGKILL everything the command started, wherever it went (setsid
     /// included), and to report once nothing is left.
     pub fn kill_everything(&self) -> io::Result<()> {
@@ -532,7 +539,7 @@ impl Job {
     /// `--post-stop` the keeper runs: for a keeper that does not finish.
     pub fn kill_groups(&self) {
         if let Link::Session(run) = &self.link {
-            if let Some(main) = run.main() {
+            if let Some(main) = run.live_main() {
                 let _ = killpg(main, Signal::SIGKILL);
             }
             run.kill();
@@ -550,7 +557,7 @@ impl Job {
     pub fn group_members(&self) -> Vec<i32> {
         let mut members = match self.link {
             Link::Session(ref run) => run
-                .main()
+                .live_main()
                 .map(|main| procfs::group_members(main.as_raw()))
                 .unwrap_or_default(),
             Link::Own { .. } => procfs::group_members(self.keeper.as_raw()),

@@ -19,7 +19,8 @@
 //!   subreaper, inherits every orphan of every run, and tells whose an orphan is by its
 //!   session, else by `PGLEADER_JOB` and `PGLEADER_SCHEDULED_TIME` in its environment, else
 //!   counts it as every unfinished run's: each of those then waits for it, as a run is never
-//!   reported done while something that may be its own lives;
+//!   reported done while something that may be its own lives, and it is killed only once each
+//!   of them is being killed (one run's end never kills another run's processes);
 //! - a run is done once its command is reaped and no orphan counted as its lives: then its
 //!   output's last lines and `Done` go to pgleader;
 //! - a run's output becomes log lines as under a keeper of its own (`output.rs`), a relay
@@ -229,6 +230,9 @@ impl Keeper {
     fn handle_requests(&mut self) -> bool {
         let mut at = 0;
         while let Some((tag, id, body, len)) = messages::next_request(&self.inbox[at..]) {
+            if self.pgleader_gone {
+                break;
+            }
             let body = body.to_vec();
             at += len;
             match tag {
@@ -249,8 +253,8 @@ impl Keeper {
                         .get(..4)
                         .and_then(|bytes| Some(i32::from_le_bytes(bytes.try_into().ok()?)))
                         .and_then(|number| Signal::try_from(number).ok());
-                    if let (Some(run), Some(signal)) = (self.runs.get(&id), signal) {
-                        let _ = killpg(run.main, signal);
+                    if let Some(signal) = signal {
+                        self.signal_run(id, signal);
                     }
                 }
                 KILL => self.kill_run(id),
@@ -347,6 +351,34 @@ impl Keeper {
         }
     }
 
+    /// `signal` to run `id`'s process group, as pgleader asks. Not the stop signal once the
+    /// keeper's own stop is under way: pgleader asked before it could see the deadline expired
+    /// (its word that it stops the command reaches the keeper through its writer, after the
+    /// keeper looked), and the command gets the stop signal once, the keeper's.
+    fn signal_run(&mut self, id: u32, signal: Signal) {
+        let Some(run) = self.runs.get(&id) else {
+            return;
+        };
+        if let Some(watch) = &run.watch
+            && watch.stops_by_itself()
+            && signal == watch.terms.signal
+        {
+            return;
+        }
+        if self.owns_group(id) {
+            let _ = killpg(run.main, signal);
+        }
+    }
+
+    /// Whether run `id`'s command's pid still names its process group: the command runs, or
+    /// its pid has not gone to another run's command since it was reaped (a group's id stays
+    /// taken while any member lives, and a command leads its own).
+    fn owns_group(&self, id: u32) -> bool {
+        self.runs
+            .get(&id)
+            .is_some_and(|run| !run.main_done || self.mains.get(&run.main.as_raw()) == Some(&id))
+    }
+
     /// Looks at a run's deadline, its timer having fired.
     fn check_watch(&mut self, id: u32) {
         let (channel, inbox, gone) = (&self.channel, &mut self.inbox, &mut self.pgleader_gone);
@@ -366,7 +398,7 @@ impl Keeper {
                 self.report(id, Report::Expired(without_news));
                 if terms.signal == Signal::SIGKILL || terms.kill_timeout.is_zero() {
                     self.kill_run(id);
-                } else {
+                } else if self.owns_group(id) {
                     let _ = killpg(main, terms.signal);
                     let _ = killpg(main, Signal::SIGCONT);
                 }
@@ -399,10 +431,17 @@ impl Keeper {
         if !run.main_done {
             roots.push(run.main.as_raw());
         }
+        // An orphan that may be another run's too goes only once each of those is killed:
+        // one run's end never kills another's processes (the run waits for it meanwhile).
         roots.extend(
             self.adopted
                 .iter()
-                .filter(|(_, owners)| owners.contains(&id))
+                .filter(|(_, owners)| {
+                    owners.contains(&id)
+                        && owners
+                            .iter()
+                            .all(|owner| self.runs.get(owner).is_none_or(|run| run.killing))
+                })
                 .map(|(pid, _)| *pid),
         );
         let mut doomed = Vec::new();
@@ -529,7 +568,10 @@ impl Keeper {
             };
             let main = run.main.as_raw();
             self.runs.remove(&id);
-            self.mains.remove(&main);
+            // Unless its pid went to another run's command since.
+            if self.mains.get(&main) == Some(&id) {
+                self.mains.remove(&main);
+            }
             if !tail.is_empty() {
                 self.send(&messages::output_report(id, &tail));
             }

@@ -59,6 +59,9 @@ struct RunReports {
     reports: VecDeque<Report>,
     output: Option<Vec<u8>>,
     main: Option<Pid>,
+    /// The command's end was reported: its pid may go to another process (another run's
+    /// command, which leads a group of that id) and is signalled no more.
+    main_ended: bool,
 }
 
 /// One run of a session's keeper, as a [`Job`] holds it.
@@ -202,8 +205,10 @@ impl Reports {
         match reported {
             Reported::Report(id, report) => {
                 if let Some(run) = self.runs.get_mut(&id) {
-                    if let Report::Started(pid) = report {
-                        run.main = Some(Pid::from_raw(pid));
+                    match report {
+                        Report::Started(pid) => run.main = Some(Pid::from_raw(pid)),
+                        Report::Exited(_) | Report::Killed(_) => run.main_ended = true,
+                        _ => {}
                     }
                     run.reports.push_back(report);
                 }
@@ -223,6 +228,16 @@ impl SessionRun {
         lock(&self.shared.reports)
             .runs
             .get(&self.id)
+            .and_then(|run| run.main)
+    }
+
+    /// The command's pid while it runs (as far as the reports read say): the process group
+    /// pgleader may signal itself.
+    pub(super) fn live_main(&self) -> Option<Pid> {
+        lock(&self.shared.reports)
+            .runs
+            .get(&self.id)
+            .filter(|run| !run.main_ended)
             .and_then(|run| run.main)
     }
 
