@@ -145,6 +145,9 @@ pub struct Seen {
     /// Why this replica must not run with the others, if it must not.
     pub mismatch: Option<String>,
     pub server_time: jiff::Timestamp,
+    /// The backend found the roster the same as at its last read (its answer's digest): this
+    /// is that read's roster, and a room that acted on it has nothing new to act on.
+    pub unchanged: bool,
 }
 
 impl Seen {

@@ -189,6 +189,7 @@ pub(super) fn read_roster(
         taken,
         mismatch,
         server_time,
+        unchanged: false,
     };
     Ok((seen, marked))
 }

@@ -6,7 +6,7 @@ use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use redis::{PushKind, Value};
+use redis::{ErrorKind, PushKind, ServerErrorKind, Value};
 
 use super::roster::{Answer, Cards, card_of, read_roster, runs_otherwise, seen_items, who};
 use super::scripts::{
@@ -35,6 +35,11 @@ pub struct RedisShardHolder {
     ledger: LedgerSettings,
     /// The members' cards as the last roster read found them, parsed (see [`Cards`]).
     cards: Arc<Mutex<Arc<Cards>>>,
+    /// The last roster read in full: its answer's digest and what was seen. The next read
+    /// sends the digest; an answer that says it is the same is that roster, not read again.
+    answered: Arc<Mutex<Option<(String, Seen)>>>,
+    /// The roster read, as `args` make it (see [`Args::roster_command`]).
+    roster_command: redis::Cmd,
 }
 
 /// What a crontab job's ledger is given, from the backend's settings.
@@ -106,6 +111,7 @@ impl RedisShardHolder {
                     SessionError::Query(format!("the server handed out member id {id:?}"))
                 })?;
                 args.id = id.to_owned();
+                let roster_command = args.roster_command();
                 Ok(RedisShardHolder {
                     connection,
                     args,
@@ -118,6 +124,8 @@ impl RedisShardHolder {
                         timeout: backend.ledger_timeout,
                     },
                     cards: Arc::default(),
+                    answered: Arc::default(),
+                    roster_command,
                 })
             }
             ["mismatch", id, card] => Err(JoinError::Mismatch(runs_otherwise(id, card, marker))),
@@ -201,6 +209,7 @@ impl Holder for RedisShardHolder {
         let card = card_of(&items, self.cap, &self.ledger.card);
         self.args.retiring = finishing;
         self.args.items = items;
+        self.roster_command = self.args.roster_command();
         let mut conn = self.connection.conn.clone();
         let mine: i64 = self
             .args
@@ -303,12 +312,47 @@ impl Holder for RedisShardHolder {
         let args = self.args.clone();
         let store = Arc::clone(&self.cards);
         let before = Arc::clone(&store.lock().expect("not poisoned"));
+        let answered = Arc::clone(&self.answered);
+        let command = self.roster_command.clone();
+        let mut since = answered
+            .lock()
+            .expect("not poisoned")
+            .as_ref()
+            .map(|(digest, _)| digest.clone());
         async move {
-            let (seconds, micros, flat, holders, plain, added): Answer = args
-                .over_items(&ROSTER_SCRIPT)
-                .invoke_async(&mut conn)
-                .await
-                .map_err(query_error)?;
+            let (server_time, flat, holders, plain, added, digest) = loop {
+                let mut command = command.clone();
+                if let Some(since) = &since {
+                    command.arg("since").arg(since);
+                }
+                let answer = match command.query_async(&mut conn).await {
+                    Err(err) if err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                        ROSTER_SCRIPT
+                            .load_async(&mut conn)
+                            .await
+                            .map_err(query_error)?;
+                        command.query_async(&mut conn).await
+                    }
+                    answer => answer,
+                };
+                let (seconds, micros, flat, holders, plain, added, digest): Answer =
+                    answer.map_err(query_error)?;
+                let server_time = timestamp(seconds, micros);
+                if since.as_ref() != Some(&digest) {
+                    break (server_time, flat, holders, plain, added, digest);
+                }
+                if let Some((last, seen)) = &*answered.lock().expect("not poisoned")
+                    && *last == digest
+                {
+                    return Ok(Seen {
+                        server_time,
+                        unchanged: true,
+                        ..seen.clone()
+                    });
+                }
+                // Another read stored its answer meanwhile: this one is read in full.
+                since = None;
+            };
             // This member's items in the order it gave them, then those the others' cards
             // added (see `ROSTER`).
             let read: Vec<u32> = match &args.items {
@@ -316,7 +360,6 @@ impl Holder for RedisShardHolder {
                 Items::Numbered(_) => args.items.iter().collect(),
             };
             let items = seen_items(&args.items, &read);
-            let server_time = timestamp(seconds, micros);
             let (mut seen, cards) =
                 read_roster(&items, &read, (&flat, &before), &holders, server_time)?;
             *store.lock().expect("not poisoned") = Arc::new(cards);
@@ -326,6 +369,7 @@ impl Holder for RedisShardHolder {
                      sharded on every replica or on none"
                 ));
             }
+            *answered.lock().expect("not poisoned") = Some((digest, seen.clone()));
             Ok(seen)
         }
     }

@@ -12,9 +12,10 @@
 //!
 //! | key | type | what it holds |
 //! |---|---|---|
-//! | `pgleader:{NAME}:shard:<n>` | string, TTL the lease | item n's holder (shard n, or the job numbered n): `nonce=<hex> epoch=<n> member=<id> since=<unix seconds>` |
+//! | `pgleader:{NAME}:shard:<n>` | string, TTL ten leases (10 minutes at least) | item n's holder (shard n, or the job numbered n): `nonce=<hex> epoch=<n> member=<id> since=<unix seconds>` |
 //! | `pgleader:{NAME}:member:<id>` | string, TTL the lease | member id's card: `nonce=<hex> shards=<K, or 0 for a crontab> cap=<N or none> [knows=<n,...> defines=<n:d,...>] client=<client id> session=<name>` (a crontab's member lists its jobs' numbers, and each job's number with its definition, `-` for none) |
 //! | `pgleader:{NAME}:members` | set | the ids of the members |
+//! | `pgleader:{NAME}:renewed:<id>` | string, TTL half an item key's | there while member id's item keys need no renewal |
 //! | `pgleader:{NAME}:ids` | counter | the last member id handed out |
 //! | `pgleader:{NAME}:epoch` | string | the last fencing token, shared with the plain lock of the name |
 //! | `pgleader:{NAME}:job:<job>:runs`, `:rows`, `:born` | see `redis/ledger.rs` | a crontab job's ledger |
@@ -27,13 +28,17 @@
 //! channel and to the name's channel (RESP3 pushes, on the same connection), then joins: one
 //! script that refuses a member with another K (or a plain replica of the name), hands out a
 //! member id and writes its card. Each roster read is one script that also renews: it extends
-//! this member's card and the shard keys that still name it (compare, then extend; a shard key
-//! that is gone or foreign is never re-created, and the room stops that shard's command), drops
-//! the members whose card expired or whose liveness channel has no subscriber (their connection
-//! is gone: a keeper holds a crashed replica's socket until its commands' trees are dead), and
-//! frees the shard keys of members that are gone. The keys' TTL is the lease, so a member whose
-//! reads stop (a partition, a frozen pgleader) loses everything after a lease, never before its
-//! own deadline plus its kill timeout.
+//! this member's card, and every half of an item key's TTL the shard keys that still name it
+//! (compare, then extend; a shard key that is gone or foreign is never re-created, and the room
+//! stops that shard's command), drops the members whose card expired or whose liveness channel
+//! has no subscriber (their connection is gone: a keeper holds a crashed replica's socket until
+//! its commands' trees are dead), and frees the shard keys of members that are gone. A shard
+//! key is its member's only while the member's card is live, and the card's TTL is the lease,
+//! so a member whose reads stop (a partition, a frozen pgleader) loses everything after a
+//! lease (at the next read of any other member), never before its own deadline plus its kill
+//! timeout; a shard key's own TTL only clears what an abandoned name leaves. A read whose
+//! answer is the same as the caller's last (its digest, sent with the read) comes back as
+//! "the same": a member at rest is sent a digest, not every card and holder.
 //!
 //! **Watcher.** Nobody is told when a connection closes. So each replica's second connection (a
 //! [`RedisShardWatcher`]) asks, every `--check-interval`, whether the next member in id order

@@ -117,9 +117,18 @@ type Parsed = (Option<Arc<BTreeSet<u32>>>, Arc<BTreeMap<u32, u32>>);
 #[derive(Debug, Default)]
 pub(super) struct Cards(HashMap<i32, (String, Parsed)>);
 
-/// The roster script's answer: the server's clock, the live members, each item's holder, and
-/// a live plain replica of the name.
-pub(super) type Answer = (i64, i64, Vec<String>, Vec<i64>, Option<String>, Vec<u32>);
+/// The roster script's answer: the server's clock, the live members, each item's holder,
+/// a live plain replica of the name, the items the others' cards added, and the answer's
+/// digest (all three lists empty when the caller sent that digest: the same as then).
+pub(super) type Answer = (
+    i64,
+    i64,
+    Vec<String>,
+    Vec<i64>,
+    Option<String>,
+    Vec<u32>,
+    String,
+);
 
 /// Reads the roster script's answer, as seen by a member that shares out `items`: the holders
 /// are in the order of `read` (the items the script read: for a crontab, this member's jobs
@@ -192,6 +201,7 @@ pub(super) fn read_roster(
         taken,
         mismatch,
         server_time,
+        unchanged: false,
     };
     Ok((seen, cards))
 }

@@ -17,12 +17,20 @@ use crate::redis::scripts::{Keys, millis};
 /// member id of the caller ("0" when it has none yet), ARGV[3] its nonce, ARGV[4] the lease in
 /// milliseconds. The scripts that read every item (roster, leave) take the marker in ARGV[5]:
 /// K for shards `0..K`, or 0 for a crontab, whose job numbers follow in ARGV[6..], then the
-/// word `retiring` and the jobs a reread removed whose last runs may still go on.
+/// word `retiring` and the jobs a reread removed whose last runs may still go on, then (the
+/// roster read) the word `since` and the digest of the caller's last answer.
+///
+/// An item key lives `item_ttl` (ten leases, 10 minutes at least): what makes it its member's is the member's live card
+/// (its lease), and a key whose member is gone is freed by the next roster read of any
+/// member; its TTL only clears what an abandoned name leaves behind, so that a member at rest
+/// renews its items every half of it rather than at every read.
 const PRELUDE: &str = r#"
 local base, me, nonce, lease = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local item_ttl = math.max(10 * tonumber(lease), 600000)
 local t = redis.call('TIME')
 local members = base .. ':members'
 local function member_key(id) return base .. ':member:' .. id end
+local function renewed_key(id) return base .. ':renewed:' .. id end
 local function nonce_of(v) return string.match(v, '^nonce=(%x+) ') end
 -- true/false from a liveness channel; nil when the ACL forbids asking (the TTL decides then).
 local function connected(n)
@@ -45,7 +53,7 @@ local function items()
   local list, k = {}, tonumber(ARGV[5])
   if k == 0 then
     for i = 6, #ARGV do
-      if ARGV[i] == 'retiring' then break end
+      if ARGV[i] == 'retiring' or ARGV[i] == 'since' then break end
       list[#list + 1] = ARGV[i]
     end
   else
@@ -56,6 +64,7 @@ end
 local function retiring()
   local list, after = {}, false
   for i = 6, #ARGV do
+    if ARGV[i] == 'since' then break end
     if after then list[#list + 1] = ARGV[i] end
     if ARGV[i] == 'retiring' then after = true end
   end
@@ -89,12 +98,12 @@ end
 local function end_own_membership()
   local card = redis.call('GET', member_key(me))
   if card and nonce_of(card) == nonce then
-    redis.call('DEL', member_key(me)); redis.call('SREM', members, me)
+    redis.call('DEL', member_key(me), renewed_key(me)); redis.call('SREM', members, me)
     say('left ' .. me)
   end
 end
 local function drop(id)
-  redis.call('DEL', member_key(id)); redis.call('SREM', members, id)
+  redis.call('DEL', member_key(id), renewed_key(id)); redis.call('SREM', members, id)
   say('gone ' .. id)
 end
 -- The live members, id -> card; the others leave the roster, and everyone is told.
@@ -140,12 +149,21 @@ return {'joined', id}
 /// that started at the very moment this one joined), or false, and the items read beyond the
 /// caller's own, which the others' cards know}`: the holders are of the caller's items in the
 /// order it gave them, then of those. An item key counts as a member's only while it carries
-/// that member's nonce. Whether a member runs the name otherwise is read off the cards.
+/// that member's nonce. Whether a member runs the name otherwise is read off the cards. The
+/// answer ends with its digest (a SHA-1 of the members in id order, the holders, the plain
+/// replica and the items added): when it is the one the caller sent after `since`, the three
+/// lists come back empty and the plain replica false, meaning "the same as then", so that a
+/// member at rest is sent two numbers and a digest rather than every card and every holder.
+/// This member's item keys are renewed (to `item_ttl`) once their renewal falls due, half
+/// that TTL after the last (`pgleader:{NAME}:renewed:<id>`), not at every read.
 const ROSTER: &str = r#"
 local live = live_members()
-if live[me] and nonce_of(live[me]) == nonce then
+local mine = live[me] and nonce_of(live[me]) == nonce
+if mine then
   redis.call('PEXPIRE', member_key(me), lease)
 end
+local renew = mine and redis.call('SET', renewed_key(me), '1', 'NX', 'PX',
+  math.floor(item_ttl / 2))
 local holders = {}
 local keys = {}
 -- A crontab's member reads the jobs the other members' cards say they know too, so that every
@@ -176,7 +194,7 @@ for i = 1, #keys do
       h = -1
     elseif live[hid] and nonce_of(live[hid]) == hn then
       h = tonumber(hid)
-      if hid == me then redis.call('PEXPIRE', keys[i], lease) end
+      if hid == me and renew then redis.call('PEXPIRE', keys[i], item_ttl) end
     else
       -- Its member is gone (its connection closed, or its card expired): free.
       redis.call('DEL', keys[i])
@@ -186,21 +204,32 @@ for i = 1, #keys do
 end
 -- A job a reread removed stays this member's, renewed, while its last run finishes: the room
 -- gives it up once that run has ended.
-if live[me] and nonce_of(live[me]) == nonce then
+if renew then
   for _, n in ipairs(retiring()) do
     local key = base .. ':shard:' .. n
     local v = redis.call('GET', key)
-    if v and nonce_of(v) == nonce then redis.call('PEXPIRE', key, lease) end
+    if v and nonce_of(v) == nonce then redis.call('PEXPIRE', key, item_ttl) end
   end
 end
+local ids = {}
+for id in pairs(live) do ids[#ids + 1] = id end
+table.sort(ids, function(a, b) return tonumber(a) < tonumber(b) end)
 local flat = {}
-for id, card in pairs(live) do
-  table.insert(flat, id); table.insert(flat, card)
+for _, id in ipairs(ids) do
+  table.insert(flat, id); table.insert(flat, live[id])
 end
 -- The caller knows its own items: only those the others' cards added come back.
 local added = {}
 for i = own + 1, #list do added[#added + 1] = list[i] end
-return {t[1], t[2], flat, holders, plain_replica() or false, added}
+local plain = plain_replica() or false
+local digest = redis.sha1hex(table.concat(flat, '\n') .. '\n' .. table.concat(holders, ',') ..
+  '\n' .. (plain or '') .. '\n' .. table.concat(added, ','))
+for i = 6, #ARGV - 1 do
+  if ARGV[i] == 'since' and ARGV[i + 1] == digest then
+    return {t[1], t[2], {}, {}, false, {}, digest}
+  end
+end
+return {t[1], t[2], flat, holders, plain, added, digest}
 "#;
 
 /// Rewrites this member's card (ARGV[6], after its nonce) where it is still its own, keeping
@@ -232,7 +261,7 @@ for i = 5, #ARGV do
       redis.call('SET', base .. ':epoch', epoch)
     end
     redis.call('SET', key, 'nonce=' .. nonce .. ' epoch=' .. epoch .. ' member=' .. me ..
-      ' since=' .. t[1], 'PX', lease)
+      ' since=' .. t[1], 'PX', item_ttl)
     table.insert(won, tonumber(ARGV[i]))
   end
 end
@@ -307,7 +336,7 @@ end
 -- The membership only while it is still this member's: never another's that took the id.
 local card = redis.call('GET', member_key(me))
 if not card or nonce_of(card) == nonce then
-  if card then redis.call('DEL', member_key(me)) end
+  if card then redis.call('DEL', member_key(me), renewed_key(me)) end
   redis.call('SREM', members, me)
   say('left ' .. me)
 end
@@ -429,23 +458,42 @@ impl Args {
         eval
     }
 
+    /// The roster read's `EVALSHA` with [`Args::over_items`]' arguments, built once per change
+    /// of the items rather than at every check (a crontab's thousand job numbers); the caller
+    /// adds `since` and loads the script when the server has not cached it.
+    pub(super) fn roster_command(&self) -> redis::Cmd {
+        let mut command = redis::cmd("EVALSHA");
+        command
+            .arg(ROSTER_SCRIPT.get_hash())
+            .arg(0)
+            .arg(&self.keys.base)
+            .arg(&self.id)
+            .arg(&self.nonce)
+            .arg(millis(self.lease))
+            .arg(self.item_args());
+        command
+    }
+
     /// A script that reads every item (roster, leave): the marker, then a crontab's job
     /// numbers (see the prelude).
     pub(super) fn over_items<'a>(&self, script: &'a Script) -> redis::ScriptInvocation<'a> {
         let mut invocation = self.invocation(script);
-        invocation.arg(self.items.marker());
+        invocation.arg(self.item_args());
+        invocation
+    }
+
+    /// What a script that reads every item is given after the prelude's arguments: the
+    /// marker, then a crontab's job numbers, then `retiring` and the jobs retiring.
+    fn item_args(&self) -> Vec<String> {
+        let mut args = vec![self.items.marker().to_string()];
         if let Items::Listed(jobs) = &self.items {
-            for job in &jobs.items {
-                invocation.arg(*job);
-            }
+            args.extend(jobs.items.iter().map(u32::to_string));
             if !self.retiring.is_empty() {
-                invocation.arg("retiring");
-                for job in &self.retiring {
-                    invocation.arg(*job);
-                }
+                args.push("retiring".to_owned());
+                args.extend(self.retiring.iter().map(u32::to_string));
             }
         }
-        invocation
+        args
     }
 }
 
