@@ -125,6 +125,9 @@ pub struct Commands<K: Ord + Clone, T> {
     rules: StopRules,
     kill_signal: Signal,
     restart: Restart,
+    /// One more at every change of what [`Commands::views`] or an entry's item show: its
+    /// readers publish again only when it moved, not at every turn of the loop.
+    changes: u64,
 }
 
 impl<K: Ord + Clone, T> Commands<K, T> {
@@ -137,13 +140,20 @@ impl<K: Ord + Clone, T> Commands<K, T> {
             rules,
             kill_signal,
             restart,
+            changes: 0,
         }
+    }
+
+    /// How many changes the table has seen (see `changes`).
+    pub fn changes(&self) -> u64 {
+        self.changes
     }
 
     /// Adds a command that may start at `start_at` (`None`: when asked, [`Commands::start_now`]),
     /// named in the log as `label`.
     pub fn insert(&mut self, key: K, label: Label, item: T, start_at: Option<Instant>) {
         let start_at = start_at.unwrap_or_else(|| Instant::now() + NOT_UNTIL_ASKED);
+        self.changes += 1;
         self.entries.insert(
             key,
             Entry {
@@ -175,6 +185,7 @@ impl<K: Ord + Clone, T> Commands<K, T> {
 
     /// What the owner keeps of `key`'s entry.
     pub fn item_mut(&mut self, key: &K) -> Option<&mut T> {
+        self.changes += 1;
         self.entries.get_mut(key).map(|entry| &mut entry.item)
     }
 
@@ -183,6 +194,7 @@ impl<K: Ord + Clone, T> Commands<K, T> {
     /// (a crontab job's run that goes on beside the next, `overlap=allow`).
     pub fn rekey(&mut self, from: &K, to: K) {
         if let Some(entry) = self.entries.remove(from) {
+            self.changes += 1;
             self.entries.insert(to, entry);
         }
     }
@@ -238,6 +250,7 @@ impl<K: Ord + Clone, T> Commands<K, T> {
         let Some(entry) = self.entries.get_mut(key) else {
             return;
         };
+        self.changes += 1;
         if let Some(stopping) = &mut entry.stopping {
             if after == After::Forget {
                 stopping.after = After::Forget;
@@ -312,6 +325,7 @@ impl<K: Ord + Clone, T> Commands<K, T> {
         command: Option<&CommandLine>,
     ) -> Result<(), CommandError> {
         let kill_signal = self.kill_signal;
+        self.changes += 1;
         let Some(entry) = self.entries.get_mut(key) else {
             return Ok(());
         };
@@ -378,6 +392,7 @@ impl<K: Ord + Clone, T> Commands<K, T> {
                 && entry.stopping.is_none()
                 && entry.start_at <= now
             {
+                self.changes += 1;
                 entry.job = Some(start(key, &entry.item)?);
             }
         }
@@ -421,6 +436,7 @@ impl<K: Ord + Clone, T> Commands<K, T> {
                             continue;
                         }
                         let stop = Stop::vanished(job, self.rules, entry.label.clone());
+                        self.changes += 1;
                         *stopping = Some(Stopping {
                             after: After::Restart,
                             stop: Some(stop),
@@ -488,6 +504,9 @@ impl<K: Ord + Clone, T> Commands<K, T> {
                 _ => Settled::Gone,
             };
             settled.push((key.clone(), status, outcome, entry.label.clone()));
+        }
+        if !settled.is_empty() {
+            self.changes += 1;
         }
         for (key, _, outcome, _) in &settled {
             if *outcome != Settled::Restarting

@@ -127,6 +127,9 @@ pub struct Jobs<L: Ledger> {
     output: Output,
     /// The latest sample of the server's clock.
     clock: Option<ServerClock>,
+    /// The sample the runs were last given: a check's sample goes to every run only once it
+    /// moves their instants by a millisecond or more, not at every check (a thousand jobs).
+    given: Option<ServerClock>,
     /// The jobs another member defines otherwise, with that member, as last logged.
     disagreeing: BTreeSet<(String, i32)>,
     /// The markers `disagreeing` was worked out from: this replica's listing and each other
@@ -229,6 +232,7 @@ impl<L: Ledger> Jobs<L> {
             own_ledger: String::new(),
             output: Output::Inherited,
             clock: None,
+            given: None,
             disagreeing: BTreeSet::new(),
             compared: None,
             pinger: None,
@@ -542,13 +546,18 @@ impl<L: Ledger> Jobs<L> {
     /// A roster read, sent at `sent` and answered at `received`, read the server's clock.
     pub fn observe_clock(&mut self, sent: Instant, received: Instant, server: Timestamp) {
         let sample = ServerClock::sample(sent, received, server);
-        let old = self.clock.replace(sample);
-        for runs in self.runs.values_mut() {
-            runs.observe_check(sent, received, server);
-        }
-        // A sample that moves the occurrences' instants by a millisecond or more (a clock
-        // stepped) sets every timer again; the drift between two checks does not.
-        if old.is_none_or(|old| sample.moved_from(&old) >= Duration::from_millis(1)) {
+        self.clock = Some(sample);
+        // A sample that moves the occurrences' instants by a millisecond or more since the
+        // runs were last given one (a clock stepped, or drift adding up) goes to every run and
+        // sets every timer again; a check's round trip alone does not.
+        if self
+            .given
+            .is_none_or(|given| sample.moved_from(&given) >= Duration::from_millis(1))
+        {
+            for runs in self.runs.values_mut() {
+                runs.observe_check(sent, received, server);
+            }
+            self.given = Some(sample);
             self.ready.mark_all(self.runs.keys().copied());
         }
     }

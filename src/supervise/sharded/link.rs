@@ -52,6 +52,10 @@ pub(super) struct Link<B: ShardBackend> {
     /// When this replica last took or gave a shard: a roster read sent before shows its own
     /// holdings as they were, and is not acted on.
     pub(super) changed_at: Option<Instant>,
+    /// The table's changes when a roster was last acted on: a roster the backend finds
+    /// unchanged, with the table as it was then, has nothing new to act on (at rest, a check
+    /// does not plan a thousand jobs again). `None` after a reread.
+    pub(super) applied: Option<u64>,
 }
 
 /// The watcher session and what it waits for.
@@ -89,6 +93,7 @@ impl<B: ShardBackend> Link<B> {
             transient_since: None,
             abandoned,
             changed_at: None,
+            applied: None,
         }
     }
 

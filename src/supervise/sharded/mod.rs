@@ -153,6 +153,9 @@ struct Room<B: ShardBackend, D> {
     drain: Option<Drain>,
     /// A TERM came that asks for a drain, not begun yet.
     drain_requested: bool,
+    /// The table's changes and the member id last published (see [`Room::publish`]); `None`
+    /// when something else has told the telemetry of a role since.
+    published: Option<(u64, i32)>,
 }
 
 /// A TERM's drain under way: the runs going on end by themselves, until `until` if
@@ -220,6 +223,7 @@ impl<B: ShardBackend + Clone + 'static, D: Duty<B::Holder>> Room<B, D> {
             leftover_watchers: Vec::new(),
             drain: None,
             drain_requested: false,
+            published: None,
         }
     }
 
@@ -315,6 +319,7 @@ impl<B: ShardBackend + Clone + 'static, D: Duty<B::Holder>> Room<B, D> {
         };
         notify::status(&format!("running shards of lock {}", self.settings.lock));
         self.inbox.telemetry.following(link.me);
+        self.published = None;
         link.read_soon(false, self.settings.check_timeout);
         loop {
             if let Some(ending) = self.ending(&mut link) {
@@ -641,6 +646,9 @@ impl<B: ShardBackend + Clone + 'static, D: Duty<B::Holder>> Room<B, D> {
     /// SIGHUP or SIGUSR2, where the duty rereads: the items it shares out from now on are told to the
     /// server (those it removed whose last runs go on stay this replica's until they end).
     async fn reread(&mut self, link: &mut Link<B>) {
+        // A reread renames what the duty publishes, and changes what a roster deals.
+        self.published = None;
+        link.applied = None;
         let mood = self.mood(link);
         let reread = self.duty.reread(&mut self.table, &link.holder, mood);
         let Some(items) = reread.await else {
@@ -738,6 +746,7 @@ impl<B: ShardBackend + Clone + 'static, D: Duty<B::Holder>> Room<B, D> {
         warn!(event = "leadership_lost", lock = %self.settings.lock, reason = %reason, "lost every shard");
         notify::status(&format!("shards lost ({reason}); stopping their commands"));
         self.inbox.telemetry.leadership_lost(loss, reason);
+        self.published = None;
         self.last_disturbance = Some(Instant::now());
         self.table
             .stop_all(self.settings.kill_signal, After::Forget);
@@ -858,7 +867,14 @@ impl<B: ShardBackend + Clone + 'static, D: Duty<B::Holder>> Room<B, D> {
 
     /// What the HTTP endpoint and metrics show: the items held here and their commands;
     /// leading while this replica holds one; and what the duty adds.
-    fn publish(&self, me: i32) {
+    fn publish(&mut self, me: i32) {
+        // Nothing changed since the last turn of the loop (a check at rest, say): nothing to
+        // publish, and no thousand views built to find that out.
+        let now = (self.table.changes(), me);
+        if self.published == Some(now) {
+            return;
+        }
+        self.published = Some(now);
         self.duty.publish(&self.table, &self.inbox.telemetry);
         let held = self
             .table

@@ -88,11 +88,17 @@ impl<B: ShardBackend + Clone + 'static, D: Duty<B::Holder>> Room<B, D> {
             return;
         }
         link.keep_watch(&seen, &self.backend, &self.settings.session_name);
+        if seen.unchanged && !link.stale && link.applied == Some(self.table.changes()) {
+            return;
+        }
         match self.apply(link, &seen).await {
             // Only after the items it took: a read sent before would not show them, and
             // they would look lost.
-            Ok(()) if std::mem::take(&mut link.stale) => link.read_soon(quiet, timeout),
-            Ok(()) => {}
+            Ok(()) if std::mem::take(&mut link.stale) => {
+                link.applied = None;
+                link.read_soon(quiet, timeout);
+            }
+            Ok(()) => link.applied = Some(self.table.changes()),
             Err(Failure::Session(err)) => {
                 let reason = format!("a statement failed: {err}");
                 self.lose_all(&reason, LossReason::CheckFailed);
