@@ -14,7 +14,7 @@
 //! and after every event [`Commands::settle`], which says which commands are wholly gone.
 //! Stopping one command never holds up the others: nothing here awaits a stop.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::task::Poll;
 use std::time::Duration;
 
@@ -128,6 +128,10 @@ pub struct Commands<K: Ord + Clone, T> {
     /// One more at every change of what [`Commands::views`] or an entry's item show: its
     /// readers publish again only when it moved, not at every turn of the loop.
     changes: u64,
+    /// The entries with a command started or a stop under way (at least those): what the
+    /// reports and settling look at, at every turn of the loop, rather than a crontab's
+    /// thousand idle jobs.
+    active: BTreeSet<K>,
 }
 
 impl<K: Ord + Clone, T> Commands<K, T> {
@@ -141,6 +145,7 @@ impl<K: Ord + Clone, T> Commands<K, T> {
             kill_signal,
             restart,
             changes: 0,
+            active: BTreeSet::new(),
         }
     }
 
@@ -154,6 +159,7 @@ impl<K: Ord + Clone, T> Commands<K, T> {
     pub fn insert(&mut self, key: K, label: Label, item: T, start_at: Option<Instant>) {
         let start_at = start_at.unwrap_or_else(|| Instant::now() + NOT_UNTIL_ASKED);
         self.changes += 1;
+        self.active.remove(&key);
         self.entries.insert(
             key,
             Entry {
@@ -195,6 +201,9 @@ impl<K: Ord + Clone, T> Commands<K, T> {
     pub fn rekey(&mut self, from: &K, to: K) {
         if let Some(entry) = self.entries.remove(from) {
             self.changes += 1;
+            if self.active.remove(from) {
+                self.active.insert(to.clone());
+            }
             self.entries.insert(to, entry);
         }
     }
@@ -262,6 +271,7 @@ impl<K: Ord + Clone, T> Commands<K, T> {
             .as_ref()
             .map(|job| Stop::begin(job, signal, self.rules, entry.label.clone()));
         entry.stopping = Some(Stopping { after, stop });
+        self.active.insert(key.clone());
     }
 
     /// Stops every command with `signal`.
@@ -303,9 +313,11 @@ impl<K: Ord + Clone, T> Commands<K, T> {
 
     /// The next report from any command's keeper. Cancel-safe.
     pub async fn next_report(&mut self) -> (K, Report) {
+        let (active, entries) = (&self.active, &mut self.entries);
         std::future::poll_fn(|cx| {
-            for (key, entry) in self.entries.iter_mut() {
-                if let Some(job) = &mut entry.job
+            for key in active {
+                if let Some(entry) = entries.get_mut(key)
+                    && let Some(job) = &mut entry.job
                     && let Poll::Ready(report) = job.poll_report(cx)
                 {
                     return Poll::Ready((key.clone(), report));
@@ -394,6 +406,7 @@ impl<K: Ord + Clone, T> Commands<K, T> {
             {
                 self.changes += 1;
                 entry.job = Some(start(key, &entry.item)?);
+                self.active.insert(key.clone());
             }
         }
         Ok(())
@@ -424,9 +437,17 @@ impl<K: Ord + Clone, T> Commands<K, T> {
         let now = Instant::now();
         self.settled_output.clear();
         let mut settled = Vec::new();
-        for (key, entry) in &mut self.entries {
+        let active: Vec<K> = self.active.iter().cloned().collect();
+        for key in active {
+            let Some(entry) = self.entries.get_mut(&key) else {
+                self.active.remove(&key);
+                continue;
+            };
             let status = match (&mut entry.job, &mut entry.stopping) {
-                (None, None) => continue,
+                (None, None) => {
+                    self.active.remove(&key);
+                    continue;
+                }
                 (None, Some(_)) => None,
                 (Some(job), stopping) => {
                     // Its keeper vanished (killed from outside) without being stopped: what it
@@ -464,6 +485,7 @@ impl<K: Ord + Clone, T> Commands<K, T> {
                 After::Restart if !quiet => {
                     entry.job = None;
                     entry.stopping = None;
+                    self.active.remove(&key);
                     let label = entry.label.clone();
                     let restart_delay = match self.restart {
                         Restart::After(delay) => delay,
@@ -509,8 +531,11 @@ impl<K: Ord + Clone, T> Commands<K, T> {
             self.changes += 1;
         }
         for (key, _, outcome, _) in &settled {
-            if *outcome != Settled::Restarting
-                && let Some(entry) = self.entries.remove(key)
+            if *outcome == Settled::Restarting {
+                continue;
+            }
+            self.active.remove(key);
+            if let Some(entry) = self.entries.remove(key)
                 && let Some(output) = entry.output
             {
                 self.settled_output.insert(key.clone(), output);
