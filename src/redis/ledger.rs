@@ -64,7 +64,16 @@ local t = redis.call('TIME')
 local now = string.format('%.0f', tonumber(t[1]) * 1000000 + tonumber(t[2]))
 local function leads()
   local v = redis.call('GET', KEYS[1])
-  return v and string.match(v, '^nonce=(%x+) ') == me
+  if not (v and string.match(v, '^nonce=(%x+) ') == me) then return false end
+  -- A crontab job's item key is its member's only while the member's card lives (the card's
+  -- TTL is the lease, the key's own longer: see shards/scripts.rs).
+  local base = string.match(KEYS[1], '^(.*):shard:%d+$')
+  local id = string.match(v, ' member=(%d+)')
+  if base and id then
+    local card = redis.call('GET', base .. ':member:' .. id)
+    return card ~= false and string.match(card, '^nonce=(%x+) ') == me
+  end
+  return true
 end
 local function newer(at)
   return redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. at, '+inf', 'LIMIT', 0, 1)[1] ~= nil

@@ -503,7 +503,7 @@ fn up_two_seconds(redis: &Redis) {
 }
 
 #[test]
-fn a_job_s_claim_succeeds_only_while_its_item_key_holds_its_member_s_nonce() {
+fn a_job_s_claim_succeeds_only_while_its_item_key_holds_its_member_s_nonce_and_its_card_lives() {
     let redis = Redis::shared();
     up_two_seconds(redis);
     let name = unique_name("cron-guard");
@@ -540,6 +540,12 @@ fn a_job_s_claim_succeeds_only_while_its_item_key_holds_its_member_s_nonce() {
             redis.cli(&["ZCARD", &format!("pgleader:{{{name}}}:job:nightly:runs")]),
             "1"
         );
+        // Its card gone (expired, as a frozen member's does), its item key still naming it: no
+        // claim, though the key outlives the card (its TTL is ten leases).
+        let card_key = format!("pgleader:{{{name}}}:member:{}", a.id());
+        redis.cli(&["DEL", &card_key]);
+        assert_eq!(claim(1).await, Claim::NotLeader);
+        redis.cli(&["SET", &card_key, &card, "PX", "60000"]);
         // Another member's item (9 is free, nobody's) guards nothing for this one.
         let other = a.ledger(&job, 9, &definition).expect("a ledger");
         let refused = within("claim", other.claim(at(1), &claimant, 0)).await;

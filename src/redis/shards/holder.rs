@@ -210,6 +210,9 @@ impl Holder for RedisShardHolder {
         self.args.retiring = finishing;
         self.args.items = items;
         self.roster_command = self.args.roster_command();
+        // A read of the old items may have stored an answer its digest alone would not tell
+        // from one of the new items (the digest does not cover the caller's own list).
+        *self.answered.lock().expect("not poisoned") = None;
         let mut conn = self.connection.conn.clone();
         let mine: i64 = self
             .args

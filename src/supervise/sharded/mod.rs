@@ -646,9 +646,8 @@ impl<B: ShardBackend + Clone + 'static, D: Duty<B::Holder>> Room<B, D> {
     /// SIGHUP or SIGUSR2, where the duty rereads: the items it shares out from now on are told to the
     /// server (those it removed whose last runs go on stay this replica's until they end).
     async fn reread(&mut self, link: &mut Link<B>) {
-        // A reread renames what the duty publishes, and changes what a roster deals.
+        // A reread renames what the duty publishes.
         self.published = None;
-        link.applied = None;
         let mood = self.mood(link);
         let reread = self.duty.reread(&mut self.table, &link.holder, mood);
         let Some(items) = reread.await else {
@@ -670,7 +669,9 @@ impl<B: ShardBackend + Clone + 'static, D: Duty<B::Holder>> Room<B, D> {
             .filter(|item| !self.items.contains(*item))
             .collect();
         // A roster read sent before shows the items as they were: not acted on (see `on_read`).
+        // And a roster unchanged since is acted on again, for the items as they are now.
         link.changed_at = Some(Instant::now());
+        link.applied = None;
         let told = tokio::time::timeout(
             link.left(timeout),
             link.holder.set_items(self.items.clone(), finishing),
