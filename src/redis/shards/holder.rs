@@ -35,11 +35,20 @@ pub struct RedisShardHolder {
     ledger: LedgerSettings,
     /// The members' cards as the last roster read found them, parsed (see [`Cards`]).
     cards: Arc<Mutex<Arc<Cards>>>,
-    /// The last roster read in full: its answer's digest and what was seen. The next read
-    /// sends the digest; an answer that says it is the same is that roster, not read again.
-    answered: Arc<Mutex<Option<(String, Seen)>>>,
+    /// The last roster read in full (see [`Answered`]).
+    answered: Arc<Mutex<Answered>>,
     /// The roster read, as `args` make it (see [`Args::roster_command`]).
     roster_command: redis::Cmd,
+}
+
+/// The last roster read in full for this member's items as they are: its answer's digest and
+/// what was seen. The next read sends the digest; an answer that says it is the same is that
+/// roster, not read again. `items` counts the changes of the items (the digest does not cover
+/// the caller's own list): a read sent for other items stores nothing and uses nothing.
+#[derive(Debug, Default)]
+struct Answered {
+    items: u64,
+    last: Option<(String, Seen)>,
 }
 
 /// What a crontab job's ledger is given, from the backend's settings.
@@ -210,9 +219,11 @@ impl Holder for RedisShardHolder {
         self.args.retiring = finishing;
         self.args.items = items;
         self.roster_command = self.args.roster_command();
-        // A read of the old items may have stored an answer its digest alone would not tell
-        // from one of the new items (the digest does not cover the caller's own list).
-        *self.answered.lock().expect("not poisoned") = None;
+        {
+            let mut answered = self.answered.lock().expect("not poisoned");
+            answered.items += 1;
+            answered.last = None;
+        }
         let mut conn = self.connection.conn.clone();
         let mine: i64 = self
             .args
@@ -317,11 +328,11 @@ impl Holder for RedisShardHolder {
         let before = Arc::clone(&store.lock().expect("not poisoned"));
         let answered = Arc::clone(&self.answered);
         let command = self.roster_command.clone();
-        let mut since = answered
-            .lock()
-            .expect("not poisoned")
-            .as_ref()
-            .map(|(digest, _)| digest.clone());
+        let (generation, mut since) = {
+            let answered = answered.lock().expect("not poisoned");
+            let since = answered.last.as_ref().map(|(digest, _)| digest.clone());
+            (answered.items, since)
+        };
         async move {
             let (server_time, flat, holders, plain, added, digest) = loop {
                 let mut command = command.clone();
@@ -344,7 +355,9 @@ impl Holder for RedisShardHolder {
                 if since.as_ref() != Some(&digest) {
                     break (server_time, flat, holders, plain, added, digest);
                 }
-                if let Some((last, seen)) = &*answered.lock().expect("not poisoned")
+                let stored = answered.lock().expect("not poisoned");
+                if stored.items == generation
+                    && let Some((last, seen)) = &stored.last
                     && *last == digest
                 {
                     return Ok(Seen {
@@ -353,7 +366,8 @@ impl Holder for RedisShardHolder {
                         ..seen.clone()
                     });
                 }
-                // Another read stored its answer meanwhile: this one is read in full.
+                // Another read stored its answer meanwhile, or the items changed: read in full.
+                drop(stored);
                 since = None;
             };
             // This member's items in the order it gave them, then those the others' cards
@@ -372,7 +386,10 @@ impl Holder for RedisShardHolder {
                      sharded on every replica or on none"
                 ));
             }
-            *answered.lock().expect("not poisoned") = Some((digest, seen.clone()));
+            let mut stored = answered.lock().expect("not poisoned");
+            if stored.items == generation {
+                stored.last = Some((digest, seen.clone()));
+            }
             Ok(seen)
         }
     }

@@ -54,7 +54,7 @@ pub(super) struct Link<B: ShardBackend> {
     pub(super) changed_at: Option<Instant>,
     /// The table's changes when a roster was last acted on: a roster the backend finds
     /// unchanged, with the table as it was then, has nothing new to act on (at rest, a check
-    /// does not plan a thousand jobs again). `None` after a reread.
+    /// does not plan a thousand jobs again). `None` once the items change.
     pub(super) applied: Option<u64>,
 }
 
