@@ -20,10 +20,11 @@ use crate::redis::scripts::{Keys, millis};
 /// word `retiring` and the jobs a reread removed whose last runs may still go on, then (the
 /// roster read) the word `since` and the digest of the caller's last answer.
 ///
-/// An item key lives `item_ttl` (ten leases, 10 minutes at least): what makes it its member's is the member's live card
-/// (its lease), and a key whose member is gone is freed by the next roster read of any
-/// member; its TTL only clears what an abandoned name leaves behind, so that a member at rest
-/// renews its items every half of it rather than at every read.
+/// An item key lives `item_ttl` (ten leases, 10 minutes at least): what makes it its
+/// member's is the member's live card (its lease), and a key whose member is gone is freed by
+/// the next roster read of any member; its TTL only clears what an abandoned name leaves
+/// behind, so that a member at rest renews its items every half of it rather than at every
+/// read.
 const PRELUDE: &str = r#"
 local base, me, nonce, lease = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
 local item_ttl = math.max(10 * tonumber(lease), 600000)
