@@ -15,7 +15,7 @@
 //! Stopping one command never holds up the others: nothing here awaits a stop.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::task::Poll;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use jiff::Timestamp;
@@ -30,6 +30,7 @@ use crate::supervise::inbox;
 use crate::supervise::keeper::handle::{CommandError, CommandLine, Job};
 use crate::supervise::keeper::protocol::Report;
 use crate::supervise::label::Label;
+use crate::supervise::ready::{Key, Ready};
 use crate::supervise::stop::{Stop, StopRules};
 use crate::time::for_people as fmt;
 
@@ -117,7 +118,7 @@ struct Stopping {
 
 /// The table.
 #[derive(Debug)]
-pub struct Commands<K: Ord + Clone, T> {
+pub struct Commands<K: Key, T> {
     entries: BTreeMap<K, Entry<T>>,
     /// The kept output of the entries the last [`Commands::settle`] removed, for their owner
     /// to take right after it (see [`Commands::take_output`]).
@@ -132,9 +133,13 @@ pub struct Commands<K: Ord + Clone, T> {
     /// reports and settling look at, at every turn of the loop, rather than a crontab's
     /// thousand idle jobs.
     active: BTreeSet<K>,
+    /// The active entries whose keeper may have a report: in a burst a replica runs hundreds
+    /// of commands, and polling each one's reports at every turn of the loop cost more than
+    /// the reports did (see `ready.rs`).
+    reporting: Ready<K>,
 }
 
-impl<K: Ord + Clone, T> Commands<K, T> {
+impl<K: Key, T> Commands<K, T> {
     /// An empty table whose commands stop by `rules` with `kill_signal`, and start again as
     /// `restart` says after they exit on their own.
     pub fn new(rules: StopRules, kill_signal: Signal, restart: Restart) -> Self {
@@ -146,6 +151,7 @@ impl<K: Ord + Clone, T> Commands<K, T> {
             restart,
             changes: 0,
             active: BTreeSet::new(),
+            reporting: Ready::default(),
         }
     }
 
@@ -203,6 +209,8 @@ impl<K: Ord + Clone, T> Commands<K, T> {
             self.changes += 1;
             if self.active.remove(from) {
                 self.active.insert(to.clone());
+                // Its keeper's reports wake the old key: polled under the new one from now.
+                self.reporting.mark(to.clone());
             }
             self.entries.insert(to, entry);
         }
@@ -312,14 +320,28 @@ impl<K: Ord + Clone, T> Commands<K, T> {
     }
 
     /// The next report from any command's keeper. Cancel-safe.
+    /// Only the entries whose keeper woke them since are polled (and those just started),
+    /// and the first active one besides: the runs of a session's keeper share its channel,
+    /// which wakes only the run that polled it last, and that run may be gone by then; the
+    /// first active entry's poll reads what the channel holds for every run (waking each run
+    /// a report came for) and waits on it, so that some live run always does.
     pub async fn next_report(&mut self) -> (K, Report) {
-        let (active, entries) = (&self.active, &mut self.entries);
+        let (reporting, entries, active) = (&mut self.reporting, &mut self.entries, &self.active);
         std::future::poll_fn(|cx| {
-            for key in active {
+            let mut keys = reporting.take(cx);
+            if let Some(first) = active.first()
+                && keys.binary_search(first).is_err()
+            {
+                keys.push(first.clone());
+            }
+            for (n, key) in keys.iter().enumerate() {
+                let waker = reporting.waker(key);
                 if let Some(entry) = entries.get_mut(key)
                     && let Some(job) = &mut entry.job
-                    && let Poll::Ready(report) = job.poll_report(cx)
+                    && let Poll::Ready(report) = job.poll_report(&mut Context::from_waker(&waker))
                 {
+                    // It may have more to say; those after it were not polled yet.
+                    reporting.put_back(keys[n..].iter().cloned());
                     return Poll::Ready((key.clone(), report));
                 }
             }
@@ -407,6 +429,7 @@ impl<K: Ord + Clone, T> Commands<K, T> {
                 self.changes += 1;
                 entry.job = Some(start(key, &entry.item)?);
                 self.active.insert(key.clone());
+                self.reporting.mark(key.clone());
             }
         }
         Ok(())
@@ -535,6 +558,7 @@ impl<K: Ord + Clone, T> Commands<K, T> {
                 continue;
             }
             self.active.remove(key);
+            self.reporting.forget(key);
             if let Some(entry) = self.entries.remove(key)
                 && let Some(output) = entry.output
             {

@@ -32,6 +32,7 @@ pub mod inbox;
 pub mod keeper;
 pub mod label;
 pub mod procfs;
+pub mod ready;
 pub mod sharded;
 pub mod signals;
 pub mod stop;

@@ -21,7 +21,6 @@ use jiff::Timestamp;
 use tokio::time::Instant;
 use tracing::{info, warn};
 
-use super::ready::Ready;
 use crate::election::ledger::{Claimant, Ledger};
 use crate::election::lock::LockKey;
 use crate::election::participant::host_name;
@@ -37,6 +36,7 @@ use crate::schedule::{Plan, Publish};
 use crate::supervise::keeper::handle::{CommandError, CommandLine};
 use crate::supervise::keeper::protocol::Output;
 use crate::supervise::label::Label;
+use crate::supervise::ready::Ready;
 
 /// A job as this replica defines it.
 #[derive(Debug)]
@@ -114,7 +114,7 @@ pub struct Jobs<L: Ledger> {
     definitions: BTreeMap<u32, Definition>,
     runs: BTreeMap<u32, Runs<L>>,
     /// Which owned jobs' runs want polling (`ready.rs`).
-    ready: Ready,
+    ready: Ready<u32>,
     /// Owned jobs a reread removed: no occurrence is started any more; the run in progress
     /// finishes, then the job is given up.
     retired: BTreeSet<u32>,
@@ -476,7 +476,7 @@ impl<L: Ledger> Jobs<L> {
             if self.retired.contains(&item) {
                 continue;
             }
-            let waker = self.ready.waker(item);
+            let waker = self.ready.waker(&item);
             let Some(runs) = self.runs.get_mut(&item) else {
                 continue;
             };
@@ -586,7 +586,7 @@ impl<L: Ledger> Jobs<L> {
         output: Option<String>,
         timeout: Duration,
     ) {
-        self.ready.forget(item);
+        self.ready.forget(&item);
         if let Some(mut runs) = self.runs.remove(&item) {
             runs.stopped_with(output);
             runs.settle(stopped, timeout).await;
@@ -605,7 +605,7 @@ impl<L: Ledger> Jobs<L> {
     /// Stops owning `item` without a word to the ledger (the session is lost or in doubt: the
     /// job's next owner marks what was running as interrupted).
     pub fn forget(&mut self, item: u32) {
-        self.ready.forget(item);
+        self.ready.forget(&item);
         self.runs.remove(&item);
         self.forget_retired(item);
     }

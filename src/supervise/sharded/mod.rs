@@ -34,7 +34,6 @@ mod duty;
 mod jobs;
 mod link;
 mod parking;
-mod ready;
 mod roster;
 mod scheduled;
 mod shards;

@@ -12,7 +12,7 @@ use std::io;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker};
 
 use nix::errno::Errno;
 use nix::poll::{PollFd, PollFlags, PollTimeout, poll};
@@ -62,6 +62,9 @@ struct RunReports {
     /// The command's end was reported: its pid may go to another process (another run's
     /// command, which leads a group of that id) and is signalled no more.
     main_ended: bool,
+    /// Who waits for this run's next report: woken when one is read, whichever run's poll
+    /// read it (the channel is shared, and wakes only the last run that polled it).
+    waker: Option<Waker>,
 }
 
 /// One run of a session's keeper, as a [`Job`] holds it.
@@ -176,11 +179,11 @@ impl Reports {
         let mut buf = [0u8; 16 * 1024];
         while !self.closed {
             match self.channel.try_read(&mut buf) {
-                Ok(0) => self.closed = true,
+                Ok(0) => self.close(),
                 Ok(n) => self.pending.extend_from_slice(&buf[..n]),
                 Err(err) if err.kind() == io::ErrorKind::WouldBlock => break,
                 Err(err) if err.kind() == io::ErrorKind::Interrupted => {}
-                Err(_) => self.closed = true,
+                Err(_) => self.close(),
             }
         }
         let mut at = 0;
@@ -193,7 +196,7 @@ impl Reports {
                 Ok(None) => break,
                 Err(_) => {
                     // Not the keeper's words: nothing more can be trusted of it.
-                    self.closed = true;
+                    self.close();
                     break;
                 }
             }
@@ -202,21 +205,32 @@ impl Reports {
     }
 
     fn sort(&mut self, reported: Reported) {
+        let (Reported::Report(id, _) | Reported::Output(id, _)) = &reported;
+        let Some(run) = self.runs.get_mut(id) else {
+            return;
+        };
         match reported {
-            Reported::Report(id, report) => {
-                if let Some(run) = self.runs.get_mut(&id) {
-                    match report {
-                        Report::Started(pid) => run.main = Some(Pid::from_raw(pid)),
-                        Report::Exited(_) | Report::Killed(_) => run.main_ended = true,
-                        _ => {}
-                    }
-                    run.reports.push_back(report);
+            Reported::Report(_, report) => {
+                match report {
+                    Report::Started(pid) => run.main = Some(Pid::from_raw(pid)),
+                    Report::Exited(_) | Report::Killed(_) => run.main_ended = true,
+                    _ => {}
                 }
+                run.reports.push_back(report);
             }
-            Reported::Output(id, tail) => {
-                if let Some(run) = self.runs.get_mut(&id) {
-                    run.output = Some(tail);
-                }
+            Reported::Output(_, tail) => run.output = Some(tail),
+        }
+        if let Some(waker) = run.waker.take() {
+            waker.wake();
+        }
+    }
+
+    /// The keeper is gone: every run waiting for a report is told (it reads the end).
+    fn close(&mut self) {
+        self.closed = true;
+        for run in self.runs.values_mut() {
+            if let Some(waker) = run.waker.take() {
+                waker.wake();
             }
         }
     }
@@ -266,36 +280,27 @@ impl SessionRun {
                 .is_none_or(|run| run.reports.is_empty())
     }
 
-    /// The run's next report. A report read for another run wakes the task again, which polls
-    /// every run.
+    /// The run's next report. A report read for another run wakes that run's waker (left
+    /// here by its last poll), so that its owner polls that run alone.
     pub(super) fn poll_report(&mut self, cx: &mut Context<'_>) -> Poll<Report> {
         let mut reports = lock(&self.shared.reports);
         loop {
-            if let Some(report) = reports
-                .runs
-                .get_mut(&self.id)
-                .and_then(|run| run.reports.pop_front())
-            {
+            let Some(run) = reports.runs.get_mut(&self.id) else {
+                return Poll::Pending;
+            };
+            if let Some(report) = run.reports.pop_front() {
                 return Poll::Ready(report);
+            }
+            if !run.waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+                run.waker = Some(cx.waker().clone());
             }
             if reports.closed {
                 return Poll::Pending;
             }
             match reports.channel.poll_read_ready(cx) {
                 Poll::Pending => return Poll::Pending,
-                Poll::Ready(Err(_)) => reports.closed = true,
-                Poll::Ready(Ok(())) => {
-                    let before: usize = reports.runs.values().map(|run| run.reports.len()).sum();
-                    reports.read_available();
-                    let mine = reports
-                        .runs
-                        .get(&self.id)
-                        .map_or(0, |run| run.reports.len());
-                    let after: usize = reports.runs.values().map(|run| run.reports.len()).sum();
-                    if after > before + mine {
-                        cx.waker().wake_by_ref();
-                    }
-                }
+                Poll::Ready(Err(_)) => reports.close(),
+                Poll::Ready(Ok(())) => reports.read_available(),
             }
         }
     }
@@ -322,7 +327,13 @@ impl SessionRun {
 
 impl Drop for SessionRun {
     fn drop(&mut self) {
-        lock(&self.shared.reports).runs.remove(&self.id);
+        let mut reports = lock(&self.shared.reports);
+        reports.runs.remove(&self.id);
+        // The channel may have been left waking this run alone: another that waits polls it
+        // from now on.
+        if let Some(waker) = reports.runs.values_mut().find_map(|run| run.waker.take()) {
+            waker.wake();
+        }
     }
 }
 
