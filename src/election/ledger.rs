@@ -204,8 +204,11 @@ pub trait Ledger: Clone + 'static {
 
     /// Marks the runs earlier leaders left `running` as interrupted (only the holder can be
     /// running anything) and returns them: occurrence, host, pid. A claim of an occurrence the
-    /// server's clock has not reached yet (claimed ahead, its command not started: it starts at
-    /// the instant) is taken back instead, so that the new holder claims and runs it.
+    /// server's clock will not reach for 100 ms more (claimed ahead, its command not started: it
+    /// starts at the instant) is taken back instead, so that the new holder claims and runs it.
+    /// Not one nearer: a claimant whose session the server ended (pg_terminate_backend, a
+    /// CLIENT KILL) and that has not heard of it yet would start it at the instant beside the
+    /// new holder's run; 100 ms is that moment's allowance.
     fn interrupt_stale(&self) -> impl Future<Output = Result<Vec<StaleRun>, LedgerError>>;
 
     /// The newest `limit` rows of this lock, whatever their definition.

@@ -342,16 +342,18 @@ impl Texts {
         );
         let leads_stale = leads("$2", "$3");
         // A claim made ahead of an occurrence the server's clock has not reached never started
-        // its command (it starts at the instant): taken back, for the new holder to claim.
+        // its command (it starts at the instant): taken back, for the new holder to claim. Only
+        // one 100 ms away or more: its claimant, if alive, has had a moment to hear that its
+        // session ended (`election/ledger.rs`).
         let interrupt_stale = format!(
-            "WITH now AS (SELECT pg_catalog.clock_timestamp() AS t),
+            "WITH bound AS (SELECT pg_catalog.clock_timestamp() + interval '100 milliseconds' AS t),
              ahead AS (
                DELETE FROM {t} WHERE lock_key = $1 AND outcome = 'running'
-                                  AND scheduled_for > (SELECT t FROM now) AND {leads_stale}
+                                  AND scheduled_for > (SELECT t FROM bound) AND {leads_stale}
                RETURNING 1)
-             UPDATE {t} SET outcome = 'interrupted', ended_at = (SELECT t FROM now),
+             UPDATE {t} SET outcome = 'interrupted', ended_at = pg_catalog.clock_timestamp(),
                             detail = COALESCE(detail, 'its leader lost the lock while it ran')
-              WHERE lock_key = $1 AND outcome = 'running' AND scheduled_for <= (SELECT t FROM now)
+              WHERE lock_key = $1 AND outcome = 'running' AND scheduled_for <= (SELECT t FROM bound)
                 AND {leads_stale}
              RETURNING scheduled_for, host, pid"
         );

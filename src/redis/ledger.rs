@@ -211,8 +211,9 @@ if not leads() then return {} end
 local found = {}
 for _, at in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
   local r = row(at)
-  if r and r.outcome == 'running' and tonumber(at) > tonumber(now) then
-    -- Claimed ahead of an instant not reached yet: its command never started. Taken back,
+  if r and r.outcome == 'running' and tonumber(at) > tonumber(now) + 100000 then
+    -- Claimed ahead of an instant not reached yet (100 ms away or more, so that its claimant,
+    -- if alive, had a moment to hear it lost the job): its command never started. Taken back,
     -- for the new holder to claim.
     redis.call('HDEL', KEYS[3], at); redis.call('ZREM', KEYS[2], at)
   elseif r and r.outcome == 'running' then

@@ -35,9 +35,11 @@
 //! when this host's mapping of the server's clock says the instant has come, plus half the
 //! round trip of the sample it maps with, so never before it on the server's clock. A claim
 //! whose command has not started yet is taken back when the job goes (a hand-over, a drain, a
-//! loss: `settle`), and by the next holder when the claimant died (`interrupt_stale`): the
-//! occurrence then runs on its next owner, on time. Not for `--schedule` (one job, no burst)
-//! nor while a run goes on (`overlap=` decides at the instant), nor under `jitter=`.
+//! loss: `settle`), and by the next holder when the claimant died (`interrupt_stale`, for an
+//! occurrence still 100 ms away or more): the occurrence then runs on its next owner, on time.
+//! Not for `--schedule` (one job, no burst) nor while a run goes on (`overlap=` decides at the
+//! instant), nor under `jitter=`. A run asked by hand meanwhile waits for the claimed run to
+//! start, and its `overlap=` decides then.
 
 mod catch_up;
 
@@ -420,7 +422,12 @@ impl<L: Ledger> Runs<L> {
                 });
             }
             let paused = self.paused_until.filter(|until| *until > Instant::now());
+            // A run asked by hand meets the claimed occurrence's run once it started: its
+            // overlap= then decides as for any run going on (the hold's timer wakes this).
+            let asked_waits = self.holding.is_some()
+                && matches!(self.queue.front(), Some(Step::TakeAsked { .. }));
             if paused.is_none()
+                && !asked_waits
                 && let Some(step) = self.queue.pop_front()
             {
                 // A claim queued while nothing ran, now beside a run asked by hand taken

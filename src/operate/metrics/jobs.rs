@@ -162,7 +162,13 @@ impl JobMetrics {
         figures.period = period.map_or(0.0, |period| period.as_secs_f64());
     }
 
+    /// `job`'s period changed (a reread rescheduled it); a job whose series went meanwhile
+    /// (removed, then defined again while this replica still ran it) gets them back.
     pub fn set_period(&self, job: &str, period: Option<Duration>) {
+        let known = self.table.lock().contains_key(job);
+        if !known {
+            self.define(job, period);
+        }
         self.update(job, |figures| {
             figures.period = period.map_or(0.0, |period| period.as_secs_f64());
         });

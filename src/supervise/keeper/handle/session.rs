@@ -5,7 +5,9 @@
 //! Requests go out through a thread of their own, in order: a keeper busy starting a burst's
 //! commands reads them a little later, and pgleader's loop never waits for it. Reports are read
 //! by whichever run's poll comes first and kept for their run; one that was another's wakes
-//! the task, which polls every run (`Commands::next_report`).
+//! that run's waker, left by its last poll, so that only it is polled again
+//! (`Commands::next_report`, which also polls its first active run at every turn: the channel
+//! wakes only the run that polled it last, which may be gone).
 
 use std::collections::{HashMap, VecDeque};
 use std::io;
