@@ -320,6 +320,7 @@ impl<K: Key, T> Commands<K, T> {
     }
 
     /// The next report from any command's keeper. Cancel-safe.
+    ///
     /// Only the entries whose keeper woke them since are polled (and those just started),
     /// and the first active one besides: the runs of a session's keeper share its channel,
     /// which wakes only the run that polled it last, and that run may be gone by then; the
