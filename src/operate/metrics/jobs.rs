@@ -155,23 +155,21 @@ impl JobMetrics {
 
     /// This replica knows `job` from now on: its series start, with its period.
     pub fn define(&self, job: &str, period: Option<Duration>) {
-        let known_since = seconds(Timestamp::now());
         let mut jobs = self.table.lock();
         let figures = jobs.entry(job.into()).or_default();
-        figures.known_since = known_since;
-        figures.period = period.map_or(0.0, |period| period.as_secs_f64());
+        figures.known_since = seconds(Timestamp::now());
+        figures.period = period_seconds(period);
     }
 
     /// `job`'s period changed (a reread rescheduled it); a job whose series went meanwhile
     /// (removed, then defined again while this replica still ran it) gets them back.
     pub fn set_period(&self, job: &str, period: Option<Duration>) {
-        let known = self.table.lock().contains_key(job);
-        if !known {
-            self.define(job, period);
-        }
-        self.update(job, |figures| {
-            figures.period = period.map_or(0.0, |period| period.as_secs_f64());
+        let mut jobs = self.table.lock();
+        let figures = jobs.entry(job.into()).or_insert_with(|| Figures {
+            known_since: seconds(Timestamp::now()),
+            ..Figures::default()
         });
+        figures.period = period_seconds(period);
     }
 
     /// A reread removed `job`: its series go.
@@ -328,6 +326,11 @@ const RECORDED: [ScheduledOutcome; 6] = [
     ScheduledOutcome::Missed,
     ScheduledOutcome::Paused,
 ];
+
+/// A period as its series reads it: 0 when the schedule has none.
+fn period_seconds(period: Option<Duration>) -> f64 {
+    period.map_or(0.0, |period| period.as_secs_f64())
+}
 
 fn seconds(time: Timestamp) -> f64 {
     time.as_microsecond() as f64 / 1e6
