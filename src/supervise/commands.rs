@@ -327,28 +327,39 @@ impl<K: Key, T> Commands<K, T> {
     /// first active entry's poll reads what the channel holds for every run (waking each run
     /// a report came for) and waits on it, so that some live run always does.
     pub async fn next_report(&mut self) -> (K, Report) {
-        let (reporting, entries, active) = (&mut self.reporting, &mut self.entries, &self.active);
-        std::future::poll_fn(|cx| {
-            let mut keys = reporting.take(cx);
-            if let Some(first) = active.first()
-                && keys.binary_search(first).is_err()
-            {
-                keys.push(first.clone());
-            }
-            for (n, key) in keys.iter().enumerate() {
-                let waker = reporting.waker(key);
-                if let Some(entry) = entries.get_mut(key)
-                    && let Some(job) = &mut entry.job
-                    && let Poll::Ready(report) = job.poll_report(&mut Context::from_waker(&waker))
-                {
-                    // It may have more to say; those after it were not polled yet.
-                    reporting.put_back(keys[n..].iter().cloned());
-                    return Poll::Ready((key.clone(), report));
-                }
-            }
-            Poll::Pending
+        std::future::poll_fn(|cx| self.poll_next_report(cx)).await
+    }
+
+    /// A report already in, if any ([`Commands::next_report`] polled once, with the task's
+    /// waker): a burst's reports are taken together.
+    pub async fn report_now(&mut self) -> Option<(K, Report)> {
+        std::future::poll_fn(|cx| match self.poll_next_report(cx) {
+            Poll::Ready(report) => Poll::Ready(Some(report)),
+            Poll::Pending => Poll::Ready(None),
         })
         .await
+    }
+
+    fn poll_next_report(&mut self, cx: &mut Context<'_>) -> Poll<(K, Report)> {
+        let (reporting, entries) = (&mut self.reporting, &mut self.entries);
+        let mut keys = reporting.take(cx);
+        if let Some(first) = self.active.first()
+            && keys.binary_search(first).is_err()
+        {
+            keys.push(first.clone());
+        }
+        for (n, key) in keys.iter().enumerate() {
+            let waker = reporting.waker(key);
+            if let Some(entry) = entries.get_mut(key)
+                && let Some(job) = &mut entry.job
+                && let Poll::Ready(report) = job.poll_report(&mut Context::from_waker(&waker))
+            {
+                // It may have more to say; those after it were not polled yet.
+                reporting.put_back(keys[n..].iter().cloned());
+                return Poll::Ready((key.clone(), report));
+            }
+        }
+        Poll::Pending
     }
 
     /// A keeper's report about `key`'s command, `command` (`None` if its owner no longer knows

@@ -39,6 +39,7 @@ mod scheduled;
 mod shards;
 
 use std::collections::BTreeSet;
+use std::task::Poll;
 use std::time::Duration;
 
 use anyhow::bail;
@@ -89,6 +90,10 @@ const STABLE_SESSION: Duration = Duration::from_secs(2);
 /// most `TRANSIENT_FOR`; a holder that stays so is waited for at the usual interval.
 const TRANSIENT_RECHECK: Duration = Duration::from_millis(5);
 const TRANSIENT_FOR: Duration = Duration::from_secs(1);
+
+/// The most reports and asks already in taken in one turn of the loop (see
+/// [`Room::take_ready`]).
+const READY_AT_ONCE: usize = 64;
 
 /// Runs a sharded replica until it is shut down or a fatal error occurs.
 pub async fn run<B: ShardBackend + Clone + 'static>(
@@ -155,6 +160,9 @@ struct Room<B: ShardBackend, D> {
     /// The table's changes and the member id last published (see [`Room::publish`]); `None`
     /// when something else has told the telemetry of a role since.
     published: Option<(u64, i32)>,
+    /// The items whose command the duty asked to start in this turn of the loop, started
+    /// together at its end (see [`Room::take_ready`]).
+    starting: Vec<Slot>,
 }
 
 /// A TERM's drain under way: the runs going on end by themselves, until `until` if
@@ -223,6 +231,7 @@ impl<B: ShardBackend + Clone + 'static, D: Duty<B::Holder>> Room<B, D> {
             drain: None,
             drain_requested: false,
             published: None,
+            starting: Vec::new(),
         }
     }
 
@@ -327,6 +336,7 @@ impl<B: ShardBackend + Clone + 'static, D: Duty<B::Holder>> Room<B, D> {
             let quiet = self.quiet(&link);
             let event = self.next_event(&mut link, quiet).await;
             self.on_event(&mut link, event, quiet).await;
+            self.take_ready(&mut link, quiet).await;
             if std::mem::take(&mut self.drain_requested) {
                 self.drain(&mut link).await;
             }
@@ -580,14 +590,53 @@ impl<B: ShardBackend + Clone + 'static, D: Duty<B::Holder>> Room<B, D> {
         }
     }
 
+    /// Takes the commands' reports and the duty's asks already in, after an event, up to
+    /// [`READY_AT_ONCE`]; then starts the commands asked for. At a burst (a thousand jobs due
+    /// at one instant) they come by the hundred, and each turn of the loop walks every entry
+    /// of the table (to plan, settle, start and publish): taken one per turn, that is
+    /// quadratic in the jobs due. They are only what a turn would take next anyway (the loop
+    /// is biased towards the session's end and deadline, which these few do not hold up).
+    async fn take_ready(&mut self, link: &mut Link<B>, quiet: bool) {
+        for _ in 0..READY_AT_ONCE {
+            if self.quiet(link) != quiet {
+                break;
+            }
+            let event = if let Some((slot, report)) = self.table.report_now().await {
+                Event::Report(slot, report)
+            } else {
+                let duty = &mut self.duty;
+                let ask = std::future::poll_fn(|cx| match duty.poll_ask(cx, quiet) {
+                    Poll::Ready(ask) => Poll::Ready(Some(ask)),
+                    Poll::Pending => Poll::Ready(None),
+                });
+                match ask.await {
+                    Some(ask) => Event::Ask(ask),
+                    None => break,
+                }
+            };
+            self.on_event(link, event, quiet).await;
+        }
+        if self.starting.is_empty() {
+            return;
+        }
+        match self.start_due(link) {
+            Ok(()) => {
+                for slot in std::mem::take(&mut self.starting) {
+                    self.duty.started(slot, &mut self.table);
+                }
+            }
+            Err(err) => {
+                self.starting.clear();
+                self.fail(link, err);
+            }
+        }
+    }
+
     /// Does what the duty said to after acting on something.
     fn then(&mut self, link: &mut Link<B>, then: Then) {
         match then {
             Then::Nothing => {}
-            Then::Start(slot) => match self.start_due(link) {
-                Ok(()) => self.duty.started(slot, &mut self.table),
-                Err(err) => self.fail(link, err),
-            },
+            Then::Start(slot) => self.starting.push(slot),
             Then::Lose(reason) => {
                 self.lose_all(&reason, LossReason::CheckFailed);
                 link.leave_for(reason);
