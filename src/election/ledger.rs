@@ -23,6 +23,8 @@
 //! session, past their deadline. One that waited too long is rolled back and reported as
 //! [`LedgerError::Busy`], so that the scheduler tries it again, still leading.
 
+use std::time::Duration;
+
 use jiff::Timestamp;
 use thiserror::Error;
 
@@ -201,7 +203,12 @@ pub trait Ledger: Clone + 'static {
     fn server_time(&self) -> impl Future<Output = Result<Timestamp, LedgerError>>;
 
     /// Marks the runs earlier leaders left `running` as interrupted (only the holder can be
-    /// running anything) and returns them: occurrence, host, pid.
+    /// running anything) and returns them: occurrence, host, pid. A claim of an occurrence the
+    /// server's clock will not reach for 100 ms more (claimed ahead, its command not started: it
+    /// starts at the instant) is taken back instead, so that the new holder claims and runs it.
+    /// Not one nearer: a claimant whose session the server ended (pg_terminate_backend, a
+    /// CLIENT KILL) and that has not heard of it yet would start it at the instant beside the
+    /// new holder's run; 100 ms is that moment's allowance.
     fn interrupt_stale(&self) -> impl Future<Output = Result<Vec<StaleRun>, LedgerError>>;
 
     /// The newest `limit` rows of this lock, whatever their definition.
@@ -211,10 +218,14 @@ pub trait Ledger: Clone + 'static {
     fn has(&self, at: Timestamp) -> impl Future<Output = Result<bool, LedgerError>>;
 
     /// Claims an occurrence for this leadership, or says why not. `retries` is how many times an
-    /// interrupted run may be started again.
+    /// interrupted run may be started again. The claim lands once the server's clock has
+    /// reached `ahead` before `at` (a crontab job's, so that its command can start at the
+    /// instant rather than a round trip after it: `schedule/runs.rs`), and its `claimed_at` is
+    /// never before `at`.
     fn claim(
         &self,
         at: Timestamp,
+        ahead: Duration,
         claimant: &Claimant,
         retries: i32,
     ) -> impl Future<Output = Result<Claim, LedgerError>>;

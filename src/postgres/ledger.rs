@@ -6,8 +6,10 @@
 //! the statement itself requires that this session holds the advisory lock, so the lock orders
 //! every write, a session that lost it claims nothing, and the primary key
 //! `(lock_key, scheduled_for)` refuses a second claim. A claim also refuses to be early on the
-//! server's clock and refuses any occurrence at or before one already recorded, so a server
-//! clock that steps back, or pruning, cannot bring an old occurrence back.
+//! server's clock (earlier than the lead its caller asks for: a crontab job's claim lands a
+//! moment ahead, its command starts at the instant) and refuses any occurrence at or before
+//! one already recorded, so a server clock that steps back, or pruning, cannot bring an old
+//! occurrence back.
 //!
 //! Rows record how each occurrence ended: `running`, `succeeded`, `failed` (with the exit
 //! status), `interrupted` (its leader lost the lock, or was shut down, while it ran), `skipped`
@@ -18,7 +20,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use jiff::Timestamp;
+use jiff::{SignedDuration, Timestamp};
 use tokio_postgres::error::SqlState;
 use tokio_postgres::types::{ToSql, Type};
 use tokio_postgres::{Client, Row};
@@ -297,10 +299,10 @@ impl Texts {
                INSERT INTO {t} AS l (lock_key, scheduled_for, lock_name, schedule, timezone, outcome,
                                      attempt, claimed_at, host, pid, backend_pid, epoch, ended_at, detail)
                SELECT $1, $3, $2, $4, $5, CASE WHEN paused.detail IS NULL THEN 'running' ELSE 'paused' END,
-                      1, now.t, $6, $7, pg_catalog.pg_backend_pid(), $8,
-                      CASE WHEN paused.detail IS NULL THEN NULL ELSE now.t END, paused.detail
+                      1, GREATEST(now.t, $3), $6, $7, pg_catalog.pg_backend_pid(), $8,
+                      CASE WHEN paused.detail IS NULL THEN NULL ELSE GREATEST(now.t, $3) END, paused.detail
                  FROM now CROSS JOIN leads LEFT JOIN paused ON true
-                WHERE leads.held AND now.t >= $3 AND NOT EXISTS (SELECT FROM newer)
+                WHERE leads.held AND now.t >= $12 AND NOT EXISTS (SELECT FROM newer)
                ON CONFLICT (lock_key, scheduled_for) DO UPDATE
                   SET outcome = 'running', attempt = l.attempt + 1, claimed_at = EXCLUDED.claimed_at,
                       ended_at = NULL, exit_code = NULL, detail = NULL, host = EXCLUDED.host,
@@ -339,10 +341,20 @@ impl Texts {
              RETURNING 1"
         );
         let leads_stale = leads("$2", "$3");
+        // A claim made ahead of an occurrence the server's clock has not reached never started
+        // its command (it starts at the instant): taken back, for the new holder to claim. Only
+        // one 100 ms away or more: its claimant, if alive, has had a moment to hear that its
+        // session ended (`election/ledger.rs`).
         let interrupt_stale = format!(
-            "UPDATE {t} SET outcome = 'interrupted', ended_at = pg_catalog.clock_timestamp(),
+            "WITH bound AS (SELECT pg_catalog.clock_timestamp() + interval '100 milliseconds' AS t),
+             ahead AS (
+               DELETE FROM {t} WHERE lock_key = $1 AND outcome = 'running'
+                                  AND scheduled_for > (SELECT t FROM bound) AND {leads_stale}
+               RETURNING 1)
+             UPDATE {t} SET outcome = 'interrupted', ended_at = pg_catalog.clock_timestamp(),
                             detail = COALESCE(detail, 'its leader lost the lock while it ran')
-              WHERE lock_key = $1 AND outcome = 'running' AND {leads_stale}
+              WHERE lock_key = $1 AND outcome = 'running' AND scheduled_for <= (SELECT t FROM bound)
+                AND {leads_stale}
              RETURNING scheduled_for, host, pid"
         );
         let recent = recent_sql(table);
@@ -795,16 +807,21 @@ impl Ledger for PgLedger {
     async fn claim(
         &self,
         at: Timestamp,
+        ahead: Duration,
         claimant: &Claimant,
         retries: i32,
     ) -> Result<Claim, LedgerError> {
         let (_, classid, objid) = self.key_params();
         let mut params = self.row_params(at);
         params.extend(claimant_params(claimant));
+        let from = at
+            .checked_sub(SignedDuration::try_from(ahead).unwrap_or_default())
+            .unwrap_or(at);
         params.extend([
             param(retries, Type::INT4),
             param(classid, Type::OID),
             param(objid, Type::OID),
+            param(from, Type::TIMESTAMPTZ),
         ]);
         let row = self.bounded_one(&self.inner.texts.claim, params).await?;
         let attempt: Option<i32> = row.get(0);
@@ -991,7 +1008,9 @@ pub async fn read_recent(
 /// Each job of the crontab fleet of `lock` with its newest row, for `pgleader status`, which
 /// knows no crontab: a job's rows are under the key of the name `<fleet key>` U+001F `<job>`
 /// (see `supervise/sharded/jobs.rs`), and `lock_name` holds that name, so one prefix finds
-/// every job of the fleet. `None` when the table does not exist.
+/// every job of the fleet. A claim made ahead of an occurrence the server's clock
+/// has not reached is not a run yet (its command starts at the instant): the row before it is
+/// the job's newest. `None` when the table does not exist.
 pub async fn read_jobs(
     client: &Client,
     table: &TableName,
@@ -1008,6 +1027,7 @@ pub async fn read_jobs(
                 (SELECT max(s.ended_at) FROM {t} s \
                   WHERE s.lock_key = l.lock_key AND s.outcome = 'succeeded') \
            FROM {t} l WHERE left(l.lock_name, length($1)) = $1 \
+            AND NOT (l.outcome = 'running' AND l.scheduled_for > pg_catalog.clock_timestamp()) \
           ORDER BY l.lock_key, l.scheduled_for DESC"
     );
     let prefix = format!("{}\u{1f}", lock.key());

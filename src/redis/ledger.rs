@@ -43,7 +43,7 @@ pub mod asked;
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
-use jiff::Timestamp;
+use jiff::{SignedDuration, Timestamp};
 use redis::Script;
 use redis::aio::MultiplexedConnection;
 use tokio::sync::Semaphore;
@@ -88,9 +88,10 @@ end
 "#;
 
 /// ARGV[2] the occurrence, ARGV[3] the retries allowed, ARGV[4] the claimant's fields as JSON
-/// (host, pid, backend_pid, epoch, schedule, timezone, lock_name); for a crontab job, KEYS[5]
-/// the fleet's paused jobs and ARGV[5] the job's name: a paused job's occurrence is recorded
-/// as `paused` instead of claimed.
+/// (host, pid, backend_pid, epoch, schedule, timezone, lock_name), ARGV[5] from when on the
+/// server's clock the claim may land (the occurrence, or a moment ahead of it: `claimed_at` is
+/// then the occurrence); for a crontab job, KEYS[5] the fleet's paused jobs and ARGV[6] the
+/// job's name: a paused job's occurrence is recorded as `paused` instead of claimed.
 const CLAIM: &str = r#"
 if not leads() then return {'notleader'} end
 local at, retries = ARGV[2], tonumber(ARGV[3])
@@ -98,7 +99,9 @@ local who = cjson.decode(ARGV[4])
 local existing = row(at)
 local later = newer(at)
 local function fill(r)
-  r.outcome = 'running'; r.claimed_at = now; r.ended_at = nil; r.exit_code = nil; r.detail = nil
+  r.outcome = 'running'; r.ended_at = nil; r.exit_code = nil; r.detail = nil
+  r.claimed_at = now
+  if tonumber(now) < tonumber(at) then r.claimed_at = at end
   r.host = who.host; r.pid = who.pid; r.backend_pid = who.backend_pid; r.epoch = who.epoch
   return r
 end
@@ -112,7 +115,7 @@ if existing then
   return {'taken', existing.outcome}
 end
 if later then return {'superseded'} end
-if tonumber(now) < tonumber(at) then return {'early', now} end
+if tonumber(now) < tonumber(ARGV[5]) then return {'early', now} end
 -- A server that restarted without its data forgot what ran before: its ledger remembers from
 -- the server's start only (a server that kept its data keeps this key, with its older time).
 local born = redis.call('GET', KEYS[4])
@@ -124,9 +127,9 @@ end
 if tonumber(at) <= tonumber(born) then return {'taken', 'unknown: the server restarted without its data after it'} end
 local r = fill({scheduled_for = at, attempt = '1', schedule = who.schedule, timezone = who.timezone, lock_name = who.lock_name})
 if KEYS[5] then
-  local p = redis.call('HGET', KEYS[5], ARGV[5]) or redis.call('HGET', KEYS[5], '*')
+  local p = redis.call('HGET', KEYS[5], ARGV[6]) or redis.call('HGET', KEYS[5], '*')
   if p then
-    r.outcome = 'paused'; r.ended_at = now; r.detail = cjson.decode(p).detail
+    r.outcome = 'paused'; r.ended_at = r.claimed_at; r.detail = cjson.decode(p).detail
     put(at, r)
     return {'paused', r.detail}
   end
@@ -208,7 +211,12 @@ if not leads() then return {} end
 local found = {}
 for _, at in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
   local r = row(at)
-  if r and r.outcome == 'running' then
+  if r and r.outcome == 'running' and tonumber(at) > tonumber(now) + 100000 then
+    -- Claimed ahead of an instant not reached yet (100 ms away or more, so that its claimant,
+    -- if alive, had a moment to hear it lost the job): its command never started. Taken back,
+    -- for the new holder to claim.
+    redis.call('HDEL', KEYS[3], at); redis.call('ZREM', KEYS[2], at)
+  elseif r and r.outcome == 'running' then
     r.outcome = 'interrupted'; r.ended_at = now
     if not r.detail then r.detail = 'its leader lost the lock while it ran' end
     put(at, r); table.insert(found, cjson.encode(r))
@@ -457,7 +465,8 @@ fn entry(json: &str) -> Option<Entry> {
 
 /// Each job of the crontab fleet of `keys` that the ledger knows (its `job:<name>:runs` keys,
 /// by `SCAN`), with its newest row and when its last success ended, for `status`; `None` when
-/// there is none.
+/// there is none. A claim made ahead of an occurrence the server's clock has not reached is
+/// not a run yet (its command starts at the instant): the row before it is the job's newest.
 pub async fn jobs(
     conn: &mut MultiplexedConnection,
     keys: &scripts::Keys,
@@ -470,10 +479,15 @@ pub async fn jobs(
         .iter()
         .filter_map(|key| Some(key.strip_prefix(&prefix)?.strip_suffix(":runs")?.to_owned()))
         .collect();
+    let now = server_time(conn).await?;
     let mut jobs = Vec::new();
     for name in names {
         let rows = recent(conn, &keys.job(&name), KEEP).await?;
-        let Some(newest) = rows.first().cloned() else {
+        let Some(newest) = rows
+            .iter()
+            .find(|row| !(row.outcome == "running" && row.scheduled_for > now))
+            .cloned()
+        else {
             continue;
         };
         let last_success = rows
@@ -664,14 +678,19 @@ impl Ledger for RedisLedger {
     async fn claim(
         &self,
         at: Timestamp,
+        ahead: Duration,
         claimant: &Claimant,
         retries: i32,
     ) -> Result<Claim, LedgerError> {
+        let from = at
+            .checked_sub(SignedDuration::try_from(ahead).unwrap_or_default())
+            .unwrap_or(at);
         let mut invocation = self.invocation(&CLAIM_SCRIPT);
         invocation
             .arg(micros(at))
             .arg(retries)
-            .arg(self.who(claimant));
+            .arg(self.who(claimant))
+            .arg(micros(from));
         // A crontab job's claim records the occurrence as paused while the fleet pauses it.
         if let Guard::Item { paused, job, .. } = &self.guard {
             invocation.key(paused).arg(job);

@@ -26,6 +26,20 @@
 //!
 //! Which occurrence runs when a leadership begins or wakes late, and how the ones passed over
 //! are recorded, is `runs/catch_up.rs`.
+//!
+//! A job of a crontab or of scheduled shards claims its occurrence a moment ahead of it
+//! ([`CLAIM_AHEAD`]) and starts its command at the instant: a thousand jobs due at once share
+//! their replica's session, and their claims, sent at the instant, came back a few hundred
+//! milliseconds after it. The claim lands once the server's clock has reached the lead (the
+//! ledger refuses it earlier) and records the occurrence as its `claimed_at`; the command starts
+//! when this host's mapping of the server's clock says the instant has come, plus half the
+//! round trip of the sample it maps with, so never before it on the server's clock. A claim
+//! whose command has not started yet is taken back when the job goes (a hand-over, a drain, a
+//! loss: `settle`), and by the next holder when the claimant died (`interrupt_stale`, for an
+//! occurrence still 100 ms away or more): the occurrence then runs on its next owner, on time.
+//! Not for `--schedule` (one job, no burst) nor while a run goes on (`overlap=` decides at the
+//! instant), nor under `jitter=`. A run asked by hand meanwhile waits for the claimed run to
+//! start, and its `overlap=` decides then.
 
 mod catch_up;
 
@@ -53,6 +67,11 @@ use crate::time::for_people;
 /// The most runs of one job that go at once under `overlap=allow`: an occurrence that comes
 /// while as many run is skipped.
 pub const MOST_AT_ONCE: usize = 4;
+
+/// How long before its occurrence a crontab job's claim is sent, at most: it covers the claims
+/// of a thousand jobs due at once, which came back up to about 300 ms after they were sent on
+/// the benchmark's 2 cores. At most a quarter of the time to the occurrence after it.
+pub const CLAIM_AHEAD: Duration = Duration::from_millis(500);
 
 /// What the supervisor is to do.
 #[derive(Debug)]
@@ -197,6 +216,10 @@ pub struct Runs<L: Ledger> {
     publish: Publish,
     /// What [`Runs::poll_next`] waits on: the next occurrence, or the end of a pause.
     timer: Pin<Box<Sleep>>,
+    /// A claim made ahead of its occurrence, whose command starts at this instant.
+    holding: Option<Pin<Box<Sleep>>>,
+    /// The lead of the claim of an occurrence ([`Runs::ahead_of`]), as last worked out.
+    ahead: std::cell::Cell<Option<(Timestamp, Duration)>>,
 }
 
 impl<L: Ledger> std::fmt::Debug for Runs<L> {
@@ -267,6 +290,8 @@ impl<L: Ledger> Runs<L> {
             foreign_ledger_seen: start.foreign_ledger_seen,
             publish: start.publish,
             timer: Box::pin(sleep_until(Instant::now())),
+            holding: None,
+            ahead: std::cell::Cell::new(None),
         }
     }
 
@@ -368,6 +393,15 @@ impl<L: Ledger> Runs<L> {
     /// returns pending keeps its wake-up.
     pub fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<RunsEvent> {
         loop {
+            // Before the statement in flight: a claimed occurrence starts at its instant.
+            if let Some(hold) = self.holding.as_mut()
+                && hold.as_mut().poll(cx).is_ready()
+            {
+                self.holding = None;
+                if let Some(event) = self.start_claimed() {
+                    return Poll::Ready(event);
+                }
+            }
             if let Some((_, op)) = self.op.as_mut() {
                 let done = ready!(op.as_mut().poll(cx));
                 let (step, _) = self.op.take().expect("the statement in flight");
@@ -388,7 +422,12 @@ impl<L: Ledger> Runs<L> {
                 });
             }
             let paused = self.paused_until.filter(|until| *until > Instant::now());
+            // A run asked by hand meets the claimed occurrence's run once it started: its
+            // overlap= then decides as for any run going on (the hold's timer wakes this).
+            let asked_waits = self.holding.is_some()
+                && matches!(self.queue.front(), Some(Step::TakeAsked { .. }));
             if paused.is_none()
+                && !asked_waits
                 && let Some(step) = self.queue.pop_front()
             {
                 // A claim queued while nothing ran, now beside a run asked by hand taken
@@ -435,17 +474,67 @@ impl<L: Ledger> Runs<L> {
         }
     }
 
-    /// When to act on the occurrence `at`.
+    /// When to act on the occurrence `at`: its claim goes out [`Runs::ahead_of`] it.
     fn wake_for(&self, at: Timestamp) -> Instant {
         // jitter=: the occurrence's start is put off, the same on every replica.
         let mut wake = self.clock.instant_of(at) + self.plan.delay_of(at);
         if self.running.is_none() {
+            wake = wake.checked_sub(self.ahead_of(at)).unwrap_or(wake);
             wake = wake.max(self.not_before);
             if let Some(until) = self.early_until {
                 wake = wake.max(until);
             }
         }
         wake
+    }
+
+    /// How long before the occurrence of `at` its claim may land: [`CLAIM_AHEAD`], at most a
+    /// quarter of the time to the occurrence after it; nothing for `--schedule`, for a timer,
+    /// under `jitter=` (the occurrences are spread already), or while a run goes on (whether
+    /// the occurrence runs beside it is decided at the instant).
+    fn ahead_of(&self, at: Timestamp) -> Duration {
+        if self.plan.job.is_none() || self.plan.once || self.running.is_some() {
+            return Duration::ZERO;
+        }
+        if let Some((known, ahead)) = self.ahead.get()
+            && known == at
+        {
+            return ahead;
+        }
+        let gap = self
+            .schedule()
+            .next_after(at)
+            .and_then(|next| Duration::try_from(next.duration_since(at)).ok());
+        let ahead = match gap {
+            Some(gap) if self.plan.delay_of(at).is_zero() => CLAIM_AHEAD.min(gap / 4),
+            _ => Duration::ZERO,
+        };
+        self.ahead.set(Some((at, ahead)));
+        ahead
+    }
+
+    /// The claimed run starts: its command, now that its instant has come.
+    fn start_claimed(&mut self) -> Option<RunsEvent> {
+        let run = self
+            .running
+            .filter(|run| !run.started && run.asked.is_none())?;
+        let at = run.at;
+        // From the start jitter= put it off to.
+        let late = crate::time::elapsed(self.start_of(at), self.clock.now());
+        info!(
+            event = "scheduled_run", job = self.plan.job.as_deref(),
+            occurrence = %rfc3339(at),
+            attempt = run.attempt,
+            late_ms = late.as_millis() as u64,
+            "running the occurrence of {}{}",
+            rfc3339(at),
+            if run.attempt > 1 { format!(" again (attempt {}, --retry-interrupted)", run.attempt) } else { String::new() }
+        );
+        Some(RunsEvent::Start {
+            occurrence: at,
+            attempt: run.attempt,
+            asked: None,
+        })
     }
 
     /// The last lines of the run going on, which its job's stop ended: recorded with it as
@@ -563,6 +652,8 @@ impl<L: Ledger> Runs<L> {
         stopped: Option<(Option<ChildStatus>, &str)>,
         timeout: Duration,
     ) {
+        // A claimed run waiting for its instant never started: its claim is taken back below.
+        self.holding = None;
         let work = async {
             if let Some((step, op)) = self.op.take() {
                 let done = op.await;
@@ -753,6 +844,7 @@ impl<L: Ledger> Runs<L> {
             }
             Step::Claim(at) => {
                 let retries = i32::try_from(self.plan.retry_interrupted).unwrap_or(i32::MAX);
+                let ahead = self.ahead_of(at);
                 let schedule = self.plan.schedule.clone();
                 // A crontab job is checked once, as its ownership begins: nobody holds or waits
                 // for a job's key (no live replica can speak for another definition), and only
@@ -771,7 +863,7 @@ impl<L: Ledger> Runs<L> {
                             return Ok((ClaimResult::Disagree(reason), None));
                         }
                         let sent = Instant::now();
-                        let claim = ledger.claim(at, &claimant, retries).await?;
+                        let claim = ledger.claim(at, ahead, &claimant, retries).await?;
                         let sample = match &claim {
                             Claim::Early { server_now } => {
                                 Some(ServerClock::sample(sent, Instant::now(), *server_now))
@@ -917,25 +1009,22 @@ impl<L: Ledger> Runs<L> {
                 self.early_until = None;
                 self.running = Some(Run::of(at, attempt));
                 self.due = self.after(at);
-                // From the start jitter= put it off to.
-                let late = crate::time::elapsed(self.start_of(at), self.clock.now());
-                info!(
-                    event = "scheduled_run", job = self.plan.job.as_deref(),
-                    occurrence = %rfc3339(at),
-                    attempt,
-                    late_ms = late.as_millis() as u64,
-                    "running the occurrence of {}{}",
-                    rfc3339(at),
-                    if attempt > 1 { format!(" again (attempt {attempt}, --retry-interrupted)") } else { String::new() }
-                );
-                Some(RunsEvent::Start {
-                    occurrence: at,
-                    attempt,
-                    asked: None,
-                })
+                // Claimed ahead: the command starts at the instant, and not before it on the
+                // server's clock (the mapping is right to within half its round trip).
+                let start = self.clock.instant_of(self.start_of(at)) + self.clock.round_trip() / 2;
+                if start > Instant::now() {
+                    self.holding = Some(Box::pin(sleep_until(start)));
+                    return None;
+                }
+                self.start_claimed()
             }
             Claim::Early { server_now } => {
-                let ahead = crate::time::elapsed(server_now, at);
+                let from = at
+                    .checked_sub(
+                        jiff::SignedDuration::try_from(self.ahead_of(at)).unwrap_or_default(),
+                    )
+                    .unwrap_or(at);
+                let ahead = crate::time::elapsed(server_now, from);
                 debug!(event = "early", job = self.plan.job.as_deref(), occurrence = %rfc3339(at), "the server's clock has not reached the occurrence yet; waiting {} more", for_people(ahead));
                 self.early_until = Some(Instant::now() + ahead.max(Duration::from_millis(1)));
                 self.due = Some(at);

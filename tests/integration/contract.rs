@@ -545,7 +545,11 @@ pub async fn the_ledger_claims_only_for_the_leader<T: Subject>(subject: &T) {
         .expect("the server's clock");
     let occurrence = now - jiff::SignedDuration::from_secs(1);
 
-    let refused = within("claim", ledger_a.claim(occurrence, &claimant(1), 0)).await;
+    let refused = within(
+        "claim",
+        ledger_a.claim(occurrence, Duration::ZERO, &claimant(1), 0),
+    )
+    .await;
     assert_eq!(
         refused.expect("an answer"),
         Claim::NotLeader,
@@ -553,9 +557,17 @@ pub async fn the_ledger_claims_only_for_the_leader<T: Subject>(subject: &T) {
     );
     assert!(try_acquire(&a).await);
     let epoch = within("fence", a.fence()).await.expect("a token").epoch;
-    let claimed = within("claim", ledger_a.claim(occurrence, &claimant(epoch), 0)).await;
+    let claimed = within(
+        "claim",
+        ledger_a.claim(occurrence, Duration::ZERO, &claimant(epoch), 0),
+    )
+    .await;
     assert_eq!(claimed.expect("an answer"), Claim::Claimed { attempt: 1 });
-    let other = within("claim", ledger_b.claim(occurrence, &claimant(epoch), 0)).await;
+    let other = within(
+        "claim",
+        ledger_b.claim(occurrence, Duration::ZERO, &claimant(epoch), 0),
+    )
+    .await;
     assert_eq!(
         other.expect("an answer"),
         Claim::NotLeader,
@@ -570,7 +582,11 @@ pub async fn the_ledger_claims_only_for_the_leader<T: Subject>(subject: &T) {
     // whatever the ledger's guard does (`Err(Query("connection closed"))`): it exercises the
     // guard only for a backend whose release keeps the connection. The follower's claim above
     // is what proves PostgreSQL's guard.
-    let stale = within("claim", ledger_a.claim(later, &claimant(epoch), 0)).await;
+    let stale = within(
+        "claim",
+        ledger_a.claim(later, Duration::ZERO, &claimant(epoch), 0),
+    )
+    .await;
     assert!(
         matches!(stale, Err(_) | Ok(Claim::NotLeader)),
         "a released leadership cannot claim: {stale:?}"
@@ -582,6 +598,87 @@ pub async fn the_ledger_claims_only_for_the_leader<T: Subject>(subject: &T) {
         recent.iter().map(|e| e.scheduled_for).collect::<Vec<_>>(),
         vec![occurrence],
         "only the leader's claim was written"
+    );
+}
+
+/// A crontab job's claim goes out a moment ahead of its occurrence (its command starts at the
+/// instant): the ledger takes it within the lead the claim names and not before, records the
+/// occurrence itself as when it was claimed, and the next holder's sweep takes back a claim
+/// whose occurrence has not come (its command cannot have started) rather than record it as
+/// interrupted, so that the occurrence still runs.
+pub async fn a_claim_lands_within_its_lead_and_one_not_yet_due_is_taken_back<T: Subject>(
+    subject: &T,
+) {
+    if !subject.has_ledger() {
+        return;
+    }
+    let backend = subject.backend();
+    let definition = Definition {
+        expression: "0 0 4 * * *".into(),
+        timezone: "UTC".into(),
+    };
+    let session = connect(&backend, "a").await;
+    let ledger = session.ledger(&definition);
+    within("prepare", ledger.prepare())
+        .await
+        .expect("the ledger can be prepared");
+    assert!(try_acquire(&session).await);
+    let epoch = within("fence", session.fence())
+        .await
+        .expect("a token")
+        .epoch;
+    let claimant = Claimant {
+        host: "test".into(),
+        pid: 1,
+        epoch,
+    };
+    let now = within("server time", ledger.server_time())
+        .await
+        .expect("the server's clock");
+    let occurrence = now + jiff::SignedDuration::from_secs(30);
+    let claim = |ahead: u64| ledger.claim(occurrence, Duration::from_secs(ahead), &claimant, 0);
+
+    let early = within("claim", claim(10)).await.expect("an answer");
+    assert!(
+        matches!(early, Claim::Early { .. }),
+        "30 s ahead with a lead of 10 s is early: {early:?}"
+    );
+    let recent = within("history", ledger.recent(10)).await.expect("history");
+    assert!(
+        recent.is_empty(),
+        "an early claim writes nothing: {recent:?}"
+    );
+
+    let claimed = within("claim", claim(60)).await.expect("an answer");
+    assert_eq!(claimed, Claim::Claimed { attempt: 1 }, "within its lead");
+    let recent = within("history", ledger.recent(10)).await.expect("history");
+    let rows: Vec<_> = recent
+        .iter()
+        .map(|e| (e.scheduled_for, e.outcome.as_str(), e.claimed_at))
+        .collect();
+    assert_eq!(
+        rows,
+        vec![(occurrence, "running", occurrence)],
+        "claimed ahead, recorded as claimed at its occurrence"
+    );
+
+    let swept = within("sweep", ledger.interrupt_stale())
+        .await
+        .expect("the sweep");
+    assert!(
+        swept.is_empty(),
+        "nothing ran, nothing interrupted: {swept:?}"
+    );
+    let recent = within("history", ledger.recent(10)).await.expect("history");
+    assert!(
+        recent.is_empty(),
+        "a claim whose occurrence has not come is taken back: {recent:?}"
+    );
+    let again = within("claim", claim(60)).await.expect("an answer");
+    assert_eq!(
+        again,
+        Claim::Claimed { attempt: 1 },
+        "and the occurrence can be claimed anew"
     );
 }
 
@@ -601,6 +698,7 @@ macro_rules! contract_suite {
             an_abandoned_wait_leaves_the_lock_free,
             epochs_increase_from_one_leadership_to_the_next,
             the_ledger_claims_only_for_the_leader,
+            a_claim_lands_within_its_lead_and_one_not_yet_due_is_taken_back,
         );
     };
     ($backend:ident, $subject:expr, $($test:ident),+ $(,)?) => {

@@ -9,6 +9,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant, SystemTime};
 
 use nix::sys::signal::Signal;
+use postgres::error::SqlState;
 
 use crate::crontab::File;
 use crate::harness::fleet::lines_with;
@@ -413,6 +414,83 @@ pub fn succeeded_in_ledger(name: &str) -> (i64, i64) {
 #[test]
 fn the_jobs_of_a_replica_killed_9_run_on_the_others_from_their_next_occurrence() {
     a_killed_replica_s_jobs_run_on_the_other(&pg_replica(unique_lock()));
+}
+
+/// A job's occurrence is claimed a moment ahead of it and its command starts at the instant: a
+/// replica killed -9 between the two leaves the occurrence to the job's next owner, which takes
+/// the claim back and runs the occurrence itself, rather than record it as interrupted.
+#[test]
+fn an_occurrence_claimed_ahead_by_a_replica_killed_9_before_its_instant_runs_on_the_next_owner() {
+    let lock = unique_lock();
+    let job = format!("ahead{lock}");
+    // Every 2 s: claimed 500 ms ahead (`CLAIM_AHEAD`, a quarter of the gap at most).
+    let file = File::new(
+        "ahead",
+        &format!("# pgleader: name={job}\n*/2 * * * * * * {RAN}\n"),
+    );
+    let (a, b) = (replica("A", lock, &file), replica("B", lock, &file));
+    // A claim of the job's not yet due (more than 300 ms ahead), and who made it; the first
+    // replica to begin creates the ledger.
+    let mut client = Cluster::shared().client();
+    let undefined = |err: &postgres::Error| err.code() == Some(&SqlState::UNDEFINED_TABLE);
+    let deadline = Instant::now() + WAIT;
+    let (at, pid) = loop {
+        let rows = client
+            .query(
+                "SELECT to_char(scheduled_for AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"'), pid \
+                   FROM pgleader_ledger \
+                  WHERE lock_name LIKE '%' || chr(31) || $1 AND outcome = 'running' \
+                    AND scheduled_for > clock_timestamp() + interval '300 milliseconds'",
+                &[&job],
+            )
+            .or_else(|err| if undefined(&err) { Ok(Vec::new()) } else { Err(err) })
+            .expect("the ledger");
+        if let Some(row) = rows.first() {
+            break (row.get::<_, String>(0), row.get::<_, i32>(1));
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no claim of {job} made ahead of its occurrence\n{}\n{}",
+            a.dump(),
+            b.dump()
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    };
+    let (owner, next) = if pid == a.pid.as_raw() {
+        (&a, &b)
+    } else {
+        (&b, &a)
+    };
+    assert_eq!(pid, owner.pid.as_raw(), "the claim is one of the replicas'");
+    owner.signal(Signal::SIGKILL);
+    assert!(owner.wait_exit().code().is_none());
+    next.wait_for(Stream::Stdout, &format!("ran job={job} at={at} "));
+    let deadline = Instant::now() + WAIT;
+    while outcome_in_ledger_of(&job, &at) != "succeeded" {
+        assert!(
+            Instant::now() < deadline,
+            "the occurrence of {at} was not recorded as succeeded: {}\n{}",
+            outcome_in_ledger_of(&job, &at),
+            next.dump()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    next.terminate_cleanly();
+    assert_each_occurrence_once(&[&a, &b]);
+}
+
+/// The outcome the shared cluster's ledger records for crontab job `job`'s occurrence `at`.
+fn outcome_in_ledger_of(job: &str, at: &str) -> String {
+    let rows = Cluster::shared()
+        .client()
+        .query(
+            "SELECT outcome FROM pgleader_ledger \
+             WHERE lock_name LIKE '%' || chr(31) || $1 AND scheduled_for = $2::text::timestamptz",
+            &[&job, &at],
+        )
+        .expect("the ledger");
+    rows.first()
+        .map_or_else(|| "none".to_owned(), |row| row.get(0))
 }
 
 #[test]

@@ -12,6 +12,7 @@ use nix::sys::signal::Signal;
 use serde_json::Value;
 
 use crate::cron_fleet::{RAN, every_second, replica_with, wait_for_shares};
+use crate::crontab::File;
 use crate::harness::http::{address_of, get};
 use crate::harness::pg::status;
 use crate::harness::{Cluster, Stream, WAIT, unique_lock};
@@ -180,4 +181,72 @@ fn status_watch_prints_a_line_when_a_killed_owner_s_jobs_move() {
     watch.signal(Signal::SIGTERM);
     watch.wait_exit();
     a.terminate_cleanly();
+}
+
+/// A job's occurrence is claimed up to 500 ms ahead of it (`schedule/runs.rs`), its row
+/// `running` before the instant: `status` and `status --job` leave such a row out until the
+/// server's clock reaches it, and show the run before it. The row is written here an hour
+/// ahead, as a claim ahead would be (its `claimed_at` the occurrence), so that no timing
+/// decides what the test sees: after A ran the job, while B owns it under a yearly schedule
+/// (`status` lists a crontab's jobs while a replica is up) and has swept its stale claims.
+#[test]
+fn status_leaves_a_claim_made_ahead_of_its_occurrence_out_until_its_instant() {
+    let lock = unique_lock();
+    let file = every_second("ahead", 1, RAN);
+    let a = replica_with("A", lock, &file, &[]);
+    a.wait_for_nth(Stream::Stdout, "ran job=j1", 2);
+    a.terminate_cleanly();
+    let yearly = File::new("ahead-yearly", "# pgleader: name=j1\n0 0 0 1 1 * * true\n");
+    let b = replica_with("B", lock, &yearly, &["-v"]);
+    b.wait_log("next occurrence: ");
+
+    let cluster = Cluster::shared();
+    let mut client = cluster.client();
+    let name = format!("{lock}\u{1f}j1");
+    let newest = |client: &mut postgres::Client| -> String {
+        client
+            .query_one(
+                "SELECT outcome FROM pgleader_ledger WHERE lock_name = $1 \
+                 ORDER BY scheduled_for DESC LIMIT 1",
+                &[&name],
+            )
+            .expect("the job's newest row")
+            .get(0)
+    };
+    let last = newest(&mut client);
+    assert_ne!(last, "running", "the replica ended every run it started");
+    let ahead = client
+        .execute(
+            "INSERT INTO pgleader_ledger (lock_key, scheduled_for, lock_name, schedule, timezone, \
+                                          outcome, claimed_at, host, pid, epoch) \
+             SELECT lock_key, date_trunc('second', now()) + interval '1 hour', lock_name, \
+                    schedule, timezone, 'running', date_trunc('second', now()) + interval '1 hour', \
+                    host, pid, epoch \
+               FROM pgleader_ledger WHERE lock_name = $1 ORDER BY scheduled_for DESC LIMIT 1",
+            &[&name],
+        )
+        .expect("a claim ahead");
+    assert_eq!(ahead, 1);
+    assert_eq!(newest(&mut client), "running");
+
+    let text = status("status", cluster, lock, &[]);
+    assert_eq!(text.wait_code(), 0, "{}", text.dump());
+    let lines = text.lines(Stream::Stdout);
+    let line = lines
+        .iter()
+        .find(|line| line.starts_with("  job j1: "))
+        .unwrap_or_else(|| panic!("no line for j1\n{}", text.dump()));
+    assert!(line.contains(&format!("; last {last}")), "{line}");
+    assert!(!line.contains("running since"), "{line}");
+
+    let runs = status("status-job", cluster, lock, &["--job=j1", "--json"]);
+    assert_eq!(runs.wait_code(), 0, "{}", runs.dump());
+    let json: Value = serde_json::from_str(&runs.lines(Stream::Stdout).join("\n")).expect("JSON");
+    let listed = json["runs"].as_array().expect("runs");
+    assert_eq!(listed[0]["outcome"], last.as_str(), "{json}");
+    assert!(
+        listed.iter().all(|run| run["outcome"] != "running"),
+        "{json}"
+    );
+    b.terminate_cleanly();
 }

@@ -561,7 +561,7 @@ fn a_claim_counts_only_when_a_majority_of_the_servers_accepts_it() {
         };
         // The first server alone would accept it; two of three refuse: not a claim, and the
         // first server's claim is taken back.
-        let claim = within("claim", ledger.claim(both, &claimant, 0))
+        let claim = within("claim", ledger.claim(both, Duration::ZERO, &claimant, 0))
             .await
             .expect("answers");
         assert_eq!(
@@ -576,7 +576,7 @@ fn a_claim_counts_only_when_a_majority_of_the_servers_accepts_it() {
         );
         // The third server already recorded `one`; the other two accept it: a majority, so a
         // claim.
-        let claim = within("claim", ledger.claim(one, &claimant, 0))
+        let claim = within("claim", ledger.claim(one, Duration::ZERO, &claimant, 0))
             .await
             .expect("answers");
         assert_eq!(claim, Claim::Claimed { attempt: 1 });
@@ -584,7 +584,7 @@ fn a_claim_counts_only_when_a_majority_of_the_servers_accepts_it() {
         // With two servers gone, nothing can be claimed: the one left accepts, but alone.
         servers[1].crash();
         servers[2].crash();
-        let claim = within("claim", ledger.claim(none, &claimant, 0)).await;
+        let claim = within("claim", ledger.claim(none, Duration::ZERO, &claimant, 0)).await;
         assert!(claim.is_err(), "a claim without a majority: {claim:?}");
         assert!(
             !has_row(&servers[0], &lock, none),

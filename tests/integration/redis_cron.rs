@@ -530,7 +530,7 @@ fn a_job_s_claim_succeeds_only_while_its_item_key_holds_its_member_s_nonce_and_i
         let claim = |n: i64| {
             let (ledger, claimant) = (ledger.clone(), claimant.clone());
             async move {
-                within("claim", ledger.claim(at(n), &claimant, 0))
+                within("claim", ledger.claim(at(n), Duration::ZERO, &claimant, 0))
                     .await
                     .expect("claim")
             }
@@ -548,7 +548,7 @@ fn a_job_s_claim_succeeds_only_while_its_item_key_holds_its_member_s_nonce_and_i
         redis.cli(&["SET", &card_key, &card, "PX", "60000"]);
         // Another member's item (9 is free, nobody's) guards nothing for this one.
         let other = a.ledger(&job, 9, &definition).expect("a ledger");
-        let refused = within("claim", other.claim(at(1), &claimant, 0)).await;
+        let refused = within("claim", other.claim(at(1), Duration::ZERO, &claimant, 0)).await;
         assert_eq!(refused.expect("claim"), Claim::NotLeader);
         // Given away: no claim, no record.
         assert_eq!(within("give", a.give(&[7])).await.expect("give"), [7]);

@@ -706,7 +706,7 @@ fn a_job_s_claim_succeeds_only_while_its_session_holds_the_job_s_item_lock() {
         let claim = |ledger: &PgLedger, n: i64| {
             let (ledger, claimant) = (ledger.clone(), claimant.clone());
             async move {
-                within("claim", ledger.claim(at(n), &claimant, 0))
+                within("claim", ledger.claim(at(n), Duration::ZERO, &claimant, 0))
                     .await
                     .expect("claim")
             }

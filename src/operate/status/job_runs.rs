@@ -34,10 +34,19 @@ impl JobRuns {
         job: &str,
         observer: &O,
     ) -> anyhow::Result<JobRuns> {
-        let runs = observer
+        let mut runs = observer
             .job_history(job, SHOWN)
             .await
             .map_err(|err| anyhow::anyhow!("cannot read the ledger: {err}"))?;
+        // A claim made ahead of an occurrence the server's clock has not reached is not a run
+        // yet: its command starts at the instant.
+        if runs.first().is_some_and(|run| run.outcome == "running") {
+            let now = observer
+                .server_time()
+                .await
+                .map_err(|err| anyhow::anyhow!("cannot read the server's clock: {err}"))?;
+            runs.retain(|run| !(run.outcome == "running" && run.scheduled_for > now));
+        }
         let asked = observer
             .asked_runs(job, None, SHOWN)
             .await

@@ -304,12 +304,13 @@ impl Ledger for QuorumLedger {
     async fn claim(
         &self,
         at: Timestamp,
+        ahead: Duration,
         claimant: &Claimant,
         retries: i32,
     ) -> Result<Claim, LedgerError> {
         let answers = self
             .each_with(claimant.clone(), |member, who| async move {
-                member.claim(at, &who, retries).await
+                member.claim(at, ahead, &who, retries).await
             })
             .await;
         if let Some(LedgerError::Fatal(reason)) = answers.iter().find_map(|answer| {
