@@ -27,6 +27,7 @@ pub mod commands;
 pub mod duty;
 pub mod file_watch;
 pub mod health;
+pub mod heap;
 pub mod hook;
 pub mod inbox;
 pub mod keeper;

@@ -59,6 +59,7 @@ use crate::operate::telemetry::{ShardView, Telemetry};
 use crate::schedule::crontab::Crontab;
 use crate::supervise::commands::{After, Settled};
 use crate::supervise::health::Health;
+use crate::supervise::heap::Trim;
 use crate::supervise::inbox::{Inbox, Shutdown, SignalMeaning};
 use crate::supervise::keeper::handle::CommandLine;
 use crate::supervise::keeper::protocol::Report;
@@ -163,6 +164,8 @@ struct Room<B: ShardBackend, D> {
     /// The items whose command the duty asked to start in this turn of the loop, started
     /// together at its end (see [`Room::take_ready`]).
     starting: Vec<Slot>,
+    /// When to give the heap back: after giving many items away (`heap.rs`).
+    trim: Trim,
 }
 
 /// A TERM's drain under way: the runs going on end by themselves, until `until` if
@@ -232,6 +235,7 @@ impl<B: ShardBackend + Clone + 'static, D: Duty<B::Holder>> Room<B, D> {
             drain_requested: false,
             published: None,
             starting: Vec::new(),
+            trim: Trim::default(),
         }
     }
 
@@ -353,6 +357,7 @@ impl<B: ShardBackend + Clone + 'static, D: Duty<B::Holder>> Room<B, D> {
             if std::mem::take(&mut self.inbox.reread_requested) && !quiet && !self.draining() {
                 self.reread(&mut link).await;
             }
+            self.trim.held(self.table.len());
             self.publish(link.me);
         }
     }
