@@ -189,6 +189,7 @@ fn status_watch_prints_a_line_when_a_killed_owner_s_jobs_move() {
 /// ahead, as a claim ahead would be (its `claimed_at` the occurrence), so that no timing
 /// decides what the test sees: after A ran the job, while B owns it under a yearly schedule
 /// (`status` lists a crontab's jobs while a replica is up) and has swept its stale claims.
+/// Then the row is moved to now, its instant come: both show it as the run going on.
 #[test]
 fn status_leaves_a_claim_made_ahead_of_its_occurrence_out_until_its_instant() {
     let lock = unique_lock();
@@ -248,5 +249,28 @@ fn status_leaves_a_claim_made_ahead_of_its_occurrence_out_until_its_instant() {
         listed.iter().all(|run| run["outcome"] != "running"),
         "{json}"
     );
+
+    // Its instant come (the row moved to now), it is the job's run going on, in both.
+    let moved = client
+        .execute(
+            "UPDATE pgleader_ledger SET scheduled_for = now(), claimed_at = now() \
+              WHERE lock_name = $1 AND outcome = 'running'",
+            &[&name],
+        )
+        .expect("the claim's instant come");
+    assert_eq!(moved, 1);
+    let text = status("status-come", cluster, lock, &[]);
+    assert_eq!(text.wait_code(), 0, "{}", text.dump());
+    let lines = text.lines(Stream::Stdout);
+    let line = lines
+        .iter()
+        .find(|line| line.starts_with("  job j1: "))
+        .unwrap_or_else(|| panic!("no line for j1\n{}", text.dump()));
+    assert!(line.contains("; running since "), "{line}");
+    let runs = status("status-job-come", cluster, lock, &["--job=j1", "--json"]);
+    assert_eq!(runs.wait_code(), 0, "{}", runs.dump());
+    let json: Value = serde_json::from_str(&runs.lines(Stream::Stdout).join("\n")).expect("JSON");
+    assert_eq!(json["runs"][0]["outcome"], "running", "{json}");
+    assert_eq!(json["runs"][1]["outcome"], last.as_str(), "{json}");
     b.terminate_cleanly();
 }

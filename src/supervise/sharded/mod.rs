@@ -339,8 +339,11 @@ impl<B: ShardBackend + Clone + 'static, D: Duty<B::Holder>> Room<B, D> {
             }
             let quiet = self.quiet(&link);
             let event = self.next_event(&mut link, quiet).await;
+            // Only after a report or an ask: the select found every branch before them
+            // pending (a signal, the deadline), and nothing can come in meanwhile.
+            let more = matches!(event, Event::Report(..) | Event::Ask(_));
             self.on_event(&mut link, event, quiet).await;
-            self.take_ready(&mut link, quiet).await;
+            self.take_ready(&mut link, quiet, more).await;
             if std::mem::take(&mut self.drain_requested) {
                 self.drain(&mut link).await;
             }
@@ -595,14 +598,17 @@ impl<B: ShardBackend + Clone + 'static, D: Duty<B::Holder>> Room<B, D> {
         }
     }
 
-    /// Takes the commands' reports and the duty's asks already in, after an event, up to
-    /// [`READY_AT_ONCE`]; then starts the commands asked for. At a burst (a thousand jobs due
-    /// at one instant) they come by the hundred, and each turn of the loop walks every entry
-    /// of the table (to plan, settle, start and publish): taken one per turn, that is
-    /// quadratic in the jobs due. They are only what a turn would take next anyway (the loop
-    /// is biased towards the session's end and deadline, which these few do not hold up).
-    async fn take_ready(&mut self, link: &mut Link<B>, quiet: bool) {
-        for _ in 0..READY_AT_ONCE {
+    /// Takes the commands' reports and the duty's asks already in (when `more`: after a report
+    /// or an ask), up to [`READY_AT_ONCE`]; then starts the commands asked for. At a burst (a
+    /// thousand jobs due at one instant) they come by the hundred, and each turn of the loop
+    /// walks every entry of the table (to plan, settle, start and publish): taken one per
+    /// turn, that is quadratic in the jobs due. They are what the next turns would take anyway:
+    /// the loop's select is biased, and after a report or an ask every branch before them (the
+    /// session's end, the deadline, a signal) was found pending; handling them awaits nothing,
+    /// so on pgleader's one thread nothing of those comes in meanwhile.
+    async fn take_ready(&mut self, link: &mut Link<B>, quiet: bool, more: bool) {
+        let batch = if more { READY_AT_ONCE } else { 0 };
+        for _ in 0..batch {
             if self.quiet(link) != quiet {
                 break;
             }
@@ -624,16 +630,14 @@ impl<B: ShardBackend + Clone + 'static, D: Duty<B::Holder>> Room<B, D> {
         if self.starting.is_empty() {
             return;
         }
-        match self.start_due(link) {
-            Ok(()) => {
-                for slot in std::mem::take(&mut self.starting) {
-                    self.duty.started(slot, &mut self.table);
-                }
-            }
-            Err(err) => {
-                self.starting.clear();
-                self.fail(link, err);
-            }
+        let started = self.start_due(link);
+        // Those started before one that failed are runs all the same: recorded as such when
+        // the failure stops them, not taken back.
+        for slot in std::mem::take(&mut self.starting) {
+            self.duty.started(slot, &mut self.table);
+        }
+        if let Err(err) = started {
+            self.fail(link, err);
         }
     }
 
