@@ -230,19 +230,9 @@ fn status_leaves_a_claim_made_ahead_of_its_occurrence_out_until_its_instant() {
     assert_eq!(ahead, 1);
     assert_eq!(newest(&mut client), "running");
 
-    let text = status("status", cluster, lock, &[]);
-    assert_eq!(text.wait_code(), 0, "{}", text.dump());
-    let lines = text.lines(Stream::Stdout);
-    let line = lines
-        .iter()
-        .find(|line| line.starts_with("  job j1: "))
-        .unwrap_or_else(|| panic!("no line for j1\n{}", text.dump()));
+    let (line, json) = seen(lock, "ahead");
     assert!(line.contains(&format!("; last {last}")), "{line}");
     assert!(!line.contains("running since"), "{line}");
-
-    let runs = status("status-job", cluster, lock, &["--job=j1", "--json"]);
-    assert_eq!(runs.wait_code(), 0, "{}", runs.dump());
-    let json: Value = serde_json::from_str(&runs.lines(Stream::Stdout).join("\n")).expect("JSON");
     let listed = json["runs"].as_array().expect("runs");
     assert_eq!(listed[0]["outcome"], last.as_str(), "{json}");
     assert!(
@@ -259,18 +249,30 @@ fn status_leaves_a_claim_made_ahead_of_its_occurrence_out_until_its_instant() {
         )
         .expect("the claim's instant come");
     assert_eq!(moved, 1);
-    let text = status("status-come", cluster, lock, &[]);
-    assert_eq!(text.wait_code(), 0, "{}", text.dump());
-    let lines = text.lines(Stream::Stdout);
-    let line = lines
-        .iter()
-        .find(|line| line.starts_with("  job j1: "))
-        .unwrap_or_else(|| panic!("no line for j1\n{}", text.dump()));
+    let (line, json) = seen(lock, "come");
     assert!(line.contains("; running since "), "{line}");
-    let runs = status("status-job-come", cluster, lock, &["--job=j1", "--json"]);
-    assert_eq!(runs.wait_code(), 0, "{}", runs.dump());
-    let json: Value = serde_json::from_str(&runs.lines(Stream::Stdout).join("\n")).expect("JSON");
     assert_eq!(json["runs"][0]["outcome"], "running", "{json}");
     assert_eq!(json["runs"][1]["outcome"], last.as_str(), "{json}");
     b.terminate_cleanly();
+}
+
+/// What `status` says of job j1 of `lock` (its line), and `status --job j1 --json`.
+fn seen(lock: i64, tag: &str) -> (String, Value) {
+    let cluster = Cluster::shared();
+    let text = status(&format!("status-{tag}"), cluster, lock, &[]);
+    assert_eq!(text.wait_code(), 0, "{}", text.dump());
+    let line = text
+        .lines(Stream::Stdout)
+        .into_iter()
+        .find(|line| line.starts_with("  job j1: "))
+        .unwrap_or_else(|| panic!("no line for j1\n{}", text.dump()));
+    let runs = status(
+        &format!("status-job-{tag}"),
+        cluster,
+        lock,
+        &["--job=j1", "--json"],
+    );
+    assert_eq!(runs.wait_code(), 0, "{}", runs.dump());
+    let json = serde_json::from_str(&runs.lines(Stream::Stdout).join("\n")).expect("JSON");
+    (line, json)
 }
