@@ -231,14 +231,7 @@ fn status_leaves_a_claim_made_ahead_of_its_occurrence_out_until_its_instant() {
     assert_eq!(newest(&mut client), "running");
 
     let (line, json) = seen(lock, "ahead");
-    assert!(line.contains(&format!("; last {last}")), "{line}");
-    assert!(!line.contains("running since"), "{line}");
-    let listed = json["runs"].as_array().expect("runs");
-    assert_eq!(listed[0]["outcome"], last.as_str(), "{json}");
-    assert!(
-        listed.iter().all(|run| run["outcome"] != "running"),
-        "{json}"
-    );
+    claim_left_out(&line, &json, &last);
 
     // Its instant come (the row moved to now), it is the job's run going on, in both.
     let moved = client
@@ -250,10 +243,30 @@ fn status_leaves_a_claim_made_ahead_of_its_occurrence_out_until_its_instant() {
         .expect("the claim's instant come");
     assert_eq!(moved, 1);
     let (line, json) = seen(lock, "come");
+    claim_running(&line, &json, &last);
+    b.terminate_cleanly();
+}
+
+/// A claim ahead as `status` (job j1's `line`) and `status --job j1 --json` (`json`) show it
+/// before its instant: left out, the job's last run the one before it, whose outcome was
+/// `last`.
+pub(crate) fn claim_left_out(line: &str, json: &Value, last: &str) {
+    assert!(line.contains(&format!("; last {last}")), "{line}");
+    assert!(!line.contains("running since"), "{line}");
+    let listed = json["runs"].as_array().expect("runs");
+    assert_eq!(listed[0]["outcome"], last, "{json}");
+    assert!(
+        listed.iter().all(|run| run["outcome"] != "running"),
+        "{json}"
+    );
+}
+
+/// The same claim once its instant has come: the run going on, before the one whose outcome
+/// was `last`.
+pub(crate) fn claim_running(line: &str, json: &Value, last: &str) {
     assert!(line.contains("; running since "), "{line}");
     assert_eq!(json["runs"][0]["outcome"], "running", "{json}");
-    assert_eq!(json["runs"][1]["outcome"], last.as_str(), "{json}");
-    b.terminate_cleanly();
+    assert_eq!(json["runs"][1]["outcome"], last, "{json}");
 }
 
 /// What `status` says of job j1 of `lock` (its line), and `status --job j1 --json`.

@@ -14,12 +14,13 @@ use pgleader::election::shards::{Holder, ShardBackend};
 
 use crate::contract::block_on;
 use crate::cron_fleet::{
-    a_killed_replica_s_jobs_run_on_the_other, a_long_job_skips_its_next_occurrence,
+    RAN, a_killed_replica_s_jobs_run_on_the_other, a_long_job_skips_its_next_occurrence,
     a_reread_starts_new_definitions_at_their_next_occurrence, a_rolling_deploy_runs_every_job_once,
-    a_term_drains, cron_replica, run_replica, runs,
+    a_term_drains, cron_replica, every_second, run_replica, runs,
     shards_and_a_crontab_on_one_lock_refuse_each_other, sighup_rereads_the_file,
     stop_and_assert_each_occurrence_once, three_replicas_share_six_jobs,
 };
+use crate::cron_seen::{claim_left_out, claim_running};
 use crate::crontab::File;
 use crate::harness::shards::nightly_of_jobs_7_and_9;
 use crate::harness::{
@@ -610,4 +611,99 @@ fn on_redis_a_replica_killed_9_while_it_drains_leaves_nothing_running() {
 #[test]
 fn on_redis_sighup_rereads_the_file_and_a_bad_one_leaves_the_old_running() {
     sighup_rereads_the_file(&redis_replica(unique_lock()));
+}
+
+/// As on PostgreSQL (`cron_seen.rs`, where the test says why): a claim made ahead of its
+/// occurrence, its row `running` before the instant, is left out by `status` and `status
+/// --job` until the server's clock reaches it; then both show it as the run going on. The row is
+/// written by hand, an hour ahead, from the job's newest, while B owns the job under a yearly
+/// schedule and has swept its stale claims.
+#[test]
+fn on_redis_status_leaves_a_claim_made_ahead_of_its_occurrence_out_until_its_instant() {
+    let redis = Redis::shared();
+    let lock = unique_lock();
+    let file = every_second("redis-ahead", 1, RAN);
+    let a = redis_replica(lock)("A", &file);
+    a.wait_for_nth(Stream::Stdout, "ran job=j1", 2);
+    a.terminate_cleanly();
+    let yearly = File::new(
+        "redis-ahead-yearly",
+        "# pgleader: name=j1\n0 0 0 1 1 * * true\n",
+    );
+    let verbose: Vec<&str> = QUICK.iter().copied().chain(["-v"]).collect();
+    let b = cron_replica("B", &redis.url(), lock, &verbose, &yearly);
+    b.wait_log("next occurrence: ");
+
+    let mut ran = rows(redis, lock, "j1");
+    ran.sort_by_key(|row| {
+        text(row, "scheduled_for")
+            .parse::<i64>()
+            .expect("microseconds")
+    });
+    let newest = ran.last().expect("A's runs").clone();
+    let last = text(&newest, "outcome").to_owned();
+    assert_ne!(last, "running", "A ended every run it started");
+    let (rows_key, runs_key) = (
+        format!("pgleader:{{{lock}}}:job:j1:rows"),
+        format!("pgleader:{{{lock}}}:job:j1:runs"),
+    );
+    // A running row of occurrence `micros`, claimed at it, as a claim ahead writes it.
+    let claim = |micros: i64| {
+        let mut row = newest.clone();
+        for field in ["scheduled_for", "claimed_at"] {
+            row[field] = micros.to_string().into();
+        }
+        row["outcome"] = "running".into();
+        for field in ["ended_at", "exit_code", "detail"] {
+            row.as_object_mut().expect("a row").remove(field);
+        }
+        let at = micros.to_string();
+        redis.cli(&["HSET", &rows_key, &at, &row.to_string()]);
+        redis.cli(&["ZADD", &runs_key, &at, &at]);
+    };
+    let server_now = || -> i64 {
+        let time: Vec<i64> = redis
+            .cli(&["TIME"])
+            .lines()
+            .map(|line| line.trim().parse().expect("TIME"))
+            .collect();
+        time[0] * 1_000_000 + time[1]
+    };
+    let ahead = server_now() + 3_600_000_000;
+    claim(ahead);
+    let (line, json) = redis_seen(redis, lock, "ahead");
+    claim_left_out(&line, &json, &last);
+
+    // Its instant come (the row moved to now), it is the job's run going on, in both.
+    redis.cli(&["HDEL", &rows_key, &ahead.to_string()]);
+    redis.cli(&["ZREM", &runs_key, &ahead.to_string()]);
+    claim(server_now());
+    let (line, json) = redis_seen(redis, lock, "come");
+    claim_running(&line, &json, &last);
+    b.terminate_cleanly();
+}
+
+/// What `status` says of job j1 of `lock` on the shared server (its line), and `status --job
+/// j1 --json`.
+fn redis_seen(redis: &Redis, lock: i64, tag: &str) -> (String, serde_json::Value) {
+    let status = |name: String, args: &[&str]| {
+        let mut command = pgleader();
+        command
+            .env("PGLEADER_DATABASE_URL", redis.url())
+            .arg("status")
+            .arg(format!("--lock-id={lock}"))
+            .args(args);
+        let (code, out, err) = Proc::spawn(&name, command).finish();
+        assert_eq!(code.code(), Some(0), "{out:?} {err:?}");
+        out
+    };
+    let out = status(format!("status-{tag}"), &[]);
+    let line = out
+        .iter()
+        .find(|line| line.starts_with("  job j1: "))
+        .unwrap_or_else(|| panic!("no line for j1: {out:?}"))
+        .clone();
+    let runs = status(format!("status-job-{tag}"), &["--job=j1", "--json"]);
+    let json = serde_json::from_str(&runs.join("\n")).expect("JSON");
+    (line, json)
 }
